@@ -1,0 +1,245 @@
+"""The decorator: ``recompile.function`` and the CompiledFunction it returns."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+
+from . import ir
+from .codegen import generate
+from .errors import CompileError
+from .frontend import convert, parse_function, validate
+from .passes.pipeline import STAGES, run_passes
+from .runtime import scheduler
+
+MODES = ("sequential",)
+_names_taken = {}
+_names_lock = threading.Lock()
+
+
+def _unique_ir_name(qualname):
+    """SubGraph names are unique across programs: a second function of the same qualname gets #2."""
+    with _names_lock:
+        n = _names_taken.get(qualname, 0) + 1
+        _names_taken[qualname] = n
+    return qualname if n == 1 else f"{qualname}#{n}"
+
+
+def _make_binder(fn):
+    """A function with ``fn``'s signature returning its parameters as a tuple.
+
+    Calling it binds arguments exactly as Python does (defaults, keywords) and
+    raises Python's own TypeError for a wrong call.
+    """
+    sig = inspect.signature(fn)
+    parts, names, star_done = [], [], False
+    params = list(sig.parameters.values())
+    for i, p in enumerate(params):
+        if p.kind is p.VAR_POSITIONAL:
+            parts.append("*" + p.name)
+            star_done = True
+        elif p.kind is p.VAR_KEYWORD:
+            parts.append("**" + p.name)
+        elif p.kind is p.KEYWORD_ONLY:
+            if not star_done:
+                parts.append("*")
+                star_done = True
+            parts.append(p.name)
+        else:
+            parts.append(p.name)
+        if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind is not p.POSITIONAL_ONLY):
+            parts.append("/")
+        names.append(p.name)
+    ret = "(" + "".join(n + ", " for n in names) + ")"
+    namespace = {}
+    exec(f"def {fn.__name__}({', '.join(parts)}):\n    return {ret}\n", namespace)
+    binder = namespace[fn.__name__]
+    binder.__defaults__ = fn.__defaults__
+    binder.__kwdefaults__ = fn.__kwdefaults__
+    binder.__qualname__ = fn.__qualname__
+    binder.__code__ = binder.__code__.replace(co_qualname=fn.__qualname__)
+    return binder
+
+
+class Stats(dict):
+    """Counters of a compiled function: ``builds``, ``calls``, ``frames``, ``max_depth``."""
+
+    def __init__(self):
+        super().__init__(builds=0, calls=0, frames=0, max_depth=0)
+        self._lock = threading.Lock()
+
+    def record_call(self, run_stats):
+        with self._lock:
+            self["calls"] += 1
+            self["frames"] += run_stats.frames
+            self["max_depth"] = max(self["max_depth"], run_stats.max_depth)
+
+
+class FunctionBuild:
+    """The program of one compiled function, for one owner class (None for plain functions)."""
+
+    def __init__(self, cf, owner):
+        self.cf = cf
+        self.owner = owner
+        frontend_sg = convert(cf._parsed, cf.ir_name, owner, _callee_of)
+        self.stages = run_passes(frontend_sg, cf._parsed)
+        self.code = generate(self.stages[STAGES[-1]])
+        cf.stats["builds"] += 1
+
+
+class Callee:
+    """The runtime handle of a compiled function bound to an owner class.
+
+    It is what an Invoke names; the program it runs is built on first use, so
+    mutually recursive functions refer to each other before either is built.
+    """
+
+    def __init__(self, cf, owner):
+        self.cf = cf
+        self.owner = owner
+        self.ir_name = cf.ir_name
+        self.signature = cf.signature
+        self.qualname = cf.__qualname__
+        self.filename = cf._parsed.filename
+        self._code = None
+
+    @property
+    def build(self):
+        return self.cf._build_for(self.owner)
+
+    @property
+    def code(self):
+        code = self._code
+        if code is None:
+            code = self._code = self.build.code
+        return code
+
+
+def _callee_of(obj, owner):
+    return obj.callee(owner) if isinstance(obj, CompiledFunction) else None
+
+
+class CompiledFunction:
+    """A function compiled to a recompile program. Call it like the original."""
+
+    def __init__(self, fn, mode="sequential"):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
+        if not inspect.isfunction(fn):
+            raise TypeError(f"recompile.function expects a Python function, got {type(fn).__name__}")
+        self.python = fn
+        self.mode = mode
+        functools.update_wrapper(self, fn)
+        self._parsed = parse_function(fn)
+        validate(self._parsed)
+        self.signature = self._parsed.signature
+        self.ir_name = _unique_ir_name(fn.__qualname__)
+        self._binder = _make_binder(fn)
+        self._builds = {}
+        self._callees = {}
+        self._lock = threading.RLock()
+        self._owner = None
+        self.stats = Stats()
+
+    # -- building
+
+    def __set_name__(self, owner, name):
+        self._owner = owner
+
+    def callee(self, owner):
+        handle = self._callees.get(owner)
+        if handle is None:
+            with self._lock:
+                handle = self._callees.setdefault(owner, Callee(self, owner))
+        return handle
+
+    def _build_for(self, owner):
+        build = self._builds.get(owner)
+        if build is None:
+            with self._lock:
+                build = self._builds.get(owner)
+                if build is None:
+                    build = self._builds[owner] = FunctionBuild(self, owner)
+        return build
+
+    # -- calling
+
+    def __call__(self, *args, **kwargs):
+        return self._run(None, args, kwargs)
+
+    def _run(self, owner, args, kwargs):
+        bound = self._binder(*args, **kwargs)
+        result, run_stats = scheduler.run(self.callee(owner), bound)
+        self.stats.record_call(run_stats)
+        return result
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        return BoundCompiledFunction(self, instance)
+
+    # -- inspecting
+
+    def program(self, stage=STAGES[-1], owner=None):
+        """The Program reachable from this function after ``stage`` (see STAGES)."""
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; available: {', '.join(STAGES)}")
+        owner = owner if owner is not None else self._owner
+        subgraphs = {}
+        pending = [self.callee(owner)]
+        while pending:
+            handle = pending.pop()
+            if handle.ir_name in subgraphs:
+                continue
+            sg = handle.build.stages[stage]
+            subgraphs[handle.ir_name] = sg
+            for s in sg.walk():
+                pending.extend(op.target for op in s.ops if isinstance(op, ir.Invoke))
+        return ir.Program(self.ir_name, subgraphs)
+
+    def dump(self, stage=STAGES[-1], format="text", owner=None):
+        """The IR after ``stage`` as text (``format="text"``) or Graphviz DOT (``format="dot"``)."""
+        program = self.program(stage, owner)
+        if format == "text":
+            return program.to_text()
+        if format == "dot":
+            return program.to_dot()
+        raise ValueError(f"unknown format {format!r}; use 'text' or 'dot'")
+
+    def source(self, owner=None):
+        """The generated Python source of this function (and its nested SubGraphs)."""
+        owner = owner if owner is not None else self._owner
+        return self._build_for(owner).code.source
+
+    def __repr__(self):
+        return f"<recompile.function {self.__qualname__} mode={self.mode}>"
+
+
+class BoundCompiledFunction:
+    """A CompiledFunction bound to an instance (what ``obj.method`` gives)."""
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, cf, instance):
+        self.__func__ = cf
+        self.__self__ = instance
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__._run(type(self.__self__), (self.__self__, *args), kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.__func__, name)
+
+    def __repr__(self):
+        return f"<bound recompile.function {self.__func__.__qualname__} of {self.__self__!r}>"
+
+
+def function(fn=None, **options):
+    """Compile ``fn``: ``@recompile.function`` or ``@recompile.function(mode="sequential")``."""
+    unknown = set(options) - {"mode"}
+    if unknown:
+        raise TypeError(f"recompile.function() got unexpected option(s): {', '.join(sorted(unknown))}")
+    if fn is None:
+        return lambda f: CompiledFunction(f, **options)
+    return CompiledFunction(fn, **options)

@@ -1,0 +1,317 @@
+"""One Python function per SubGraph, built as an AST, printed with astor, compiled.
+
+A SubGraph that contains Invokes (directly or in a nested SubGraph) becomes a
+generator: at each group of independent Invokes it yields
+``((callee, args, site), ...)`` to the scheduler and is resumed with the
+results. Nested SubGraphs are entered with ``yield from`` (or called, when they
+never yield). The printed source is parsed back, each statement is given the
+user's line, and the code is compiled under the user's file name, so a
+traceback points at the user's source.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import keyword
+import linecache
+import math
+import os
+import operator
+import re
+
+import astor
+
+from .. import ir
+from ..runtime import semantics as sem
+from .plan import plan
+
+_BINARY = {
+    operator.add: ast.Add, operator.sub: ast.Sub, operator.mul: ast.Mult, operator.truediv: ast.Div,
+    operator.floordiv: ast.FloorDiv, operator.mod: ast.Mod, operator.pow: ast.Pow, operator.matmul: ast.MatMult,
+    operator.and_: ast.BitAnd, operator.or_: ast.BitOr, operator.xor: ast.BitXor, operator.lshift: ast.LShift,
+    operator.rshift: ast.RShift,
+}
+_COMPARE = {
+    operator.lt: ast.Lt, operator.le: ast.LtE, operator.gt: ast.Gt, operator.ge: ast.GtE, operator.eq: ast.Eq,
+    operator.ne: ast.NotEq, operator.is_: ast.Is, operator.is_not: ast.IsNot, sem.not_in: ast.NotIn,
+}
+_UNARY = {operator.neg: ast.USub, operator.pos: ast.UAdd, operator.invert: ast.Invert, operator.not_: ast.Not}
+_LITERALS = (int, str, bool, bytes, type(None))
+
+
+class GeneratedCode:
+    """The compiled functions of one function build and the source they came from."""
+
+    def __init__(self, source, functions, entry_name, generators, codes):
+        self.source = source
+        self.functions = functions
+        self.entry = functions[entry_name]
+        self.entry_is_generator = entry_name in generators
+        self.codes = codes
+
+
+class _Module:
+    """Module-level names of the generated code: constants, helpers, SubGraph functions."""
+
+    def __init__(self):
+        self.namespace = {"__builtins__": builtins, "__name__": "recompile.generated"}
+        self.by_id = {}
+
+    def ref(self, value, hint=""):
+        key = id(value)
+        if key in self.by_id:
+            return self.by_id[key]
+        base = re.sub(r"\W", "_", hint or getattr(value, "__name__", "") or type(value).__name__)[:30]
+        name = f"_rc_{base}"
+        n = 1
+        while name in self.namespace:
+            n += 1
+            name = f"_rc_{base}_{n}"
+        self.namespace[name] = value
+        self.by_id[key] = name
+        return name
+
+
+def _is_builtin(value):
+    name = getattr(value, "__name__", None)
+    try:
+        return isinstance(name, str) and getattr(builtins, name, None) is value and not name.startswith("_")
+    except Exception:
+        return False
+
+
+class _FunctionEmitter:
+    def __init__(self, module, gen):
+        self.module = module
+        self.gen = gen
+        self.names = {}
+        self.used = set()
+
+    def var(self, value):
+        name = self.names.get(value)
+        if name is None:
+            base = re.sub(r"\W", "_", value.hint or "v").strip("_") or "v"
+            if base[0].isdigit():
+                base = "v" + base
+            name = base
+            n = 1
+            while (name in self.used or keyword.iskeyword(name) or hasattr(builtins, name)
+                   or name.startswith("_rc_")):
+                n += 1
+                name = f"{base}_{n}"
+            self.used.add(name)
+            self.names[value] = name
+        return name
+
+    def load(self, operand):
+        if isinstance(operand, ir.Value):
+            return ast.Name(id=self.var(operand), ctx=ast.Load())
+        value = operand.value
+        if isinstance(value, _LITERALS) or (isinstance(value, float) and math.isfinite(value)):
+            return ast.Constant(value=value)
+        if _is_builtin(value):
+            return ast.Name(id=value.__name__, ctx=ast.Load())
+        return ast.Name(id=self.module.ref(value, ir.const_repr(value)), ctx=ast.Load())
+
+    def store_targets(self, outputs):
+        if len(outputs) == 1:
+            return [ast.Name(id=self.var(outputs[0]), ctx=ast.Store())]
+        return [ast.Tuple(elts=[ast.Name(id=self.var(v), ctx=ast.Store()) for v in outputs], ctx=ast.Store())]
+
+    def assign(self, outputs, value, loc):
+        if not outputs:
+            stmt = ast.Expr(value=value)
+        else:
+            stmt = ast.Assign(targets=self.store_targets(outputs), value=value)
+        stmt._rc_loc = loc
+        return stmt
+
+    # -- ops
+
+    def call_expr(self, op):
+        fn = op.fn.value if isinstance(op.fn, ir.Const) else None
+        args = [self.load(a) for a in op.args]
+        plain = not op.star and not op.kwargs
+        try:
+            hashable_fn = fn if fn is None or hash(fn) is not None else None
+        except TypeError:
+            hashable_fn = None
+        if plain and hashable_fn is not None:
+            if fn in _BINARY and len(args) == 2:
+                return ast.BinOp(left=args[0], op=_BINARY[fn](), right=args[1])
+            if fn in _COMPARE and len(args) == 2:
+                return ast.Compare(left=args[0], ops=[_COMPARE[fn]()], comparators=[args[1]])
+            if fn is operator.contains and len(args) == 2:
+                return ast.Compare(left=args[1], ops=[ast.In()], comparators=[args[0]])
+            if fn in _UNARY and len(args) == 1:
+                return ast.UnaryOp(op=_UNARY[fn](), operand=args[0])
+            if fn is operator.getitem and len(args) == 2:
+                return ast.Subscript(value=args[0], slice=args[1], ctx=ast.Load())
+            if (fn is getattr and len(args) == 2 and isinstance(op.args[1], ir.Const)
+                    and isinstance(op.args[1].value, str) and op.args[1].value.isidentifier()
+                    and not keyword.iskeyword(op.args[1].value)):
+                return ast.Attribute(value=args[0], attr=op.args[1].value, ctx=ast.Load())
+            if fn is sem.build_tuple:
+                return ast.Tuple(elts=args, ctx=ast.Load())
+            if fn is sem.build_list:
+                return ast.List(elts=args, ctx=ast.Load())
+            if fn is sem.unpack:
+                return args[0]
+        args = [ast.Starred(value=a, ctx=ast.Load()) if i in op.star else a for i, a in enumerate(args)]
+        keywords = [ast.keyword(arg=k, value=self.load(v)) for k, v in op.kwargs]
+        return ast.Call(func=self.load(op.fn), args=args, keywords=keywords)
+
+    def capture_expr(self, op):
+        if op.source_kind == "attr":
+            return ast.Attribute(value=self.load(op.base), attr=op.source, ctx=ast.Load())
+        helper = sem.read_global if op.source_kind == "global" else sem.read_cell
+        return ast.Call(func=self.load(ir.Const(helper)),
+                        args=[ast.Name(id=self.module.ref(op.source, "globals" if op.source_kind == "global"
+                                                          else "cell_" + op.name), ctx=ast.Load()),
+                              ast.Constant(value=op.name)], keywords=[])
+
+    def enter(self, sg, operands):
+        """Expression running nested SubGraph ``sg`` on ``operands``."""
+        call = ast.Call(func=ast.Name(id=self.gen.fn_name[sg], ctx=ast.Load()),
+                        args=[self.load(a) for a in operands], keywords=[])
+        return ast.YieldFrom(value=call) if sg in self.gen.generators else call
+
+    def invoke_group(self, group):
+        requests = []
+        for op in group:
+            target = ast.Name(id=self.module.ref(op.target, "callee_" + op.callee), ctx=ast.Load())
+            args = ast.Tuple(elts=[self.load(a) for a in op.args], ctx=ast.Load())
+            site = ast.Name(id=self.module.ref(op.loc, "site"), ctx=ast.Load())
+            requests.append(ast.Tuple(elts=[target, args, site], ctx=ast.Load()))
+        targets = [ast.Tuple(elts=[ast.Name(id=self.var(op.output), ctx=ast.Store()) for op in group],
+                             ctx=ast.Store())]
+        stmt = ast.Assign(targets=targets, value=ast.Yield(value=ast.Tuple(elts=requests, ctx=ast.Load())))
+        stmt._rc_loc = group[0].loc
+        return stmt
+
+    def op_stmts(self, op):
+        if isinstance(op, ir.Call):
+            return [self.assign(op.outputs, self.call_expr(op), op.loc)]
+        if isinstance(op, ir.Capture):
+            return [self.assign(op.outputs, self.capture_expr(op), op.loc)]
+        if isinstance(op, ir.Cond):
+            then = self.assign(op.outputs, self.enter(op.then_sg, op.args), op.loc)
+            other = self.assign(op.outputs, self.enter(op.else_sg, op.args), op.loc)
+            stmt = ast.If(test=self.load(op.pred), body=[then], orelse=[other])
+            stmt._rc_loc = op.loc
+            return [stmt]
+        if isinstance(op, ir.While):
+            init = self.assign(op.outputs, ast.Tuple(elts=[self.load(v) for v in op.loop_vars], ctx=ast.Load())
+                               if len(op.outputs) != 1 else self.load(op.loop_vars[0]), op.loc)
+            carried = list(op.outputs) + list(op.invariants)
+            body = self.assign(op.outputs, self.enter(op.body_sg, carried), op.loc)
+            loop = ast.While(test=self.enter(op.cond_sg, carried), body=[body], orelse=[])
+            loop._rc_loc = op.loc
+            return ([init] if op.outputs else []) + [loop]
+        raise TypeError(f"no code for {op!r}")
+
+    def function(self, sg):
+        body = []
+        for item in plan(sg.ops):
+            if isinstance(item, list):
+                body.append(self.invoke_group(item))
+            else:
+                body.extend(self.op_stmts(item))
+        if not sg.outputs:
+            ret = ast.Return(value=ast.Constant(value=None))
+        elif len(sg.outputs) == 1:
+            ret = ast.Return(value=self.load(sg.outputs[0]))
+        else:
+            ret = ast.Return(value=ast.Tuple(elts=[self.load(v) for v in sg.outputs], ctx=ast.Load()))
+        ret._rc_loc = sg.outputs[0].op.loc if sg.outputs and getattr(sg.outputs[0], "op", None) else sg.loc
+        body.append(ret)
+        args = ast.arguments(posonlyargs=[], args=[ast.arg(arg=self.var(v)) for v in sg.inputs], vararg=None,
+                             kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[])
+        fdef = ast.FunctionDef(name=self.gen.fn_name[sg], args=args, body=body, decorator_list=[], returns=None,
+                               type_comment=None)
+        fdef._rc_loc = sg.loc
+        return fdef
+
+
+class _Generator:
+    def __init__(self, sg):
+        self.root = sg
+        self.sgs = list(sg.walk())
+        self.fn_name = {}
+        used = set()
+        for s in self.sgs:
+            base = re.sub(r"\W", "_", s.name)
+            name, n = base, 1
+            while name in used:
+                n += 1
+                name = f"{base}_{n}"
+            used.add(name)
+            self.fn_name[s] = name
+        self.generators = set()
+        for s in reversed(self.sgs):  # inner SubGraphs first
+            if any(isinstance(op, ir.Invoke) or any(x in self.generators for x in op.subgraphs())
+                   for op in s.ops):
+                self.generators.add(s)
+
+
+def _statements(node):
+    """Statements in a fixed depth-first order (parents before their bodies)."""
+    for field in ("body", "orelse"):
+        for stmt in getattr(node, field, None) or []:
+            yield stmt
+            yield from _statements(stmt)
+
+
+def _place(tree, original):
+    """Give the parsed-back statements the user's positions; return {generated line: loc}."""
+    line_map = {}
+    new_stmts, old_stmts = list(_statements(tree)), list(_statements(original))
+    if len(new_stmts) != len(old_stmts):
+        return None
+    pairs = [(new, getattr(old, "_rc_loc", None)) for new, old in zip(new_stmts, old_stmts)]
+    for new, loc in pairs:
+        if loc is not None:
+            line_map[new.lineno] = loc
+    for new, loc in pairs:  # parents first: a nested statement then overrides its own nodes
+        if loc is None:
+            continue
+        text = linecache.getline(loc.filename, loc.lineno)
+        indent = len(text) - len(text.lstrip())
+        for n in ast.walk(new):
+            if hasattr(n, "lineno"):
+                n.lineno = n.end_lineno = loc.lineno
+                n.col_offset = indent
+                n.end_col_offset = max(len(text.rstrip()), indent)
+    return line_map
+
+
+def generate(sg):
+    """Compile the function SubGraph ``sg`` (with its nested SubGraphs)."""
+    gen = _Generator(sg)
+    module = _Module()
+    defs = [_FunctionEmitter(module, gen).function(s) for s in gen.sgs]
+    tree = ast.Module(body=defs, type_ignores=[])
+    ast.fix_missing_locations(tree)
+    text = astor.to_source(tree)
+    parsed = ast.parse(text)
+    line_map = _place(parsed, tree)
+    filename = sg.loc.filename if line_map is not None else f"<recompile {sg.name}>"
+    if line_map is None:
+        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    code = compile(parsed, filename, "exec")
+    exec(code, module.namespace)
+    functions = {s.name: module.namespace[gen.fn_name[s]] for s in gen.sgs}
+    codes = {f.__code__ for f in functions.values()}
+    return GeneratedCode(_annotate(text, line_map or {}), functions, sg.name,
+                         {s.name for s in gen.generators}, codes)
+
+
+def _annotate(text, line_map):
+    """The printed source with each statement's user file:line at its end."""
+    lines = text.splitlines()
+    for lineno, loc in line_map.items():
+        i = lineno - 1
+        if 0 <= i < len(lines):
+            lines[i] = f"{lines[i]}  # {os.path.basename(loc.filename)}:{loc.lineno}"
+    return "\n".join(lines) + "\n"

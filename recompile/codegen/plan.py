@@ -1,0 +1,60 @@
+"""Where a generated SubGraph yields: groups of Invokes that do not depend on one another.
+
+Scanning the ops in order, an Invoke opens a group; a later Invoke that uses
+nothing the group produces joins it. In between, a pure op that does not use
+the group's results is hoisted before the group (it computes the next call's
+arguments: ``tree.right[i]``); a pure op that does use them waits until after
+the group; anything else (a side effect, control flow) closes the group, so
+the order of side effects is the user's.
+"""
+
+from __future__ import annotations
+
+from .. import ir
+from ..runtime.semantics import PURE
+
+
+def _pure(op):
+    if isinstance(op, ir.Capture):
+        return True
+    if isinstance(op, ir.Call) and isinstance(op.fn, ir.Const):
+        try:
+            return op.fn.value in PURE
+        except TypeError:  # unhashable callable
+            return False
+    return False
+
+
+def plan(ops):
+    """A list whose items are ops, or lists of Invoke ops issued together."""
+    out = []
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        if not isinstance(op, ir.Invoke):
+            out.append(op)
+            i += 1
+            continue
+        group, hoisted, deferred = [op], [], []
+        tainted = set(op.outputs)
+        j = i + 1
+        while j < len(ops):
+            o = ops[j]
+            depends = any(isinstance(x, ir.Value) and x in tainted for x in o.operands())
+            if isinstance(o, ir.Invoke) and not depends:
+                group.append(o)
+                tainted.update(o.outputs)
+            elif _pure(o) and depends:
+                deferred.append(o)
+                tainted.update(o.outputs)
+            elif _pure(o):
+                hoisted.append(o)
+            else:
+                break
+            j += 1
+        # deferred pure ops past the last Invoke of the group go back after it, in order
+        out.extend(hoisted)
+        out.append(group)
+        out.extend(deferred)
+        i = j
+    return out

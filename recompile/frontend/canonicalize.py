@@ -1,0 +1,254 @@
+"""Canonicalisation: a function body with one return at its end, and loops without jumps.
+
+AST -> AST, before conversion to the IR:
+- ``return v`` becomes ``__retval = v`` plus a return flag; the function ends
+  with ``return __retval``.
+- ``break`` / ``continue`` become flags that the loop condition and guards read.
+- statements after one that may jump are guarded by ``if not <flags>:`` —
+  or, when one branch of an ``if`` always jumps, moved into the other branch.
+- ``for target in xs`` becomes an index loop over ``as_sequence(xs)``.
+- ``assert`` becomes ``if not test: raise AssertionError(msg)``.
+
+Flag assignments that stand for a jump carry ``_jump = True`` so the converter
+knows that a block ends there. Flags nobody reads are dropped afterwards.
+"""
+
+from __future__ import annotations
+
+import gast
+
+RETVAL = "__retval"
+RETFLAG = "__returned"
+# internal names the converter binds to runtime helpers, whatever the user calls len etc.
+AS_SEQUENCE = "__as_sequence"
+LEN = "__builtin_len"
+ASSERTION_ERROR = "__AssertionError"
+
+
+def _loc(new, old):
+    for attr in ("lineno", "col_offset", "end_lineno", "end_col_offset"):
+        setattr(new, attr, getattr(old, attr, None))
+    return new
+
+
+def name(ident, store=False, at=None):
+    node = gast.Name(id=ident, ctx=gast.Store() if store else gast.Load(), annotation=None, type_comment=None)
+    return _loc(node, at) if at is not None else node
+
+
+def const(value, at=None):
+    node = gast.Constant(value=value, kind=None)
+    return _loc(node, at) if at is not None else node
+
+
+def assign(ident, value, at):
+    return _loc(gast.Assign(targets=[name(ident, True, at)], value=value, type_comment=None), at)
+
+
+def not_(expr, at):
+    return _loc(gast.UnaryOp(op=gast.Not(), operand=expr), at)
+
+
+def and_(exprs, at):
+    return exprs[0] if len(exprs) == 1 else _loc(gast.BoolOp(op=gast.And(), values=exprs), at)
+
+
+def jump(ident, at):
+    """``ident = True`` standing for a return/break/continue."""
+    node = assign(ident, const(True, at), at)
+    node._jump = True
+    return node
+
+
+def is_jump(stmt):
+    return getattr(stmt, "_jump", False) or isinstance(stmt, gast.Raise)
+
+
+def always_jumps(stmts):
+    """True when every path through ``stmts`` ends in a jump (or raise)."""
+    for s in stmts:
+        if is_jump(s):
+            return True
+        if isinstance(s, gast.If) and always_jumps(s.body) and always_jumps(s.orelse):
+            return True
+    return False
+
+
+class _Loop:
+    def __init__(self, n):
+        self.brk = f"__break{n}"
+        self.cont = f"__continue{n}"
+        self.uses_brk = False
+        self.uses_cont = False
+
+
+class Canonicalizer:
+    def __init__(self):
+        self.loops = []
+        self.counter = 0
+        self.returns_in_loop = False
+
+    # -- entry
+    def function(self, fdef):
+        body = [s for i, s in enumerate(fdef.body) if not (i == 0 and _is_docstring(s))]
+        new_body = self.block(body)
+        at = fdef
+        prelude = [assign(RETVAL, const(None, at), at), assign(RETFLAG, const(False, at), at)]
+        end = _loc(gast.Return(value=name(RETVAL, at=at)), body[-1] if body else at)
+        fdef.body = _drop_unread_flags(prelude + new_body + [end])
+        return fdef
+
+    # -- blocks
+    def block(self, stmts):
+        out = []
+        for i, s in enumerate(stmts):
+            new = self.stmt(s)
+            if always_jumps(new):
+                out.extend(new)
+                return out  # what follows is dead code
+            flags = self._may_set(new)
+            rest = stmts[i + 1:]
+            if not flags or not rest:
+                out.extend(new)
+                continue
+            last = new[-1]
+            if isinstance(last, gast.If) and always_jumps(last.body):
+                last.orelse = last.orelse + self.block(rest)
+                out.extend(new)
+                return out
+            if isinstance(last, gast.If) and always_jumps(last.orelse):
+                last.body = last.body + self.block(rest)
+                out.extend(new)
+                return out
+            out.extend(new)
+            guard = and_([not_(name(f, at=rest[0]), rest[0]) for f in sorted(flags)], rest[0])
+            out.append(_loc(gast.If(test=guard, body=self.block(rest), orelse=[]), rest[0]))
+            return out
+        return out
+
+    def _active_flags(self):
+        flags = {RETFLAG}
+        if self.loops:
+            flags |= {self.loops[-1].brk, self.loops[-1].cont}
+        return flags
+
+    def _may_set(self, stmts):
+        active = self._active_flags()
+        found = set()
+        for s in stmts:
+            for node in gast.walk(s):
+                if getattr(node, "_jump", False):
+                    ident = node.targets[0].id
+                    if ident in active:
+                        found.add(ident)
+        return found
+
+    # -- statements
+    def stmt(self, s):
+        method = getattr(self, "stmt_" + type(s).__name__, None)
+        return method(s) if method else [s]
+
+    def stmt_Return(self, s):
+        value = s.value if s.value is not None else const(None, s)
+        out = [assign(RETVAL, value, s), jump(RETFLAG, s)]
+        if self.loops:
+            self.returns_in_loop = True
+        return out
+
+    def stmt_Break(self, s):
+        loop = self.loops[-1]
+        loop.uses_brk = True
+        return [jump(loop.brk, s)]
+
+    def stmt_Continue(self, s):
+        loop = self.loops[-1]
+        loop.uses_cont = True
+        return [jump(loop.cont, s)]
+
+    def stmt_If(self, s):
+        s.body = self.block(s.body)
+        s.orelse = self.block(s.orelse)
+        return [s]
+
+    def stmt_Assert(self, s):
+        args = [s.msg] if s.msg is not None else []
+        exc = _loc(gast.Call(func=name(ASSERTION_ERROR, at=s), args=args, keywords=[]), s)
+        raise_ = _loc(gast.Raise(exc=exc, cause=None), s)
+        return [_loc(gast.If(test=not_(s.test, s), body=[raise_], orelse=[]), s)]
+
+    def stmt_While(self, s):
+        return self._loop(s, s.test, s.body, s.orelse, prelude=[], header=[], for_targets=())
+
+    def stmt_For(self, s):
+        self.counter += 1
+        n = self.counter
+        seq, length, idx = f"__seq{n}", f"__len{n}", f"__idx{n}"
+        as_seq = _loc(gast.Call(func=name(AS_SEQUENCE, at=s.iter), args=[s.iter], keywords=[]), s.iter)
+        length_call = _loc(gast.Call(func=name(LEN, at=s), args=[name(seq, at=s)], keywords=[]), s)
+        prelude = [assign(seq, as_seq, s), assign(length, length_call, s), assign(idx, const(0, s), s)]
+        test = _loc(gast.Compare(left=name(idx, at=s), ops=[gast.Lt()], comparators=[name(length, at=s)]), s)
+        item = _loc(gast.Subscript(value=name(seq, at=s), slice=name(idx, at=s), ctx=gast.Load()), s.target)
+        bind = _loc(gast.Assign(targets=[s.target], value=item, type_comment=None), s.target)
+        step = assign(idx, _loc(gast.BinOp(left=name(idx, at=s), op=gast.Add(), right=const(1, s)), s), s)
+        targets = [n.id for n in gast.walk(s.target) if isinstance(n, gast.Name)]
+        return self._loop(s, test, s.body, s.orelse, prelude, [bind, step], targets)
+
+    def _loop(self, s, test, body, orelse, prelude, header, for_targets):
+        self.counter += 1
+        loop = _Loop(self.counter)
+        self.loops.append(loop)
+        outer_returns = self.returns_in_loop
+        self.returns_in_loop = False
+        new_body = self.block(body)
+        returns = self.returns_in_loop
+        self.returns_in_loop = outer_returns or returns
+        self.loops.pop()
+        conds = []
+        if loop.uses_brk:
+            conds.append(not_(name(loop.brk, at=s), s))
+        if returns:
+            conds.append(not_(name(RETFLAG, at=s), s))
+        conds.append(test)
+        if loop.uses_cont:
+            header = header + [assign(loop.cont, const(False, s), s)]
+        node = _loc(gast.While(test=and_(conds, s), body=header + new_body, orelse=[]), s)
+        node._for_targets = tuple(for_targets)
+        out = list(prelude)
+        if loop.uses_brk:
+            out.append(assign(loop.brk, const(False, s), s))
+        out.append(node)
+        if orelse:
+            new_else = self.block(orelse)
+            guard = [not_(name(loop.brk, at=s), s)] if loop.uses_brk else []
+            if returns:
+                guard.append(not_(name(RETFLAG, at=s), s))
+            out.extend([_loc(gast.If(test=and_(guard, s), body=new_else, orelse=[]), s)] if guard else new_else)
+        return out
+
+
+def _is_docstring(stmt):
+    return isinstance(stmt, gast.Expr) and isinstance(stmt.value, gast.Constant) and isinstance(stmt.value.value, str)
+
+
+def _drop_unread_flags(body):
+    """Remove stores of flags that nothing reads (a jump flag stays as a marker Pass)."""
+    module = gast.Module(body=body, type_ignores=[])
+    read = {n.id for n in gast.walk(module) if isinstance(n, gast.Name) and isinstance(n.ctx, gast.Load)}
+
+    class Dropper(gast.NodeTransformer):
+        def visit_Assign(self, node):
+            t = node.targets[0] if len(node.targets) == 1 else None
+            if isinstance(t, gast.Name) and t.id.startswith("__") and t.id != RETVAL and t.id not in read:
+                if getattr(node, "_jump", False):
+                    marker = _loc(gast.Pass(), node)
+                    marker._jump = True
+                    return marker
+                return None
+            return node
+
+    Dropper().visit(module)
+    return module.body
+
+
+def canonicalize(fdef):
+    return Canonicalizer().function(fdef)

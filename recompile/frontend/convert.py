@@ -1,0 +1,547 @@
+"""Conversion of a canonical gast function into IR SubGraphs.
+
+Every statement and expression becomes ops in the current SubGraph; ``if``,
+ternaries, ``and``/``or`` and chained comparisons become ``Cond`` ops whose
+branches are SubGraphs; ``while`` (and ``for``, lowered by canonicalize)
+becomes a ``While`` op; a call of a compiled function becomes an ``Invoke``.
+Branch and loop SubGraphs read the values of their enclosing SubGraph freely
+here; the capture pass makes those reads explicit inputs.
+
+Variables are tracked in an environment of bindings, each DEF (bound),
+MAYBE (bound on every path that can reach a read, or UNDEFINED — checked when
+read) or POISON (unbound on some path: reading it is a CompileError).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import operator
+
+import gast
+
+from .. import ir
+from ..runtime import semantics as sem
+from . import canonicalize as canon
+
+DEF, MAYBE, POISON = "def", "maybe", "poison"
+
+BINOPS = {
+    gast.Add: operator.add, gast.Sub: operator.sub, gast.Mult: operator.mul, gast.Div: operator.truediv,
+    gast.FloorDiv: operator.floordiv, gast.Mod: operator.mod, gast.Pow: operator.pow,
+    gast.MatMult: operator.matmul, gast.BitAnd: operator.and_, gast.BitOr: operator.or_,
+    gast.BitXor: operator.xor, gast.LShift: operator.lshift, gast.RShift: operator.rshift,
+}
+INPLACE = {
+    gast.Add: operator.iadd, gast.Sub: operator.isub, gast.Mult: operator.imul, gast.Div: operator.itruediv,
+    gast.FloorDiv: operator.ifloordiv, gast.Mod: operator.imod, gast.Pow: operator.ipow,
+    gast.MatMult: operator.imatmul, gast.BitAnd: operator.iand, gast.BitOr: operator.ior,
+    gast.BitXor: operator.ixor, gast.LShift: operator.ilshift, gast.RShift: operator.irshift,
+}
+UNARY = {gast.USub: operator.neg, gast.UAdd: operator.pos, gast.Invert: operator.invert, gast.Not: operator.not_}
+COMPARE = {
+    gast.Lt: operator.lt, gast.LtE: operator.le, gast.Gt: operator.gt, gast.GtE: operator.ge,
+    gast.Eq: operator.eq, gast.NotEq: operator.ne, gast.Is: operator.is_, gast.IsNot: operator.is_not,
+    gast.NotIn: sem.not_in,
+}
+INTERNAL = {canon.AS_SEQUENCE: sem.as_sequence, canon.LEN: len, canon.ASSERTION_ERROR: AssertionError}
+
+
+class Binding:
+    __slots__ = ("value", "state", "reason")
+
+    def __init__(self, value, state=DEF, reason=None):
+        self.value = value
+        self.state = state
+        self.reason = reason
+
+
+def _stored_names(nodes):
+    """Names a list of statements (or one node) binds, in first-binding order, comprehension targets excluded."""
+    if not isinstance(nodes, list):
+        nodes = [nodes]
+    skip = set()
+    names = []
+    for root in nodes:
+        for node in gast.walk(root):
+            if isinstance(node, gast.comprehension):
+                skip.update(id(n) for n in gast.walk(node.target))
+        for node in gast.walk(root):
+            if (isinstance(node, gast.Name) and isinstance(node.ctx, (gast.Store, gast.Param))
+                    and id(node) not in skip and node.id not in names):
+                names.append(node.id)
+    return names
+
+
+class Converter:
+    """Builds the SubGraphs of one function.
+
+    ``callee_of(obj, owner)`` returns a runtime handle when ``obj`` is a
+    compiled function (its ``.ir_name`` and ``.signature`` are used), else None.
+    """
+
+    def __init__(self, parsed, name, owner, callee_of):
+        self.p = parsed
+        self.name = name
+        self.owner = owner
+        self.callee_of = callee_of
+        self.sg = None
+        self.env = None
+        self.sg_names = set()
+        self.comprehensions = 0
+
+    # -- entry
+
+    def convert(self):
+        fdef = canon.canonicalize(copy.deepcopy(self.p.node))
+        self.locals = set(_stored_names(fdef)) | set(self.p.params)
+        self.self_name = self.p.params[0] if (self.owner is not None and self.p.params) else None
+        inputs = [ir.Value(p) for p in self.p.params]
+        if self.self_name is not None:
+            inputs[0].is_self = True
+        sg = ir.SubGraph(self.name, inputs, self.p.loc(fdef), "function")
+        sg.params = list(self.p.params)
+        self.sg_names.add(self.name)
+        self.sg = sg
+        self.env = {p: Binding(v) for p, v in zip(self.p.params, inputs)}
+        self.block(fdef.body)
+        return sg
+
+    # -- helpers
+
+    def loc(self, node):
+        return self.p.loc(node)
+
+    def emit(self, op):
+        self.sg.ops.append(op)
+        return op
+
+    def call(self, node, fn, args=(), kwargs=(), star=(), n_outputs=1, hint=""):
+        fn = fn if isinstance(fn, (ir.Value, ir.Const)) else ir.Const(fn)
+        op = self.emit(ir.Call(self.loc(node), fn, args, kwargs, star, n_outputs, (hint,) * n_outputs))
+        return op.outputs[0] if n_outputs == 1 else op.outputs
+
+    def new_subgraphs(self, kind, node, parts, kinds=None):
+        """SubGraphs named ``<current>.<kind><line>.<part>``, one per part, the base unique."""
+        base = f"{self.sg.name}.{kind}{node.lineno}"
+        name, n = base, 1
+        while name in self.sg_names:
+            n += 1
+            name = f"{base}_{n}"
+        self.sg_names.add(name)
+        kinds = kinds or parts
+        return [ir.SubGraph(f"{name}.{part}", [], self.loc(node), k) for part, k in zip(parts, kinds)]
+
+    def inside(self, sg, env, build):
+        """Run ``build()`` with ``sg`` and ``env`` current; return its result."""
+        saved = self.sg, self.env
+        self.sg, self.env = sg, env
+        try:
+            return build()
+        finally:
+            self.sg, self.env = saved
+
+    # -- variables
+
+    def load(self, ident, node):
+        if ident in INTERNAL:
+            return ir.Const(INTERNAL[ident])
+        b = self.env.get(ident)
+        if b is not None:
+            if b.state == DEF:
+                return b.value
+            if b.state == MAYBE:
+                value = self.call(node, sem.check_bound, [b.value, ir.Const(ident)], hint=ident)
+                self.env[ident] = Binding(value)
+                return value
+            raise self.loc(node).error(b.reason, "variable")
+        if ident in self.locals:
+            raise self.loc(node).error(f"local variable '{ident}' is used before it is assigned", "variable")
+        return self.emit(ir.Capture(self.loc(node), ident)).output
+
+    def store(self, target, value, node=None):
+        if isinstance(target, gast.Name):
+            if isinstance(value, ir.Value) and (not value.hint or value.hint.startswith("__")):
+                value.hint = target.id.strip("_") or target.id
+            self.env[target.id] = Binding(value)
+        elif isinstance(target, (gast.Tuple, gast.List)):
+            n = len(target.elts)
+            outs = self.call(target, sem.unpack, [value, ir.Const(n)], n_outputs=n)
+            outs = [outs] if n == 1 else outs
+            for elt, v in zip(target.elts, outs):
+                self.store(elt, v)
+        elif isinstance(target, gast.Attribute):
+            obj = self.expr(target.value)
+            self.call(target, setattr, [obj, ir.Const(target.attr), value], n_outputs=0)
+        elif isinstance(target, gast.Subscript):
+            obj = self.expr(target.value)
+            idx = self.expr(target.slice)
+            self.call(target, operator.setitem, [obj, idx, value], n_outputs=0)
+        else:
+            raise self.loc(target).error(f"cannot assign to {type(target).__name__}", "assignment")
+
+    # -- statements
+
+    def block(self, stmts):
+        for s in stmts:
+            method = getattr(self, "stmt_" + type(s).__name__, None)
+            if method is None:
+                raise self.loc(s).error(f"{type(s).__name__} statement is not supported in a compiled function",
+                                        type(s).__name__)
+            method(s)
+        return canon.always_jumps(stmts)
+
+    def stmt_Assign(self, s):
+        value = self.expr(s.value)
+        for t in s.targets:
+            self.store(t, value, s)
+
+    def stmt_AnnAssign(self, s):
+        if s.value is not None:
+            self.store(s.target, self.expr(s.value), s)
+
+    def stmt_AugAssign(self, s):
+        fn = INPLACE[type(s.op)]
+        t = s.target
+        if isinstance(t, gast.Name):
+            cur = self.load(t.id, t)
+            self.store(t, self.call(s, fn, [cur, self.expr(s.value)], hint=t.id), s)
+        elif isinstance(t, gast.Attribute):
+            obj = self.expr(t.value)
+            cur = self.call(t, getattr, [obj, ir.Const(t.attr)], hint=t.attr)
+            new = self.call(s, fn, [cur, self.expr(s.value)], hint=t.attr)
+            self.call(s, setattr, [obj, ir.Const(t.attr), new], n_outputs=0)
+        elif isinstance(t, gast.Subscript):
+            obj = self.expr(t.value)
+            idx = self.expr(t.slice)
+            cur = self.call(t, operator.getitem, [obj, idx])
+            new = self.call(s, fn, [cur, self.expr(s.value)])
+            self.call(s, operator.setitem, [obj, idx, new], n_outputs=0)
+        else:
+            raise self.loc(t).error("unsupported augmented assignment target", "assignment")
+
+    def stmt_Expr(self, s):
+        self.expr(s.value)
+
+    def stmt_Pass(self, s):
+        pass
+
+    def stmt_Return(self, s):
+        self.sg.outputs = [self.expr(s.value)]
+
+    def stmt_Raise(self, s):
+        if s.exc is None:
+            self.call(s, sem.raise_exception, [], n_outputs=0)
+        elif s.cause is None:
+            self.call(s, sem.raise_exception, [self.expr(s.exc)], n_outputs=0)
+        else:
+            exc = self.expr(s.exc)
+            self.call(s, sem.raise_exception, [exc, self.expr(s.cause), ir.Const(True)], n_outputs=0)
+
+    def stmt_If(self, s):
+        pred = self.expr(s.test)
+        assigned = [n for n in _stored_names(s.body + s.orelse) if n in self.locals]
+        branches = []
+        sgs = self.new_subgraphs("if", s, ("then", "else"))
+        for sg, body in zip(sgs, (s.body, s.orelse)):
+            env = dict(self.env)
+            jumped = self.inside(sg, env, lambda: self.block(body))
+            branches.append((sg, env, jumped))
+        (then_sg, then_env, then_jumped), (else_sg, else_env, else_jumped) = branches
+        outs, states = [], []
+        for name in assigned:
+            before = self.env.get(name)
+            bt, be = then_env.get(name), else_env.get(name)
+            if before is not None and bt is before and be is before:
+                continue  # not changed on either path
+            ok_t = (bt is not None and bt.state != POISON) or then_jumped
+            ok_e = (be is not None and be.state != POISON) or else_jumped
+            if ok_t and ok_e:
+                outs.append(name)
+                exact = all(b is not None and b.state == DEF for b in (bt, be))
+                states.append(DEF if exact else MAYBE)
+            else:
+                self.env[name] = Binding(None, POISON, f"variable '{name}' is assigned only in one branch of the "
+                                                       f"if at line {s.lineno} and used after it; assign it before "
+                                                       f"the if or in both branches")
+        for sg, env in ((then_sg, then_env), (else_sg, else_env)):
+            sg.outputs = [self._value_of(env.get(n)) for n in outs]
+        op = self.emit(ir.Cond(self.loc(s), pred, then_sg, else_sg, [], len(outs), outs))
+        for name, value, state in zip(outs, op.outputs, states):
+            self.env[name] = Binding(value, state)
+
+    @staticmethod
+    def _value_of(binding):
+        if binding is None or binding.state == POISON:
+            return ir.Const(sem.UNDEFINED)
+        return binding.value
+
+    def stmt_While(self, s):
+        for_targets = getattr(s, "_for_targets", ())
+        assigned = [n for n in _stored_names(s.body) if n in self.locals]
+        carried = [n for n in assigned
+                   if (n in self.env and self.env[n].state != POISON) or n in for_targets]
+        init, init_states = [], []
+        for n in carried:
+            b = self.env.get(n)
+            if b is not None and b.state != POISON:
+                init.append(b.value)
+                init_states.append(b.state)
+            else:
+                init.append(ir.Const(sem.UNDEFINED))
+                init_states.append(MAYBE)
+
+        def entry_env(sg):
+            env = dict(self.env)
+            for n, v, st in zip(carried, sg.inputs, init_states):
+                env[n] = Binding(v, st)
+            for n in assigned:
+                if n not in carried:
+                    env.pop(n, None)
+            return env
+
+        cond_sg, body_sg = self.new_subgraphs("while", s, ("cond", "body"))
+        cond_sg.inputs = [ir.Value(n) for n in carried]
+        body_sg.inputs = [ir.Value(n) for n in carried]
+
+        def build_cond():
+            cond_sg.outputs = [self.expr(s.test)]
+
+        self.inside(cond_sg, entry_env(cond_sg), build_cond)
+        body_env = entry_env(body_sg)
+        self.inside(body_sg, body_env, lambda: self.block(s.body))
+        end_states = []
+        for n in carried:
+            b = body_env.get(n)
+            end_states.append(DEF if b is not None and b.state == DEF else MAYBE)
+        body_sg.outputs = [self._value_of(body_env.get(n)) for n in carried]
+        op = self.emit(ir.While(self.loc(s), cond_sg, body_sg, init, (), carried))
+        for n, v, st0, st1 in zip(carried, op.outputs, init_states, end_states):
+            self.env[n] = Binding(v, DEF if (st0 == DEF and st1 == DEF) else MAYBE)
+        for n in assigned:
+            if n not in carried:
+                self.env[n] = Binding(None, POISON, f"variable '{n}' is assigned only inside the loop body at line "
+                                                    f"{s.lineno} and used after the loop; assign it before the loop")
+
+    # -- expressions
+
+    def expr(self, node):
+        method = getattr(self, "expr_" + type(node).__name__, None)
+        if method is None:
+            raise self.loc(node).error(f"{type(node).__name__} expressions are not supported in a compiled function",
+                                       type(node).__name__)
+        return method(node)
+
+    def expr_Constant(self, node):
+        return ir.Const(node.value)
+
+    def expr_Name(self, node):
+        return self.load(node.id, node)
+
+    def expr_Attribute(self, node):
+        return self.call(node, getattr, [self.expr(node.value), ir.Const(node.attr)], hint=node.attr)
+
+    def expr_Subscript(self, node):
+        return self.call(node, operator.getitem, [self.expr(node.value), self.expr(node.slice)])
+
+    def expr_Slice(self, node):
+        parts = [self.expr(p) if p is not None else ir.Const(None) for p in (node.lower, node.upper, node.step)]
+        return self.call(node, slice, parts)
+
+    def expr_BinOp(self, node):
+        return self.call(node, BINOPS[type(node.op)], [self.expr(node.left), self.expr(node.right)])
+
+    def expr_UnaryOp(self, node):
+        return self.call(node, UNARY[type(node.op)], [self.expr(node.operand)])
+
+    def _elements(self, elts):
+        args, star = [], []
+        for i, e in enumerate(elts):
+            if isinstance(e, gast.Starred):
+                star.append(i)
+                e = e.value
+            args.append(self.expr(e))
+        return args, star
+
+    def expr_Tuple(self, node):
+        args, star = self._elements(node.elts)
+        return self.call(node, sem.build_tuple, args, star=star)
+
+    def expr_List(self, node):
+        args, star = self._elements(node.elts)
+        return self.call(node, sem.build_list, args, star=star)
+
+    def expr_Set(self, node):
+        args, star = self._elements(node.elts)
+        return self.call(node, sem.build_set, args, star=star)
+
+    def expr_Dict(self, node):
+        items = []
+        for k, v in zip(node.keys, node.values):
+            items.append(self.expr(k) if k is not None else ir.Const(None))
+            items.append(self.expr(v))
+        return self.call(node, sem.build_dict, items)
+
+    def expr_JoinedStr(self, node):
+        parts = [self.expr(v) for v in node.values]
+        return self.call(node, sem.join_str, parts)
+
+    def expr_FormattedValue(self, node):
+        spec = self.expr(node.format_spec) if node.format_spec is not None else ir.Const("")
+        return self.call(node, sem.format_value, [self.expr(node.value), ir.Const(node.conversion), spec])
+
+    def expr_NamedExpr(self, node):
+        value = self.expr(node.value)
+        self.store(node.target, value, node)
+        return value
+
+    def expr_Starred(self, node):
+        raise self.loc(node).error("a starred expression is only supported in calls and literals", "starred")
+
+    # conditional expressions: each becomes a Cond with one output
+
+    def cond_value(self, node, kind, pred, then_build, else_build):
+        sgs = self.new_subgraphs(kind, node, ("then", "else"))
+        for sg, build in zip(sgs, (then_build, else_build)):
+            sg.outputs = [self.inside(sg, dict(self.env), build)]
+        return self.emit(ir.Cond(self.loc(node), pred, sgs[0], sgs[1], [], 1)).output
+
+    def expr_IfExp(self, node):
+        pred = self.expr(node.test)
+        return self.cond_value(node, "ifexp", pred, lambda: self.expr(node.body), lambda: self.expr(node.orelse))
+
+    def expr_BoolOp(self, node):
+        kind = "and" if isinstance(node.op, gast.And) else "or"
+
+        def chain(values):
+            first = self.expr(values[0])
+            if len(values) == 1:
+                return first
+            rest = lambda: chain(values[1:])  # noqa: E731
+            keep = lambda: first  # noqa: E731
+            if kind == "and":
+                return self.cond_value(node, kind, first, rest, keep)
+            return self.cond_value(node, kind, first, keep, rest)
+
+        return chain(node.values)
+
+    def _compare_one(self, node, op, left, right):
+        if isinstance(op, gast.In):
+            return self.call(node, operator.contains, [right, left])
+        return self.call(node, COMPARE[type(op)], [left, right])
+
+    def expr_Compare(self, node):
+        def chain(left, i):
+            right = self.expr(node.comparators[i])
+            result = self._compare_one(node, node.ops[i], left, right)
+            if i + 1 == len(node.ops):
+                return result
+            # a < b < c: the next comparison runs only when this one holds, and b is evaluated once
+            return self.cond_value(node, "compare", result, lambda: chain(right, i + 1), lambda: result)
+
+        return chain(self.expr(node.left), 0)
+
+    def expr_ListComp(self, node):
+        self.comprehensions += 1
+        acc = f"__listcomp{self.comprehensions}"
+        append = gast.Attribute(value=canon.name(acc, at=node), attr="append", ctx=gast.Load())
+        body = canon._loc(gast.Expr(value=canon._loc(gast.Call(func=canon._loc(append, node), args=[node.elt],
+                                                                keywords=[]), node)), node)
+        for gen in reversed(node.generators):
+            for cond in reversed(gen.ifs):
+                body = canon._loc(gast.If(test=cond, body=[body], orelse=[]), cond)
+            body = canon._loc(gast.For(target=gen.target, iter=gen.iter, body=[body], orelse=[],
+                                       type_comment=None), node)
+        stmts = [canon.assign(acc, canon._loc(gast.List(elts=[], ctx=gast.Load()), node), node), body]
+        lowering = canon.Canonicalizer()
+        lowering.counter = 100000 * self.comprehensions  # keep its synthetic names apart from the function's
+        stmts = lowering.block(stmts)
+        scoped = _stored_names(stmts)
+        saved = {n: self.env.get(n) for n in scoped}
+        saved_locals = set(self.locals)
+        self.locals |= set(scoped)
+        self.block(stmts)
+        result = self.load(acc, node)
+        self.locals = saved_locals
+        for n, b in saved.items():  # comprehension variables do not leak, as in Python 3
+            if b is None:
+                self.env.pop(n, None)
+            else:
+                self.env[n] = b
+        return result
+
+    # calls
+
+    def expr_Call(self, node):
+        resolved = self._compiled_callee(node.func)
+        if resolved is not None:
+            invoke = self._invoke(node, *resolved)
+            if invoke is not None:
+                return invoke
+        fn = self.expr(node.func)
+        args, star = self._elements(node.args)
+        kwargs = [(k.arg, self.expr(k.value)) for k in node.keywords]
+        hint = node.func.attr if isinstance(node.func, gast.Attribute) else getattr(node.func, "id", "")
+        return self.call(node, fn, args, kwargs, star, hint=hint)
+
+    def _compiled_callee(self, func):
+        """(handle, prefix operands) when ``func`` names a compiled function at build time."""
+        if isinstance(func, gast.Name) and func.id not in self.locals and func.id not in INTERNAL:
+            if func.id in self.p.freevars:
+                try:
+                    obj = self.p.freevars[func.id].cell_contents
+                except ValueError:
+                    return None
+            elif func.id in self.p.globals:
+                obj = self.p.globals[func.id]
+            else:
+                return None
+            handle = self.callee_of(obj, None)
+            return (handle, []) if handle is not None else None
+        if (isinstance(func, gast.Attribute) and isinstance(func.value, gast.Name)
+                and self.self_name is not None and func.value.id == self.self_name):
+            b = self.env.get(self.self_name)
+            if b is None or b.state != DEF or not getattr(b.value, "is_self", False):
+                return None  # `self` was rebound
+            try:
+                obj = inspect.getattr_static(self.owner, func.attr)
+            except AttributeError:
+                return None
+            handle = self.callee_of(obj, self.owner)
+            return (handle, [b.value]) if handle is not None else None
+        return None
+
+    def _invoke(self, node, handle, prefix):
+        for a in node.args:
+            if isinstance(a, gast.Starred):
+                raise self.loc(a).error("star-args (*args) in a call of a compiled function are not supported; "
+                                        "pass the arguments one by one", "star-args")
+        for k in node.keywords:
+            if k.arg is None:
+                raise self.loc(k.value).error("**kwargs in a call of a compiled function are not supported; "
+                                              "pass keyword arguments one by one", "star-args")
+        try:
+            handle.signature.bind(*prefix, *node.args, **{k.arg: k.value for k in node.keywords})
+        except TypeError:
+            return None  # a wrong call: run it as an ordinary call, which raises Python's TypeError
+        args = prefix + [self.expr(a) for a in node.args]
+        kwargs = {k.arg: self.expr(k.value) for k in node.keywords}
+        bound = handle.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        operands = []
+        for pname, param in handle.signature.parameters.items():
+            value = bound.arguments[pname]
+            if param.kind is inspect.Parameter.VAR_POSITIONAL:
+                value = self.call(node, sem.build_tuple, list(value))
+            elif param.kind is inspect.Parameter.VAR_KEYWORD:
+                value = self.call(node, dict, [], list(value.items()))
+            elif not isinstance(value, (ir.Value, ir.Const)):
+                value = ir.Const(value)  # a default: the very object Python would pass
+            operands.append(value)
+        hint = getattr(node.func, "attr", None) or getattr(node.func, "id", "")
+        return self.emit(ir.Invoke(self.loc(node), handle.ir_name, handle, operands, (hint,))).output
+
+
+def convert(parsed, name, owner, callee_of):
+    """The function SubGraph (with its nested SubGraphs) of ``parsed``."""
+    return Converter(parsed, name, owner, callee_of).convert()

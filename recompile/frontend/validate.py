@@ -1,0 +1,66 @@
+"""Refuse, with the user's line and a caret, what the compiled subset does not cover.
+
+Runs before any conversion so that nothing is half-compiled: the first
+unsupported construct in source order is reported.
+"""
+
+from __future__ import annotations
+
+import gast
+
+# node type -> (construct named in the message, why / what to do instead)
+_REFUSED = {
+    gast.Try: ("try", "try/except/finally is not supported in a compiled function"),
+    gast.With: ("with", "a with statement is not supported in a compiled function"),
+    gast.AsyncWith: ("async with", "async with is not supported in a compiled function"),
+    gast.AsyncFor: ("async for", "async for is not supported in a compiled function"),
+    gast.AsyncFunctionDef: ("async def", "async def is not supported in a compiled function"),
+    gast.Await: ("await", "await is not supported in a compiled function"),
+    gast.Yield: ("yield", "yield (a generator function) is not supported in a compiled function"),
+    gast.YieldFrom: ("yield from", "yield from (a generator function) is not supported in a compiled function"),
+    gast.Global: ("global", "a global statement is not supported in a compiled function; "
+                            "read globals freely, or return the new value"),
+    gast.Nonlocal: ("nonlocal", "a nonlocal statement is not supported in a compiled function"),
+    gast.Delete: ("del", "a del statement is not supported in a compiled function"),
+    gast.Lambda: ("lambda", "lambda is not supported in a compiled function; define the function outside"),
+    gast.FunctionDef: ("def", "a nested function definition is not supported in a compiled function; "
+                              "define it outside"),
+    gast.ClassDef: ("class", "a class definition is not supported in a compiled function"),
+    gast.Import: ("import", "an import statement is not supported in a compiled function; import at module level"),
+    gast.ImportFrom: ("import", "an import statement is not supported in a compiled function; "
+                                "import at module level"),
+    gast.GeneratorExp: ("generator expression", "a generator expression is not supported in a compiled "
+                                                 "function; use a list comprehension"),
+    gast.SetComp: ("set comprehension", "a set comprehension is not supported in a compiled function"),
+    gast.DictComp: ("dict comprehension", "a dict comprehension is not supported in a compiled function"),
+}
+for _name in ("TryStar", "Match", "TypeAlias"):
+    if hasattr(gast, _name):
+        _REFUSED[getattr(gast, _name)] = (_name.lower(), f"{_name.lower()} is not supported in a compiled function")
+
+
+def validate(parsed):
+    """Raise CompileError at the first construct outside the subset."""
+    fdef = parsed.node
+    for node in _walk_in_order(fdef):
+        if node is fdef:
+            continue
+        refused = _REFUSED.get(type(node))
+        if refused:
+            construct, message = refused
+            raise parsed.loc(node).error(message, construct)
+        if isinstance(node, (gast.Tuple, gast.List)) and isinstance(node.ctx, gast.Store):
+            for elt in node.elts:
+                if isinstance(elt, gast.Starred):
+                    raise parsed.loc(elt).error("starred assignment targets (a, *b = ...) are not supported "
+                                                "in a compiled function", "starred assignment")
+
+
+def _walk_in_order(node):
+    """Nodes in source order (gast.walk is breadth-first)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        children = list(gast.iter_child_nodes(n))
+        stack.extend(reversed(children))

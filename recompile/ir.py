@@ -1,0 +1,434 @@
+"""The IR: Program, SubGraph, Value and the five op kinds, with text and DOT printers.
+
+SSA values; the ops of a SubGraph are kept in program order (which is also a
+topological order); every op carries the user's source Location.
+Operands are either a Value or a Const.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+_ids = itertools.count(1)
+
+
+class Value:
+    """An SSA value. ``op`` is the producing op (None for SubGraph inputs)."""
+
+    __slots__ = ("id", "hint", "op", "is_self")
+
+    def __init__(self, hint="", op=None):
+        self.id = next(_ids)
+        self.hint = hint or ""
+        self.op = op
+        self.is_self = False  # the bound instance of a method (see passes.capture)
+
+    def __repr__(self):
+        return f"%{self.hint or 'v'}.{self.id}"
+
+
+class Const:
+    """A constant operand: any Python object known when the program is built."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self):
+        return const_repr(self.value)
+
+
+def const_repr(value):
+    if isinstance(value, (int, float, str, bool, bytes, type(None), complex)):
+        return repr(value)
+    if isinstance(value, tuple) and all(isinstance(v, (int, float, str, bool, type(None))) for v in value):
+        return repr(value)
+    if hasattr(type(value), "_ir_name"):
+        return type(value)._ir_name
+    name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
+    if name:
+        mod = getattr(value, "__module__", None)
+        if mod in ("_operator", "operator"):
+            return name
+        if mod == "builtins":
+            return name
+        if mod and mod.startswith("torch"):
+            return "torch." + name if not name.startswith("torch") else name
+        return name
+    return f"<{type(value).__name__}>"
+
+
+class Op:
+    """Base class of ops. Subclasses list their operand slots in ``operands()``."""
+
+    kind = "op"
+
+    def __init__(self, loc, n_outputs=1, hints=()):
+        self.loc = loc
+        hints = list(hints) + [""] * (n_outputs - len(hints))
+        self.outputs = [Value(h, self) for h in hints[:n_outputs]]
+
+    @property
+    def output(self):
+        return self.outputs[0]
+
+    def operands(self):
+        raise NotImplementedError
+
+    def map_operands(self, fn):
+        """Replace every operand x by fn(x) (in place)."""
+        raise NotImplementedError
+
+    def subgraphs(self):
+        return ()
+
+
+class Call(Op):
+    """Everything that is not control flow nor a compiled call.
+
+    ``fn(*args, **kwargs)``; positions in ``star`` are ``*``-expanded, a kwarg
+    named None is ``**``-expanded. With several outputs the result is unpacked
+    like ``a, b = fn(...)``.
+    """
+
+    kind = "call"
+
+    def __init__(self, loc, fn, args=(), kwargs=(), star=(), n_outputs=1, hints=()):
+        super().__init__(loc, n_outputs, hints)
+        self.fn = fn
+        self.args = list(args)
+        self.kwargs = list(kwargs)  # [(name|None, operand)]
+        self.star = frozenset(star)
+
+    def operands(self):
+        return [self.fn, *self.args, *(v for _, v in self.kwargs)]
+
+    def map_operands(self, fn):
+        self.fn = fn(self.fn)
+        self.args = [fn(a) for a in self.args]
+        self.kwargs = [(k, fn(v)) for k, v in self.kwargs]
+
+
+class Invoke(Op):
+    """A call of a compiled function's SubGraph (recursion included).
+
+    ``callee`` is the entry SubGraph's name; ``target`` is the runtime handle
+    of the compiled function (resolved when the program is built).
+    """
+
+    kind = "invoke"
+
+    def __init__(self, loc, callee, target, args, hints=()):
+        super().__init__(loc, 1, hints)
+        self.callee = callee
+        self.target = target
+        self.args = list(args)
+
+    def operands(self):
+        return list(self.args)
+
+    def map_operands(self, fn):
+        self.args = [fn(a) for a in self.args]
+
+
+class Cond(Op):
+    """``then_sg(*args)`` if bool(pred) else ``else_sg(*args)``; same arity and outputs."""
+
+    kind = "cond"
+
+    def __init__(self, loc, pred, then_sg, else_sg, args, n_outputs, hints=()):
+        super().__init__(loc, n_outputs, hints)
+        self.pred = pred
+        self.then_sg = then_sg
+        self.else_sg = else_sg
+        self.args = list(args)
+
+    def operands(self):
+        return [self.pred, *self.args]
+
+    def map_operands(self, fn):
+        self.pred = fn(self.pred)
+        self.args = [fn(a) for a in self.args]
+
+    def subgraphs(self):
+        return (self.then_sg, self.else_sg)
+
+
+class While(Op):
+    """``while cond_sg(*vars, *inv): vars = body_sg(*vars, *inv)``; outputs the final vars.
+
+    ``loop_vars`` are the initial values of the carried variables;
+    ``invariants`` are passed unchanged to every iteration.
+    """
+
+    kind = "while"
+
+    def __init__(self, loc, cond_sg, body_sg, loop_vars, invariants=(), hints=()):
+        super().__init__(loc, len(loop_vars), hints)
+        self.cond_sg = cond_sg
+        self.body_sg = body_sg
+        self.loop_vars = list(loop_vars)
+        self.invariants = list(invariants)
+
+    def operands(self):
+        return [*self.loop_vars, *self.invariants]
+
+    def map_operands(self, fn):
+        self.loop_vars = [fn(a) for a in self.loop_vars]
+        self.invariants = [fn(a) for a in self.invariants]
+
+    def subgraphs(self):
+        return (self.cond_sg, self.body_sg)
+
+
+class Capture(Op):
+    """An outer reference, read each time the op runs.
+
+    kind ``free``: a name not yet resolved (frontend output);
+    ``global``: module global, then builtins (``source`` = the globals dict);
+    ``closure``: a closure cell (``source`` = the cell);
+    ``attr``: an attribute of ``base`` (``self.<name>``).
+    """
+
+    kind = "capture"
+
+    def __init__(self, loc, name, source_kind="free", source=None, base=None):
+        super().__init__(loc, 1, (name.replace(".", "_"),))
+        self.name = name
+        self.source_kind = source_kind
+        self.source = source
+        self.base = base
+
+    def operands(self):
+        return [self.base] if self.base is not None else []
+
+    def map_operands(self, fn):
+        if self.base is not None:
+            self.base = fn(self.base)
+
+
+class SubGraph:
+    """A function body, a Cond branch, or a While predicate / body."""
+
+    def __init__(self, name, inputs, loc, kind="function"):
+        self.name = name
+        self.inputs = list(inputs)
+        self.outputs = []  # operands
+        self.ops = []
+        self.loc = loc
+        self.kind = kind  # function | then | else | cond | body
+        self.params = None  # for function SubGraphs: parameter names
+
+    def walk(self):
+        """This SubGraph and every SubGraph nested in its ops, outermost first."""
+        yield self
+        for op in self.ops:
+            for sg in op.subgraphs():
+                yield from sg.walk()
+
+    def __repr__(self):
+        return f"<SubGraph {self.name}>"
+
+
+class Program:
+    """The SubGraphs reachable from an entry, by name."""
+
+    def __init__(self, entry, subgraphs):
+        self.entry = entry
+        self.subgraphs = dict(subgraphs)  # name -> function SubGraph
+
+    def functions(self):
+        return list(self.subgraphs.values())
+
+    def all_subgraphs(self):
+        for sg in self.subgraphs.values():
+            yield from sg.walk()
+
+    def to_text(self):
+        return format_program(self)
+
+    def to_dot(self):
+        return format_dot(self)
+
+
+# ----------------------------------------------------------------------------
+# Text printer
+
+
+class _Namer:
+    """Readable, unique names for values: the hint, suffixed where it repeats."""
+
+    def __init__(self):
+        self.names = {}
+        self.used = {}
+
+    def __call__(self, operand):
+        if isinstance(operand, Const):
+            return repr(operand)
+        if not isinstance(operand, Value):
+            return repr(operand)
+        name = self.names.get(operand)
+        if name is None:
+            base = (operand.hint or "").replace(".", "_").strip("_") or "v"
+            n = self.used.get(base, 0)
+            self.used[base] = n + 1
+            name = "%" + (base if n == 0 else f"{base}.{n}")
+            self.names[operand] = name
+        return name
+
+
+def _loc_suffix(loc):
+    if loc is None:
+        return ""
+    return f"  # {os.path.basename(loc.filename)}:{loc.lineno}"
+
+
+def _format_op(op, nm):
+    outs = ", ".join(nm(v) for v in op.outputs)
+    lhs = f"{outs} = " if outs else ""
+    if isinstance(op, Call):
+        args = []
+        for i, a in enumerate(op.args):
+            args.append(("*" if i in op.star else "") + nm(a))
+        for k, v in op.kwargs:
+            args.append(f"{k}={nm(v)}" if k is not None else f"**{nm(v)}")
+        text = f"call {nm(op.fn)}({', '.join(args)})"
+    elif isinstance(op, Invoke):
+        text = f"invoke @{op.callee}({', '.join(nm(a) for a in op.args)})"
+    elif isinstance(op, Cond):
+        text = (f"cond {nm(op.pred)} then @{op.then_sg.name} else @{op.else_sg.name}"
+                f"({', '.join(nm(a) for a in op.args)})")
+    elif isinstance(op, While):
+        inv = f"; invariant {', '.join(nm(a) for a in op.invariants)}" if op.invariants else ""
+        text = (f"while @{op.cond_sg.name} do @{op.body_sg.name}"
+                f"({', '.join(nm(a) for a in op.loop_vars)}{inv})")
+    elif isinstance(op, Capture):
+        src = {"free": "free", "global": "global", "closure": "closure", "attr": "attr"}[op.source_kind]
+        base = f" of {nm(op.base)}" if op.base is not None else ""
+        text = f"capture {src} {op.name!r}{base}"
+    else:
+        text = op.kind
+    return lhs + text + _loc_suffix(op.loc)
+
+
+def format_subgraph(sg, nm=None):
+    nm = nm or _Namer()
+    lines = [f"subgraph @{sg.name}({', '.join(nm(v) for v in sg.inputs)}):{_loc_suffix(sg.loc)}"]
+    for op in sg.ops:
+        lines.append("  " + _format_op(op, nm))
+    lines.append(f"  return {', '.join(nm(v) for v in sg.outputs)}")
+    text = "\n".join(lines)
+    nested = [s for op in sg.ops for s in op.subgraphs()]
+    for s in nested:
+        text += "\n\n" + format_subgraph(s, nm)
+    return text
+
+
+def format_program(program):
+    nm = _Namer()
+    parts = [f"# program, entry @{program.entry}"]
+    for sg in program.subgraphs.values():
+        parts.append(format_subgraph(sg, nm))
+    return "\n\n".join(parts) + "\n"
+
+
+# ----------------------------------------------------------------------------
+# DOT printer
+
+
+def _dot_escape(text):
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def format_dot(program):
+    """Graphviz DOT: one cluster per SubGraph, data edges inside, dashed edges to callees."""
+    nm = _Namer()
+    lines = ["digraph recompile {", "  compound=true;", "  node [shape=box, fontname=monospace, fontsize=10];"]
+    node_ids = {}
+    entry_node = {}
+    counter = itertools.count()
+
+    def node(label, shape="box"):
+        nid = f"n{next(counter)}"
+        lines.append(f'    {nid} [label="{_dot_escape(label)}", shape={shape}];')
+        return nid
+
+    later_edges = []
+    all_sgs = list(program.all_subgraphs())
+    for sg in all_sgs:
+        lines.append(f'  subgraph "cluster_{_dot_escape(sg.name)}" {{')
+        lines.append(f'    label="{_dot_escape(sg.name)}";')
+        entry = node(f"inputs({', '.join(nm(v) for v in sg.inputs)})", shape="ellipse")
+        entry_node[sg.name] = entry
+        for v in sg.inputs:
+            node_ids[v] = entry
+        for op in sg.ops:
+            nid = node(_format_op(op, nm))
+            for v in op.outputs:
+                node_ids[v] = nid
+            for operand in op.operands():
+                if isinstance(operand, Value) and operand in node_ids:
+                    later_edges.append(f"  {node_ids[operand]} -> {nid};")
+            if isinstance(op, Invoke):
+                later_edges.append(("call", nid, op.callee))
+            for s in op.subgraphs():
+                later_edges.append(("call", nid, s.name))
+        out = node(f"return {', '.join(nm(v) for v in sg.outputs)}", shape="ellipse")
+        for v in sg.outputs:
+            if isinstance(v, Value) and v in node_ids:
+                later_edges.append(f"  {node_ids[v]} -> {out};")
+        lines.append("  }")
+    for e in later_edges:
+        if isinstance(e, tuple):
+            _, src, callee = e
+            if callee in entry_node:
+                lines.append(f'  {src} -> {entry_node[callee]} [style=dashed, lhead="cluster_{_dot_escape(callee)}"];')
+        else:
+            lines.append(e)
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------
+# Copying
+
+
+def clone(sg, mapping=None):
+    """A deep copy of a SubGraph's structure: new Values and ops, the same constants.
+
+    Values defined outside ``sg`` (free values) stay as they are unless ``mapping``
+    maps them.
+    """
+    import copy as _copy
+
+    mapping = {} if mapping is None else mapping
+
+    def m(x):
+        return mapping.get(x, x) if isinstance(x, Value) else x
+
+    new = SubGraph(sg.name, [], sg.loc, sg.kind)
+    new.params = sg.params
+    for v in sg.inputs:
+        nv = Value(v.hint)
+        nv.is_self = v.is_self
+        mapping[v] = nv
+        new.inputs.append(nv)
+    for op in sg.ops:
+        nop = _copy.copy(op)
+        nop.outputs = []
+        for v in op.outputs:
+            nv = Value(v.hint, nop)
+            mapping[v] = nv
+            nop.outputs.append(nv)
+        nop.map_operands(m)
+        if isinstance(op, Cond):
+            nop.then_sg = clone(op.then_sg, mapping)
+            nop.else_sg = clone(op.else_sg, mapping)
+        elif isinstance(op, While):
+            nop.cond_sg = clone(op.cond_sg, mapping)
+            nop.body_sg = clone(op.body_sg, mapping)
+        new.ops.append(nop)
+    new.outputs = [m(v) for v in sg.outputs]
+    return new

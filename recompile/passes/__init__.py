@@ -1,0 +1,1 @@
+"""IR -> IR passes; ``pipeline.PASSES`` lists them in the order they run."""

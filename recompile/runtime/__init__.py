@@ -1,0 +1,1 @@
+"""Runs generated programs: the scheduler (frames off the Python stack) and Python-semantics helpers."""

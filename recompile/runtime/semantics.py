@@ -1,0 +1,127 @@
+"""Small functions that give generated code Python's own semantics.
+
+Each is what a piece of syntax does in plain Python (building a tuple,
+unpacking, raising, reading a global), written as a callable so that the IR
+can hold it as a ``Call``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import operator
+
+
+class _Undefined:
+    """The value of a variable that is not bound on this path (e.g. a loop target after zero iterations)."""
+
+    __slots__ = ()
+    _ir_name = "UNDEFINED"
+
+    def __repr__(self):
+        return "UNDEFINED"
+
+    def __bool__(self):
+        raise UnboundLocalError("an unbound variable was used")
+
+
+UNDEFINED = _Undefined()
+
+
+def check_bound(value, name):
+    if value is UNDEFINED:
+        raise UnboundLocalError(f"cannot access local variable '{name}' where it is not associated with a value")
+    return value
+
+
+def as_sequence(obj):
+    """What a ``for`` loop iterates, made indexable: sequences and tensors as they are, the rest listed."""
+    if isinstance(obj, (list, tuple, range, str)) or hasattr(obj, "__torch_function__"):
+        return obj
+    return tuple(obj)
+
+
+def build_tuple(*items):
+    return items
+
+
+def build_list(*items):
+    return list(items)
+
+
+def build_set(*items):
+    return set(items)
+
+
+def build_dict(*items):
+    """``{k: v, **m}`` from alternating keys and values; a key None merges the mapping after it."""
+    out = {}
+    for i in range(0, len(items), 2):
+        k, v = items[i], items[i + 1]
+        if k is None:
+            out.update(v)
+        else:
+            out[k] = v
+    return out
+
+
+def unpack(value, n):
+    """``a, b = value``: generated code unpacks the result; this keeps the op explicit in the IR."""
+    return value
+
+
+def raise_exception(exc=None, cause=None, has_cause=False):
+    if exc is None:
+        raise RuntimeError("No active exception to reraise")
+    if has_cause:
+        raise exc from cause
+    raise exc
+
+
+def format_value(value, conversion, spec):
+    if conversion == 115:  # !s
+        value = str(value)
+    elif conversion == 114:  # !r
+        value = repr(value)
+    elif conversion == 97:  # !a
+        value = ascii(value)
+    return format(value, spec)
+
+
+def join_str(*parts):
+    return "".join(parts)
+
+
+def read_global(namespace, name):
+    """A global read: the module's globals, then builtins, else NameError, as in Python."""
+    try:
+        return namespace[name]
+    except KeyError:
+        try:
+            return getattr(builtins, name)
+        except AttributeError:
+            raise NameError(f"name '{name}' is not defined") from None
+
+
+def read_cell(cell, name):
+    try:
+        return cell.cell_contents
+    except ValueError:
+        raise NameError(f"cannot access free variable '{name}' where it is not associated with a value "
+                        "in enclosing scope") from None
+
+
+def not_in(a, b):
+    return a not in b
+
+
+# Calls that read and build but change nothing: safe to move across a compiled call
+# when independent Invokes are grouped (codegen.plan).
+PURE = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
+    operator.pow, operator.matmul, operator.neg, operator.pos, operator.invert, operator.not_,
+    operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne, operator.is_,
+    operator.is_not, operator.contains, operator.getitem, operator.and_, operator.or_, operator.xor,
+    operator.lshift, operator.rshift, not_in,
+    getattr, len, isinstance, slice, range, int, float, bool, abs, min, max, tuple,
+    build_tuple, build_list, build_dict, build_set, unpack, check_bound, as_sequence, format_value, join_str,
+}
