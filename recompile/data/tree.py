@@ -178,10 +178,11 @@ class TreeBuilder:
 
 
 def _check_shapes(words, left, right, labels) -> None:
-    shapes = {name: list(t.shape) for name, t in
-              (("words", words), ("left", left), ("right", right), ("labels", labels))}
+    """Raise unless the four arrays are 1-D, non-empty and of one length."""
+    shapes = {"words": words.shape, "left": left.shape, "right": right.shape, "labels": labels.shape}
     n = words.shape[0] if words.dim() == 1 else None
-    if n is None or any(shape != [n] for shape in shapes.values()):
+    if n is None or any(shape != (n,) for shape in shapes.values()):
+        shapes = {name: list(shape) for name, shape in shapes.items()}
         raise ValueError(f"node arrays must be 1-D and of equal length, got shapes {shapes}")
     if n == 0:
         raise ValueError("a tree needs at least one node")

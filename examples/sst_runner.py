@@ -1,0 +1,91 @@
+"""Shared driver of the SST examples: data, training loop, progress, dev accuracy, --dump.
+
+Each example file defines its model (the interesting part: a plain recursive
+method compiled with ``@recompile.function``) and calls ``main(Model)``.
+A model's ``forward(tree)`` returns (summed loss over the tree's nodes,
+root logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+
+import torch
+
+import recompile
+from recompile.data import load_sst, sample_dir
+
+
+def parse_args(description, argv=None):
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--data", default=None,
+                   help="directory with train.txt/dev.txt/test.txt (default: the small sample shipped with recompile)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--limit", type=int, default=None, help="use at most this many training trees")
+    p.add_argument("--embed", type=int, default=300)
+    p.add_argument("--hidden", type=int, default=150)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dump", action="store_true", help="print the IR of the compiled encoder before training")
+    p.add_argument("--source", action="store_true", help="print the generated Python source before training")
+    return p.parse_args(argv)
+
+
+def progress(done, total, started, loss, width=30, stream=sys.stderr):
+    frac = done / max(total, 1)
+    bar = "#" * int(frac * width)
+    rate = done / max(time.perf_counter() - started, 1e-9)
+    stream.write(f"\r  [{bar:<{width}}] {done}/{total}  {rate:6.1f} trees/s  loss/node {loss:.4f}")
+    if done == total:
+        stream.write("\n")
+    stream.flush()
+
+
+def accuracy(model, trees):
+    correct = 0
+    with torch.no_grad():
+        for tree in trees:
+            _, logits = model(tree)
+            correct += int(logits.argmax().item() == int(tree.labels[tree.root]))
+    return correct / max(len(trees), 1)
+
+
+def main(model_cls, description, argv=None):
+    args = parse_args(description, argv)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    data_dir = args.data or sample_dir()
+    sst = load_sst(data_dir)
+    train = sst.train[: args.limit] if args.limit else sst.train
+    print(f"{model_cls.__name__}: {len(train)} train / {len(sst.dev)} dev trees from {data_dir}, "
+          f"vocabulary {len(sst.vocab)}")
+    model = model_cls(len(sst.vocab), embed=args.embed, hidden=args.hidden)
+    if args.dump:
+        print(recompile.dump(type(model).encode, stage="capture"))
+    if args.source:
+        print(type(model).encode.source())
+    opt = torch.optim.Adagrad(model.parameters(), lr=args.lr)
+    history = []
+    for epoch in range(1, args.epochs + 1):
+        order = list(range(len(train)))
+        random.shuffle(order)
+        total_loss, total_nodes, started = 0.0, 0, time.perf_counter()
+        print(f"epoch {epoch}")
+        for done, k in enumerate(order, 1):
+            tree = train[k]
+            loss, _ = model(tree)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total_loss += loss.item()
+            total_nodes += tree.num_nodes
+            if done % 25 == 0 or done == len(order):
+                progress(done, len(order), started, total_loss / total_nodes)
+        dev_acc = accuracy(model, sst.dev)
+        history.append((total_loss / total_nodes, dev_acc))
+        print(f"  train loss/node {total_loss / total_nodes:.4f}   dev root accuracy {dev_acc:.3f}")
+    print(f"build count of {model_cls.__name__}.encode: {type(model).encode.stats['builds']}")
+    return history

@@ -1,0 +1,43 @@
+"""Recursive neural network (Socher et al. 2011) on SST, written as a plain recursive method.
+
+    python examples/tree_rnn.py [--data DIR] [--epochs N] [--dump]
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import recompile
+
+
+class TreeRNN(nn.Module):
+    def __init__(self, vocab_size, embed=300, hidden=150, classes=5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, embed)
+        self.leaf = nn.Linear(embed, hidden)
+        self.compose = nn.Linear(2 * hidden, hidden)  # h = tanh(W [h_left; h_right] + b)
+        self.out = nn.Linear(hidden, classes)
+
+    @recompile.function
+    def encode(self, tree, i):
+        """(h, summed cross-entropy over the subtree rooted at node i)."""
+        if tree.is_leaf[i]:
+            h = torch.tanh(self.leaf(self.embed(tree.words[i])))
+            loss = 0.0
+        else:
+            hl, loss_l = self.encode(tree, tree.left[i])
+            hr, loss_r = self.encode(tree, tree.right[i])
+            h = torch.tanh(self.compose(torch.cat([hl, hr], dim=-1)))
+            loss = loss_l + loss_r
+        loss = loss + F.cross_entropy(self.out(h).unsqueeze(0), tree.labels[i].unsqueeze(0), reduction="sum")
+        return h, loss
+
+    def forward(self, tree):
+        h, loss = self.encode(tree, tree.root)
+        return loss, self.out(h)
+
+
+if __name__ == "__main__":
+    from sst_runner import main
+
+    main(TreeRNN, __doc__)
