@@ -103,28 +103,29 @@ class Canonicalizer:
         out = []
         for i, s in enumerate(stmts):
             new = self.stmt(s)
-            if always_jumps(new):
-                out.extend(new)
-                return out  # what follows is dead code
-            flags = self._may_set(new)
             rest = stmts[i + 1:]
-            if not flags or not rest:
-                out.extend(new)
-                continue
-            last = new[-1]
-            if isinstance(last, gast.If) and always_jumps(last.body):
-                last.orelse = last.orelse + self.block(rest)
-                out.extend(new)
-                return out
-            if isinstance(last, gast.If) and always_jumps(last.orelse):
-                last.body = last.body + self.block(rest)
-                out.extend(new)
+            if rest and (always_jumps(new) or self._may_set(new)):
+                out.extend(self._attach(new, rest))
                 return out
             out.extend(new)
-            guard = and_([not_(name(f, at=rest[0]), rest[0]) for f in sorted(flags)], rest[0])
-            out.append(_loc(gast.If(test=guard, body=self.block(rest), orelse=[]), rest[0]))
-            return out
         return out
+
+    def _attach(self, stmts, rest):
+        """``stmts`` (canonical, may jump) followed by ``rest`` (not yet canonical), run only if no jump."""
+        if always_jumps(stmts):
+            return stmts  # what follows is dead code
+        flags = self._may_set(stmts)
+        if not flags:
+            return stmts + self.block(rest)
+        last = stmts[-1]
+        if isinstance(last, gast.If) and always_jumps(last.body):
+            last.orelse = self._attach(last.orelse, rest)
+            return stmts
+        if isinstance(last, gast.If) and always_jumps(last.orelse):
+            last.body = self._attach(last.body, rest)
+            return stmts
+        guard = and_([not_(name(f, at=rest[0]), rest[0]) for f in sorted(flags)], rest[0])
+        return stmts + [_loc(gast.If(test=guard, body=self.block(rest), orelse=[]), rest[0])]
 
     def _active_flags(self):
         flags = {RETFLAG}
