@@ -82,7 +82,14 @@ class FunctionBuild:
     def __init__(self, cf, owner):
         self.cf = cf
         self.owner = owner
-        frontend_sg = convert(cf._parsed, cf.ir_name, owner, _callee_of)
+        def callee_of(obj, owner_of_call):
+            # the plain function referring to itself by name is recursion too: calling the
+            # compiled version gives the same results, and runs off the Python stack
+            if obj is cf.python:
+                return cf.callee(owner_of_call)
+            return _callee_of(obj, owner_of_call)
+
+        frontend_sg = convert(cf._parsed, cf.ir_name, owner, callee_of)
         self.stages = run_passes(frontend_sg, cf._parsed)
         self.code = generate(self.stages[STAGES[-1]])
         cf.stats["builds"] += 1

@@ -478,11 +478,21 @@ class Converter:
             invoke = self._invoke(node, *resolved)
             if invoke is not None:
                 return invoke
+        if self._is_zero_arg_super(node):
+            # super() finds its class and instance from the calling frame, which is generated
+            # code here: pass them explicitly, as Python does implicitly
+            cls = self.emit(ir.Capture(self.loc(node), "__class__")).output
+            return self.call(node, self.load("super", node), [cls, self.load(self.p.params[0], node)], hint="super")
         fn = self.expr(node.func)
         args, star = self._elements(node.args)
         kwargs = [(k.arg, self.expr(k.value)) for k in node.keywords]
         hint = node.func.attr if isinstance(node.func, gast.Attribute) else getattr(node.func, "id", "")
         return self.call(node, fn, args, kwargs, star, hint=hint)
+
+    def _is_zero_arg_super(self, node):
+        return (isinstance(node.func, gast.Name) and node.func.id == "super" and not node.args
+                and not node.keywords and "super" not in self.locals and "__class__" in self.p.freevars
+                and bool(self.p.params))
 
     def _compiled_callee(self, func):
         """(handle, prefix operands) when ``func`` names a compiled function at build time."""
