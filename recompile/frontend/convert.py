@@ -239,6 +239,10 @@ class Converter:
             self.call(s, sem.raise_exception, [exc, self.expr(s.cause), ir.Const(True)], n_outputs=0)
 
     def stmt_If(self, s):
+        if isinstance(s.test, gast.Constant):
+            # a literal predicate (`if True:`, `if 0:`) is decided now: only its branch exists
+            self.block(s.body if s.test.value else s.orelse)
+            return
         pred = self.expr(s.test)
         assigned = [n for n in _stored_names(s.body + s.orelse) if n in self.locals]
         branches = []
