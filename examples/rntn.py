@@ -6,13 +6,13 @@
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import recompile
+from sst_runner import SentimentModel, main
 
 
-class RNTN(nn.Module):
+class RNTN(SentimentModel):
     def __init__(self, vocab_size, embed=300, hidden=150, classes=5):
         super().__init__()
         hidden = min(hidden, 50)  # the tensor has hidden * (2 hidden)^2 entries; keep it as in the paper's d
@@ -35,15 +35,9 @@ class RNTN(nn.Module):
             bilinear = torch.einsum("i,kij,j->k", x, self.V, x)
             h = torch.tanh(bilinear + self.W(x))
             loss = loss_l + loss_r
-        loss = loss + F.cross_entropy(self.out(h).unsqueeze(0), tree.labels[i].unsqueeze(0), reduction="sum")
+        loss = loss + self.node_loss(h, tree.labels[i])
         return h, loss
-
-    def forward(self, tree):
-        h, loss = self.encode(tree, tree.root)
-        return loss, self.out(h)
 
 
 if __name__ == "__main__":
-    from sst_runner import main
-
     main(RNTN, __doc__)

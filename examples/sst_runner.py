@@ -14,9 +14,26 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import recompile
 from recompile.data import load_sst, sample_dir
+
+
+class SentimentModel(nn.Module):
+    """What the SST models share: a classifier ``self.out`` over node states, and the loss at a node.
+
+    ``encode(tree, i)`` returns a tuple whose first item is the node's hidden
+    state and whose last is the summed loss over its subtree.
+    """
+
+    def node_loss(self, h, label):
+        return F.cross_entropy(self.out(h).unsqueeze(0), label.unsqueeze(0), reduction="sum")
+
+    def forward(self, tree):
+        state = self.encode(tree, tree.root)
+        return state[-1], self.out(state[0])
 
 
 def parse_args(description, argv=None):

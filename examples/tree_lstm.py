@@ -5,13 +5,13 @@
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import recompile
+from sst_runner import SentimentModel, main
 
 
-class TreeLSTM(nn.Module):
+class TreeLSTM(SentimentModel):
     def __init__(self, vocab_size, embed=300, hidden=150, classes=5):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, embed)
@@ -34,15 +34,9 @@ class TreeLSTM(nn.Module):
             c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cl + torch.sigmoid(fr) * cr
             loss = loss_l + loss_r
         h = torch.sigmoid(og) * torch.tanh(c)
-        loss = loss + F.cross_entropy(self.out(h).unsqueeze(0), tree.labels[i].unsqueeze(0), reduction="sum")
+        loss = loss + self.node_loss(h, tree.labels[i])
         return h, c, loss
-
-    def forward(self, tree):
-        h, _, loss = self.encode(tree, tree.root)
-        return loss, self.out(h)
 
 
 if __name__ == "__main__":
-    from sst_runner import main
-
     main(TreeLSTM, __doc__)

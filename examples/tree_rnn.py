@@ -4,13 +4,13 @@
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import recompile
+from sst_runner import SentimentModel, main
 
 
-class TreeRNN(nn.Module):
+class TreeRNN(SentimentModel):
     def __init__(self, vocab_size, embed=300, hidden=150, classes=5):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, embed)
@@ -29,15 +29,9 @@ class TreeRNN(nn.Module):
             hr, loss_r = self.encode(tree, tree.right[i])
             h = torch.tanh(self.compose(torch.cat([hl, hr], dim=-1)))
             loss = loss_l + loss_r
-        loss = loss + F.cross_entropy(self.out(h).unsqueeze(0), tree.labels[i].unsqueeze(0), reduction="sum")
+        loss = loss + self.node_loss(h, tree.labels[i])
         return h, loss
-
-    def forward(self, tree):
-        h, loss = self.encode(tree, tree.root)
-        return loss, self.out(h)
 
 
 if __name__ == "__main__":
-    from sst_runner import main
-
     main(TreeRNN, __doc__)
