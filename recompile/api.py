@@ -110,6 +110,21 @@ class Callee:
         self.qualname = cf.__qualname__
         self.filename = cf._parsed.filename
         self._code = None
+        self.ready = False  # this function and every function it may invoke are built
+
+    def prepare(self):
+        """Build everything this function may invoke, so that a CompileError comes before anything runs."""
+        seen = set()
+        pending = [self]
+        while pending:
+            handle = pending.pop()
+            if handle in seen:
+                continue
+            seen.add(handle)
+            build = handle.build
+            for sg in build.stages[STAGES[-1]].walk():
+                pending.extend(op.target for op in sg.ops if isinstance(op, ir.Invoke))
+        self.ready = True
 
     @property
     def build(self):
@@ -177,7 +192,10 @@ class CompiledFunction:
 
     def _run(self, owner, args, kwargs):
         bound = self._binder(*args, **kwargs)
-        result, run_stats = scheduler.run(self.callee(owner), bound)
+        callee = self.callee(owner)
+        if not callee.ready:
+            callee.prepare()
+        result, run_stats = scheduler.run(callee, bound)
         self.stats.record_call(run_stats)
         return result
 

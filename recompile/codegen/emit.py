@@ -97,7 +97,7 @@ class _FunctionEmitter:
             name = base
             n = 1
             while (name in self.used or keyword.iskeyword(name) or hasattr(builtins, name)
-                   or name.startswith("_rc_")):
+                   or name.startswith("_rc_") or name in self.gen.fn_names):
                 n += 1
                 name = f"{base}_{n}"
             self.used.add(name)
@@ -248,6 +248,7 @@ class _Generator:
                 name = f"{base}_{n}"
             used.add(name)
             self.fn_name[s] = name
+        self.fn_names = set(self.fn_name.values())
         self.generators = set()
         for s in reversed(self.sgs):  # inner SubGraphs first
             if any(isinstance(op, ir.Invoke) or any(x in self.generators for x in op.subgraphs())
