@@ -6,7 +6,7 @@ AST -> AST, before conversion to the IR:
 - ``break`` / ``continue`` become flags that the loop condition and guards read.
 - statements after one that may jump are guarded by ``if not <flags>:`` —
   or, when one branch of an ``if`` always jumps, moved into the other branch.
-- ``for target in xs`` becomes an index loop over ``as_sequence(xs)``.
+- ``for target in xs`` becomes an index loop over ``as_sequence(xs)`` while ``has_index(seq, i)``.
 - ``assert`` becomes ``if not test: raise AssertionError(msg)``.
 
 Flag assignments that stand for a jump carry ``_jump = True`` so the converter
@@ -21,7 +21,7 @@ RETVAL = "__retval"
 RETFLAG = "__returned"
 # internal names the converter binds to runtime helpers, whatever the user calls len etc.
 AS_SEQUENCE = "__as_sequence"
-LEN = "__builtin_len"
+HAS_INDEX = "__has_index"
 ASSERTION_ERROR = "__AssertionError"
 
 
@@ -183,11 +183,10 @@ class Canonicalizer:
     def stmt_For(self, s):
         self.counter += 1
         n = self.counter
-        seq, length, idx = f"__seq{n}", f"__len{n}", f"__idx{n}"
+        seq, idx = f"__seq{n}", f"__idx{n}"
         as_seq = _loc(gast.Call(func=name(AS_SEQUENCE, at=s.iter), args=[s.iter], keywords=[]), s.iter)
-        length_call = _loc(gast.Call(func=name(LEN, at=s), args=[name(seq, at=s)], keywords=[]), s)
-        prelude = [assign(seq, as_seq, s), assign(length, length_call, s), assign(idx, const(0, s), s)]
-        test = _loc(gast.Compare(left=name(idx, at=s), ops=[gast.Lt()], comparators=[name(length, at=s)]), s)
+        prelude = [assign(seq, as_seq, s), assign(idx, const(0, s), s)]
+        test = _loc(gast.Call(func=name(HAS_INDEX, at=s), args=[name(seq, at=s), name(idx, at=s)], keywords=[]), s)
         item = _loc(gast.Subscript(value=name(seq, at=s), slice=name(idx, at=s), ctx=gast.Load()), s.target)
         bind = _loc(gast.Assign(targets=[s.target], value=item, type_comment=None), s.target)
         step = assign(idx, _loc(gast.BinOp(left=name(idx, at=s), op=gast.Add(), right=const(1, s)), s), s)

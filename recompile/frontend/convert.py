@@ -44,7 +44,7 @@ COMPARE = {
     gast.Eq: operator.eq, gast.NotEq: operator.ne, gast.Is: operator.is_, gast.IsNot: operator.is_not,
     gast.NotIn: sem.not_in,
 }
-INTERNAL = {canon.AS_SEQUENCE: sem.as_sequence, canon.LEN: len, canon.ASSERTION_ERROR: AssertionError}
+INTERNAL = {canon.AS_SEQUENCE: sem.as_sequence, canon.HAS_INDEX: sem.has_index, canon.ASSERTION_ERROR: AssertionError}
 
 
 class Binding:

@@ -34,10 +34,41 @@ def check_bound(value, name):
 
 
 def as_sequence(obj):
-    """What a ``for`` loop iterates, made indexable: sequences and tensors as they are, the rest listed."""
+    """What a ``for`` loop iterates, made indexable: sequences and tensors as they are, other iterables
+    wrapped so that items are drawn from the iterator only as the loop reaches them."""
     if isinstance(obj, (list, tuple, range, str)) or hasattr(obj, "__torch_function__"):
         return obj
-    return tuple(obj)
+    return DrawnSequence(iter(obj))
+
+
+class DrawnSequence:
+    """The items of an iterator, drawn on demand and kept (a loop over a generator or ``zip``)."""
+
+    __slots__ = ("_it", "_items", "_done")
+
+    def __init__(self, iterator):
+        self._it = iterator
+        self._items = []
+        self._done = False
+
+    def has(self, i):
+        while len(self._items) <= i and not self._done:
+            try:
+                self._items.append(next(self._it))
+            except StopIteration:
+                self._done = True
+        return i < len(self._items)
+
+    def __getitem__(self, i):
+        return self._items[i]
+
+
+def has_index(seq, i):
+    """The test of a lowered ``for``: is there an item at position i? (A list's length is read each
+    time, so items appended during the loop are visited, as in Python.)"""
+    if type(seq) is DrawnSequence:
+        return seq.has(i)
+    return i < len(seq)
 
 
 def build_tuple(*items):
@@ -123,5 +154,6 @@ PURE = {
     operator.is_not, operator.contains, operator.getitem, operator.and_, operator.or_, operator.xor,
     operator.lshift, operator.rshift, not_in,
     getattr, len, isinstance, slice, range, int, float, bool, abs, min, max, tuple,
-    build_tuple, build_list, build_dict, build_set, unpack, check_bound, as_sequence, format_value, join_str,
+    build_tuple, build_list, build_dict, build_set, unpack, check_bound, as_sequence, has_index, format_value,
+    join_str,
 }
