@@ -10,6 +10,7 @@ from . import ir
 from .codegen import generate
 from .errors import CompileError
 from .frontend import convert, parse_function, validate
+from .passes.effects import invoke_may_mutate
 from .passes.pipeline import STAGES, run_passes
 from .runtime import scheduler
 
@@ -71,7 +72,6 @@ class Stats(dict):
 
     def record_call(self, run_stats):
         with self._lock:
-            self["calls"] += 1
             self["frames"] += run_stats.frames
             self["max_depth"] = max(self["max_depth"], run_stats.max_depth)
 
@@ -91,8 +91,17 @@ class FunctionBuild:
 
         frontend_sg = convert(cf._parsed, cf.ir_name, owner, callee_of)
         self.stages = run_passes(frontend_sg, cf._parsed)
-        self.code = generate(self.stages[STAGES[-1]])
+        self._code = None
         cf.stats["builds"] += 1
+
+    @property
+    def code(self):
+        # generated on first use: grouping calls needs the callees' programs, which for mutual
+        # recursion can only be converted once this build exists
+        if self._code is None:
+            final = STAGES[-1]
+            self._code = generate(self.stages[final], lambda invoke: invoke_may_mutate(invoke, final))
+        return self._code
 
 
 class Callee:
@@ -188,13 +197,17 @@ class CompiledFunction:
     # -- calling
 
     def __call__(self, *args, **kwargs):
-        return self._run(None, args, kwargs)
+        # a method called through its class (Class.method(obj, ...)) runs the program of obj's class
+        owner = type(args[0]) if self._owner is not None and args and isinstance(args[0], self._owner) else None
+        return self._run(owner, args, kwargs)
 
     def _run(self, owner, args, kwargs):
         bound = self._binder(*args, **kwargs)
         callee = self.callee(owner)
         if not callee.ready:
             callee.prepare()
+        with self.stats._lock:
+            self.stats["calls"] += 1  # failed calls count too
         result, run_stats = scheduler.run(callee, bound)
         self.stats.record_call(run_stats)
         return result

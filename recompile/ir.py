@@ -380,6 +380,7 @@ def format_dot(program):
             if isinstance(v, Value) and v in node_ids:
                 later_edges.append(f"  {node_ids[v]} -> {out};")
         lines.append("  }")
+    later_edges = list(dict.fromkeys(later_edges))  # an op reading one value twice draws one edge
     for e in later_edges:
         if isinstance(e, tuple):
             _, src, callee = e

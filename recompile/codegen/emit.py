@@ -213,7 +213,7 @@ class _FunctionEmitter:
 
     def function(self, sg):
         body = []
-        for item in plan(sg.ops):
+        for item in plan(sg.ops, self.gen.may_mutate):
             if isinstance(item, list):
                 body.append(self.invoke_group(item))
             else:
@@ -235,15 +235,16 @@ class _FunctionEmitter:
 
 
 class _Generator:
-    def __init__(self, sg):
+    def __init__(self, sg, may_mutate):
         self.root = sg
+        self.may_mutate = may_mutate
         self.sgs = list(sg.walk())
         self.fn_name = {}
         used = set()
         for s in self.sgs:
             base = re.sub(r"\W", "_", s.name)
             name, n = base, 1
-            while name in used:
+            while name in used or hasattr(builtins, name) or keyword.iskeyword(name):
                 n += 1
                 name = f"{base}_{n}"
             used.add(name)
@@ -287,9 +288,12 @@ def _place(tree, original):
     return line_map
 
 
-def generate(sg):
-    """Compile the function SubGraph ``sg`` (with its nested SubGraphs)."""
-    gen = _Generator(sg)
+def generate(sg, may_mutate=lambda invoke: False):
+    """Compile the function SubGraph ``sg`` (with its nested SubGraphs).
+
+    ``may_mutate(invoke)`` tells whether a compiled call may change state (see codegen.plan).
+    """
+    gen = _Generator(sg, may_mutate)
     module = _Module()
     defs = [_FunctionEmitter(module, gen).function(s) for s in gen.sgs]
     tree = ast.Module(body=defs, type_ignores=[])

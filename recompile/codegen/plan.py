@@ -5,7 +5,9 @@ nothing the group produces joins it. In between, a pure op that does not use
 the group's results is hoisted before the group (it computes the next call's
 arguments: ``tree.right[i]``); a pure op that does use them waits until after
 the group; anything else (a side effect, control flow) closes the group, so
-the order of side effects is the user's.
+the order of side effects is the user's. Only ops between the group's first
+and last Invoke move, and none moves across a call that may mutate state
+(``passes.effects``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def _pure(op):
     return False
 
 
-def plan(ops):
+def plan(ops, may_mutate=lambda invoke: False):
     """A list whose items are ops, or lists of Invoke ops issued together."""
     out = []
     i = 0
@@ -37,6 +39,8 @@ def plan(ops):
             continue
         group, hoisted, deferred = [op], [], []
         tainted = set(op.outputs)
+        movable = not may_mutate(op)  # may ops after the members so far move above them?
+        last = i  # index of the group's last Invoke: only ops before it move
         j = i + 1
         while j < len(ops):
             o = ops[j]
@@ -44,6 +48,10 @@ def plan(ops):
             if isinstance(o, ir.Invoke) and not depends:
                 group.append(o)
                 tainted.update(o.outputs)
+                movable = movable and not may_mutate(o)
+                last = j
+            elif not movable:
+                break
             elif _pure(o) and depends:
                 deferred.append(o)
                 tainted.update(o.outputs)
@@ -52,9 +60,9 @@ def plan(ops):
             else:
                 break
             j += 1
-        # deferred pure ops past the last Invoke of the group go back after it, in order
-        out.extend(hoisted)
+        between = set(map(id, ops[i + 1:last]))
+        out.extend(o for o in hoisted if id(o) in between)
         out.append(group)
-        out.extend(deferred)
-        i = j
+        out.extend(o for o in deferred if id(o) in between)
+        i = last + 1
     return out

@@ -96,6 +96,8 @@ def _next_request(frame, stack, stats):
             stack.append(child)
             return
         # a callee that never invokes runs to completion at once
+        if frame.depth + 1 > stats.max_depth:
+            stats.max_depth = frame.depth + 1
         try:
             frame.results.append(code.entry(*args))
         except BaseException as exc:

@@ -1,0 +1,65 @@
+"""Which compiled functions may change state their caller can see (an analysis, not a rewrite).
+
+Codegen groups independent Invokes and computes the arguments of a whole group
+before its first call runs. That is only the same as Python when the earlier
+calls do not mutate what those arguments read, so a call whose program may
+mutate (``obj.attr = v``, ``xs[i] = v``, ``x += y``, ``xs.append(v)``,
+``t.add_(v)``, ... anywhere in it or in what it invokes) keeps its place.
+Calls of undecorated helpers are taken as not mutating what the caller reads.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from .. import ir
+
+MUTATING_CALLS = frozenset({
+    setattr, delattr, operator.setitem, operator.delitem,
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+    operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+    operator.irshift, operator.iconcat,
+})
+MUTATING_METHODS = frozenset({
+    "append", "extend", "insert", "pop", "remove", "clear", "update", "add", "discard", "setdefault",
+    "popitem", "sort", "reverse", "put", "write", "send", "__setitem__", "__delitem__", "__setattr__",
+    "__iadd__", "__imul__",
+})
+
+
+def op_mutates(op):
+    """True when ``op`` itself may change an object in place."""
+    if not isinstance(op, ir.Call):
+        return False
+    fn = op.fn
+    if isinstance(fn, ir.Const):
+        try:
+            return fn.value in MUTATING_CALLS
+        except TypeError:  # unhashable callable
+            return False
+    producer = fn.op
+    if (isinstance(producer, ir.Call) and isinstance(producer.fn, ir.Const) and producer.fn.value is getattr
+            and isinstance(producer.args[1], ir.Const)):
+        name = producer.args[1].value
+        return name in MUTATING_METHODS or (name.endswith("_") and not name.endswith("__"))
+    return False
+
+
+def subgraph_mutates(sg):
+    return any(op_mutates(op) for s in sg.walk() for op in s.ops)
+
+
+def invoke_may_mutate(invoke, stage):
+    """Whether the program an Invoke runs — its callee and all it may invoke — may mutate state."""
+    seen = set()
+    pending = [invoke.target]
+    while pending:
+        handle = pending.pop()
+        if handle in seen:
+            continue
+        seen.add(handle)
+        sg = handle.build.stages[stage]
+        if subgraph_mutates(sg):
+            return True
+        pending.extend(op.target for s in sg.walk() for op in s.ops if isinstance(op, ir.Invoke))
+    return False
