@@ -57,11 +57,6 @@ class Location:
         self.lineno = lineno
         self.col = col
 
-    def short(self):
-        import os
-
-        return f"{os.path.basename(self.filename)}:{self.lineno}"
-
     def __repr__(self):
         return f"{self.filename}:{self.lineno}:{self.col}"
 

@@ -239,9 +239,6 @@ class Program:
         self.entry = entry
         self.subgraphs = dict(subgraphs)  # name -> function SubGraph
 
-    def functions(self):
-        return list(self.subgraphs.values())
-
     def all_subgraphs(self):
         for sg in self.subgraphs.values():
             yield from sg.walk()

@@ -29,15 +29,6 @@ class Frame:
         self.inbox = None
         self.depth = 0 if parent is None else parent.depth + 1
 
-    def key(self):
-        """The invocation path: call sites from the root (the value-cache key of later passes)."""
-        path = []
-        f = self
-        while f.parent is not None:
-            path.append(id(f.site))
-            f = f.parent
-        return tuple(reversed(path))
-
 
 class RunStats:
     __slots__ = ("frames", "max_depth")
