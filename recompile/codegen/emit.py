@@ -37,7 +37,7 @@ _COMPARE = {
     operator.ne: ast.NotEq, operator.is_: ast.Is, operator.is_not: ast.IsNot, sem.not_in: ast.NotIn,
 }
 _UNARY = {operator.neg: ast.USub, operator.pos: ast.UAdd, operator.invert: ast.Invert, operator.not_: ast.Not}
-_LITERALS = (int, str, bool, bytes, type(None))
+_LITERALS = {int, str, bool, bytes, type(None)}  # exact types: a subclass (an IntEnum) prints otherwise
 
 
 class GeneratedCode:
@@ -108,7 +108,7 @@ class _FunctionEmitter:
         if isinstance(operand, ir.Value):
             return ast.Name(id=self.var(operand), ctx=ast.Load())
         value = operand.value
-        if isinstance(value, _LITERALS) or (isinstance(value, float) and math.isfinite(value)):
+        if type(value) in _LITERALS or (type(value) is float and math.isfinite(value)):
             return ast.Constant(value=value)
         if _is_builtin(value):
             return ast.Name(id=value.__name__, ctx=ast.Load())
@@ -119,8 +119,11 @@ class _FunctionEmitter:
             return [ast.Name(id=self.var(outputs[0]), ctx=ast.Store())]
         return [ast.Tuple(elts=[ast.Name(id=self.var(v), ctx=ast.Store()) for v in outputs], ctx=ast.Store())]
 
-    def assign(self, outputs, value, loc):
-        if not outputs:
+    def assign(self, outputs, value, loc, unpack=False):
+        if unpack:  # `a, = v` unpacks even a single target
+            targets = [ast.Tuple(elts=[ast.Name(id=self.var(v), ctx=ast.Store()) for v in outputs], ctx=ast.Store())]
+            stmt = ast.Assign(targets=targets, value=value)
+        elif not outputs:
             stmt = ast.Expr(value=value)
         else:
             stmt = ast.Assign(targets=self.store_targets(outputs), value=value)
@@ -192,7 +195,8 @@ class _FunctionEmitter:
 
     def op_stmts(self, op):
         if isinstance(op, ir.Call):
-            return [self.assign(op.outputs, self.call_expr(op), op.loc)]
+            unpack = isinstance(op.fn, ir.Const) and op.fn.value is sem.unpack
+            return [self.assign(op.outputs, self.call_expr(op), op.loc, unpack)]
         if isinstance(op, ir.Capture):
             return [self.assign(op.outputs, self.capture_expr(op), op.loc)]
         if isinstance(op, ir.Cond):

@@ -243,7 +243,7 @@ class Converter:
             # a literal predicate (`if True:`, `if 0:`) is decided now: only its branch exists
             self.block(s.body if s.test.value else s.orelse)
             return
-        pred = self.expr(s.test)
+        pred = self.test(s.test)
         assigned = [n for n in _stored_names(s.body + s.orelse) if n in self.locals]
         branches = []
         sgs = self.new_subgraphs("if", s, ("then", "else"))
@@ -309,7 +309,7 @@ class Converter:
         body_sg.inputs = [ir.Value(n) for n in carried]
 
         def build_cond():
-            cond_sg.outputs = [self.expr(s.test)]
+            cond_sg.outputs = [self.test(s.test)]
 
         self.inside(cond_sg, entry_env(cond_sg), build_cond)
         body_env = entry_env(body_sg)
@@ -411,8 +411,31 @@ class Converter:
         return self.emit(ir.Cond(self.loc(node), pred, sgs[0], sgs[1], [], 1)).output
 
     def expr_IfExp(self, node):
-        pred = self.expr(node.test)
+        pred = self.test(node.test)
         return self.cond_value(node, "ifexp", pred, lambda: self.expr(node.body), lambda: self.expr(node.orelse))
+
+    def test(self, node):
+        """A predicate: like expr, but ``and``/``or``/``not``/chained comparisons may give a plain bool
+        instead of an operand's value, so that each operand's truth is taken exactly once, as Python's
+        ``if a and b:`` does."""
+        if isinstance(node, gast.BoolOp):
+            is_and = isinstance(node.op, gast.And)
+            kind = "and" if is_and else "or"
+
+            def chain(values):
+                first = self.test(values[0])
+                if len(values) == 1:
+                    return first
+                rest = lambda: chain(values[1:])  # noqa: E731
+                decided = lambda: ir.Const(not is_and)  # noqa: E731
+                return self.cond_value(node, kind, first, *((rest, decided) if is_and else (decided, rest)))
+
+            return chain(node.values)
+        if isinstance(node, gast.UnaryOp) and isinstance(node.op, gast.Not):
+            return self.call(node, operator.not_, [self.test(node.operand)])
+        if isinstance(node, gast.Compare) and len(node.ops) > 1:
+            return self.expr_Compare(node, if_false=lambda result: ir.Const(False))
+        return self.expr(node)
 
     def expr_BoolOp(self, node):
         kind = "and" if isinstance(node.op, gast.And) else "or"
@@ -434,14 +457,14 @@ class Converter:
             return self.call(node, operator.contains, [right, left])
         return self.call(node, COMPARE[type(op)], [left, right])
 
-    def expr_Compare(self, node):
+    def expr_Compare(self, node, if_false=lambda result: result):
         def chain(left, i):
             right = self.expr(node.comparators[i])
             result = self._compare_one(node, node.ops[i], left, right)
             if i + 1 == len(node.ops):
                 return result
             # a < b < c: the next comparison runs only when this one holds, and b is evaluated once
-            return self.cond_value(node, "compare", result, lambda: chain(right, i + 1), lambda: result)
+            return self.cond_value(node, "compare", result, lambda: chain(right, i + 1), lambda: if_false(result))
 
         return chain(self.expr(node.left), 0)
 

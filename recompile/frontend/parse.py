@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import textwrap
 
 import gast
 
@@ -30,16 +29,12 @@ class ParsedFunction:
                         getattr(node, "col_offset", 0) + 1)
 
 
-def _shift_positions(tree, line_delta, col_delta):
+def _shift_lines(tree, delta):
     for node in gast.walk(tree):
-        if hasattr(node, "lineno") and node.lineno is not None:
-            node.lineno += line_delta
+        if getattr(node, "lineno", None) is not None:
+            node.lineno += delta
             if getattr(node, "end_lineno", None) is not None:
-                node.end_lineno += line_delta
-            if getattr(node, "col_offset", None) is not None:
-                node.col_offset += col_delta
-            if getattr(node, "end_col_offset", None) is not None:
-                node.end_col_offset += col_delta
+                node.end_lineno += delta
 
 
 def parse_function(fn):
@@ -51,11 +46,16 @@ def parse_function(fn):
         raise CompileError(f"cannot read the source of {fn.__qualname__}: {exc}",
                            filename, fn.__code__.co_firstlineno, 1, "source") from None
     source = "".join(lines)
-    dedented = textwrap.dedent(source)
-    indent = len(lines[0]) - len(lines[0].lstrip()) if dedented != source else 0
-    tree = gast.parse(dedented)
-    _shift_positions(tree, start - 1, indent)
-    node = tree.body[0]
+    if lines[0][:1] in (" ", "\t"):
+        # a method or nested function: parse it inside an `if 1:` so that its lines and columns stay as
+        # they are in the file (dedenting would break on multi-line strings)
+        tree = gast.parse("if 1:\n" + source)
+        _shift_lines(tree, start - 2)
+        node = tree.body[0].body[0]
+    else:
+        tree = gast.parse(source)
+        _shift_lines(tree, start - 1)
+        node = tree.body[0]
     if isinstance(node, gast.AsyncFunctionDef):
         raise CompileError("async def is not supported in a compiled function",
                            filename, node.lineno, node.col_offset + 1, "async def")

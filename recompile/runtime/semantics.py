@@ -10,6 +10,8 @@ from __future__ import annotations
 import builtins
 import operator
 
+import torch
+
 
 class _Undefined:
     """The value of a variable that is not bound on this path (e.g. a loop target after zero iterations)."""
@@ -36,9 +38,18 @@ def check_bound(value, name):
 def as_sequence(obj):
     """What a ``for`` loop iterates, made indexable: sequences and tensors as they are, other iterables
     wrapped so that items are drawn from the iterator only as the loop reaches them."""
-    if isinstance(obj, (list, tuple, range, str)) or hasattr(obj, "__torch_function__"):
+    kind = type(obj)
+    if kind in _INDEXABLE:
+        return obj
+    if isinstance(obj, torch.Tensor) and kind.__iter__ is torch.Tensor.__iter__:
+        if obj.dim() == 0:
+            raise TypeError("iteration over a 0-d tensor")
         return obj
     return DrawnSequence(iter(obj))
+
+
+# exactly these types iterate as their indexing says; subclasses may define __iter__ otherwise
+_INDEXABLE = (list, tuple, range, str)
 
 
 class DrawnSequence:
