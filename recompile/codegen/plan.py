@@ -45,7 +45,8 @@ def plan(ops, may_mutate=lambda invoke: False):
         while j < len(ops):
             o = ops[j]
             depends = any(isinstance(x, ir.Value) and x in tainted for x in o.operands())
-            if isinstance(o, ir.Invoke) and not depends:
+            if isinstance(o, ir.Invoke) and not depends and not (deferred and may_mutate(o)):
+                # (ops waiting for the group run after all of it: not after a call that may mutate)
                 group.append(o)
                 tainted.update(o.outputs)
                 movable = movable and not may_mutate(o)

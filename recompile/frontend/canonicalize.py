@@ -118,14 +118,19 @@ class Canonicalizer:
         if not flags:
             return stmts + self.block(rest)
         last = stmts[-1]
-        if isinstance(last, gast.If) and always_jumps(last.body):
+        # when only the last statement, an if, may jump, what follows can go into its branch that
+        # does not jump (no flag test needed); flags set earlier need the guard
+        alone = isinstance(last, gast.If) and not self._may_set(stmts[:-1])
+        if alone and always_jumps(last.body):
             last.orelse = self._attach(last.orelse, rest)
             return stmts
-        if isinstance(last, gast.If) and always_jumps(last.orelse):
+        if alone and always_jumps(last.orelse):
             last.body = self._attach(last.body, rest)
             return stmts
-        guard = and_([not_(name(f, at=rest[0]), rest[0]) for f in sorted(flags)], rest[0])
-        return stmts + [_loc(gast.If(test=guard, body=self.block(rest), orelse=[]), rest[0])]
+        test = and_([not_(name(f, at=rest[0]), rest[0]) for f in sorted(flags)], rest[0])
+        guard = _loc(gast.If(test=test, body=self.block(rest), orelse=[]), rest[0])
+        guard._guard = True  # its (empty) else runs only after a jump
+        return stmts + [guard]
 
     def _active_flags(self):
         flags = {RETFLAG}
@@ -178,6 +183,10 @@ class Canonicalizer:
         return [_loc(gast.If(test=not_(s.test, s), body=[raise_], orelse=[]), s)]
 
     def stmt_While(self, s):
+        if not s.orelse and any(isinstance(n, gast.NamedExpr) for n in gast.walk(s.test)):
+            # `while (v := f()) ...:` binds v for the body: test inside the body instead
+            stop = _loc(gast.If(test=not_(s.test, s.test), body=[_loc(gast.Break(), s.test)], orelse=[]), s.test)
+            return self._loop(s, const(True, s), [stop] + s.body, [], prelude=[], header=[], for_targets=())
         return self._loop(s, s.test, s.body, s.orelse, prelude=[], header=[], for_targets=())
 
     def stmt_For(self, s):

@@ -9,7 +9,9 @@ here; the capture pass makes those reads explicit inputs.
 
 Variables are tracked in an environment of bindings, each DEF (bound),
 MAYBE (bound on every path that can reach a read, or UNDEFINED — checked when
-read) or POISON (unbound on some path: reading it is a CompileError).
+read), POISON (unbound after an if on some path: reading it is a CompileError)
+or LOOPLOCAL (bound only inside a loop body: reading it after the loop is a
+CompileError, but a later branch that binds it too makes it MAYBE).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .. import ir
 from ..runtime import semantics as sem
 from . import canonicalize as canon
 
-DEF, MAYBE, POISON = "def", "maybe", "poison"
+DEF, MAYBE, POISON, LOOPLOCAL = "def", "maybe", "poison", "looplocal"
 
 BINOPS = {
     gast.Add: operator.add, gast.Sub: operator.sub, gast.Mult: operator.mul, gast.Div: operator.truediv,
@@ -141,6 +143,13 @@ class Converter:
         finally:
             self.sg, self.env = saved
 
+    def mangle(self, attr):
+        """``self.__x`` in a method of class C reads ``_C__x``, as Python compiles it."""
+        cls = self.p.class_name()
+        if cls and attr.startswith("__") and not attr.endswith("__") and cls.strip("_"):
+            return f"_{cls.lstrip('_')}{attr}"
+        return attr
+
     # -- variables
 
     def load(self, ident, node):
@@ -154,7 +163,7 @@ class Converter:
                 value = self.call(node, sem.check_bound, [b.value, ir.Const(ident)], hint=ident)
                 self.env[ident] = Binding(value)
                 return value
-            raise self.loc(node).error(b.reason, "variable")
+            raise self.loc(node).error(b.reason, "variable")  # POISON, LOOPLOCAL
         if ident in self.locals:
             raise self.loc(node).error(f"local variable '{ident}' is used before it is assigned", "variable")
         return self.emit(ir.Capture(self.loc(node), ident)).output
@@ -172,7 +181,7 @@ class Converter:
                 self.store(elt, v)
         elif isinstance(target, gast.Attribute):
             obj = self.expr(target.value)
-            self.call(target, setattr, [obj, ir.Const(target.attr), value], n_outputs=0)
+            self.call(target, setattr, [obj, ir.Const(self.mangle(target.attr)), value], n_outputs=0)
         elif isinstance(target, gast.Subscript):
             obj = self.expr(target.value)
             idx = self.expr(target.slice)
@@ -208,9 +217,10 @@ class Converter:
             self.store(t, self.call(s, fn, [cur, self.expr(s.value)], hint=t.id), s)
         elif isinstance(t, gast.Attribute):
             obj = self.expr(t.value)
-            cur = self.call(t, getattr, [obj, ir.Const(t.attr)], hint=t.attr)
+            attr = ir.Const(self.mangle(t.attr))
+            cur = self.call(t, getattr, [obj, attr], hint=t.attr)
             new = self.call(s, fn, [cur, self.expr(s.value)], hint=t.attr)
-            self.call(s, setattr, [obj, ir.Const(t.attr), new], n_outputs=0)
+            self.call(s, setattr, [obj, attr, new], n_outputs=0)
         elif isinstance(t, gast.Subscript):
             obj = self.expr(t.value)
             idx = self.expr(t.slice)
@@ -250,29 +260,62 @@ class Converter:
         for sg, body in zip(sgs, (s.body, s.orelse)):
             env = dict(self.env)
             jumped = self.inside(sg, env, lambda: self.block(body))
-            branches.append((sg, env, jumped))
-        (then_sg, then_env, then_jumped), (else_sg, else_env, else_jumped) = branches
+            branches.append((env, jumped))
+        # the empty else of a guard that canonicalize put after a jump is reached only by jumping
+        branches[1] = (branches[1][0], branches[1][1] or getattr(s, "_guard", False))
         outs, states = [], []
         for name in assigned:
             before = self.env.get(name)
-            bt, be = then_env.get(name), else_env.get(name)
-            if before is not None and bt is before and be is before:
+            sides = [(env.get(name), jumped) for env, jumped in branches]
+            if before is not None and all(b is before for b, _ in sides):
                 continue  # not changed on either path
-            ok_t = (bt is not None and bt.state != POISON) or then_jumped
-            ok_e = (be is not None and be.state != POISON) or else_jumped
-            if ok_t and ok_e:
-                outs.append(name)
-                exact = all(b is not None and b.state == DEF for b in (bt, be))
-                states.append(DEF if exact else MAYBE)
-            else:
+            state = self._merge(name, sides, s)
+            if state == POISON:
                 self.env[name] = Binding(None, POISON, f"variable '{name}' is assigned only in one branch of the "
                                                        f"if at line {s.lineno} and used after it; assign it before "
                                                        f"the if or in both branches")
-        for sg, env in ((then_sg, then_env), (else_sg, else_env)):
+            elif state is not None:
+                outs.append(name)
+                states.append(state)
+        for sg, (env, _) in zip(sgs, branches):
             sg.outputs = [self._value_of(env.get(n)) for n in outs]
-        op = self.emit(ir.Cond(self.loc(s), pred, then_sg, else_sg, [], len(outs), outs))
+        op = self.emit(ir.Cond(self.loc(s), pred, sgs[0], sgs[1], [], len(outs), outs))
         for name, value, state in zip(outs, op.outputs, states):
-            self.env[name] = Binding(value, state)
+            self.env[name] = Binding(value, state, self._loop_reason(name, branches))
+
+    @staticmethod
+    def _merge(name, sides, node):
+        """State of ``name`` after a branch point whose sides end with these (binding, jumped) pairs.
+
+        None: bound on no side (leave it). A side that jumped does not count: code after the branch
+        point is not reached from it.
+        """
+        kinds = []
+        for b, jumped in sides:
+            if b is not None and b.state in (DEF, MAYBE):
+                kinds.append(b.state)  # bound: its value is good whether or not the side jumped
+            elif jumped:
+                kinds.append("jump")
+            else:
+                kinds.append("none" if b is None or b.state == POISON else b.state)
+        if "none" in kinds:
+            return POISON
+        real = [k for k in kinds if k != "jump"]
+        if not real:
+            return None if all(b is None or b.state == POISON for b, _ in sides) else MAYBE
+        if all(k == LOOPLOCAL for k in real):
+            return LOOPLOCAL
+        if all(k == DEF for k in real) and "jump" not in kinds:
+            return DEF
+        return MAYBE
+
+    @staticmethod
+    def _loop_reason(name, branches):
+        for env, _ in branches:
+            b = env.get(name)
+            if b is not None and b.state == LOOPLOCAL:
+                return b.reason
+        return None
 
     @staticmethod
     def _value_of(binding):
@@ -282,15 +325,18 @@ class Converter:
 
     def stmt_While(self, s):
         for_targets = getattr(s, "_for_targets", ())
-        assigned = [n for n in _stored_names(s.body) if n in self.locals]
-        carried = [n for n in assigned
-                   if (n in self.env and self.env[n].state != POISON) or n in for_targets]
+        # every name the body binds is carried: a value from an earlier iteration may be read
+        # (checked when read, like the first iteration of a name bound only in the body)
+        carried = [n for n in _stored_names(s.body) if n in self.locals]
         init, init_states = [], []
         for n in carried:
             b = self.env.get(n)
-            if b is not None and b.state != POISON:
+            if b is not None and b.state in (DEF, MAYBE):
                 init.append(b.value)
                 init_states.append(b.state)
+            elif b is not None and b.state == LOOPLOCAL:
+                init.append(b.value)
+                init_states.append(MAYBE)
             else:
                 init.append(ir.Const(sem.UNDEFINED))
                 init_states.append(MAYBE)
@@ -299,9 +345,6 @@ class Converter:
             env = dict(self.env)
             for n, v, st in zip(carried, sg.inputs, init_states):
                 env[n] = Binding(v, st)
-            for n in assigned:
-                if n not in carried:
-                    env.pop(n, None)
             return env
 
         cond_sg, body_sg = self.new_subgraphs("while", s, ("cond", "body"))
@@ -314,17 +357,18 @@ class Converter:
         self.inside(cond_sg, entry_env(cond_sg), build_cond)
         body_env = entry_env(body_sg)
         self.inside(body_sg, body_env, lambda: self.block(s.body))
-        end_states = []
-        for n in carried:
-            b = body_env.get(n)
-            end_states.append(DEF if b is not None and b.state == DEF else MAYBE)
         body_sg.outputs = [self._value_of(body_env.get(n)) for n in carried]
         op = self.emit(ir.While(self.loc(s), cond_sg, body_sg, init, (), carried))
-        for n, v, st0, st1 in zip(carried, op.outputs, init_states, end_states):
-            self.env[n] = Binding(v, DEF if (st0 == DEF and st1 == DEF) else MAYBE)
-        for n in assigned:
-            if n not in carried:
-                self.env[n] = Binding(None, POISON, f"variable '{n}' is assigned only inside the loop body at line "
+        for n, v, st0 in zip(carried, op.outputs, init_states):
+            end = body_env.get(n)
+            before = self.env.get(n)
+            if before is not None and before.state in (DEF, MAYBE):
+                state = DEF if (st0 == DEF and end is not None and end.state == DEF) else MAYBE
+                self.env[n] = Binding(v, state)
+            elif n in for_targets:
+                self.env[n] = Binding(v, MAYBE)  # the loop variable keeps its last value (unbound if no pass)
+            else:
+                self.env[n] = Binding(v, LOOPLOCAL, f"variable '{n}' is assigned only inside the loop body at line "
                                                     f"{s.lineno} and used after the loop; assign it before the loop")
 
     # -- expressions
@@ -343,7 +387,7 @@ class Converter:
         return self.load(node.id, node)
 
     def expr_Attribute(self, node):
-        return self.call(node, getattr, [self.expr(node.value), ir.Const(node.attr)], hint=node.attr)
+        return self.call(node, getattr, [self.expr(node.value), ir.Const(self.mangle(node.attr))], hint=node.attr)
 
     def expr_Subscript(self, node):
         return self.call(node, operator.getitem, [self.expr(node.value), self.expr(node.slice)])
@@ -382,7 +426,7 @@ class Converter:
     def expr_Dict(self, node):
         items = []
         for k, v in zip(node.keys, node.values):
-            items.append(self.expr(k) if k is not None else ir.Const(None))
+            items.append(self.expr(k) if k is not None else ir.Const(sem.MERGE))
             items.append(self.expr(v))
         return self.call(node, sem.build_dict, items)
 
@@ -405,10 +449,29 @@ class Converter:
     # conditional expressions: each becomes a Cond with one output
 
     def cond_value(self, node, kind, pred, then_build, else_build):
+        """The value of ``then_build()`` if pred else ``else_build()``, as a Cond op.
+
+        Names bound by ``:=`` inside the branches are outputs too: bound after the Cond where both
+        sides bind them, checked when read where only one does (as in Python).
+        """
         sgs = self.new_subgraphs(kind, node, ("then", "else"))
+        envs = []
         for sg, build in zip(sgs, (then_build, else_build)):
-            sg.outputs = [self.inside(sg, dict(self.env), build)]
-        return self.emit(ir.Cond(self.loc(node), pred, sgs[0], sgs[1], [], 1)).output
+            env = dict(self.env)
+            sg.outputs = [self.inside(sg, env, build)]
+            envs.append(env)
+        walrus = [n for n in _stored_names(node) if n in self.locals
+                  and any(env.get(n) is not self.env.get(n) for env in envs)]
+        states = []
+        for n in walrus:
+            sides = [env.get(n) for env in envs]
+            states.append(DEF if all(b is not None and b.state == DEF for b in sides) else MAYBE)
+            for sg, b in zip(sgs, sides):
+                sg.outputs.append(self._value_of(b))
+        op = self.emit(ir.Cond(self.loc(node), pred, sgs[0], sgs[1], [], 1 + len(walrus), ("",) + tuple(walrus)))
+        for n, v, st in zip(walrus, op.outputs[1:], states):
+            self.env[n] = Binding(v, st)
+        return op.output
 
     def expr_IfExp(self, node):
         pred = self.test(node.test)
@@ -483,7 +546,9 @@ class Converter:
         lowering = canon.Canonicalizer()
         lowering.counter = 100000 * self.comprehensions  # keep its synthetic names apart from the function's
         stmts = lowering.block(stmts)
-        scoped = _stored_names(stmts)
+        # the comprehension's own names (targets, synthetic); a walrus inside binds in the function
+        scoped = [n for gen in node.generators for n in _stored_names(gen.target)]
+        scoped += [n for n in _stored_names(stmts) if n.startswith("__")]
         saved = {n: self.env.get(n) for n in scoped}
         saved_locals = set(self.locals)
         self.locals |= set(scoped)
@@ -541,7 +606,7 @@ class Converter:
             if b is None or b.state != DEF or not getattr(b.value, "is_self", False):
                 return None  # `self` was rebound
             try:
-                obj = inspect.getattr_static(self.owner, func.attr)
+                obj = inspect.getattr_static(self.owner, self.mangle(func.attr))
             except AttributeError:
                 return None
             handle = self.callee_of(obj, self.owner)

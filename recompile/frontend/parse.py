@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import inspect
+import linecache
 
 import gast
 
-from ..errors import CompileError
+from ..errors import CompileError, Location
 
 
 class ParsedFunction:
@@ -23,10 +24,17 @@ class ParsedFunction:
         self.params = list(self.signature.parameters)
 
     def loc(self, node):
-        from ..errors import Location
+        lineno = getattr(node, "lineno", None) or self.node.lineno
+        col = getattr(node, "col_offset", None) or 0
+        line = linecache.getline(self.filename, lineno)
+        if line:  # the AST counts UTF-8 bytes; a caret counts characters
+            col = len(line.encode("utf-8")[:col].decode("utf-8", errors="ignore"))
+        return Location(self.filename, lineno, col + 1)
 
-        return Location(self.filename, getattr(node, "lineno", self.node.lineno),
-                        getattr(node, "col_offset", 0) + 1)
+    def class_name(self):
+        """The class a method is defined in, from its qualname (for private-name mangling), or None."""
+        parts = self.fn.__qualname__.split(".")
+        return parts[-2] if len(parts) >= 2 and parts[-2] != "<locals>" else None
 
 
 def _shift_lines(tree, delta):
@@ -39,9 +47,12 @@ def _shift_lines(tree, delta):
 
 def parse_function(fn):
     """Parse ``fn``'s source; raise CompileError where it cannot be had."""
-    filename = inspect.getsourcefile(fn) or fn.__code__.co_filename
+    # the source of this very function: a functools.wraps wrapper is compiled as the wrapper,
+    # not as the function it wraps (inspect would follow __wrapped__)
+    code = fn.__code__
+    filename = inspect.getsourcefile(code) or code.co_filename
     try:
-        lines, start = inspect.getsourcelines(fn)
+        lines, start = inspect.getsourcelines(code)
     except (OSError, TypeError) as exc:
         raise CompileError(f"cannot read the source of {fn.__qualname__}: {exc}",
                            filename, fn.__code__.co_firstlineno, 1, "source") from None

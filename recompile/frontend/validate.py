@@ -39,16 +39,23 @@ for _name in ("TryStar", "Match", "TypeAlias"):
         _REFUSED[getattr(gast, _name)] = (_name.lower(), f"{_name.lower()} is not supported in a compiled function")
 
 
+# builtins that read the caller's frame when called with at most this many arguments
+_FRAME_READERS = {"locals": 0, "vars": 0, "dir": 0, "eval": 1, "exec": 1}
+
+
 def validate(parsed):
     """Raise CompileError at the first construct outside the subset."""
-    fdef = parsed.node
-    for node in _walk_in_order(fdef):
-        if node is fdef:
-            continue
+    # only the body is compiled: decorators and defaults ran, as Python, when the def did
+    for node in (n for stmt in parsed.node.body for n in _walk_in_order(stmt)):
         refused = _REFUSED.get(type(node))
         if refused:
             construct, message = refused
             raise parsed.loc(node).error(message, construct)
+        if (isinstance(node, gast.Call) and isinstance(node.func, gast.Name) and node.func.id in _FRAME_READERS
+                and len(node.args) + len(node.keywords) <= _FRAME_READERS[node.func.id]):
+            raise parsed.loc(node).error(f"{node.func.id}() reads the calling frame's variables, which a compiled "
+                                         f"function does not have; pass what it needs explicitly",
+                                         node.func.id + "()")
         if isinstance(node, (gast.Tuple, gast.List)) and isinstance(node.ctx, gast.Store):
             for elt in node.elts:
                 if isinstance(elt, gast.Starred):

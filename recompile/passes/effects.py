@@ -10,6 +10,7 @@ Calls of undecorated helpers are taken as not mutating what the caller reads.
 
 from __future__ import annotations
 
+import builtins
 import operator
 
 from .. import ir
@@ -27,22 +28,47 @@ MUTATING_METHODS = frozenset({
 })
 
 
+def _mutating_callable(value):
+    try:
+        return value in MUTATING_CALLS
+    except TypeError:  # unhashable callable
+        return False
+
+
+def _mutating_method(name):
+    return isinstance(name, str) and (name in MUTATING_METHODS or (name.endswith("_") and not name.endswith("__")))
+
+
 def op_mutates(op):
     """True when ``op`` itself may change an object in place."""
     if not isinstance(op, ir.Call):
         return False
     fn = op.fn
     if isinstance(fn, ir.Const):
-        try:
-            return fn.value in MUTATING_CALLS
-        except TypeError:  # unhashable callable
-            return False
+        return _mutating_callable(fn.value)
     producer = fn.op
     if (isinstance(producer, ir.Call) and isinstance(producer.fn, ir.Const) and producer.fn.value is getattr
             and isinstance(producer.args[1], ir.Const)):
-        name = producer.args[1].value
-        return name in MUTATING_METHODS or (name.endswith("_") and not name.endswith("__"))
+        return _mutating_method(producer.args[1].value)  # obj.append(...)
+    if isinstance(producer, ir.Capture):
+        if producer.source_kind == "attr":
+            return _mutating_method(producer.source)  # self.append(...) in a list subclass
+        return _mutating_callable(_current_value(producer))  # setattr(...) read as a builtin
     return False
+
+
+def _current_value(capture):
+    """What a global or closure Capture reads now (at build time); None when unbound."""
+    if capture.source_kind == "closure":
+        try:
+            return capture.source.cell_contents
+        except ValueError:
+            return None
+    if capture.source_kind == "global":
+        if capture.name in capture.source:
+            return capture.source[capture.name]
+        return getattr(builtins, capture.name, None)
+    return None
 
 
 def subgraph_mutates(sg):

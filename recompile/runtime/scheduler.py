@@ -66,7 +66,10 @@ def run(callee, args):
             _next_request(parent, stack, stats)
             continue
         except BaseException as exc:
-            _fail(exc, stack)
+            original = _unwrap_stop_iteration(exc)
+            _fail(original, stack)
+            if original is not exc:
+                raise original from None
             raise
         frame.inbox = None
         frame.requests = requests
@@ -103,6 +106,14 @@ class _Leaf:
 
     def __init__(self, callee, parent, site):
         self.callee, self.parent, self.site, self.gen = callee, parent, site, None
+
+
+def _unwrap_stop_iteration(exc):
+    """The StopIteration that Python (PEP 479) turned into RuntimeError as it left a generated generator."""
+    if (type(exc) is RuntimeError and isinstance(exc.__cause__, StopIteration)
+            and str(exc) == "generator raised StopIteration"):
+        return exc.__cause__
+    return exc
 
 
 def _fail(exc, stack):

@@ -94,12 +94,24 @@ def build_set(*items):
     return set(items)
 
 
+class _Merge:
+    """Marks ``**mapping`` among the keys given to build_dict."""
+
+    _ir_name = "MERGE"
+
+    def __repr__(self):
+        return "MERGE"
+
+
+MERGE = _Merge()
+
+
 def build_dict(*items):
-    """``{k: v, **m}`` from alternating keys and values; a key None merges the mapping after it."""
+    """``{k: v, **m}`` from alternating keys and values; the key MERGE merges the mapping after it."""
     out = {}
     for i in range(0, len(items), 2):
         k, v = items[i], items[i + 1]
-        if k is None:
+        if k is MERGE:
             out.update(v)
         else:
             out[k] = v
@@ -113,7 +125,7 @@ def unpack(value, n):
 
 def raise_exception(exc=None, cause=None, has_cause=False):
     if exc is None:
-        raise RuntimeError("No active exception to reraise")
+        raise  # re-raise the exception being handled, as a bare raise does (RuntimeError if none)
     if has_cause:
         raise exc from cause
     raise exc
