@@ -567,14 +567,22 @@ class Converter:
     def expr_Call(self, node):
         resolved = self._compiled_callee(node.func)
         if resolved is not None:
-            invoke = self._invoke(node, *resolved)
-            if invoke is not None:
-                return invoke
+            handle, prefix = resolved
+            self._refuse_star_args(node)
+            if self._binds(node, handle, len(prefix)):
+                args, kwargs = self._call_args(node)
+                return self._invoke(node, handle, prefix + args, kwargs)
+            # a wrong call: run it as an ordinary call, which raises Python's TypeError
+        method = self._method_of_owner(node.func)
+        if method is not None and not self._has_star_args(node) and self._binds(node, method, 1):
+            return self._dispatch(node, method)
         if self._is_zero_arg_super(node):
             # super() finds its class and instance from the calling frame, which is generated
             # code here: pass them explicitly, as Python does implicitly
             cls = self.emit(ir.Capture(self.loc(node), "__class__")).output
             return self.call(node, self.load("super", node), [cls, self.load(self.p.params[0], node)], hint="super")
+        if self._is_globals(node):
+            return ir.Const(self.p.globals)  # the function's module, not the generated code's
         fn = self.expr(node.func)
         args, star = self._elements(node.args)
         kwargs = [(k.arg, self.expr(k.value)) for k in node.keywords]
@@ -586,48 +594,102 @@ class Converter:
                 and not node.keywords and "super" not in self.locals and "__class__" in self.p.freevars
                 and bool(self.p.params))
 
+    def _is_globals(self, node):
+        return (isinstance(node.func, gast.Name) and node.func.id == "globals" and not node.args
+                and not node.keywords and "globals" not in self.locals and "globals" not in self.p.globals
+                and "globals" not in self.p.freevars)
+
+    def _self_value(self):
+        """The bound instance of a method, unless the code rebound its name."""
+        if self.self_name is None:
+            return None
+        b = self.env.get(self.self_name)
+        if b is None or b.state != DEF or not getattr(b.value, "is_self", False):
+            return None
+        return b.value
+
     def _compiled_callee(self, func):
         """(handle, prefix operands) when ``func`` names a compiled function at build time."""
-        if isinstance(func, gast.Name) and func.id not in self.locals and func.id not in INTERNAL:
-            if func.id in self.p.freevars:
-                try:
-                    obj = self.p.freevars[func.id].cell_contents
-                except ValueError:
-                    return None
-            elif func.id in self.p.globals:
-                obj = self.p.globals[func.id]
-            else:
-                return None
-            handle = self.callee_of(obj, None)
-            return (handle, []) if handle is not None else None
-        if (isinstance(func, gast.Attribute) and isinstance(func.value, gast.Name)
-                and self.self_name is not None and func.value.id == self.self_name):
-            b = self.env.get(self.self_name)
-            if b is None or b.state != DEF or not getattr(b.value, "is_self", False):
-                return None  # `self` was rebound
+        if isinstance(func, gast.Name) and func.id == self.self_name and self._self_value() is not None:
+            func_name, on_self = "__call__", True  # self(...) of a class with a compiled __call__
+        elif (isinstance(func, gast.Attribute) and isinstance(func.value, gast.Name)
+              and func.value.id == self.self_name and self._self_value() is not None):
+            func_name, on_self = self.mangle(func.attr), True
+        elif isinstance(func, gast.Name) and func.id not in self.locals and func.id not in INTERNAL:
+            func_name, on_self = func.id, False
+        else:
+            return None
+        if on_self:
             try:
-                obj = inspect.getattr_static(self.owner, self.mangle(func.attr))
+                obj = inspect.getattr_static(self.owner, func_name)
             except AttributeError:
                 return None
             handle = self.callee_of(obj, self.owner)
-            return (handle, [b.value]) if handle is not None else None
-        return None
+            return (handle, [self._self_value()]) if handle is not None else None
+        if func_name in self.p.freevars:
+            try:
+                obj = self.p.freevars[func_name].cell_contents
+            except ValueError:
+                return None
+        elif func_name in self.p.globals:
+            obj = self.p.globals[func_name]
+        else:
+            return None
+        handle = self.callee_of(obj, None)
+        return (handle, []) if handle is not None else None
 
-    def _invoke(self, node, handle, prefix):
+    def _method_of_owner(self, func):
+        """For ``x.m(...)`` in a method of class C whose ``m`` is compiled: the handle of C.m."""
+        if self.owner is None or not isinstance(func, gast.Attribute):
+            return None
+        try:
+            obj = inspect.getattr_static(self.owner, self.mangle(func.attr))
+        except AttributeError:
+            return None
+        return self.callee_of(obj, self.owner)
+
+    def _dispatch(self, node, handle):
+        """``x.m(...)``: an Invoke of C.m when x is exactly a C (a tree of C objects recursing through
+        its children runs in the frame tree), else the ordinary method call."""
+        obj = self.expr(node.func.value)
+        args, kwargs = self._call_args(node)
+        is_owner = self.call(node, sem.is_exactly, [obj, ir.Const(self.owner)])
+
+        def ordinary():
+            method = self.call(node, getattr, [obj, ir.Const(self.mangle(node.func.attr))], hint=node.func.attr)
+            return self.call(node, method, args, list(kwargs.items()), hint=node.func.attr)
+
+        return self.cond_value(node, "dispatch", is_owner, lambda: self._invoke(node, handle, [obj] + args, kwargs),
+                               ordinary)
+
+    @staticmethod
+    def _has_star_args(node):
+        return any(isinstance(a, gast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords)
+
+    def _refuse_star_args(self, node):
         for a in node.args:
             if isinstance(a, gast.Starred):
                 raise self.loc(a).error("star-args (*args) in a call of a compiled function are not supported; "
                                         "pass the arguments one by one", "star-args")
         for k in node.keywords:
             if k.arg is None:
-                raise self.loc(k.value).error("**kwargs in a call of a compiled function are not supported; "
-                                              "pass keyword arguments one by one", "star-args")
+                raise self.loc(k).error("**kwargs in a call of a compiled function are not supported; "
+                                        "pass keyword arguments one by one", "star-args")
+
+    @staticmethod
+    def _binds(node, handle, n_prefix):
+        """Whether the call's arguments fit the compiled function's signature."""
         try:
-            handle.signature.bind(*prefix, *node.args, **{k.arg: k.value for k in node.keywords})
+            handle.signature.bind(*([None] * n_prefix), *node.args, **{k.arg: k.value for k in node.keywords})
         except TypeError:
-            return None  # a wrong call: run it as an ordinary call, which raises Python's TypeError
-        args = prefix + [self.expr(a) for a in node.args]
-        kwargs = {k.arg: self.expr(k.value) for k in node.keywords}
+            return False
+        return True
+
+    def _call_args(self, node):
+        return [self.expr(a) for a in node.args], {k.arg: self.expr(k.value) for k in node.keywords}
+
+    def _invoke(self, node, handle, args, kwargs):
+        """An Invoke of ``handle`` with evaluated operands, bound to its parameters as Python binds them."""
         bound = handle.signature.bind(*args, **kwargs)
         bound.apply_defaults()
         operands = []

@@ -164,6 +164,10 @@ def read_cell(cell, name):
                         "in enclosing scope") from None
 
 
+def is_exactly(obj, cls):
+    return type(obj) is cls
+
+
 def not_in(a, b):
     return a not in b
 
@@ -176,7 +180,7 @@ PURE = {
     operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne, operator.is_,
     operator.is_not, operator.contains, operator.getitem, operator.and_, operator.or_, operator.xor,
     operator.lshift, operator.rshift, not_in,
-    getattr, len, isinstance, slice, range, int, float, bool, abs, min, max, tuple,
+    is_exactly, getattr, len, isinstance, slice, range, int, float, bool, abs, min, max, tuple,
     build_tuple, build_list, build_dict, build_set, unpack, check_bound, as_sequence, has_index, format_value,
     join_str,
 }
