@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import types
 
 from . import ir
 from .codegen import generate
@@ -33,7 +34,7 @@ def _make_binder(fn):
     Calling it binds arguments exactly as Python does (defaults, keywords) and
     raises Python's own TypeError for a wrong call.
     """
-    sig = inspect.signature(fn)
+    sig = inspect.signature(fn, follow_wrapped=False)
     parts, names, star_done = [], [], False
     params = list(sig.parameters.values())
     for i, p in enumerate(params):
@@ -215,7 +216,19 @@ class CompiledFunction:
     def __get__(self, instance, owner=None):
         if instance is None:
             return self
-        return BoundCompiledFunction(self, instance)
+        if self._owner is None:  # assigned to a class after it was created: no __set_name__ call
+            self._owner = type(instance)
+        return types.MethodType(self, instance)
+
+    # like a function, a compiled function is shared by copies and pickled by reference
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return self.__qualname__
 
     # -- inspecting
 
@@ -252,25 +265,6 @@ class CompiledFunction:
 
     def __repr__(self):
         return f"<recompile.function {self.__qualname__} mode={self.mode}>"
-
-
-class BoundCompiledFunction:
-    """A CompiledFunction bound to an instance (what ``obj.method`` gives)."""
-
-    __slots__ = ("__func__", "__self__")
-
-    def __init__(self, cf, instance):
-        self.__func__ = cf
-        self.__self__ = instance
-
-    def __call__(self, *args, **kwargs):
-        return self.__func__._run(type(self.__self__), (self.__self__, *args), kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.__func__, name)
-
-    def __repr__(self):
-        return f"<bound recompile.function {self.__func__.__qualname__} of {self.__self__!r}>"
 
 
 def function(fn=None, **options):

@@ -11,7 +11,9 @@ from torch import nn
 
 import recompile
 from recompile import ir
-from recompile.api import BoundCompiledFunction, CompiledFunction
+import types
+
+from recompile.api import CompiledFunction
 
 # ---------------------------------------------------------------------------
 # functions under test
@@ -228,15 +230,31 @@ def test_signature_is_the_original():
 def test_method_bound_through_the_descriptor():
     m = ApiCompiled()
     bound = m.depth
-    assert isinstance(bound, BoundCompiledFunction)
+    assert isinstance(bound, types.MethodType)  # a method like any other: signature, ==, pickling
     assert bound.__self__ is m
     assert bound.__func__ is ApiCompiled.__dict__["depth"]
     assert ApiCompiled.depth is ApiCompiled.__dict__["depth"]  # from the class: the function itself
+    assert bound == m.depth
+    assert list(inspect.signature(bound).parameters) == list(inspect.signature(ApiPlain().depth).parameters)
     x = torch.randn(4, 3)
     p = ApiPlain()
     for n in (0, 1, 3):
         assert torch.equal(m.depth(x, n), p.depth(x, n))
     assert ApiCompiled.depth.stats["builds"] == 1
+
+
+@recompile.function
+def api_plain_fn_compiled(x):
+    return x + 1
+
+
+def test_copies_share_and_pickle_finds_the_compiled_function():
+    import copy
+    import pickle
+
+    assert copy.copy(api_plain_fn_compiled) is api_plain_fn_compiled
+    assert copy.deepcopy({"f": api_plain_fn_compiled})["f"] is api_plain_fn_compiled
+    assert pickle.loads(pickle.dumps(api_plain_fn_compiled)) is api_plain_fn_compiled
 
 
 def test_method_decorated_in_class_body():

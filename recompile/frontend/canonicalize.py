@@ -186,7 +186,9 @@ class Canonicalizer:
         if not s.orelse and any(isinstance(n, gast.NamedExpr) for n in gast.walk(s.test)):
             # `while (v := f()) ...:` binds v for the body: test inside the body instead
             stop = _loc(gast.If(test=not_(s.test, s.test), body=[_loc(gast.Break(), s.test)], orelse=[]), s.test)
-            return self._loop(s, const(True, s), [stop] + s.body, [], prelude=[], header=[], for_targets=())
+            bound = [n.target.id for n in gast.walk(s.test) if isinstance(n, gast.NamedExpr)]
+            # like a for target, what the test binds is bound after the loop (the test ran at least once)
+            return self._loop(s, const(True, s), [stop] + s.body, [], prelude=[], header=[], for_targets=bound)
         return self._loop(s, s.test, s.body, s.orelse, prelude=[], header=[], for_targets=())
 
     def stmt_For(self, s):

@@ -20,7 +20,7 @@ class ParsedFunction:
         self.globals = fn.__globals__
         code = fn.__code__
         self.freevars = dict(zip(code.co_freevars, fn.__closure__ or ()))
-        self.signature = inspect.signature(fn)
+        self.signature = inspect.signature(fn, follow_wrapped=False)
         self.params = list(self.signature.parameters)
 
     def loc(self, node):
