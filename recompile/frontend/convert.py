@@ -400,7 +400,11 @@ class Converter:
         return self.call(node, BINOPS[type(node.op)], [self.expr(node.left), self.expr(node.right)])
 
     def expr_UnaryOp(self, node):
-        return self.call(node, UNARY[type(node.op)], [self.expr(node.operand)])
+        fn = UNARY[type(node.op)]
+        if (isinstance(node.operand, gast.Constant) and type(node.operand.value) in (int, float, complex)
+                and fn in (operator.neg, operator.pos)):
+            return ir.Const(fn(node.operand.value))  # -1 is a constant, as Python folds it
+        return self.call(node, fn, [self.expr(node.operand)])
 
     def _elements(self, elts):
         args, star = [], []
