@@ -71,7 +71,15 @@ class Stats(dict):
         super().__init__(builds=0, calls=0, frames=0, max_depth=0)
         self._lock = threading.Lock()
 
-    def record_call(self, run_stats):
+    def record_build(self):
+        with self._lock:
+            self["builds"] += 1
+
+    def record_start(self):
+        with self._lock:
+            self["calls"] += 1  # failed calls count too
+
+    def record_run(self, run_stats):
         with self._lock:
             self["frames"] += run_stats.frames
             self["max_depth"] = max(self["max_depth"], run_stats.max_depth)
@@ -93,15 +101,18 @@ class FunctionBuild:
         frontend_sg = convert(cf._parsed, cf.ir_name, owner, callee_of)
         self.stages = run_passes(frontend_sg, cf._parsed)
         self._code = None
-        cf.stats["builds"] += 1
+        self._code_lock = threading.Lock()
+        cf.stats.record_build()
 
     @property
     def code(self):
         # generated on first use: grouping calls needs the callees' programs, which for mutual
         # recursion can only be converted once this build exists
         if self._code is None:
-            final = STAGES[-1]
-            self._code = generate(self.stages[final], lambda invoke: invoke_may_mutate(invoke, final))
+            with self._code_lock:
+                if self._code is None:
+                    final = STAGES[-1]
+                    self._code = generate(self.stages[final], lambda invoke: invoke_may_mutate(invoke, final))
         return self._code
 
 
@@ -181,9 +192,8 @@ class CompiledFunction:
 
     def callee(self, owner):
         handle = self._callees.get(owner)
-        if handle is None:
-            with self._lock:
-                handle = self._callees.setdefault(owner, Callee(self, owner))
+        if handle is None:  # no lock: a build holding one may ask for a handle (mutual recursion)
+            handle = self._callees.setdefault(owner, Callee(self, owner))
         return handle
 
     def _build_for(self, owner):
@@ -207,10 +217,9 @@ class CompiledFunction:
         callee = self.callee(owner)
         if not callee.ready:
             callee.prepare()
-        with self.stats._lock:
-            self.stats["calls"] += 1  # failed calls count too
+        self.stats.record_start()
         result, run_stats = scheduler.run(callee, bound)
-        self.stats.record_call(run_stats)
+        self.stats.record_run(run_stats)
         return result
 
     def __get__(self, instance, owner=None):

@@ -39,7 +39,7 @@ class RunStats:
 
 
 def run(callee, args):
-    """Run compiled function ``callee`` (a handle with .entry, .entry_is_generator) on bound ``args``.
+    """Run compiled function ``callee`` (a handle whose ``.code`` is its GeneratedCode) on bound ``args``.
 
     Returns (result, RunStats).
     """
@@ -58,19 +58,22 @@ def run(callee, args):
         try:
             requests = frame.gen.send(frame.inbox)
         except StopIteration as stop:
-            stack.pop()
-            if not stack:
-                return stop.value, stats
-            parent = stack[-1]
-            parent.results.append(stop.value)
-            _next_request(parent, stack, stats)
-            continue
+            result = stop.value
+            requests = None
         except BaseException as exc:
-            original = _unwrap_stop_iteration(exc)
+            original = _unwrap_stop_iteration(exc, frame.callee)
             _fail(original, stack)
             if original is not exc:
                 raise original from None
             raise
+        if requests is None:  # the frame returned (handled outside the except: no exception context)
+            stack.pop()
+            if not stack:
+                return result, stats
+            parent = stack[-1]
+            parent.results.append(result)
+            _next_request(parent, stack, stats)
+            continue
         frame.inbox = None
         frame.requests = requests
         frame.results = []
@@ -108,11 +111,14 @@ class _Leaf:
         self.callee, self.parent, self.site, self.gen = callee, parent, site, None
 
 
-def _unwrap_stop_iteration(exc):
-    """The StopIteration that Python (PEP 479) turned into RuntimeError as it left a generated generator."""
+def _unwrap_stop_iteration(exc, callee):
+    """The StopIteration that Python (PEP 479) turned into RuntimeError as it left a generated generator
+    (not one that left a generator of the user's)."""
     if (type(exc) is RuntimeError and isinstance(exc.__cause__, StopIteration)
             and str(exc) == "generator raised StopIteration"):
-        return exc.__cause__
+        left = exc.__cause__.__traceback__  # its first frame is the generator it left
+        if left is not None and left.tb_frame.f_code in callee.code.codes:
+            return exc.__cause__
     return exc
 
 
@@ -151,5 +157,5 @@ def _annotate(exc, stack):
     note = "recompile call chain, root first (depth {}):\n{}".format(len(stack) - 1, "\n".join(entries))
     try:
         exc.add_note(note)
-    except (AttributeError, TypeError):  # Python < 3.11 or an exception that refuses notes
+    except TypeError:  # an exception class that refuses notes
         pass
