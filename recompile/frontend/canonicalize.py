@@ -75,9 +75,9 @@ def always_jumps(stmts):
 
 
 class _Loop:
-    def __init__(self, n):
-        self.brk = f"__break{n}"
-        self.cont = f"__continue{n}"
+    def __init__(self, n, flag):
+        self.brk = flag(f"__break{n}")
+        self.cont = flag(f"__continue{n}")
         self.uses_brk = False
         self.uses_cont = False
 
@@ -87,6 +87,11 @@ class Canonicalizer:
         self.loops = []
         self.counter = 0
         self.returns_in_loop = False
+        self.flags = {RETFLAG}  # the names this pass made up for jumps: only these may be dropped
+
+    def _flag(self, ident):
+        self.flags.add(ident)
+        return ident
 
     # -- entry
     def function(self, fdef):
@@ -95,7 +100,7 @@ class Canonicalizer:
         at = fdef
         prelude = [assign(RETVAL, const(None, at), at), assign(RETFLAG, const(False, at), at)]
         end = _loc(gast.Return(value=name(RETVAL, at=at)), body[-1] if body else at)
-        fdef.body = _drop_unread_flags(prelude + new_body + [end])
+        fdef.body = _drop_unread_flags(prelude + new_body + [end], self.flags)
         return fdef
 
     # -- blocks
@@ -177,18 +182,28 @@ class Canonicalizer:
         return [s]
 
     def stmt_Assert(self, s):
+        if not __debug__:  # python -O drops asserts
+            return []
         args = [s.msg] if s.msg is not None else []
         exc = _loc(gast.Call(func=name(ASSERTION_ERROR, at=s), args=args, keywords=[]), s)
         raise_ = _loc(gast.Raise(exc=exc, cause=None), s)
         return [_loc(gast.If(test=not_(s.test, s), body=[raise_], orelse=[]), s)]
 
     def stmt_While(self, s):
-        if not s.orelse and any(isinstance(n, gast.NamedExpr) for n in gast.walk(s.test)):
-            # `while (v := f()) ...:` binds v for the body: test inside the body instead
-            stop = _loc(gast.If(test=not_(s.test, s.test), body=[_loc(gast.Break(), s.test)], orelse=[]), s.test)
+        if any(isinstance(n, gast.NamedExpr) for n in gast.walk(s.test)):
+            # `while (v := f()) ...:` binds v for the body: test at the top of the body instead, and
+            # remember that the test (not a break) ended the loop, for the else clause
+            self.counter += 1
+            done = self._flag(f"__exhausted{self.counter}")
+            stop = _loc(gast.If(test=not_(s.test, s.test), body=[assign(done, const(True, s), s),
+                                                                  _loc(gast.Break(), s.test)], orelse=[]), s.test)
             bound = [n.target.id for n in gast.walk(s.test) if isinstance(n, gast.NamedExpr)]
             # like a for target, what the test binds is bound after the loop (the test ran at least once)
-            return self._loop(s, const(True, s), [stop] + s.body, [], prelude=[], header=[], for_targets=bound)
+            loop = self._loop(s, const(True, s), [stop] + s.body, [], prelude=[], header=[], for_targets=bound)
+            if not s.orelse:
+                return loop
+            orelse = _loc(gast.If(test=name(done, at=s), body=self.block(s.orelse), orelse=[]), s)
+            return [assign(done, const(False, s), s)] + loop + [orelse]
         return self._loop(s, s.test, s.body, s.orelse, prelude=[], header=[], for_targets=())
 
     def stmt_For(self, s):
@@ -206,7 +221,7 @@ class Canonicalizer:
 
     def _loop(self, s, test, body, orelse, prelude, header, for_targets):
         self.counter += 1
-        loop = _Loop(self.counter)
+        loop = _Loop(self.counter, self._flag)
         self.loops.append(loop)
         outer_returns = self.returns_in_loop
         self.returns_in_loop = False
@@ -241,15 +256,15 @@ def _is_docstring(stmt):
     return isinstance(stmt, gast.Expr) and isinstance(stmt.value, gast.Constant) and isinstance(stmt.value.value, str)
 
 
-def _drop_unread_flags(body):
-    """Remove stores of flags that nothing reads (a jump flag stays as a marker Pass)."""
+def _drop_unread_flags(body, flags):
+    """Remove stores of ``flags`` that nothing reads (a jump flag stays as a marker Pass)."""
     module = gast.Module(body=body, type_ignores=[])
     read = {n.id for n in gast.walk(module) if isinstance(n, gast.Name) and isinstance(n.ctx, gast.Load)}
 
     class Dropper(gast.NodeTransformer):
         def visit_Assign(self, node):
             t = node.targets[0] if len(node.targets) == 1 else None
-            if isinstance(t, gast.Name) and t.id.startswith("__") and t.id != RETVAL and t.id not in read:
+            if isinstance(t, gast.Name) and t.id in flags and t.id not in read:
                 if getattr(node, "_jump", False):
                     marker = _loc(gast.Pass(), node)
                     marker._jump = True

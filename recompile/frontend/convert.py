@@ -166,7 +166,7 @@ class Converter:
             raise self.loc(node).error(b.reason, "variable")  # POISON, LOOPLOCAL
         if ident in self.locals:
             raise self.loc(node).error(f"local variable '{ident}' is used before it is assigned", "variable")
-        return self.emit(ir.Capture(self.loc(node), ident)).output
+        return self.emit(ir.Capture(self.loc(node), self.mangle(ident))).output
 
     def store(self, target, value, node=None):
         if isinstance(target, gast.Name):
@@ -324,7 +324,8 @@ class Converter:
         return binding.value
 
     def stmt_While(self, s):
-        for_targets = getattr(s, "_for_targets", ())
+        # loop variables, of this loop or of loops inside it, keep their last value after it
+        for_targets = {n for node in gast.walk(s) for n in getattr(node, "_for_targets", ())}
         # every name the body binds is carried: a value from an earlier iteration may be read
         # (checked when read, like the first iteration of a name bound only in the body)
         carried = [n for n in _stored_names(s.body) if n in self.locals]
@@ -439,8 +440,9 @@ class Converter:
         return self.call(node, sem.join_str, parts)
 
     def expr_FormattedValue(self, node):
+        value = self.expr(node.value)  # before the spec, as Python evaluates them
         spec = self.expr(node.format_spec) if node.format_spec is not None else ir.Const("")
-        return self.call(node, sem.format_value, [self.expr(node.value), ir.Const(node.conversion), spec])
+        return self.call(node, sem.format_value, [value, ir.Const(node.conversion), spec])
 
     def expr_NamedExpr(self, node):
         value = self.expr(node.value)
@@ -557,6 +559,10 @@ class Converter:
         saved_locals = set(self.locals)
         self.locals |= set(scoped)
         self.block(stmts)
+        for n in _stored_names(node.elt) + [n for g in node.generators for c in g.ifs for n in _stored_names(c)]:
+            b = self.env.get(n)
+            if b is not None and b.state == LOOPLOCAL:  # `[last := x for x in xs]`: bound if xs was not empty
+                self.env[n] = Binding(b.value, MAYBE)
         result = self.load(acc, node)
         self.locals = saved_locals
         for n, b in saved.items():  # comprehension variables do not leak, as in Python 3
@@ -653,18 +659,22 @@ class Converter:
         return self.callee_of(obj, self.owner)
 
     def _dispatch(self, node, handle):
-        """``x.m(...)``: an Invoke of C.m when x is exactly a C (a tree of C objects recursing through
-        its children runs in the frame tree), else the ordinary method call."""
+        """``x.m(...)``: an Invoke of C.m when x is exactly a C without an instance attribute m (a tree
+        of C objects recursing through its children runs in the frame tree), else the ordinary call."""
         obj = self.expr(node.func.value)
-        args, kwargs = self._call_args(node)
-        is_owner = self.call(node, sem.is_exactly, [obj, ir.Const(self.owner)])
+        attr = self.mangle(node.func.attr)
+        is_owner = self.call(node, sem.finds_in_class, [obj, ir.Const(self.owner), ir.Const(attr)])
 
-        def ordinary():
-            method = self.call(node, getattr, [obj, ir.Const(self.mangle(node.func.attr))], hint=node.func.attr)
+        def invoke():
+            args, kwargs = self._call_args(node)
+            return self._invoke(node, handle, [obj] + args, kwargs)
+
+        def ordinary():  # the method is looked up before the arguments are evaluated, as in Python
+            method = self.call(node, getattr, [obj, ir.Const(attr)], hint=node.func.attr)
+            args, kwargs = self._call_args(node)
             return self.call(node, method, args, list(kwargs.items()), hint=node.func.attr)
 
-        return self.cond_value(node, "dispatch", is_owner, lambda: self._invoke(node, handle, [obj] + args, kwargs),
-                               ordinary)
+        return self.cond_value(node, "dispatch", is_owner, invoke, ordinary)
 
     @staticmethod
     def _has_star_args(node):

@@ -25,6 +25,9 @@ MUTATING_METHODS = frozenset({
     "append", "extend", "insert", "pop", "remove", "clear", "update", "add", "discard", "setdefault",
     "popitem", "sort", "reverse", "put", "write", "send", "__setitem__", "__delitem__", "__setattr__",
     "__iadd__", "__imul__",
+    # module functions that mutate their argument: operator.setitem, heapq.heappush, random.shuffle, ...
+    "setitem", "delitem", "setattr", "delattr", "iadd", "isub", "imul", "heappush", "heappop", "heapify",
+    "heapreplace", "heappushpop", "shuffle",
 })
 
 

@@ -77,8 +77,15 @@ class DrawnSequence:
 def has_index(seq, i):
     """The test of a lowered ``for``: is there an item at position i? (A list's length is read each
     time, so items appended during the loop are visited, as in Python.)"""
-    if type(seq) is DrawnSequence:
+    kind = type(seq)
+    if kind is DrawnSequence:
         return seq.has(i)
+    if kind is range:  # len() of a range beyond sys.maxsize overflows; indexing does not
+        try:
+            seq[i]
+        except IndexError:
+            return False
+        return True
     return i < len(seq)
 
 
@@ -147,13 +154,12 @@ def join_str(*parts):
 
 def read_global(namespace, name):
     """A global read: the module's globals, then builtins, else NameError, as in Python."""
-    try:
+    if name in namespace:
         return namespace[name]
-    except KeyError:
-        try:
-            return getattr(builtins, name)
-        except AttributeError:
-            raise NameError(f"name '{name}' is not defined") from None
+    try:
+        return getattr(builtins, name)
+    except AttributeError:
+        raise NameError(f"name '{name}' is not defined") from None
 
 
 def read_cell(cell, name):
@@ -164,8 +170,10 @@ def read_cell(cell, name):
                         "in enclosing scope") from None
 
 
-def is_exactly(obj, cls):
-    return type(obj) is cls
+def finds_in_class(obj, cls, name):
+    """Whether ``obj.name`` is the attribute ``name`` of class ``cls`` itself: obj is exactly a cls
+    and has no instance attribute of that name."""
+    return type(obj) is cls and name not in getattr(obj, "__dict__", ())
 
 
 def not_in(a, b):
@@ -180,7 +188,7 @@ PURE = {
     operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne, operator.is_,
     operator.is_not, operator.contains, operator.getitem, operator.and_, operator.or_, operator.xor,
     operator.lshift, operator.rshift, not_in,
-    is_exactly, getattr, len, isinstance, slice, range, int, float, bool, abs, min, max, tuple,
+    finds_in_class, getattr, len, isinstance, slice, range, int, float, bool, abs, min, max, tuple,
     build_tuple, build_list, build_dict, build_set, unpack, check_bound, as_sequence, has_index, format_value,
     join_str,
 }
