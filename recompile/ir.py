@@ -219,7 +219,6 @@ class SubGraph:
         self.ops = []
         self.loc = loc
         self.kind = kind  # function | then | else | cond | body
-        self.params = None  # for function SubGraphs: parameter names
 
     def walk(self):
         """This SubGraph and every SubGraph nested in its ops, outermost first."""
@@ -407,7 +406,6 @@ def clone(sg, mapping=None):
         return mapping.get(x, x) if isinstance(x, Value) else x
 
     new = SubGraph(sg.name, [], sg.loc, sg.kind)
-    new.params = sg.params
     for v in sg.inputs:
         nv = Value(v.hint)
         nv.is_self = v.is_self

@@ -165,6 +165,14 @@ class _FunctionEmitter:
         keywords = [ast.keyword(arg=k, value=self.load(v)) for k, v in op.kwargs]
         return ast.Call(func=self.load(op.fn), args=args, keywords=keywords)
 
+    def raise_stmt(self, op):
+        """A raise statement, so that the traceback ends on the user's raise line."""
+        exc = self.load(op.args[0]) if op.args else None
+        cause = self.load(op.args[1]) if len(op.args) > 1 else None
+        stmt = ast.Raise(exc=exc, cause=cause)
+        stmt._rc_loc = op.loc
+        return stmt
+
     def capture_expr(self, op):
         if op.source_kind == "attr":
             return ast.Attribute(value=self.load(op.base), attr=op.source, ctx=ast.Load())
@@ -194,6 +202,8 @@ class _FunctionEmitter:
         return stmt
 
     def op_stmts(self, op):
+        if isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value is sem.raise_exception:
+            return [self.raise_stmt(op)]
         if isinstance(op, ir.Call):
             unpack = isinstance(op.fn, ir.Const) and op.fn.value is sem.unpack
             return [self.assign(op.outputs, self.call_expr(op), op.loc, unpack)]

@@ -102,7 +102,6 @@ class Converter:
         if self.self_name is not None:
             inputs[0].is_self = True
         sg = ir.SubGraph(self.name, inputs, self.p.loc(fdef), "function")
-        sg.params = list(self.p.params)
         self.sg_names.add(self.name)
         self.sg = sg
         self.env = {p: Binding(v) for p, v in zip(self.p.params, inputs)}
@@ -123,7 +122,7 @@ class Converter:
         op = self.emit(ir.Call(self.loc(node), fn, args, kwargs, star, n_outputs, (hint,) * n_outputs))
         return op.outputs[0] if n_outputs == 1 else op.outputs
 
-    def new_subgraphs(self, kind, node, parts, kinds=None):
+    def new_subgraphs(self, kind, node, parts):
         """SubGraphs named ``<current>.<kind><line>.<part>``, one per part, the base unique."""
         base = f"{self.sg.name}.{kind}{node.lineno}"
         name, n = base, 1
@@ -131,8 +130,7 @@ class Converter:
             n += 1
             name = f"{base}_{n}"
         self.sg_names.add(name)
-        kinds = kinds or parts
-        return [ir.SubGraph(f"{name}.{part}", [], self.loc(node), k) for part, k in zip(parts, kinds)]
+        return [ir.SubGraph(f"{name}.{part}", [], self.loc(node), part) for part in parts]
 
     def inside(self, sg, env, build):
         """Run ``build()`` with ``sg`` and ``env`` current; return its result."""
@@ -168,7 +166,7 @@ class Converter:
             raise self.loc(node).error(f"local variable '{ident}' is used before it is assigned", "variable")
         return self.emit(ir.Capture(self.loc(node), self.mangle(ident))).output
 
-    def store(self, target, value, node=None):
+    def store(self, target, value):
         if isinstance(target, gast.Name):
             if isinstance(value, ir.Value) and (not value.hint or value.hint.startswith("__")):
                 value.hint = target.id.strip("_") or target.id
@@ -203,18 +201,18 @@ class Converter:
     def stmt_Assign(self, s):
         value = self.expr(s.value)
         for t in s.targets:
-            self.store(t, value, s)
+            self.store(t, value)
 
     def stmt_AnnAssign(self, s):
         if s.value is not None:
-            self.store(s.target, self.expr(s.value), s)
+            self.store(s.target, self.expr(s.value))
 
     def stmt_AugAssign(self, s):
         fn = INPLACE[type(s.op)]
         t = s.target
         if isinstance(t, gast.Name):
             cur = self.load(t.id, t)
-            self.store(t, self.call(s, fn, [cur, self.expr(s.value)], hint=t.id), s)
+            self.store(t, self.call(s, fn, [cur, self.expr(s.value)], hint=t.id))
         elif isinstance(t, gast.Attribute):
             obj = self.expr(t.value)
             attr = ir.Const(self.mangle(t.attr))
@@ -446,7 +444,7 @@ class Converter:
 
     def expr_NamedExpr(self, node):
         value = self.expr(node.value)
-        self.store(node.target, value, node)
+        self.store(node.target, value)
         return value
 
     def expr_Starred(self, node):
