@@ -480,3 +480,158 @@ line2"""
 
 def test_method_with_a_multiline_string():
     assert Multiline().text(1) == "line1\nline21"
+
+
+# -- from review: evaluation order, exception identity, loops
+
+
+def users_bad_generator():
+    yield 1
+    next(iter([]))
+
+
+def consume(n):
+    if n == 0:
+        return list(users_bad_generator())
+    return consume(n - 1)
+
+
+def test_a_users_generator_stop_iteration_stays_runtime_error():
+    with pytest.raises(RuntimeError, match="generator raised StopIteration"):
+        recompile.function(consume)(2)
+
+
+def walrus_while_else(xs):
+    i = 0
+    x = -1
+    while (x := xs[i]) > 0:
+        i += 1
+    else:
+        x = x * 10
+    return x, i
+
+
+def underscore_names_run(xs):
+    __ignored = xs.append(1)
+    return len(xs)
+
+
+ORDER = []
+
+
+def noted(v):
+    ORDER.append(v)
+    return v
+
+
+def fstring_order():
+    return f"{noted(3):{noted('02d')}}"
+
+
+def huge_range():
+    for i in range(10 ** 20):
+        if i == 3:
+            break
+    return i
+
+
+def loop_variables_after_loops(xs):
+    ys = [last := x for x in xs]
+    for i in range(3):
+        for j in range(2):
+            pass
+    return last, j, ys
+
+
+@pytest.mark.parametrize("fn,args", [
+    (walrus_while_else, ([3, 2, 0, 5],)), (underscore_names_run, ([],)), (huge_range, ()),
+    (loop_variables_after_loops, ([1, 2],)), (loop_variables_after_loops, ([],)),
+])
+def test_review_programs(fn, args):
+    check(fn, *args)
+
+
+def test_fstring_evaluates_value_before_spec():
+    ORDER.clear()
+    want = fstring_order()
+    plain_order = list(ORDER)
+    ORDER.clear()
+    assert recompile.function(fstring_order)() == want
+    assert ORDER == plain_order == [3, "02d"]
+
+
+class Counted:
+    def __init__(self, kids):
+        self.kids = kids
+
+    @recompile.function
+    def count(self):
+        total = 1
+        for k in self.kids:
+            total += k.count()
+        return total
+
+
+class Other:
+    pass
+
+
+def test_instance_attribute_shadows_a_compiled_method_of_another_instance():
+    shadowed = Counted([])
+    shadowed.count = lambda: 100
+    assert Counted([shadowed, Counted([])]).count() == 102
+
+
+class Caller:
+    @recompile.function
+    def m(self, x, xs):
+        return x.m(xs[10], xs)
+
+
+def test_method_lookup_comes_before_its_arguments():
+    with pytest.raises(AttributeError):
+        Caller().m(Other(), [1])
+
+
+def put_first(xs, v):
+    import operator as op  # noqa: F401 - a helper's own import is fine: it is not compiled
+    op.setitem(xs, 0, v)
+    return 0
+
+
+def reads_after_module_mutator(xs):
+    a = put_first(xs, 9)
+    b = xs[0]
+    c = put_first(xs, 7)
+    return a, b, c
+
+
+def test_module_function_mutation_is_seen():
+    global put_first
+    plain = reads_after_module_mutator([1])
+    saved, put_first = put_first, recompile.function(_put_first_operator)
+    try:
+        assert recompile.function(reads_after_module_mutator)([1]) == plain == (0, 9, 0)
+    finally:
+        put_first = saved
+
+
+def _put_first_operator(xs, v):
+    operator_module.setitem(xs, 0, v)
+    return 0
+
+
+import operator as operator_module  # noqa: E402
+
+
+def _Mangler__helper():
+    return "mangled"
+
+
+class Mangler:
+    def m(self):
+        return __helper()  # noqa: F821 - Python reads _Mangler__helper
+
+
+def test_private_global_names_are_mangled_in_methods():
+    assert recompile.function(Mangler.m)(Mangler()) == Mangler().m() == "mangled"
