@@ -20,7 +20,7 @@ class Value:
 
     def __init__(self, hint="", op=None):
         self.id = next(_ids)
-        self.hint = hint or ""
+        self.hint = (hint or "").lstrip(".")  # names the frontend made up start with "."
         self.op = op
         self.is_self = False  # the bound instance of a method (see passes.capture)
 

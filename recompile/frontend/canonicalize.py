@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import gast
 
-RETVAL = "__retval"
-RETFLAG = "__returned"
+# Names this pass makes up start with "." so that no Python identifier can clash with them
+# (the gast tree is converted, never compiled, so any string is a valid name here).
+RETVAL = ".retval"
+RETFLAG = ".returned"
 # internal names the converter binds to runtime helpers, whatever the user calls len etc.
-AS_SEQUENCE = "__as_sequence"
-HAS_INDEX = "__has_index"
-ASSERTION_ERROR = "__AssertionError"
+AS_SEQUENCE = ".as_sequence"
+HAS_INDEX = ".has_index"
+ASSERTION_ERROR = ".AssertionError"
 
 
 def _loc(new, old):
@@ -76,8 +78,8 @@ def always_jumps(stmts):
 
 class _Loop:
     def __init__(self, n, flag):
-        self.brk = flag(f"__break{n}")
-        self.cont = flag(f"__continue{n}")
+        self.brk = flag(f".break{n}")
+        self.cont = flag(f".continue{n}")
         self.uses_brk = False
         self.uses_cont = False
 
@@ -194,7 +196,7 @@ class Canonicalizer:
             # `while (v := f()) ...:` binds v for the body: test at the top of the body instead, and
             # remember that the test (not a break) ended the loop, for the else clause
             self.counter += 1
-            done = self._flag(f"__exhausted{self.counter}")
+            done = self._flag(f".exhausted{self.counter}")
             stop = _loc(gast.If(test=not_(s.test, s.test), body=[assign(done, const(True, s), s),
                                                                   _loc(gast.Break(), s.test)], orelse=[]), s.test)
             bound = [n.target.id for n in gast.walk(s.test) if isinstance(n, gast.NamedExpr)]
@@ -209,7 +211,7 @@ class Canonicalizer:
     def stmt_For(self, s):
         self.counter += 1
         n = self.counter
-        seq, idx = f"__seq{n}", f"__idx{n}"
+        seq, idx = f".seq{n}", f".idx{n}"
         as_seq = _loc(gast.Call(func=name(AS_SEQUENCE, at=s.iter), args=[s.iter], keywords=[]), s.iter)
         prelude = [assign(seq, as_seq, s), assign(idx, const(0, s), s)]
         test = _loc(gast.Call(func=name(HAS_INDEX, at=s), args=[name(seq, at=s), name(idx, at=s)], keywords=[]), s)

@@ -168,8 +168,8 @@ class Converter:
 
     def store(self, target, value):
         if isinstance(target, gast.Name):
-            if isinstance(value, ir.Value) and (not value.hint or value.hint.startswith("__")):
-                value.hint = target.id.strip("_") or target.id
+            if isinstance(value, ir.Value) and not value.hint:
+                value.hint = target.id.lstrip(".")
             self.env[target.id] = Binding(value)
         elif isinstance(target, (gast.Tuple, gast.List)):
             n = len(target.elts)
@@ -537,7 +537,7 @@ class Converter:
 
     def expr_ListComp(self, node):
         self.comprehensions += 1
-        acc = f"__listcomp{self.comprehensions}"
+        acc = f".listcomp{self.comprehensions}"
         append = gast.Attribute(value=canon.name(acc, at=node), attr="append", ctx=gast.Load())
         body = canon._loc(gast.Expr(value=canon._loc(gast.Call(func=canon._loc(append, node), args=[node.elt],
                                                                 keywords=[]), node)), node)
@@ -552,7 +552,7 @@ class Converter:
         stmts = lowering.block(stmts)
         # the comprehension's own names (targets, synthetic); a walrus inside binds in the function
         scoped = [n for gen in node.generators for n in _stored_names(gen.target)]
-        scoped += [n for n in _stored_names(stmts) if n.startswith("__")]
+        scoped += [n for n in _stored_names(stmts) if n.startswith(".")]
         saved = {n: self.env.get(n) for n in scoped}
         saved_locals = set(self.locals)
         self.locals |= set(scoped)
