@@ -55,12 +55,12 @@ def _make_binder(fn):
         names.append(p.name)
     ret = "(" + "".join(n + ", " for n in names) + ")"
     namespace = {}
-    exec(f"def {fn.__name__}({', '.join(parts)}):\n    return {ret}\n", namespace)
-    binder = namespace[fn.__name__]
+    exec(f"def binder({', '.join(parts)}):\n    return {ret}\n", namespace)
+    binder = namespace["binder"]
     binder.__defaults__ = fn.__defaults__
     binder.__kwdefaults__ = fn.__kwdefaults__
-    binder.__qualname__ = fn.__qualname__
-    binder.__code__ = binder.__code__.replace(co_qualname=fn.__qualname__)
+    binder.__name__, binder.__qualname__ = fn.__name__, fn.__qualname__  # for Python's own messages
+    binder.__code__ = binder.__code__.replace(co_name=fn.__name__, co_qualname=fn.__qualname__)
     return binder
 
 

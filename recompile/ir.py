@@ -41,23 +41,33 @@ class Const:
 
 
 def const_repr(value):
+    if type(value) is int and abs(value) > 10 ** 100:
+        return "<large int>"  # its digits may exceed the int->str conversion limit
     if isinstance(value, (int, float, str, bool, bytes, type(None), complex)):
         return repr(value)
     if isinstance(value, tuple) and all(isinstance(v, (int, float, str, bool, type(None))) for v in value):
         return repr(value)
     if hasattr(type(value), "_ir_name"):
         return type(value)._ir_name
-    name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
-    if name:
-        mod = getattr(value, "__module__", None)
+    name = safe_getattr(value, "__qualname__") or safe_getattr(value, "__name__")
+    if isinstance(name, str) and name:
+        mod = safe_getattr(value, "__module__")
         if mod in ("_operator", "operator"):
             return name
         if mod == "builtins":
             return name
-        if mod and mod.startswith("torch"):
+        if isinstance(mod, str) and mod.startswith("torch"):
             return "torch." + name if not name.startswith("torch") else name
         return name
     return f"<{type(value).__name__}>"
+
+
+def safe_getattr(value, name):
+    """getattr that survives objects whose __getattr__ raises anything (a dict with attribute access)."""
+    try:
+        return getattr(value, name, None)
+    except Exception:
+        return None
 
 
 class Op:

@@ -38,6 +38,7 @@ _COMPARE = {
 }
 _UNARY = {operator.neg: ast.USub, operator.pos: ast.UAdd, operator.invert: ast.Invert, operator.not_: ast.Not}
 _LITERALS = {int, str, bool, bytes, type(None)}  # exact types: a subclass (an IntEnum) prints otherwise
+_LARGEST_LITERAL = 10 ** 100  # larger ints go by reference (printing them may exceed int->str limits)
 
 
 class GeneratedCode:
@@ -62,7 +63,7 @@ class _Module:
         key = id(value)
         if key in self.by_id:
             return self.by_id[key]
-        base = re.sub(r"\W", "_", hint or getattr(value, "__name__", "") or type(value).__name__)[:30]
+        base = re.sub(r"\W", "_", hint or type(value).__name__)[:30]
         name = f"_rc_{base}"
         n = 1
         while name in self.namespace:
@@ -74,10 +75,10 @@ class _Module:
 
 
 def _is_builtin(value):
-    name = getattr(value, "__name__", None)
     try:
+        name = getattr(value, "__name__", None)
         return isinstance(name, str) and getattr(builtins, name, None) is value and not name.startswith("_")
-    except Exception:
+    except Exception:  # objects whose __getattr__ raises something else than AttributeError
         return False
 
 
@@ -108,7 +109,11 @@ class _FunctionEmitter:
         if isinstance(operand, ir.Value):
             return ast.Name(id=self.var(operand), ctx=ast.Load())
         value = operand.value
-        if type(value) in _LITERALS or (type(value) is float and math.isfinite(value)):
+        kind = type(value)
+        if ((kind in _LITERALS and not (kind is int and abs(value) > _LARGEST_LITERAL))
+                or (kind is float and math.isfinite(value))):
+            if kind in (int, float) and value < 0:  # (-2) ** x: a negative literal is a unary minus
+                return ast.UnaryOp(op=ast.USub(), operand=ast.Constant(value=-value))
             return ast.Constant(value=value)
         if _is_builtin(value):
             return ast.Name(id=value.__name__, ctx=ast.Load())

@@ -16,7 +16,7 @@ import operator
 from .. import ir
 
 MUTATING_CALLS = frozenset({
-    setattr, delattr, operator.setitem, operator.delitem,
+    setattr, delattr, operator.setitem, operator.delitem, next,
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
     operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
     operator.irshift, operator.iconcat,
@@ -28,6 +28,10 @@ MUTATING_METHODS = frozenset({
     # module functions that mutate their argument: operator.setitem, heapq.heappush, random.shuffle, ...
     "setitem", "delitem", "setattr", "delattr", "iadd", "isub", "imul", "heappush", "heappop", "heapify",
     "heapreplace", "heappushpop", "shuffle",
+    # deque, set, array and autograd state
+    "appendleft", "extendleft", "popleft", "rotate", "difference_update", "intersection_update",
+    "symmetric_difference_update", "fill", "resize", "itemset", "backward", "zero_grad", "step",
+    "register_buffer", "register_parameter", "add_module", "next",
 })
 
 
@@ -56,7 +60,8 @@ def op_mutates(op):
     if isinstance(producer, ir.Capture):
         if producer.source_kind == "attr":
             return _mutating_method(producer.source)  # self.append(...) in a list subclass
-        return _mutating_callable(_current_value(producer))  # setattr(...) read as a builtin
+        value = _current_value(producer)  # setattr(...) read as a builtin, heappush imported by name
+        return _mutating_callable(value) or _mutating_method(ir.safe_getattr(value, "__name__"))
     return False
 
 
