@@ -635,3 +635,76 @@ class Mangler:
 
 def test_private_global_names_are_mangled_in_methods():
     assert recompile.function(Mangler.m)(Mangler()) == Mangler().m() == "mangled"
+
+
+# -- second review round
+
+
+def negative_literals(x):
+    return (-2) ** 2, (-2) ** x, (-1.5) ** 2
+
+
+def users_dunder_names(xs):
+    out = []
+    for x in xs:
+        __seq1 = None  # noqa: F841 - shares a name the for-loop lowering once used
+        __returned = x  # noqa: F841
+        out.append(x)
+    return out
+
+
+class AttrDict(dict):
+    __getattr__ = dict.__getitem__
+
+
+CONFIG = AttrDict(depth=2)
+
+
+def with_config_default(n, cfg=CONFIG):
+    if n == 0:
+        return cfg.depth
+    return with_config_default(n - 1) + 1
+
+
+def with_huge_default(n, m=7 ** 6000):
+    if n == 0:
+        return m % 1000
+    return with_huge_default(n - 1)
+
+
+@pytest.mark.parametrize("fn,args", [
+    (negative_literals, (3,)), (users_dunder_names, ([1, 2, 3],)),
+    (with_config_default, (3,)), (with_huge_default, (2,)),
+])
+def test_second_review_programs(fn, args):
+    check(fn, *args)
+
+
+def test_weirdly_named_function_compiles():
+    def g(x):
+        return x + 1
+
+    g.__name__ = "class"
+    g.__qualname__ = "<lambda>"
+    assert recompile.function(g)(1) == 2
+
+
+def take(it):
+    return next(it)
+
+
+def reads_iterator_between(it):
+    a = take(it)
+    b = 2 in it
+    c = take(it)
+    return a, b, c
+
+
+def test_iterator_state_between_calls():
+    global take
+    plain = reads_iterator_between(iter([1, 2, 3, 4]))
+    saved, take = take, recompile.function(take)
+    try:
+        assert recompile.function(reads_iterator_between)(iter([1, 2, 3, 4])) == plain == (1, True, 3)
+    finally:
+        take = saved
