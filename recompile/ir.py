@@ -46,7 +46,7 @@ def const_repr(value):
     if isinstance(value, (int, float, str, bool, bytes, type(None), complex)):
         return repr(value)
     if isinstance(value, tuple) and all(isinstance(v, (int, float, str, bool, type(None))) for v in value):
-        return repr(value)
+        return "(" + "".join(const_repr(v) + ", " for v in value) + ")"
     if hasattr(type(value), "_ir_name"):
         return type(value)._ir_name
     name = safe_getattr(value, "__qualname__") or safe_getattr(value, "__name__")

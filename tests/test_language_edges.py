@@ -708,3 +708,52 @@ def test_iterator_state_between_calls():
         assert recompile.function(reads_iterator_between)(iter([1, 2, 3, 4])) == plain == (1, True, 3)
     finally:
         take = saved
+
+
+def runaway(n):
+    return runaway(n + 1) + 1  # no base case
+
+
+def test_runaway_recursion_ends_with_recursion_error(monkeypatch):
+    from recompile.runtime import scheduler
+
+    monkeypatch.setattr(scheduler, "MAX_DEPTH", 5000)
+    with pytest.raises(RecursionError) as info:
+        recompile.function(runaway)(0)
+    assert "more compiled calls" in "".join(getattr(info.value, "__notes__", []))
+
+
+def batches(n, alive):
+    import weakref
+
+    for i in range(n):
+        t = [i] * 10
+        alive.append(weakref.ref(Box()))  # noqa: B023
+        yield t
+
+
+def streamed_sum(stream):
+    total = 0
+    for b in stream:
+        total += sum(b)
+    return total
+
+
+def test_for_over_a_stream_and_tensor_rows():
+    assert recompile.function(streamed_sum)(batches(50, [])) == streamed_sum(batches(50, []))
+    check(collect, torch.arange(6).reshape(3, 2))
+
+
+class Vault:
+    def __init__(self):
+        self.__secret = 42
+
+    def reader(self):
+        def peek(obj):
+            return obj.__secret
+
+        return recompile.function(peek)(self)
+
+
+def test_mangling_in_a_function_nested_in_a_method():
+    assert Vault().reader() == 42

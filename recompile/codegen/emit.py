@@ -112,7 +112,7 @@ class _FunctionEmitter:
         kind = type(value)
         if ((kind in _LITERALS and not (kind is int and abs(value) > _LARGEST_LITERAL))
                 or (kind is float and math.isfinite(value))):
-            if kind in (int, float) and value < 0:  # (-2) ** x: a negative literal is a unary minus
+            if kind in (int, float) and math.copysign(1, value) < 0:  # (-2) ** x: print as a unary minus
                 return ast.UnaryOp(op=ast.USub(), operand=ast.Constant(value=-value))
             return ast.Constant(value=value)
         if _is_builtin(value):

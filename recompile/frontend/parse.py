@@ -32,9 +32,15 @@ class ParsedFunction:
         return Location(self.filename, lineno, col + 1)
 
     def class_name(self):
-        """The class a method is defined in, from its qualname (for private-name mangling), or None."""
-        parts = self.fn.__qualname__.split(".")
-        return parts[-2] if len(parts) >= 2 and parts[-2] != "<locals>" else None
+        """The innermost class whose body encloses the function, from its qualname (for private-name
+        mangling), or None. In a qualname a function is followed by ``<locals>``, a class is not."""
+        parts = self.fn.__qualname__.split(".")[:-1]
+        while parts:
+            if parts[-1] == "<locals>":
+                parts = parts[:-2]  # an enclosing function
+            else:
+                return parts[-1]
+        return None
 
 
 def _shift_lines(tree, delta):

@@ -14,6 +14,9 @@ from __future__ import annotations
 import os
 
 CHAIN_SHOWN = 12  # frames shown at each end of a long chain
+# Compiled recursion is not bounded by the interpreter's limit, but a runaway one should end with
+# RecursionError, as in Python, rather than take all memory.
+MAX_DEPTH = 1_000_000
 
 
 class Frame:
@@ -90,6 +93,10 @@ def _next_request(frame, stack, stats):
             child = Frame(callee, code.entry(*args), frame, site)
             if child.depth > stats.max_depth:
                 stats.max_depth = child.depth
+                if child.depth > MAX_DEPTH:
+                    exc = RecursionError(f"maximum compiled recursion depth exceeded ({MAX_DEPTH})")
+                    _fail(exc, stack)
+                    raise exc
             stack.append(child)
             return
         # a callee that never invokes runs to completion at once

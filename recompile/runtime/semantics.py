@@ -44,7 +44,7 @@ def as_sequence(obj):
     if isinstance(obj, torch.Tensor) and kind.__iter__ is torch.Tensor.__iter__:
         if obj.dim() == 0:
             raise TypeError("iteration over a 0-d tensor")
-        return obj
+        return obj.unbind(0)  # what Tensor.__iter__ iterates: views of the rows
     return DrawnSequence(iter(obj))
 
 
@@ -53,25 +53,29 @@ _INDEXABLE = (list, tuple, range, str)
 
 
 class DrawnSequence:
-    """The items of an iterator, drawn on demand and kept (a loop over a generator or ``zip``)."""
+    """The items of an iterator, drawn as a lowered ``for`` reaches them: ``has(i)`` draws item i
+    (i = 0, 1, 2, ... in turn) and ``[i]`` reads it. Only the current item is kept, so a loop
+    over a stream holds one item at a time, as Python's does."""
 
-    __slots__ = ("_it", "_items", "_done")
+    __slots__ = ("_it", "_index", "_item")
 
     def __init__(self, iterator):
         self._it = iterator
-        self._items = []
-        self._done = False
+        self._index = -1
+        self._item = None
 
     def has(self, i):
-        while len(self._items) <= i and not self._done:
+        while self._index < i:
             try:
-                self._items.append(next(self._it))
+                self._item = next(self._it)
             except StopIteration:
-                self._done = True
-        return i < len(self._items)
+                self._item = None
+                return False
+            self._index += 1
+        return True
 
     def __getitem__(self, i):
-        return self._items[i]
+        return self._item
 
 
 def has_index(seq, i):
