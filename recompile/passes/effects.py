@@ -31,7 +31,8 @@ MUTATING_METHODS = frozenset({
     # deque, set, array and autograd state
     "appendleft", "extendleft", "popleft", "rotate", "difference_update", "intersection_update",
     "symmetric_difference_update", "fill", "resize", "itemset", "backward", "zero_grad", "step",
-    "register_buffer", "register_parameter", "add_module", "next",
+    "register_buffer", "register_parameter", "add_module", "next", "insort", "insort_left", "insort_right",
+    "move_to_end", "subtract",
 })
 
 
