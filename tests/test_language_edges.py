@@ -511,6 +511,24 @@ def walrus_while_else(xs):
     return x, i
 
 
+def walrus_while_else_binds(xs):
+    while (v := xs.pop()) > 2:
+        pass
+    else:
+        w = v * 10
+    return w
+
+
+def walrus_while_else_with_break(xs):
+    w = 0
+    while (v := xs.pop()) > 2:
+        if v == 4:
+            break
+    else:
+        w = v * 10
+    return w
+
+
 def underscore_names_run(xs):
     __ignored = xs.append(1)
     return len(xs)
@@ -545,6 +563,8 @@ def loop_variables_after_loops(xs):
 
 @pytest.mark.parametrize("fn,args", [
     (walrus_while_else, ([3, 2, 0, 5],)), (underscore_names_run, ([],)), (huge_range, ()),
+    (walrus_while_else_binds, ([1, 0, 5, 4],)), (walrus_while_else_with_break, ([1, 0, 5, 4],)),
+    (walrus_while_else_with_break, ([1, 0, 5],)),
     (loop_variables_after_loops, ([1, 2],)), (loop_variables_after_loops, ([],)),
 ])
 def test_review_programs(fn, args):

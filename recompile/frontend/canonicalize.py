@@ -200,10 +200,13 @@ class Canonicalizer:
             stop = _loc(gast.If(test=not_(s.test, s.test), body=[assign(done, const(True, s), s),
                                                                   _loc(gast.Break(), s.test)], orelse=[]), s.test)
             bound = [n.target.id for n in gast.walk(s.test) if isinstance(n, gast.NamedExpr)]
+            breaks = _breaks_out(s.body)  # (before the body is canonical: its breaks become flags)
             # like a for target, what the test binds is bound after the loop (the test ran at least once)
             loop = self._loop(s, const(True, s), [stop] + s.body, [], prelude=[], header=[], for_targets=bound)
             if not s.orelse:
                 return loop
+            if not breaks:  # without a break of its own, the loop only ends by its test
+                return loop + self.block(s.orelse)
             orelse = _loc(gast.If(test=name(done, at=s), body=self.block(s.orelse), orelse=[]), s)
             return [assign(done, const(False, s), s)] + loop + [orelse]
         return self._loop(s, s.test, s.body, s.orelse, prelude=[], header=[], for_targets=())
@@ -252,6 +255,16 @@ class Canonicalizer:
                 guard.append(not_(name(RETFLAG, at=s), s))
             out.extend([_loc(gast.If(test=and_(guard, s), body=new_else, orelse=[]), s)] if guard else new_else)
         return out
+
+
+def _breaks_out(stmts):
+    """Whether a break in ``stmts`` (not in a loop nested in them) leaves their loop."""
+    for s in stmts:
+        if isinstance(s, gast.Break):
+            return True
+        if isinstance(s, gast.If) and (_breaks_out(s.body) or _breaks_out(s.orelse)):
+            return True
+    return False
 
 
 def _is_docstring(stmt):
