@@ -16,23 +16,12 @@ import pytest
 from torch import nn
 
 import recompile
+from source_lines import marker, source_range  # tests/ is on sys.path under pytest
 
 HERE = os.path.basename(__file__)
 THIS_FILE = os.path.abspath(__file__)
 
 
-def marker(fn, name):
-    fn = getattr(fn, "python", fn)
-    lines, start = inspect.getsourcelines(fn)
-    hits = [start + i for i, line in enumerate(lines) if line.rstrip().endswith(f"# L:{name}")]
-    assert len(hits) == 1, (name, hits)
-    return hits[0]
-
-
-def source_range(fn):
-    fn = getattr(fn, "python", fn)
-    lines, start = inspect.getsourcelines(fn)
-    return range(start, start + len(lines))
 
 
 def defs(source):

@@ -16,24 +16,12 @@ import pytest
 
 import recompile
 from recompile import ir
+from source_lines import marker, source_range  # tests/ is on sys.path under pytest
 
 HERE = os.path.basename(__file__)
 IR_SCALE = 3
 
 
-def marker(fn, name):
-    """The line number (in this file) of the one line of ``fn`` marked ``# L:<name>``."""
-    fn = getattr(fn, "python", fn)
-    lines, start = inspect.getsourcelines(fn)
-    hits = [start + i for i, line in enumerate(lines) if line.rstrip().endswith(f"# L:{name}")]
-    assert len(hits) == 1, (name, hits)
-    return hits[0]
-
-
-def source_range(fn):
-    fn = getattr(fn, "python", fn)
-    lines, start = inspect.getsourcelines(fn)
-    return range(start, start + len(lines))
 
 
 # ---------------------------------------------------------------------------

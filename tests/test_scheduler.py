@@ -16,17 +16,11 @@ import pytest
 
 import recompile
 from recompile.runtime import scheduler
+from source_lines import marker  # tests/ is on sys.path under pytest
 
 HERE = os.path.basename(__file__)
 SHOWN = scheduler.CHAIN_SHOWN
 
-
-def marker(fn, name):
-    fn = getattr(fn, "python", fn)
-    lines, start = inspect.getsourcelines(fn)
-    hits = [start + i for i, line in enumerate(lines) if line.rstrip().endswith(f"# L:{name}")]
-    assert len(hits) == 1, (name, hits)
-    return hits[0]
 
 
 # ---------------------------------------------------------------------------
