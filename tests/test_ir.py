@@ -6,7 +6,6 @@ read from a ``# L:<name>`` marker on the line, never hard-coded.
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import shutil

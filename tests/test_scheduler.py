@@ -5,7 +5,6 @@ Expected line numbers come from ``# L:<name>`` markers.
 
 from __future__ import annotations
 
-import inspect
 import os
 import random
 import re
