@@ -6,12 +6,12 @@
 
 from .api import CompiledFunction, function  # noqa: F401
 from .errors import CompileError, RecompileError  # noqa: F401
-from .passes.pipeline import STAGES  # noqa: F401
+from .passes.pipeline import FINAL, STAGES  # noqa: F401
 
 __all__ = ["function", "CompiledFunction", "CompileError", "RecompileError", "STAGES", "dump"]
 __version__ = "0.1.0"
 
 
-def dump(fn, stage=STAGES[-1], format="text"):
+def dump(fn, stage=FINAL, format="text"):
     """The IR of compiled function ``fn`` after ``stage``, as text or DOT."""
     return fn.dump(stage=stage, format=format)

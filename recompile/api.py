@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 import types
 
@@ -12,8 +13,9 @@ from .codegen import generate
 from .errors import CompileError
 from .frontend import convert, parse_function, validate
 from .passes.effects import invoke_may_mutate
-from .passes.pipeline import STAGES, run_passes
-from .runtime import scheduler
+from .passes.grad import derive
+from .passes.pipeline import FINAL, GRAD, STAGES, run_passes
+from .runtime import autograd, scheduler
 
 MODES = ("sequential",)
 _names_taken = {}
@@ -65,11 +67,27 @@ def _make_binder(fn):
 
 
 class Stats(dict):
-    """Counters of a compiled function: ``builds``, ``calls``, ``frames``, ``max_depth``."""
+    """Counters of a compiled function.
+
+    ``builds``, ``calls``, ``frames``, ``max_depth``; with gradients, ``backwards``
+    (gradient programs run) and ``grad_fallbacks`` ({callable: calls} that had no
+    gradient rule and were recorded by torch.autograd instead).
+    """
 
     def __init__(self):
-        super().__init__(builds=0, calls=0, frames=0, max_depth=0)
+        super().__init__(builds=0, calls=0, frames=0, max_depth=0, backwards=0, grad_fallbacks={})
         self._lock = threading.Lock()
+
+    def record_backward(self):
+        with self._lock:
+            self["backwards"] += 1
+
+    def record_fallbacks(self, fallbacks):
+        if fallbacks:
+            with self._lock:
+                counts = self["grad_fallbacks"]
+                for name, n in fallbacks.items():
+                    counts[name] = counts.get(name, 0) + n
 
     def record_build(self):
         with self._lock:
@@ -102,6 +120,8 @@ class FunctionBuild:
         self.stages = run_passes(frontend_sg, cf._parsed)
         self._code = None
         self._code_lock = threading.Lock()
+        self._grad = None
+        self._grad_code = None
         cf.stats.record_build()
 
     @property
@@ -111,9 +131,29 @@ class FunctionBuild:
         if self._code is None:
             with self._code_lock:
                 if self._code is None:
-                    final = STAGES[-1]
-                    self._code = generate(self.stages[final], lambda invoke: invoke_may_mutate(invoke, final))
+                    self._code = generate(self.stages[FINAL], lambda invoke: invoke_may_mutate(invoke, FINAL))
         return self._code
+
+    @property
+    def grad(self):
+        """(forward-with-saves SubGraph, gradient SubGraph) of this function (passes.grad)."""
+        if self._grad is None:
+            with self._code_lock:
+                if self._grad is None:
+                    self._grad = derive(self.stages[FINAL], lambda target: (target.forward, target.backward))
+        return self._grad
+
+    @property
+    def grad_code(self):
+        """(forward-with-saves code, gradient code)."""
+        if self._grad_code is None:
+            fwd, bwd = self.grad
+            with self._code_lock:
+                if self._grad_code is None:
+                    # the gradient changes no user state: its calls need no ordering analysis
+                    self._grad_code = (generate(fwd, lambda invoke: invoke_may_mutate(invoke, FINAL)),
+                                       generate(bwd))
+        return self._grad_code
 
 
 class Callee:
@@ -132,6 +172,8 @@ class Callee:
         self.filename = cf._parsed.filename
         self._code = None
         self.ready = False  # this function and every function it may invoke are built
+        self.forward = GradHandle(self, 0)
+        self.backward = GradHandle(self, 1)
 
     def prepare(self):
         """Build everything this function may invoke, so that a CompileError comes before anything runs."""
@@ -143,7 +185,7 @@ class Callee:
                 continue
             seen.add(handle)
             build = handle.build
-            for sg in build.stages[STAGES[-1]].walk():
+            for sg in build.stages[FINAL].walk():
                 pending.extend(op.target for op in sg.ops if isinstance(op, ir.Invoke))
         self.ready = True
 
@@ -156,6 +198,28 @@ class Callee:
         code = self._code
         if code is None:
             code = self._code = self.build.code
+        return code
+
+
+class GradHandle:
+    """The runtime handle of a function's forward-with-saves (0) or gradient (1) program."""
+
+    def __init__(self, callee, which):
+        self.callee = callee
+        self.which = which
+        self.qualname = callee.qualname
+        self.filename = callee.filename
+        self._code = None
+
+    @property
+    def build(self):
+        return self.callee.build
+
+    @property
+    def code(self):
+        code = self._code
+        if code is None:
+            code = self._code = self.callee.build.grad_code[self.which]
         return code
 
 
@@ -218,7 +282,11 @@ class CompiledFunction:
         if not callee.ready:
             callee.prepare()
         self.stats.record_start()
-        result, run_stats = scheduler.run(callee, bound)
+        torch = sys.modules.get("torch")  # no torch imported: no tensor can need a gradient
+        if torch is not None and torch.is_grad_enabled():
+            result, run_stats = autograd.run(callee, bound, self.stats)
+        else:
+            result, run_stats = scheduler.run(callee, bound)
         self.stats.record_run(run_stats)
         return result
 
@@ -241,24 +309,34 @@ class CompiledFunction:
 
     # -- inspecting
 
-    def program(self, stage=STAGES[-1], owner=None):
-        """The Program reachable from this function after ``stage`` (see STAGES)."""
+    def program(self, stage=FINAL, owner=None):
+        """The Program reachable from this function after ``stage`` (see STAGES).
+
+        ``stage="grad"`` gives each function's forward-with-saves (``F:fwd``) and
+        gradient (``F:bwd``) SubGraphs.
+        """
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r}; available: {', '.join(STAGES)}")
         owner = owner if owner is not None else self._owner
         subgraphs = {}
+        seen = set()
         pending = [self.callee(owner)]
         while pending:
             handle = pending.pop()
-            if handle.ir_name in subgraphs:
+            if handle.ir_name in seen:
                 continue
-            sg = handle.build.stages[stage]
-            subgraphs[handle.ir_name] = sg
-            for s in sg.walk():
+            seen.add(handle.ir_name)
+            build = handle.build
+            if stage == GRAD:
+                for sg in build.grad:
+                    subgraphs[sg.name] = sg
+            else:
+                subgraphs[handle.ir_name] = build.stages[stage]
+            for s in build.stages[FINAL if stage == GRAD else stage].walk():
                 pending.extend(op.target for op in s.ops if isinstance(op, ir.Invoke))
-        return ir.Program(self.ir_name, subgraphs)
+        return ir.Program(self.ir_name + (":fwd" if stage == GRAD else ""), subgraphs)
 
-    def dump(self, stage=STAGES[-1], format="text", owner=None):
+    def dump(self, stage=FINAL, format="text", owner=None):
         """The IR after ``stage`` as text (``format="text"``) or Graphviz DOT (``format="dot"``)."""
         program = self.program(stage, owner)
         if format == "text":

@@ -15,7 +15,7 @@ import sys
 
 from .api import CompiledFunction, function
 from .errors import CompileError
-from .passes.pipeline import STAGES
+from .passes.pipeline import FINAL, STAGES
 
 
 def _load_module(spec):
@@ -64,7 +64,7 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     dump = sub.add_parser("dump", help="print the IR after a stage, or the generated Python source")
     dump.add_argument("target", help="FILE.py:QUALNAME or package.module:QUALNAME")
-    dump.add_argument("--stage", choices=STAGES, default=STAGES[-1], help="the pass after which to print the IR")
+    dump.add_argument("--stage", choices=STAGES, default=FINAL, help="the pass after which to print the IR")
     dump.add_argument("--format", choices=("text", "dot"), default="text", help="text, or Graphviz DOT")
     dump.add_argument("--source", action="store_true", help="print the generated Python source instead of the IR")
     args = parser.parse_args(argv)

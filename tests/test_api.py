@@ -359,7 +359,7 @@ def test_functools_metadata():
 
 
 def test_stages():
-    assert recompile.STAGES == ["frontend", "capture"]
+    assert recompile.STAGES == ["frontend", "capture", "grad"]
 
 
 @pytest.mark.parametrize("stage", recompile.STAGES)
@@ -387,7 +387,7 @@ def test_dump_of_a_method():
     assert ApiDecorated().count.dump() == text  # through a bound method too
 
 
-@pytest.mark.parametrize("stage", ["", "Capture", "codegen", "grad", None])
+@pytest.mark.parametrize("stage", ["", "Capture", "codegen", "Grad", None])
 def test_invalid_stage_raises_value_error(stage):
     f = api_recursive()
     with pytest.raises(ValueError, match="stage"):

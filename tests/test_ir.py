@@ -356,7 +356,8 @@ def _repr_dump(sg):
 
 @pytest.mark.parametrize("stage", recompile.STAGES)
 def test_clone_same_text_new_values(stage):
-    sg = ir_tree_count.program(stage).subgraphs[ir_tree_count.ir_name]
+    program = ir_tree_count.program(stage)
+    sg = program.subgraphs[program.entry]
     before = ir.format_subgraph(sg)
     c = ir.clone(sg)
     assert ir.format_subgraph(c) == before

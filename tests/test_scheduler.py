@@ -158,13 +158,13 @@ def test_stats_frames_and_max_depth_of_a_small_tree():
     want = counter.tree(LEFT, RIGHT, VALS, 0)
     assert (counter.calls, counter.max_depth) == (7, 3)
     g = _fresh_tree()
-    assert g.stats == {"builds": 0, "calls": 0, "frames": 0, "max_depth": 0}
+    assert g.stats == {"builds": 0, "calls": 0, "frames": 0, "max_depth": 0, "backwards": 0, "grad_fallbacks": {}}
     assert g(LEFT, RIGHT, VALS, 0) == want
-    assert g.stats == {"builds": 1, "calls": 1, "frames": 7, "max_depth": 3}
+    assert g.stats == {"builds": 1, "calls": 1, "frames": 7, "max_depth": 3, "backwards": 0, "grad_fallbacks": {}}
     assert g(LEFT, RIGHT, VALS, 1) == VALS[5] + VALS[6] + VALS[4]  # a subtree: 5 frames, depth 2
-    assert g.stats == {"builds": 1, "calls": 2, "frames": 12, "max_depth": 3}
+    assert g.stats == {"builds": 1, "calls": 2, "frames": 12, "max_depth": 3, "backwards": 0, "grad_fallbacks": {}}
     assert g(LEFT, RIGHT, VALS, 2) == VALS[2]  # a leaf: one frame at depth 0
-    assert g.stats == {"builds": 1, "calls": 3, "frames": 13, "max_depth": 3}
+    assert g.stats == {"builds": 1, "calls": 3, "frames": 13, "max_depth": 3, "backwards": 0, "grad_fallbacks": {}}
 
 
 def _fresh_tree():
@@ -197,7 +197,8 @@ def test_stats_of_a_function_without_compiled_calls():
         return x + y
 
     assert add(1, 2) == 3 and add(3, 4) == 7
-    assert add.stats == {"builds": 1, "calls": 2, "frames": 2, "max_depth": 0}
+    assert add.stats == {"builds": 1, "calls": 2, "frames": 2, "max_depth": 0, "backwards": 0,
+                         "grad_fallbacks": {}}
 
 
 def test_stats_count_a_plain_leaf_callee_as_a_frame():

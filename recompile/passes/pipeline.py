@@ -10,7 +10,10 @@ PASSES = [
     ("capture", capture),
 ]
 
-STAGES = ["frontend"] + [name for name, _ in PASSES]
+FINAL = PASSES[-1][0]  # the program that runs
+# "grad" is the forward-with-saves and gradient program (passes.grad), derived when first needed
+GRAD = "grad"
+STAGES = ["frontend"] + [name for name, _ in PASSES] + [GRAD]
 
 
 def run_passes(frontend_sg, parsed):

@@ -1,0 +1,311 @@
+"""Gradient derivation: from a function SubGraph, its forward-with-saves and its gradient SubGraph.
+
+For a function ``F`` the pass makes two function SubGraphs:
+
+- ``F:fwd(ctx, *inputs)`` runs F and returns ``(result, record)``. The record
+  is a tuple of the forward values the gradient needs (the value cache entry
+  of this activation). It holds the records of the calls F made, so the
+  records form a tree that mirrors the call tree: a record is found by its
+  path (parent record, call site, loop iteration; Jeong et al. §5), never in a
+  stack shared between frames, and it is dropped as soon as its gradient has
+  run.
+- ``F:bwd(ctx, record)`` runs the reverse-mode rules of F's ops in reverse
+  order. Cotangents are kept by tensor in ``ctx`` (``runtime.backprop``):
+  a rule reads the cotangent of its result and adds to those of its inputs,
+  so tensors that travel through lists, tuples, dicts and objects need no rule
+  of their own.
+
+Control flow keeps its shape:
+
+- an ``Invoke`` of G becomes an Invoke of ``G:fwd`` (its record is saved) and,
+  at the same position in the gradient, an Invoke of ``G:bwd``: recursion
+  stays recursion (Jeong et al. Fig. 5b), mutual recursion likewise;
+- a ``Cond`` saves which branch ran; its gradient is a Cond on that flag;
+- a ``While`` pushes each iteration's record on a linked list ``(record, rest)``
+  (the trip count is its length); its gradient loops over that list, last
+  iteration first (Yu et al. §5.1). Early return, break and continue reach
+  here already lowered to these.
+
+Each forward ``Call`` keeps its place. A Call of a callable known when the
+program is built runs as written and its rule is a constant; any other call
+goes through ``backprop.call_forward``, which looks the rule up by the
+callable at run time or records the call for torch.autograd (the fallback).
+"""
+
+from __future__ import annotations
+
+import builtins
+import operator
+
+from .. import ir
+from ..runtime import backprop as bp
+from ..runtime import grad_rules
+from ..runtime import semantics as sem
+
+# Calls that make nothing differentiable from tensors: they need no gradient.
+NO_GRADIENT = {
+    sem.build_tuple, sem.build_list, sem.build_dict, sem.build_set, sem.check_bound, sem.has_index,
+    sem.format_value, sem.join_str, sem.finds_in_class, sem.not_in, sem.raise_exception, sem.read_global,
+    sem.read_cell, operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne, operator.is_,
+    operator.is_not, operator.not_, operator.contains, operator.truth, len, isinstance, issubclass, slice, range,
+    bool, int, str, repr, type, id, hash, print, callable, hasattr,
+}
+# Calls whose result may be a tensor from outside the program (a parameter): the forward notes it.
+READS = {getattr, operator.getitem, sem.unpack}
+# Tensor attributes whose read is differentiable; other attribute reads are bound methods or data.
+DIFFERENTIABLE_ATTRS = {"T", "mT", "H", "mH", "real", "imag"}
+
+
+def derive(sg, handles):
+    """(``F:fwd``, ``F:bwd``) for function SubGraph ``sg`` (not changed).
+
+    ``handles(target)`` gives the (forward, backward) runtime handles of an
+    Invoke's target.
+    """
+    sg = ir.clone(sg)
+    deriver = _Deriver(handles)
+    ctx_f, ctx_b = ir.Value("ctx"), ir.Value("ctx")
+    fwd = ir.SubGraph(f"{sg.name}:fwd", [ctx_f, *sg.inputs], sg.loc, "function")
+    bwd = ir.SubGraph(f"{sg.name}:bwd", [ctx_b], sg.loc, "function")
+    rec_f = deriver.body(sg, fwd, bwd, ctx_f, ctx_b)
+    pair = ir.Call(sg.loc, ir.Const(sem.build_tuple), [sg.outputs[0], rec_f], hints=("result",))
+    fwd.ops.append(pair)
+    fwd.outputs = [pair.output]
+    bwd.outputs = [ir.Const(None)]
+    return fwd, bwd
+
+
+def _const_fn(op):
+    if isinstance(op.fn, ir.Const):
+        try:
+            hash(op.fn.value)
+            return op.fn.value
+        except TypeError:
+            return None
+    return None
+
+
+def _swap_outputs(op, n=None):
+    """Give ``op`` fresh outputs; return its old ones (to be produced by a following op)."""
+    old = op.outputs
+    op.outputs = [ir.Value(v.hint, op) for v in old] if n is None else [ir.Value("", op) for _ in range(n)]
+    return old
+
+
+def _produce(op, values):
+    """Make ``op`` the producer of ``values`` (its outputs)."""
+    op.outputs = list(values)
+    for v in values:
+        v.op = op
+
+
+class _Deriver:
+    def __init__(self, handles):
+        self.handles = handles
+
+    def body(self, sg, fwd, bwd, ctx_f, ctx_b, prologue=()):
+        """Move ``sg``'s ops (already rewired to ``fwd``'s inputs) into ``fwd`` with saving, fill ``bwd``.
+
+        Returns the forward Value of this activation's record. ``bwd`` gets the
+        record as its input after ``ctx_b`` unless ``prologue`` ops produce it.
+        """
+        chunks = []  # per forward op, its gradient ops (in order); run last chunk first
+        for op in sg.ops:
+            chunks.append(self.op(op, fwd.ops, ctx_f, ctx_b))
+        grad_ops = [o for chunk in reversed(chunks) for o in chunk]
+        saved = _read_from(grad_ops, _defined(fwd))
+        rec = ir.Call(sg.loc, ir.Const(sem.build_tuple), saved, hints=("record",))
+        fwd.ops.append(rec)
+        rec_b = ir.Value("record")
+        restore = []
+        if saved:
+            unpack = ir.Call(sg.loc, ir.Const(sem.unpack), [rec_b, ir.Const(len(saved))], n_outputs=len(saved),
+                             hints=[v.hint for v in saved])
+            mapping = dict(zip(saved, unpack.outputs))
+            for o in grad_ops:
+                o.map_operands(lambda x: mapping.get(x, x) if isinstance(x, ir.Value) else x)
+            restore = [unpack]
+        if prologue:
+            prologue[-1].outputs[0:1] = [rec_b]
+            rec_b.op = prologue[-1]
+        else:
+            bwd.inputs.append(rec_b)
+        bwd.ops.extend([*prologue, *restore, *grad_ops])
+        return rec.output
+
+    # -- one forward op: append its forward form to ``out``, return its gradient ops
+
+    def op(self, op, out, ctx_f, ctx_b):
+        if isinstance(op, ir.Capture):
+            out.append(op)
+            old = _swap_outputs(op)
+            note = ir.Call(op.loc, ir.Const(bp.note), [ctx_f, op.output])
+            _produce(note, old)
+            out.append(note)
+            return []
+        if isinstance(op, ir.Call):
+            return self.call(op, out, ctx_f, ctx_b)
+        if isinstance(op, ir.Invoke):
+            return self.invoke(op, out, ctx_f, ctx_b)
+        if isinstance(op, ir.Cond):
+            return self.cond(op, out, ctx_f, ctx_b)
+        if isinstance(op, ir.While):
+            return self.while_(op, out, ctx_f, ctx_b)
+        raise TypeError(f"no gradient for {op!r}")
+
+    def call(self, op, out, ctx_f, ctx_b):
+        fn = _const_fn(op)
+        if fn is not None and fn in bp.OUT_OF_PLACE:  # x *= y on a tensor: a new tensor (see backprop)
+            op.fn = fn = ir.Const(bp.OUT_OF_PLACE[fn])
+            fn = fn.value
+        if fn is not None and fn in NO_GRADIENT:
+            out.append(op)
+            return []
+        if fn is operator.setitem:
+            out.append(op)
+            return [ir.Call(op.loc, ir.Const(bp.setitem_backward), [ctx_b, *op.args], n_outputs=0)]
+        rule = grad_rules.lookup(fn) if fn is not None else None
+        if fn is not None and (rule is not None or fn in READS):
+            out.append(op)
+            if fn in READS:
+                old = _swap_outputs(op)
+                note = ir.Call(op.loc, ir.Const(bp.note_all if len(old) > 1 else bp.note), [ctx_f, *op.outputs],
+                               n_outputs=len(old))
+                _produce(note, old)
+                out.append(note)
+                op = _with_outputs(op, old)
+            if fn is getattr and not (isinstance(op.args[1], ir.Const) and op.args[1].value in DIFFERENTIABLE_ATTRS
+                                      or isinstance(op.args[1], ir.Value)):
+                return []
+            aux = ir.Const(rule)
+            result, grads = self._result(op, ctx_b)
+            backward = bp.read_backward if fn in READS or fn is sem.as_sequence else bp.call_backward
+            return grads + [self._backward_call(op, ctx_b, aux, result, backward)]
+        # a callable known only when it runs: look its rule up then, or record it for torch.autograd
+        wrapped = ir.Call(op.loc, ir.Const(bp.call_forward), [ctx_f, op.fn, *op.args], op.kwargs,
+                          star={i + 2 for i in op.star}, n_outputs=2, hints=(_hint(op), "aux"))
+        out.append(wrapped)
+        result, aux = wrapped.outputs
+        if len(op.outputs) == 1:
+            _produce(wrapped, [op.outputs[0], aux])
+            result = op.outputs[0]
+        elif op.outputs:
+            unpack = ir.Call(op.loc, ir.Const(sem.unpack), [result, ir.Const(len(op.outputs))],
+                             n_outputs=len(op.outputs))
+            _produce(unpack, op.outputs)
+            out.append(unpack)
+        return [self._backward_call(op, ctx_b, aux, result)]
+
+    def _result(self, op, ctx_b):
+        """The operand naming a Call's result in the gradient: its output, or a tuple of its outputs."""
+        if len(op.outputs) == 1:
+            return op.outputs[0], []
+        if not op.outputs:
+            return ir.Const(None), []
+        pack = ir.Call(op.loc, ir.Const(sem.build_tuple), list(op.outputs), hints=("results",))
+        return pack.output, [pack]
+
+    def _backward_call(self, op, ctx_b, aux, result, backward=bp.call_backward):
+        return ir.Call(op.loc, ir.Const(backward), [ctx_b, aux, result, op.fn, *op.args], op.kwargs,
+                       star={i + 4 for i in op.star}, n_outputs=0)
+
+    def invoke(self, op, out, ctx_f, ctx_b):
+        fwd_handle, bwd_handle = self.handles(op.target)
+        call = ir.Invoke(op.loc, f"{op.callee}:fwd", fwd_handle, [ctx_f, *op.args], hints=(_hint(op),))
+        out.append(call)
+        split = ir.Call(op.loc, ir.Const(sem.unpack), [call.output, ir.Const(2)], n_outputs=2)
+        rec = ir.Value("record", split)
+        _produce(split, [op.output, rec])
+        out.append(split)
+        back = ir.Invoke(op.loc, f"{op.callee}:bwd", bwd_handle, [ctx_b, rec])
+        return [back]
+
+    def cond(self, op, out, ctx_f, ctx_b):
+        branches_f, branches_b = [], []
+        for sg, flag in ((op.then_sg, True), (op.else_sg, False)):
+            c_f, c_b = ir.Value("ctx"), ir.Value("ctx")
+            f = ir.SubGraph(f"{sg.name}:fwd", [c_f, *sg.inputs], sg.loc, sg.kind)
+            b = ir.SubGraph(f"{sg.name}:bwd", [c_b], sg.loc, sg.kind)
+            rec = self.body(sg, f, b, c_f, c_b)
+            f.outputs = [*sg.outputs, ir.Const(flag), rec]
+            branches_f.append(f)
+            branches_b.append(b)
+        fwd = ir.Cond(op.loc, op.pred, branches_f[0], branches_f[1], [ctx_f, *op.args], len(op.outputs) + 2)
+        took_then, rec = ir.Value("took_then", fwd), ir.Value("record", fwd)
+        _produce(fwd, [*op.outputs, took_then, rec])
+        out.append(fwd)
+        return [ir.Cond(op.loc, took_then, branches_b[0], branches_b[1], [ctx_b, rec], 0)]
+
+    def while_(self, op, out, ctx_f, ctx_b):
+        n = len(op.loop_vars)
+        # forward: the loop also carries the list of iteration records
+        cond = op.cond_sg
+        tape_c, ctx_c = ir.Value("tape"), ir.Value("ctx")
+        cond.inputs[n:n] = [tape_c]
+        cond.inputs.append(ctx_c)
+        cond.name += ":fwd"
+        body = op.body_sg
+        tape_in, ctx_in = ir.Value("tape"), ir.Value("ctx")
+        c_b = ir.Value("ctx")
+        body_f = ir.SubGraph(f"{body.name}:fwd", [*body.inputs[:n], tape_in, *body.inputs[n:], ctx_in], body.loc,
+                             body.kind)
+        body_b = ir.SubGraph(f"{body.name}:bwd", [], body.loc, body.kind)
+        tape_b = ir.Value("tape")
+        split = ir.Call(body.loc, ir.Const(sem.unpack), [tape_b, ir.Const(2)], n_outputs=2,
+                        hints=("record", "tape"))
+        rest = split.outputs[1]
+        rec = self.body(body, body_f, body_b, ctx_in, c_b, prologue=[split])
+        push = ir.Call(body.loc, ir.Const(sem.build_tuple), [rec, tape_in], hints=("tape",))
+        body_f.ops.append(push)
+        body_f.outputs = [*body.outputs, push.output]
+        body_b.inputs = [tape_b, c_b]
+        body_b.outputs = [rest]
+        fwd = ir.While(op.loc, cond, body_f, [*op.loop_vars, ir.Const(None)], [*op.invariants, ctx_f])
+        tape = ir.Value("tape", fwd)
+        _produce(fwd, [*op.outputs, tape])
+        out.append(fwd)
+        # gradient: pop the records, last iteration first
+        t_c, c_c = ir.Value("tape"), ir.Value("ctx")
+        more = ir.SubGraph(f"{body.name}:more", [t_c, c_c], body.loc, "cond")
+        test = ir.Call(op.loc, ir.Const(operator.is_not), [t_c, ir.Const(None)])
+        more.ops.append(test)
+        more.outputs = [test.output]
+        return [ir.While(op.loc, more, body_b, [tape], [ctx_b])]
+
+
+def _with_outputs(op, outputs):
+    """A view of Call ``op`` whose outputs are ``outputs`` (for building its gradient call)."""
+    import copy
+
+    view = copy.copy(op)
+    view.outputs = list(outputs)
+    return view
+
+
+def _hint(op):
+    return op.outputs[0].hint if op.outputs else ""
+
+
+def _defined(sg):
+    values = set(sg.inputs)
+    for op in sg.ops:
+        values.update(op.outputs)
+    return values
+
+
+def _read_from(ops, values):
+    """The Values of ``values`` that ``ops`` read, in order of first use."""
+    seen, order = set(), []
+    for op in ops:
+        for x in op.operands():
+            if isinstance(x, ir.Value) and x in values and x not in seen:
+                seen.add(x)
+                order.append(x)
+    return order
+
+
+def program_names(name):
+    return f"{name}:fwd", f"{name}:bwd"
+
+
+_ = builtins  # (NO_GRADIENT names builtins directly)

@@ -1,0 +1,97 @@
+"""Connecting a compiled call to torch.autograd: one autograd node per call.
+
+With grad mode on, a call runs the forward-with-saves program (``passes.grad``)
+under ``torch.no_grad()``: torch records nothing per op. If the forward met a
+tensor that requires grad (an argument, a parameter, a captured tensor), the
+call's floating-point result tensors come out of one ``CompiledCall`` node
+whose inputs are those tensors. Its backward runs the derived gradient
+program on the same scheduler and hands torch the gradients of the inputs,
+so ``loss.backward()`` fills ``.grad``, gradients accumulate as usual and
+``torch.autograd.grad`` works too.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import scheduler
+from .backprop import GradContext, tensors_in
+
+# contexts still alive (their saved values with them): what the memory test watches
+live_contexts = weakref.WeakSet()
+
+
+class _State:
+    __slots__ = ("handle", "ctx", "record", "results", "stats")
+
+    def __init__(self, handle, ctx, record, results, stats):
+        self.handle = handle
+        self.ctx = ctx
+        self.record = record
+        self.results = results
+        self.stats = stats
+
+
+class CompiledCall(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, state, *sources):
+        fctx.state = state
+        fctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in state.results)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(fctx, *grads):
+        state = fctx.state
+        if state is None:
+            raise RuntimeError(
+                "recompile: trying to backward through a compiled call a second time; its saved values were "
+                "freed after the first backward (retain_graph is not supported for compiled calls)")
+        fctx.state = None  # the saved values go as soon as the gradient has used them
+        ctx = state.ctx
+        for t, g in zip(state.results, grads):
+            ctx.add(t, g)
+        with torch.no_grad():
+            scheduler.run(state.handle.backward, (ctx, state.record))
+        state.stats.record_backward()
+        sources = list(ctx.sources)
+        out = tuple(ctx.grads.get(key) for key in sources)
+        ctx.cotangents.clear()
+        return (None, *out)
+
+
+def run(callee, args, stats):
+    """Run compiled function ``callee`` on bound ``args`` with gradients: (result, RunStats)."""
+    ctx = GradContext()
+    live_contexts.add(ctx)
+    for a in args:
+        ctx.note_tree(a)
+    with torch.no_grad():
+        pair, run_stats = scheduler.run(callee.forward, (ctx, *args))
+    result, record = pair
+    stats.record_fallbacks(ctx.fallbacks)
+    if not ctx.sources:
+        return result, run_stats
+    results = [t for t in tensors_in(result) if t.is_floating_point() or t.is_complex()]
+    if not results:
+        return result, run_stats
+    outs = CompiledCall.apply(_State(callee, ctx, record, results, stats), *ctx.sources.values())
+    if not isinstance(outs, tuple):
+        outs = (outs,)
+    return _replace(result, dict(zip(map(id, results), outs))), run_stats
+
+
+def _replace(value, new, depth=0):
+    """``value`` with each tensor whose id is in ``new`` replaced by its node output."""
+    if isinstance(value, torch.Tensor):
+        return new.get(id(value), value)
+    if depth < 8 and isinstance(value, tuple):
+        items = [_replace(v, new, depth + 1) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if depth < 8 and isinstance(value, list):
+        return [_replace(v, new, depth + 1) for v in value]
+    if depth < 8 and isinstance(value, dict):
+        return {k: _replace(v, new, depth + 1) for k, v in value.items()}
+    return value

@@ -1,0 +1,383 @@
+"""What the generated forward-with-saves and gradient code call (see ``passes.grad``).
+
+A ``GradContext`` lives for one compiled call that needs gradients:
+
+- ``sources``: the tensors from outside the program that require grad
+  (arguments, parameters, captured tensors), noted by the forward as it
+  meets them; they become the inputs of the call's autograd node;
+- ``cotangents``: during the gradient, the cotangent of each tensor the
+  program made, by identity. A rule pops the cotangent of its result and adds
+  to those of its inputs; a source's cotangent goes to ``grads``.
+
+The forward runs under ``torch.no_grad()``, so a tensor that requires grad is
+always one from outside; that is how sources are recognised.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+import threading
+
+import torch
+from torch import nn
+
+from .grad_rules import Rule, lookup
+
+_Tensor = torch.Tensor
+_BOUND_BUILTIN = type([].append)
+
+
+class GradContext:
+    __slots__ = ("sources", "grads", "cotangents", "fallbacks", "lock", "__weakref__")
+
+    def __init__(self):
+        self.sources = {}  # id -> tensor
+        self.grads = {}  # id -> accumulated gradient of a source
+        self.cotangents = {}  # id -> (tensor, cotangent); the tensor keeps its id from being reused
+        self.fallbacks = {}  # callable name -> calls recorded for torch.autograd
+        self.lock = threading.Lock()
+
+    # -- forward
+
+    def note(self, value):
+        if isinstance(value, _Tensor) and value.requires_grad:
+            self.sources.setdefault(id(value), value)
+
+    def note_module(self, module):
+        for p in module.parameters():
+            if p.requires_grad:
+                self.sources.setdefault(id(p), p)
+
+    def note_tree(self, value):
+        """Note the tensors in (nested) tuples, lists and dicts: the arguments of a call."""
+        for t in tensors_in(value):
+            self.note(t)
+
+    # -- gradient
+
+    def add(self, obj, g):
+        """Add cotangent ``g`` to ``obj``: a tensor, or a tuple/list of them with a matching ``g``."""
+        if g is None:
+            return
+        if isinstance(obj, _Tensor):
+            if obj.requires_grad:
+                self._add_source(obj, g)
+            elif obj.is_floating_point() or obj.is_complex():
+                key = id(obj)
+                with self.lock:
+                    entry = self.cotangents.get(key)
+                    self.cotangents[key] = (obj, g if entry is None else entry[1] + g)
+        elif isinstance(obj, (tuple, list)) and isinstance(g, (tuple, list)):
+            for o, go in zip(obj, g):
+                self.add(o, go)
+
+    def _add_source(self, tensor, g):
+        key = id(tensor)
+        if key not in self.sources:
+            raise RuntimeError(
+                "recompile: a tensor that requires grad reached the gradient without being seen by the forward "
+                f"(shape {tuple(tensor.shape)}); please report this with the compiled function")
+        if g.shape != tensor.shape:
+            g = g.sum_to_size(tensor.shape)
+        if g.dtype != tensor.dtype:
+            g = g.to(tensor.dtype)
+        with self.lock:
+            acc = self.grads.get(key)
+            self.grads[key] = g if acc is None else acc + g
+
+    def pop(self, out):
+        """The cotangent of a result (None if it got none), removing it."""
+        if isinstance(out, _Tensor):
+            with self.lock:
+                entry = self.cotangents.pop(id(out), None)
+            return None if entry is None else entry[1]
+        if isinstance(out, (tuple, list)):
+            gs = tuple(self.pop(o) for o in out)
+            return gs if any(g is not None for g in gs) else None
+        return None
+
+    def peek(self, tensor):
+        entry = self.cotangents.get(id(tensor))
+        return None if entry is None else entry[1]
+
+
+def tensors_in(value, depth=0):
+    if isinstance(value, _Tensor):
+        yield value
+    elif depth < 8 and isinstance(value, (tuple, list)):
+        for v in value:
+            yield from tensors_in(v, depth + 1)
+    elif depth < 8 and isinstance(value, dict):
+        for v in value.values():
+            yield from tensors_in(v, depth + 1)
+
+
+# ----------------------------------------------------------------------------
+# forward
+
+
+def note(ctx, value):
+    if isinstance(value, _Tensor) and value.requires_grad:
+        ctx.sources.setdefault(id(value), value)
+    return value
+
+
+def note_all(ctx, *values):
+    for v in values:
+        note(ctx, v)
+    return values
+
+
+# callables that take tensors apart or build nothing differentiable: run as they are
+_PLAIN = {
+    print, len, isinstance, issubclass, range, enumerate, zip, list, tuple, dict, set, frozenset, sorted,
+    reversed, str, repr, format, int, float, bool, id, hash, type, iter, next, any, all, callable, hasattr,
+    getattr, setattr, map, filter, divmod, round, chr, ord,
+}
+_PLAIN_METHODS = {
+    "size", "dim", "ndimension", "numel", "item", "tolist", "nelement", "element_size", "stride",
+    "is_contiguous", "data_ptr", "storage_offset", "get_device", "type", "argmax", "argmin", "argsort", "eq",
+    "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite", "nonzero", "numpy", "equal", "any", "all",
+    "is_floating_point", "is_complex", "sign", "__bool__", "__len__", "__int__", "__float__", "__index__",
+    "bool", "long", "int", "byte", "logical_not", "logical_and", "logical_or", "count_nonzero",
+}
+
+
+_CONTAINERS = (list, dict, set, frozenset, tuple, str, bytes, bytearray, collections.deque)
+
+
+def _plain(fn):
+    try:
+        if fn in _PLAIN:
+            return True
+    except TypeError:
+        return False
+    if type(fn) is _BOUND_BUILTIN:
+        owner = fn.__self__
+        if isinstance(owner, _Tensor):
+            return fn.__name__ in _PLAIN_METHODS
+        return isinstance(owner, _CONTAINERS)  # list.append, dict.get: not torch.cat
+    return isinstance(fn, type) and not issubclass(fn, nn.Module)  # a class: Node(h, c) keeps its tensors
+
+
+def call_forward(ctx, fn, *args, **kwargs):
+    """Run ``fn`` for the forward: ``(result, how to differentiate it)``."""
+    rule = lookup(fn)
+    if rule is not None:
+        if isinstance(fn, nn.Module):
+            ctx.note_module(fn)
+        out = fn(*args, **kwargs)
+        return out, rule
+    if _plain(fn):
+        out = fn(*args, **kwargs)
+        note(ctx, out)
+        return out, None
+    if type(fn) is _BOUND_BUILTIN and isinstance(fn.__self__, _Tensor) and fn.__name__.endswith("_"):
+        return _in_place(ctx, fn, args, kwargs)
+    return Recorded.forward(ctx, fn, args, kwargs)
+
+
+def _in_place(ctx, fn, args, kwargs):
+    target = fn.__self__
+    if target.is_floating_point() or target.is_complex():
+        raise NotImplementedError(
+            f"recompile cannot differentiate the in-place method Tensor.{fn.__name__} (no gradient rule); "
+            f"write x = x.{fn.__name__[:-1]}(...) instead, or run the call under torch.no_grad()")
+    return fn(*args, **kwargs), None
+
+
+def _imul(a, b):
+    return a * b if isinstance(a, _Tensor) else operator.imul(a, b)
+
+
+def _itruediv(a, b):
+    return a / b if isinstance(a, _Tensor) else operator.itruediv(a, b)
+
+
+def _imatmul(a, b):
+    return a @ b if isinstance(a, _Tensor) else operator.imatmul(a, b)
+
+
+def _ipow(a, b):
+    return a ** b if isinstance(a, _Tensor) else operator.ipow(a, b)
+
+
+# ``x *= y`` rescales x in place, and its gradient would need the old x: with gradients on, a tensor
+# gets a new one (``x += y`` stays in place: its gradient needs neither value).
+OUT_OF_PLACE = {operator.imul: _imul, operator.itruediv: _itruediv, operator.imatmul: _imatmul,
+                operator.ipow: _ipow}
+
+
+# ----------------------------------------------------------------------------
+# gradient
+
+
+def call_backward(ctx, how, out, fn, *args, **kwargs):
+    """Apply the gradient of one forward call: ``how`` is its Rule, a Recorded call, or None."""
+    if how is None:
+        return
+    if type(how) is not Rule:
+        how.backward(ctx)
+        return
+    g = ctx.pop(out)
+    if g is not None:
+        for x, gx in how(fn, g, out, args, kwargs):
+            ctx.add(x, gx)
+
+
+def read_backward(ctx, how, out, fn, obj, *args):
+    """The gradient of a read (``obj[i]``, ``a, b = obj``, ``obj.T``): only a tensor's read makes a new
+    tensor; an item of a list or tuple is the object itself and keeps its cotangent."""
+    if isinstance(obj, _Tensor):
+        call_backward(ctx, how, out, fn, obj, *args)
+
+
+def setitem_backward(ctx, obj, index, value):
+    """``obj[index] = value`` on a tensor: value gets the cotangent of that region, which the old obj loses."""
+    if not isinstance(obj, _Tensor):
+        return
+    g = ctx.peek(obj)
+    if g is None:
+        return
+    part = g[index]
+    if isinstance(value, _Tensor):
+        ctx.add(value, part.sum_to_size(value.shape) if part.shape != value.shape else part)
+    g = g.clone()
+    g[index] = 0
+    with ctx.lock:
+        ctx.cotangents[id(obj)] = (obj, g)
+
+
+# ----------------------------------------------------------------------------
+# the fallback: a call with no rule, recorded by torch.autograd
+
+
+class Recorded:
+    """A call run with torch.autograd recording, for a callable that has no rule."""
+
+    __slots__ = ("outputs", "results", "inputs", "targets")
+
+    def __init__(self, outputs, results, inputs, targets):
+        self.outputs = outputs  # the tensors the autograd graph ends in
+        self.results = results  # the tensors the program got in their place (cotangents come to these)
+        self.inputs = inputs  # what to differentiate for
+        self.targets = targets  # where each input's gradient goes
+
+    @staticmethod
+    def forward(ctx, fn, args, kwargs):
+        copies = {}  # id(original) -> detached copy that records
+
+        def detach(x):
+            if isinstance(x, _Tensor):
+                if x.requires_grad or not (x.is_floating_point() or x.is_complex()):
+                    return x
+                c = copies.get(id(x))
+                if c is None:
+                    c = x.detach().requires_grad_()
+                    copies[id(x)] = (x, c)
+                    return c
+                return c[1]
+            if type(x) in (tuple, list):  # a copy only when it holds tensors to record (cat, sum of a list)
+                items = [detach(v) for v in x]
+                return type(x)(items) if any(a is not b for a, b in zip(items, x)) else x
+            return x
+
+        if type(fn) is _BOUND_BUILTIN and isinstance(fn.__self__, _Tensor):  # x.f(...): x is an input too
+            args = (fn.__self__, *args)
+            fn = getattr(type(fn.__self__), fn.__name__)
+        call_args = [detach(a) for a in args]
+        call_kwargs = {k: detach(v) for k, v in kwargs.items()}
+        with torch.enable_grad():
+            out = fn(*call_args, **call_kwargs)
+        back = {id(c): x for x, c in copies.values()}
+        outputs, results = [], []
+
+        def settle(x):
+            if isinstance(x, _Tensor):
+                if id(x) in back:  # an argument given back as it was
+                    original = back[id(x)]
+                    outputs.append(x)
+                    results.append(original)
+                    return original
+                if x.grad_fn is not None:
+                    r = x.detach()
+                    outputs.append(x)
+                    results.append(r)
+                    return r
+                note(ctx, x)
+                return x
+            if type(x) in (tuple, list):
+                return type(x)(settle(v) for v in x)
+            if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+                return type(x)(*(settle(v) for v in x))
+            return x
+
+        result = settle(out)
+        if not outputs:
+            return result, None
+        inputs = [c for _, c in copies.values()]
+        targets = [x for x, _ in copies.values()]
+        stop = set()
+        for a in (*args, *kwargs.values()):
+            for t in tensors_in(a):
+                if t.requires_grad:
+                    inputs.append(t)
+                    targets.append(t)
+                    if t.grad_fn is not None:
+                        stop.add(t.grad_fn)
+        own = {id(c) for c in inputs}
+        for leaf in _leaves(outputs, stop):
+            if id(leaf) not in own:
+                own.add(id(leaf))
+                note(ctx, leaf)
+                inputs.append(leaf)
+                targets.append(leaf)
+        name = _name(fn)
+        with ctx.lock:
+            ctx.fallbacks[name] = ctx.fallbacks.get(name, 0) + 1
+        return result, Recorded(outputs, results, inputs, targets)
+
+    def backward(self, ctx):
+        outs, grads = [], []
+        for o, r in zip(self.outputs, self.results):
+            gr = ctx.pop(r)
+            if gr is not None:
+                outs.append(o)
+                grads.append(gr)
+        if not outs or not self.inputs:
+            return
+        with torch.enable_grad():
+            found = torch.autograd.grad(outs, self.inputs, grads, allow_unused=True)
+        for target, gi in zip(self.targets, found):
+            ctx.add(target, gi)
+
+
+def _name(fn):
+    """How stats name a callable: torch.cat, Tensor.sum, Embedding, SentimentModel.node_loss."""
+    if isinstance(fn, nn.Module):
+        return type(fn).__name__
+    name = getattr(fn, "__name__", None)
+    module = getattr(fn, "__module__", None) or ""
+    if isinstance(name, str) and (module.startswith("torch") or getattr(fn, "__self__", None) is None
+                                  and module == ""):
+        return ("torch." if module.startswith("torch") else "") + name
+    if getattr(fn, "__objclass__", None) is not None and issubclass(fn.__objclass__, torch._C.TensorBase):
+        return "Tensor." + fn.__name__
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+def _leaves(outputs, stop):
+    """The leaf tensors (parameters) the autograd graph of ``outputs`` reaches, not past ``stop`` nodes."""
+    seen, pending, found = set(), [o.grad_fn for o in outputs if o.grad_fn is not None], []
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen or node in stop:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.append(variable)
+            continue
+        pending.extend(n for n, _ in node.next_functions)
+    return found
