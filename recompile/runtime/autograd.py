@@ -42,8 +42,10 @@ class CompiledCall(torch.autograd.Function):
         return tuple(t.detach() for t in state.results)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(fctx, *grads):
+        if torch.is_grad_enabled():  # create_graph=True
+            raise RuntimeError("recompile: higher-order gradients (create_graph=True) through a compiled call "
+                               "are not supported; the derived gradient program is not itself differentiated")
         state = fctx.state
         if state is None:
             raise RuntimeError(

@@ -28,6 +28,12 @@ _Tensor = torch.Tensor
 _BOUND_BUILTIN = type([].append)
 
 
+def external(t):
+    """Whether tensor ``t`` comes from outside the program: it requires grad. (Not a view the no-grad
+    forward took of such a tensor: that one reports requires_grad too, and is the program's own.)"""
+    return t.requires_grad and (t.grad_fn is not None or not t._is_view())
+
+
 class GradContext:
     __slots__ = ("sources", "grads", "cotangents", "fallbacks", "lock", "__weakref__")
 
@@ -41,7 +47,7 @@ class GradContext:
     # -- forward
 
     def note(self, value):
-        if isinstance(value, _Tensor) and value.requires_grad:
+        if isinstance(value, _Tensor) and external(value):
             self.sources.setdefault(id(value), value)
 
     def note_module(self, module):
@@ -61,7 +67,7 @@ class GradContext:
         if g is None:
             return
         if isinstance(obj, _Tensor):
-            if obj.requires_grad:
+            if obj.requires_grad and external(obj):
                 self._add_source(obj, g)
             elif obj.is_floating_point() or obj.is_complex():
                 key = id(obj)
@@ -118,7 +124,7 @@ def tensors_in(value, depth=0):
 
 
 def note(ctx, value):
-    if isinstance(value, _Tensor) and value.requires_grad:
+    if isinstance(value, _Tensor) and value.requires_grad and external(value):
         ctx.sources.setdefault(id(value), value)
     return value
 
@@ -270,7 +276,7 @@ class Recorded:
 
         def detach(x):
             if isinstance(x, _Tensor):
-                if x.requires_grad or not (x.is_floating_point() or x.is_complex()):
+                if external(x) or not (x.is_floating_point() or x.is_complex()):
                     return x
                 c = copies.get(id(x))
                 if c is None:
@@ -321,7 +327,7 @@ class Recorded:
         stop = set()
         for a in (*args, *kwargs.values()):
             for t in tensors_in(a):
-                if t.requires_grad:
+                if external(t):
                     inputs.append(t)
                     targets.append(t)
                     if t.grad_fn is not None:

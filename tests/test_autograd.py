@@ -1,0 +1,135 @@
+"""runtime.autograd: one autograd node per compiled call, saved values released, grad modes."""
+
+import gc
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import recompile
+from recompile.runtime import autograd
+
+F64 = torch.float64
+
+
+class Cell(nn.Module):
+    def __init__(self, d=4):
+        super().__init__()
+        self.leaf = nn.Linear(d, d).double()
+        self.comp = nn.Linear(2 * d, d).double()
+
+    @recompile.function
+    def encode(self, left, right, x, i):
+        if left[i] < 0:
+            return torch.tanh(self.leaf(x[i]))
+        h = torch.cat([self.encode(left, right, x, left[i]), self.encode(left, right, x, right[i])])
+        return torch.tanh(self.comp(h))
+
+
+LEFT, RIGHT = [1, 3, 5, -1, -1, -1, -1], [2, 4, 6, -1, -1, -1, -1]
+
+
+def _step(model, opt, x):
+    loss = model.encode(LEFT, RIGHT, x, 0).pow(2).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def _rss_bytes():
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_one_autograd_node_per_call():
+    torch.manual_seed(0)
+    m = Cell()
+    out = m.encode(LEFT, RIGHT, torch.randn(7, 4, dtype=F64), 0)
+    assert type(out.grad_fn).__name__ == "CompiledCallBackward"
+    # its inputs are the parameters the forward met, not one node per op
+    inputs = {id(fn.variable) for fn, _ in out.grad_fn.next_functions if hasattr(fn, "variable")}
+    assert inputs == {id(p) for p in m.parameters()}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc to read memory use")
+def test_memory_after_1000_steps_equals_memory_after_10():
+    torch.manual_seed(0)
+    m = Cell(8)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(7, 8, dtype=F64)
+    for _ in range(10):
+        _step(m, opt, x)
+    gc.collect()
+    after_10 = _rss_bytes()
+    for _ in range(990):
+        _step(m, opt, x)
+    gc.collect()
+    grown = _rss_bytes() - after_10
+    assert len(autograd.live_contexts) == 0  # every call's saved values were released
+    assert grown < 4 * 2 ** 20, f"memory grew by {grown / 2 ** 20:.1f} MiB over 990 steps"
+
+
+def test_saved_values_released_by_backward_and_with_the_graph():
+    torch.manual_seed(0)
+    m = Cell()
+    x = torch.randn(7, 4, dtype=F64)
+    out = m.encode(LEFT, RIGHT, x, 0).sum()
+    assert len(autograd.live_contexts) == 1
+    out.backward()
+    gc.collect()
+    assert len(autograd.live_contexts) == 0
+    out = m.encode(LEFT, RIGHT, x, 0).sum()  # never backpropagated: freed with its graph
+    del out
+    gc.collect()
+    assert len(autograd.live_contexts) == 0
+
+
+def test_no_grad_and_inference_mode_save_nothing():
+    torch.manual_seed(0)
+    m = Cell()
+    x = torch.randn(7, 4, dtype=F64, requires_grad=True)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            out = m.encode(LEFT, RIGHT, x, 0)
+        assert not out.requires_grad and out.grad_fn is None
+        assert len(autograd.live_contexts) == 0
+
+
+def test_nothing_requires_grad_gives_a_plain_result():
+    @recompile.function
+    def f(x):
+        return torch.tanh(x) * 2
+
+    out = f(torch.ones(3))
+    assert not out.requires_grad
+    assert f.stats["backwards"] == 0
+
+
+def test_second_backward_is_refused_clearly():
+    torch.manual_seed(0)
+    m = Cell()
+    out = m.encode(LEFT, RIGHT, torch.randn(7, 4, dtype=F64), 0).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second time"):
+        out.backward()
+
+
+def test_higher_order_gradients_are_refused_clearly():
+    @recompile.function
+    def f(x):
+        return (x * x).sum()
+
+    x = torch.ones(3, dtype=F64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="higher-order"):
+        torch.autograd.grad(f(x), x, create_graph=True)
+
+
+def test_gradients_accumulate_across_calls_like_pytorch():
+    torch.manual_seed(0)
+    m = Cell()
+    x = torch.randn(7, 4, dtype=F64, requires_grad=True)
+    m.encode(LEFT, RIGHT, x, 0).sum().backward()
+    once = x.grad.clone()
+    m.encode(LEFT, RIGHT, x, 0).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * once)
