@@ -28,6 +28,7 @@ class SentimentModel(nn.Module):
     state and whose last is the summed loss over its subtree.
     """
 
+    @recompile.function
     def node_loss(self, h, label):
         return F.cross_entropy(self.out(h).unsqueeze(0), label.unsqueeze(0), reduction="sum")
 

@@ -58,9 +58,9 @@ class CompiledCall(torch.autograd.Function):
         with torch.no_grad():
             scheduler.run(state.handle.backward, (ctx, state.record))
         state.stats.record_backward()
-        sources = list(ctx.sources)
-        out = tuple(ctx.grads.get(key) for key in sources)
+        out = ctx.source_grads()
         ctx.cotangents.clear()
+        ctx.grads.clear()
         return (None, *out)
 
 

@@ -22,6 +22,7 @@ import threading
 import torch
 from torch import nn
 
+from .deferred import DEFERRED, form
 from .grad_rules import Rule, lookup
 
 _Tensor = torch.Tensor
@@ -66,6 +67,8 @@ class GradContext:
         """Add cotangent ``g`` to ``obj``: a tensor, or a tuple/list of them with a matching ``g``."""
         if g is None:
             return
+        if type(g) in DEFERRED and not (isinstance(obj, _Tensor) and external(obj)):
+            g = g.tensor()  # only a source's gradient waits to be formed
         if isinstance(obj, _Tensor):
             if obj.requires_grad and external(obj):
                 self._add_source(obj, g)
@@ -79,18 +82,34 @@ class GradContext:
                 self.add(o, go)
 
     def _add_source(self, tensor, g):
+        # kept as parts and summed once at the end: factors of a weight's gradient become one matmul
         key = id(tensor)
         if key not in self.sources:
             raise RuntimeError(
                 "recompile: a tensor that requires grad reached the gradient without being seen by the forward "
                 f"(shape {tuple(tensor.shape)}); please report this with the compiled function")
-        if g.shape != tensor.shape:
+        if type(g) not in DEFERRED and g.shape != tensor.shape:
             g = g.sum_to_size(tensor.shape)
-        if g.dtype != tensor.dtype:
-            g = g.to(tensor.dtype)
         with self.lock:
-            acc = self.grads.get(key)
-            self.grads[key] = g if acc is None else acc + g
+            parts = self.grads.get(key)
+            if parts is None:
+                self.grads[key] = [g]
+            else:
+                parts.append(g)
+
+    def source_grads(self):
+        """The gradient of each source (None where it got none), in the order of ``sources``."""
+        out = []
+        for key, tensor in self.sources.items():
+            parts = self.grads.get(key)
+            if parts is None:
+                out.append(None)
+                continue
+            g = form(parts)
+            if g.shape != tensor.shape:
+                g = g.sum_to_size(tensor.shape)
+            out.append(g.to(tensor.dtype) if g.dtype != tensor.dtype else g)
+        return out
 
     def pop(self, out):
         """The cotangent of a result (None if it got none), removing it."""

@@ -1,0 +1,130 @@
+"""runtime.backprop and runtime.deferred: cotangents by tensor, sources, the autograd fallback, lazy parameter grads."""
+
+import torch
+from torch import nn
+
+from recompile.runtime import backprop as bp
+from recompile.runtime.deferred import Outer, Rows, form
+
+F64 = torch.float64
+
+
+def test_cotangents_accumulate_by_tensor_and_pop_once():
+    ctx = bp.GradContext()
+    t = torch.ones(2, dtype=F64)
+    ctx.add(t, torch.full((2,), 2.0, dtype=F64))
+    ctx.add(t, torch.full((2,), 3.0, dtype=F64))
+    assert torch.equal(ctx.pop(t), torch.full((2,), 5.0, dtype=F64))
+    assert ctx.pop(t) is None
+
+
+def test_cotangents_go_through_lists_and_tuples():
+    ctx = bp.GradContext()
+    a, b = torch.zeros(1, dtype=F64), torch.zeros(1, dtype=F64)
+    ctx.add([a, (b, 3)], [torch.ones(1, dtype=F64), (torch.ones(1, dtype=F64) * 2, None)])
+    assert ctx.pop((a, b)) == (torch.ones(1, dtype=F64), torch.ones(1, dtype=F64) * 2)
+
+
+def test_integer_tensors_get_no_cotangent():
+    ctx = bp.GradContext()
+    i = torch.tensor([1, 2])
+    ctx.add(i, torch.ones(2))
+    assert ctx.pop(i) is None
+
+
+def test_a_source_collects_its_gradient_and_an_unseen_one_is_an_error():
+    ctx = bp.GradContext()
+    w = torch.ones(2, requires_grad=True)
+    ctx.note(w)
+    ctx.add(w, torch.ones(2, dtype=F64))  # other dtype: cast to the source's
+    ctx.add(w, torch.ones(3, 2))  # broadcast: summed to the source's shape
+    (g,) = ctx.source_grads()
+    assert g.dtype == torch.float32 and torch.equal(g, torch.full((2,), 4.0))
+    other = torch.ones(2, requires_grad=True)
+    try:
+        ctx.add(other, torch.ones(2))
+    except RuntimeError as exc:
+        assert "without being seen" in str(exc)
+    else:
+        raise AssertionError("expected a RuntimeError")
+
+
+def test_a_view_taken_without_grad_is_the_programs_own():
+    w = torch.ones(3, 2, requires_grad=True)
+    with torch.no_grad():
+        row = w[0]
+    assert row.requires_grad  # what torch reports ...
+    assert bp.external(w) and not bp.external(row)  # ... and what recompile makes of it
+
+
+def test_fallback_records_a_call_without_a_rule():
+    ctx = bp.GradContext()
+    lin = nn.Linear(2, 2).double()
+
+    def helper(x, scale):
+        return torch.erf(lin(x)) * scale
+
+    x = torch.randn(2, dtype=F64)
+    with torch.no_grad():
+        out, how = bp.call_forward(ctx, helper, x, 3.0)
+    assert not out.requires_grad and isinstance(how, bp.Recorded)
+    assert set(ctx.sources) == {id(p) for p in lin.parameters()}  # the parameters it used
+    assert ctx.fallbacks == {"test_fallback_records_a_call_without_a_rule.<locals>.helper": 1}
+    g = torch.randn(2, dtype=F64)
+    ctx.add(out, g)
+    bp.call_backward(ctx, how, out, helper, x, 3.0)
+    xr = x.clone().requires_grad_()
+    want = torch.autograd.grad(helper(xr, 3.0), [xr, lin.weight, lin.bias], g)
+    torch.testing.assert_close(ctx.pop(x), want[0])
+    got_w, got_b = ctx.source_grads()
+    torch.testing.assert_close(got_w, want[1])
+    torch.testing.assert_close(got_b, want[2])
+
+
+def test_fallback_gives_back_an_argument_returned_unchanged_and_mutates_the_callers_list():
+    ctx = bp.GradContext()
+    store = []
+
+    def keep(xs, t):
+        xs.append(len(xs))
+        return t
+
+    t = torch.ones(2, dtype=F64)
+    with torch.no_grad():
+        out, _ = bp.call_forward(ctx, keep, store, t)
+    assert out is t and store == [0]
+
+
+def test_plain_calls_run_as_they_are():
+    ctx = bp.GradContext()
+    xs = [1]
+    out, how = bp.call_forward(ctx, xs.append, 2)
+    assert out is None and how is None and xs == [1, 2]
+    out, how = bp.call_forward(ctx, len, xs)
+    assert out == 2 and how is None
+
+
+def test_in_place_method_without_rule_is_refused_with_advice():
+    ctx = bp.GradContext()
+    t = torch.ones(2)
+    try:
+        with torch.no_grad():
+            bp.call_forward(ctx, t.mul_, 2)
+    except NotImplementedError as exc:
+        assert "mul_" in str(exc) and "x = x.mul(" in str(exc)
+    else:
+        raise AssertionError("expected NotImplementedError")
+
+
+def test_deferred_parts_form_the_summed_gradient():
+    torch.manual_seed(0)
+    g1, x1 = torch.randn(3, 4, dtype=F64), torch.randn(3, 5, dtype=F64)
+    g2, x2 = torch.randn(4, dtype=F64), torch.randn(5, dtype=F64)
+    dense = torch.randn(4, 5, dtype=F64)
+    got = form([Outer(g1, x1), dense, Outer(g2, x2)])
+    torch.testing.assert_close(got, g1.T @ x1 + torch.outer(g2, x2) + dense)
+    rows = torch.randn(3, 2, dtype=F64)
+    index = torch.tensor([1, 4, 1])
+    want = torch.zeros(6, 2, dtype=F64).index_add_(0, index, rows)
+    torch.testing.assert_close(form([Rows(index, rows, (6, 2))]), want)
+    torch.testing.assert_close(form([Rows(index[:2], rows[:2], (6, 2)), Rows(index[2:], rows[2:], (6, 2))]), want)
