@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import builtins
 import operator
+import os
 
 from .. import ir
 from ..runtime import backprop as bp
@@ -52,6 +53,7 @@ NO_GRADIENT = {
 }
 # Calls whose result may be a tensor from outside the program (a parameter): the forward notes it.
 READS = {getattr, operator.getitem, sem.unpack}
+BACKWARD_CALLS = {bp.call_backward, bp.read_backward}
 # Tensor attributes whose read is differentiable; other attribute reads are bound methods or data.
 DIFFERENTIABLE_ATTRS = {"T", "mT", "H", "mH", "real", "imag"}
 
@@ -110,8 +112,20 @@ class _Deriver:
         record as its input after ``ctx_b`` unless ``prologue`` ops produce it.
         """
         chunks = []  # per forward op, its gradient ops (in order); run last chunk first
+        guarded = _changed_later(sg.ops)
         for op in sg.ops:
-            chunks.append(self.op(op, fwd.ops, ctx_f, ctx_b))
+            chunk = self.op(op, fwd.ops, ctx_f, ctx_b)
+            backward = [o for o in chunk if isinstance(o, ir.Call) and _const_fn(o) in BACKWARD_CALLS]
+            for v in guarded.get(op, ()) if len(backward) == 1 else ():
+                # its gradient may read v: check that v is still as the op saw it
+                seen = ir.Call(op.loc, ir.Const(bp.version), [v], hints=("version",))
+                fwd.ops.append(seen)
+                where = ir.Const(f"{os.path.basename(op.loc.filename)}:{op.loc.lineno}")
+                how = backward[0].args[1]
+                check = ir.Call(op.loc, ir.Const(bp.check_version),
+                                [v, seen.output, where, how, ir.Const(v in op.outputs)], n_outputs=0)
+                chunk.insert(0, check)
+            chunks.append(chunk)
         grad_ops = [o for chunk in reversed(chunks) for o in chunk]
         saved = _read_from(grad_ops, _defined(fwd))
         rec = ir.Call(sg.loc, ir.Const(sem.build_tuple), saved, hints=("record",))
@@ -155,15 +169,18 @@ class _Deriver:
 
     def call(self, op, out, ctx_f, ctx_b):
         fn = _const_fn(op)
-        if fn is not None and fn in bp.OUT_OF_PLACE:  # x *= y on a tensor: a new tensor (see backprop)
-            op.fn = fn = ir.Const(bp.OUT_OF_PLACE[fn])
-            fn = fn.value
         if fn is not None and fn in NO_GRADIENT:
             out.append(op)
             return []
         if fn is operator.setitem:
+            op.fn = ir.Const(bp.set_item)
             out.append(op)
             return [ir.Call(op.loc, ir.Const(bp.setitem_backward), [ctx_b, *op.args], n_outputs=0)]
+        if fn in bp.IN_PLACE and len(op.args) == 2 and not op.star and not op.kwargs and len(op.outputs) == 1:
+            update = ir.Call(op.loc, ir.Const(bp.in_place), [ctx_f, op.fn, *op.args], n_outputs=2)
+            _produce(update, [op.output, ir.Value("aux", update)])
+            out.append(update)
+            return [self._backward_call(op, ctx_b, update.outputs[1], op.output)]
         rule = grad_rules.lookup(fn) if fn is not None else None
         if fn is not None and (rule is not None or fn in READS):
             out.append(op)
@@ -271,6 +288,38 @@ class _Deriver:
         more.ops.append(test)
         more.outputs = [test.output]
         return [ir.While(op.loc, more, body_b, [tape], [ctx_b])]
+
+
+def _changed_later(ops):
+    """{op: [values]}: values an op reads or makes that a later op of the SubGraph changes in place
+    (``y = torch.tanh(x); y += 1``): the gradient of the first op then checks they were not."""
+    guarded = {}
+    for k, op in enumerate(ops):
+        target = _in_place_target(op)
+        if target is None:
+            continue
+        for earlier in ops[:k]:
+            if target in earlier.operands() or target in earlier.outputs:
+                guarded.setdefault(earlier, []).append(target)
+    return guarded
+
+
+def _in_place_target(op):
+    """The Value a Call changes in place (``x += y``, ``x[i] = v``, ``x.add_(y)``), or None."""
+    if not isinstance(op, ir.Call) or not op.args:
+        return None
+    fn = _const_fn(op)
+    if fn in bp.IN_PLACE or fn is operator.setitem:
+        target = op.args[0]
+    elif isinstance(op.fn, ir.Value) and isinstance(op.fn.op, ir.Call) and _const_fn(op.fn.op) is getattr:
+        name = op.fn.op.args[1]
+        is_method = isinstance(name, ir.Const) and isinstance(name.value, str)
+        if not (is_method and name.value.endswith("_") and not name.value.endswith("__")):
+            return None
+        target = op.fn.op.args[0]
+    else:
+        return None
+    return target if isinstance(target, ir.Value) else None
 
 
 def _with_outputs(op, outputs):

@@ -51,7 +51,9 @@ class CompiledCall(torch.autograd.Function):
             raise RuntimeError(
                 "recompile: trying to backward through a compiled call a second time; its saved values were "
                 "freed after the first backward (retain_graph is not supported for compiled calls)")
-        fctx.state = None  # the saved values go as soon as the gradient has used them
+        if all(g is not None for g in grads):
+            fctx.state = None  # the saved values go as soon as the gradient has used them
+        # (else an output not differentiated yet may be later, as in torch: out[0].backward(), out[1].backward())
         ctx = state.ctx
         for t, g in zip(state.results, grads):
             ctx.add(t, g)

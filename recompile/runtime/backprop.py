@@ -32,7 +32,7 @@ _BOUND_BUILTIN = type([].append)
 def external(t):
     """Whether tensor ``t`` comes from outside the program: it requires grad. (Not a view the no-grad
     forward took of such a tensor: that one reports requires_grad too, and is the program's own.)"""
-    return t.requires_grad and (t.grad_fn is not None or not t._is_view())
+    return t.requires_grad and (t.grad_fn is not None or not t._is_view() or not t._base.requires_grad)
 
 
 class GradContext:
@@ -192,6 +192,8 @@ def call_forward(ctx, fn, *args, **kwargs):
     if rule is not None:
         if isinstance(fn, nn.Module):
             ctx.note_module(fn)
+        elif type(fn) is _BOUND_BUILTIN and fn.__name__.endswith("_") and isinstance(fn.__self__, _Tensor):
+            _check_in_place(fn.__self__, f"Tensor.{fn.__name__}")
         out = fn(*args, **kwargs)
         return out, rule
     if _plain(fn):
@@ -212,26 +214,90 @@ def _in_place(ctx, fn, args, kwargs):
     return fn(*args, **kwargs), None
 
 
-def _imul(a, b):
-    return a * b if isinstance(a, _Tensor) else operator.imul(a, b)
+def _check_in_place(target, what):
+    """Refuse, as torch would or where the cotangents by tensor could not follow, an in-place change."""
+    if not (target.is_floating_point() or target.is_complex()):
+        return
+    if external(target):
+        if target.is_leaf:
+            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+        raise NotImplementedError(
+            f"recompile cannot differentiate {what} on a tensor from outside the compiled call that requires "
+            "grad; use an out-of-place operation")
+    if target._is_view():
+        raise NotImplementedError(
+            f"recompile cannot differentiate {what} on a view of another tensor (row = h[0]; row *= 2, or "
+            "h[i] += x): the change reaches the tensor viewed. Write it out of place (h = h * 2, or build "
+            "the rows in a list and torch.stack them), or run it under torch.no_grad()")
 
 
-def _itruediv(a, b):
-    return a / b if isinstance(a, _Tensor) else operator.itruediv(a, b)
+class InPlace:
+    """``a op= b`` on a tensor, done in place as in Python, with the old ``a`` where its gradient needs it."""
+
+    __slots__ = ("op", "target", "other", "before")
+
+    def __init__(self, op, target, other, before):
+        self.op = op
+        self.target = target
+        self.other = other
+        self.before = before
+
+    def backward(self, ctx):
+        g = ctx.pop(self.target)
+        if g is None:
+            return
+        a, b, op = self.target, self.other, self.op
+        if op is operator.iadd:
+            ga, gb = g, g
+        elif op is operator.isub:
+            ga, gb = g, -g
+        elif op is operator.imul:
+            ga, gb = g * b, (g * self.before if isinstance(b, _Tensor) else None)
+        elif op is operator.itruediv:
+            ga, gb = g / b, (-g * a / b if isinstance(b, _Tensor) else None)  # a is the quotient by now
+        else:  # ipow
+            ga = g * b * self.before ** (b - 1)
+            gb = g * a * torch.log(self.before) if isinstance(b, _Tensor) else None
+        ctx.add(a, ga)  # the same tensor: now the cotangent of its old value
+        if gb is not None and isinstance(b, _Tensor):
+            ctx.add(b, gb.sum_to_size(b.shape) if gb.shape != b.shape else gb)
 
 
-def _imatmul(a, b):
-    return a @ b if isinstance(a, _Tensor) else operator.imatmul(a, b)
+IN_PLACE = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow)
 
 
-def _ipow(a, b):
-    return a ** b if isinstance(a, _Tensor) else operator.ipow(a, b)
+def in_place(ctx, op, a, b):
+    """``a op= b``: for a tensor, in place with what its gradient needs; else Python's own."""
+    if not isinstance(a, _Tensor):
+        return op(a, b), None
+    _check_in_place(a, "an augmented assignment")
+    before = a.clone() if op is operator.ipow or (op is operator.imul and isinstance(b, _Tensor)) else None
+    out = op(a, b)
+    if out is not a:  # not done in place after all (an integer tensor divided): like a @ b
+        return out, None
+    return out, InPlace(op, a, b, before)
 
 
-# ``x *= y`` rescales x in place, and its gradient would need the old x: with gradients on, a tensor
-# gets a new one (``x += y`` stays in place: its gradient needs neither value).
-OUT_OF_PLACE = {operator.imul: _imul, operator.itruediv: _itruediv, operator.imatmul: _imatmul,
-                operator.ipow: _ipow}
+def set_item(obj, index, value):
+    """``obj[index] = value``; refused on a tensor the gradient could not follow (see _check_in_place)."""
+    if isinstance(obj, _Tensor):
+        _check_in_place(obj, "an item assignment")
+    obj[index] = value
+
+
+def version(t):
+    return t._version if isinstance(t, _Tensor) else None
+
+
+def check_version(t, expected, where, how, is_result):
+    """Raise, as torch does, when a value an op's gradient needs was changed in place after the op ran."""
+    if not isinstance(t, _Tensor) or t._version == expected:
+        return
+    if type(how) is not Rule or not (how.reads_out if is_result else how.reads_inputs):
+        return  # its gradient needs no value (x + y), or it is autograd's to check (a recorded call)
+    raise RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"a tensor of shape {tuple(t.shape)} used at {where} was changed in place afterwards")
 
 
 # ----------------------------------------------------------------------------

@@ -66,8 +66,9 @@ def form(parts):
         index = torch.cat([t.index for t in tables]) if len(tables) > 1 else tables[0].index
         rows = torch.cat([t.rows for t in tables]) if len(tables) > 1 else tables[0].rows
         total = out.index_add_(0, index, rows.to(out.dtype))
-    if len(dense) > 2 and all(d.shape == dense[0].shape and d.dtype == dense[0].dtype for d in dense):
-        dense = [torch.stack(dense).sum(0)]  # one reduction rather than a chain of additions
+    if (len(dense) > 2 and dense[0].numel() <= 4096
+            and all(d.shape == dense[0].shape and d.dtype == dense[0].dtype for d in dense)):
+        dense = [torch.stack(dense).sum(0)]  # small parts (biases): one reduction rather than a chain
     for d in dense:
         total = d if total is None else total + d
     return total
