@@ -12,12 +12,13 @@ so ``loss.backward()`` fills ``.grad``, gradients accumulate as usual and
 
 from __future__ import annotations
 
+import types
 import weakref
 
 import torch
 
 from . import scheduler
-from .backprop import GradContext, tensors_in
+from .backprop import GradContext, external
 
 # contexts still alive (their saved values with them): what the memory test watches
 live_contexts = weakref.WeakSet()
@@ -78,7 +79,9 @@ def run(callee, args, stats):
     stats.record_fallbacks(ctx.fallbacks)
     if not ctx.sources:
         return result, run_stats
-    results = [t for t in tensors_in(result) if t.is_floating_point() or t.is_complex()]
+    # the program's own floating-point tensors; one from outside (an argument returned) stays itself
+    results = list({id(t): t for t in _result_tensors(result)
+                    if (t.is_floating_point() or t.is_complex()) and not external(t)}.values())
     if not results:
         return result, run_stats
     outs = CompiledCall.apply(_State(callee, ctx, record, results, stats), *ctx.sources.values())
@@ -87,10 +90,38 @@ def run(callee, args, stats):
     return _replace(result, dict(zip(map(id, results), outs))), run_stats
 
 
+def _plain_object(value):
+    """An object of the user's whose attributes may hold results (``Pair(h, c)``): not a module or class."""
+    return (hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type, types.FunctionType,
+                                                                   types.ModuleType, types.MethodType))
+            and not type(value).__module__.startswith("torch"))
+
+
+def _result_tensors(value, depth=0):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 8 and isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _result_tensors(v, depth + 1)
+    elif depth < 8 and isinstance(value, dict):
+        for v in value.values():
+            yield from _result_tensors(v, depth + 1)
+    elif depth < 8 and _plain_object(value):
+        for v in vars(value).values():
+            yield from _result_tensors(v, depth + 1)
+
+
 def _replace(value, new, depth=0):
-    """``value`` with each tensor whose id is in ``new`` replaced by its node output."""
+    """``value`` with each tensor whose id is in ``new`` replaced by its node output (an object's
+    attributes are replaced in place: the object is the one the program returned)."""
     if isinstance(value, torch.Tensor):
         return new.get(id(value), value)
+    if depth < 8 and _plain_object(value) and not isinstance(value, (tuple, list, dict)):
+        for k, v in list(vars(value).items()):
+            r = _replace(v, new, depth + 1)
+            if r is not v:
+                setattr(value, k, r)
+        return value
     if depth < 8 and isinstance(value, tuple):
         items = [_replace(v, new, depth + 1) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
