@@ -13,3 +13,4 @@ def test_tree_lstm_benchmark_runs(capsys):
     out = capsys.readouterr().out
     assert "inference" in out and "training" in out
     assert out.count("x\n") == 2  # one ratio per mode
+    assert "calls without a gradient rule: 0" in out  # the Tree-LSTM trains on rules alone
