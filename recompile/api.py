@@ -152,7 +152,7 @@ class FunctionBuild:
                 if self._grad_code is None:
                     # the gradient changes no user state: its calls need no ordering analysis
                     self._grad_code = (generate(fwd, lambda invoke: invoke_may_mutate(invoke, FINAL)),
-                                       generate(bwd))
+                                       generate(bwd, release=True))
         return self._grad_code
 
 

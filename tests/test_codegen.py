@@ -376,3 +376,28 @@ def test_function_named_like_a_builtin(tmp_path):
     if f.ir_name != "slice":  # another function named slice was compiled first in this process
         pytest.skip("IR name is not 'slice' in this process")
     assert f([1, 2, 3, 4], 3) == module.slice([1, 2, 3, 4], 3) == [2, 3]
+
+
+def _released_sum(xs, i):
+    a = xs[i] * 2
+    b = a + 1
+    if b > 3:
+        c = b * a
+    else:
+        c = b
+    return c + i
+
+
+def test_release_deletes_each_variable_after_its_last_use():
+    from recompile.codegen import generate
+
+    f = recompile.function(_released_sum)
+    sg = f.program().subgraphs[f.ir_name]
+    code = generate(sg, release=True)
+    assert code.entry([1, 2, 3], 2) == _released_sum([1, 2, 3], 2) == 44  # both branches
+    assert code.entry([1, 2, 3], 0) == _released_sum([1, 2, 3], 0) == 3
+    entry = next(node for node in ast.parse(code.source).body if node.name == code.entry.__name__)
+    deleted = [t.id for stmt in entry.body if isinstance(stmt, ast.Delete) for t in stmt.targets]
+    assert "xs" in deleted and "a" in deleted  # not held past their last use
+    assert "retval" not in deleted  # returned: kept
+    assert "del " not in generate(sg).source  # only on request (the gradient programs)

@@ -245,6 +245,8 @@ class _FunctionEmitter:
             ret = ast.Return(value=ast.Tuple(elts=[self.load(v) for v in sg.outputs], ctx=ast.Load()))
         ret._rc_loc = sg.outputs[0].op.loc if sg.outputs and getattr(sg.outputs[0], "op", None) else sg.loc
         body.append(ret)
+        if self.gen.release:
+            body = _release(body, [self.var(v) for v in sg.inputs])
         args = ast.arguments(posonlyargs=[], args=[ast.arg(arg=self.var(v)) for v in sg.inputs], vararg=None,
                              kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[])
         fdef = ast.FunctionDef(name=self.gen.fn_name[sg], args=args, body=body, decorator_list=[], returns=None,
@@ -253,10 +255,32 @@ class _FunctionEmitter:
         return fdef
 
 
+def _release(body, params):
+    """``body`` with ``del`` after the last statement that names each variable, so that what a
+    variable holds (a gradient's saved values) is freed as soon as it has been used."""
+    last, local = {}, set(params)
+    for i, stmt in enumerate(body):
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name):
+                last[node.id] = i
+                if isinstance(node.ctx, ast.Store):
+                    local.add(node.id)
+    out = []
+    for i, stmt in enumerate(body):
+        out.append(stmt)
+        dead = sorted(n for n, j in last.items() if j == i and n in local)
+        if dead and not isinstance(stmt, ast.Return):
+            gone = ast.Delete(targets=[ast.Name(id=n, ctx=ast.Del()) for n in dead])
+            gone._rc_loc = getattr(stmt, "_rc_loc", None)
+            out.append(gone)
+    return out
+
+
 class _Generator:
-    def __init__(self, sg, may_mutate):
+    def __init__(self, sg, may_mutate, release=False):
         self.root = sg
         self.may_mutate = may_mutate
+        self.release = release
         self.sgs = list(sg.walk())
         self.fn_name = {}
         used = set()
@@ -307,12 +331,13 @@ def _place(tree, original):
     return line_map
 
 
-def generate(sg, may_mutate=lambda invoke: False):
+def generate(sg, may_mutate=lambda invoke: False, release=False):
     """Compile the function SubGraph ``sg`` (with its nested SubGraphs).
 
-    ``may_mutate(invoke)`` tells whether a compiled call may change state (see codegen.plan).
+    ``may_mutate(invoke)`` tells whether a compiled call may change state (see codegen.plan);
+    with ``release`` each variable is deleted after its last use.
     """
-    gen = _Generator(sg, may_mutate)
+    gen = _Generator(sg, may_mutate, release)
     module = _Module()
     defs = [_FunctionEmitter(module, gen).function(s) for s in gen.sgs]
     tree = ast.Module(body=defs, type_ignores=[])

@@ -56,6 +56,7 @@ def run(callee, args):
             _annotate(exc, [_Leaf(callee, None, None)])
             raise
     stack = [Frame(callee, code.entry(*args), None, None)]
+    del args  # the frame has them: what they hold (a gradient's record) goes when the frame is done with it
     while True:
         frame = stack[-1]
         try:
