@@ -53,7 +53,7 @@ NO_GRADIENT = {
 }
 # Calls whose result may be a tensor from outside the program (a parameter): the forward notes it.
 READS = {getattr, operator.getitem, sem.unpack}
-BACKWARD_CALLS = {bp.call_backward, bp.read_backward}
+BACKWARD_CALLS = {bp.call_backward, bp.read_backward, bp.backward_of}
 # Tensor attributes whose read is differentiable; other attribute reads are bound methods or data.
 DIFFERENTIABLE_ATTRS = {"T", "mT", "H", "mH", "real", "imag"}
 
@@ -211,7 +211,7 @@ class _Deriver:
                              n_outputs=len(op.outputs))
             _produce(unpack, op.outputs)
             out.append(unpack)
-        return [self._backward_call(op, ctx_b, aux, result)]
+        return [ir.Call(op.loc, ir.Const(bp.backward_of), [ctx_b, aux], n_outputs=0)]
 
     def _result(self, op, ctx_b):
         """The operand naming a Call's result in the gradient: its output, or a tuple of its outputs."""

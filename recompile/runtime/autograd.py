@@ -12,13 +12,12 @@ so ``loss.backward()`` fills ``.grad``, gradients accumulate as usual and
 
 from __future__ import annotations
 
-import types
 import weakref
 
 import torch
 
 from . import scheduler
-from .backprop import GradContext, external
+from .backprop import GradContext, external, plain_object
 
 # contexts still alive (their saved values with them): what the memory test watches
 live_contexts = weakref.WeakSet()
@@ -90,13 +89,6 @@ def run(callee, args, stats):
     return _replace(result, dict(zip(map(id, results), outs))), run_stats
 
 
-def _plain_object(value):
-    """An object of the user's whose attributes may hold results (``Pair(h, c)``): not a module or class."""
-    return (hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type, types.FunctionType,
-                                                                   types.ModuleType, types.MethodType))
-            and not type(value).__module__.startswith("torch"))
-
-
 def _result_tensors(value, depth=0):
     if isinstance(value, torch.Tensor):
         yield value
@@ -106,17 +98,18 @@ def _result_tensors(value, depth=0):
     elif depth < 8 and isinstance(value, dict):
         for v in value.values():
             yield from _result_tensors(v, depth + 1)
-    elif depth < 8 and _plain_object(value):
+    elif depth < 8 and plain_object(value):
         for v in vars(value).values():
             yield from _result_tensors(v, depth + 1)
 
 
 def _replace(value, new, depth=0):
-    """``value`` with each tensor whose id is in ``new`` replaced by its node output (an object's
-    attributes are replaced in place: the object is the one the program returned)."""
+    """``value`` with each tensor whose id is in ``new`` replaced by its node output."""
     if isinstance(value, torch.Tensor):
         return new.get(id(value), value)
-    if depth < 8 and _plain_object(value) and not isinstance(value, (tuple, list, dict)):
+    if depth < 8 and plain_object(value) and not isinstance(value, (tuple, list, dict)):
+        # in place: the caller gets the object the program returned, as in eager code (the saved values
+        # keep no object a call merely built or read, so this makes no reference cycle through the node)
         for k, v in list(vars(value).items()):
             r = _replace(v, new, depth + 1)
             if r is not v:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import operator
 import threading
+import types
 
 import torch
 from torch import nn
@@ -36,13 +37,14 @@ def external(t):
 
 
 class GradContext:
-    __slots__ = ("sources", "grads", "cotangents", "fallbacks", "lock", "__weakref__")
+    __slots__ = ("sources", "grads", "cotangents", "fallbacks", "modules", "lock", "__weakref__")
 
     def __init__(self):
         self.sources = {}  # id -> tensor
         self.grads = {}  # id -> accumulated gradient of a source
         self.cotangents = {}  # id -> (tensor, cotangent); the tensor keeps its id from being reused
         self.fallbacks = {}  # callable name -> calls recorded for torch.autograd
+        self.modules = set()  # ids of the modules whose parameters are noted
         self.lock = threading.Lock()
 
     # -- forward
@@ -52,6 +54,7 @@ class GradContext:
             self.sources.setdefault(id(value), value)
 
     def note_module(self, module):
+        self.modules.add(id(module))
         for p in module.parameters():
             if p.requires_grad:
                 self.sources.setdefault(id(p), p)
@@ -127,6 +130,13 @@ class GradContext:
         return None if entry is None else entry[1]
 
 
+def plain_object(value):
+    """An object of the user's whose attributes may hold tensors (``Pair(h, c)``): not a module or class."""
+    return (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type, types.FunctionType,
+                                                                   types.ModuleType, types.MethodType))
+            and not isinstance(value, _Tensor))
+
+
 def tensors_in(value, depth=0):
     if isinstance(value, _Tensor):
         yield value
@@ -154,36 +164,54 @@ def note_all(ctx, *values):
     return values
 
 
-# callables that take tensors apart or build nothing differentiable: run as they are
-_PLAIN = {
-    print, len, isinstance, issubclass, range, enumerate, zip, list, tuple, dict, set, frozenset, sorted,
-    reversed, str, repr, format, int, float, bool, id, hash, type, iter, next, any, all, callable, hasattr,
-    getattr, setattr, map, filter, divmod, round, chr, ord,
+# callables whose result carries no gradient whatever they are given: run as they are
+_NO_GRADIENT = {
+    print, len, isinstance, issubclass, range, str, repr, format, int, float, bool, id, hash, type, callable,
+    hasattr, chr, ord, divmod, round, any, all,
+    getattr, setattr, delattr, dict, set, frozenset,  # these move objects: a tensor stays itself
 }
-_PLAIN_METHODS = {
+_NO_GRADIENT_METHODS = {
     "size", "dim", "ndimension", "numel", "item", "tolist", "nelement", "element_size", "stride",
-    "is_contiguous", "data_ptr", "storage_offset", "get_device", "type", "argmax", "argmin", "argsort", "eq",
+    "is_contiguous", "data_ptr", "storage_offset", "get_device", "argmax", "argmin", "argsort", "eq",
     "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite", "nonzero", "numpy", "equal", "any", "all",
     "is_floating_point", "is_complex", "sign", "__bool__", "__len__", "__int__", "__float__", "__index__",
     "bool", "long", "int", "byte", "logical_not", "logical_and", "logical_or", "count_nonzero",
 }
-
-
+# callables that iterate what they are given: a tensor gives its rows (as ``for row in x`` does)
+_ITERATING = {enumerate, zip, list, tuple, reversed, iter, sorted}
 _CONTAINERS = (list, dict, set, frozenset, tuple, str, bytes, bytearray, collections.deque)
 
 
-def _plain(fn):
+def _differentiable(x):
+    return isinstance(x, _Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def _takes_differentiable(args, kwargs):
+    """Whether a floating tensor is among the arguments (or directly in a list / tuple argument)."""
+    for a in (*args, *kwargs.values()):
+        if _differentiable(a) or (type(a) in (list, tuple) and any(_differentiable(v) for v in a)):
+            return True
+    return False
+
+
+def _no_gradient(fn, args, kwargs):
+    """Whether ``fn(*args, **kwargs)`` runs as it is, with no gradient to derive."""
     try:
-        if fn in _PLAIN:
+        if fn in _NO_GRADIENT:
             return True
     except TypeError:
         return False
     if type(fn) is _BOUND_BUILTIN:
         owner = fn.__self__
         if isinstance(owner, _Tensor):
-            return fn.__name__ in _PLAIN_METHODS
-        return isinstance(owner, _CONTAINERS)  # list.append, dict.get: not torch.cat
-    return isinstance(fn, type) and not issubclass(fn, nn.Module)  # a class: Node(h, c) keeps its tensors
+            return fn.__name__ in _NO_GRADIENT_METHODS
+        if isinstance(owner, _CONTAINERS):  # list.append, dict.get: they move objects, compute nothing
+            return True
+    if _takes_differentiable(args, kwargs):
+        return False
+    # a torch function given no floating tensor (torch.zeros, arange) makes no gradient; a Python function
+    # might still read parameters, and a class might compute from them: those are recorded
+    return type(fn) is _BOUND_BUILTIN and (getattr(fn, "__module__", None) or "").startswith("torch")
 
 
 def call_forward(ctx, fn, *args, **kwargs):
@@ -191,18 +219,79 @@ def call_forward(ctx, fn, *args, **kwargs):
     rule = lookup(fn)
     if rule is not None:
         if isinstance(fn, nn.Module):
-            ctx.note_module(fn)
-        elif type(fn) is _BOUND_BUILTIN and fn.__name__.endswith("_") and isinstance(fn.__self__, _Tensor):
-            _check_in_place(fn.__self__, f"Tensor.{fn.__name__}")
+            if id(fn) not in ctx.modules:
+                ctx.note_module(fn)
+        elif kwargs.get("inplace") is True and args:
+            _check_in_place(args[0], f"{rule.name}(inplace=True)")
+        elif type(fn) is _BOUND_BUILTIN and fn.__name__.endswith("_"):
+            target = fn.__self__ if isinstance(fn.__self__, _Tensor) else args[0] if args else None
+            if isinstance(target, _Tensor):
+                _check_in_place(target, fn.__name__)
         out = fn(*args, **kwargs)
-        return out, rule
-    if _plain(fn):
+        return out, Applied(rule, fn, out, args, kwargs)
+    try:
+        iterating = fn in _ITERATING
+    except TypeError:
+        iterating = False
+    if iterating and _takes_differentiable(args, kwargs):
+        return TakenRows.forward(fn, args, kwargs)
+    if _no_gradient(fn, args, kwargs):
         out = fn(*args, **kwargs)
         note(ctx, out)
         return out, None
     if type(fn) is _BOUND_BUILTIN and isinstance(fn.__self__, _Tensor) and fn.__name__.endswith("_"):
         return _in_place(ctx, fn, args, kwargs)
+    if kwargs.get("inplace") is True:
+        raise NotImplementedError(
+            f"recompile cannot differentiate {_name(fn)}(..., inplace=True) (no gradient rule); "
+            "drop inplace=True, or run the call under torch.no_grad()")
     return Recorded.forward(ctx, fn, args, kwargs)
+
+
+class Applied:
+    """A call whose rule was found when it ran: what the rule needs (the record keeps only this, so a
+    call that needs no gradient keeps nothing of its result alive)."""
+
+    __slots__ = ("rule", "fn", "out", "args", "kwargs")
+
+    def __init__(self, rule, fn, out, args, kwargs):
+        self.rule, self.fn, self.out, self.args, self.kwargs = rule, fn, out, args, kwargs
+
+    def backward(self, ctx):
+        g = ctx.pop(self.out)
+        if g is not None:
+            for x, gx in self.rule(self.fn, g, self.out, self.args, self.kwargs):
+                ctx.add(x, gx)
+
+
+class TakenRows:
+    """``enumerate(x)``, ``zip(x, y)``, ``list(x)`` over tensors: they iterate the tensors' rows, taken
+    here (``unbind``) so that the rows the program gets are known and their cotangents come back."""
+
+    __slots__ = ("taken",)
+
+    def __init__(self, taken):
+        self.taken = taken  # [(tensor, its rows)]
+
+    @staticmethod
+    def forward(fn, args, kwargs):
+        taken = []
+
+        def rows(x):
+            if _differentiable(x) and x.dim() > 0:
+                r = x.unbind(0)
+                taken.append((x, r))
+                return r
+            return x
+
+        out = fn(*[rows(a) for a in args], **kwargs)
+        return out, TakenRows(taken)
+
+    def backward(self, ctx):
+        for tensor, rows in self.taken:
+            gs = [ctx.pop(r) for r in rows]
+            if any(g is not None for g in gs):
+                ctx.add(tensor, torch.stack([torch.zeros_like(r) if g is None else g for g, r in zip(gs, rows)]))
 
 
 def _in_place(ctx, fn, args, kwargs):
@@ -252,6 +341,7 @@ class InPlace:
         elif op is operator.isub:
             ga, gb = g, -g
         elif op is operator.imul:
+            b = self.before if b is a else b  # h *= h
             ga, gb = g * b, (g * self.before if isinstance(b, _Tensor) else None)
         elif op is operator.itruediv:
             ga, gb = g / b, (-g * a / b if isinstance(b, _Tensor) else None)  # a is the quotient by now
@@ -271,6 +361,8 @@ def in_place(ctx, op, a, b):
     if not isinstance(a, _Tensor):
         return op(a, b), None
     _check_in_place(a, "an augmented assignment")
+    if op in (operator.itruediv, operator.ipow) and b is a:
+        raise NotImplementedError("recompile cannot differentiate x /= x or x **= x in place; write it out of place")
     before = a.clone() if op is operator.ipow or (op is operator.imul and isinstance(b, _Tensor)) else None
     out = op(a, b)
     if out is not a:  # not done in place after all (an integer tensor divided): like a @ b
@@ -293,6 +385,8 @@ def check_version(t, expected, where, how, is_result):
     """Raise, as torch does, when a value an op's gradient needs was changed in place after the op ran."""
     if not isinstance(t, _Tensor) or t._version == expected:
         return
+    if type(how) is Applied:
+        how = how.rule
     if type(how) is not Rule or not (how.reads_out if is_result else how.reads_inputs):
         return  # its gradient needs no value (x + y), or it is autograd's to check (a recorded call)
     raise RuntimeError(
@@ -302,6 +396,12 @@ def check_version(t, expected, where, how, is_result):
 
 # ----------------------------------------------------------------------------
 # gradient
+
+
+def backward_of(ctx, how):
+    """The gradient of a call whose way to differentiate was decided when it ran (see call_forward)."""
+    if how is not None:
+        how.backward(ctx)
 
 
 def call_backward(ctx, how, out, fn, *args, **kwargs):
@@ -400,8 +500,16 @@ class Recorded:
                 return x
             if type(x) in (tuple, list):
                 return type(x)(settle(v) for v in x)
-            if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
-                return type(x)(*(settle(v) for v in x))
+            if isinstance(x, tuple):
+                items = [settle(v) for v in x]
+                return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)  # namedtuple; topk's
+            if type(x) is dict:
+                return {k: settle(v) for k, v in x.items()}
+            if plain_object(x):  # an object made by the call (Normal(mu, sigma), a user's class)
+                for k, v in list(vars(x).items()):
+                    r = settle(v)
+                    if r is not v:
+                        setattr(x, k, r)
             return x
 
         result = settle(out)
@@ -439,7 +547,8 @@ class Recorded:
         if not outs or not self.inputs:
             return
         with torch.enable_grad():
-            found = torch.autograd.grad(outs, self.inputs, grads, allow_unused=True)
+            # (retain_graph: the walk may have reached into a graph of the caller's, which must survive)
+            found = torch.autograd.grad(outs, self.inputs, grads, allow_unused=True, retain_graph=True)
         for target, gi in zip(self.targets, found):
             ctx.add(target, gi)
 
