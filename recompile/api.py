@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 import threading
 import types
+
+import torch
 
 from . import ir
 from .codegen import generate
@@ -282,8 +283,7 @@ class CompiledFunction:
         if not callee.ready:
             callee.prepare()
         self.stats.record_start()
-        torch = sys.modules.get("torch")  # no torch imported: no tensor can need a gradient
-        if torch is not None and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             result, run_stats = autograd.run(callee, bound, self.stats)
         else:
             result, run_stats = scheduler.run(callee, bound)

@@ -35,7 +35,7 @@ def test_integer_tensors_get_no_cotangent():
 def test_a_source_collects_its_gradient_and_an_unseen_one_is_an_error():
     ctx = bp.GradContext()
     w = torch.ones(2, requires_grad=True)
-    ctx.note(w)
+    bp.note(ctx, w)
     ctx.add(w, torch.ones(2, dtype=F64))  # other dtype: cast to the source's
     ctx.add(w, torch.ones(3, 2))  # broadcast: summed to the source's shape
     (g,) = ctx.source_grads()

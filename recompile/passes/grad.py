@@ -34,7 +34,6 @@ callable at run time or records the call for torch.autograd (the fallback).
 
 from __future__ import annotations
 
-import builtins
 import operator
 import os
 
@@ -55,7 +54,7 @@ NO_GRADIENT = {
 READS = {getattr, operator.getitem, sem.unpack}
 BACKWARD_CALLS = {bp.call_backward, bp.read_backward, bp.backward_of}
 # Tensor attributes whose read is differentiable; other attribute reads are bound methods or data.
-DIFFERENTIABLE_ATTRS = {"T", "mT", "H", "mH", "real", "imag"}
+DIFFERENTIABLE_ATTRS = {"T", "mT", "H", "mH", "real"}
 
 
 def derive(sg, handles):
@@ -352,9 +351,3 @@ def _read_from(ops, values):
                 order.append(x)
     return order
 
-
-def program_names(name):
-    return f"{name}:fwd", f"{name}:bwd"
-
-
-_ = builtins  # (NO_GRADIENT names builtins directly)

@@ -24,10 +24,9 @@ import torch
 from torch import nn
 
 from .deferred import DEFERRED, form
-from .grad_rules import Rule, lookup
+from .grad_rules import _BOUND_BUILTIN, Rule, lookup
 
 _Tensor = torch.Tensor
-_BOUND_BUILTIN = type([].append)
 
 
 def external(t):
@@ -49,9 +48,6 @@ class GradContext:
 
     # -- forward
 
-    def note(self, value):
-        if isinstance(value, _Tensor) and external(value):
-            self.sources.setdefault(id(value), value)
 
     def note_module(self, module):
         self.modules.add(id(module))
@@ -62,7 +58,7 @@ class GradContext:
     def note_tree(self, value):
         """Note the tensors in (nested) tuples, lists and dicts: the arguments of a call."""
         for t in tensors_in(value):
-            self.note(t)
+            note(self, t)
 
     # -- gradient
 
@@ -153,7 +149,8 @@ def tensors_in(value, depth=0):
 
 
 def note(ctx, value):
-    if isinstance(value, _Tensor) and value.requires_grad and external(value):
+    """Make ``value`` a source of the call if it is a tensor from outside that requires grad."""
+    if isinstance(value, _Tensor) and external(value):
         ctx.sources.setdefault(id(value), value)
     return value
 

@@ -34,6 +34,7 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _nn_module
 
 from . import semantics as sem
 from .deferred import Outer, Rows
@@ -121,6 +122,8 @@ def lookup(fn):
             return METHOD_RULES.get(fn.__name__)
         return None
     if isinstance(fn, nn.Module):
+        if fn._forward_hooks or fn._forward_pre_hooks or fn._backward_hooks or _global_module_hooks():
+            return None  # a hook may change what the module computes (weight_norm): recorded instead
         return MODULE_RULES.get(kind)
     return None
 
@@ -133,6 +136,11 @@ def _forms(*names):
         if hasattr(torch.Tensor, name):
             found.append(name)
     return found
+
+
+def _global_module_hooks():
+    m = _nn_module
+    return m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
 
 
 # ----------------------------------------------------------------------------
@@ -667,16 +675,16 @@ def _linalg_norm(fn, g, out, A, ord=None, dim=None, keepdim=False, *, dtype=None
 
 @rule(torch.cat, torch.concat, torch.concatenate)
 def _cat(fn, g, out, tensors, dim=0, **aliases):
-    d = dim_of(aliases.get("axis", dim), out.dim())
+    d = dim_of(aliases.get("axis", dim), g.dim())  # g, not out: reading out would forbid out += 1 later
     # torch.cat skips legacy empty 1-D tensors whatever the others' shape: they get no cotangent
-    joined = [t.dim() == out.dim() for t in tensors]
+    joined = [t.dim() == g.dim() for t in tensors]
     pieces = g.split([t.shape[d] if j else 0 for t, j in zip(tensors, joined)], d)
     return ((tensors, [unbroadcast(p, t) if j else None for p, t, j in zip(pieces, tensors, joined)]),)
 
 
 @rule(torch.stack)
 def _stack(fn, g, out, tensors, dim=0, **aliases):
-    pieces = g.unbind(dim_of(aliases.get("axis", dim), out.dim()))
+    pieces = g.unbind(dim_of(aliases.get("axis", dim), g.dim()))
     return ((tensors, [unbroadcast(p, t) for p, t in zip(pieces, tensors)]),)
 
 
