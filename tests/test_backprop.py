@@ -1,5 +1,6 @@
 """runtime.backprop and runtime.deferred: cotangents by tensor, sources, the autograd fallback, lazy parameter grads."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -128,3 +129,98 @@ def test_deferred_parts_form_the_summed_gradient():
     want = torch.zeros(6, 2, dtype=F64).index_add_(0, index, rows)
     torch.testing.assert_close(form([Rows(index, rows, (6, 2))]), want)
     torch.testing.assert_close(form([Rows(index[:2], rows[:2], (6, 2)), Rows(index[2:], rows[2:], (6, 2))]), want)
+
+
+# --- calls the forward meets at run time, differentiated like eager (regressions from review) ---------
+
+W3 = torch.randn(3, 3, dtype=F64, generator=torch.Generator().manual_seed(1))
+
+
+def over_enumerate(x):
+    total = x[0] * 0
+    for i, row in enumerate(x):
+        total = total + row * (i + 1)
+    return total
+
+
+def over_zip_and_list(x, y):
+    rows = list(x)
+    return torch.stack([a * b for a, b in zip(rows, y)])
+
+
+def topk_helper(x):
+    return torch.topk(x, 2).values.sum() + torch.sort(x).values[0]
+
+
+def dict_helper(x):
+    return _make_dict(x)["t"] * 2
+
+
+def _make_dict(x):
+    return {"t": torch.erf(x @ W3)}
+
+
+def square_in_place(x):
+    h = x * 1.0
+    h *= h
+    return h
+
+
+HOOKED = nn.Linear(3, 3).double()
+HOOKED.register_forward_hook(lambda module, inputs, out: out * 3)
+
+
+def hooked_module(x):
+    return HOOKED(x).sum()
+
+
+@pytest.mark.parametrize("fn,args", [
+    (over_enumerate, (torch.randn(4, 3, dtype=F64),)),
+    (over_zip_and_list, (torch.randn(3, 2, dtype=F64), torch.randn(3, 2, dtype=F64))),
+    (topk_helper, (torch.randn(5, dtype=F64),)),
+    (dict_helper, (torch.randn(3, dtype=F64),)),
+    (hooked_module, (torch.randn(3, dtype=F64),)),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_run_time_calls_differentiate_like_eager(fn, args):
+    import recompile
+
+    params = [W3, *HOOKED.parameters()]
+    results = []
+    for f in (fn, recompile.function(fn)):
+        xs = [a.clone().requires_grad_() for a in args]
+        ws = [p.detach().clone().requires_grad_() for p in params]
+        with torch.no_grad():
+            for p, w in zip(params, ws):
+                p.requires_grad_(True)
+        out = f(*xs)
+        out.sum().backward()
+        results.append([out.detach()] + [x.grad for x in xs] + [p.grad for p in params])
+        for p in params:
+            p.grad = None
+    for got, want in zip(results[1], results[0]):
+        assert (got is None) == (want is None)
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_a_tensor_multiplied_by_itself_in_place_gets_twice_its_value():
+    import recompile
+
+    x = torch.randn(3, dtype=F64, requires_grad=True)
+    recompile.function(square_in_place)(x).sum().backward()  # (eager refuses this one)
+    torch.testing.assert_close(x.grad, 2 * x.detach())
+
+
+def relu_module_on_a_view(x):
+    h = x * 1.0
+    return RELU(h[0]).sum() + h.sum()
+
+
+RELU = nn.ReLU(inplace=True)
+
+
+def test_in_place_module_on_a_view_is_refused_clearly():
+    import recompile
+
+    with pytest.raises(NotImplementedError, match="ReLU\\(inplace=True\\) on a view"):
+        recompile.function(relu_module_on_a_view)(torch.randn(2, 3, dtype=F64, requires_grad=True))

@@ -308,8 +308,9 @@ def _in_place_target(op):
     if not isinstance(op, ir.Call) or not op.args:
         return None
     fn = _const_fn(op)
-    if fn in bp.IN_PLACE or fn is operator.setitem:
-        target = op.args[0]
+    if fn in bp.IN_PLACE or fn is operator.setitem or any(
+            k == "inplace" and isinstance(v, ir.Const) and v.value is True for k, v in op.kwargs):
+        target = op.args[0]  # (F.relu(x, inplace=True) too)
     elif isinstance(op.fn, ir.Value) and isinstance(op.fn.op, ir.Call) and _const_fn(op.fn.op) is getattr:
         name = op.fn.op.args[1]
         is_method = isinstance(name, ir.Const) and isinstance(name.value, str)

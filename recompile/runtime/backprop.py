@@ -218,6 +218,8 @@ def call_forward(ctx, fn, *args, **kwargs):
         if isinstance(fn, nn.Module):
             if id(fn) not in ctx.modules:
                 ctx.note_module(fn)
+            if getattr(fn, "inplace", False) is True and args and isinstance(args[0], _Tensor):
+                _check_in_place(args[0], f"{type(fn).__name__}(inplace=True)")
         elif kwargs.get("inplace") is True and args:
             _check_in_place(args[0], f"{rule.name}(inplace=True)")
         elif type(fn) is _BOUND_BUILTIN and fn.__name__.endswith("_"):
