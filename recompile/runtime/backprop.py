@@ -340,8 +340,8 @@ class InPlace:
         elif op is operator.isub:
             ga, gb = g, -g
         elif op is operator.imul:
-            b = self.before if b is a else b  # h *= h
-            ga, gb = g * b, (g * self.before if isinstance(b, _Tensor) else None)
+            factor = self.before if b is a else b  # (h *= h: the old h on both sides)
+            ga, gb = g * factor, (g * self.before if isinstance(b, _Tensor) else None)
         elif op is operator.itruediv:
             ga, gb = g / b, (-g * a / b if isinstance(b, _Tensor) else None)  # a is the quotient by now
         else:  # ipow
