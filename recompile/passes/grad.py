@@ -30,6 +30,9 @@ Each forward ``Call`` keeps its place. A Call of a callable known when the
 program is built runs as written and its rule is a constant; any other call
 goes through ``backprop.call_forward``, which looks the rule up by the
 callable at run time or records the call for torch.autograd (the fallback).
+A value that a later op of the same SubGraph changes in place (``y += 1``)
+gets its version saved, and the gradient of an op that read it checks it, as
+torch does.
 """
 
 from __future__ import annotations
