@@ -46,6 +46,7 @@ from torch import nn
 
 import recompile
 import recompile.runtime.grad_rules
+from bound_globals import bound_globals  # tests/ is on sys.path under pytest
 
 F64 = torch.float64
 TOL = 1e-7
@@ -160,16 +161,9 @@ def clear_grads(tensors):
         t.grad = None
 
 
-@contextlib.contextmanager
 def installed(objs):
-    """Temporarily bind module globals ``name -> obj`` (restored afterwards)."""
-    g = globals()
-    saved = {name: g[name] for name in objs}
-    g.update(objs)
-    try:
-        yield
-    finally:
-        g.update(saved)
+    """Temporarily bind this module's globals ``name -> obj`` (restored afterwards)."""
+    return bound_globals(globals(), objs)
 
 
 class Program:

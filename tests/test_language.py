@@ -25,7 +25,6 @@ Layout
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import sys
@@ -35,6 +34,7 @@ import torch
 from torch import nn
 
 import recompile  # only attributes are looked up inside tests (see module doc)
+from bound_globals import bound_globals  # tests/ is on sys.path under pytest
 
 THIS = sys.modules[__name__]
 F64 = torch.float64
@@ -135,16 +135,9 @@ def register(fn, *cases, approx=False, rec=(), registry=None):
     registry[fn.__name__] = Program(fn, cases, approx, rec)
 
 
-@contextlib.contextmanager
 def installed(objs):
-    """Temporarily bind module globals ``name -> obj`` (restored afterwards)."""
-    g = globals()
-    saved = {name: g[name] for name in objs}
-    g.update(objs)
-    try:
-        yield
-    finally:
-        g.update(saved)
+    """Temporarily bind this module's globals ``name -> obj`` (restored afterwards)."""
+    return bound_globals(globals(), objs)
 
 
 def compile_program(prog, mode):

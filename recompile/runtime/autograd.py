@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from . import scheduler
-from .backprop import GradContext, external, plain_object
+from .backprop import GradContext, external, plain_object, tensors_in
 
 # contexts still alive (their saved values with them): what the memory test watches
 live_contexts = weakref.WeakSet()
@@ -79,7 +79,7 @@ def run(callee, args, stats):
     if not ctx.sources:
         return result, run_stats
     # the program's own floating-point tensors; one from outside (an argument returned) stays itself
-    results = list({id(t): t for t in _result_tensors(result)
+    results = list({id(t): t for t in tensors_in(result)
                     if (t.is_floating_point() or t.is_complex()) and not external(t)}.values())
     if not results:
         return result, run_stats
@@ -87,20 +87,6 @@ def run(callee, args, stats):
     if not isinstance(outs, tuple):
         outs = (outs,)
     return _replace(result, dict(zip(map(id, results), outs))), run_stats
-
-
-def _result_tensors(value, depth=0):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif depth < 8 and isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _result_tensors(v, depth + 1)
-    elif depth < 8 and isinstance(value, dict):
-        for v in value.values():
-            yield from _result_tensors(v, depth + 1)
-    elif depth < 8 and plain_object(value):
-        for v in vars(value).values():
-            yield from _result_tensors(v, depth + 1)
 
 
 def _replace(value, new, depth=0):

@@ -134,6 +134,7 @@ def plain_object(value):
 
 
 def tensors_in(value, depth=0):
+    """The tensors in ``value``: itself, or inside its tuples, lists, dicts and plain objects' attributes."""
     if isinstance(value, _Tensor):
         yield value
     elif depth < 8 and isinstance(value, (tuple, list)):
@@ -141,6 +142,9 @@ def tensors_in(value, depth=0):
             yield from tensors_in(v, depth + 1)
     elif depth < 8 and isinstance(value, dict):
         for v in value.values():
+            yield from tensors_in(v, depth + 1)
+    elif depth < 8 and plain_object(value):
+        for v in vars(value).values():
             yield from tensors_in(v, depth + 1)
 
 
