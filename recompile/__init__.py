@@ -7,8 +7,9 @@
 from .api import CompiledFunction, function  # noqa: F401
 from .errors import CompileError, RecompileError  # noqa: F401
 from .passes.pipeline import FINAL, STAGES  # noqa: F401
+from .vmap import vmap  # noqa: F401
 
-__all__ = ["function", "CompiledFunction", "CompileError", "RecompileError", "STAGES", "dump"]
+__all__ = ["function", "vmap", "CompiledFunction", "CompileError", "RecompileError", "STAGES", "dump"]
 __version__ = "0.1.0"
 
 

@@ -11,14 +11,15 @@ import torch
 
 from . import ir
 from .codegen import generate
+from .codegen.batched import generate_batched
 from .errors import CompileError
 from .frontend import convert, parse_function, validate
 from .passes.effects import invoke_may_mutate
 from .passes.grad import derive
 from .passes.pipeline import FINAL, GRAD, STAGES, run_passes
-from .runtime import autograd, scheduler
+from .runtime import agenda, autograd, scheduler
 
-MODES = ("sequential",)
+MODES = ("batched", "sequential")
 _names_taken = {}
 _names_lock = threading.Lock()
 
@@ -103,6 +104,30 @@ class Stats(dict):
             self["frames"] += run_stats.frames
             self["max_depth"] = max(self["max_depth"], run_stats.max_depth)
 
+    def record_batched(self, run_stats):
+        """Add a batched run: executions and instances per program point, ops run per instance, time."""
+        self.record_run(run_stats)
+        with self._lock:
+            batches = self.setdefault("batches", {})
+            for name, (runs, instances) in run_stats.batches.items():
+                entry = batches.setdefault(name, {"runs": 0, "instances": 0, "mean_batch": 0.0})
+                entry["runs"] += runs
+                entry["instances"] += instances
+                entry["mean_batch"] = entry["instances"] / entry["runs"]
+            per_instance = self.setdefault("per_instance", {})
+            for name, count in run_stats.per_instance.items():
+                per_instance[name] = per_instance.get(name, 0) + count
+            self["compute_s"] = self.get("compute_s", 0.0) + run_stats.compute_s
+            self["scheduling_s"] = self.get("scheduling_s", 0.0) + run_stats.total_s - run_stats.compute_s
+
+    def reset(self):
+        """Zero the run counters (builds stay)."""
+        with self._lock:
+            builds = self["builds"]
+            self.clear()
+            self.update(Stats())
+            self["builds"] = builds
+
 
 class FunctionBuild:
     """The program of one compiled function, for one owner class (None for plain functions)."""
@@ -123,6 +148,7 @@ class FunctionBuild:
         self._code_lock = threading.Lock()
         self._grad = None
         self._grad_code = None
+        self._batched_code = None
         cf.stats.record_build()
 
     @property
@@ -134,6 +160,16 @@ class FunctionBuild:
                 if self._code is None:
                     self._code = generate(self.stages[FINAL], lambda invoke: invoke_may_mutate(invoke, FINAL))
         return self._code
+
+    @property
+    def batched_code(self):
+        """The batched program (codegen.batched): its ``unit`` is where frames of this function merge."""
+        if self._batched_code is None:
+            with self._code_lock:
+                if self._batched_code is None:
+                    self._batched_code = generate_batched(self.stages[FINAL],
+                                                          lambda invoke: invoke_may_mutate(invoke, FINAL))
+        return self._batched_code
 
     @property
     def grad(self):
@@ -172,6 +208,7 @@ class Callee:
         self.qualname = cf.__qualname__
         self.filename = cf._parsed.filename
         self._code = None
+        self._unit = None
         self.ready = False  # this function and every function it may invoke are built
         self.forward = GradHandle(self, 0)
         self.backward = GradHandle(self, 1)
@@ -200,6 +237,13 @@ class Callee:
         if code is None:
             code = self._code = self.build.code
         return code
+
+    @property
+    def batched_unit(self):
+        unit = self._unit
+        if unit is None:
+            unit = self._unit = self.build.batched_code.unit
+        return unit
 
 
 class GradHandle:
@@ -231,7 +275,7 @@ def _callee_of(obj, owner):
 class CompiledFunction:
     """A function compiled to a recompile program. Call it like the original."""
 
-    def __init__(self, fn, mode="sequential"):
+    def __init__(self, fn, mode="batched"):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         if not inspect.isfunction(fn):
@@ -283,6 +327,11 @@ class CompiledFunction:
         if not callee.ready:
             callee.prepare()
         self.stats.record_start()
+        if self.mode == "batched":
+            # torch.autograd records each batched op once for all its instances: the backward is batched too
+            result, run_stats = agenda.run(callee, bound)
+            self.stats.record_batched(run_stats)
+            return result
         if torch.is_grad_enabled():
             result, run_stats = autograd.run(callee, bound, self.stats)
         else:

@@ -5,7 +5,7 @@ import torch
 import recompile
 
 
-@recompile.function
+@recompile.function(mode="sequential")
 def grad_tree_sum(left, right, value, i):
     if left[i] < 0:
         return torch.tanh(value[i])

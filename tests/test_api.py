@@ -108,7 +108,7 @@ def _error(fn, *args, **kwargs):
 def test_bare_decorator():
     f = recompile.function(api_kwonly)
     assert isinstance(f, CompiledFunction)
-    assert f.mode == "sequential"
+    assert f.mode == "batched"  # the default
     assert f(3, shift=1) == api_kwonly(3, shift=1)
 
 
@@ -145,7 +145,7 @@ def test_unknown_option_raises_type_error(options):
         recompile.function(api_kwonly, **options)
 
 
-@pytest.mark.parametrize("mode", ["batched", "threaded", "", "Sequential", None])
+@pytest.mark.parametrize("mode", ["threaded", "", "Sequential", "Batched", None])
 def test_unknown_mode_raises_value_error(mode):
     with pytest.raises(ValueError) as info:
         @recompile.function(mode=mode)

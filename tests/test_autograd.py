@@ -19,7 +19,7 @@ class Cell(nn.Module):
         self.leaf = nn.Linear(d, d).double()
         self.comp = nn.Linear(2 * d, d).double()
 
-    @recompile.function
+    @recompile.function(mode="sequential")
     def encode(self, left, right, x, i):
         if left[i] < 0:
             return torch.tanh(self.leaf(x[i]))
@@ -97,7 +97,7 @@ def test_no_grad_and_inference_mode_save_nothing():
 
 
 def test_nothing_requires_grad_gives_a_plain_result():
-    @recompile.function
+    @recompile.function(mode="sequential")
     def f(x):
         return torch.tanh(x) * 2
 
@@ -116,7 +116,7 @@ def test_second_backward_is_refused_clearly():
 
 
 def test_higher_order_gradients_are_refused_clearly():
-    @recompile.function
+    @recompile.function(mode="sequential")
     def f(x):
         return (x * x).sum()
 

@@ -34,6 +34,7 @@ Layout
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import subprocess
@@ -47,6 +48,9 @@ from torch import nn
 import recompile
 import recompile.runtime.grad_rules
 from bound_globals import bound_globals  # tests/ is on sys.path under pytest
+
+# these tests are about the derived gradient program, which sequential mode runs
+sequential = functools.partial(recompile.function, mode="sequential")
 
 F64 = torch.float64
 TOL = 1e-7
@@ -189,11 +193,11 @@ def register(fn, *cases, rec=(), params=None, fallbacks=None):
     PROGRAMS[fn.__name__] = Program(fn, cases, rec, params or {}, fallbacks or {})
 
 
-def compiled_for(prog):
-    """One set of compiled objects per program (built once for all its cases)."""
-    objs = _COMPILED.get(prog.name)
+def compiled_for(prog, mode="sequential"):
+    """One set of compiled objects per program and mode (built once for all its cases)."""
+    objs = _COMPILED.get((prog.name, mode))
     if objs is None:
-        objs = _COMPILED[prog.name] = {n: recompile.function(globals()[n]) for n in prog.rec}
+        objs = _COMPILED[prog.name, mode] = {n: recompile.function(globals()[n], mode=mode) for n in prog.rec}
     return objs
 
 
@@ -212,15 +216,15 @@ def run_side(fn, case, params, context=contextlib.nullcontext()):
     return out, grads, loss
 
 
-def check_program(prog, case):
+def check_program(prog, case, mode="sequential"):
     want, want_grads, want_loss = run_side(prog.fn, case, prog.params)
-    compiled = compiled_for(prog)
+    compiled = compiled_for(prog, mode)
     f = compiled[prog.name]
     before = f.stats["backwards"]
     got, got_grads, got_loss = run_side(f, case, prog.params, installed(compiled))
     assert_close_values(got, want)
     assert_close_grads(got_grads, want_grads, prog.name)
-    if want_loss is not None and not all(t.is_leaf for t in tensors_of(got) if t.requires_grad):
+    if mode == "sequential" and want_loss is not None and not all(t.is_leaf for t in tensors_of(got) if t.requires_grad):
         # (a result that is an argument itself is returned as it is, as in eager: no gradient program runs)
         assert f.stats["backwards"] > before, f"{prog.name}: the gradient program did not run"
     return f
@@ -1199,7 +1203,7 @@ class TreeRNN(nn.Module):
         self.comp = nn.Linear(2 * d, d)
         self.out = nn.Linear(d, classes)
 
-    @recompile.function
+    @sequential
     def encode(self, left, right, words, labels, i):
         if left[i] < 0:
             h = torch.tanh(self.embed(words[i]))
@@ -1212,7 +1216,7 @@ class TreeRNN(nn.Module):
         loss = loss + F.cross_entropy(self.out(h).unsqueeze(0), labels[i:i + 1])
         return h, loss
 
-    @recompile.function
+    @sequential
     def compose(self, hl, hr):
         return torch.tanh(self.comp(torch.cat([hl, hr])))
 
@@ -1224,7 +1228,7 @@ class GatedTreeRNN(TreeRNN):
         super().__init__(vocab, d, classes)
         self.gate = nn.Linear(2 * d, d)
 
-    @recompile.function
+    @sequential
     def compose(self, hl, hr):
         x = torch.cat([hl, hr])
         return torch.tanh(self.comp(x)) * torch.sigmoid(self.gate(x))
@@ -1241,7 +1245,7 @@ class TreeLSTM(nn.Module):
         self.out = nn.Linear(d, classes)
         self.bias = nn.Parameter(torch.randn(d) * 0.1)
 
-    @recompile.function
+    @sequential
     def encode(self, left, right, words, labels, i):
         if left[i] < 0:
             x = self.embed(words[i])
@@ -1271,7 +1275,7 @@ class SeqModel(nn.Module):
     def squash(self, h):                        # an undecorated method: an ordinary call
         return torch.tanh(h) * self.scale
 
-    @recompile.function
+    @sequential
     def forward(self, xs, h):
         for x in xs:
             h = self.squash(self.cell(torch.cat([x, h])))
@@ -1291,13 +1295,13 @@ class ParityModel(nn.Module):
         self.a = nn.Linear(d, d)
         self.b = nn.Parameter(torch.randn(d, d) * 0.5)
 
-    @recompile.function
+    @sequential
     def even(self, x, n):
         if n == 0:
             return x
         return self.odd(torch.tanh(self.a(x)), n - 1)
 
-    @recompile.function
+    @sequential
     def odd(self, x, n):
         if n == 0:
             return x * 2
@@ -1326,7 +1330,7 @@ class MixedModules(nn.Module):
         self.affine = Affine(d)
         self.cell = nn.LSTMCell(d, d)
 
-    @recompile.function
+    @sequential
     def forward(self, xs):
         h = torch.zeros(1, xs[0].shape[0], dtype=xs[0].dtype)
         c = h
@@ -1346,7 +1350,7 @@ class StackedLayers(nn.Module):
         self.embed = nn.Embedding(vocab, d)
         self.register_buffer("offset", torch.linspace(-0.2, 0.2, d))
 
-    @recompile.function
+    @sequential
     def forward(self, ids, depth):
         h = self.embed(ids).sum(0) + self.offset
         for k, layer in enumerate(self.layers):
@@ -1416,10 +1420,12 @@ def test_registry_has_at_least_30_distinct_programs():
 _CASES = [pytest.param(name, i, id=f"{name}-{i}") for name, p in PROGRAMS.items() for i in range(len(p.cases))]
 
 
+@pytest.mark.parametrize("mode", ["sequential", "batched"])
 @pytest.mark.parametrize("name,index", _CASES)
-def test_values_and_all_gradients_match_eager(name, index):
+def test_values_and_all_gradients_match_eager(name, index, mode):
+    """The derived gradient program (sequential), and torch.autograd over batched ops (batched)."""
     prog = PROGRAMS[name]
-    check_program(prog, prog.cases[index])
+    check_program(prog, prog.cases[index], mode)
 
 
 _MODULE_CASES = [pytest.param(name, i, id=f"{name}-{i}")
@@ -1488,7 +1494,7 @@ def test_grad_fallbacks_not_counted_without_grad_mode():
 
 
 def test_plain_tensor_math_with_rules_has_no_fallbacks():
-    f = recompile.function(rule_only_math)
+    f = sequential(rule_only_math)
     f(X3.detach().clone().requires_grad_(), POS3).sum().backward()
     assert f.stats["grad_fallbacks"] == {}, f.stats["grad_fallbacks"]
 
@@ -1571,7 +1577,7 @@ def test_result_does_not_require_grad_under(context):
 
 
 def test_no_grad_call_runs_no_gradient_program():
-    f = recompile.function(rule_only_math)
+    f = sequential(rule_only_math)
     with torch.no_grad():
         f(X3, POS3)
     assert f.stats["backwards"] == 0
@@ -1580,7 +1586,7 @@ def test_no_grad_call_runs_no_gradient_program():
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 @pytest.mark.parametrize("how", ["autograd.grad", "backward"])
 def test_higher_order_gradients_are_refused_with_runtime_error(how):
-    f = recompile.function(rule_only_math)
+    f = sequential(rule_only_math)
     x = X3.detach().clone().requires_grad_()
     with pytest.raises(RuntimeError, match="higher-order") as info:
         if how == "backward":
@@ -1592,7 +1598,7 @@ def test_higher_order_gradients_are_refused_with_runtime_error(how):
 
 
 def test_first_order_gradient_still_works_after_a_refused_higher_order_one():
-    f = recompile.function(rule_only_math)
+    f = sequential(rule_only_math)
     x = X3.detach().clone().requires_grad_()
     with pytest.raises(RuntimeError):
         torch.autograd.grad(f(x, POS3).sum(), [x], create_graph=True)
@@ -1618,7 +1624,7 @@ def test_output_requires_grad_flags_match_eager():
 @pytest.mark.xfail(strict=True, reason="All floating-point results of a compiled call come out of its one autograd node (README, Limits)")
 def test_output_requires_grad_flags_match_eager_per_result():
     """Of two results, only the one computed from a tensor that requires grad requires grad."""
-    f = recompile.function(two_heads)
+    f = sequential(two_heads)
     x = X3.detach().clone()
     y = POS3.detach().clone().requires_grad_()
     want = two_heads(x, y)
@@ -1662,7 +1668,7 @@ def two_heads(x, y):
 
 def test_independent_outputs_can_be_backpropagated_separately_like_eager():
     """In eager the two results share no graph node: two separate backward calls both work."""
-    f = recompile.function(two_heads)
+    f = sequential(two_heads)
     grads = []
     for fn in (two_heads, f):
         x, y = X3.detach().clone().requires_grad_(), POS3.detach().clone().requires_grad_()
@@ -1681,7 +1687,7 @@ def deep_chain(x, n):
 
 
 def test_gradient_of_3000_deep_recursion_matches_eager_loop():
-    f = recompile.function(deep_chain)
+    f = sequential(deep_chain)
     x = X3.detach().clone().requires_grad_()
     with installed({"deep_chain": f}):
         out = f(x, 3000)
@@ -1782,7 +1788,7 @@ def apply_callable(g, x):
 
 def test_compiled_function_passed_as_argument_is_differentiated():
     inner = compiled_for(PROGRAMS["sl_activations"])["sl_activations"]
-    outer = recompile.function(apply_callable)
+    outer = sequential(apply_callable)
     results = []
     for fn, g in ((apply_callable, sl_activations), (outer, inner)):
         x = X3.detach().clone().requires_grad_()
@@ -1811,7 +1817,7 @@ def read_pair_object(p, w):
 
 
 def test_tensors_inside_a_returned_object_carry_gradients_like_eager():
-    f = recompile.function(make_pair_object)
+    f = sequential(make_pair_object)
     results = []
     for fn in (make_pair_object, f):
         x, w = X3.detach().clone().requires_grad_(), W_G.detach().clone().requires_grad_()
@@ -1824,7 +1830,7 @@ def test_tensors_inside_a_returned_object_carry_gradients_like_eager():
 
 
 def test_tensors_inside_an_argument_object_receive_gradients_like_eager():
-    f = recompile.function(read_pair_object)
+    f = sequential(read_pair_object)
     results = []
     for fn in (read_pair_object, f):
         h, c = X3.detach().clone().requires_grad_(), POS3.detach().clone().requires_grad_()
@@ -1845,7 +1851,7 @@ def test_in_place_update_of_a_leaf_that_requires_grad_raises_like_eager():
     x, y = X3.detach().clone().requires_grad_(), POS3.detach().clone()
     with pytest.raises(RuntimeError):
         inplace_on_argument(x, y)
-    f = recompile.function(inplace_on_argument)
+    f = sequential(inplace_on_argument)
     before = x.detach().clone()
     with pytest.raises(RuntimeError):
         f(x, y)
@@ -1862,7 +1868,7 @@ def test_in_place_change_of_a_value_the_gradient_needs_is_not_silently_wrong():
     x = X3.detach().clone().requires_grad_()
     with pytest.raises(RuntimeError):
         inplace_after_saved(x).sum().backward()
-    f = recompile.function(inplace_after_saved)
+    f = sequential(inplace_after_saved)
     x = X3.detach().clone().requires_grad_()
     try:
         f(x).sum().backward()
@@ -1898,7 +1904,7 @@ def dropout_loop(xs, h, p):
 
 
 def test_random_ops_draw_like_eager_and_backpropagate_through_the_same_mask():
-    f = recompile.function(dropout_loop)
+    f = sequential(dropout_loop)
     results = []
     for fn in (dropout_loop, f):
         torch.manual_seed(11)
@@ -1911,7 +1917,7 @@ def test_random_ops_draw_like_eager_and_backpropagate_through_the_same_mask():
 
 
 def test_retain_graph_second_backward_matches_eager_or_raises_clearly():
-    f = recompile.function(rule_only_math)
+    f = sequential(rule_only_math)
     x = X3.detach().clone().requires_grad_()
     out = f(x, POS3).sum()
     out.backward(retain_graph=True)
@@ -1962,8 +1968,8 @@ def build_object_tree(embs):
 
 
 def test_object_tree_with_states_set_by_the_program_matches_eager():
-    f_enc = recompile.function(object_tree_encode)
-    f_loss = recompile.function(object_tree_loss)
+    f_enc = sequential(object_tree_encode)
+    f_loss = sequential(object_tree_loss)
     results = []
     for loss_fn, compiled in ((object_tree_loss, False), (f_loss, True)):
         embs = [e.detach().clone().requires_grad_() for e in SEQ[:3]]
@@ -1981,7 +1987,7 @@ def test_object_tree_with_states_set_by_the_program_matches_eager():
 @pytest.mark.xfail(strict=True, reason="Tensors the program stores into its arguments are not outputs of its autograd node (README, Limits)")
 def test_states_stored_on_argument_objects_carry_gradients_like_eager():
     """``node.state = h`` inside the program, read by the caller afterwards (as eager code may do)."""
-    f_enc = recompile.function(object_tree_encode)
+    f_enc = sequential(object_tree_encode)
     results = []
     for enc, compiled in ((object_tree_encode, False), (f_enc, True)):
         embs = [e.detach().clone().requires_grad_() for e in SEQ[:3]]
@@ -2007,7 +2013,7 @@ def append_states(xs, out):
 
 @pytest.mark.xfail(strict=True, reason="Tensors the program stores into its arguments are not outputs of its autograd node (README, Limits)")
 def test_tensors_appended_to_an_argument_list_carry_gradients_like_eager():
-    f = recompile.function(append_states)
+    f = sequential(append_states)
     results = []
     for fn in (append_states, f):
         xs = clone_value(SEQ)
@@ -2027,7 +2033,7 @@ def annotate_node(node):
 
 def test_returning_an_argument_object_keeps_its_input_tensors_and_gradients():
     """The object returned is the caller's: its input tensors stay the caller's leaves."""
-    f = recompile.function(annotate_node)
+    f = sequential(annotate_node)
     results = []
     for fn in (annotate_node, f):
         emb = X3.detach().clone().requires_grad_()

@@ -26,21 +26,21 @@ SHOWN = scheduler.CHAIN_SHOWN
 # functions under test
 
 
-@recompile.function
+@recompile.function(mode="sequential")
 def sch_depth(n):
     if n == 0:
         return 0
     return sch_depth(n - 1) + 1
 
 
-@recompile.function
+@recompile.function(mode="sequential")
 def sch_fail_at(n, k):
     if n == k:
         return 10 // (n - k)  # L:fail
     return sch_fail_at(n + 1, k)  # L:call
 
 
-@recompile.function
+@recompile.function(mode="sequential")
 def sch_tree(left, right, vals, i):
     if left[i] < 0:
         return vals[i]
@@ -63,24 +63,24 @@ class PlainCounter:
                 + self.tree(left, right, vals, right[i], depth + 1))
 
 
-@recompile.function
+@recompile.function(mode="sequential")
 def sch_even(n):
     if n == 0:
         return 1 // n  # L:fail
     return sch_odd(n - 1)  # L:call
 
 
-@recompile.function
+@recompile.function(mode="sequential")
 def sch_odd(n):
     return sch_even(n - 1)  # L:call
 
 
-@recompile.function
+@recompile.function(mode="sequential")
 def sch_leaf(x):
     return 10 // x  # L:fail
 
 
-@recompile.function
+@recompile.function(mode="sequential")
 def sch_walk(n, x):
     if n == 0:
         return sch_leaf(x)  # L:leaf
@@ -170,7 +170,7 @@ def test_stats_frames_and_max_depth_of_a_small_tree():
 def _fresh_tree():
     """A compiled tree function of its own (fresh stats) whose recursion is an Invoke of itself."""
 
-    @recompile.function
+    @recompile.function(mode="sequential")
     def tree(left, right, vals, i):
         if left[i] < 0:
             return vals[i]
@@ -192,7 +192,7 @@ def test_stats_match_the_plain_call_tree(seed):
 
 
 def test_stats_of_a_function_without_compiled_calls():
-    @recompile.function
+    @recompile.function(mode="sequential")
     def add(x, y):
         return x + y
 
@@ -202,7 +202,7 @@ def test_stats_of_a_function_without_compiled_calls():
 
 
 def test_stats_count_a_plain_leaf_callee_as_a_frame():
-    @recompile.function
+    @recompile.function(mode="sequential")
     def walk(n):
         if n == 0:
             return sch_leaf(1)
@@ -213,7 +213,7 @@ def test_stats_count_a_plain_leaf_callee_as_a_frame():
 
 
 def test_stats_max_depth_counts_a_plain_leaf_callee():
-    @recompile.function
+    @recompile.function(mode="sequential")
     def walk(n):
         if n == 0:
             return sch_leaf(1)

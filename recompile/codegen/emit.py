@@ -339,7 +339,12 @@ def generate(sg, may_mutate=lambda invoke: False, release=False):
     """
     gen = _Generator(sg, may_mutate, release)
     module = _Module()
-    defs = [_FunctionEmitter(module, gen).function(s) for s in gen.sgs]
+    return compile_functions(sg, gen, [_FunctionEmitter(module, gen) for _ in gen.sgs], module)
+
+
+def compile_functions(sg, gen, emitters, module):
+    """Emit each SubGraph of ``gen`` with its emitter, print, parse back with the user's lines, compile."""
+    defs = [emitter.function(s) for emitter, s in zip(emitters, gen.sgs)]
     tree = ast.Module(body=defs, type_ignores=[])
     ast.fix_missing_locations(tree)
     text = astor.to_source(tree)

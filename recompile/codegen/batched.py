@@ -1,0 +1,177 @@
+"""Batched code: one Python function per SubGraph, running it for ``_n`` instances at once.
+
+The same statements as sequential code (``codegen.emit``), with three changes:
+every ``Call`` goes through ``batch_rules.call(_n, fn, args, kwargs)``; a Cond
+splits the instances by predicate and joins the branches' results (a Cond in a
+SubGraph that invokes yields its branches to the scheduler, to be merged with
+other frames'); a While runs while any instance is active. Invoke groups yield
+``((unit, args, count, site), ...)`` as Cond branches do.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from .. import ir
+from ..passes.batching import BatchPlan
+from ..runtime import batch_rules, control, semantics as sem
+from . import emit
+from .plan import plan
+
+
+class _BatchedEmitter(emit._FunctionEmitter):
+    def __init__(self, module, gen, batch_plan):
+        super().__init__(module, gen)
+        self.batch_plan = batch_plan
+        self.n = "_n"
+        self.used.add(self.n)
+
+    def helper(self, fn, hint):
+        return ast.Name(id=self.module.ref(fn, hint), ctx=ast.Load())
+
+    def n_load(self):
+        return ast.Name(id=self.n, ctx=ast.Load())
+
+    def call_expr(self, op):
+        if op.star or any(k is None for k, _ in op.kwargs):
+            # f(*xs, **kw): the whole call per instance (the unpacking itself may differ between them)
+            inner = super().call_expr(op)
+            fn = ast.Lambda(args=_no_args(), body=inner)
+            return self._per_instance_thunk(op, fn)
+        args = ast.Tuple(elts=[self.load(a) for a in op.args], ctx=ast.Load())
+        call_args = [self.n_load(), self.load(op.fn), args]
+        if op.kwargs:
+            call_args.append(ast.Dict(keys=[ast.Constant(value=k) for k, _ in op.kwargs],
+                                      values=[self.load(v) for _, v in op.kwargs]))
+        return ast.Call(func=self.helper(batch_rules.call, "call"), args=call_args, keywords=[])
+
+    def _per_instance_thunk(self, op, fn):
+        names = sorted({self.var(v) for v in op.operands() if isinstance(v, ir.Value)})
+        params = ast.arguments(posonlyargs=[], args=[ast.arg(arg=n) for n in names], vararg=None, kwonlyargs=[],
+                               kw_defaults=[], kwarg=None, defaults=[])
+        fn.args = params
+        values = ast.Tuple(elts=[ast.Name(id=n, ctx=ast.Load()) for n in names], ctx=ast.Load())
+        return ast.Call(func=self.helper(batch_rules.per_instance_or_once, "per_instance"),
+                        args=[self.n_load(), fn, values], keywords=[])
+
+    def op_stmts(self, op):
+        if isinstance(op, ir.Call):
+            if isinstance(op.fn, ir.Const) and op.fn.value is sem.raise_exception:
+                return [self.assign([], self.call_expr(op), op.loc)]
+            if len(op.outputs) > 1 or (isinstance(op.fn, ir.Const) and op.fn.value is sem.unpack):
+                value = self.call_expr(op) if not (isinstance(op.fn, ir.Const) and op.fn.value is sem.unpack) \
+                    else self.load(op.args[0])
+                unpacked = ast.Call(func=self.helper(control.unpack, "unpack"),
+                                    args=[self.n_load(), value, ast.Constant(value=len(op.outputs))], keywords=[])
+                return [self.assign(op.outputs, unpacked, op.loc, unpack=True)]
+            return [self.assign(op.outputs, self.call_expr(op), op.loc)]
+        if isinstance(op, ir.Capture) and op.source_kind == "attr":
+            value = ast.Call(func=self.helper(batch_rules.call, "call"),
+                             args=[self.n_load(), ast.Name(id="getattr", ctx=ast.Load()),
+                                   ast.Tuple(elts=[self.load(op.base), ast.Constant(value=op.source)],
+                                             ctx=ast.Load())], keywords=[])
+            return [self.assign(op.outputs, value, op.loc)]
+        if isinstance(op, ir.Cond):
+            return self.cond_stmts(op)
+        if isinstance(op, ir.While):
+            return self.while_stmts(op)
+        return super().op_stmts(op)
+
+    def results(self, outputs, value, loc):
+        """``outputs = value`` where value is the tuple of a nested SubGraph's outputs."""
+        if not outputs:
+            return self.assign([], value, loc)
+        return self.assign(outputs, value, loc, unpack=len(outputs) > 1)
+
+    def cond_stmts(self, op):
+        branch = ast.Call(func=self.helper(control.Branch, "Branch"),
+                          args=[self.n_load(), self.load(op.pred),
+                                ast.Tuple(elts=[self.load(a) for a in op.args], ctx=ast.Load())], keywords=[])
+        b = self.var(ir.Value("_branch"))
+        first = ast.Assign(targets=[ast.Name(id=b, ctx=ast.Store())], value=branch)
+        first._rc_loc = op.loc
+        if self.batch_plan.yields_branches(self.current):
+            units = [self.helper(self.batch_plan.units[s], "unit_" + s.name) for s in op.subgraphs()]
+            request = ast.Call(func=ast.Attribute(value=ast.Name(id=b, ctx=ast.Load()), attr="requests",
+                                                  ctx=ast.Load()),
+                               args=[*units, self.helper(op.loc, "site")], keywords=[])
+            ran = ast.Yield(value=request)
+        else:
+            fns = [ast.Name(id=self.gen.fn_name[s], ctx=ast.Load()) for s in op.subgraphs()]
+            ran = ast.Call(func=ast.Attribute(value=ast.Name(id=b, ctx=ast.Load()), attr="run", ctx=ast.Load()),
+                           args=fns, keywords=[])
+        joined = ast.Call(func=ast.Attribute(value=ast.Name(id=b, ctx=ast.Load()), attr="join", ctx=ast.Load()),
+                          args=[ran, ast.Constant(value=len(op.outputs))], keywords=[])
+        return [first, self.results(op.outputs, joined, op.loc)]
+
+    def while_stmts(self, op):
+        loop = self.var(ir.Value("_loop"))
+        carried = ast.Tuple(elts=[self.load(v) for v in op.loop_vars] + [self.load(v) for v in op.invariants],
+                            ctx=ast.Load())
+        start = ast.Assign(targets=[ast.Name(id=loop, ctx=ast.Store())],
+                           value=ast.Call(func=self.helper(control.Loop, "Loop"),
+                                          args=[self.n_load(), carried, ast.Constant(value=len(op.loop_vars))],
+                                          keywords=[]))
+        start._rc_loc = op.loc
+
+        def run(sg):
+            call = ast.Call(func=ast.Name(id=self.gen.fn_name[sg], ctx=ast.Load()),
+                            args=[ast.Attribute(value=ast.Name(id=loop, ctx=ast.Load()), attr="n", ctx=ast.Load()),
+                                  ast.Starred(value=ast.Attribute(value=ast.Name(id=loop, ctx=ast.Load()),
+                                                                  attr="carried", ctx=ast.Load()),
+                                              ctx=ast.Load())], keywords=[])
+            return ast.YieldFrom(value=call) if sg in self.batch_plan.generators else call
+
+        def method(name, arg):
+            return ast.Call(func=ast.Attribute(value=ast.Name(id=loop, ctx=ast.Load()), attr=name, ctx=ast.Load()),
+                            args=[arg], keywords=[])
+
+        step = ast.Expr(value=method("step", run(op.body_sg)))
+        step._rc_loc = op.loc
+        body = ast.While(test=method("keep", run(op.cond_sg)), body=[step], orelse=[])
+        body._rc_loc = op.loc
+        result = ast.Call(func=ast.Attribute(value=ast.Name(id=loop, ctx=ast.Load()), attr="result", ctx=ast.Load()),
+                          args=[], keywords=[])
+        return [start, body] + ([self.results(op.outputs, result, op.loc)] if op.outputs else [])
+
+    def invoke_group(self, group):
+        requests = []
+        for op in group:
+            target = ast.Name(id=self.module.ref(op.target, "callee_" + op.callee), ctx=ast.Load())
+            args = ast.Tuple(elts=[self.load(a) for a in op.args], ctx=ast.Load())
+            site = ast.Name(id=self.module.ref(op.loc, "site"), ctx=ast.Load())
+            requests.append(ast.Tuple(elts=[target, args, self.n_load(), site], ctx=ast.Load()))
+        targets = [ast.Tuple(elts=[ast.Name(id=self.var(op.output), ctx=ast.Store()) for op in group],
+                             ctx=ast.Store())]
+        stmt = ast.Assign(targets=targets, value=ast.Yield(value=ast.Tuple(elts=requests, ctx=ast.Load())))
+        stmt._rc_loc = group[0].loc
+        return stmt
+
+    def function(self, sg):
+        self.current = sg
+        fdef = super().function(sg)
+        fdef.args.args.insert(0, ast.arg(arg=self.n))
+        return fdef
+
+
+def _no_args():
+    return ast.arguments(posonlyargs=[], args=[], vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None,
+                         defaults=[])
+
+
+def generate_batched(sg, may_mutate=lambda invoke: False):
+    """Batched code of function SubGraph ``sg``: GeneratedCode whose ``units`` maps SubGraph -> Unit."""
+    batch_plan = BatchPlan(sg)
+    gen = emit._Generator(sg, may_mutate)
+    gen.generators = set(batch_plan.generators)
+    module = emit._Module()
+    code = emit.compile_functions(sg, gen, [_BatchedEmitter(module, gen, batch_plan) for _ in gen.sgs], module)
+    for s, unit in batch_plan.units.items():
+        unit.fn = code.functions[s.name]
+        unit.code = code
+    code.unit = batch_plan.units[sg]
+    code.batch_plan = batch_plan
+    return code
+
+
+__all__ = ["generate_batched", "plan"]

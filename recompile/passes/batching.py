@@ -1,0 +1,77 @@
+"""The batching pass: where a batched program yields to the scheduler, and which units it is made of.
+
+In batched mode a frame runs one SubGraph for many instances, and the
+scheduler merges frames waiting at the same program point. The program points
+are the *units*: each function's entry SubGraph, and each branch of a Cond
+that lies in a SubGraph which invokes (the leaf and internal-node cases of a
+tree function), so that the branches taken by different frames — siblings,
+depths, samples — are merged, and the leaf work of a whole minibatch runs
+once. Everything else (a Cond in code that never invokes, a loop's predicate
+and body) runs inline in its unit's frame.
+
+Each op's batch rule is found by its callable when it runs
+(``runtime.batch_rules``): most callables of model code (``torch.tanh``,
+``self.linear``) are values read at run time. Invokes that do not depend on
+one another are issued together (``codegen.plan``), so that a node's two
+children are one request each, merged into one frame.
+
+``feeds``: a unit's successors (the units its frames may request), from which
+the scheduler's agenda knows which pending groups may still grow.
+"""
+
+from __future__ import annotations
+
+from .. import ir
+
+
+class Unit:
+    """A program point where frames are merged: a function entry or a Cond branch."""
+
+    def __init__(self, sg, name):
+        self.sg = sg
+        self.name = self.qualname = name
+        self.filename = sg.loc.filename if sg.loc is not None else "<unknown>"
+        self.arity = len(sg.outputs)
+        self.fn = None  # the generated function, and ``code`` its GeneratedCode: set by codegen
+        self.code = None
+        self.is_generator = False
+        self.successors = ()  # Units and Callee handles (resolved to their entry unit when needed)
+        self.reach = None  # every unit it may lead to (runtime.agenda)
+
+    def __repr__(self):
+        return f"<unit {self.name}>"
+
+
+class BatchPlan:
+    """Which SubGraphs of a function yield (``generators``) and its units (``units``: SubGraph -> Unit)."""
+
+    def __init__(self, sg):
+        self.generators = set()
+        for s in reversed(list(sg.walk())):  # inner SubGraphs first
+            if any(isinstance(op, ir.Invoke) or any(x in self.generators for x in op.subgraphs()) for op in s.ops):
+                self.generators.add(s)
+        self.units = {sg: Unit(sg, sg.name)}
+        for s in sg.walk():
+            if s in self.generators:
+                for op in s.ops:
+                    if isinstance(op, ir.Cond):
+                        for branch in op.subgraphs():
+                            self.units[branch] = Unit(branch, branch.name)
+        for s, unit in self.units.items():
+            unit.is_generator = s in self.generators
+            unit.successors = tuple(self._requested(s))
+
+    def yields_branches(self, sg):
+        """Whether the Conds of SubGraph ``sg`` send their branches to the scheduler."""
+        return sg in self.generators
+
+    def _requested(self, sg):
+        for op in sg.ops:
+            if isinstance(op, ir.Invoke):
+                yield op.target
+            elif isinstance(op, ir.Cond) and sg in self.generators:
+                yield self.units[op.then_sg]
+                yield self.units[op.else_sg]
+            else:
+                for nested in op.subgraphs():
+                    yield from self._requested(nested)

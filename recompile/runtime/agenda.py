@@ -1,0 +1,255 @@
+"""The batched scheduler: merges frames waiting at the same program point and runs each group once.
+
+A frame runs one unit (a function's SubGraph, or a Cond branch: see
+``passes.batching``) for n instances. When it yields requests — the children
+of a tree node, the branches of a Cond — they go to the *pending* group of
+the unit they ask for; the frame waits until every request is answered. When
+no frame is ready, the agenda merges a whole pending group into one frame
+(its inputs concatenated once, at entry) and runs it; the result is cut back
+into each request's instances.
+
+Which group runs first (Neubig et al. §3.2): a group that may still grow waits
+while a pending group that may feed it (one from whose unit its unit can be
+reached) runs. For a minibatch of trees this runs the descent level by level,
+then all leaves at once, then the internal nodes bottom-up, once per level —
+what hand-batching by depth or height does, derived from the program.
+
+Frames keep the requests that created them (their parents), so an error names
+the chain of calls that led to it, as in sequential mode.
+"""
+
+from __future__ import annotations
+
+import time
+
+from . import batch as bt
+from . import batch_rules
+from .scheduler import MAX_DEPTH, _annotate, _unwrap_stop_iteration
+
+
+class BatchFrame:
+    __slots__ = ("unit", "gen", "n", "sources", "results", "waiting", "inbox", "depth", "site", "parent")
+
+    def __init__(self, unit, gen, n, sources, depth, site, parent):
+        self.unit, self.gen, self.n, self.sources = unit, gen, n, sources
+        self.results = None
+        self.waiting = 0
+        self.inbox = None
+        self.depth = depth
+        self.site = site  # of the first request it serves; ``parent`` its frame (for error chains)
+        self.parent = parent
+
+    @property
+    def callee(self):
+        return self.unit
+
+
+class RunStats:
+    __slots__ = ("frames", "max_depth", "batches", "per_instance", "compute_s", "total_s")
+
+    def __init__(self):
+        self.frames = 0
+        self.max_depth = 0
+        self.batches = {}  # unit name -> [executions, instances]
+        self.per_instance = {}
+        self.compute_s = 0.0
+        self.total_s = 0.0
+
+
+def _unit_of(target):
+    unit = getattr(target, "batched_unit", None)
+    return unit if unit is not None else target
+
+
+def reaches(a, b):
+    """Whether a frame of unit ``a`` may (through its requests) lead to a request of unit ``b``."""
+    reach = a.reach
+    if reach is None:
+        reach, pending = set(), [a]
+        while pending:
+            u = pending.pop()
+            for s in u.successors:
+                s = _unit_of(s)
+                if s not in reach:
+                    reach.add(s)
+                    pending.append(s)
+        a.reach = reach
+    return b in reach
+
+
+def _choose(pending):
+    """The pending unit to run: one that no other pending unit may still feed."""
+    units = list(pending)
+    if len(units) == 1:
+        return units[0]
+    for u in units:
+        if not any(o is not u and reaches(o, u) and not reaches(u, o) for o in units):
+            return u
+    return units[0]  # (cannot happen: reachability is a preorder; kept for safety)
+
+
+def run(target, args, n=1):
+    """Run compiled function ``target`` (a Callee) for ``n`` instances on ``args`` (plain values or
+    batches). Returns (result, RunStats)."""
+    started = time.perf_counter()
+    stats = RunStats()
+    counters = batch_rules.counters
+    saved, counters.per_instance = counters.per_instance, {}
+    try:
+        result = _Run(stats).go(_unit_of(target), args, n)
+    finally:
+        stats.per_instance, counters.per_instance = counters.per_instance, saved
+        stats.total_s = time.perf_counter() - started
+    return result, stats
+
+
+class _Run:
+    def __init__(self, stats):
+        self.stats = stats
+        self.pending = {}  # unit -> [(frame, slot, args, count, site)]
+        self.ready = []
+        self.live = set()
+
+    def record(self, unit, n):
+        entry = self.stats.batches.get(unit.name)
+        if entry is None:
+            self.stats.batches[unit.name] = [1, n]
+        else:
+            entry[0] += 1
+            entry[1] += n
+
+    def go(self, unit, args, n):
+        self.record(unit, n)
+        self.stats.frames = 1
+        if not unit.is_generator:
+            t = time.perf_counter()
+            try:
+                return unit.fn(n, *args)
+            except BaseException as exc:
+                _annotate(exc, [BatchFrame(unit, None, n, (), 0, None, None)])
+                raise
+            finally:
+                self.stats.compute_s += time.perf_counter() - t
+        root = BatchFrame(unit, None, n, (), 0, None, None)
+        self.outcome = None
+        self.start(root, args)
+        del args
+        while True:
+            while self.ready:
+                frame = self.ready.pop()
+                self.step(frame)
+                if frame is root and frame.gen is None:
+                    return self.outcome
+            if not self.pending:
+                raise RuntimeError("recompile: batched run stalled with frames waiting (internal error)")
+            self.launch(_choose(self.pending))
+
+    def start(self, frame, args):
+        t = time.perf_counter()
+        try:
+            frame.gen = frame.unit.fn(frame.n, *args)
+        finally:
+            self.stats.compute_s += time.perf_counter() - t
+        self.live.add(frame)
+        self.ready.append(frame)
+
+    def step(self, frame):
+        t = time.perf_counter()
+        try:
+            requests = frame.gen.send(frame.inbox)
+        except StopIteration as stop:
+            self.stats.compute_s += time.perf_counter() - t
+            frame.gen = None
+            self.live.discard(frame)
+            self.deliver(frame, stop.value)
+            return
+        except BaseException as exc:
+            self.stats.compute_s += time.perf_counter() - t
+            original = _unwrap_stop_iteration(exc, _Codes(frame.unit))
+            self.fail(original, frame)
+            if original is not exc:
+                raise original from None
+            raise
+        self.stats.compute_s += time.perf_counter() - t
+        frame.inbox = None
+        frame.results = [None] * len(requests)
+        frame.waiting = len(requests)
+        if not requests:
+            frame.inbox = ()
+            self.ready.append(frame)
+        for slot, (target, args, count, site) in enumerate(requests):
+            self.pending.setdefault(_unit_of(target), []).append((frame, slot, args, count, site))
+
+    def launch(self, unit):
+        requests = self.pending.pop(unit)
+        if len(requests) == 1:
+            frame0, slot, args, n, site = requests[0]
+        else:
+            n = sum(r[3] for r in requests)
+            width = len(requests[0][2])
+            t = time.perf_counter()
+            args = tuple(bt.concat([(r[2][j], r[3]) for r in requests]) for j in range(width))
+            self.stats.compute_s += time.perf_counter() - t
+            frame0, site = requests[0][0], requests[0][4]
+        self.record(unit, n)
+        self.stats.frames += 1
+        frame = BatchFrame(unit, None, n, [(f, slot, count) for f, slot, _, count, _ in requests],
+                           frame0.depth + 1, site, frame0)
+        if frame.depth > self.stats.max_depth:
+            self.stats.max_depth = frame.depth
+            if frame.depth > MAX_DEPTH:
+                exc = RecursionError(f"maximum compiled recursion depth exceeded ({MAX_DEPTH})")
+                self.fail(exc, frame)
+                raise exc
+        if unit.is_generator:
+            self.start(frame, args)
+            return
+        t = time.perf_counter()
+        try:
+            result = unit.fn(n, *args)
+        except BaseException as exc:
+            self.stats.compute_s += time.perf_counter() - t
+            self.fail(exc, frame)
+            raise
+        self.stats.compute_s += time.perf_counter() - t
+        self.deliver(frame, result)
+
+    def deliver(self, frame, result):
+        if not frame.sources:
+            self.outcome = result
+            return
+        several = frame.unit.arity > 1
+        start = 0
+        for parent, slot, count in frame.sources:
+            if count == frame.n:
+                value = result
+            elif several:
+                value = tuple(bt.part(v, start, count) for v in result)
+            else:
+                value = bt.part(result, start, count)
+            start += count
+            parent.results[slot] = value
+            parent.waiting -= 1
+            if parent.waiting == 0:
+                parent.inbox = tuple(parent.results)
+                parent.results = None
+                self.ready.append(parent)
+
+    def fail(self, exc, frame):
+        chain = []
+        f = frame
+        while f is not None:
+            chain.append(f)
+            f = f.parent
+        _annotate(exc, list(reversed(chain)))
+        for f in list(self.live):  # cancel the rest of the call
+            if f.gen is not None:
+                f.gen.close()
+        self.live.clear()
+
+
+class _Codes:
+    """What ``_unwrap_stop_iteration`` asks of a callee: the code objects of its generated functions."""
+
+    def __init__(self, unit):
+        self.code = unit.code

@@ -1,0 +1,327 @@
+"""The values of a batched frame: one object standing for a value of each of n instances.
+
+A frame in batched mode runs one SubGraph for n instances at once. Each of its
+variables is either
+
+- a plain object: the same value for every instance (a module, the tree they
+  share, a constant). With n == 1 every value is plain, so one instance runs
+  exactly as in sequential mode; or
+- a ``Batch``: a value per instance, held as one tensor whose dim 0 is the
+  instance (``tensor``), as a list (``items``), as a tuple or list whose
+  elements are batched (``struct``: ``h, c, loss`` returned together), or as
+  the pieces a Cond or a loop put back together (``pieces``), formed into one
+  of the others only when an op needs it.
+
+A Batch never hides inside a plain object, and one of size 1 is never made:
+it is the plain value of its one instance.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NUMBERS = (bool, int, float)
+
+
+class Batch:
+    __slots__ = ("n", "tensor", "items", "struct", "pieces", "method", "owner")
+
+    def __init__(self, n, tensor=None, items=None, struct=None, pieces=None, method=None):
+        self.n = n
+        self.method = method  # (batched tensor, name): ``x.name`` waiting to be called
+        self.tensor = tensor
+        self.items = items
+        self.struct = struct  # (tuple | list, [element: plain or Batch])
+        self.pieces = pieces  # ([(value, count)], inverse order: LongTensor, positions: list)
+        # which form is the truth; the other is a cache. A tensor's items are views of it, so they
+        # stay true after an in-place change; a tensor stacked from items does not.
+        self.owner = "tensor" if tensor is not None else "items" if items is not None else None
+
+    def __repr__(self):
+        form = ("tensor " + "x".join(map(str, self.tensor.shape)) if self.tensor is not None
+                else "items" if self.items is not None else "struct" if self.struct is not None else "pieces")
+        return f"<Batch of {self.n}: {form}>"
+
+
+def from_tensor(t):
+    return t[0] if t.shape[0] == 1 else Batch(t.shape[0], tensor=t)
+
+
+def from_items(items):
+    """The batch of per-instance values ``items`` (len ≥ 2)."""
+    return Batch(len(items), items=items)
+
+
+def from_struct(kind, parts, n):
+    return Batch(n, struct=(kind, parts))
+
+
+def is_batch(value):
+    return type(value) is Batch
+
+
+# -- reading a batch in the form an op needs
+
+
+def instance(value, k):
+    """Instance k's value."""
+    if type(value) is not Batch:
+        return value
+    if value.tensor is not None and value.owner == "tensor":
+        return value.tensor[k]
+    return items_of(value)[k]
+
+
+def items_of(b):
+    """The per-instance values of Batch ``b`` as a list."""
+    if b.items is None:
+        if b.tensor is not None:
+            b.items = list(b.tensor.unbind(0))
+        elif b.struct is not None:
+            kind, parts = b.struct
+            columns = [items_of(p) if type(p) is Batch else [p] * b.n for p in parts]
+            b.items = [kind(list(row)) for row in zip(*columns)] if columns else [kind() for _ in range(b.n)]
+        elif b.method is not None:
+            base, name = b.method
+            b.items = [getattr(x, name) for x in items_of(base)]
+        else:
+            b.items = _gather_pieces(b, [items_of(v) if type(v) is Batch else [v] * c for v, c in b.pieces[0]],
+                                     lambda lists: [x for part in lists for x in part])
+    return b.items
+
+
+def tensor_of(b):
+    """Batch ``b`` as one tensor of n rows, or None if its values are not tensors of one shape and dtype."""
+    if b.tensor is None:
+        if b.pieces is not None:
+            parts = []
+            for v, count in b.pieces[0]:
+                t = tensor_of(v) if type(v) is Batch else _repeat(v, count)
+                if t is None:
+                    return None
+                parts.append(t)
+            if not _same_kind(parts, 1):
+                return None
+            b.tensor = torch.cat(parts)[b.pieces[1]]
+        elif b.items is not None or b.struct is not None or b.method is not None:
+            items = items_of(b)
+            if not all(type(x) is torch.Tensor for x in items) or not _same_kind(items, 0):
+                return None
+            b.tensor = torch.stack(items)
+        else:
+            return None
+    return b.tensor
+
+
+def _repeat(value, count):
+    if type(value) is not torch.Tensor:
+        return None
+    return value.unsqueeze(0).expand(count, *value.shape)
+
+
+def _same_kind(tensors, skip):
+    first = tensors[0]
+    shape, dtype, device = first.shape[skip:], first.dtype, first.device
+    return all(t.shape[skip:] == shape and t.dtype is dtype and t.device == device for t in tensors)
+
+
+def tensor_like(b, dtype):
+    """Batch ``b`` as a tensor, where Python numbers among its values become tensors of ``dtype`` (for an
+    elementwise op with a tensor of that dtype, whose result then equals the per-instance one)."""
+    t = tensor_of(b)
+    if t is not None:
+        return t
+    if b.pieces is not None and b.items is None:
+        t = _pieces_like(b, dtype)
+        if t is not None:
+            return t
+    items = items_of(b)
+    tensors = [x for x in items if type(x) is torch.Tensor]
+    if not tensors:
+        if not all(type(x) in _NUMBERS for x in items) or not _number_fits(items, dtype):
+            return None
+        return torch.tensor(items, dtype=dtype)
+    if not _same_kind(tensors, 0) or tensors[0].dtype is not dtype:
+        return None
+    numbers = [x for x in items if type(x) is not torch.Tensor]
+    if not all(type(x) in _NUMBERS for x in numbers) or not _number_fits(numbers, dtype):
+        return None
+    shape, device = tensors[0].shape, tensors[0].device
+    rows = [x if type(x) is torch.Tensor else torch.full(shape, x, dtype=dtype, device=device) for x in items]
+    return torch.stack(rows)
+
+
+def _pieces_like(b, dtype):
+    """tensor_like of a joined batch, piece by piece: a piece of one shared number becomes one full tensor."""
+    pieces = b.pieces[0]
+    like = None
+    for v, _ in pieces:
+        t = tensor_of(v) if type(v) is Batch else v.unsqueeze(0) if type(v) is torch.Tensor else None
+        if t is not None:
+            like = t
+            break
+    if like is None or like.dtype is not dtype:
+        return None
+    parts = []
+    for v, count in pieces:
+        if type(v) in _NUMBERS:
+            if not _number_fits([v], dtype):
+                return None
+            parts.append(torch.full((count, *like.shape[1:]), v, dtype=dtype, device=like.device))
+            continue
+        t = tensor_of(v) if type(v) is Batch else _repeat(v, count)
+        if t is None:
+            return None
+        parts.append(t)
+    if not _same_kind(parts, 1):
+        return None
+    return torch.cat(parts)[b.pieces[1]]
+
+
+def _number_fits(numbers, dtype):
+    """Whether Python numbers combine with a ``dtype`` tensor as tensors of that dtype would."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return True
+    if dtype is torch.bool:
+        return all(type(x) is bool for x in numbers)
+    return all(type(x) in (bool, int) for x in numbers)
+
+
+# -- splitting and joining batches
+
+
+def take(value, index, positions):
+    """The sub-batch of instances ``positions`` (list; ``index`` the same as a LongTensor)."""
+    if type(value) is not Batch:
+        return value
+    if len(positions) == 1:
+        return instance(value, positions[0])
+    if value.owner == "tensor" or (value.tensor is not None and value.items is None):
+        return Batch(len(positions), tensor=value.tensor.index_select(0, _on(index, value.tensor)))
+    if value.struct is not None and value.items is None:
+        kind, parts = value.struct
+        return from_struct(kind, [take(p, index, positions) for p in parts], len(positions))
+    if value.pieces is not None and value.items is None and tensor_of(value) is not None:
+        return Batch(len(positions), tensor=value.tensor.index_select(0, _on(index, value.tensor)))
+    items = items_of(value)
+    return from_items([items[k] for k in positions])
+
+
+def _on(index, t):
+    return index if index.device == t.device else index.to(t.device)
+
+
+def part(value, start, count):
+    """Instances start .. start+count-1, for the request that asked for them."""
+    if type(value) is not Batch:
+        return value
+    if count == value.n:
+        return value
+    t = value.tensor if value.owner == "tensor" else None
+    if t is None and value.items is None:
+        if value.struct is not None:
+            kind, parts = value.struct
+            if count == 1:
+                return kind([part(p, start, 1) for p in parts])
+            return from_struct(kind, [part(p, start, count) for p in parts], count)
+        t = tensor_of(value)
+    if t is not None:
+        return t[start] if count == 1 else Batch(count, tensor=t[start:start + count])
+    items = items_of(value)
+    return items[start] if count == 1 else from_items(items[start:start + count])
+
+
+def concat(parts):
+    """One batch of the instances of ``parts`` [(value, count)], in order: a frame's inputs gathered from
+    the requests it serves, copied into one tensor once, at entry."""
+    first = parts[0][0]
+    if all(v is first for v, _ in parts):
+        return first
+    n = sum(c for _, c in parts)
+    tensors = []
+    for v, c in parts:
+        if type(v) is Batch:
+            t = v.tensor if v.owner == "tensor" else None
+            if t is None:
+                break
+        elif type(v) is torch.Tensor:
+            t = v.unsqueeze(0) if c == 1 else _repeat(v, c)
+        else:
+            break
+        tensors.append(t)
+    else:
+        if _same_kind(tensors, 1):
+            return Batch(n, tensor=torch.cat(tensors))
+    kinds = {_struct_kind(v) for v, _ in parts}
+    if len(kinds) == 1 and None not in kinds:
+        kind, size = kinds.pop()
+        columns = [[(_element(v, j), c) for v, c in parts] for j in range(size)]
+        return from_struct(kind, [concat(col) for col in columns], n)
+    items = []
+    for v, c in parts:
+        items.extend(items_of(v) if type(v) is Batch else [v] * c)
+    return from_items(items)
+
+
+def _struct_kind(value):
+    if type(value) is Batch:
+        return (value.struct[0], len(value.struct[1])) if value.struct is not None else None
+    if type(value) in (tuple, list):
+        return (type(value), len(value))
+    return None
+
+
+def _element(value, j):
+    return value.struct[1][j] if type(value) is Batch else value[j]
+
+
+def join(n, sides):
+    """The batch of n instances whose values come from ``sides`` [(value, positions)]: the branches of a
+    Cond, or the instances that left a loop at different iterations."""
+    first = sides[0][0]
+    if len(sides) == 1 or all(v is first for v, _ in sides):
+        return first
+    order = [k for _, positions in sides for k in positions]
+    inverse = [0] * n
+    for at, k in enumerate(order):
+        inverse[k] = at
+    inverse = torch.tensor(inverse)
+    for v, _ in sides:  # put the order where the values are
+        if type(v) is Batch and v.tensor is not None:
+            inverse = inverse.to(v.tensor.device)
+            break
+        if type(v) is torch.Tensor:
+            inverse = inverse.to(v.device)
+            break
+    return Batch(n, pieces=([(v, len(p)) for v, p in sides], inverse, order))
+
+
+def _gather_pieces(b, lists, flatten):
+    flat = flatten(lists)
+    out = [None] * b.n
+    for at, k in enumerate(b.pieces[2]):
+        out[k] = flat[at]
+    return out
+
+
+def stack_output(value, n):
+    """A batched result as torch.func.vmap returns it: tensors stacked along dim 0, a tuple or list of
+    them as a tuple or list of stacked tensors."""
+    if type(value) is Batch:
+        if value.struct is not None and value.owner is None:
+            kind, parts = value.struct
+            return kind([stack_output(p, n) for p in parts])
+        t = tensor_of(value)
+        if t is not None:
+            return t
+        items = items_of(value)
+        if all(type(x) in (tuple, list) for x in items) and len({(type(x), len(x)) for x in items}) == 1:
+            kind = type(items[0])
+            return kind(stack_output(from_items([x[j] for x in items]), n) for j in range(len(items[0])))
+        raise ValueError("recompile.vmap: the function must return tensors (or tuples or lists of tensors) "
+                         f"of one shape and dtype for every instance; got {sorted({type(x).__name__ for x in items})}")
+    if type(value) is torch.Tensor:
+        return value.unsqueeze(0).expand(n, *value.shape)
+    if type(value) in (tuple, list):
+        return type(value)(stack_output(v, n) for v in value)
+    raise ValueError(f"recompile.vmap: the function must return tensors, got {type(value).__name__}")

@@ -1,0 +1,533 @@
+"""Batch rules: how one op runs for n instances at once.
+
+``call(n, fn, args, kwargs)`` is what generated batched code runs for every
+``Call``. Where no argument is batched, the op runs once (if its result may be
+shared) or once per instance. Otherwise a rule picked by ``fn`` runs it as one
+tensor op with dim 0 the instance — the hand-written rules below for the ops
+models are made of (elementwise, linear and embedding, cat/stack/chunk,
+indexing with batched indices as a gather, reductions, softmax, losses), then
+torch.func.vmap for any other torch function, Tensor method or module — and
+where neither applies the op runs per instance and is counted.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import batch as bt
+from . import semantics as sem
+from .batch import Batch
+
+_SHAREABLE = {getattr, operator.getitem, sem.unpack, sem.build_tuple, sem.check_bound, sem.read_global,
+              sem.read_cell, sem.finds_in_class, isinstance, len}
+_IMMUTABLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+class Counters(threading.local):
+    """Per-thread tally of how ops ran, read by the scheduler after each frame step."""
+
+    def __init__(self):
+        self.per_instance = {}  # name -> instances run one by one
+
+
+counters = Counters()
+
+
+def _name(fn):
+    if type(fn) is Batch and fn.method is not None:
+        return "Tensor." + fn.method[1]
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    module = getattr(fn, "__module__", None)
+    if isinstance(fn, nn.Module):
+        return type(fn).__name__
+    return f"{module}.{name}" if module and module not in ("builtins", "_operator", "operator") else name
+
+
+def call(n, fn, args, kwargs=None):
+    """``fn(*args, **kwargs)`` for n instances."""
+    if n == 1:
+        return fn(*args, **kwargs) if kwargs else fn(*args)
+    if type(fn) is Batch:
+        if fn.method is not None:
+            base, name = fn.method
+            rule = METHOD_RULES.get(name)
+            if rule is not None:
+                out = rule(n, base, args, kwargs or {})
+                if out is not NotImplemented:
+                    return out
+            return _vmapped_or_per_instance(n, fn, (base, *args), kwargs, method=name)
+        return per_instance(n, fn, args, kwargs)
+    batched = any(type(a) is Batch for a in args) or (kwargs and any(type(v) is Batch for v in kwargs.values()))
+    if not batched:
+        return _unbatched(n, fn, args, kwargs)
+    try:
+        rule = RULES.get(fn)
+    except TypeError:  # unhashable callable
+        rule = None
+    if rule is None and isinstance(fn, nn.Module) and not _has_hooks(fn):
+        rule = MODULE_RULES.get(type(fn))
+    if rule is not None:
+        out = rule(n, fn, args, kwargs or {})
+        if out is not NotImplemented:
+            return out
+    return _vmapped_or_per_instance(n, fn, args, kwargs)
+
+
+def _unbatched(n, fn, args, kwargs):
+    """No argument differs between instances: run once if every instance may share the result."""
+    first = fn(*args, **kwargs) if kwargs else fn(*args)
+    try:
+        shareable = fn in _SHAREABLE
+    except TypeError:
+        shareable = False
+    if shareable or type(first) in _IMMUTABLE:
+        return first
+    # a fresh object (a tensor, a list) per instance, as n separate runs would make
+    _count(fn, n)
+    return bt.from_items([first] + [fn(*args, **kwargs) if kwargs else fn(*args) for _ in range(n - 1)])
+
+
+def per_instance(n, fn, args, kwargs=None):
+    """The op run once per instance; the results batched."""
+    _count(fn, n)
+    kwargs = kwargs or {}
+    results = []
+    for k in range(n):
+        f = bt.instance(fn, k)
+        a = [bt.instance(x, k) for x in args]
+        kw = {key: bt.instance(v, k) for key, v in kwargs.items()}
+        results.append(f(*a, **kw))
+    for x in (*args, *kwargs.values(), fn.method[0] if type(fn) is Batch and fn.method else None):
+        if type(x) is Batch and x.owner == "items":
+            x.tensor = None  # the op may have changed the items: a tensor made from them is stale
+    return bt.from_items(results)
+
+
+def per_instance_or_once(n, thunk, values):
+    """A call whose arguments are unpacked (``f(*xs, **kw)``), run per instance on ``values``."""
+    if n == 1:
+        return thunk(*values)
+    _count(thunk, n)
+    return bt.from_items([thunk(*[bt.instance(v, k) for v in values]) for k in range(n)])
+
+
+def _count(fn, n):
+    name = _name(fn)
+    counters.per_instance[name] = counters.per_instance.get(name, 0) + n
+
+
+def _has_hooks(module):
+    return bool(module._forward_hooks or module._forward_pre_hooks or nn.modules.module._global_forward_hooks
+                or nn.modules.module._global_forward_pre_hooks)
+
+
+# -- torch.func.vmap for torch ops without a rule here
+
+def _is_torch_op(fn, method):
+    if method is not None:
+        return True
+    if isinstance(fn, nn.Module):
+        return True
+    module = getattr(fn, "__module__", None) or ""
+    return isinstance(module, str) and (module.startswith("torch") and not module.startswith("torch.utils"))
+
+
+def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
+    if _is_torch_op(fn, method) and not (method or "").endswith("_"):
+        out = _vmapped(n, fn, args, kwargs or {}, method)
+        if out is not NotImplemented:
+            return out
+    if method is not None:
+        return per_instance(n, fn, args[1:], kwargs)
+    return per_instance(n, fn, args, kwargs)
+
+
+def _vmapped(n, fn, args, kwargs, method):
+    """fn under torch.func.vmap, where every batched argument is a tensor (a list of tensors counts)."""
+    flat, dims = [], []
+    spec = []
+    for a in (*args, *kwargs.values()):
+        if type(a) is Batch:
+            if a.struct is not None and a.owner is None:
+                parts = []
+                for p in a.struct[1]:
+                    t = bt.tensor_of(p) if type(p) is Batch else p
+                    if type(p) is Batch and t is None:
+                        return NotImplemented
+                    parts.append((t, 0 if type(p) is Batch else None))
+                spec.append(("struct", a.struct[0], len(parts)))
+                for t, d in parts:
+                    flat.append(t)
+                    dims.append(d)
+                continue
+            t = bt.tensor_of(a)
+            if t is None:
+                return NotImplemented
+            flat.append(t)
+            dims.append(0)
+        else:
+            flat.append(a)
+            dims.append(None)
+        spec.append(("one",))
+    keys = list(kwargs)
+    positional = len(args)
+
+    def one(*values):
+        it = iter(values)
+        rebuilt = []
+        for s in spec:
+            rebuilt.append(next(it) if s[0] == "one" else s[1](next(it) for _ in range(s[2])))
+        pos, kw = rebuilt[:positional], dict(zip(keys, rebuilt[positional:]))
+        if method is not None:
+            return getattr(pos[0], method)(*pos[1:], **kw)
+        return fn(*pos, **kw)
+
+    try:
+        out = torch.func.vmap(one, in_dims=tuple(dims), randomness="different")(*flat)
+    except Exception:  # an op vmap cannot batch (a data-dependent shape, .item()): run it per instance
+        return NotImplemented
+    return _wrap(out, n)
+
+
+def _wrap(out, n):
+    if type(out) is torch.Tensor:
+        return bt.from_tensor(out)
+    if isinstance(out, (tuple, list)):  # (a torch.return_types structseq too)
+        return bt.from_struct(type(out), [_wrap(o, n) for o in out], n)
+    raise TypeError(f"a batched op returned {type(out).__name__}")
+
+
+# -- hand-written rules
+
+def _tensor_args(n, args, like=None):
+    """The batched tensor of each batched argument (Python numbers among them converted to ``like``'s
+    dtype), or None if one is not a tensor."""
+    out = []
+    for a in args:
+        if type(a) is Batch:
+            t = bt.tensor_of(a) if like is None else bt.tensor_like(a, like)
+            if t is None:
+                return None
+            out.append(t)
+        else:
+            out.append(a)
+    return out
+
+
+def _dtype_hint(args):
+    for a in args:
+        if type(a) is Batch and a.tensor is not None:
+            return a.tensor.dtype
+        if type(a) is torch.Tensor:
+            return a.dtype
+    for a in args:
+        if type(a) is Batch and bt.tensor_of(a) is not None:
+            return a.tensor.dtype
+    return None
+
+
+def elementwise(n, fn, args, kwargs):
+    """An op applied elementwise with broadcasting: instance values of lower rank are lined up with the
+    others by inserting dims after the batch dim."""
+    if any(type(v) is Batch for v in kwargs.values()) or (fn is torch.where and len(args) == 1):
+        return NotImplemented
+    like = _dtype_hint(args)
+    values = _tensor_args(n, args, like)
+    if values is None:
+        return NotImplemented
+    ranks = [v.dim() - 1 if type(a) is Batch else (v.dim() if type(v) is torch.Tensor else 0)
+             for a, v in zip(args, values)]
+    top = max(ranks)
+    for i, (a, v) in enumerate(zip(args, values)):
+        if type(a) is Batch and ranks[i] < top:
+            values[i] = v.reshape(v.shape[:1] + (1,) * (top - ranks[i]) + v.shape[1:])
+    out = fn(*values, **kwargs)
+    if fn in _IN_PLACE:  # x += y changed x's tensor: the result is x itself
+        target = args[0]
+        if type(target) is not Batch or target.owner != "tensor":
+            return NotImplemented
+        return target
+    return bt.from_tensor(out)
+
+
+def elementwise_inplace(n, fn, args, kwargs):
+    target = args[0]
+    if type(target) is not Batch or target.owner != "tensor":
+        return NotImplemented  # a shared target, or one held as items: per instance
+    return elementwise(n, fn, args, kwargs)
+
+
+def _dim_rule(position, default=None, keep_negative=True):
+    """An op mapping over every dim but one (``dim``, given at ``position`` or by keyword): the instance
+    dim goes first, so a non-negative dim moves up by one."""
+
+    def rule(n, fn, args, kwargs):
+        values = _tensor_args(n, args)
+        if values is None or any(type(v) is Batch for v in kwargs.values()) or type(args[0]) is not Batch:
+            return NotImplemented
+        if any(type(a) is Batch for a in args[1:]):
+            return NotImplemented
+        kwargs = dict(kwargs)
+        if "dim" in kwargs:
+            kwargs["dim"] = _shift(kwargs["dim"])
+        elif len(values) > position:
+            values[position] = _shift(values[position])
+        elif default is not None:
+            kwargs["dim"] = _shift(default)
+        else:
+            return NotImplemented
+        return _wrap(fn(*values, **kwargs), n)
+
+    return rule
+
+
+def _shift(dim):
+    if type(dim) is int:
+        return dim + 1 if dim >= 0 else dim
+    if type(dim) in (tuple, list):
+        return type(dim)(d + 1 if d >= 0 else d for d in dim)
+    raise TypeError  # caught by nobody: a dim we do not understand should not pass silently
+
+
+def join_along(n, fn, args, kwargs):
+    """torch.cat / torch.stack of a list of batched tensors along a feature dim."""
+    seq = args[0]
+    if type(seq) is not Batch or seq.struct is None or seq.owner is not None or len(args) > 2:
+        return NotImplemented
+    parts = []
+    for p in seq.struct[1]:
+        if type(p) is not Batch:
+            return NotImplemented  # a shared part would need expanding: leave it to vmap
+        t = bt.tensor_of(p)
+        if t is None:
+            return NotImplemented
+        parts.append(t)
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if type(dim) is not int or set(kwargs) - {"dim"}:
+        return NotImplemented
+    return bt.from_tensor(fn(parts, dim=_shift(dim)))
+
+
+def over_last_dims(n, fn, args, kwargs):
+    """Ops acting on the last dim(s) of their first argument with shared weights (linear, embedding,
+    layer norm, a Linear module): the batch dim is one more leading dim."""
+    if type(args[0]) is not Batch or any(type(a) is Batch for a in args[1:]) or \
+            any(type(v) is Batch for v in kwargs.values()):
+        return NotImplemented
+    x = bt.tensor_of(args[0])
+    if x is None or x.dim() < 2:  # an instance's 0-d input: the op may treat its rank specially
+        if not (x is not None and fn in _ANY_RANK):
+            return NotImplemented
+    return bt.from_tensor(fn(x, *args[1:], **kwargs))
+
+
+def gather(n, fn, args, kwargs):
+    """``x[i]`` with a batched i (a gather), or a batched x with a shared index."""
+    x, index = args
+    if type(x) is not Batch and type(index) is Batch and type(x) is torch.Tensor:
+        i = bt.tensor_of(index)
+        if i is None:
+            items = bt.items_of(index)
+            if not all(type(k) is int for k in items):
+                return NotImplemented
+            i = torch.tensor(items, device=x.device)
+        elif i.dtype not in (torch.long, torch.int, torch.int16, torch.int8, torch.uint8) or i.dim() != 1:
+            return NotImplemented  # a mask or an index per instance that is itself a tensor of indices
+        return bt.from_tensor(x[i])
+    if type(x) is Batch and type(index) is not Batch:
+        if x.struct is not None and x.owner is None and type(index) is int:
+            return x.struct[1][index]
+        t = x.tensor if x.owner == "tensor" else bt.tensor_of(x) if x.items is None else None
+        if t is None or not _plain_index(index):
+            return NotImplemented
+        return bt.from_tensor(t[(slice(None),) + (index if type(index) is tuple else (index,))])
+    return NotImplemented
+
+
+def _plain_index(index):
+    """An index that selects the same way in every instance: ints, slices, None, Ellipsis (not tensors)."""
+    if type(index) is tuple:
+        return all(_plain_index(i) for i in index)
+    return type(index) in (int, slice, type(None)) or index is Ellipsis
+
+
+def build(kind):
+    def rule(n, fn, args, kwargs):
+        return bt.from_struct(kind, list(args), n)
+    return rule
+
+
+def attribute(n, fn, args, kwargs):
+    """``getattr(x, name)`` of a batched x."""
+    x, name = args[0], args[1]
+    if type(name) is not str or len(args) != 2:
+        return NotImplemented
+    if x.owner == "tensor" or (x.items is None and x.struct is None and bt.tensor_of(x) is not None):
+        t = x.tensor
+        if name in _SHARED_ATTRS:
+            return getattr(t, name)
+        if name == "shape":
+            return t.shape[1:]
+        if name == "ndim":
+            return t.dim() - 1
+        if callable(getattr(torch.Tensor, name, None)):
+            return Batch(x.n, method=(x, name))
+    return NotImplemented
+
+
+_SHARED_ATTRS = {"dtype", "device", "is_cuda", "requires_grad", "layout", "is_floating_point"}
+
+
+def size(n, x, args, kwargs):
+    t = x.tensor if x.owner == "tensor" else None
+    if t is None or kwargs:
+        return NotImplemented
+    if not args:
+        return t.shape[1:]
+    return t.shape[1:][args[0]]
+
+
+def dim(n, x, args, kwargs):
+    t = x.tensor if x.owner == "tensor" else None
+    return NotImplemented if t is None else t.dim() - 1
+
+
+def reshaping(n, x, args, kwargs):
+    """view / reshape: the instance dim stays first."""
+    t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
+    if t is None or kwargs or any(type(a) is Batch for a in args):
+        return NotImplemented
+    shape = args[0] if len(args) == 1 and type(args[0]) in (tuple, list, torch.Size) else args
+    if not all(type(s) is int for s in shape):
+        return NotImplemented
+    return bt.from_tensor(t.reshape((t.shape[0], *shape)))
+
+
+def unary_method(name):
+    def rule(n, x, args, kwargs):
+        if args or kwargs:
+            return NotImplemented
+        t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
+        return NotImplemented if t is None else bt.from_tensor(getattr(t, name)())
+    return rule
+
+
+def method_dim(position, default_all=False):
+    """A Tensor method taking a dim (sum, mean, softmax, unsqueeze, chunk ...)."""
+
+    def rule(n, x, args, kwargs):
+        t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
+        if t is None or any(type(a) is Batch for a in (*args, *kwargs.values())):
+            return NotImplemented
+        args, kwargs = list(args), dict(kwargs)
+        name = rule.method_name
+        if "dim" in kwargs:
+            kwargs["dim"] = _shift(kwargs["dim"])
+        elif len(args) > position:
+            args[position] = _shift(args[position])
+        elif default_all and t.dim() > 1:  # x.sum(): over every dim of the instance
+            kwargs["dim"] = tuple(range(1, t.dim()))
+        else:
+            return NotImplemented
+        return _wrap(getattr(t, name)(*args, **kwargs), n)
+
+    return rule
+
+
+def full_reduction(n, fn, args, kwargs):
+    """torch.sum(x) / torch.mean(x) with no dim: a reduction over all of an instance."""
+    if len(args) != 1 or kwargs or type(args[0]) is not Batch:
+        return _dim_rule(1)(n, fn, args, kwargs)
+    t = bt.tensor_of(args[0])
+    if t is None or t.dim() == 1:  # (an instance's 0-d tensor: leave it to vmap)
+        return NotImplemented
+    return bt.from_tensor(fn(t, dim=tuple(range(1, t.dim()))))
+
+
+def cross_entropy(n, fn, args, kwargs):
+    """cross_entropy / nll_loss: an instance's (C) or (B, C) input becomes rows of one (n·B, C) input."""
+    if len(args) != 2 or not {"reduction"}.issuperset(kwargs) or type(args[0]) is not Batch:
+        return NotImplemented
+    values = _tensor_args(n, args)
+    if values is None or type(args[1]) is not Batch:
+        return NotImplemented
+    x, target = values
+    reduction = kwargs.get("reduction", "mean")
+    if x.dim() == 2 and target.dim() == 1:  # one row per instance
+        rows = fn(x, target, reduction="none")
+        return bt.from_tensor(rows)
+    if x.dim() != 3 or target.dim() != 2 or target.dtype not in (torch.long, torch.int):
+        return NotImplemented  # class probabilities, or extra dims: leave it to vmap
+    b = x.shape[1]
+    rows = fn(x.reshape(n * b, x.shape[2]), target.reshape(n * b), reduction="none").reshape(n, b)
+    if reduction == "none":
+        return bt.from_tensor(rows)
+    if reduction == "sum":
+        return bt.from_tensor(rows.sum(1))
+    if reduction == "mean" and fn is F.cross_entropy:
+        return bt.from_tensor(rows.mean(1))
+    return NotImplemented
+
+
+_IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+_ANY_RANK = {F.embedding}
+
+_ELEMENTWISE = [
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+    operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
+    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.maximum, torch.minimum,
+    torch.sigmoid, torch.tanh, torch.relu, torch.exp, torch.log, torch.sqrt, torch.abs, torch.sin, torch.cos,
+    torch.where, torch.clamp, torch.lt, torch.gt, torch.eq, torch.logical_not, torch.logical_and,
+    F.relu, F.gelu, F.silu, F.softplus, F.elu, F.leaky_relu, F.dropout, torch.square, torch.rsqrt,
+    torch.log1p, torch.expm1, torch.erf, torch.floor, torch.ceil, torch.round, torch.sign,
+]
+
+RULES = {fn: elementwise for fn in _ELEMENTWISE}
+RULES.update({fn: elementwise_inplace for fn in _IN_PLACE})
+RULES.update({
+    F.linear: over_last_dims, F.embedding: over_last_dims, F.layer_norm: over_last_dims,
+    torch.cat: join_along, torch.stack: join_along, torch.concat: join_along,
+    torch.chunk: _dim_rule(2, default=0), torch.split: _dim_rule(2, default=0), torch.unbind: _dim_rule(1, default=0),
+    torch.softmax: _dim_rule(1), F.softmax: _dim_rule(1), F.log_softmax: _dim_rule(1),
+    torch.log_softmax: _dim_rule(1), torch.unsqueeze: _dim_rule(1), torch.squeeze: _dim_rule(1),
+    torch.sum: full_reduction, torch.mean: full_reduction, torch.max: _dim_rule(1), torch.min: _dim_rule(1),
+    torch.argmax: _dim_rule(1), torch.logsumexp: _dim_rule(1), torch.norm: _dim_rule(2),
+    operator.getitem: gather, getattr: attribute,
+    sem.build_tuple: build(tuple), sem.build_list: build(list),
+    F.cross_entropy: cross_entropy, F.nll_loss: cross_entropy,
+})
+
+_ACTIVATIONS = (nn.Sigmoid, nn.Tanh, nn.ReLU, nn.GELU, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Softplus, nn.Dropout)
+
+
+def _module_over_last_dims(n, module, args, kwargs):
+    if type(module) is nn.Embedding and len(args) == 1 and not kwargs and type(args[0]) is Batch:
+        i = bt.tensor_of(args[0])
+        return NotImplemented if i is None else bt.from_tensor(module(i))
+    return over_last_dims(n, module, args, kwargs)
+
+
+def _module_elementwise(n, module, args, kwargs):
+    return elementwise(n, module, args, kwargs)
+
+
+MODULE_RULES = {nn.Linear: _module_over_last_dims, nn.Embedding: _module_over_last_dims,
+                nn.LayerNorm: _module_over_last_dims}
+MODULE_RULES.update({m: _module_elementwise for m in _ACTIVATIONS})
+
+METHOD_RULES = {
+    "size": size, "dim": dim, "view": reshaping, "reshape": reshaping,
+    **{name: unary_method(name) for name in ("sigmoid", "tanh", "relu", "exp", "log", "sqrt", "abs", "neg",
+                                              "clone", "detach", "float", "double", "long", "contiguous")},
+}
+for _name_, _pos, _all in (("sum", 0, True), ("mean", 0, True), ("softmax", 0, False), ("log_softmax", 0, False),
+                           ("unsqueeze", 0, False), ("squeeze", 0, False), ("chunk", 1, False),
+                           ("split", 1, False), ("unbind", 0, False), ("max", 0, False), ("argmax", 0, False)):
+    _rule = method_dim(_pos, _all)
+    _rule.method_name = _name_
+    METHOD_RULES[_name_] = _rule

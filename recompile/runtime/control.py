@@ -1,0 +1,149 @@
+"""Control flow on a batch of instances: Cond splits by predicate and joins, While runs while any is active.
+
+With n == 1 each is Python's own ``if`` / ``while`` / unpacking on the one
+instance's values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import batch as bt
+from .batch import Batch
+
+
+def truths(n, pred):
+    """Each instance's ``bool(pred)``: one host read for a batched tensor predicate."""
+    if type(pred) is not Batch:
+        return [bool(pred)] * n if n > 1 else [bool(pred)]
+    t = bt.tensor_of(pred)
+    if t is not None and t.numel() == n:  # one element per instance: bool() of each is its value
+        return [bool(x) for x in t.reshape(n).tolist()]
+    return [bool(x) for x in bt.items_of(pred)]  # (bool() of each raises as it would one by one)
+
+
+def _split(flags):
+    yes = [k for k, f in enumerate(flags) if f]
+    no = [k for k, f in enumerate(flags) if not f]
+    return yes, no
+
+
+def _index(positions, like):
+    device = None
+    for v in like:
+        if type(v) is Batch and v.tensor is not None:
+            device = v.tensor.device
+            break
+    return torch.tensor(positions, device=device)
+
+
+class Branch:
+    """A Cond over n instances: ``requests``/``run`` give each branch its instances; ``join`` puts the
+    branches' outputs back in instance order."""
+
+    __slots__ = ("n", "args", "sides")
+
+    def __init__(self, n, pred, args):
+        self.n, self.args = n, args
+        if n == 1:
+            self.sides = [(0 if pred else 1, args, [0])]
+            return
+        flags = truths(n, pred)
+        sides = []
+        for which, positions in enumerate(_split(flags)):
+            if len(positions) == n:
+                sides.append((which, args, positions))
+            elif positions:
+                index = _index(positions, args)
+                sides.append((which, tuple(bt.take(a, index, positions) for a in args), positions))
+        self.sides = sides
+
+    def requests(self, then_unit, else_unit, site):
+        units = (then_unit, else_unit)
+        return tuple((units[which], args, len(positions), site) for which, args, positions in self.sides)
+
+    def run(self, then_fn, else_fn):
+        fns = (then_fn, else_fn)
+        return tuple(fns[which](len(positions), *args) for which, args, positions in self.sides)
+
+    def join(self, results, k):
+        if len(self.sides) == 1:
+            return results[0]
+        if k == 0:
+            return None
+        if k == 1:
+            return bt.join(self.n, [(r, side[2]) for r, side in zip(results, self.sides)])
+        return tuple(bt.join(self.n, [(r[j], side[2]) for r, side in zip(results, self.sides)]) for j in range(k))
+
+
+class Loop:
+    """A While over n instances: instances leave as their predicate turns false; ``result`` joins their
+    final values."""
+
+    __slots__ = ("n", "carried", "k", "positions", "done")
+
+    def __init__(self, n, carried, k):
+        self.n, self.carried, self.k = n, list(carried), k
+        self.positions = list(range(n))
+        self.done = []  # (final values, positions)
+
+    def keep(self, pred):
+        if self.n == 1 and not self.done:
+            if pred:
+                return True
+            self.done.append((self.carried[:self.k], self.positions))
+            return False
+        flags = truths(self.n, pred)
+        stay, leave = _split(flags)
+        if leave:
+            index = _index(leave, self.carried) if len(leave) < self.n else None
+            values = self.carried[:self.k] if index is None else \
+                [bt.take(v, index, leave) for v in self.carried[:self.k]]
+            self.done.append((values, [self.positions[k] for k in leave]))
+        if not stay:
+            return False
+        if leave:
+            index = _index(stay, self.carried)
+            self.carried = [bt.take(v, index, stay) for v in self.carried]
+            self.positions = [self.positions[k] for k in stay]
+            self.n = len(stay)
+        return True
+
+    def step(self, new):
+        if self.k == 1:
+            self.carried[0] = new
+        elif self.k:
+            self.carried[:self.k] = new
+
+    def result(self):
+        n = sum(len(p) for _, p in self.done)
+        if len(self.done) == 1:
+            values = self.done[0][0]
+        else:
+            values = [bt.join(n, [(vals[j], p) for vals, p in self.done]) for j in range(self.k)]
+        return values[0] if self.k == 1 else tuple(values)
+
+
+def unpack(n, value, k):
+    """``a, b, c = value`` for n instances (the caller's assignment then unpacks the k values)."""
+    if n == 1 or type(value) is not Batch:
+        return value
+    if value.struct is not None and value.owner is None:
+        parts = value.struct[1]
+        return parts if len(parts) == k else _unpack_items(n, value, k)
+    if value.owner == "tensor" and value.tensor.dim() > 1:
+        if value.tensor.shape[1] != k:
+            return _unpack_items(n, value, k)
+        return [bt.from_tensor(t) for t in value.tensor.unbind(1)]
+    return _unpack_items(n, value, k)
+
+
+def _unpack_items(n, value, k):
+    rows = []
+    for x in bt.items_of(value):
+        a = tuple(x)  # iterating each instance's value, as its unpacking would
+        if len(a) != k:
+            raise ValueError(f"too many values to unpack (expected {k})" if len(a) > k
+                             else f"not enough values to unpack (expected {k}, got {len(a)})")
+        rows.append(a)
+    return [bt.from_items([r[j] for r in rows]) for j in range(k)]

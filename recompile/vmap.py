@@ -1,0 +1,84 @@
+"""``recompile.vmap``: many instances of a compiled function in one batched run.
+
+The conventions are torch.func.vmap's: ``in_dims`` gives, per positional
+argument, the dim its instances lie along (None: shared by every instance);
+results come back stacked along ``out_dims``. Unlike torch.func.vmap, each
+instance may take its own path through the function: its own branches, its
+own number of loop iterations, its own recursion (a tree per instance).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from .api import CompiledFunction
+from .runtime import agenda
+from .runtime import batch as bt
+
+
+def vmap(fn, in_dims=0, out_dims=0):
+    """``fn`` (a ``recompile.function``, or one bound to an object) run for a batch of instances."""
+    bound_self = ()
+    cf = fn
+    if isinstance(fn, types.MethodType) and isinstance(fn.__func__, CompiledFunction):
+        cf, bound_self = fn.__func__, (fn.__self__,)
+    if not isinstance(cf, CompiledFunction):
+        raise TypeError(f"recompile.vmap expects a recompile.function, got {type(fn).__name__}")
+    if cf.mode != "batched":
+        raise ValueError(f"recompile.vmap needs a function compiled with mode='batched' (this one is {cf.mode!r})")
+    if not (out_dims is None or type(out_dims) is int):
+        raise TypeError("recompile.vmap: out_dims must be an int")
+
+    def batched(*args):
+        dims = in_dims if isinstance(in_dims, (tuple, list)) else (in_dims,) * len(args)
+        if len(dims) != len(args):
+            raise ValueError(f"recompile.vmap: in_dims has {len(dims)} entries for {len(args)} positional arguments")
+        sizes = set()
+        values = [_instances(a, d, sizes, i) for i, (a, d) in enumerate(zip(args, dims))]
+        if not sizes:
+            raise ValueError("recompile.vmap: at least one argument must be batched (an in_dims entry not None)")
+        if len(sizes) > 1:
+            raise ValueError(f"recompile.vmap: batched arguments disagree on the batch size: {sorted(sizes)}")
+        n = sizes.pop()
+        all_args = (*bound_self, *values)
+        owner = type(bound_self[0]) if bound_self else None
+        cf._binder(*all_args)  # Python's own TypeError for a wrong call
+        callee = cf.callee(owner)
+        if not callee.ready:
+            callee.prepare()
+        cf.stats.record_start()
+        result, run_stats = agenda.run(callee, all_args, n)
+        cf.stats.record_batched(run_stats)
+        out = bt.stack_output(result, n)
+        return _move(out, out_dims)
+
+    return batched
+
+
+def _instances(arg, dim, sizes, position):
+    if dim is None:
+        return arg
+    if type(dim) is not int:
+        raise TypeError(f"recompile.vmap: in_dims entries must be int or None, got {type(dim).__name__}")
+    if isinstance(arg, torch.Tensor):
+        if arg.dim() == 0:
+            raise ValueError(f"recompile.vmap: argument {position} is a 0-d tensor; it has no dim {dim} to batch")
+        t = arg.movedim(dim, 0)
+        sizes.add(t.shape[0])
+        return t[0] if t.shape[0] == 1 else bt.Batch(t.shape[0], tensor=t)
+    if isinstance(arg, (tuple, list)):
+        parts = [_instances(a, dim, sizes, position) for a in arg]
+        n = next(iter(sizes)) if sizes else 1
+        return type(arg)(parts) if n == 1 else bt.from_struct(type(arg), parts, n)
+    raise ValueError(f"recompile.vmap: argument {position} with in_dim {dim} must be a tensor or a tuple or list "
+                     f"of tensors, got {type(arg).__name__}")
+
+
+def _move(out, dim):
+    if dim is None or dim == 0:
+        return out
+    if isinstance(out, torch.Tensor):
+        return out.movedim(0, dim)
+    return type(out)([_move(o, dim) for o in out])
