@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import recompile
-from recompile.data import load_sst, sample_dir
+from recompile.data import Forest, load_sst, sample_dir
 
 
 class SentimentModel(nn.Module):
@@ -36,6 +36,11 @@ class SentimentModel(nn.Module):
         state = self.encode(tree, tree.root)
         return state[-1], self.out(state[0])
 
+    def forward_many(self, forest):
+        """(each tree's summed loss, root logits) for a Forest: all its trees in one batched run."""
+        state = recompile.vmap(self.encode, in_dims=(None, 0))(forest, forest.roots)
+        return state[-1], self.out(state[0])
+
 
 def parse_args(description, argv=None):
     p = argparse.ArgumentParser(description=description)
@@ -46,6 +51,7 @@ def parse_args(description, argv=None):
     p.add_argument("--embed", type=int, default=300)
     p.add_argument("--hidden", type=int, default=150)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--batch", type=int, default=25, help="trees per training step (one batched run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dump", action="store_true", help="print the IR of the compiled encoder before training")
     p.add_argument("--source", action="store_true", help="print the generated Python source before training")
@@ -62,12 +68,13 @@ def progress(done, total, started, loss, width=30, stream=sys.stderr):
     stream.flush()
 
 
-def accuracy(model, trees):
+def accuracy(model, trees, batch=256):
     correct = 0
     with torch.no_grad():
-        for tree in trees:
-            _, logits = model(tree)
-            correct += int(logits.argmax().item() == int(tree.labels[tree.root]))
+        for k in range(0, len(trees), batch):
+            forest = Forest.from_trees(trees[k:k + batch])
+            _, logits = model.forward_many(forest)
+            correct += int((logits.argmax(-1) == forest.labels[forest.roots]).sum())
     return correct / max(len(trees), 1)
 
 
@@ -92,16 +99,16 @@ def main(model_cls, description, argv=None):
         random.shuffle(order)
         total_loss, total_nodes, started = 0.0, 0, time.perf_counter()
         print(f"epoch {epoch}")
-        for done, k in enumerate(order, 1):
-            tree = train[k]
-            loss, _ = model(tree)
+        for start in range(0, len(order), args.batch):
+            forest = Forest.from_trees([train[k] for k in order[start:start + args.batch]])
+            losses, _ = model.forward_many(forest)
+            loss = losses.sum()
             opt.zero_grad()
-            loss.backward()
+            (loss / forest.num_trees).backward()  # the mean over trees of each tree's summed loss
             opt.step()
             total_loss += loss.item()
-            total_nodes += tree.num_nodes
-            if done % 25 == 0 or done == len(order):
-                progress(done, len(order), started, total_loss / total_nodes)
+            total_nodes += forest.num_nodes
+            progress(start + forest.num_trees, len(order), started, total_loss / total_nodes)
         dev_acc = accuracy(model, sst.dev)
         history.append((total_loss / total_nodes, dev_acc))
         print(f"  train loss/node {total_loss / total_nodes:.4f}   dev root accuracy {dev_acc:.3f}")

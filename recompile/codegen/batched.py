@@ -11,6 +11,7 @@ other frames'); a While runs while any instance is active. Invoke groups yield
 from __future__ import annotations
 
 import ast
+import operator
 
 from .. import ir
 from ..passes.batching import BatchPlan
@@ -38,6 +39,12 @@ class _BatchedEmitter(emit._FunctionEmitter):
             inner = super().call_expr(op)
             fn = ast.Lambda(args=_no_args(), body=inner)
             return self._per_instance_thunk(op, fn)
+        fn = op.fn.value if isinstance(op.fn, ir.Const) else None
+        if not op.kwargs and len(op.args) == 2 and (fn is getattr and isinstance(op.args[1], ir.Const)
+                                                     or fn is operator.getitem):
+            helper = batch_rules.attr if fn is getattr else batch_rules.item
+            return ast.Call(func=self.helper(helper, helper.__name__),
+                            args=[self.n_load(), *[self.load(a) for a in op.args]], keywords=[])
         args = ast.Tuple(elts=[self.load(a) for a in op.args], ctx=ast.Load())
         call_args = [self.n_load(), self.load(op.fn), args]
         if op.kwargs:
@@ -66,10 +73,8 @@ class _BatchedEmitter(emit._FunctionEmitter):
                 return [self.assign(op.outputs, unpacked, op.loc, unpack=True)]
             return [self.assign(op.outputs, self.call_expr(op), op.loc)]
         if isinstance(op, ir.Capture) and op.source_kind == "attr":
-            value = ast.Call(func=self.helper(batch_rules.call, "call"),
-                             args=[self.n_load(), ast.Name(id="getattr", ctx=ast.Load()),
-                                   ast.Tuple(elts=[self.load(op.base), ast.Constant(value=op.source)],
-                                             ctx=ast.Load())], keywords=[])
+            value = ast.Call(func=self.helper(batch_rules.attr, "attr"),
+                             args=[self.n_load(), self.load(op.base), ast.Constant(value=op.source)], keywords=[])
             return [self.assign(op.outputs, value, op.loc)]
         if isinstance(op, ir.Cond):
             return self.cond_stmts(op)

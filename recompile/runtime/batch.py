@@ -275,25 +275,43 @@ def _element(value, j):
     return value.struct[1][j] if type(value) is Batch else value[j]
 
 
-def join(n, sides):
+class Order:
+    """Where the instances of joined sides go: ``order`` lists their positions side after side; indexing
+    the sides' rows, concatenated, by ``inverse`` puts them in instance order. Made once per Cond."""
+
+    __slots__ = ("order", "_inverse")
+
+    def __init__(self, n, sides_positions):
+        self.order = [k for positions in sides_positions for k in positions]
+        inverse = [0] * n
+        for at, k in enumerate(self.order):
+            inverse[k] = at
+        self._inverse = {None: inverse}
+
+    def inverse(self, device):
+        t = self._inverse.get(device)
+        if t is None:
+            t = self._inverse[device] = torch.tensor(self._inverse[None], device=device)
+        return t
+
+
+def join(n, sides, order=None):
     """The batch of n instances whose values come from ``sides`` [(value, positions)]: the branches of a
     Cond, or the instances that left a loop at different iterations."""
     first = sides[0][0]
     if len(sides) == 1 or all(v is first for v, _ in sides):
         return first
-    order = [k for _, positions in sides for k in positions]
-    inverse = [0] * n
-    for at, k in enumerate(order):
-        inverse[k] = at
-    inverse = torch.tensor(inverse)
+    if order is None:
+        order = Order(n, [p for _, p in sides])
+    device = None
     for v, _ in sides:  # put the order where the values are
         if type(v) is Batch and v.tensor is not None:
-            inverse = inverse.to(v.tensor.device)
+            device = v.tensor.device
             break
         if type(v) is torch.Tensor:
-            inverse = inverse.to(v.device)
+            device = v.device
             break
-    return Batch(n, pieces=([(v, len(p)) for v, p in sides], inverse, order))
+    return Batch(n, pieces=([(v, len(p)) for v, p in sides], order.inverse(device), order.order))
 
 
 def _gather_pieces(b, lists, flatten):

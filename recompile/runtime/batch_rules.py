@@ -52,7 +52,8 @@ def call(n, fn, args, kwargs=None):
     """``fn(*args, **kwargs)`` for n instances."""
     if n == 1:
         return fn(*args, **kwargs) if kwargs else fn(*args)
-    if type(fn) is Batch:
+    kind = type(fn)
+    if kind is Batch:
         if fn.method is not None:
             base, name = fn.method
             rule = METHOD_RULES.get(name)
@@ -62,9 +63,12 @@ def call(n, fn, args, kwargs=None):
                     return out
             return _vmapped_or_per_instance(n, fn, (base, *args), kwargs, method=name)
         return per_instance(n, fn, args, kwargs)
-    batched = any(type(a) is Batch for a in args) or (kwargs and any(type(v) is Batch for v in kwargs.values()))
-    if not batched:
-        return _unbatched(n, fn, args, kwargs)
+    for a in args:
+        if type(a) is Batch:
+            break
+    else:
+        if not kwargs or not any(type(v) is Batch for v in kwargs.values()):
+            return _unbatched(n, fn, args, kwargs)
     try:
         rule = RULES.get(fn)
     except TypeError:  # unhashable callable
@@ -76,6 +80,20 @@ def call(n, fn, args, kwargs=None):
         if out is not NotImplemented:
             return out
     return _vmapped_or_per_instance(n, fn, args, kwargs)
+
+
+def attr(n, x, name):
+    """``x.name`` (the common case of ``getattr``: a constant name)."""
+    if type(x) is not Batch:
+        return getattr(x, name)
+    return call(n, getattr, (x, name))
+
+
+def item(n, x, index):
+    """``x[index]``."""
+    if type(x) is not Batch and type(index) is not Batch:
+        return x[index]
+    return call(n, operator.getitem, (x, index))
 
 
 def _unbatched(n, fn, args, kwargs):
@@ -234,8 +252,17 @@ def _dtype_hint(args):
 def elementwise(n, fn, args, kwargs):
     """An op applied elementwise with broadcasting: instance values of lower rank are lined up with the
     others by inserting dims after the batch dim."""
-    if any(type(v) is Batch for v in kwargs.values()) or (fn is torch.where and len(args) == 1):
+    if kwargs and any(type(v) is Batch for v in kwargs.values()) or (fn is torch.where and len(args) == 1):
         return NotImplemented
+    if len(args) == 2:  # fast path: two tensors of equal rank, or a tensor and a number
+        a, b = args
+        ta = a.tensor if type(a) is Batch and a.owner == "tensor" else a if type(a) in _SCALARS else None
+        tb = b.tensor if type(b) is Batch and b.owner == "tensor" else b if type(b) in _SCALARS else None
+        if ta is not None and tb is not None and fn not in _IN_PLACE and (
+                type(ta) in _SCALARS or type(tb) in _SCALARS or ta.dim() == tb.dim()):
+            return bt.from_tensor(fn(ta, tb, **kwargs))
+    elif len(args) == 1 and type(args[0]) is Batch and args[0].owner == "tensor":
+        return bt.from_tensor(fn(args[0].tensor, **kwargs))
     like = _dtype_hint(args)
     values = _tensor_args(n, args, like)
     if values is None:
@@ -474,6 +501,7 @@ def cross_entropy(n, fn, args, kwargs):
     return NotImplemented
 
 
+_SCALARS = (int, float, bool)
 _IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
 _ANY_RANK = {F.embedding}
 

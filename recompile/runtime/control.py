@@ -41,10 +41,11 @@ class Branch:
     """A Cond over n instances: ``requests``/``run`` give each branch its instances; ``join`` puts the
     branches' outputs back in instance order."""
 
-    __slots__ = ("n", "args", "sides")
+    __slots__ = ("n", "args", "sides", "order")
 
     def __init__(self, n, pred, args):
         self.n, self.args = n, args
+        self.order = None
         if n == 1:
             self.sides = [(0 if pred else 1, args, [0])]
             return
@@ -71,9 +72,11 @@ class Branch:
             return results[0]
         if k == 0:
             return None
+        positions = [side[2] for side in self.sides]
         if k == 1:
-            return bt.join(self.n, [(r, side[2]) for r, side in zip(results, self.sides)])
-        return tuple(bt.join(self.n, [(r[j], side[2]) for r, side in zip(results, self.sides)]) for j in range(k))
+            return bt.join(self.n, list(zip(results, positions)))
+        order = bt.Order(self.n, positions)  # one for all the outputs
+        return tuple(bt.join(self.n, [(r[j], p) for r, p in zip(results, positions)], order) for j in range(k))
 
 
 class Loop:
