@@ -42,6 +42,8 @@ def vmap(fn, in_dims=0, out_dims=0):
         if len(sizes) > 1:
             raise ValueError(f"recompile.vmap: batched arguments disagree on the batch size: {sorted(sizes)}")
         n = sizes.pop()
+        if n == 0:
+            raise ValueError("recompile.vmap: the batch has no instances (batched arguments of size 0)")
         all_args = (*bound_self, *values)
         owner = type(bound_self[0]) if bound_self else None
         cf._binder(*all_args)  # Python's own TypeError for a wrong call

@@ -63,10 +63,19 @@ def is_batch(value):
 # -- reading a batch in the form an op needs
 
 
+def settle(value):
+    """A batch of lists built in the program (``[hl, hr]``) is kept as its elements until each instance's
+    list is needed by itself: then every instance gets its own list, and those lists are the truth."""
+    if type(value) is Batch and value.struct is not None and not issubclass(value.struct[0], tuple):
+        items_of(value)
+    return value
+
+
 def instance(value, k):
     """Instance k's value."""
     if type(value) is not Batch:
         return value
+    settle(value)
     if value.tensor is not None and value.owner == "tensor":
         return value.tensor[k]
     return items_of(value)[k]
@@ -76,11 +85,17 @@ def items_of(b):
     """The per-instance values of Batch ``b`` as a list."""
     if b.items is None:
         if b.tensor is not None:
-            b.items = list(b.tensor.unbind(0))
+            t = b.tensor
+            # (select views, not unbind's: autograd lets an instance's row be changed in place)
+            b.items = list(t.unbind(0)) if not t.requires_grad else [t[k] for k in range(b.n)]
         elif b.struct is not None:
             kind, parts = b.struct
             columns = [items_of(p) if type(p) is Batch else [p] * b.n for p in parts]
             b.items = [kind(list(row)) for row in zip(*columns)] if columns else [kind() for _ in range(b.n)]
+            if not issubclass(kind, tuple):
+                # each instance now has its own list, which the program may change: from here on the
+                # items are the truth
+                b.struct, b.owner = None, "items"
         elif b.method is not None:
             base, name = b.method
             b.items = [getattr(x, name) for x in items_of(base)]
@@ -194,6 +209,7 @@ def take(value, index, positions):
     """The sub-batch of instances ``positions`` (list; ``index`` the same as a LongTensor)."""
     if type(value) is not Batch:
         return value
+    settle(value)
     if len(positions) == 1:
         return instance(value, positions[0])
     if value.owner == "tensor" or (value.tensor is not None and value.items is None):
@@ -217,6 +233,7 @@ def part(value, start, count):
         return value
     if count == value.n:
         return value
+    settle(value)
     t = value.tensor if value.owner == "tensor" else None
     if t is None and value.items is None:
         if value.struct is not None:
@@ -237,6 +254,8 @@ def concat(parts):
     first = parts[0][0]
     if all(v is first for v, _ in parts):
         return first
+    for v, _ in parts:
+        settle(v)
     n = sum(c for _, c in parts)
     tensors = []
     for v, c in parts:
@@ -266,8 +285,8 @@ def concat(parts):
 def _struct_kind(value):
     if type(value) is Batch:
         return (value.struct[0], len(value.struct[1])) if value.struct is not None else None
-    if type(value) in (tuple, list):
-        return (type(value), len(value))
+    if type(value) is tuple:  # (not a list: each instance's list must stay that very list)
+        return (tuple, len(value))
     return None
 
 

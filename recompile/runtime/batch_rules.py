@@ -39,8 +39,10 @@ counters = Counters()
 
 
 def _name(fn):
-    if type(fn) is Batch and fn.method is not None:
-        return "Tensor." + fn.method[1]
+    if type(fn) is Batch:
+        if fn.method is not None:
+            return "Tensor." + fn.method[1]
+        fn = bt.instance(fn, 0)  # (a callable per instance: named by the first)
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
     module = getattr(fn, "__module__", None)
     if isinstance(fn, nn.Module):
