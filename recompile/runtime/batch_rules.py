@@ -102,14 +102,17 @@ def _unbatched(n, fn, args, kwargs):
     """No argument differs between instances: run once if every instance may share the result."""
     first = fn(*args, **kwargs) if kwargs else fn(*args)
     try:
-        shareable = fn in _SHAREABLE
+        pure = fn in _SHAREABLE or fn in sem.PURE
     except TypeError:
-        shareable = False
-    if shareable or type(first) in _IMMUTABLE:
+        pure = False
+    if pure and (fn in _SHAREABLE or type(first) in _IMMUTABLE):
         return first
-    # a fresh object (a tensor, a list) per instance, as n separate runs would make
+    # a side effect, a random draw or a fresh object (a tensor, a list) per instance, as n runs would make
     _count(fn, n)
-    return bt.from_items([first] + [fn(*args, **kwargs) if kwargs else fn(*args) for _ in range(n - 1)])
+    results = [first] + [fn(*args, **kwargs) if kwargs else fn(*args) for _ in range(n - 1)]
+    if all(r is first for r in results):  # (None from a helper run for its effect)
+        return first
+    return bt.from_items(results)
 
 
 def per_instance(n, fn, args, kwargs=None):
@@ -261,13 +264,16 @@ def elementwise(n, fn, args, kwargs):
         ta = a.tensor if type(a) is Batch and a.owner == "tensor" else a if type(a) in _SCALARS else None
         tb = b.tensor if type(b) is Batch and b.owner == "tensor" else b if type(b) in _SCALARS else None
         if ta is not None and tb is not None and fn not in _IN_PLACE and (
-                type(ta) in _SCALARS or type(tb) in _SCALARS or ta.dim() == tb.dim()):
+                type(ta) in _SCALARS or type(tb) in _SCALARS or (ta.dim() == tb.dim() and ta.dtype is tb.dtype)):
             return bt.from_tensor(fn(ta, tb, **kwargs))
     elif len(args) == 1 and type(args[0]) is Batch and args[0].owner == "tensor":
         return bt.from_tensor(fn(args[0].tensor, **kwargs))
     like = _dtype_hint(args)
     values = _tensor_args(n, args, like)
     if values is None:
+        return NotImplemented
+    if len({v.dtype for v in values if type(v) is torch.Tensor}) > 1:
+        # mixed dtypes promote by each instance's rank (a 0-d tensor gives way): leave it to vmap
         return NotImplemented
     ranks = [v.dim() - 1 if type(a) is Batch else (v.dim() if type(v) is torch.Tensor else 0)
              for a, v in zip(args, values)]
@@ -504,6 +510,11 @@ def cross_entropy(n, fn, args, kwargs):
 
 
 _SCALARS = (int, float, bool)
+
+
+def via_vmap(n, fn, args, kwargs):
+    return _vmapped(n, fn, args, kwargs, None)
+
 _IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
 _ANY_RANK = {F.embedding}
 
@@ -527,7 +538,7 @@ RULES.update({
     torch.log_softmax: _dim_rule(1), torch.unsqueeze: _dim_rule(1), torch.squeeze: _dim_rule(1),
     torch.sum: full_reduction, torch.mean: full_reduction, torch.max: _dim_rule(1), torch.min: _dim_rule(1),
     torch.argmax: _dim_rule(1), torch.logsumexp: _dim_rule(1), torch.norm: _dim_rule(2),
-    operator.getitem: gather, getattr: attribute,
+    operator.getitem: gather, getattr: attribute, operator.matmul: via_vmap,
     sem.build_tuple: build(tuple), sem.build_list: build(list),
     F.cross_entropy: cross_entropy, F.nll_loss: cross_entropy,
 })
