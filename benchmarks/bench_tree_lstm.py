@@ -1,4 +1,5 @@
-"""Tree-LSTM on SST trees: eager PyTorch recursion vs the same code compiled by recompile, in one process.
+"""Tree-LSTM on SST trees, one tree at a time: eager PyTorch recursion vs the same code compiled by recompile
+in sequential mode (derived gradient program), in one process. (bench_batching.py measures batched mode.)
 
     python benchmarks/bench_tree_lstm.py [--data DIR] [--trees N] [--threads T]
 
@@ -20,7 +21,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 from tree_lstm import TreeLSTM  # noqa: E402
 
+import recompile  # noqa: E402
 from recompile.data import load_sst, sample_dir  # noqa: E402
+
+
+def sequential_twin(model_cls):
+    """The model with ``encode`` compiled in sequential mode (one tree node at a time, derived gradient)."""
+    return type("Sequential" + model_cls.__name__, (model_cls,),
+                {"encode": recompile.function(model_cls.encode.python, mode="sequential")})
 
 
 def eager_twin(model_cls):
@@ -56,7 +64,7 @@ def main(argv=None):
     sst = load_sst(args.data or sample_dir(), splits=("train",))
     trees = sst.train[: args.trees]
     torch.manual_seed(0)
-    compiled = TreeLSTM(len(sst.vocab))
+    compiled = sequential_twin(TreeLSTM)(len(sst.vocab))
     eager = eager_twin(TreeLSTM)(len(sst.vocab))
     eager.load_state_dict(compiled.state_dict())
     print(f"Tree-LSTM (embed 300, hidden 150), {len(trees)} SST trees, {args.threads} torch thread(s)")
@@ -67,7 +75,7 @@ def main(argv=None):
         e = throughput(eager, trees, train, args.repeats)
         c = throughput(compiled, trees, train, args.repeats)
         print(f"{mode:10} {e:14.1f} {c:18.1f} {c / e:7.2f}x")
-    stats = TreeLSTM.encode.stats
+    stats = type(compiled).encode.stats
     print(f"builds of TreeLSTM.encode: {stats['builds']}; calls without a gradient rule: "
           f"{sum(stats['grad_fallbacks'].values())}")
 
