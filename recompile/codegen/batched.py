@@ -5,7 +5,7 @@ every ``Call`` goes through ``batch_rules.call(_n, fn, args, kwargs)``; a Cond
 splits the instances by predicate and joins the branches' results (a Cond in a
 SubGraph that invokes yields its branches to the scheduler, to be merged with
 other frames'); a While runs while any instance is active. Invoke groups yield
-``((unit, args, count, site), ...)`` as Cond branches do.
+``((callee, args, count, site), ...)`` as Cond branches do.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from .. import ir
 from ..passes.batching import BatchPlan
 from ..runtime import batch_rules, control, semantics as sem
 from . import emit
-from .plan import plan
 
 
 class _BatchedEmitter(emit._FunctionEmitter):
@@ -139,18 +138,10 @@ class _BatchedEmitter(emit._FunctionEmitter):
                           args=[], keywords=[])
         return [start, body] + ([self.results(op.outputs, result, op.loc)] if op.outputs else [])
 
-    def invoke_group(self, group):
-        requests = []
-        for op in group:
-            target = ast.Name(id=self.module.ref(op.target, "callee_" + op.callee), ctx=ast.Load())
-            args = ast.Tuple(elts=[self.load(a) for a in op.args], ctx=ast.Load())
-            site = ast.Name(id=self.module.ref(op.loc, "site"), ctx=ast.Load())
-            requests.append(ast.Tuple(elts=[target, args, self.n_load(), site], ctx=ast.Load()))
-        targets = [ast.Tuple(elts=[ast.Name(id=self.var(op.output), ctx=ast.Store()) for op in group],
-                             ctx=ast.Store())]
-        stmt = ast.Assign(targets=targets, value=ast.Yield(value=ast.Tuple(elts=requests, ctx=ast.Load())))
-        stmt._rc_loc = group[0].loc
-        return stmt
+    def request(self, op):
+        """(unit, args, instance count, site): every instance of the frame makes the call."""
+        target, args, site = super().request(op)
+        return [target, args, self.n_load(), site]
 
     def function(self, sg):
         self.current = sg
@@ -178,5 +169,3 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     code.batch_plan = batch_plan
     return code
 
-
-__all__ = ["generate_batched", "plan"]

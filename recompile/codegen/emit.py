@@ -193,13 +193,17 @@ class _FunctionEmitter:
                         args=[self.load(a) for a in operands], keywords=[])
         return ast.YieldFrom(value=call) if sg in self.gen.generators else call
 
+    def request(self, op):
+        """What the scheduler is asked for an Invoke: (callee, args, site)."""
+        target = ast.Name(id=self.module.ref(op.target, "callee_" + op.callee), ctx=ast.Load())
+        args = ast.Tuple(elts=[self.load(a) for a in op.args], ctx=ast.Load())
+        site = ast.Name(id=self.module.ref(op.loc, "site"), ctx=ast.Load())
+        return [target, args, site]
+
     def invoke_group(self, group):
         requests = []
         for op in group:
-            target = ast.Name(id=self.module.ref(op.target, "callee_" + op.callee), ctx=ast.Load())
-            args = ast.Tuple(elts=[self.load(a) for a in op.args], ctx=ast.Load())
-            site = ast.Name(id=self.module.ref(op.loc, "site"), ctx=ast.Load())
-            requests.append(ast.Tuple(elts=[target, args, site], ctx=ast.Load()))
+            requests.append(ast.Tuple(elts=self.request(op), ctx=ast.Load()))
         targets = [ast.Tuple(elts=[ast.Name(id=self.var(op.output), ctx=ast.Store()) for op in group],
                              ctx=ast.Store())]
         stmt = ast.Assign(targets=targets, value=ast.Yield(value=ast.Tuple(elts=requests, ctx=ast.Load())))

@@ -109,15 +109,10 @@ def tensor_of(b):
     """Batch ``b`` as one tensor of n rows, or None if its values are not tensors of one shape and dtype."""
     if b.tensor is None:
         if b.pieces is not None:
-            parts = []
-            for v, count in b.pieces[0]:
-                t = tensor_of(v) if type(v) is Batch else _repeat(v, count)
-                if t is None:
-                    return None
-                parts.append(t)
-            if not _same_kind(parts, 1):
+            t = _joined_tensor(b.pieces, None)
+            if t is None:
                 return None
-            b.tensor = torch.cat(parts)[b.pieces[1]]
+            b.tensor = t
         elif b.items is not None or b.struct is not None or b.method is not None:
             items = items_of(b)
             if not all(type(x) is torch.Tensor for x in items) or not _same_kind(items, 0):
@@ -168,21 +163,26 @@ def tensor_like(b, dtype):
 
 def _pieces_like(b, dtype):
     """tensor_like of a joined batch, piece by piece: a piece of one shared number becomes one full tensor."""
-    pieces = b.pieces[0]
     like = None
-    for v, _ in pieces:
+    for v, _ in b.pieces[0]:
         t = tensor_of(v) if type(v) is Batch else v.unsqueeze(0) if type(v) is torch.Tensor else None
         if t is not None:
             like = t
             break
     if like is None or like.dtype is not dtype:
         return None
+    return _joined_tensor(b.pieces, like)
+
+
+def _joined_tensor(pieces, like):
+    """The rows of joined ``pieces`` as one tensor in instance order; with a tensor ``like``, a piece of
+    one shared Python number becomes rows of its dtype."""
     parts = []
-    for v, count in pieces:
-        if type(v) in _NUMBERS:
-            if not _number_fits([v], dtype):
+    for v, count in pieces[0]:
+        if like is not None and type(v) in _NUMBERS:
+            if not _number_fits([v], like.dtype):
                 return None
-            parts.append(torch.full((count, *like.shape[1:]), v, dtype=dtype, device=like.device))
+            parts.append(torch.full((count, *like.shape[1:]), v, dtype=like.dtype, device=like.device))
             continue
         t = tensor_of(v) if type(v) is Batch else _repeat(v, count)
         if t is None:
@@ -190,7 +190,7 @@ def _pieces_like(b, dtype):
         parts.append(t)
     if not _same_kind(parts, 1):
         return None
-    return torch.cat(parts)[b.pieces[1]]
+    return torch.cat(parts)[pieces[1]]
 
 
 def _number_fits(numbers, dtype):

@@ -355,9 +355,8 @@ def over_last_dims(n, fn, args, kwargs):
             any(type(v) is Batch for v in kwargs.values()):
         return NotImplemented
     x = bt.tensor_of(args[0])
-    if x is None or x.dim() < 2:  # an instance's 0-d input: the op may treat its rank specially
-        if not (x is not None and fn in _ANY_RANK):
-            return NotImplemented
+    if x is None or (x.dim() < 2 and fn not in _ANY_RANK):  # (an instance's 0-d input: rank matters)
+        return NotImplemented
     return bt.from_tensor(fn(x, *args[1:], **kwargs))
 
 

@@ -41,11 +41,10 @@ class Branch:
     """A Cond over n instances: ``requests``/``run`` give each branch its instances; ``join`` puts the
     branches' outputs back in instance order."""
 
-    __slots__ = ("n", "args", "sides", "order")
+    __slots__ = ("n", "sides")
 
     def __init__(self, n, pred, args):
-        self.n, self.args = n, args
-        self.order = None
+        self.n = n
         if n == 1:
             self.sides = [(0 if pred else 1, args, [0])]
             return
