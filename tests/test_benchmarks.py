@@ -8,8 +8,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_batching  # noqa: E402
 import bench_tree_lstm as bench  # noqa: E402
 
-import recompile  # noqa: E402
-
 
 def test_tree_lstm_benchmark_runs(capsys):
     bench.main(["--trees", "4", "--repeats", "1"])
