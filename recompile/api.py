@@ -15,6 +15,7 @@ from .codegen.batched import generate_batched
 from .errors import CompileError
 from .frontend import convert, parse_function, validate
 from .passes.effects import invoke_may_mutate
+from .passes.fusion import BACKENDS, DEFAULT_BACKEND
 from .passes.grad import derive
 from .passes.pipeline import FINAL, GRAD, STAGES, run_passes
 from .runtime import agenda, autograd, scheduler
@@ -143,7 +144,7 @@ class FunctionBuild:
             return _callee_of(obj, owner_of_call)
 
         frontend_sg = convert(cf._parsed, cf.ir_name, owner, callee_of)
-        self.stages = run_passes(frontend_sg, cf._parsed)
+        self.stages = run_passes(frontend_sg, cf._parsed, cf.fusion)
         self._code = None
         self._code_lock = threading.Lock()
         self._grad = None
@@ -275,13 +276,20 @@ def _callee_of(obj, owner):
 class CompiledFunction:
     """A function compiled to a recompile program. Call it like the original."""
 
-    def __init__(self, fn, mode="batched"):
+    def __init__(self, fn, mode="batched", fusion=True):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
+        if fusion is True:
+            fusion = DEFAULT_BACKEND
+        elif fusion is False or fusion is None:
+            fusion = None
+        elif fusion not in BACKENDS:
+            raise ValueError(f"unknown fusion {fusion!r}; use True, False or one of: {', '.join(BACKENDS)}")
         if not inspect.isfunction(fn):
             raise TypeError(f"recompile.function expects a Python function, got {type(fn).__name__}")
         self.python = fn
         self.mode = mode
+        self.fusion = fusion  # the fused ops' backend, or None
         functools.update_wrapper(self, fn)
         self._parsed = parse_function(fn)
         validate(self._parsed)
@@ -404,8 +412,14 @@ class CompiledFunction:
 
 
 def function(fn=None, **options):
-    """Compile ``fn``: ``@recompile.function`` or ``@recompile.function(mode="sequential")``."""
-    unknown = set(options) - {"mode"}
+    """Compile ``fn``: ``@recompile.function`` or ``@recompile.function(mode="sequential", fusion=False)``.
+
+    ``mode``: ``"batched"`` (the default) or ``"sequential"``. ``fusion``: True (the
+    default: chains of elementwise ops run as one op, ``passes.fusion``), False, or a
+    backend for the fused ops: ``"python"`` (one plain Python function) or ``"compile"``
+    (torch.compile, compiled once per fused op).
+    """
+    unknown = set(options) - {"mode", "fusion"}
     if unknown:
         raise TypeError(f"recompile.function() got unexpected option(s): {', '.join(sorted(unknown))}")
     if fn is None:

@@ -219,6 +219,34 @@ class Capture(Op):
             self.base = fn(self.base)
 
 
+class Fused(Op):
+    """A group of elementwise Calls run as one op (``passes.fusion``).
+
+    ``body`` is a SubGraph of kind ``fused`` holding the member Calls with their
+    source locations; its inputs are the group's operands (``args``, in order),
+    the callables included, and its outputs the op's outputs. ``callables``
+    maps body input positions to the callable each was resolved to when the
+    program was built: a backend that bakes them in checks them first.
+    ``backend`` names how it runs (``python`` or ``compile``). The body is not
+    in ``subgraphs()``: it is not control flow, and it runs as one op.
+    """
+
+    kind = "fused"
+
+    def __init__(self, loc, body, args, callables, backend):
+        super().__init__(loc, len(body.outputs), [v.hint for v in body.outputs])
+        self.body = body
+        self.args = list(args)
+        self.callables = dict(callables)
+        self.backend = backend
+
+    def operands(self):
+        return list(self.args)
+
+    def map_operands(self, fn):
+        self.args = [fn(a) for a in self.args]
+
+
 class SubGraph:
     """A function body, a Cond branch, or a While predicate / body."""
 
@@ -228,7 +256,7 @@ class SubGraph:
         self.outputs = []  # operands
         self.ops = []
         self.loc = loc
-        self.kind = kind  # function | then | else | cond | body
+        self.kind = kind  # function | then | else | cond | body | fused
 
     def walk(self):
         """This SubGraph and every SubGraph nested in its ops, outermost first."""
@@ -310,6 +338,8 @@ def _format_op(op, nm):
         inv = f"; invariant {', '.join(nm(a) for a in op.invariants)}" if op.invariants else ""
         text = (f"while @{op.cond_sg.name} do @{op.body_sg.name}"
                 f"({', '.join(nm(a) for a in op.loop_vars)}{inv})")
+    elif isinstance(op, Fused):
+        text = f"fused[{op.backend}] @{op.body.name}({', '.join(nm(a) for a in op.args)})"
     elif isinstance(op, Capture):
         src = {"free": "free", "global": "global", "closure": "closure", "attr": "attr"}[op.source_kind]
         base = f" of {nm(op.base)}" if op.base is not None else ""
@@ -326,7 +356,8 @@ def format_subgraph(sg, nm=None):
         lines.append("  " + _format_op(op, nm))
     lines.append(f"  return {', '.join(nm(v) for v in sg.outputs)}")
     text = "\n".join(lines)
-    nested = [s for op in sg.ops for s in op.subgraphs()]
+    nested = [op.body for op in sg.ops if isinstance(op, Fused)]
+    nested += [s for op in sg.ops for s in op.subgraphs()]
     for s in nested:
         text += "\n\n" + format_subgraph(s, nm)
     return text
@@ -345,7 +376,7 @@ def format_program(program):
 
 
 def _dot_escape(text):
-    return text.replace("\\", "\\\\").replace('"', '\\"')
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\l")  # \l: a left-aligned line
 
 
 def format_dot(program):
@@ -371,7 +402,10 @@ def format_dot(program):
         for v in sg.inputs:
             node_ids[v] = entry
         for op in sg.ops:
-            nid = node(_format_op(op, nm))
+            label = _format_op(op, nm)
+            if isinstance(op, Fused):  # one node: the members listed in it
+                label += "".join("\n  " + _format_op(m, nm) for m in op.body.ops)
+            nid = node(label)
             for v in op.outputs:
                 node_ids[v] = nid
             for operand in op.operands():
@@ -435,6 +469,9 @@ def clone(sg, mapping=None):
         elif isinstance(op, While):
             nop.cond_sg = clone(op.cond_sg, mapping)
             nop.body_sg = clone(op.body_sg, mapping)
+        elif isinstance(op, Fused):
+            nop.body = clone(op.body, mapping)
+            nop.callables = dict(op.callables)
         new.ops.append(nop)
     new.outputs = [m(v) for v in sg.outputs]
     return new

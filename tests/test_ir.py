@@ -94,7 +94,7 @@ def test_text_exact_for_straight_line_function():
         f"  %w = call mul(%z, 2)  # {HERE}:{marker(ir_plain, 'w')}\n"
         "  return %w\n"
     )
-    assert f.dump() == expected
+    assert f.dump(stage="capture") == expected
     assert f.dump(stage="frontend") == expected  # nothing to capture
     assert f(2, 5) == ir_plain(2, 5)
 
@@ -108,17 +108,18 @@ def test_text_one_op_per_line_with_location(stage):
     f = ir_tree_count
     program = f.program(stage)
     text = f.dump(stage=stage)
-    n_ops = sum(len(sg.ops) for sg in program.all_subgraphs())
+    fused = [op.body for sg in program.all_subgraphs() for op in sg.ops if isinstance(op, ir.Fused)]
+    n_ops = sum(len(sg.ops) for sg in [*program.all_subgraphs(), *fused])
     ops = _op_lines(text)
     assert len(ops) == n_ops
     lines = source_range(f)
     for line in ops:
-        m = re.fullmatch(r"  (?:(%[\w.]+(?:, %[\w.]+)*) = )?(call|invoke|cond|while|capture) .*  # (\S+):(\d+)", line)
+        m = re.fullmatch(r"  (?:(%[\w.]+(?:, %[\w.]+)*) = )?(call|invoke|cond|while|capture|fused\[python\]) .*  # (\S+):(\d+)", line)
         assert m, line
         assert m.group(3) == HERE
         assert int(m.group(4)) in lines, line
     # one `return` per SubGraph, one header per SubGraph
-    n_sgs = len(list(program.all_subgraphs()))
+    n_sgs = len(list(program.all_subgraphs())) + len(fused)
     assert sum(line.startswith("  return") for line in text.splitlines()) == n_sgs
     assert sum(line.startswith("subgraph @") for line in text.splitlines()) == n_sgs
 

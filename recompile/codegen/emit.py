@@ -24,6 +24,7 @@ import astor
 
 from .. import ir
 from ..runtime import semantics as sem
+from .fused import FusedKernel
 from .plan import plan
 
 _BINARY = {
@@ -58,6 +59,7 @@ class _Module:
     def __init__(self):
         self.namespace = {"__builtins__": builtins, "__name__": "recompile.generated"}
         self.by_id = {}
+        self.codes = set()  # code objects generated for this module elsewhere (fused ops' members)
 
     def ref(self, value, hint=""):
         key = id(value)
@@ -210,7 +212,20 @@ class _FunctionEmitter:
         stmt._rc_loc = group[0].loc
         return stmt
 
+    def fused_kernel(self, op):
+        kernel = FusedKernel(op)
+        self.module.codes.update(kernel.codes)
+        return kernel
+
+    def fused_stmts(self, op):
+        kernel = self.fused_kernel(op)
+        call = ast.Call(func=ast.Name(id=self.module.ref(kernel.entry, kernel.name), ctx=ast.Load()),
+                        args=[self.load(a) for a in op.args], keywords=[])
+        return [self.assign(op.outputs, call, op.loc, unpack=len(op.outputs) > 1)]
+
     def op_stmts(self, op):
+        if isinstance(op, ir.Fused):
+            return self.fused_stmts(op)
         if isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value is sem.raise_exception:
             return [self.raise_stmt(op)]
         if isinstance(op, ir.Call):
@@ -360,7 +375,7 @@ def compile_functions(sg, gen, emitters, module):
     code = compile(parsed, filename, "exec")
     exec(code, module.namespace)
     functions = {s.name: module.namespace[gen.fn_name[s]] for s in gen.sgs}
-    codes = {f.__code__ for f in functions.values()}
+    codes = {f.__code__ for f in functions.values()} | module.codes
     return GeneratedCode(_annotate(text, line_map or {}), functions, sg.name,
                          {s.name for s in gen.generators}, codes)
 

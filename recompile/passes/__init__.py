@@ -1,1 +1,1 @@
-"""IR -> IR passes; ``pipeline.PASSES`` lists them in the order they run."""
+"""IR -> IR passes; ``pipeline.passes()`` lists them in the order they run."""

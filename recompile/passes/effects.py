@@ -61,12 +61,12 @@ def op_mutates(op):
     if isinstance(producer, ir.Capture):
         if producer.source_kind == "attr":
             return _mutating_method(producer.source)  # self.append(...) in a list subclass
-        value = _current_value(producer)  # setattr(...) read as a builtin, heappush imported by name
+        value = build_time_value(producer)  # setattr(...) read as a builtin, heappush imported by name
         return _mutating_callable(value) or _mutating_method(ir.safe_getattr(value, "__name__"))
     return False
 
 
-def _current_value(capture):
+def build_time_value(capture):
     """What a global or closure Capture reads now (at build time); None when unbound."""
     if capture.source_kind == "closure":
         try:

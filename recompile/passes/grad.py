@@ -44,6 +44,7 @@ from .. import ir
 from ..runtime import backprop as bp
 from ..runtime import grad_rules
 from ..runtime import semantics as sem
+from .fusion import unfuse
 
 # Calls that make nothing differentiable from tensors: they need no gradient.
 NO_GRADIENT = {
@@ -64,9 +65,9 @@ def derive(sg, handles):
     """(``F:fwd``, ``F:bwd``) for function SubGraph ``sg`` (not changed).
 
     ``handles(target)`` gives the (forward, backward) runtime handles of an
-    Invoke's target.
+    Invoke's target. A Fused op is derived from its members (``fusion.unfuse``).
     """
-    sg = ir.clone(sg)
+    sg = unfuse(sg)
     deriver = _Deriver(handles)
     ctx_f, ctx_b = ir.Value("ctx"), ir.Value("ctx")
     fwd = ir.SubGraph(f"{sg.name}:fwd", [ctx_f, *sg.inputs], sg.loc, "function")

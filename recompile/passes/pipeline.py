@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+import functools
+
 from .. import ir
 from .capture import capture
+from .fusion import DEFAULT_BACKEND, fuse
 
-# Each pass takes (function SubGraph, ParsedFunction) and returns the SubGraph.
-PASSES = [
-    ("capture", capture),
-]
 
-FINAL = PASSES[-1][0]  # the program that runs
+def passes(fusion=DEFAULT_BACKEND):
+    """The passes in order; ``fusion`` is the fused ops' backend, or None to fuse nothing."""
+    return [
+        ("capture", capture),
+        ("fusion", functools.partial(fuse, backend=fusion) if fusion else None),  # None: the stage is unchanged
+    ]
+
+
+FINAL = "fusion"  # the program that runs
 # "grad" is the forward-with-saves and gradient program (passes.grad), derived when first needed
 GRAD = "grad"
-STAGES = ["frontend"] + [name for name, _ in PASSES] + [GRAD]
+STAGES = ["frontend"] + [name for name, _ in passes()] + [GRAD]
 
 
-def run_passes(frontend_sg, parsed):
+def run_passes(frontend_sg, parsed, fusion=DEFAULT_BACKEND):
     """{stage: SubGraph} for every stage; each stage works on its own copy."""
     stages = {"frontend": frontend_sg}
     current = frontend_sg
-    for name, pass_ in PASSES:
-        current = pass_(ir.clone(current), parsed)
+    for name, pass_ in passes(fusion):
+        if pass_ is not None:
+            current = pass_(ir.clone(current), parsed)
         stages[name] = current
     return stages

@@ -98,6 +98,40 @@ def item(n, x, index):
     return call(n, operator.getitem, (x, index))
 
 
+def fused(n, kernel, args):
+    """A fused op (``codegen.fused``) for n instances: one call of the kernel on the batched tensors when
+    that means the same for each instance, else its members one by one, each by its own rule.
+
+    It means the same when every batched argument is a tensor of one per-instance rank r, no shared
+    tensor has a larger rank (broadcasting lines it up within each instance), all tensors have one
+    dtype (a batch turns an instance's 0-d tensor into a dimensioned one, which promotes otherwise)
+    and every result depends on a batched argument (else it would be one object shared by all)."""
+    if n == 1:
+        return kernel.entry(*args)
+    values, rank, dtype, shared_rank, batched = list(args), None, None, 0, set()
+    for i, a in enumerate(args):
+        kind = type(a)
+        if kind is Batch:
+            t = bt.tensor_of(a) if i not in kernel.callables else None
+            if t is None or (rank is not None and t.dim() - 1 != rank) or (dtype is not None and t.dtype != dtype):
+                return kernel.batched(n, *args)
+            rank, dtype = t.dim() - 1, t.dtype
+            values[i] = t
+            batched.add(i)
+        elif kind is torch.Tensor:
+            if dtype is not None and a.dtype != dtype:
+                return kernel.batched(n, *args)
+            dtype, shared_rank = a.dtype, max(shared_rank, a.dim())
+        elif kind not in _SCALARS and i not in kernel.callables:
+            return kernel.batched(n, *args)
+    if rank is None or shared_rank > rank or not all(deps & batched for deps in kernel.deps):
+        return kernel.batched(n, *args)
+    out = kernel.entry(*values)
+    if len(kernel.deps) == 1:
+        return bt.from_tensor(out)
+    return tuple(bt.from_tensor(o) for o in out)
+
+
 def _unbatched(n, fn, args, kwargs):
     """No argument differs between instances: run once if every instance may share the result."""
     first = fn(*args, **kwargs) if kwargs else fn(*args)

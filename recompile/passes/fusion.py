@@ -1,0 +1,193 @@
+"""Fusion: chains of directly linked elementwise Calls become one ``Fused`` op (Cavs §3.4).
+
+In each SubGraph, union-find joins an elementwise Call with the elementwise
+Calls that produce its operands (an LSTM cell's ``sigmoid(i) * tanh(u) + ...``).
+A Call is elementwise when its callable, resolved while the program is built
+(``torch.sigmoid`` through the captured ``torch``), is in ``FUSIBLE`` and it has
+neither keyword nor ``*`` arguments. A group becomes one op placed where its
+last member was, so a join is refused when an op between the group's first
+and last member uses a member's result (it would then run before the value
+exists) or may change state (a member would then read it changed), or is
+control flow or a compiled call. A member result that something outside the
+group uses becomes an output of the fused op: it is computed once, not again.
+
+The fused op keeps its members, with their source lines, in its body; the
+gradient program is derived from the members (``unfuse``), and a backend that
+bakes the resolved callables in checks them when it runs, so rebinding
+``torch.sigmoid`` still takes effect.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import torch
+import torch.nn.functional as F
+
+from .. import ir
+from .effects import build_time_value, op_mutates
+
+# Elementwise with broadcasting, the same rank and dtype rules in one instance and a batch of them,
+# no randomness, no state. Comparisons are left out: their results mostly feed predicates.
+FUSIBLE = frozenset({
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.maximum, torch.minimum,
+    torch.sigmoid, torch.tanh, torch.relu, torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.abs,
+    torch.sin, torch.cos, torch.square, torch.log1p, torch.expm1, torch.erf, torch.where,
+    F.relu, F.gelu, F.silu, F.softplus, F.sigmoid, F.tanh,
+})
+BACKENDS = ("python", "compile")
+DEFAULT_BACKEND = "python"  # see the README's fusion section for the measurement behind it
+
+
+def resolve(operand):
+    """The object an operand holds when the program is built, if that is known; else None."""
+    if isinstance(operand, ir.Const):
+        return operand.value
+    producer = operand.op
+    if isinstance(producer, ir.Capture) and producer.source_kind in ("global", "closure"):
+        return build_time_value(producer)
+    if (isinstance(producer, ir.Call) and isinstance(producer.fn, ir.Const) and producer.fn.value is getattr
+            and len(producer.args) == 2 and not producer.kwargs and isinstance(producer.args[1], ir.Const)
+            and isinstance(producer.args[1].value, str)):
+        base = resolve(producer.args[0])
+        return None if base is None else ir.safe_getattr(base, producer.args[1].value)
+    return None
+
+
+def _elementwise_fn(op):
+    if not isinstance(op, ir.Call) or op.kwargs or op.star or len(op.outputs) != 1:
+        return None
+    fn = resolve(op.fn)
+    try:
+        return fn if fn in FUSIBLE else None
+    except TypeError:  # unhashable
+        return None
+
+
+def fuse(sg, parsed=None, backend=DEFAULT_BACKEND):
+    """The pass: every SubGraph of function SubGraph ``sg`` with its elementwise chains fused (in place)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown fusion backend {backend!r}; available: {', '.join(BACKENDS)}")
+    for s in list(sg.walk()):
+        _fuse_subgraph(s, backend)
+    return sg
+
+
+class _Groups:
+    """Union-find over op positions, each root knowing its members' positions (sorted)."""
+
+    def __init__(self):
+        self.parent = {}
+        self.members = {}
+
+    def add(self, i):
+        self.parent[i] = i
+        self.members[i] = [i]
+
+    def find(self, i):
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def union(self, a, b):
+        a, b = self.find(a), self.find(b)
+        self.parent[b] = a
+        self.members[a] = sorted(self.members[a] + self.members.pop(b))
+
+
+def _can_place(ops, members):
+    """Whether ``members`` (sorted positions) may run as one op at the last one's position."""
+    inside = set(members)
+    produced = {v for i in members for v in ops[i].outputs}
+    for j in range(members[0] + 1, members[-1]):
+        if j in inside:
+            continue
+        op = ops[j]
+        if isinstance(op, (ir.Invoke, ir.Cond, ir.While)) or op_mutates(op):
+            return False
+        if any(isinstance(x, ir.Value) and x in produced for x in op.operands()):
+            return False
+    return True
+
+
+def _fuse_subgraph(s, backend):
+    ops = s.ops
+    resolved = {i: fn for i, op in enumerate(ops) if (fn := _elementwise_fn(op)) is not None}
+    producer = {v: i for i, op in enumerate(ops) for v in op.outputs}
+    groups = _Groups()
+    for i in sorted(resolved):
+        groups.add(i)
+        for a in ops[i].args:
+            j = producer.get(a) if isinstance(a, ir.Value) else None
+            if j is None or j not in resolved or groups.find(j) == groups.find(i):
+                continue
+            merged = sorted(groups.members[groups.find(j)] + groups.members[groups.find(i)])
+            if _can_place(ops, merged):
+                groups.union(j, i)
+    fused_at, gone = {}, set()  # last member's position -> the Fused op; every member's position
+    for k, members in enumerate(m for m in groups.members.values() if len(m) > 1):
+        fused_at[members[-1]] = _fused_op(s, members, resolved, backend, k + 1)
+        gone.update(members)
+    if fused_at:
+        s.ops = [fused_at[i] if i in fused_at else op for i, op in enumerate(ops) if i in fused_at or i not in gone]
+
+
+def _fused_op(s, positions, resolved, backend, k):
+    """One Fused op from the member Calls at ``positions``, producing their Values that escape the group."""
+    members = [s.ops[i] for i in positions]
+    inside = {v for m in members for v in m.outputs}
+    member_ids = set(map(id, members))
+    used_outside = set(v for v in s.outputs if isinstance(v, ir.Value))
+    for op in s.ops:
+        if id(op) not in member_ids:
+            used_outside.update(x for x in op.operands() if isinstance(x, ir.Value))
+    outputs = [m.output for m in members if m.output in used_outside]
+
+    body = ir.SubGraph(f"{s.name}.fused{k}", [], members[0].loc, "fused")
+    mapping, args, callables = {}, [], {}
+    for m, i in zip(members, positions):
+        for x in m.operands():
+            if isinstance(x, ir.Value) and x not in inside and x not in mapping:
+                mapping[x] = ir.Value(x.hint)
+                body.inputs.append(mapping[x])
+                args.append(x)
+        if isinstance(m.fn, ir.Value):
+            callables[body.inputs.index(mapping[m.fn])] = resolved[i]
+        copy_ = copy.copy(m)
+        copy_.map_operands(lambda x: mapping.get(x, x))
+        copy_.outputs = [ir.Value(m.output.hint, copy_)]
+        mapping[m.output] = copy_.output
+        body.ops.append(copy_)
+    body.outputs = [mapping[v] for v in outputs]
+    fused = ir.Fused(members[0].loc, body, args, callables, backend)
+    fused.outputs = outputs  # the members' Values: their users need no rewiring
+    for v in outputs:
+        v.op = fused
+    return fused
+
+
+def unfuse(sg):
+    """A copy of function SubGraph ``sg`` with each Fused op replaced by its members."""
+    sg = ir.clone(sg)
+    for s in list(sg.walk()):
+        if not any(isinstance(op, ir.Fused) for op in s.ops):
+            continue
+        new_ops = []
+        for op in s.ops:
+            if not isinstance(op, ir.Fused):
+                new_ops.append(op)
+                continue
+            mapping = dict(zip(op.body.inputs, op.args))
+            mapping.update(zip(op.body.outputs, op.outputs))
+            for m in op.body.ops:
+                copy_ = copy.copy(m)
+                copy_.map_operands(lambda x: mapping.get(x, x))
+                out = mapping.setdefault(m.output, ir.Value(m.output.hint))
+                out.op = copy_
+                copy_.outputs = [out]
+                new_ops.append(copy_)
+        s.ops = new_ops
+    return sg
