@@ -16,6 +16,7 @@ import pytest
 from torch import nn
 
 import recompile
+from recompile import ir
 from source_lines import marker, source_range  # tests/ is on sys.path under pytest
 
 HERE = os.path.basename(__file__)
@@ -170,6 +171,7 @@ def test_source_is_python_with_one_def_per_subgraph(fn):
     source = f.source()
     names = defs(source)  # ast.parse succeeds
     sgs = list(f.program().subgraphs[f.ir_name].walk())
+    sgs += [op.body for sg in sgs for op in sg.ops if isinstance(op, ir.Fused)]  # each fused op's members
     assert len(names) == len(sgs)
     assert list(names) == [re.sub(r"\W", "_", sg.name) for sg in sgs]
     # the entry def takes the function's parameters

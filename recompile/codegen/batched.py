@@ -60,10 +60,13 @@ class _BatchedEmitter(emit._FunctionEmitter):
         return ast.Call(func=self.helper(batch_rules.per_instance_or_once, "per_instance"),
                         args=[self.n_load(), fn, values], keywords=[])
 
+    def fused_members(self, op):
+        code = generate_batched(op.body)  # (batch_rules.fused: when one call would not mean the same)
+        self.module.attach(code)
+        return code
+
     def fused_stmts(self, op):
         kernel = self.fused_kernel(op)
-        kernel.batched = generate_batched(op.body).entry  # for batches the one-call form does not fit
-        self.module.codes.add(kernel.batched.__code__)
         call = ast.Call(func=self.helper(batch_rules.fused, "fused"),
                         args=[self.n_load(), self.helper(kernel, kernel.name),
                               ast.Tuple(elts=[self.load(a) for a in op.args], ctx=ast.Load())], keywords=[])

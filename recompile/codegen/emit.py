@@ -59,7 +59,12 @@ class _Module:
     def __init__(self):
         self.namespace = {"__builtins__": builtins, "__name__": "recompile.generated"}
         self.by_id = {}
-        self.codes = set()  # code objects generated for this module elsewhere (fused ops' members)
+        self.codes = set()  # code generated for this module elsewhere (fused ops' members), and its source
+        self.sources = []
+
+    def attach(self, code):
+        self.codes |= code.codes
+        self.sources.append(code.source)
 
     def ref(self, value, hint=""):
         key = id(value)
@@ -213,9 +218,15 @@ class _FunctionEmitter:
         return stmt
 
     def fused_kernel(self, op):
-        kernel = FusedKernel(op)
-        self.module.codes.update(kernel.codes)
-        return kernel
+        """The fused op's kernel; its code goes with this module's (tracebacks, ``source()``)."""
+        code = generate(op.body)
+        self.module.attach(code)
+        batched = self.fused_members(op)
+        return FusedKernel(op, code.entry, batched and batched.entry)
+
+    def fused_members(self, op):
+        """Code running a fused op's members one by one, where one call may not fit (batched code)."""
+        return None
 
     def fused_stmts(self, op):
         kernel = self.fused_kernel(op)
@@ -376,7 +387,8 @@ def compile_functions(sg, gen, emitters, module):
     exec(code, module.namespace)
     functions = {s.name: module.namespace[gen.fn_name[s]] for s in gen.sgs}
     codes = {f.__code__ for f in functions.values()} | module.codes
-    return GeneratedCode(_annotate(text, line_map or {}), functions, sg.name,
+    source = "\n\n".join([_annotate(text, line_map or {}), *module.sources])
+    return GeneratedCode(source, functions, sg.name,
                          {s.name for s in gen.generators}, codes)
 
 

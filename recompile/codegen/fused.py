@@ -27,56 +27,65 @@ import warnings
 import torch
 
 from .. import ir
-from . import emit
 
 _NUMBERS = (int, float, bool)
 COMPILE_MIN_ELEMENTS = 16384
 
 
 class FusedKernel:
-    def __init__(self, op):
+    """A fused op's code: ``python`` (the members as one plain function), ``batched`` (the members one by
+    one, each by its batch rule, in batched code; else None), ``callables`` (body input position -> the
+    callable it held at build time), ``deps`` (per output, the input positions it is computed from)
+    and ``entry``, what a call runs (by the backend)."""
+
+    def __init__(self, op, python, batched=None):
         self.name = op.body.name
-        self.body = op.body
         self.backend = op.backend
-        self.callables = dict(op.callables)  # body input position -> the callable it held at build time
-        self.python = emit.generate(op.body).entry
-        self.codes = {self.python.__code__}
-        self.batched = None  # set by codegen.batched: the members run one by one, each batched
-        self.deps = _dependencies(op.body)  # per output, the body input positions it depends on
+        self.callables = dict(op.callables)
+        self.python = python
+        self.batched = batched
+        self.deps = _dependencies(op.body)
         self.compile_s = None  # seconds the first compiled call took
         self._compiled = None
+        self._compile_failed = False
         self._lock = threading.Lock()
         self.entry = self.python if self.backend == "python" else self._run_compiled
 
     def __repr__(self):
         return f"<fused {self.name} ({self.backend})>"
 
+    def same_callables(self, args):
+        """Whether the callables among ``args`` are the ones the program was built with."""
+        for i, fn in self.callables.items():
+            if args[i] is not fn:
+                return False
+        return True
+
     def _run_compiled(self, *args):
         largest = 0
         for i, a in enumerate(args):
-            if type(a) is torch.Tensor:
+            if isinstance(a, torch.Tensor):
                 largest = max(largest, a.numel())
             elif type(a) not in _NUMBERS and i not in self.callables:
                 return self.python(*args)
-        if largest < COMPILE_MIN_ELEMENTS or self.backend != "compile":
+        if largest < COMPILE_MIN_ELEMENTS or self._compile_failed:
             return self.python(*args)
-        compiled = self._compiled
-        if compiled is None:
-            with self._lock:
-                if self._compiled is None:
-                    self._compiled = torch.compile(self.python, dynamic=True)
-                compiled = self._compiled
+        with self._lock:
+            if self._compiled is None:
+                self._compiled = torch.compile(self.python, dynamic=True)
         start = time.perf_counter() if self.compile_s is None else None
         try:
-            out = compiled(*args)
+            out = self._compiled(*args)
         except Exception as exc:
-            out = self.python(*args)  # the user's error, if it is one, raised from the user's lines
-            self.backend = "python"
-            warnings.warn(f"recompile: torch.compile failed on fused op {self.name} ({type(exc).__name__}: "
-                          f"{exc}); it runs as plain Python", RuntimeWarning, stacklevel=2)
+            failure = exc
+        else:
+            if start is not None:
+                self.compile_s = time.perf_counter() - start
             return out
-        if start is not None:
-            self.compile_s = time.perf_counter() - start
+        out = self.python(*args)  # outside the except: the user's own error is raised clean, from their line
+        self._compile_failed = True
+        warnings.warn(f"recompile: torch.compile failed on fused op {self.name} ({type(failure).__name__}: "
+                      f"{failure}); it runs as plain Python", RuntimeWarning, stacklevel=2)
         return out
 
 

@@ -17,7 +17,7 @@ from ..runtime.semantics import PURE
 
 
 def _pure(op):
-    if isinstance(op, (ir.Capture, ir.Fused)):  # (a fused op's members are elementwise arithmetic)
+    if isinstance(op, ir.Capture):
         return True
     if isinstance(op, ir.Call) and isinstance(op.fn, ir.Const):
         try:

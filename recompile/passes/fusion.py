@@ -5,11 +5,13 @@ Calls that produce its operands (an LSTM cell's ``sigmoid(i) * tanh(u) + ...``).
 A Call is elementwise when its callable, resolved while the program is built
 (``torch.sigmoid`` through the captured ``torch``), is in ``FUSIBLE`` and it has
 neither keyword nor ``*`` arguments. A group becomes one op placed where its
-last member was, so a join is refused when an op between the group's first
-and last member uses a member's result (it would then run before the value
-exists) or may change state (a member would then read it changed), or is
-control flow or a compiled call. A member result that something outside the
-group uses becomes an output of the fused op: it is computed once, not again.
+last member was, so a join is refused unless every other op between the
+group's first and last member is inert (a name read, a constant attribute
+read such as ``torch.sigmoid``, another elementwise op) and uses no member's
+result: members then never move past a state change, an effect, or an op
+that might raise first.
+A member result that something outside the group uses becomes an output of
+the fused op: it is computed once, not again.
 
 The fused op keeps its members, with their source lines, in its body; the
 gradient program is derived from the members (``unfuse``), and a backend that
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ir
-from .effects import build_time_value, op_mutates
+from .effects import build_time_value
 
 # Elementwise with broadcasting, the same rank and dtype rules in one instance and a batch of them,
 # no randomness, no state. Comparisons are left out: their results mostly feed predicates.
@@ -67,7 +69,8 @@ def _elementwise_fn(op):
 
 
 def fuse(sg, parsed=None, backend=DEFAULT_BACKEND):
-    """The pass: every SubGraph of function SubGraph ``sg`` with its elementwise chains fused (in place)."""
+    """The pass: every SubGraph of function SubGraph ``sg`` with its elementwise chains fused (in place).
+    (``parsed``, the function's source, is what every pass of the pipeline is given; this one needs none.)"""
     if backend not in BACKENDS:
         raise ValueError(f"unknown fusion backend {backend!r}; available: {', '.join(BACKENDS)}")
     for s in list(sg.walk()):
@@ -98,17 +101,25 @@ class _Groups:
         self.members[a] = sorted(self.members[a] + self.members.pop(b))
 
 
+def _inert(op):
+    """An op a member may move past: a name read, a constant attribute read (``torch.sigmoid``), or
+    another elementwise op. Anything else (a helper, a print, a method, ``int(s)``) may change state a
+    member reads, show an effect, or raise before a member's error: the user's order would not be kept.
+    (Moving past another elementwise op can only change which of two arithmetic errors is raised.)"""
+    if isinstance(op, ir.Capture) or _elementwise_fn(op) is not None:
+        return True
+    return (isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value is getattr
+            and len(op.args) == 2 and not op.kwargs and isinstance(op.args[1], ir.Const))
+
+
 def _can_place(ops, members):
-    """Whether ``members`` (sorted positions) may run as one op at the last one's position."""
+    """Whether ``members`` (sorted positions) may run as one op at the last one's position: every op
+    between them that is not a member is inert and uses no member's result."""
     inside = set(members)
     produced = {v for i in members for v in ops[i].outputs}
     for j in range(members[0] + 1, members[-1]):
-        if j in inside:
-            continue
-        op = ops[j]
-        if isinstance(op, (ir.Invoke, ir.Cond, ir.While)) or op_mutates(op):
-            return False
-        if any(isinstance(x, ir.Value) and x in produced for x in op.operands()):
+        if j not in inside and (not _inert(ops[j]) or any(
+                isinstance(x, ir.Value) and x in produced for x in ops[j].operands())):
             return False
     return True
 
@@ -146,7 +157,7 @@ def _fused_op(s, positions, resolved, backend, k):
             used_outside.update(x for x in op.operands() if isinstance(x, ir.Value))
     outputs = [m.output for m in members if m.output in used_outside]
 
-    body = ir.SubGraph(f"{s.name}.fused{k}", [], members[0].loc, "fused")
+    body = ir.SubGraph(f"{s.name}.fused{k}", [], members[-1].loc, "fused")
     mapping, args, callables = {}, [], {}
     for m, i in zip(members, positions):
         for x in m.operands():
@@ -162,7 +173,7 @@ def _fused_op(s, positions, resolved, backend, k):
         mapping[m.output] = copy_.output
         body.ops.append(copy_)
     body.outputs = [mapping[v] for v in outputs]
-    fused = ir.Fused(members[0].loc, body, args, callables, backend)
+    fused = ir.Fused(members[-1].loc, body, args, callables, backend)  # (it runs where the last member was)
     fused.outputs = outputs  # the members' Values: their users need no rewiring
     for v in outputs:
         v.op = fused

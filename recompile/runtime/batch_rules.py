@@ -103,27 +103,35 @@ def fused(n, kernel, args):
     that means the same for each instance, else its members one by one, each by its own rule.
 
     It means the same when every batched argument is a tensor of one per-instance rank r, no shared
-    tensor has a larger rank (broadcasting lines it up within each instance), all tensors have one
-    dtype (a batch turns an instance's 0-d tensor into a dimensioned one, which promotes otherwise)
-    and every result depends on a batched argument (else it would be one object shared by all)."""
+    tensor has a larger rank (broadcasting lines it up within each instance), all tensors but bool
+    ones have one dtype (a batch turns an instance's 0-d tensor into a dimensioned one, which
+    promotes otherwise), every result depends on a batched argument (else it would be one object
+    shared by all) and the callables are still the ones the program was built with."""
     if n == 1:
         return kernel.entry(*args)
+    if not kernel.same_callables(args):  # one rebound since the build: it may not be elementwise
+        return kernel.batched(n, *args)
     values, rank, dtype, shared_rank, batched = list(args), None, None, 0, set()
     for i, a in enumerate(args):
         kind = type(a)
         if kind is Batch:
             t = bt.tensor_of(a) if i not in kernel.callables else None
-            if t is None or (rank is not None and t.dim() - 1 != rank) or (dtype is not None and t.dtype != dtype):
+            if t is None or (rank is not None and t.dim() - 1 != rank):
                 return kernel.batched(n, *args)
-            rank, dtype = t.dim() - 1, t.dtype
+            rank = t.dim() - 1
             values[i] = t
             batched.add(i)
-        elif kind is torch.Tensor:
-            if dtype is not None and a.dtype != dtype:
+        elif isinstance(a, torch.Tensor):  # (a Parameter too)
+            t = a
+            shared_rank = max(shared_rank, a.dim())
+        else:
+            if kind not in _SCALARS and i not in kernel.callables:
                 return kernel.batched(n, *args)
-            dtype, shared_rank = a.dtype, max(shared_rank, a.dim())
-        elif kind not in _SCALARS and i not in kernel.callables:
-            return kernel.batched(n, *args)
+            continue
+        if t.dtype is not torch.bool:  # (bool is the lowest category: it never decides a promotion)
+            if dtype is not None and t.dtype != dtype:
+                return kernel.batched(n, *args)
+            dtype = t.dtype
     if rank is None or shared_rank > rank or not all(deps & batched for deps in kernel.deps):
         return kernel.batched(n, *args)
     out = kernel.entry(*values)
