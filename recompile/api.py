@@ -415,7 +415,7 @@ def function(fn=None, **options):
     """Compile ``fn``: ``@recompile.function`` or ``@recompile.function(mode="sequential", fusion=False)``.
 
     ``mode``: ``"batched"`` (the default) or ``"sequential"``. ``fusion``: True (the
-    default: chains of elementwise ops run as one op, ``passes.fusion``), False, or a
+    default: chains of elementwise ops run as one op, ``passes.fusion``), False (or None), or a
     backend for the fused ops: ``"python"`` (one plain Python function) or ``"compile"``
     (torch.compile, compiled once per fused op).
     """
