@@ -152,46 +152,44 @@ class FunctionBuild:
         self._batched_code = None
         cf.stats.record_build()
 
+    def _once(self, attr, make):
+        """``self.<attr>``, made by ``make()`` on first use (once, whichever thread asks first)."""
+        value = getattr(self, attr)
+        if value is None:
+            with self._code_lock:
+                value = getattr(self, attr)
+                if value is None:
+                    value = make()
+                    setattr(self, attr, value)
+        return value
+
     @property
     def code(self):
         # generated on first use: grouping calls needs the callees' programs, which for mutual
         # recursion can only be converted once this build exists
-        if self._code is None:
-            with self._code_lock:
-                if self._code is None:
-                    self._code = generate(self.stages[FINAL], lambda invoke: invoke_may_mutate(invoke, FINAL))
-        return self._code
+        return self._once("_code", lambda: generate(self.stages[FINAL], self._may_mutate))
 
     @property
     def batched_code(self):
         """The batched program (codegen.batched): its ``unit`` is where frames of this function merge."""
-        if self._batched_code is None:
-            with self._code_lock:
-                if self._batched_code is None:
-                    self._batched_code = generate_batched(self.stages[FINAL],
-                                                          lambda invoke: invoke_may_mutate(invoke, FINAL))
-        return self._batched_code
+        return self._once("_batched_code", lambda: generate_batched(self.stages[FINAL], self._may_mutate))
 
     @property
     def grad(self):
         """(forward-with-saves SubGraph, gradient SubGraph) of this function (passes.grad)."""
-        if self._grad is None:
-            with self._code_lock:
-                if self._grad is None:
-                    self._grad = derive(self.stages[FINAL], lambda target: (target.forward, target.backward))
-        return self._grad
+        return self._once("_grad", lambda: derive(self.stages[FINAL],
+                                                  lambda target: (target.forward, target.backward)))
 
     @property
     def grad_code(self):
         """(forward-with-saves code, gradient code)."""
-        if self._grad_code is None:
-            fwd, bwd = self.grad
-            with self._code_lock:
-                if self._grad_code is None:
-                    # the gradient changes no user state: its calls need no ordering analysis
-                    self._grad_code = (generate(fwd, lambda invoke: invoke_may_mutate(invoke, FINAL)),
-                                       generate(bwd, release=True))
-        return self._grad_code
+        fwd, bwd = self.grad  # (outside the lock: deriving takes it)
+        # the gradient changes no user state: its calls need no ordering analysis
+        return self._once("_grad_code", lambda: (generate(fwd, self._may_mutate), generate(bwd, release=True)))
+
+    @staticmethod
+    def _may_mutate(invoke):
+        return invoke_may_mutate(invoke, FINAL)
 
 
 class Callee:

@@ -138,24 +138,27 @@ def _fuse_subgraph(s, backend):
             merged = sorted(groups.members[groups.find(j)] + groups.members[groups.find(i)])
             if _can_place(ops, merged):
                 groups.union(j, i)
+    users = {v: set() for v in producer}  # value -> positions of the ops reading it (-1: the SubGraph's result)
+    for i, op in enumerate(ops):
+        for x in op.operands():
+            if isinstance(x, ir.Value) and x in users:
+                users[x].add(i)
+    for v in s.outputs:
+        if isinstance(v, ir.Value) and v in users:
+            users[v].add(-1)
     fused_at, gone = {}, set()  # last member's position -> the Fused op; every member's position
     for k, members in enumerate(m for m in groups.members.values() if len(m) > 1):
-        fused_at[members[-1]] = _fused_op(s, members, resolved, backend, k + 1)
+        fused_at[members[-1]] = _fused_op(s, members, resolved, users, backend, k + 1)
         gone.update(members)
     if fused_at:
         s.ops = [fused_at[i] if i in fused_at else op for i, op in enumerate(ops) if i in fused_at or i not in gone]
 
 
-def _fused_op(s, positions, resolved, backend, k):
+def _fused_op(s, positions, resolved, users, backend, k):
     """One Fused op from the member Calls at ``positions``, producing their Values that escape the group."""
     members = [s.ops[i] for i in positions]
     inside = {v for m in members for v in m.outputs}
-    member_ids = set(map(id, members))
-    used_outside = set(v for v in s.outputs if isinstance(v, ir.Value))
-    for op in s.ops:
-        if id(op) not in member_ids:
-            used_outside.update(x for x in op.operands() if isinstance(x, ir.Value))
-    outputs = [m.output for m in members if m.output in used_outside]
+    outputs = [m.output for m in members if not users[m.output] <= set(positions)]
 
     body = ir.SubGraph(f"{s.name}.fused{k}", [], members[-1].loc, "fused")
     mapping, args, callables = {}, [], {}
@@ -167,11 +170,7 @@ def _fused_op(s, positions, resolved, backend, k):
                 args.append(x)
         if isinstance(m.fn, ir.Value):
             callables[body.inputs.index(mapping[m.fn])] = resolved[i]
-        copy_ = copy.copy(m)
-        copy_.map_operands(lambda x: mapping.get(x, x))
-        copy_.outputs = [ir.Value(m.output.hint, copy_)]
-        mapping[m.output] = copy_.output
-        body.ops.append(copy_)
+        body.ops.append(_copy_call(m, mapping, ir.Value(m.output.hint)))
     body.outputs = [mapping[v] for v in outputs]
     fused = ir.Fused(members[-1].loc, body, args, callables, backend)  # (it runs where the last member was)
     fused.outputs = outputs  # the members' Values: their users need no rewiring
@@ -194,11 +193,16 @@ def unfuse(sg):
             mapping = dict(zip(op.body.inputs, op.args))
             mapping.update(zip(op.body.outputs, op.outputs))
             for m in op.body.ops:
-                copy_ = copy.copy(m)
-                copy_.map_operands(lambda x: mapping.get(x, x))
-                out = mapping.setdefault(m.output, ir.Value(m.output.hint))
-                out.op = copy_
-                copy_.outputs = [out]
-                new_ops.append(copy_)
+                new_ops.append(_copy_call(m, mapping, mapping.get(m.output) or ir.Value(m.output.hint)))
         s.ops = new_ops
     return sg
+
+
+def _copy_call(call, mapping, output):
+    """A copy of member ``call`` reading ``mapping``'s values, producing ``output`` (noted in mapping)."""
+    new = copy.copy(call)
+    new.map_operands(lambda x: mapping.get(x, x))
+    new.outputs = [output]
+    output.op = new
+    mapping[call.output] = output
+    return new
