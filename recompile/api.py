@@ -18,9 +18,9 @@ from .passes.effects import invoke_may_mutate
 from .passes.fusion import BACKENDS, DEFAULT_BACKEND
 from .passes.grad import derive
 from .passes.pipeline import FINAL, GRAD, STAGES, run_passes
-from .runtime import agenda, autograd, scheduler
+from .runtime import agenda, autograd, pool, scheduler, threaded
 
-MODES = ("batched", "sequential")
+MODES = ("batched", "sequential", "threaded")
 _names_taken = {}
 _names_lock = threading.Lock()
 
@@ -274,9 +274,16 @@ def _callee_of(obj, owner):
 class CompiledFunction:
     """A function compiled to a recompile program. Call it like the original."""
 
-    def __init__(self, fn, mode="batched", fusion=True):
+    def __init__(self, fn, mode="batched", fusion=True, threads=None, max_live_frames=threaded.DEFAULT_MAX_LIVE):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        if threads is not None and mode == "sequential":
+            raise ValueError("threads applies to mode='threaded' and mode='batched', not mode='sequential'")
+        if max_live_frames is not None and (not isinstance(max_live_frames, int) or isinstance(max_live_frames, bool)
+                                            or max_live_frames < 1):
+            raise ValueError(f"max_live_frames must be a positive int or None, got {max_live_frames!r}")
         if fusion is True:
             fusion = DEFAULT_BACKEND
         elif fusion is False or fusion is None:
@@ -288,6 +295,10 @@ class CompiledFunction:
         self.python = fn
         self.mode = mode
         self.fusion = fusion  # the fused ops' backend, or None
+        # worker threads: threaded mode uses what the machine offers unless told; batched mode runs its
+        # groups on the calling thread unless told (see README, "Threads")
+        self.threads = threads if threads is not None else (pool.default_threads() if mode == "threaded" else 1)
+        self.max_live_frames = max_live_frames
         functools.update_wrapper(self, fn)
         self._parsed = parse_function(fn)
         validate(self._parsed)
@@ -335,15 +346,27 @@ class CompiledFunction:
         self.stats.record_start()
         if self.mode == "batched":
             # torch.autograd records each batched op once for all its instances: the backward is batched too
-            result, run_stats = agenda.run(callee, bound)
+            result, run_stats = agenda.run(callee, bound, pool=self._pool())
             self.stats.record_batched(run_stats)
             return result
-        if torch.is_grad_enabled():
-            result, run_stats = autograd.run(callee, bound, self.stats)
+        if self.mode == "threaded" and self._pool() is not None:
+            runner = functools.partial(threaded.run, pool=self._pool(), max_live=self.max_live_frames)
         else:
-            result, run_stats = scheduler.run(callee, bound)
+            runner = scheduler.run
+        if torch.is_grad_enabled():
+            result, run_stats = autograd.run(callee, bound, self.stats, runner)
+        else:
+            result, run_stats = runner(callee, bound)
         self.stats.record_run(run_stats)
         return result
+
+    def _pool(self):
+        """The worker pool a call runs on, or None to run on the calling thread: batched mode with one
+        thread, and a call made by a worker's own code (not an Invoke the compiler saw), since waiting for
+        the pool from inside it could take every worker."""
+        if pool.current_worker() is not None or (self.mode == "batched" and self.threads == 1):
+            return None
+        return pool.get(self.threads)
 
     def __get__(self, instance, owner=None):
         if instance is None:
@@ -406,18 +429,23 @@ class CompiledFunction:
         return self._build_for(owner).code.source
 
     def __repr__(self):
-        return f"<recompile.function {self.__qualname__} mode={self.mode}>"
+        threads = f" threads={self.threads}" if self.mode != "sequential" else ""
+        return f"<recompile.function {self.__qualname__} mode={self.mode}{threads}>"
 
 
 def function(fn=None, **options):
     """Compile ``fn``: ``@recompile.function`` or ``@recompile.function(mode="sequential", fusion=False)``.
 
-    ``mode``: ``"batched"`` (the default) or ``"sequential"``. ``fusion``: True (the
-    default: chains of elementwise ops run as one op, ``passes.fusion``), False (or None), or a
-    backend for the fused ops: ``"python"`` (one plain Python function) or ``"compile"``
-    (torch.compile, compiled once per fused op).
+    ``mode``: ``"batched"`` (the default), ``"sequential"`` or ``"threaded"`` (independent frames
+    run on a pool of worker threads). ``fusion``: True (the default: chains of elementwise ops run
+    as one op, ``passes.fusion``), False (or None), or a backend for the fused ops: ``"python"``
+    (one plain Python function) or ``"compile"`` (torch.compile, compiled once per fused op).
+    ``threads``: worker threads; threaded mode defaults to the CPUs this process may use, batched
+    mode to 1 (its groups run on the calling thread; more overlap independent groups).
+    ``max_live_frames``: in threaded mode, how many frames of one call may be started and not yet
+    returned (None: no bound); it bounds memory, not correctness.
     """
-    unknown = set(options) - {"mode", "fusion"}
+    unknown = set(options) - {"mode", "fusion", "threads", "max_live_frames"}
     if unknown:
         raise TypeError(f"recompile.function() got unexpected option(s): {', '.join(sorted(unknown))}")
     if fn is None:

@@ -51,7 +51,7 @@ def vmap(fn, in_dims=0, out_dims=0):
         if not callee.ready:
             callee.prepare()
         cf.stats.record_start()
-        result, run_stats = agenda.run(callee, all_args, n)
+        result, run_stats = agenda.run(callee, all_args, n, pool=cf._pool())
         cf.stats.record_batched(run_stats)
         out = bt.stack_output(result, n)
         return _move(out, out_dims)

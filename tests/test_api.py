@@ -135,7 +135,7 @@ def test_decorator_syntax_in_a_function_body():
     assert isinstance(bare, CompiledFunction) and isinstance(with_mode, CompiledFunction)
 
 
-@pytest.mark.parametrize("options", [{"batch": True}, {"mode": "sequential", "threads": 4}, {"Mode": "x"}])
+@pytest.mark.parametrize("options", [{"batch": True}, {"mode": "sequential", "workers": 4}, {"Mode": "x"}])
 def test_unknown_option_raises_type_error(options):
     bad = sorted(set(options) - {"mode"})
     with pytest.raises(TypeError) as info:
@@ -145,7 +145,7 @@ def test_unknown_option_raises_type_error(options):
         recompile.function(api_kwonly, **options)
 
 
-@pytest.mark.parametrize("mode", ["threaded", "", "Sequential", "Batched", None])
+@pytest.mark.parametrize("mode", ["threads", "", "Sequential", "Batched", None])
 def test_unknown_mode_raises_value_error(mode):
     with pytest.raises(ValueError) as info:
         @recompile.function(mode=mode)

@@ -3,12 +3,15 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 from recompile.data import sample_dir  # noqa: E402
 
 import bench_batching  # noqa: E402
 import bench_fusion  # noqa: E402
+import bench_threads  # noqa: E402
 import bench_tree_lstm as bench  # noqa: E402
 
 
@@ -47,3 +50,32 @@ def test_fusion_benchmark_runs(capsys):
         assert all(float(row[k]) > 0 for k in (2, 3, 5, 7, 8, 9))
         assert row[4].endswith("x") and row[6].endswith("x")
         assert abs(float(row[4][:-1]) - float(row[3]) / float(row[2])) < 0.01
+
+
+def test_threads_benchmark_runs(capsys):
+    bench_threads.main(["--data", str(sample_dir()), "--quick", "--threads", "1", "2"])
+    out = capsys.readouterr().out
+    # float64: threaded outputs and gradients equal sequential's (main raises otherwise)
+    assert "TreeLSTM check: ok" in out and "TreeRNN check: ok" in out
+    assert "torch threads: 1, CPU cores: " in out
+    rows = [row for row in map(str.split, out.splitlines()) if row[1:2] in (["inference"], ["training"])]
+    assert [row[:3] for row in rows] == [[model, phase, shape] for model in ("TreeLSTM", "TreeRNN")
+                                         for phase in ("inference", "training")
+                                         for shape in ("moderate", "balanced", "linear")]
+    for row in rows:  # model phase shape | sequential | threaded1 ratio | threaded2 ratio
+        assert len(row) == 8
+        assert all(float(row[k]) > 0 for k in (3, 4, 6))
+        assert row[5].endswith("x") and row[7].endswith("x")
+        # (the ratio is of the unrounded rates: tiny quick-run rates printed to 0.1 differ by a little more)
+        assert float(row[5][:-1]) == pytest.approx(float(row[4]) / float(row[3]), rel=0.02, abs=0.01)
+
+
+def test_threads_benchmark_tree_shapes():
+    sentence = bench_threads.load_sst(sample_dir(), splits=("train",)).train[0]
+    for shape in bench_threads.SHAPES:
+        tree = bench_threads.reshape(sentence, shape)
+        assert tree.tokens == sentence.tokens and tree.num_nodes == sentence.num_nodes
+        assert tree.words[tree.is_leaf].tolist() == sentence.words[sentence.is_leaf].tolist()
+    n = sentence.num_leaves
+    assert bench_threads.reshape(sentence, "linear").height == n - 1
+    assert bench_threads.reshape(sentence, "balanced").height == (n - 1).bit_length()  # ceil(log2 n)

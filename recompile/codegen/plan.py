@@ -13,7 +13,12 @@ and last Invoke move, and none moves across a call that may mutate state
 from __future__ import annotations
 
 from .. import ir
+from ..runtime.backprop import note, note_all
 from ..runtime.semantics import PURE
+
+# the forward-with-saves program notes the gradient's sources as it meets them: that changes nothing the
+# program reads, so it moves like a pure op (and a node's two children are still issued together)
+_MOVABLE = PURE | {note, note_all}
 
 
 def _pure(op):
@@ -21,7 +26,7 @@ def _pure(op):
         return True
     if isinstance(op, ir.Call) and isinstance(op.fn, ir.Const):
         try:
-            return op.fn.value in PURE
+            return op.fn.value in _MOVABLE
         except TypeError:  # unhashable callable
             return False
     return False

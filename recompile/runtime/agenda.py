@@ -16,22 +16,38 @@ what hand-batching by depth or height does, derived from the program.
 
 Frames keep the requests that created them (their parents), so an error names
 the chain of calls that led to it, as in sequential mode.
+
+With a pool of worker threads (``threads`` > 1), frames that are ready at the
+same time step concurrently, one per worker, and pending groups that cannot
+feed one another are launched together, so independent batched groups
+overlap. The agenda itself (grouping, gathering inputs, cutting results back)
+stays on the calling thread; on CUDA the workers issue on the caller's
+stream.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from functools import partial
+
+import torch
 
 from . import batch as bt
-from . import batch_rules
+from . import batch_rules, streams
 from .scheduler import MAX_DEPTH, _annotate, _unwrap_stop_iteration
+
+# what a step of a frame came to
+_YIELDED, _RETURNED, _FAILED = range(3)
 
 
 class BatchFrame:
-    __slots__ = ("unit", "gen", "n", "sources", "results", "waiting", "inbox", "depth", "site", "parent")
+    __slots__ = ("unit", "gen", "n", "sources", "results", "waiting", "inbox", "depth", "site", "parent", "args")
 
     def __init__(self, unit, gen, n, sources, depth, site, parent):
         self.unit, self.gen, self.n, self.sources = unit, gen, n, sources
+        self.args = None  # a launched frame of a unit that never yields: its arguments, until it runs
         self.results = None
         self.waiting = 0
         self.inbox = None
@@ -77,26 +93,44 @@ def reaches(a, b):
     return b in reach
 
 
+def _choosable(u, units):
+    """Whether no other pending unit may still feed pending unit ``u``."""
+    return not any(o is not u and reaches(o, u) and not reaches(u, o) for o in units)
+
+
 def _choose(pending):
     """The pending unit to run: one that no other pending unit may still feed."""
     units = list(pending)
     if len(units) == 1:
         return units[0]
     for u in units:
-        if not any(o is not u and reaches(o, u) and not reaches(u, o) for o in units):
+        if _choosable(u, units):
             return u
     return units[0]  # (cannot happen: reachability is a preorder; kept for safety)
 
 
-def run(target, args, n=1):
+def _independent(pending):
+    """Pending units to launch together: the chosen one, and others that may run now and that cannot
+    reach it or one another (so running them together splits no group that could have grown)."""
+    chosen = [_choose(pending)]
+    units = list(pending)
+    for u in units:
+        if (u not in chosen and _choosable(u, units)
+                and not any(reaches(u, c) or reaches(c, u) for c in chosen)):
+            chosen.append(u)
+    return chosen
+
+
+def run(target, args, n=1, pool=None):
     """Run compiled function ``target`` (a Callee) for ``n`` instances on ``args`` (plain values or
-    batches). Returns (result, RunStats)."""
+    batches), on the calling thread or with the workers of ``pool``. Returns (result, RunStats)."""
     started = time.perf_counter()
     stats = RunStats()
     counters = batch_rules.counters
     saved, counters.per_instance = counters.per_instance, {}
     try:
-        result = _Run(stats).go(_unit_of(target), args, n)
+        run = _Run(stats, pool, streams.device_of(args) if pool is not None else None)
+        result = run.go(_unit_of(target), args, n)
     finally:
         stats.per_instance, counters.per_instance = counters.per_instance, saved
         stats.total_s = time.perf_counter() - started
@@ -104,8 +138,10 @@ def run(target, args, n=1):
 
 
 class _Run:
-    def __init__(self, stats):
+    def __init__(self, stats, pool=None, device=None):
         self.stats = stats
+        self.pool = pool
+        self.device = device
         self.pending = {}  # unit -> [(frame, slot, args, count, site)]
         self.ready = []
         self.live = set()
@@ -136,13 +172,20 @@ class _Run:
         del args
         while True:
             while self.ready:
-                frame = self.ready.pop()
-                self.step(frame)
-                if frame is root and frame.gen is None:
+                if self.pool is not None and len(self.ready) > 1:
+                    frames, self.ready = self.ready, []
+                    self.wave(frames)
+                else:
+                    self.step(self.ready.pop())
+                if root.gen is None:
                     return self.outcome
             if not self.pending:
                 raise RuntimeError("recompile: batched run stalled with frames waiting (internal error)")
-            self.launch(_choose(self.pending))
+            if self.pool is None:
+                self.launch(_choose(self.pending))
+            else:
+                for unit in _independent(self.pending):
+                    self.launch(unit)
 
     def start(self, frame, args):
         t = time.perf_counter()
@@ -155,22 +198,79 @@ class _Run:
 
     def step(self, frame):
         t = time.perf_counter()
+        kind, value = self.advance(frame)
+        self.stats.compute_s += time.perf_counter() - t
+        self.settle(frame, kind, value)
+
+    @staticmethod
+    def advance(frame):
+        """Run ``frame`` up to its next requests or its end: (what happened, requests / result / error)."""
+        if frame.gen is None:  # a launched unit that never yields: run it (a StopIteration is the user's)
+            args, frame.args = frame.args, None
+            try:
+                return _RETURNED, frame.unit.fn(frame.n, *args)
+            except BaseException as exc:
+                return _FAILED, exc
         try:
-            requests = frame.gen.send(frame.inbox)
+            return _YIELDED, frame.gen.send(frame.inbox)
         except StopIteration as stop:
-            self.stats.compute_s += time.perf_counter() - t
+            return _RETURNED, stop.value
+        except BaseException as exc:
+            return _FAILED, exc
+
+    def wave(self, frames):
+        """Step ``frames`` concurrently: all but the first on the workers, the first here; then settle
+        each, in order."""
+        t = time.perf_counter()
+        outcomes = [None] * len(frames)
+        left = [len(frames) - 1]
+        lock, done = threading.Lock(), threading.Event()
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        stream = torch.cuda.current_stream(self.device) if self.device is not None else None
+
+        def task(i, worker):
+            counters = batch_rules.counters
+            saved, counters.per_instance = counters.per_instance, {}
+            try:
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
+                        (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+                    kind, value = self.advance(frames[i])
+                outcomes[i] = (kind, value, counters.per_instance)
+            finally:
+                counters.per_instance = saved
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+
+        for i in range(1, len(frames)):
+            self.pool.submit(partial(task, i))
+        kind, value = self.advance(frames[0])
+        done.wait()
+        self.stats.compute_s += time.perf_counter() - t
+        counts = batch_rules.counters.per_instance
+        for frame, outcome in zip(frames[1:], outcomes[1:]):
+            for name, k in outcome[2].items():
+                counts[name] = counts.get(name, 0) + k
+        self.settle(frames[0], kind, value)
+        for frame, outcome in zip(frames[1:], outcomes[1:]):
+            self.settle(frame, outcome[0], outcome[1])
+
+    def settle(self, frame, kind, value):
+        """Act on what a step of ``frame`` came to: hand on its result, raise its error, or queue its
+        requests."""
+        if kind == _RETURNED:
             frame.gen = None
             self.live.discard(frame)
-            self.deliver(frame, stop.value)
+            self.deliver(frame, value)
             return
-        except BaseException as exc:
-            self.stats.compute_s += time.perf_counter() - t
-            original = _unwrap_stop_iteration(exc, _Codes(frame.unit))
+        if kind == _FAILED:
+            original = _unwrap_stop_iteration(value, _Codes(frame.unit))
             self.fail(original, frame)
-            if original is not exc:
+            if original is not value:
                 raise original from None
-            raise
-        self.stats.compute_s += time.perf_counter() - t
+            raise value
+        requests = value
         frame.inbox = None
         frame.results = [None] * len(requests)
         frame.waiting = len(requests)
@@ -204,15 +304,9 @@ class _Run:
         if unit.is_generator:
             self.start(frame, args)
             return
-        t = time.perf_counter()
-        try:
-            result = unit.fn(n, *args)
-        except BaseException as exc:
-            self.stats.compute_s += time.perf_counter() - t
-            self.fail(exc, frame)
-            raise
-        self.stats.compute_s += time.perf_counter() - t
-        self.deliver(frame, result)
+        frame.args = args  # run by its first step, as any frame
+        self.live.add(frame)
+        self.ready.append(frame)
 
     def deliver(self, frame, result):
         if not frame.sources:

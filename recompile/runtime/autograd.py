@@ -24,10 +24,11 @@ live_contexts = weakref.WeakSet()
 
 
 class _State:
-    __slots__ = ("handle", "ctx", "record", "results", "stats")
+    __slots__ = ("handle", "ctx", "record", "results", "stats", "runner")
 
-    def __init__(self, handle, ctx, record, results, stats):
+    def __init__(self, handle, ctx, record, results, stats, runner):
         self.handle = handle
+        self.runner = runner
         self.ctx = ctx
         self.record = record
         self.results = results
@@ -58,7 +59,7 @@ class CompiledCall(torch.autograd.Function):
         for t, g in zip(state.results, grads):
             ctx.add(t, g)
         with torch.no_grad():
-            scheduler.run(state.handle.backward, (ctx, state.record))
+            state.runner(state.handle.backward, (ctx, state.record))
         state.stats.record_backward()
         out = ctx.source_grads()
         ctx.cotangents.clear()
@@ -66,14 +67,18 @@ class CompiledCall(torch.autograd.Function):
         return (None, *out)
 
 
-def run(callee, args, stats):
-    """Run compiled function ``callee`` on bound ``args`` with gradients: (result, RunStats)."""
+def run(callee, args, stats, runner=scheduler.run):
+    """Run compiled function ``callee`` on bound ``args`` with gradients: (result, RunStats).
+
+    ``runner(handle, args)`` runs a program: the sequential scheduler, or the threaded one; the
+    gradient program runs on the same.
+    """
     ctx = GradContext()
     live_contexts.add(ctx)
     for a in args:
         ctx.note_tree(a)
     with torch.no_grad():
-        pair, run_stats = scheduler.run(callee.forward, (ctx, *args))
+        pair, run_stats = runner(callee.forward, (ctx, *args))
     result, record = pair
     stats.record_fallbacks(ctx.fallbacks)
     if not ctx.sources:
@@ -83,7 +88,7 @@ def run(callee, args, stats):
                     if (t.is_floating_point() or t.is_complex()) and not external(t)}.values())
     if not results:
         return result, run_stats
-    outs = CompiledCall.apply(_State(callee, ctx, record, results, stats), *ctx.sources.values())
+    outs = CompiledCall.apply(_State(callee, ctx, record, results, stats, runner), *ctx.sources.values())
     if not isinstance(outs, tuple):
         outs = (outs,)
     return _replace(result, dict(zip(map(id, results), outs))), run_stats
