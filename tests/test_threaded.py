@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -1304,3 +1305,99 @@ def test_cuda_error_matches_sequential():
         assert_same_error(got, want)
         ok = thr(tree_check, 2)(left, right, vals.cuda(), frozenset(), 0)
         torch.testing.assert_close(ok.cpu(), seq(tree_check)(left, right, vals, frozenset(), 0), **VAL_TOL)
+
+
+# -- autocast reaches the workers
+
+
+def autocast_mm(x, w, n):
+    if n == 0:
+        return x @ w
+    return autocast_mm(x, w, n - 1) + autocast_mm(x, w, n - 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_workers_run_under_the_callers_autocast(threads):
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    f = thr(autocast_mm, threads)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = seq(autocast_mm)(x, w, 3)
+        got = f(x, w, 3)
+    assert want.dtype == torch.bfloat16
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert f(x, w, 3).dtype == torch.float32  # (and not after it)
+
+
+# -- batched mode with threads: ready frames step together, independent groups launch together
+
+WAVE_THREADS = set()
+
+
+def wave_seen(x):
+    """A plain helper (run once per instance): notes the thread that ran it."""
+    WAVE_THREADS.add(threading.current_thread().name)
+    return x
+
+
+def wave_a(x, n):
+    if n == 0:
+        return torch.tanh(wave_seen(x) * 2.0)
+    return wave_a(x, n - 1) + 1.0
+
+
+def wave_b(x, n, bad):
+    if n == 0:
+        if bad:
+            raise ValueError("wave_b failed at the bottom")
+        return torch.sigmoid(wave_seen(x)) - 0.5
+    return wave_b(x, n - 1, bad) * 1.5
+
+
+WAVE_A = recompile.function(wave_a, mode="batched", fusion=False)
+WAVE_B = recompile.function(wave_b, mode="batched", fusion=False)
+
+
+def wave_pair(x, n, bad):
+    # two calls of different functions: groups that cannot feed one another, and reach their leaves together
+    return WAVE_A(x, n) - WAVE_B(x, n, bad)
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_batched_threads_overlap_independent_groups_and_equal_one_thread(threads):
+    x = torch.randn(5, 3, dtype=F64)
+    one = compiled(wave_pair, "batched", threads=1)
+    many = compiled(wave_pair, "batched", threads=threads)
+    one.stats.reset(), many.stats.reset()
+    want = recompile.vmap(one, in_dims=(0, None, None))(x, 3, False)
+    WAVE_THREADS.clear()
+    got = recompile.vmap(many, in_dims=(0, None, None))(x, 3, False)
+    assert torch.equal(got, want)
+    assert torch.allclose(got[0], seq(wave_pair)(x[0], 3, False))
+    # the leaf helper of one of the two groups ran on a worker: the groups were stepped together
+    assert any(name.startswith(f"recompile-worker-{threads}.") for name in WAVE_THREADS), WAVE_THREADS
+    # per-instance counts made on the workers reach the call's stats
+    assert many.stats["per_instance"] == one.stats["per_instance"] != {}
+
+
+def test_batched_threads_gradients_equal_one_thread():
+    x = torch.randn(4, 3, dtype=F64)
+    grads = []
+    for threads in (1, 2):
+        xs = x.clone().requires_grad_()
+        out = recompile.vmap(compiled(wave_pair, "batched", threads=threads), in_dims=(0, None, None))(xs, 2, False)
+        out.pow(2).sum().backward()
+        grads.append(xs.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_batched_threads_error_in_a_concurrent_group_reaches_the_caller():
+    x = torch.randn(3, dtype=F64)
+    with pytest.raises(ValueError) as want:  # (batched mode's chain also names the branches)
+        compiled(wave_pair, "batched", threads=1)(x, 2, True)
+    many = compiled(wave_pair, "batched", threads=2)
+    with pytest.raises(ValueError) as got:
+        many(x, 2, True)
+    assert str(got.value) == str(want.value)
+    unique = re.compile(r"#\d+")  # (each compiled version of wave_pair has its own IR name)
+    assert [unique.sub("", n) for n in got.value.__notes__] == [unique.sub("", n) for n in want.value.__notes__]
+    assert torch.equal(many(x, 2, False), compiled(wave_pair, "batched", threads=1)(x, 2, False))

@@ -37,6 +37,7 @@ import torch
 from . import batch as bt
 from . import batch_rules, streams
 from .scheduler import MAX_DEPTH, _annotate, _unwrap_stop_iteration
+from .thread_state import ThreadState
 
 # what a step of a frame came to
 _YIELDED, _RETURNED, _FAILED = range(3)
@@ -225,17 +226,19 @@ class _Run:
         outcomes = [None] * len(frames)
         left = [len(frames) - 1]
         lock, done = threading.Lock(), threading.Event()
-        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        modes = ThreadState()
         stream = torch.cuda.current_stream(self.device) if self.device is not None else None
 
         def task(i, worker):
             counters = batch_rules.counters
             saved, counters.per_instance = counters.per_instance, {}
+            on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             try:
-                with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
-                        (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+                with modes.applied(), on_stream:
                     kind, value = self.advance(frames[i])
                 outcomes[i] = (kind, value, counters.per_instance)
+            except BaseException as exc:  # (setting the thread up failed): the frame's step fails with it
+                outcomes[i] = (_FAILED, exc, counters.per_instance)
             finally:
                 counters.per_instance = saved
                 with lock:

@@ -20,17 +20,13 @@ from .backprop import tensors_in
 
 
 def device_of(args):
-    """The CUDA device index the call on ``args`` runs on, or None for the CPU."""
+    """The CUDA device index the call on ``args`` runs on, or None for the CPU: the first argument whose
+    first tensor (a module's: first parameter) is on a CUDA device says which."""
     for value in args:
-        if isinstance(value, nn.Module):
-            for p in value.parameters():
-                if p.is_cuda:
-                    return p.device.index
-                break  # (one parameter tells where the module lives)
-            continue
-        for t in tensors_in(value):
-            if t.is_cuda:
-                return t.device.index
+        first = (next(value.parameters(), None) if isinstance(value, nn.Module)
+                 else next(tensors_in(value), None))  # (lazily: a linked structure is walked to its first tensor)
+        if first is not None and first.is_cuda:
+            return first.device.index
     return None
 
 

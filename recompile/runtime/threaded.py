@@ -21,15 +21,15 @@ number of threads.
   calls from the root (parent pointers) and reaches the caller. Queued work
   of that call is dropped, running steps end, the remaining frames are
   closed, and then the caller raises; the pool goes on serving other calls.
-- **Thread state.** Workers run a call's frames under the caller's grad and
-  inference mode. On CUDA a frame issues all its steps on the stream of the
-  worker that started it (a frame's own tensors then never cross streams;
-  arguments and results do, through ``streams.Handoff``).
+- **Thread state.** Workers run a call's frames under the caller's grad,
+  inference and autocast modes (``thread_state``).
+- **CUDA.** A frame issues all its steps on the stream of the worker that
+  started it, so a frame's own tensors never cross streams; arguments and
+  results do, through ``streams.Handoff`` (an event, no host sync).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import deque
 from functools import partial
@@ -38,6 +38,7 @@ import torch
 
 from . import streams
 from .scheduler import MAX_DEPTH, RunStats, _annotate, _unwrap_stop_iteration
+from .thread_state import ThreadState
 
 DEFAULT_MAX_LIVE = 4096  # live frames of one call, by default
 
@@ -82,8 +83,7 @@ class _Run:
         self.pool = pool
         self.max_live = max_live if max_live is not None else float("inf")
         self.device = device
-        self.grad = torch.is_grad_enabled()
-        self.inference = torch.is_inference_mode_enabled()
+        self.modes = ThreadState()
         self.stats = RunStats()
         self.lock = threading.Lock()
         self.done = threading.Event()
@@ -130,10 +130,7 @@ class _Run:
                 return  # the call failed: its queued work is dropped
             self.active += 1
         try:
-            # the caller's grad mode, set for the thread (each task sets its own: nothing to restore)
-            if torch.is_grad_enabled() != self.grad:
-                torch.set_grad_enabled(self.grad)
-            with torch.inference_mode() if self.inference else contextlib.nullcontext():
+            with self.modes.applied():
                 while frame is not None and not self.failed:
                     if self.device is None:
                         frame = self.advance(frame)
