@@ -1401,3 +1401,110 @@ def test_batched_threads_error_in_a_concurrent_group_reaches_the_caller():
     unique = re.compile(r"#\d+")  # (each compiled version of wave_pair has its own IR name)
     assert [unique.sub("", n) for n in got.value.__notes__] == [unique.sub("", n) for n in want.value.__notes__]
     assert torch.equal(many(x, 2, False), compiled(wave_pair, "batched", threads=1)(x, 2, False))
+
+
+# -- dependent calls whose gradients pass only through cotangents; calls that change state
+
+
+def nest(n, h):
+    if n == 0:
+        return torch.tanh(h * 1.5)
+    return nest(n - 1, nest(n - 1, h))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gradient_of_dependent_calls_equals_sequential(threads):
+    """nest(n-1, nest(n-1, h)): the inner call's gradient needs the outer one's; the gradient program's
+    calls see each other only through their cotangents."""
+    h0 = torch.randn(4, dtype=F64)
+    grads = []
+    for f in (nest, seq(nest), thr(nest, threads)):
+        h = h0.clone().requires_grad_()
+        f(3, h).sum().backward()
+        grads.append(h.grad)
+    assert torch.allclose(grads[1], grads[0])
+    assert grads[2] is not None and torch.allclose(grads[2], grads[1], rtol=1e-12, atol=1e-12)
+
+
+def fill_list(xs, n):
+    if n == 0:
+        return 0
+    fill_list(xs, n - 1)
+    xs.append(n)
+    return 0
+
+
+def list_length(xs):
+    return len(xs)
+
+
+FILL = {mode: recompile.function(fill_list, mode=mode, threads=2) for mode in ("threaded", "batched")}
+LENGTH = {mode: recompile.function(list_length, mode=mode, threads=2) for mode in ("threaded", "batched")}
+
+
+def fill_then_count_threaded(xs, n):
+    a = FILL["threaded"](xs, n)
+    return a + LENGTH["threaded"](xs)  # no data dependence on the call before: only its change of xs
+
+
+def fill_then_count_batched(xs, n):
+    a = FILL["batched"](xs, n)
+    return a + LENGTH["batched"](xs)
+
+
+@pytest.mark.parametrize("fn", [fill_then_count_threaded, fill_then_count_batched])
+def test_a_call_that_changes_state_is_not_run_alongside_the_next(fn):
+    f = compiled(fn, "threaded" if fn is fill_then_count_threaded else "batched", threads=2)
+    assert fn([], 5) == 5
+    assert f([], 5) == 5
+
+
+# -- the process and thread around a call
+
+
+def do_backward(loss):
+    loss.backward()
+    return 1
+
+
+def backward_inside(k, loss):
+    if k == 0:
+        return do_backward(loss)  # a plain helper: runs on a worker
+    return backward_inside(k - 1, loss)
+
+
+def test_backward_driven_from_inside_a_worker_does_not_hang():
+    x = torch.ones(3, dtype=F64, requires_grad=True)
+    loss = thr(nest, 1)(2, x).sum()
+    outcome = call_with_timeout(thr(backward_inside, 1), 1, loss)
+    assert outcome == 1
+    want = torch.autograd.grad(nest(2, x).sum(), x)[0]
+    assert torch.allclose(x.grad, want)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_gets_pools_of_its_own():
+    f = thr(tree_count, 2)
+    with torch.no_grad():
+        want = f(3)
+    pid = os.fork()
+    if pid == 0:  # the child: its pools' threads were not forked with it
+        import signal
+        signal.alarm(20)
+        os._exit(0 if f(3) == want else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def tree_count(n):
+    if n == 0:
+        return 1
+    return tree_count(n - 1) + tree_count(n - 1)
+
+
+def test_workers_run_under_the_callers_default_device():
+    x = torch.randn(3)
+    with torch.device("meta"):
+        got = thr(autocast_mm, 2)(torch.randn(2, 3), torch.randn(3, 3), 2) + torch.zeros(1)
+    assert got.device.type == "meta"
+    assert thr(autocast_mm, 2)(x[None], torch.randn(3, 3), 1).device.type == "cpu"

@@ -6,8 +6,9 @@ the group's results is hoisted before the group (it computes the next call's
 arguments: ``tree.right[i]``); a pure op that does use them waits until after
 the group; anything else (a side effect, control flow) closes the group, so
 the order of side effects is the user's. Only ops between the group's first
-and last Invoke move, and none moves across a call that may mutate state
-(``passes.effects``).
+and last Invoke move. A call that may change state (``passes.effects``) is a
+group of its own: the calls of a group may run at the same time (threaded and
+batched modes), and what follows such a call must see its change.
 """
 
 from __future__ import annotations
@@ -42,22 +43,21 @@ def plan(ops, may_mutate=lambda invoke: False):
             out.append(op)
             i += 1
             continue
+        if may_mutate(op):  # a call that may change state runs alone: what follows it must see the change
+            out.append([op])
+            i += 1
+            continue
         group, hoisted, deferred = [op], [], []
         tainted = set(op.outputs)
-        movable = not may_mutate(op)  # may ops after the members so far move above them?
         last = i  # index of the group's last Invoke: only ops before it move
         j = i + 1
         while j < len(ops):
             o = ops[j]
             depends = any(isinstance(x, ir.Value) and x in tainted for x in o.operands())
-            if isinstance(o, ir.Invoke) and not depends and not (deferred and may_mutate(o)):
-                # (ops waiting for the group run after all of it: not after a call that may mutate)
+            if isinstance(o, ir.Invoke) and not depends and not may_mutate(o):
                 group.append(o)
                 tainted.update(o.outputs)
-                movable = movable and not may_mutate(o)
                 last = j
-            elif not movable:
-                break
             elif _pure(o) and depends:
                 deferred.append(o)
                 tainted.update(o.outputs)

@@ -5,7 +5,7 @@ under ``torch.no_grad()``: torch records nothing per op. If the forward met a
 tensor that requires grad (an argument, a parameter, a captured tensor), the
 call's floating-point result tensors come out of one ``CompiledCall`` node
 whose inputs are those tensors. Its backward runs the derived gradient
-program on the same scheduler and hands torch the gradients of the inputs,
+program on the sequential scheduler and hands torch the gradients of the inputs,
 so ``loss.backward()`` fills ``.grad``, gradients accumulate as usual and
 ``torch.autograd.grad`` works too.
 """
@@ -24,11 +24,10 @@ live_contexts = weakref.WeakSet()
 
 
 class _State:
-    __slots__ = ("handle", "ctx", "record", "results", "stats", "runner")
+    __slots__ = ("handle", "ctx", "record", "results", "stats")
 
-    def __init__(self, handle, ctx, record, results, stats, runner):
+    def __init__(self, handle, ctx, record, results, stats):
         self.handle = handle
-        self.runner = runner
         self.ctx = ctx
         self.record = record
         self.results = results
@@ -59,7 +58,10 @@ class CompiledCall(torch.autograd.Function):
         for t, g in zip(state.results, grads):
             ctx.add(t, g)
         with torch.no_grad():
-            state.runner(state.handle.backward, (ctx, state.record))
+            # on this thread, in order, whatever ran the forward: the gradient program's calls pass
+            # cotangents through ``ctx``, an order its grouping cannot see, and torch.autograd (fallback
+            # steps) must be able to run its own work on the thread that drives the backward
+            scheduler.run(state.handle.backward, (ctx, state.record))
         state.stats.record_backward()
         out = ctx.source_grads()
         ctx.cotangents.clear()
@@ -70,8 +72,7 @@ class CompiledCall(torch.autograd.Function):
 def run(callee, args, stats, runner=scheduler.run):
     """Run compiled function ``callee`` on bound ``args`` with gradients: (result, RunStats).
 
-    ``runner(handle, args)`` runs a program: the sequential scheduler, or the threaded one; the
-    gradient program runs on the same.
+    ``runner(handle, args)`` runs the forward: the sequential scheduler, or the threaded one.
     """
     ctx = GradContext()
     live_contexts.add(ctx)
@@ -88,7 +89,7 @@ def run(callee, args, stats, runner=scheduler.run):
                     if (t.is_floating_point() or t.is_complex()) and not external(t)}.values())
     if not results:
         return result, run_stats
-    outs = CompiledCall.apply(_State(callee, ctx, record, results, stats, runner), *ctx.sources.values())
+    outs = CompiledCall.apply(_State(callee, ctx, record, results, stats), *ctx.sources.values())
     if not isinstance(outs, tuple):
         outs = (outs,)
     return _replace(result, dict(zip(map(id, results), outs))), run_stats

@@ -20,6 +20,17 @@ _pools_lock = threading.Lock()
 _local = threading.local()
 
 
+def _forget_pools():
+    # a forked child has none of the parent's threads: its calls start pools of their own
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
+
+
 def default_threads():
     """What the machine offers: the CPUs this process may run on."""
     try:

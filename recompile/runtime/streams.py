@@ -17,12 +17,15 @@ import torch
 from torch import nn
 
 from .backprop import tensors_in
+from .batch import Batch
 
 
 def device_of(args):
     """The CUDA device index the call on ``args`` runs on, or None for the CPU: the first argument whose
     first tensor (a module's: first parameter) is on a CUDA device says which."""
     for value in args:
+        if isinstance(value, Batch):  # (a batched argument of recompile.vmap)
+            value = value.tensor if value.tensor is not None else value.items
         first = (next(value.parameters(), None) if isinstance(value, nn.Module)
                  else next(tensors_in(value), None))  # (lazily: a linked structure is walked to its first tensor)
         if first is not None and first.is_cuda:

@@ -110,17 +110,23 @@ class _Run:
         except BaseException as exc:  # (KeyboardInterrupt while waiting): cancel the call, then raise
             self.cancel(exc)
             self.done.wait()
+            self.close()
             raise
         if self.failed:
-            for frame in self.live:
-                if frame.gen is not None:
-                    frame.gen.close()
-            self.live.clear()
+            self.close()
             error, self.error = self.error, None  # (the call stays failed: its queued work is dropped)
             raise error
         if self.result_handoff is not None:
             self.result_handoff.receive(torch.cuda.current_stream(self.device))
         return self.result, self.stats
+
+    def close(self):
+        """Close the frames a failed call left (no worker is inside one of its steps any more)."""
+        for frame in self.live:
+            if frame.gen is not None:
+                frame.gen.close()
+        self.live.clear()
+        self.deferring.clear()
 
     # -- on the workers
 
