@@ -127,6 +127,12 @@ class _Run:
                 frame.gen.close()
         self.live.clear()
         self.deferring.clear()
+        if self.device is not None:  # the caller may reuse its inputs: its stream waits for the workers' work
+            current = torch.cuda.current_stream(self.device)
+            for worker in self.pool.workers:
+                stream = worker.streams.get(self.device)
+                if stream is not None:
+                    current.wait_stream(stream)
 
     # -- on the workers
 
