@@ -1502,12 +1502,19 @@ def tree_count(n):
     return tree_count(n - 1) + tree_count(n - 1)
 
 
+def made_in_frames(n):
+    if n == 0:
+        return torch.ones(2)  # made by the program: on the default device
+    return made_in_frames(n - 1) + made_in_frames(n - 1)
+
+
 def test_workers_run_under_the_callers_default_device():
-    x = torch.randn(3)
     with torch.device("meta"):
-        got = thr(autocast_mm, 2)(torch.randn(2, 3), torch.randn(3, 3), 2) + torch.zeros(1)
-    assert got.device.type == "meta"
-    assert thr(autocast_mm, 2)(x[None], torch.randn(3, 3), 1).device.type == "cpu"
+        want = seq(made_in_frames)(2)
+        got = thr(made_in_frames, 2)(2)
+    assert want.device.type == "meta" and got.device.type == "meta"
+    assert torch.equal(thr(made_in_frames, 2)(2), seq(made_in_frames)(2))  # (and not after it)
+    assert thr(made_in_frames, 2)(2).device.type == "cpu"
 
 
 # -- interrupted while waiting
