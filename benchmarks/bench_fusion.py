@@ -70,6 +70,17 @@ VARIANTS = (("unfused", False), ("python", "python"), ("compile", "compile"))  #
 SHARED_SST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "sst")
 
 
+def add_data_argument(parser):
+    parser.add_argument("--data", default=None,
+                        help="SST directory (default: ../shared/data/sst next to the repository if there, "
+                             "else the shipped sample)")
+
+
+def data_dir(args):
+    """The SST directory ``--data`` names, or its default."""
+    return args.data or (SHARED_SST if os.path.isdir(SHARED_SST) else sample_dir())
+
+
 def variant(name, fusion):
     """A TreeLSTM subclass whose encode and node_loss are compiled anew with ``fusion``."""
     return type("TreeLSTM_" + name, (TreeLSTM,), {
@@ -156,9 +167,7 @@ def print_table(hidden, sizes, results):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=None,
-                   help="SST directory (default: ../shared/data/sst next to the repository if there, "
-                        "else the shipped sample)")
+    add_data_argument(p)
     p.add_argument("--trees", type=int, default=512, help="trees timed")
     p.add_argument("--hidden", type=int, nargs="+", default=[150, 512], help="hidden sizes")
     p.add_argument("--batch", type=int, nargs="+", default=[25, 256], help="minibatch sizes")
@@ -168,7 +177,7 @@ def main(argv=None):
                    help="torch.compile's on-disk cache: an empty temporary one (default), or torch's usual one")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    data = args.data or (SHARED_SST if os.path.isdir(SHARED_SST) else sample_dir())
+    data = data_dir(args)
     sst = load_sst(data, splits=("train",))
     trees = sst.train[: args.trees]
     forests = {size: [Forest.from_trees(chunk) for chunk in chunks(trees, size)] for size in args.batch}

@@ -50,13 +50,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 from bench_batching import gradients, throughput  # noqa: E402
-from bench_fusion import SHARED_SST, fresh  # noqa: E402
+from bench_fusion import add_data_argument, data_dir, fresh  # noqa: E402
 from sst_runner import SentimentModel  # noqa: E402
 from tree_lstm import TreeLSTM  # noqa: E402
 from tree_rnn import TreeRNN  # noqa: E402
 
 import recompile  # noqa: E402
-from recompile.data import TreeBuilder, load_sst, sample_dir  # noqa: E402
+from recompile.data import TreeBuilder, load_sst  # noqa: E402
 from recompile.runtime import pool  # noqa: E402
 
 MODELS = {cls.__name__: cls for cls in (TreeLSTM, TreeRNN)}
@@ -134,9 +134,7 @@ def check(base, classes, trees):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=None,
-                   help="SST directory (default: ../shared/data/sst next to the repository if there, "
-                        "else the shipped sample)")
+    add_data_argument(p)
     p.add_argument("--trees", type=int, default=100, help="sentences timed (each in every shape)")
     p.add_argument("--repeats", type=int, default=3, help="timed passes; the best counts")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4], help="threaded mode's worker threads")
@@ -153,7 +151,7 @@ def main(argv=None):
     if args.quick:
         vars(args).update(QUICK)
     torch.set_num_threads(args.torch_threads)
-    data = args.data or (SHARED_SST if os.path.isdir(SHARED_SST) else sample_dir())
+    data = data_dir(args)
     sst = load_sst(data, splits=("train",))
     sentences = sst.train[: args.trees]
     trees = {shape: [reshape(t, shape) for t in sentences] for shape in args.shapes}

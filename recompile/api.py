@@ -344,13 +344,14 @@ class CompiledFunction:
         if not callee.ready:
             callee.prepare()
         self.stats.record_start()
+        workers = self._pool()
         if self.mode == "batched":
             # torch.autograd records each batched op once for all its instances: the backward is batched too
-            result, run_stats = agenda.run(callee, bound, pool=self._pool())
+            result, run_stats = agenda.run(callee, bound, pool=workers)
             self.stats.record_batched(run_stats)
             return result
-        if self.mode == "threaded" and self._pool() is not None:
-            runner = functools.partial(threaded.run, pool=self._pool(), max_live=self.max_live_frames)
+        if self.mode == "threaded" and workers is not None:
+            runner = functools.partial(threaded.run, pool=workers, max_live=self.max_live_frames)
         else:
             runner = scheduler.run
         if torch.is_grad_enabled():
@@ -361,10 +362,11 @@ class CompiledFunction:
         return result
 
     def _pool(self):
-        """The worker pool a call runs on, or None to run on the calling thread: batched mode with one
-        thread, and a call made by a worker's own code (not an Invoke the compiler saw), since waiting for
-        the pool from inside it could take every worker."""
-        if pool.current_worker() is not None or (self.mode == "batched" and self.threads == 1):
+        """The worker pool a call runs on, or None to run on the calling thread: sequential mode, batched
+        mode with one thread, and a call made by a worker's own code (not an Invoke the compiler saw), since
+        waiting for the pool from inside it could take every worker."""
+        if (self.mode == "sequential" or (self.mode == "batched" and self.threads == 1)
+                or pool.current_worker() is not None):
             return None
         return pool.get(self.threads)
 

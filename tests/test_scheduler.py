@@ -9,13 +9,13 @@ import os
 import random
 import re
 import sys
-import threading
 
 import pytest
 
 import recompile
 from recompile.runtime import scheduler
-from source_lines import marker  # tests/ is on sys.path under pytest
+from concurrency import run_threads  # tests/ is on sys.path under pytest
+from source_lines import marker
 
 HERE = os.path.basename(__file__)
 SHOWN = scheduler.CHAIN_SHOWN
@@ -321,28 +321,6 @@ def test_function_works_again_after_an_error():
 # threads
 
 
-def _run_threads(n_threads, work):
-    barrier = threading.Barrier(n_threads)
-    results = [None] * n_threads
-    errors = []
-
-    def run(t):
-        try:
-            barrier.wait()
-            results[t] = work(t)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(t,)) for t in range(n_threads)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=60)
-    assert not any(th.is_alive() for th in threads)
-    assert not errors, errors
-    return results
-
-
 def test_concurrent_calls_from_threads():
     g = _fresh_tree()  # first call (and build) happens concurrently in all threads
 
@@ -354,7 +332,7 @@ def test_concurrent_calls_from_threads():
             out.append((g(left, right, vals, 0), PlainCounter().tree(left, right, vals, 0)))
         return out
 
-    results = _run_threads(8, work)
+    results = run_threads(8, work)
     pairs = [p for r in results for p in r]
     assert len(pairs) == 160
     assert all(got == want for got, want in pairs)
@@ -373,7 +351,7 @@ def test_concurrent_errors_report_their_own_chain():
                 out.append(("err", k, chain(_last_error(sch_fail_at, 0, k))[0]))
         return out
 
-    results = _run_threads(8, work)
+    results = run_threads(8, work)
     for r in results:
         assert len(r) == 20
         for kind, k, value in r:

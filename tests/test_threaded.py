@@ -41,7 +41,8 @@ from recompile.runtime import autograd as rc_autograd
 from recompile.runtime import pool as rc_pool
 from recompile.runtime import scheduler as rc_scheduler
 from recompile.runtime import threaded as rc_threaded
-from source_lines import marker  # tests/ is on sys.path under pytest
+from concurrency import run_threads  # tests/ is on sys.path under pytest
+from source_lines import marker
 
 HERE = os.path.basename(__file__)
 F64 = torch.float64
@@ -266,29 +267,6 @@ def call_with_timeout(fn, *args, timeout=TIMEOUT):
     if "error" in box:
         raise box["error"]
     return box["value"]
-
-
-def run_threads(n_threads, work):
-    barrier = threading.Barrier(n_threads)
-    results = [None] * n_threads
-    errors = []
-
-    def run(t):
-        try:
-            barrier.wait()
-            results[t] = work(t)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(t,), daemon=True) for t in range(n_threads)]
-    for th in threads:
-        th.start()
-    deadline = time.monotonic() + 3 * TIMEOUT
-    for th in threads:
-        th.join(max(0.0, deadline - time.monotonic()))
-    assert not any(th.is_alive() for th in threads), "threads did not finish"
-    assert not errors, errors
-    return results
 
 
 # ---------------------------------------------------------------------------
@@ -900,16 +878,22 @@ def _random_trees(seed, count, max_leaves):
     return [random_tree(rnd.randrange(10 ** 6), rnd.randint(1, max_leaves)) for _ in range(count)]
 
 
-def test_concurrent_calls_values_and_exact_stats():
-    t = compiled(tree_val, "threaded", threads=2, max_live_frames=8, fusion=False)  # (this test's alone)
+def _tree_val_items(seed, count, max_leaves, seed_step):
+    """Per Python thread: (left, right, vals, sequential result) for ``count`` random trees."""
     work_items = []
     for th in range(N_THREADS):
         items = []
-        for k, (left, right) in enumerate(_random_trees(100 + th, N_CALLS, 30)):
-            vals = node_values(len(left), seed=th * 1000 + k)
+        for k, (left, right) in enumerate(_random_trees(seed + th, count, max_leaves)):
+            vals = node_values(len(left), seed=th * seed_step + k)
             with torch.no_grad():
                 items.append((left, right, vals, seq(tree_val)(left, right, vals, 0)))
         work_items.append(items)
+    return work_items
+
+
+def test_concurrent_calls_values_and_exact_stats():
+    t = compiled(tree_val, "threaded", threads=2, max_live_frames=8, fusion=False)  # (this test's alone)
+    work_items = _tree_val_items(100, N_CALLS, 30, 1000)
     t.stats.reset()
 
     def work(th):
@@ -919,7 +903,7 @@ def test_concurrent_calls_values_and_exact_stats():
                 out.append(torch.equal(t(left, right, vals, 0), want))
         return out
 
-    results = run_threads(N_THREADS, work)
+    results = run_threads(N_THREADS, work, timeout=3 * TIMEOUT)
     assert all(all(r) and len(r) == N_CALLS for r in results)
     assert t.stats["calls"] == N_THREADS * N_CALLS
     assert t.stats["frames"] == sum(len(item[0]) for items in work_items for item in items)
@@ -958,7 +942,7 @@ def test_concurrent_calls_with_gradients():
             torch.testing.assert_close(x.grad, want_x, **GRAD_TOL)
         return True
 
-    assert all(run_threads(N_THREADS, work))
+    assert all(run_threads(N_THREADS, work, timeout=3 * TIMEOUT))
     calls = N_THREADS * N_CALLS
     assert encode.stats["calls"] == calls and encode.stats["backwards"] == calls
     assert encode.stats["frames"] == sum(len(item[0]) for items in work_items for item in items)
@@ -983,7 +967,7 @@ def test_concurrent_calls_with_errors_each_get_their_own():
                     assert_same_error(outcome(t, left, right, vals, frozenset([b]), 0), want_err[b])
         return True
 
-    assert all(run_threads(N_THREADS, work))
+    assert all(run_threads(N_THREADS, work, timeout=3 * TIMEOUT))
     assert t.stats["calls"] == N_THREADS * N_CALLS
 
 
@@ -991,14 +975,7 @@ def test_concurrent_calls_with_errors_each_get_their_own():
 def test_concurrent_calls_of_batched_mode_with_threads(grad):
     b = compiled(tree_val, "batched", threads=2, fusion=False)
     assert b.threads == 2
-    work_items = []
-    for th in range(N_THREADS):
-        items = []
-        for k, (left, right) in enumerate(_random_trees(300 + th, 20, 20)):
-            vals = node_values(len(left), seed=th * 100 + k)
-            with torch.no_grad():
-                items.append((left, right, vals, seq(tree_val)(left, right, vals, 0)))
-        work_items.append(items)
+    work_items = _tree_val_items(300, 20, 20, 100)
     b.stats.reset()
 
     def work(th):
@@ -1007,7 +984,7 @@ def test_concurrent_calls_of_batched_mode_with_threads(grad):
                 torch.testing.assert_close(b(left, right, vals, 0), want, **VAL_TOL)
         return True
 
-    assert all(run_threads(N_THREADS, work))
+    assert all(run_threads(N_THREADS, work, timeout=3 * TIMEOUT))
     assert b.stats["calls"] == N_THREADS * 20
 
 
