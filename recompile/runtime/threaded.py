@@ -45,7 +45,7 @@ DEFAULT_MAX_LIVE = 4096  # live frames of one call, by default
 
 class ThreadFrame:
     __slots__ = ("callee", "gen", "parent", "site", "args", "slot", "depth", "inbox", "results", "waiting",
-                 "running", "deferred", "handoffs", "stream")
+                 "deferred", "handoffs", "stream")
 
     def __init__(self, callee, args, parent, site, slot):
         self.callee = callee
@@ -58,7 +58,6 @@ class ThreadFrame:
         self.inbox = None
         self.results = None
         self.waiting = 0  # requests not answered yet
-        self.running = 0  # requests started and not answered yet
         self.deferred = None  # requests held back by the live-frame limit: [(slot, request)]
         self.handoffs = None  # CUDA handoffs to receive before the next step
         self.stream = None  # on CUDA: the stream all of this frame's steps issue on
@@ -230,7 +229,6 @@ class _Run:
         child = ThreadFrame(callee, args, parent, site, slot)
         if handoff is not None:
             child.handoffs = [handoff]
-        parent.running += 1
         self.live.add(child)
         self.stats.frames += 1
         return child
@@ -252,7 +250,6 @@ class _Run:
                     parent.handoffs = []
                 parent.handoffs.append(handoff)
             parent.waiting -= 1
-            parent.running -= 1
             while self.deferring and len(self.live) < self.max_live:
                 started.append(self._start_deferred(self.deferring[0]))
             self.runnable += len(started)
