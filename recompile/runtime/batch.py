@@ -32,7 +32,7 @@ class Batch:
         self.tensor = tensor
         self.items = items
         self.struct = struct  # (tuple | list, [element: plain or Batch])
-        self.pieces = pieces  # ([(value, count)], inverse order: LongTensor, positions: list)
+        self.pieces = pieces  # ([(value, count)], Order: where each piece's instances go)
         # which form is the truth; the other is a cache. A tensor's items are views of it, so they
         # stay true after an in-place change; a tensor stacked from items does not.
         self.owner = "tensor" if tensor is not None else "items" if items is not None else None
@@ -190,7 +190,8 @@ def _joined_tensor(pieces, like):
         parts.append(t)
     if not _same_kind(parts, 1):
         return None
-    return torch.cat(parts)[pieces[1]]
+    joined = torch.cat(parts)
+    return joined.index_select(0, pieces[1].inverse(joined.device))
 
 
 def _number_fits(numbers, dtype):
@@ -295,22 +296,38 @@ def _element(value, j):
 
 
 class Order:
-    """Where the instances of joined sides go: ``order`` lists their positions side after side; indexing
-    the sides' rows, concatenated, by ``inverse`` puts them in instance order. Made once per Cond."""
+    """Where the instances of joined sides go: side after side, the positions of its instances. Indexing
+    the sides' rows, concatenated, by ``inverse`` puts them in instance order. Made once per Cond (or
+    loop), for all the values it joins; with each side's positions also as a LongTensor (a Cond on a
+    tensor predicate has them), the inverse is computed on the device instead of built from a list."""
 
-    __slots__ = ("order", "_inverse")
+    __slots__ = ("n", "positions", "indexes", "_order", "_inverse")
 
-    def __init__(self, n, sides_positions):
-        self.order = [k for positions in sides_positions for k in positions]
-        inverse = [0] * n
-        for at, k in enumerate(self.order):
-            inverse[k] = at
-        self._inverse = {None: inverse}
+    def __init__(self, n, sides_positions, indexes=None):
+        self.n = n
+        self.positions = sides_positions
+        self.indexes = indexes
+        self._order = None
+        self._inverse = {}
+
+    @property
+    def order(self):
+        """The positions of the joined rows, side after side, as one list."""
+        if self._order is None:
+            self._order = [k for positions in self.positions for k in positions]
+        return self._order
 
     def inverse(self, device):
         t = self._inverse.get(device)
         if t is None:
-            t = self._inverse[device] = torch.tensor(self._inverse[None], device=device)
+            if self.indexes is not None:
+                t = torch.argsort(torch.cat(self.indexes).to(device))
+            else:
+                inverse = [0] * self.n
+                for at, k in enumerate(self.order):
+                    inverse[k] = at
+                t = torch.tensor(inverse, device=device)
+            self._inverse[device] = t
         return t
 
 
@@ -322,21 +339,13 @@ def join(n, sides, order=None):
         return first
     if order is None:
         order = Order(n, [p for _, p in sides])
-    device = None
-    for v, _ in sides:  # put the order where the values are
-        if type(v) is Batch and v.tensor is not None:
-            device = v.tensor.device
-            break
-        if type(v) is torch.Tensor:
-            device = v.device
-            break
-    return Batch(n, pieces=([(v, len(p)) for v, p in sides], order.inverse(device), order.order))
+    return Batch(n, pieces=([(v, len(p)) for v, p in sides], order))
 
 
 def _gather_pieces(b, lists, flatten):
     flat = flatten(lists)
     out = [None] * b.n
-    for at, k in enumerate(b.pieces[2]):
+    for at, k in enumerate(b.pieces[1].order):
         out[k] = flat[at]
     return out
 

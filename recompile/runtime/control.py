@@ -22,6 +22,27 @@ def truths(n, pred):
     return [bool(x) for x in bt.items_of(pred)]  # (bool() of each raises as it would one by one)
 
 
+def split(n, pred):
+    """The instances where ``bool(pred)`` holds and where it does not: two (positions, index), where
+    index is the positions as a LongTensor, or None (then made when a take needs it). A tensor
+    predicate with one element per instance is split on its device (bool of a number is ``!= 0``), so
+    the indexes cost no list-to-tensor copy; anything else goes through ``truths``."""
+    t = bt.tensor_of(pred) if type(pred) is Batch else None
+    if t is None or t.numel() != n:
+        yes, no = _split(truths(n, pred))
+        return (yes, None), (no, None)
+    mask = t.reshape(n)
+    if mask.dtype is not torch.bool:
+        mask = mask != 0
+    yes_index = mask.nonzero().view(-1)  # (the host read: the sizes of the sides)
+    yes = yes_index.tolist()
+    if not yes or len(yes) == n:
+        everyone = (list(range(n)), None)
+        return (everyone, ([], None)) if yes else (([], None), everyone)
+    no_index = torch.logical_not(mask).nonzero().view(-1)
+    return (yes, yes_index), (no_index.tolist(), no_index)
+
+
 def _split(flags):
     yes = [k for k, f in enumerate(flags) if f]
     no = [k for k, f in enumerate(flags) if not f]
@@ -37,26 +58,38 @@ def _index(positions, like):
     return torch.tensor(positions, device=device)
 
 
+def _take_all(values, side):
+    """The sub-batches of ``values`` for the instances of ``side`` (positions, index)."""
+    positions, index = side
+    if index is None:
+        index = _index(positions, values)
+    return [bt.take(v, index, positions) for v in values]
+
+
 class Branch:
     """A Cond over n instances: ``requests``/``run`` give each branch its instances; ``join`` puts the
     branches' outputs back in instance order."""
 
-    __slots__ = ("n", "sides")
+    __slots__ = ("n", "sides", "order")
 
     def __init__(self, n, pred, args):
         self.n = n
+        self.order = None
         if n == 1:
             self.sides = [(0 if pred else 1, args, [0])]
             return
-        flags = truths(n, pred)
-        sides = []
-        for which, positions in enumerate(_split(flags)):
+        sides, indexes = [], []
+        for which, side in enumerate(split(n, pred)):
+            positions = side[0]
             if len(positions) == n:
                 sides.append((which, args, positions))
             elif positions:
-                index = _index(positions, args)
-                sides.append((which, tuple(bt.take(a, index, positions) for a in args), positions))
+                sides.append((which, tuple(_take_all(args, side)), positions))
+                indexes.append(side[1])
         self.sides = sides
+        if len(sides) > 1:  # one Order for all the outputs
+            self.order = bt.Order(n, [p for _, _, p in sides],
+                                  None if any(i is None for i in indexes) else indexes)
 
     def requests(self, then_unit, else_unit, site):
         units = (then_unit, else_unit)
@@ -73,9 +106,9 @@ class Branch:
             return None
         positions = [side[2] for side in self.sides]
         if k == 1:
-            return bt.join(self.n, list(zip(results, positions)))
-        order = bt.Order(self.n, positions)  # one for all the outputs
-        return tuple(bt.join(self.n, [(r[j], p) for r, p in zip(results, positions)], order) for j in range(k))
+            return bt.join(self.n, list(zip(results, positions)), self.order)
+        return tuple(bt.join(self.n, [(r[j], p) for r, p in zip(results, positions)], self.order)
+                     for j in range(k))
 
 
 class Loop:
@@ -95,20 +128,16 @@ class Loop:
                 return True
             self.done.append((self.carried[:self.k], self.positions))
             return False
-        flags = truths(self.n, pred)
-        stay, leave = _split(flags)
-        if leave:
-            index = _index(leave, self.carried) if len(leave) < self.n else None
-            values = self.carried[:self.k] if index is None else \
-                [bt.take(v, index, leave) for v in self.carried[:self.k]]
-            self.done.append((values, [self.positions[k] for k in leave]))
-        if not stay:
+        stay, leave = split(self.n, pred)
+        if leave[0]:
+            values = self.carried[:self.k] if not stay[0] else _take_all(self.carried[:self.k], leave)
+            self.done.append((values, [self.positions[k] for k in leave[0]]))
+        if not stay[0]:
             return False
-        if leave:
-            index = _index(stay, self.carried)
-            self.carried = [bt.take(v, index, stay) for v in self.carried]
-            self.positions = [self.positions[k] for k in stay]
-            self.n = len(stay)
+        if leave[0]:
+            self.carried = _take_all(self.carried, stay)
+            self.positions = [self.positions[k] for k in stay[0]]
+            self.n = len(stay[0])
         return True
 
     def step(self, new):
