@@ -666,6 +666,84 @@ def tuple_state_step(state, x):
     return torch.tanh(c) * h, c
 
 
+def cf_pred_of(p, x):
+    if p:  # a per-instance tensor of any dtype: true where bool() of it is
+        return x * 2
+    return x - 1
+
+
+@pytest.mark.parametrize("pred", [
+    torch.tensor([0.0, -0.0, 0.5, float("nan"), -2.0, 0.0]),  # (NaN is true, -0.0 false)
+    torch.tensor([0, 3, -1, 0, 0, 7]),
+    torch.tensor([True, False, True, True, False, False]),
+    torch.tensor([[0.0], [1.0], [0.0], [2.0], [0.0], [0.0]]),  # one element of rank 1 per instance
+    torch.zeros(6), torch.ones(6, dtype=torch.int64),  # every instance on one side
+], ids=["float", "int", "bool", "rank1", "all_false", "all_true"])
+def test_cond_splits_a_tensor_predicate_as_bool_would(pred):
+    """The batched Cond splits a tensor predicate on its device (nonzero), not through Python bools."""
+    cf = recompile.function(cf_pred_of)
+    x = torch.arange(12, dtype=F64).view(6, 2).requires_grad_(True)
+    got = recompile.vmap(cf)(pred, x)
+    want = torch.stack([cf_pred_of(pred[k], x[k]) for k in range(6)])
+    assert_close(got, want)
+    gx, = torch.autograd.grad(got.pow(2).sum(), x)
+    gx_want, = torch.autograd.grad(want.pow(2).sum(), x)
+    assert_close(gx, gx_want, GRAD_TOL)
+
+
+def cf_countdown(n, x):
+    while n:  # an int tensor: instances leave the loop at different iterations
+        x = x * 2 + 1
+        n = n - 1
+    return x
+
+
+def test_while_on_an_int_predicate():
+    cf = recompile.function(cf_countdown)
+    n = torch.tensor([0, 3, 1, 2, 3])
+    x = torch.arange(10, dtype=F64).view(5, 2)
+    want = torch.stack([cf_countdown(n[k], x[k]) for k in range(5)])
+    assert_close(recompile.vmap(cf)(n, x), want)
+
+
+def pick(table, i):
+    return table[i] * 2
+
+
+def test_gather_with_negative_and_out_of_range_indices():
+    """A shared table indexed by a batched index is one gather; negative indices wrap as in Python,
+    and an index out of range raises IndexError, as it does one instance at a time."""
+    cf = recompile.function(pick)
+    table = torch.arange(5, dtype=F64) * 10
+    i = torch.tensor([-1, 0, 2, -5, 4])
+    assert_close(recompile.vmap(cf, in_dims=(None, 0))(table, i), table[i] * 2)
+    with pytest.raises(IndexError):
+        pick(table, torch.tensor(5))
+    with pytest.raises(IndexError):
+        recompile.vmap(cf, in_dims=(None, 0))(table, torch.tensor([0, 5, 1]))
+
+
+def apply_layer(layer, x):
+    return layer(x)
+
+
+def test_linear_module_keeps_hooks_and_instance_forward():
+    """An nn.Linear runs as F.linear on the batch, unless a hook or an instance's own forward says
+    otherwise: then the module is called as it would be."""
+    cf = recompile.function(apply_layer)
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, dtype=F64)
+    plain = nn.Linear(3, 2).double()
+    assert_close(recompile.vmap(cf, in_dims=(None, 0))(plain, x), plain(x))
+    hooked = nn.Linear(3, 2).double()
+    hooked.register_forward_hook(lambda module, inputs, out: out * 3)
+    assert_close(recompile.vmap(cf, in_dims=(None, 0))(hooked, x),
+                 torch.stack([hooked(x[k]) for k in range(4)]))
+    own = nn.Linear(3, 2).double()
+    own.forward = lambda v: v.sum(-1, keepdim=True) + 100
+    assert_close(recompile.vmap(cf, in_dims=(None, 0))(own, x), torch.stack([own(x[k]) for k in range(4)]))
+
+
 # ---------------------------------------------------------------------------
 # 5. stats: the SST Tree-LSTM of examples/tree_lstm.py over a minibatch
 # ---------------------------------------------------------------------------

@@ -95,6 +95,10 @@ def item(n, x, index):
     """``x[index]``."""
     if type(x) is not Batch and type(index) is not Batch:
         return x[index]
+    if n > 1:
+        out = gather(n, operator.getitem, (x, index), None)
+        if out is not NotImplemented:
+            return out
     return call(n, operator.getitem, (x, index))
 
 
@@ -414,7 +418,7 @@ def gather(n, fn, args, kwargs):
             i = torch.tensor(items, device=x.device)
         elif i.dtype not in (torch.long, torch.int, torch.int16, torch.int8, torch.uint8) or i.dim() != 1:
             return NotImplemented  # a mask or an index per instance that is itself a tensor of indices
-        return bt.from_tensor(x[i])
+        return bt.from_tensor(_rows(x, i))
     if type(x) is Batch and type(index) is not Batch:
         if x.struct is not None and x.owner is None and type(index) is int:
             return x.struct[1][index]
@@ -423,6 +427,18 @@ def gather(n, fn, args, kwargs):
             return NotImplemented
         return bt.from_tensor(t[(slice(None),) + (index if type(index) is tuple else (index,))])
     return NotImplemented
+
+
+def _rows(x, i):
+    """``x[i]`` for a 1-d integer index: on CPU by index_select, a third the cost of advanced indexing on
+    small tensors. It refuses negative or out-of-range indices, which ``x[i]`` then wraps or reports
+    (on CUDA it would assert on the device instead, so there it is always ``x[i]``)."""
+    if x.dim() and x.device.type == "cpu" and i.dtype in (torch.long, torch.int):
+        try:
+            return x.index_select(0, i)
+        except (IndexError, RuntimeError):
+            pass
+    return x[i]
 
 
 def _plain_index(index):
@@ -588,9 +604,13 @@ _ACTIVATIONS = (nn.Sigmoid, nn.Tanh, nn.ReLU, nn.GELU, nn.SiLU, nn.ELU, nn.Leaky
 
 
 def _module_over_last_dims(n, module, args, kwargs):
-    if type(module) is nn.Embedding and len(args) == 1 and not kwargs and type(args[0]) is Batch:
+    kind = type(module)
+    if kind is nn.Embedding and len(args) == 1 and not kwargs and type(args[0]) is Batch:
         i = bt.tensor_of(args[0])
         return NotImplemented if i is None else bt.from_tensor(module(i))
+    if kind is nn.Linear and len(args) == 1 and not kwargs and "forward" not in module.__dict__:
+        # (what Linear.forward runs, without Module.__call__'s dispatch: call() checked for hooks)
+        return over_last_dims(n, F.linear, (args[0], module.weight, module.bias), kwargs)
     return over_last_dims(n, module, args, kwargs)
 
 
