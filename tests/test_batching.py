@@ -18,6 +18,7 @@ Layout
   6. ops without a batch rule
   7. errors: exceptions inside a batched recursion, vmap misuse
   8. per-instance side effects and in-place updates
+  9. deferred calls: a call whose result is only returned runs once for every level
 """
 
 from __future__ import annotations
@@ -778,6 +779,12 @@ def test_sst_minibatch_stats(sst, size):
     assert stats["batches"][other]["instances"] == forest.num_nodes - leaves
     assert stats["per_instance"] == {}
     assert stats["compute_s"] > 0 and stats["scheduling_s"] >= 0
+    # the per-node loss (a call whose result is only returned) is deferred and runs for many levels at
+    # once: a frame of one instance needs its children's losses as plain values, which runs the
+    # deferred calls issued so far (a single tree has several such levels; 25 trees have none)
+    node_loss = stats["batches"]["SentimentModel.node_loss"]
+    assert node_loss["instances"] == forest.num_nodes
+    assert node_loss["runs"] <= {1: 6, 5: 2, 25: 1}[size] < max(tree.height for tree in trees)
 
 
 def test_sst_stats_reset_and_accumulate(sst):
@@ -1274,3 +1281,202 @@ def test_random_draws_are_per_instance(mode):
         draws = cf(tree, tree.root)
     assert len(draws) == 8
     assert len(set(draws)) == 8, draws
+
+
+# ---------------------------------------------------------------------------
+# 9. deferred calls
+# ---------------------------------------------------------------------------
+
+def node_score(self, h, label):
+    return F.cross_entropy(self.out(h).unsqueeze(0), label.unsqueeze(0), reduction="sum")
+
+
+def rnn_loss_encode(self, tree, i):
+    """Tree-RNN with a per-node loss from a compiled helper, whose result is only returned."""
+    if tree.is_leaf[i]:
+        h = torch.tanh(self.proj(self.embed(tree.words[i])))
+        loss = 0.0
+    else:
+        hl, loss_l = self.encode(tree, tree.left[i])
+        hr, loss_r = self.encode(tree, tree.right[i])
+        h = torch.tanh(self.comb(torch.cat([hl, hr], dim=-1)))
+        loss = loss_l + loss_r
+    return h, loss + self.score(h, tree.labels[i])
+
+
+def rnn_loss_models(seed=0):
+    """(eager, batched, sequential) Tree-RNNs with ``score`` as a compiled helper."""
+    torch.manual_seed(seed)
+    made = []
+    for name, wrap in (("Eager", lambda f: f), ("Batched", recompile.function),
+                       ("Sequential", lambda f: recompile.function(f, mode="sequential"))):
+        cls = type(name + "LossRNN", (TreeParams,), {"encode": wrap(rnn_loss_encode), "score": wrap(node_score)})
+        made.append(cls().double())
+    for m in made[1:]:
+        m.load_state_dict(made[0].state_dict())
+    return made
+
+
+def test_deferred_per_node_loss_runs_once_and_matches_eager():
+    trees = [make_tree(s) for s in ("balanced3", "random12", "random7", "random20")]
+    forest = Forest.from_trees(trees)
+    eager, batched, _ = rnn_loss_models()
+    want, want_g = run_with_grads(eager, lambda m: stack_results([m.encode(t, t.root) for t in trees]))
+    type(batched).encode.stats.reset()
+    got, got_g = run_with_grads(batched, lambda m: recompile.vmap(m.encode, in_dims=(None, 0))(forest, forest.roots))
+    assert_close(got, want)
+    assert_grads_close(got_g, want_g)
+    batches = type(batched).encode.stats["batches"]
+    assert batches["node_score"]["instances"] == forest.num_nodes
+    # fewer runs than levels: a level whose frame has one instance reads its children's losses
+    assert batches["node_score"]["runs"] < batches["rnn_loss_encode"]["runs"], batches
+    balanced = Forest.from_trees([make_tree("balanced3")] * 3)  # no level of one instance: one run
+    type(batched).encode.stats.reset()
+    recompile.vmap(batched.encode, in_dims=(None, 0))(balanced, balanced.roots)
+    assert type(batched).encode.stats["batches"]["node_score"] == {
+        "runs": 1, "instances": balanced.num_nodes, "mean_batch": float(balanced.num_nodes)}
+
+
+def test_deferred_loss_along_a_3000_deep_tree():
+    """The lazy sums of a 3000-deep tree are computed without Python recursion."""
+    deep = Tree.from_nested(linear_nested(3000), vocab())
+    trees = [deep, make_tree("balanced3")]
+    forest = Forest.from_trees(trees)
+    _, batched, seq = rnn_loss_models(seed=1)
+    want, want_g = run_with_grads(seq, lambda m: stack_results([m.encode(t, t.root) for t in trees]))
+    got, got_g = run_with_grads(batched, lambda m: recompile.vmap(m.encode, in_dims=(None, 0))(forest, forest.roots))
+    assert_close(got, want)
+    assert_grads_close(got_g, want_g)
+
+
+def checked_score(self, h, label):
+    assert h.abs().sum() < 1e6, "score of a huge state"
+    return (self.out(h) * 0).sum() + label * 1.0
+
+
+def scaled_rnn_encode(self, tree, i):
+    if tree.is_leaf[i]:
+        h = self.embed(tree.words[i]) * self.scale
+        loss = 0.0
+    else:
+        hl, loss_l = self.encode(tree, tree.left[i])
+        hr, loss_r = self.encode(tree, tree.right[i])
+        h = (hl + hr) * self.scale
+        loss = loss_l + loss_r
+    return h, loss + self.score(h, tree.labels[i])
+
+
+def scaled_gated_encode(self, tree, i):
+    if tree.is_leaf[i]:
+        h = self.embed(tree.words[i]) * self.scale
+        loss = 0.0
+    else:
+        hl, loss_l = self.encode(tree, tree.left[i])
+        hr, loss_r = self.encode(tree, tree.right[i])
+        if loss_l > loss_r:  # reads the children's deferred losses in this frame
+            h = (hl + hr) * self.scale
+        else:
+            h = (hr + hl) * self.scale
+        loss = loss_l + loss_r
+    return h, loss + self.score(h, tree.labels[i])
+
+
+class ScaledRNN(nn.Module):
+    score = recompile.function(checked_score)
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(len(WORDS) + 1, 4)
+        self.out = nn.Linear(4, 2)
+        self.scale = 1.0
+
+
+SCALED = {"returned": type("ReturnedScaled", (ScaledRNN,), {"encode": recompile.function(scaled_rnn_encode)}),
+          "read_in_frame": type("GatedScaled", (ScaledRNN,), {"encode": recompile.function(scaled_gated_encode)})}
+
+
+@pytest.mark.parametrize("where", list(SCALED))
+def test_error_in_a_deferred_call_keeps_its_type_and_names_its_chain(where):
+    """The deferred call fails when its group runs: at the end of the call, or inside the frame that
+    reads its result; either way with its own type, message and one call chain."""
+    trees = [make_tree("balanced3"), make_tree("random7")]
+    forest = Forest.from_trees(trees)
+    model = SCALED[where]()
+    recompile.vmap(model.encode, in_dims=(None, 0))(forest, forest.roots)  # fine at scale 1
+    model.scale = 1e4  # the deepest levels' states pass the check, the upper ones do not
+    with pytest.raises(AssertionError, match="score of a huge state") as info:
+        recompile.vmap(model.encode, in_dims=(None, 0))(forest, forest.roots)
+    notes = [n for n in getattr(info.value, "__notes__", []) if "recompile call chain" in n]
+    assert len(notes) == 1, notes
+    assert "checked_score" in notes[0], notes[0]
+
+
+def gated_rnn_encode(self, tree, i):
+    """The children's losses decide a branch: a deferred result read by the frame that gets it."""
+    if tree.is_leaf[i]:
+        h = self.embed(tree.words[i])
+        loss = 0.0
+    else:
+        hl, loss_l = self.encode(tree, tree.left[i])
+        hr, loss_r = self.encode(tree, tree.right[i])
+        if loss_l > loss_r:
+            h = hl - hr
+        else:
+            h = hr * 0.5
+        loss = loss_l + loss_r
+    return h, loss + self.score(h, tree.labels[i])
+
+
+def square_score(self, h, label):
+    return (self.out(h) ** 2).sum() + label
+
+
+def test_deferred_result_read_early_gives_the_same_values():
+    trees = [make_tree(s) for s in ("balanced3", "random12", "random20")]
+    forest = Forest.from_trees(trees)
+    torch.manual_seed(3)
+    params = nn.ModuleDict({"embed": nn.Embedding(len(WORDS) + 1, 3), "out": nn.Linear(3, 2)}).double()
+    eager_cls = type("EagerGated", (nn.Module,), {"encode": gated_rnn_encode, "score": square_score})
+    batched_cls = type("BatchedGated", (nn.Module,), {"encode": recompile.function(gated_rnn_encode),
+                                                      "score": recompile.function(square_score)})
+    models = []
+    for cls in (eager_cls, batched_cls):
+        m = cls()
+        m.embed, m.out = params["embed"], params["out"]
+        models.append(m)
+    eager, batched = models
+    want = stack_results([eager.encode(t, t.root) for t in trees])
+    got = recompile.vmap(batched.encode, in_dims=(None, 0))(forest, forest.roots)
+    assert_close(got, want)
+    assert batched_cls.encode.stats["batches"]["square_score"]["runs"] > 1  # read level by level
+
+
+def bump(t):
+    t.add_(1.0)  # an undecorated helper: recompile takes it as not changing what its caller reads
+
+
+def scored_pair(x):
+    y = x * 2
+    return y, total(y)
+
+
+def total(y):
+    return (y * y).sum()
+
+
+def bumping_caller(x):
+    y, s = scored_pair(x)
+    bump(y)
+    return y, s
+
+
+def test_in_place_change_to_a_deferred_calls_argument_raises():
+    """A deferred call reads its arguments when it runs: one changed in place since it was issued is
+    refused with an error naming the call, not computed with the changed value."""
+    funcs = {name: recompile.function(G[name]) for name in ("scored_pair", "total", "bumping_caller")}
+    x = torch.arange(6, dtype=F64).view(3, 2)
+    with bound_globals(G, funcs):
+        with pytest.raises(RuntimeError, match="changed in place after the call was issued"):
+            recompile.vmap(funcs["bumping_caller"])(x)
+        got = recompile.vmap(funcs["scored_pair"])(x)  # nothing changes it: deferred and correct
+    assert_close(got, (x * 2, (x * 2).pow(2).sum(1)))

@@ -151,9 +151,10 @@ class _BatchedEmitter(emit._FunctionEmitter):
         return [start, body] + ([self.results(op.outputs, result, op.loc)] if op.outputs else [])
 
     def request(self, op):
-        """(unit, args, instance count, site): every instance of the frame makes the call."""
+        """(unit, args, instance count, site, deferrable): every instance of the frame makes the call;
+        deferrable when the frame does not need its result before returning (``passes.batching``)."""
         target, args, site = super().request(op)
-        return [target, args, self.n_load(), site]
+        return [target, args, self.n_load(), site, ast.Constant(value=op in self.batch_plan.deferrable)]
 
     def function(self, sg):
         self.current = sg
@@ -169,7 +170,7 @@ def _no_args():
 
 def generate_batched(sg, may_mutate=lambda invoke: False):
     """Batched code of function SubGraph ``sg``: GeneratedCode whose ``units`` maps SubGraph -> Unit."""
-    batch_plan = BatchPlan(sg)
+    batch_plan = BatchPlan(sg, may_mutate)
     gen = emit._Generator(sg, may_mutate)
     gen.generators = set(batch_plan.generators)
     module = emit._Module()

@@ -17,11 +17,26 @@ children are one request each, merged into one frame.
 
 ``feeds``: a unit's successors (the units its frames may request), from which
 the scheduler's agenda knows which pending groups may still grow.
+
+``deferrable``: the Invokes of a unit whose results its frame does not need
+before it returns. Their outputs flow, through arithmetic (``+ - * /``, unary ``-``) and
+tuple building only, into the SubGraph's outputs, and neither the callee nor
+the function they are in changes state. The scheduler may answer such a
+request at once with a lazy value and run the call later, merged with the
+same call from other depths (``runtime.agenda``): the per-node loss of a
+tree model then runs once per minibatch instead of once per level.
 """
 
 from __future__ import annotations
 
+import operator
+
 from .. import ir
+from ..runtime import semantics as sem
+from .effects import subgraph_mutates
+
+# ops that pass a lazy value on as a lazy value (``runtime.batch_rules.LAZY_OPS``, as the IR calls them)
+LAZY_FLOW = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, sem.build_tuple})
 
 
 class Unit:
@@ -45,7 +60,7 @@ class Unit:
 class BatchPlan:
     """Which SubGraphs of a function yield (``generators``) and its units (``units``: SubGraph -> Unit)."""
 
-    def __init__(self, sg):
+    def __init__(self, sg, may_mutate=lambda invoke: False):
         self.generators = set()
         for s in reversed(list(sg.walk())):  # inner SubGraphs first
             if any(isinstance(op, ir.Invoke) or any(x in self.generators for x in op.subgraphs()) for op in s.ops):
@@ -60,6 +75,10 @@ class BatchPlan:
         for s, unit in self.units.items():
             unit.is_generator = s in self.generators
             unit.successors = tuple(self._requested(s))
+        self.deferrable = set()
+        if not subgraph_mutates(sg):  # (a caller's in-place change could reach a deferred call's arguments)
+            for s in self.units:  # (a unit's outputs go back to the frames that asked for it)
+                self.deferrable.update(_deferrable_invokes(s, may_mutate))
 
     def yields_branches(self, sg):
         """Whether the Conds of SubGraph ``sg`` send their branches to the scheduler."""
@@ -75,3 +94,36 @@ class BatchPlan:
             else:
                 for nested in op.subgraphs():
                     yield from self._requested(nested)
+
+
+def _flows_lazily(op):
+    if not isinstance(op, ir.Call) or op.kwargs or op.star or not isinstance(op.fn, ir.Const):
+        return False
+    try:
+        return op.fn.value in LAZY_FLOW
+    except TypeError:  # unhashable callable
+        return False
+
+
+def _deferrable_invokes(sg, may_mutate):
+    """The Invokes of ``sg`` whose outputs reach nothing but ``sg``'s outputs, through LAZY_FLOW ops."""
+    users = {}
+    for op in sg.ops:
+        for x in op.operands():
+            if isinstance(x, ir.Value):
+                users.setdefault(x, []).append(op)
+
+    def only_returned(values):
+        pending, seen = list(values), set()
+        while pending:
+            v = pending.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            for op in users.get(v, ()):
+                if not _flows_lazily(op):
+                    return False
+                pending.extend(op.outputs)
+        return True
+
+    return [op for op in sg.ops if isinstance(op, ir.Invoke) and not may_mutate(op) and only_returned(op.outputs)]

@@ -17,6 +17,13 @@ what hand-batching by depth or height does, derived from the program.
 Frames keep the requests that created them (their parents), so an error names
 the chain of calls that led to it, as in sequential mode.
 
+A request the frame does not need before it returns (``deferrable``, from
+``passes.batching``: the per-node loss of a tree model) is answered at once
+with a lazy value, and the frame goes on. Its group runs when that value is
+first read (in the frame that reads it), when the agenda has nothing else to
+run, or when the call ends: by then the same request has come from every
+level of the tree, and it runs once.
+
 With a pool of worker threads (``threads`` > 1), frames that are ready at the
 same time step concurrently, one per worker, and pending groups that cannot
 feed one another are launched together, so independent batched groups
@@ -59,6 +66,42 @@ class BatchFrame:
     @property
     def callee(self):
         return self.unit
+
+
+class _Deferred:
+    """The result of a deferred request: the thunk of the lazy value its frame got instead."""
+
+    __slots__ = ("run", "unit", "value", "done", "versions")
+
+    def __init__(self, run, unit, args):
+        self.run, self.unit = run, unit
+        self.value, self.done = None, False
+        # in-place changes to the arguments before the call runs would change what it computes
+        self.versions = [(t, t._version) for t in map(_tensor_in, args) if t is not None]
+
+    def depends_on(self):
+        return ()
+
+    def compute(self):
+        if not self.done:
+            self.run.run_deferred(self)
+        return self.value
+
+    def check_arguments(self, site):
+        for t, version in self.versions:
+            if t._version != version:
+                raise RuntimeError(
+                    f"recompile: an argument of the call at {site.filename}:{site.lineno} was changed in place "
+                    "after the call was issued and before it ran (batched mode defers calls whose results "
+                    "are only returned); change a copy instead, or compile with mode='sequential'")
+
+
+def _tensor_in(value):
+    if type(value) is torch.Tensor:
+        return value
+    if type(value) is bt.Batch and value.owner == "tensor":
+        return value.tensor
+    return None
 
 
 class RunStats:
@@ -179,6 +222,7 @@ class _Run:
                 else:
                     self.step(self.ready.pop())
                 if root.gen is None:
+                    self.finish()
                     return self.outcome
             if not self.pending:
                 raise RuntimeError("recompile: batched run stalled with frames waiting (internal error)")
@@ -277,14 +321,24 @@ class _Run:
         frame.inbox = None
         frame.results = [None] * len(requests)
         frame.waiting = len(requests)
-        if not requests:
-            frame.inbox = ()
+        for slot, (target, args, count, site, deferrable) in enumerate(requests):
+            unit = _unit_of(target)
+            if deferrable and count > 1 and self.pool is None and not unit.is_generator:
+                cell = _Deferred(self, unit, args)
+                frame.results[slot] = bt.Batch(count, thunk=cell)
+                frame.waiting -= 1
+                slot = cell
+            self.pending.setdefault(unit, []).append((frame, slot, args, count, site))
+        if frame.waiting == 0:
+            frame.inbox = tuple(frame.results)
+            frame.results = None
             self.ready.append(frame)
-        for slot, (target, args, count, site) in enumerate(requests):
-            self.pending.setdefault(_unit_of(target), []).append((frame, slot, args, count, site))
 
     def launch(self, unit):
         requests = self.pending.pop(unit)
+        for r in requests:
+            if type(r[1]) is _Deferred:
+                r[1].check_arguments(r[4])
         if len(requests) == 1:
             frame0, slot, args, n, site = requests[0]
         else:
@@ -325,6 +379,9 @@ class _Run:
             else:
                 value = bt.part(result, start, count)
             start += count
+            if type(slot) is _Deferred:
+                slot.value, slot.done = value, True
+                continue
             parent.results[slot] = value
             parent.waiting -= 1
             if parent.waiting == 0:
@@ -332,15 +389,51 @@ class _Run:
                 parent.results = None
                 self.ready.append(parent)
 
-    def fail(self, exc, frame):
+    def run_deferred(self, cell):
+        """Run the group of deferred request ``cell`` now: a frame is reading its lazy result. An error
+        is raised here, in the reading frame's step, with the deferred call's own chain."""
+        requests = self.pending.get(cell.unit, ())
+        if not any(r[1] is cell for r in requests):
+            raise RuntimeError("recompile: a deferred call's result was read before its call ran (internal error)")
+        self.launch(cell.unit)
+        frame = self.ready.pop()  # (the frame launch made: a unit that never yields runs in one step)
+        t = time.perf_counter()
+        kind, value = self.advance(frame)
+        self.stats.compute_s += time.perf_counter() - t
+        if kind == _FAILED:
+            original = _unwrap_stop_iteration(value, _Codes(frame.unit))
+            self.fail(original, frame)
+            raise original
+        self.settle(frame, kind, value)
+
+    def finish(self):
+        """The call has its result: run the deferred groups still pending (each once, for every level)."""
+        while self.pending:
+            self.launch(_choose(self.pending))
+            while self.ready:
+                self.step(self.ready.pop())
+
+    @staticmethod
+    def annotate(exc, frame):
+        """Name the chain of calls that led to ``frame`` on ``exc`` (once: an error that reaches a frame
+        reading a deferred result already names the deferred call's chain)."""
+        if getattr(exc, "_recompile_chain", False):
+            return
         chain = []
         f = frame
         while f is not None:
             chain.append(f)
             f = f.parent
         _annotate(exc, list(reversed(chain)))
+        try:
+            exc._recompile_chain = True
+        except AttributeError:  # (an exception type without a __dict__)
+            pass
+
+    def fail(self, exc, frame):
+        self.annotate(exc, frame)
         for f in list(self.live):  # cancel the rest of the call
-            if f.gen is not None:
+            if f.gen is not None and not f.gen.gi_running:  # (the running one ends with the error)
                 f.gen.close()
         self.live.clear()
 

@@ -14,6 +14,12 @@ variables is either
 
 A Batch never hides inside a plain object, and one of size 1 is never made:
 it is the plain value of its one instance.
+
+A Batch may also be *lazy* (``thunk``): a value not computed yet — the result
+of a call the scheduler deferred, or arithmetic on such a result. It is
+computed, in place, the first time anything reads it (``force``); a few
+operations pass it on unread (``part``, a Cond's join, tuple building, the
+arithmetic of ``batch_rules.LAZY_OPS``).
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ _NUMBERS = (bool, int, float)
 
 
 class Batch:
-    __slots__ = ("n", "tensor", "items", "struct", "pieces", "method", "owner")
+    __slots__ = ("n", "tensor", "items", "struct", "pieces", "method", "owner", "thunk")
 
-    def __init__(self, n, tensor=None, items=None, struct=None, pieces=None, method=None):
+    def __init__(self, n, tensor=None, items=None, struct=None, pieces=None, method=None, thunk=None):
         self.n = n
+        self.thunk = thunk  # a lazy batch: ``thunk.compute()`` gives its value (see ``force``)
         self.method = method  # (batched tensor, name): ``x.name`` waiting to be called
         self.tensor = tensor
         self.items = items
@@ -38,7 +45,8 @@ class Batch:
         self.owner = "tensor" if tensor is not None else "items" if items is not None else None
 
     def __repr__(self):
-        form = ("tensor " + "x".join(map(str, self.tensor.shape)) if self.tensor is not None
+        form = ("lazy" if self.thunk is not None else "tensor " + "x".join(map(str, self.tensor.shape))
+                if self.tensor is not None
                 else "items" if self.items is not None else "struct" if self.struct is not None else "pieces")
         return f"<Batch of {self.n}: {form}>"
 
@@ -60,12 +68,110 @@ def is_batch(value):
     return type(value) is Batch
 
 
+# -- lazy batches
+
+
+def is_lazy(value):
+    """Whether ``value`` is, or is joined from, a lazy batch not computed yet."""
+    if type(value) is not Batch:
+        return False
+    if value.thunk is not None:
+        return True
+    return value.pieces is not None and any(is_lazy(v) for v, _ in value.pieces[0])
+
+
+def _lazies_in(value):
+    """The uncomputed lazy batches ``value`` is made of (itself, its joined pieces, its elements)."""
+    if type(value) is not Batch:
+        return []
+    if value.thunk is not None:
+        return [value]
+    found = []
+    if value.pieces is not None:
+        for v, _ in value.pieces[0]:
+            found.extend(_lazies_in(v))
+    if value.struct is not None:
+        for v in value.struct[1]:
+            found.extend(_lazies_in(v))
+    return found
+
+
+def force(b):
+    """Compute lazy batch ``b`` in place. What it depends on is computed first, deepest first, with an
+    explicit stack: a chain of lazy values as long as a deep recursion's needs no Python stack."""
+    stack = [b]
+    while stack:
+        top = stack[-1]
+        if top.thunk is None:
+            stack.pop()
+            continue
+        waiting = [d for d in top.thunk.depends_on() if d.thunk is not None]
+        if waiting:
+            stack.extend(waiting)
+            continue
+        _adopt(top, top.thunk.compute())
+        stack.pop()
+
+
+def _adopt(b, value):
+    """Lazy batch ``b`` becomes ``value`` (a Batch of b.n, or one value every instance shares)."""
+    if type(value) is Batch:
+        if value.thunk is not None:
+            force(value)
+        b.tensor, b.items, b.struct, b.pieces = value.tensor, value.items, value.struct, value.pieces
+        b.method, b.owner = value.method, value.owner
+    else:
+        b.tensor, b.items, b.struct, b.pieces, b.method = None, [value] * b.n, None, None, None
+        b.owner = "items"
+    b.thunk = None
+
+
+def ready(value):
+    """``value``, computed if it is a lazy batch."""
+    if type(value) is Batch and value.thunk is not None:
+        force(value)
+    return value
+
+
+class LazyOp:
+    """``fn(*args)`` on n instances where an argument is lazy: run (by ``batch_rules.call``) when read."""
+
+    __slots__ = ("n", "fn", "args")
+
+    def __init__(self, n, fn, args):
+        self.n, self.fn, self.args = n, fn, args
+
+    def depends_on(self):
+        return [d for a in self.args for d in _lazies_in(a)]
+
+    def compute(self):
+        from .batch_rules import call  # (batch_rules builds on this module)
+        return call(self.n, self.fn, self.args)
+
+
+class _LazyPart:
+    """Instances start .. start+count-1 of a lazy value, for the request that asked for them."""
+
+    __slots__ = ("value", "start", "count")
+
+    def __init__(self, value, start, count):
+        self.value, self.start, self.count = value, start, count
+
+    def depends_on(self):
+        return _lazies_in(self.value)
+
+    def compute(self):
+        return part(self.value, self.start, self.count)
+
+
 # -- reading a batch in the form an op needs
 
 
 def settle(value):
     """A batch of lists built in the program (``[hl, hr]``) is kept as its elements until each instance's
     list is needed by itself: then every instance gets its own list, and those lists are the truth."""
+    if type(value) is Batch and value.thunk is not None:
+        force(value)
     if type(value) is Batch and value.struct is not None and not issubclass(value.struct[0], tuple):
         items_of(value)
     return value
@@ -83,6 +189,8 @@ def instance(value, k):
 
 def items_of(b):
     """The per-instance values of Batch ``b`` as a list."""
+    if b.thunk is not None:
+        force(b)
     if b.items is None:
         if b.tensor is not None:
             t = b.tensor
@@ -107,6 +215,8 @@ def items_of(b):
 
 def tensor_of(b):
     """Batch ``b`` as one tensor of n rows, or None if its values are not tensors of one shape and dtype."""
+    if b.thunk is not None:
+        force(b)
     if b.tensor is None:
         if b.pieces is not None:
             t = _joined_tensor(b.pieces, None)
@@ -234,6 +344,8 @@ def part(value, start, count):
         return value
     if count == value.n:
         return value
+    if count > 1 and is_lazy(value):  # (one instance's value is plain: it must be computed)
+        return Batch(count, thunk=_LazyPart(value, start, count))
     settle(value)
     t = value.tensor if value.owner == "tensor" else None
     if t is None and value.items is None:
@@ -254,7 +366,7 @@ def concat(parts):
     the requests it serves, copied into one tensor once, at entry."""
     first = parts[0][0]
     if all(v is first for v, _ in parts):
-        return first
+        return ready(first)
     for v, _ in parts:
         settle(v)
     n = sum(c for _, c in parts)
@@ -354,6 +466,7 @@ def stack_output(value, n):
     """A batched result as torch.func.vmap returns it: tensors stacked along dim 0, a tuple or list of
     them as a tuple or list of stacked tensors."""
     if type(value) is Batch:
+        ready(value)
         if value.struct is not None and value.owner is None:
             kind, parts = value.struct
             return kind([stack_output(p, n) for p in parts])

@@ -56,6 +56,7 @@ def call(n, fn, args, kwargs=None):
         return fn(*args, **kwargs) if kwargs else fn(*args)
     kind = type(fn)
     if kind is Batch:
+        bt.ready(fn)
         if fn.method is not None:
             base, name = fn.method
             rule = METHOD_RULES.get(name)
@@ -75,6 +76,12 @@ def call(n, fn, args, kwargs=None):
         rule = RULES.get(fn)
     except TypeError:  # unhashable callable
         rule = None
+    if _lazy_among(args) or (kwargs and _lazy_among(kwargs.values())):
+        if rule is elementwise and fn in LAZY_OPS and not kwargs:
+            return Batch(n, thunk=bt.LazyOp(n, fn, args))
+        if rule is not _build_rule:  # (a tuple or list holds its lazy elements as they are)
+            for a in (*args, *(kwargs.values() if kwargs else ())):
+                bt.ready(a)
     if rule is None and isinstance(fn, nn.Module) and not _has_hooks(fn):
         rule = MODULE_RULES.get(type(fn))
     if rule is not None:
@@ -82,6 +89,13 @@ def call(n, fn, args, kwargs=None):
         if out is not NotImplemented:
             return out
     return _vmapped_or_per_instance(n, fn, args, kwargs)
+
+
+def _lazy_among(values):
+    for a in values:
+        if type(a) is Batch and (a.thunk is not None or (a.pieces is not None and bt.is_lazy(a))):
+            return True
+    return False
 
 
 def attr(n, x, name):
@@ -448,10 +462,8 @@ def _plain_index(index):
     return type(index) in (int, slice, type(None)) or index is Ellipsis
 
 
-def build(kind):
-    def rule(n, fn, args, kwargs):
-        return bt.from_struct(kind, list(args), n)
-    return rule
+def _build_rule(n, fn, args, kwargs):
+    return bt.from_struct(tuple if fn is sem.build_tuple else list, list(args), n)
 
 
 def attribute(n, fn, args, kwargs):
@@ -573,6 +585,9 @@ def via_vmap(n, fn, args, kwargs):
     return _vmapped(n, fn, args, kwargs, None)
 
 _IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+# ops that leave a lazy argument lazy: their result is computed when read (``batch.LazyOp``); the IR's
+# view of the same set is ``passes.batching.LAZY_FLOW``
+LAZY_OPS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.neg})
 _ANY_RANK = {F.embedding}
 
 _ELEMENTWISE = [
@@ -596,7 +611,7 @@ RULES.update({
     torch.sum: full_reduction, torch.mean: full_reduction, torch.max: _dim_rule(1), torch.min: _dim_rule(1),
     torch.argmax: _dim_rule(1), torch.logsumexp: _dim_rule(1), torch.norm: _dim_rule(2),
     operator.getitem: gather, getattr: attribute, operator.matmul: via_vmap,
-    sem.build_tuple: build(tuple), sem.build_list: build(list),
+    sem.build_tuple: _build_rule, sem.build_list: _build_rule,
     F.cross_entropy: cross_entropy, F.nll_loss: cross_entropy,
 })
 

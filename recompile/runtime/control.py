@@ -93,7 +93,7 @@ class Branch:
 
     def requests(self, then_unit, else_unit, site):
         units = (then_unit, else_unit)
-        return tuple((units[which], args, len(positions), site) for which, args, positions in self.sides)
+        return tuple((units[which], args, len(positions), site, False) for which, args, positions in self.sides)
 
     def run(self, then_fn, else_fn):
         fns = (then_fn, else_fn)
@@ -159,6 +159,7 @@ def unpack(n, value, k):
     """``a, b, c = value`` for n instances (the caller's assignment then unpacks the k values)."""
     if n == 1 or type(value) is not Batch:
         return value
+    bt.ready(value)
     if value.struct is not None and value.owner is None:
         parts = value.struct[1]
         return parts if len(parts) == k else _unpack_items(n, value, k)
