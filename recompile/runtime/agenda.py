@@ -242,10 +242,12 @@ class _Run:
         self.ready.append(frame)
 
     def step(self, frame):
-        t = time.perf_counter()
-        kind, value = self.advance(frame)
-        self.stats.compute_s += time.perf_counter() - t
-        self.settle(frame, kind, value)
+        while True:  # (a frame whose requests were all answered at once goes on in the same step)
+            t = time.perf_counter()
+            kind, value = self.advance(frame)
+            self.stats.compute_s += time.perf_counter() - t
+            if not self.settle(frame, kind, value):
+                return
 
     @staticmethod
     def advance(frame):
@@ -299,13 +301,13 @@ class _Run:
         for frame, outcome in zip(frames[1:], outcomes[1:]):
             for name, k in outcome[2].items():
                 counts[name] = counts.get(name, 0) + k
-        self.settle(frames[0], kind, value)
-        for frame, outcome in zip(frames[1:], outcomes[1:]):
-            self.settle(frame, outcome[0], outcome[1])
+        for frame, (kind, value) in zip(frames, [(kind, value)] + [o[:2] for o in outcomes[1:]]):
+            if self.settle(frame, kind, value):
+                self.ready.append(frame)
 
     def settle(self, frame, kind, value):
         """Act on what a step of ``frame`` came to: hand on its result, raise its error, or queue its
-        requests."""
+        requests. True when every request was answered at once (deferred): the frame may go on now."""
         if kind == _RETURNED:
             frame.gen = None
             self.live.discard(frame)
@@ -332,7 +334,8 @@ class _Run:
         if frame.waiting == 0:
             frame.inbox = tuple(frame.results)
             frame.results = None
-            self.ready.append(frame)
+            return True
+        return False
 
     def launch(self, unit):
         requests = self.pending.pop(unit)
@@ -404,7 +407,7 @@ class _Run:
             original = _unwrap_stop_iteration(value, _Codes(frame.unit))
             self.fail(original, frame)
             raise original
-        self.settle(frame, kind, value)
+        self.settle(frame, kind, value)  # (it returned: a unit that never yields has no requests)
 
     def finish(self):
         """The call has its result: run the deferred groups still pending (each once, for every level)."""

@@ -344,6 +344,9 @@ def part(value, start, count):
         return value
     if count == value.n:
         return value
+    if value.owner == "tensor":  # (the common case first: rows of one tensor)
+        t = value.tensor
+        return t[start] if count == 1 else Batch(count, tensor=t[start:start + count])
     if count > 1 and is_lazy(value):  # (one instance's value is plain: it must be computed)
         return Batch(count, thunk=_LazyPart(value, start, count))
     settle(value)
