@@ -372,16 +372,15 @@ class _Run:
         if not frame.sources:
             self.outcome = result
             return
-        several = frame.unit.arity > 1
-        start = 0
-        for parent, slot, count in frame.sources:
-            if count == frame.n:
-                value = result
-            elif several:
-                value = tuple(bt.part(v, start, count) for v in result)
+        if len(frame.sources) == 1:
+            values = [result]
+        else:
+            counts = [count for _, _, count in frame.sources]
+            if frame.unit.arity > 1:
+                values = list(zip(*[bt.cut(v, counts) for v in result]))
             else:
-                value = bt.part(result, start, count)
-            start += count
+                values = bt.cut(result, counts)
+        for (parent, slot, count), value in zip(frame.sources, values):
             if type(slot) is _Deferred:
                 slot.value, slot.done = value, True
                 continue
