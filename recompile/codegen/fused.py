@@ -45,6 +45,9 @@ class FusedKernel:
         self.python = python
         self.batched = batched
         self.deps = _dependencies(op.body)
+        # (for batch_rules.fused, which checks its arguments on every batched call)
+        self.data_positions = tuple(i for i in range(len(op.body.inputs)) if i not in self.callables)
+        self.dep_masks = tuple(sum(1 << i for i in d) for d in self.deps)
         self.compile_s = None  # seconds the first compiled call took
         self._compiled = None
         self._compile_failed = False

@@ -129,28 +129,29 @@ def fused(n, kernel, args):
         return kernel.entry(*args)
     if not kernel.same_callables(args):  # one rebound since the build: it may not be elementwise
         return kernel.batched(n, *args)
-    values, rank, dtype, shared_rank, batched = list(args), None, None, 0, set()
-    for i, a in enumerate(args):
+    values, rank, dtype, shared_rank, batched = list(args), None, None, 0, 0
+    for i in kernel.data_positions:  # (the callables were checked above)
+        a = args[i]
         kind = type(a)
         if kind is Batch:
-            t = bt.tensor_of(a) if i not in kernel.callables else None
+            t = a.tensor if a.owner == "tensor" else bt.tensor_of(a)
             if t is None or (rank is not None and t.dim() - 1 != rank):
                 return kernel.batched(n, *args)
             rank = t.dim() - 1
             values[i] = t
-            batched.add(i)
-        elif isinstance(a, torch.Tensor):  # (a Parameter too)
+            batched |= 1 << i
+        elif kind is torch.Tensor or isinstance(a, torch.Tensor):  # (a Parameter too)
             t = a
             shared_rank = max(shared_rank, a.dim())
         else:
-            if kind not in _SCALARS and i not in kernel.callables:
+            if kind not in _SCALARS:
                 return kernel.batched(n, *args)
             continue
         if t.dtype is not torch.bool:  # (bool is the lowest category: it never decides a promotion)
             if dtype is not None and t.dtype != dtype:
                 return kernel.batched(n, *args)
             dtype = t.dtype
-    if rank is None or shared_rank > rank or not all(deps & batched for deps in kernel.deps):
+    if rank is None or shared_rank > rank or not all(mask & batched for mask in kernel.dep_masks):
         return kernel.batched(n, *args)
     out = kernel.entry(*values)
     if len(kernel.deps) == 1:
