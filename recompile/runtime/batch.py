@@ -376,7 +376,7 @@ def cut(value, counts):
         if t is None and value.items is None and value.struct is None:
             t = tensor_of(value)
         if t is not None:
-            return [p[0] if c == 1 else Batch(c, tensor=p) for p, c in zip(t.split(counts), counts)]
+            return [p[0] if c == 1 else Batch(c, tensor=p) for p, c in zip(t.split_with_sizes(counts), counts)]
         if value.struct is not None and value.items is None:  # (a tuple: settle made a list's items)
             kind, parts = value.struct
             rows = zip(*[cut(p, counts) for p in parts])
