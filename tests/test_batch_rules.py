@@ -428,6 +428,89 @@ def test_take_and_part(form):
     assert_same(bt.part(b, 5, 1), stacked[5])
 
 
+@pytest.mark.parametrize("form", list(FORMS))
+def test_cut_gives_each_request_its_rows(form):
+    stacked = rand(7, 3, seed=4)
+    counts = [3, 1, 2, 1]
+    pieces = bt.cut(FORMS[form](stacked), counts)
+    start = 0
+    for piece, count in zip(pieces, counts):
+        if count == 1:
+            assert_same(piece, stacked[start])
+        else:
+            assert piece.n == count
+            assert_same(bt.tensor_of(piece), stacked[start:start + count])
+        start += count
+    assert bt.cut("shared", [2, 3]) == ["shared", "shared"]
+
+
+def test_cut_of_a_tuple_and_its_gradient_is_one_cat():
+    h = rand(5, 2, seed=1).requires_grad_(True)
+    c = rand(5, 2, seed=2)
+    value = bt.from_struct(tuple, [Batch(5, tensor=h * 1), Batch(5, tensor=c), "label"], 5)
+    first, second = bt.cut(value, [4, 1])
+    assert first.struct[0] is tuple and first.n == 4
+    assert_same(bt.tensor_of(first.struct[1][1]), c[:4])
+    assert first.struct[1][2] == "label"
+    assert type(second) is tuple and second[2] == "label"
+    assert_same(second[1], c[4])
+    rows = bt.tensor_of(first.struct[1][0])
+    assert type(rows.grad_fn).__name__.startswith("SplitWithSizes"), rows.grad_fn
+    (rows.sum() + second[0].sum() * 2).backward()
+    assert_same(h.grad, torch.tensor([[1.0, 1.0]] * 4 + [[2.0, 2.0]], dtype=F64))
+
+
+class Counted:
+    """A thunk that computes a fixed batch, counting how often it is asked to."""
+
+    def __init__(self, value):
+        self.value, self.calls = value, 0
+
+    def depends_on(self):
+        return ()
+
+    def compute(self):
+        self.calls += 1
+        return self.value
+
+
+def test_lazy_values_pass_through_arithmetic_cuts_joins_and_tuples():
+    x = rand(6, 3, seed=5)
+    source = Counted(Batch(6, tensor=x))
+    lazy = Batch(6, thunk=source)
+    doubled = br.call(6, operator.mul, (lazy, 2.0))
+    total = br.call(6, operator.add, (doubled, Batch(6, tensor=x)))
+    assert doubled.thunk is not None and total.thunk is not None
+    head, tail = bt.cut(total, [4, 2])
+    joined = bt.join(6, [(head, [0, 2, 4, 5]), (tail, [1, 3])])
+    pair = br.call(6, sem.build_tuple, (joined, "tag"))
+    assert bt.is_lazy(joined) and source.calls == 0  # nothing read yet
+    first = bt.tensor_of(pair.struct[1][0])
+    assert source.calls == 1
+    want = 3 * x
+    order = [0, 4, 1, 5, 2, 3]  # instance k of the join is row order[k] of the cut rows
+    assert_same(first, want[order])
+    assert pair.struct[1][1] == "tag"
+    assert_same(bt.tensor_of(doubled), 2 * x)  # computed in place, once
+    assert source.calls == 1
+
+
+def test_an_op_without_a_lazy_rule_computes_its_lazy_argument():
+    x = rand(4, 2, seed=6)
+    source = Counted(Batch(4, tensor=x))
+    out = br.call(4, torch.tanh, (Batch(4, thunk=source),))
+    assert source.calls == 1 and out.thunk is None
+    assert_same(bt.tensor_of(out), torch.tanh(x))
+
+
+def test_a_long_chain_of_lazy_values_is_computed_without_recursion():
+    x = torch.arange(6, dtype=F64).view(3, 2)  # (whole numbers: the sums are exact)
+    value = Batch(3, thunk=Counted(Batch(3, tensor=x)))
+    for _ in range(20000):
+        value = br.call(3, operator.add, (value, 1.0))
+    assert_same(bt.tensor_of(value), x + 20000)
+
+
 def test_concat_then_part_round_trip():
     a = rand(3, 4, seed=1)
     shared = rand(4, seed=2)
