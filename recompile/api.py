@@ -14,7 +14,7 @@ from .codegen import generate
 from .codegen.batched import generate_batched
 from .errors import CompileError
 from .frontend import convert, parse_function, validate
-from .passes.effects import invoke_may_mutate
+from .passes.effects import invoke_may_mutate, program_may_mutate
 from .passes.fusion import BACKENDS, DEFAULT_BACKEND
 from .passes.grad import derive
 from .passes.pipeline import FINAL, GRAD, STAGES, run_passes
@@ -208,6 +208,7 @@ class Callee:
         self.filename = cf._parsed.filename
         self._code = None
         self._unit = None
+        self._may_mutate = None
         self.ready = False  # this function and every function it may invoke are built
         self.forward = GradHandle(self, 0)
         self.backward = GradHandle(self, 1)
@@ -236,6 +237,13 @@ class Callee:
         if code is None:
             code = self._code = self.build.code
         return code
+
+    @property
+    def may_mutate(self):
+        """Whether this function, or any it may invoke, may change state in place (``passes.effects``)."""
+        if self._may_mutate is None:
+            self._may_mutate = program_may_mutate(self, FINAL)
+        return self._may_mutate
 
     @property
     def batched_unit(self):

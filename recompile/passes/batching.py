@@ -113,7 +113,11 @@ def _deferrable_invokes(sg, may_mutate):
             if isinstance(x, ir.Value):
                 users.setdefault(x, []).append(op)
 
+    returned = {v for v in sg.outputs if isinstance(v, ir.Value)}
+
     def only_returned(values):
+        if not any(users.get(v) or v in returned for v in values):
+            return False  # (a call whose result nobody uses is made for what it does: it keeps its place)
         pending, seen = list(values), set()
         while pending:
             v = pending.pop()

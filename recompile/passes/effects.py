@@ -86,8 +86,13 @@ def subgraph_mutates(sg):
 
 def invoke_may_mutate(invoke, stage):
     """Whether the program an Invoke runs — its callee and all it may invoke — may mutate state."""
+    return program_may_mutate(invoke.target, stage)
+
+
+def program_may_mutate(handle, stage):
+    """Whether the compiled function ``handle`` names, or anything it may invoke, may mutate state."""
     seen = set()
-    pending = [invoke.target]
+    pending = [handle]
     while pending:
         handle = pending.pop()
         if handle in seen:

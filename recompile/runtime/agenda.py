@@ -77,7 +77,7 @@ class _Deferred:
         self.run, self.unit = run, unit
         self.value, self.done = None, False
         # in-place changes to the arguments before the call runs would change what it computes
-        self.versions = [(t, t._version) for t in map(_tensor_in, args) if t is not None]
+        self.versions = bt.tensor_versions(args)
 
     def depends_on(self):
         return ()
@@ -88,20 +88,11 @@ class _Deferred:
         return self.value
 
     def check_arguments(self, site):
-        for t, version in self.versions:
-            if t._version != version:
-                raise RuntimeError(
-                    f"recompile: an argument of the call at {site.filename}:{site.lineno} was changed in place "
-                    "after the call was issued and before it ran (batched mode defers calls whose results "
-                    "are only returned); change a copy instead, or compile with mode='sequential'")
-
-
-def _tensor_in(value):
-    if type(value) is torch.Tensor:
-        return value
-    if type(value) is bt.Batch and value.owner == "tensor":
-        return value.tensor
-    return None
+        if bt.changed(self.versions):
+            raise RuntimeError(
+                f"recompile: an argument of the call at {site.filename}:{site.lineno} was changed in place "
+                "after the call was issued and before it ran (batched mode defers calls whose results "
+                "are only returned); change a copy instead, or compile with mode='sequential'")
 
 
 class RunStats:
@@ -174,6 +165,11 @@ def run(target, args, n=1, pool=None):
     saved, counters.per_instance = counters.per_instance, {}
     try:
         run = _Run(stats, pool, streams.device_of(args) if pool is not None else None)
+        # a deferred call reads its arguments late: only where no function of the run changes state in place
+        # (a caller, or another callee, could change them in between), and not with workers
+        mutates = getattr(target, "may_mutate", True)
+        run.defer = pool is None and not mutates
+        run.split_results = not mutates
         result = run.go(_unit_of(target), args, n)
     finally:
         stats.per_instance, counters.per_instance = counters.per_instance, saved
@@ -189,6 +185,10 @@ class _Run:
         self.pending = {}  # unit -> [(frame, slot, args, count, site)]
         self.ready = []
         self.live = set()
+        self.defer = False  # whether requests may be deferred (see run)
+        self.split_results = False  # whether a result is cut for its requests by one split (see deliver)
+        self.token = object()  # marks the errors this run has annotated
+        self.stepping = False  # inside a frame's step: nested work is already timed as compute
 
     def record(self, unit, n):
         entry = self.stats.batches.get(unit.name)
@@ -223,6 +223,11 @@ class _Run:
                     self.step(self.ready.pop())
                 if root.gen is None:
                     self.finish()
+                    try:
+                        bt.ready_all(self.outcome)  # (arithmetic on deferred results: its errors get a chain)
+                    except BaseException as exc:
+                        self.fail(exc, root)
+                        raise
                     return self.outcome
             if not self.pending:
                 raise RuntimeError("recompile: batched run stalled with frames waiting (internal error)")
@@ -244,7 +249,11 @@ class _Run:
     def step(self, frame):
         while True:  # (a frame whose requests were all answered at once goes on in the same step)
             t = time.perf_counter()
-            kind, value = self.advance(frame)
+            self.stepping = True
+            try:
+                kind, value = self.advance(frame)
+            finally:
+                self.stepping = False
             self.stats.compute_s += time.perf_counter() - t
             if not self.settle(frame, kind, value):
                 return
@@ -325,7 +334,9 @@ class _Run:
         frame.waiting = len(requests)
         for slot, (target, args, count, site, deferrable) in enumerate(requests):
             unit = _unit_of(target)
-            if deferrable and count > 1 and self.pool is None and not unit.is_generator:
+            for a in args:  # (a lazy argument could wait on a deferred call of this very group)
+                bt.ready_all(a)
+            if deferrable and count > 1 and self.defer and not unit.is_generator:
                 cell = _Deferred(self, unit, args)
                 frame.results[slot] = bt.Batch(count, thunk=cell)
                 frame.waiting -= 1
@@ -349,7 +360,8 @@ class _Run:
             width = len(requests[0][2])
             t = time.perf_counter()
             args = tuple(bt.concat([(r[2][j], r[3]) for r in requests]) for j in range(width))
-            self.stats.compute_s += time.perf_counter() - t
+            if not self.stepping:
+                self.stats.compute_s += time.perf_counter() - t
             frame0, site = requests[0][0], requests[0][4]
         self.record(unit, n)
         self.stats.frames += 1
@@ -374,6 +386,13 @@ class _Run:
             return
         if len(frame.sources) == 1:
             values = [result]
+        elif not self.split_results:  # (autograd refuses in-place changes to a split's pieces)
+            values, start = [], 0
+            several = frame.unit.arity > 1
+            for _, _, count in frame.sources:
+                values.append(tuple(bt.part(v, start, count) for v in result) if several
+                              else bt.part(result, start, count))
+                start += count
         else:
             counts = [count for _, _, count in frame.sources]
             if frame.unit.arity > 1:
@@ -401,7 +420,8 @@ class _Run:
         frame = self.ready.pop()  # (the frame launch made: a unit that never yields runs in one step)
         t = time.perf_counter()
         kind, value = self.advance(frame)
-        self.stats.compute_s += time.perf_counter() - t
+        if not self.stepping:  # (inside a step, the step's own time counts it)
+            self.stats.compute_s += time.perf_counter() - t
         if kind == _FAILED:
             original = _unwrap_stop_iteration(value, _Codes(frame.unit))
             self.fail(original, frame)
@@ -415,11 +435,11 @@ class _Run:
             while self.ready:
                 self.step(self.ready.pop())
 
-    @staticmethod
-    def annotate(exc, frame):
-        """Name the chain of calls that led to ``frame`` on ``exc`` (once: an error that reaches a frame
-        reading a deferred result already names the deferred call's chain)."""
-        if getattr(exc, "_recompile_chain", False):
+    def annotate(self, exc, frame):
+        """Name the chain of calls that led to ``frame`` on ``exc``, once per run: an error that reaches a
+        frame reading a deferred result already names the deferred call's chain. (An enclosing run, of a
+        compiled function that called this one through plain code, adds its own.)"""
+        if getattr(exc, "_recompile_chain", None) is self.token:
             return
         chain = []
         f = frame
@@ -428,7 +448,7 @@ class _Run:
             f = f.parent
         _annotate(exc, list(reversed(chain)))
         try:
-            exc._recompile_chain = True
+            exc._recompile_chain = self.token
         except AttributeError:  # (an exception type without a __dict__)
             pass
 

@@ -133,19 +133,47 @@ def ready(value):
     return value
 
 
+def ready_all(value):
+    """Compute every lazy batch ``value`` is made of (its joined pieces and elements too). A plain value
+    holds no batch (see above), so it is not searched."""
+    if type(value) is Batch:
+        for lazy in _lazies_in(value):
+            force(lazy)
+
+
+def tensor_versions(values):
+    """(tensor, version) of the tensors among ``values``, to tell later whether one was changed in place."""
+    found = []
+    for v in values:
+        t = v if type(v) is torch.Tensor else v.tensor if type(v) is Batch and v.owner == "tensor" else None
+        if t is not None:
+            found.append((t, t._version))
+    return found
+
+
+def changed(versions):
+    return any(t._version != version for t, version in versions)
+
+
 class LazyOp:
     """``fn(*args)`` on n instances where an argument is lazy: run (by ``batch_rules.call``) when read."""
 
-    __slots__ = ("n", "fn", "args")
+    __slots__ = ("n", "fn", "args", "versions")
 
     def __init__(self, n, fn, args):
         self.n, self.fn, self.args = n, fn, args
+        self.versions = tensor_versions(args)
 
     def depends_on(self):
         return [d for a in self.args for d in _lazies_in(a)]
 
     def compute(self):
         from .batch_rules import call  # (batch_rules builds on this module)
+        if changed(self.versions):
+            raise RuntimeError(
+                "recompile: a tensor that arithmetic on a deferred call's result reads was changed in place "
+                "before that arithmetic ran (batched mode defers calls whose results are only returned); "
+                "change a copy instead, or compile with mode='sequential'")
         return call(self.n, self.fn, self.args)
 
 
@@ -392,8 +420,10 @@ def concat(parts):
     """One batch of the instances of ``parts`` [(value, count)], in order: a frame's inputs gathered from
     the requests it serves, copied into one tensor once, at entry."""
     first = parts[0][0]
-    if all(v is first for v, _ in parts):
+    if len(parts) == 1:
         return ready(first)
+    if type(first) is not Batch and all(v is first for v, _ in parts):
+        return first  # one value every instance shares (a batch passed twice is two runs of rows)
     for v, _ in parts:
         settle(v)
     n = sum(c for _, c in parts)
