@@ -1480,3 +1480,158 @@ def test_in_place_change_to_a_deferred_calls_argument_raises():
             recompile.vmap(funcs["bumping_caller"])(x)
         got = recompile.vmap(funcs["scored_pair"])(x)  # nothing changes it: deferred and correct
     assert_close(got, (x * 2, (x * 2).pow(2).sum(1)))
+
+
+def twice_leaf(x):
+    return x * 2
+
+
+def changes_child_result(x):
+    a = twice_leaf(x)
+    b = twice_leaf(x + 1)
+    a.add_(1.0)  # in place on a call's result: the program changes state, so results are cut by slices
+    return a * b
+
+
+def test_in_place_change_to_a_call_result_with_gradients():
+    funcs = {name: recompile.function(G[name]) for name in ("twice_leaf", "changes_child_result")}
+    x = torch.tensor([1.0, 2.0], dtype=F64, requires_grad=True)
+    want = changes_child_result(x)
+    gx_want, = torch.autograd.grad(want.sum(), x)
+    with bound_globals(G, funcs):
+        got = funcs["changes_child_result"](x)
+        gx, = torch.autograd.grad(got.sum(), x)
+        xs = torch.stack([x.detach(), x.detach() + 3]).requires_grad_(True)
+        got_v = recompile.vmap(funcs["changes_child_result"])(xs)
+    assert_close(got, want)
+    assert_close(gx, gx_want, GRAD_TOL)
+    assert_close(got_v, torch.stack([changes_child_result(r) for r in xs.detach()]))
+
+
+def sq_score(h):
+    return (h * h).sum()
+
+
+def enc_reads_deferred(h, d):
+    if d > 0:
+        a, la = enc_reads_deferred(h * 0.5, d - 1)
+        b, lb = enc_reads_deferred(h + 1.0, d - 1)
+        w = sq_score(la)  # an argument computed from deferred results, to the deferred call's own function
+        h2 = torch.tanh(a + b) * w
+        return h2, la + lb + sq_score(h2 + lb)
+    return torch.sin(h), sq_score(h)
+
+
+def test_a_call_whose_argument_waits_on_a_deferred_call_of_the_same_function():
+    funcs = {name: recompile.function(G[name]) for name in ("sq_score", "enc_reads_deferred")}
+    h = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(8))
+    want = stack_results([enc_reads_deferred(r, 2) for r in h])
+    with bound_globals(G, funcs):
+        got = recompile.vmap(funcs["enc_reads_deferred"], in_dims=(0, None))(h, 2)
+        single = funcs["enc_reads_deferred"](h[0], 2)
+    assert_close(got, want)
+    assert_close(single, tuple(w[0] for w in want))
+
+
+def returns_score(x):
+    y = x * 2
+    return y, sq_score(x)
+
+
+def changes_after_deferral(x):
+    y, s = returns_score(x)
+    t = s + y
+    y.add_(100.0)  # visible to the effects analysis: nothing in this run is deferred
+    return t
+
+
+def test_a_program_that_changes_state_defers_nothing():
+    funcs = {name: recompile.function(G[name]) for name in ("sq_score", "returns_score", "changes_after_deferral")}
+    x = torch.arange(6, dtype=F64).view(3, 2)
+    want = torch.stack([changes_after_deferral(r.clone()) for r in x])
+    with bound_globals(G, funcs):
+        funcs["changes_after_deferral"].stats.reset()
+        got = recompile.vmap(funcs["changes_after_deferral"])(x.clone())
+        assert funcs["changes_after_deferral"].callee(None).may_mutate
+    assert_close(got, want)
+
+
+def tanh_twice(h):
+    return torch.tanh(h) * 2
+
+
+def same_batch_twice(h):
+    return tanh_twice(h) + torch.cat([tanh_twice(h)], -1)
+
+
+def test_the_same_batch_passed_to_two_calls_of_one_function():
+    funcs = {name: recompile.function(G[name]) for name in ("tanh_twice", "same_batch_twice")}
+    h = torch.randn(3, 2, dtype=F64, generator=torch.Generator().manual_seed(9))
+    with bound_globals(G, funcs):
+        got = recompile.vmap(funcs["same_batch_twice"])(h)
+    assert_close(got, torch.stack([same_batch_twice(r) for r in h]))
+
+
+def row_score(h):
+    return (h * h).sum(-1)
+
+
+def bias_score(h, b):
+    return row_score(h) + b  # (2,) + (5,): a broadcasting error, in arithmetic on a deferred result
+
+
+def test_error_in_arithmetic_on_a_deferred_result_names_a_chain():
+    funcs = {name: recompile.function(G[name]) for name in ("row_score", "bias_score")}
+    with bound_globals(G, funcs), pytest.raises(RuntimeError, match="must match") as info:
+        recompile.vmap(funcs["bias_score"], in_dims=(0, None))(torch.randn(3, 2, 3), torch.randn(5))
+    notes = [n for n in getattr(info.value, "__notes__", []) if "recompile call chain" in n]
+    assert len(notes) == 1 and "bias_score" in notes[0], notes
+
+
+def fails_deep(x, d):
+    if d > 0:
+        return fails_deep(x, d - 1) + 1.0
+    assert x.sum() < 0, "inner failed"
+    return x
+
+
+def plain_helper_calls(x):
+    return fails_deep(x, 2)
+
+
+def outer_of_plain(x, d):
+    if d > 0:
+        return outer_of_plain(x, d - 1) * 2.0
+    return plain_helper_calls(x)
+
+
+def test_nested_runs_each_name_their_chain():
+    """A compiled function called from plain code inside another compiled call: both chains are named."""
+    funcs = {name: recompile.function(G[name]) for name in ("fails_deep", "outer_of_plain")}
+    with bound_globals(G, funcs), pytest.raises(AssertionError, match="inner failed") as info:
+        funcs["outer_of_plain"](torch.ones(2), 2)
+    notes = [n for n in getattr(info.value, "__notes__", []) if "recompile call chain" in n]
+    assert len(notes) == 2 and "fails_deep" in notes[0] and "outer_of_plain" in notes[1], notes
+
+
+def log_call(log, name):
+    log.append(name)
+
+
+def logged_score(x, log):
+    log_call(log, "score")
+    return x.sum()
+
+
+def logs_around_unused_call(x, log):
+    logged_score(x, log)  # result unused: a call made for what it does keeps its place
+    log_call(log, "after")
+    return x * 2
+
+
+def test_a_call_whose_result_is_unused_is_not_deferred():
+    funcs = {name: recompile.function(G[name]) for name in ("logged_score", "logs_around_unused_call")}
+    log = []
+    with bound_globals(G, funcs):
+        recompile.vmap(funcs["logs_around_unused_call"], in_dims=(0, None))(torch.ones(2, 3), log)
+    assert log == ["score", "score", "after", "after"]
