@@ -1635,3 +1635,35 @@ def test_a_call_whose_result_is_unused_is_not_deferred():
     with bound_globals(G, funcs):
         recompile.vmap(funcs["logs_around_unused_call"], in_dims=(0, None))(torch.ones(2, 3), log)
     assert log == ["score", "score", "after", "after"]
+
+
+def leaf_sq(h):
+    return (h * h).sum()
+
+
+def adds_into_child_loss(tree, i, E):
+    if tree.is_leaf[i]:
+        h = torch.tanh(E[tree.words[i]])
+        return h, leaf_sq(h)
+    a, la = adds_into_child_loss(tree, tree.left[i], E)
+    b, lb = adds_into_child_loss(tree, tree.right[i], E)
+    t0 = la
+    t0 += leaf_sq(b)  # in place on the child's result, as eager code may do
+    return torch.tanh(a + b), t0 * torch.tanh(t0)
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "known: the rows a batched call returns are views of one tensor with one version counter, so an in-place "
+    "change to one request's rows looks to autograd like a change to rows another frame saved"))
+def test_in_place_add_to_a_childs_result_under_vmap_with_gradients():
+    funcs = {name: recompile.function(G[name]) for name in ("leaf_sq", "adds_into_child_loss")}
+    trees = [make_tree(s) for s in ("random7", "random12", "random20", "balanced3")]
+    forest = Forest.from_trees(trees)
+    E = torch.randn(len(WORDS) + 1, 3, dtype=F64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    want = torch.stack([adds_into_child_loss(t, t.root, E)[1] for t in trees])
+    gE_want, = torch.autograd.grad(want.sum(), E)
+    with bound_globals(G, funcs):
+        got = recompile.vmap(funcs["adds_into_child_loss"], in_dims=(None, 0, None))(forest, forest.roots, E)[1]
+    assert_close(got, want)
+    gE, = torch.autograd.grad(got.sum(), E)
+    assert_close(gE, gE_want, GRAD_TOL)
