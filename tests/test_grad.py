@@ -2068,9 +2068,9 @@ def ip_enc(h, d):
     return torch.sin(h), ip_sq(h)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known: a caller's in-place change to a callee's result is not checked against the callee's saved "
-    "values (the version checks guard only changes within one SubGraph), so the gradient is wrong"))
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "known: the derived gradient of a division reads its result, which the caller changed in place; "
+    "this is refused (below) where eager's gradient, reading the inputs instead, needs no refusal"))
 def test_in_place_add_to_a_recursive_result_keeps_gradients():
     h = torch.tensor([-0.95626, -0.23500, -0.60050], dtype=F64, requires_grad=True)
     want, = torch.autograd.grad(sum(v.sum() for v in ip_enc(h, 2)), h)
@@ -2078,3 +2078,14 @@ def test_in_place_add_to_a_recursive_result_keeps_gradients():
     with bound_globals(globals(), funcs):
         got, = torch.autograd.grad(sum(v.sum() for v in funcs["ip_enc"](h, 2)), h)
     assert_close_values(got, want)
+
+
+def test_in_place_add_to_a_returned_value_is_refused_not_miscomputed():
+    """A caller's in-place change to a value its callee's gradient reads is detected, as within one
+    function: the backward raises rather than compute with the changed value (it gave 0.61 for 0.48)."""
+    h = torch.tensor([-0.95626, -0.23500, -0.60050], dtype=F64, requires_grad=True)
+    funcs = {name: sequential(globals()[name]) for name in ("ip_sq", "ip_th", "ip_enc")}
+    with bound_globals(globals(), funcs):
+        out = funcs["ip_enc"](h, 2)
+        with pytest.raises(RuntimeError, match="was changed in place afterwards"):
+            torch.autograd.grad(sum(v.sum() for v in out), h)

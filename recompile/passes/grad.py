@@ -115,7 +115,7 @@ class _Deriver:
         record as its input after ``ctx_b`` unless ``prologue`` ops produce it.
         """
         chunks = []  # per forward op, its gradient ops (in order); run last chunk first
-        guarded = _changed_later(sg.ops)
+        guarded = _changed_later(sg.ops, sg.outputs)
         for op in sg.ops:
             chunk = self.op(op, fwd.ops, ctx_f, ctx_b)
             backward = [o for o in chunk if isinstance(o, ir.Call) and _const_fn(o) in BACKWARD_CALLS]
@@ -293,9 +293,10 @@ class _Deriver:
         return [ir.While(op.loc, more, body_b, [tape], [ctx_b])]
 
 
-def _changed_later(ops):
+def _changed_later(ops, outputs=()):
     """{op: [values]}: values an op reads or makes that a later op of the SubGraph changes in place
-    (``y = torch.tanh(x); y += 1``): the gradient of the first op then checks they were not."""
+    (``y = torch.tanh(x); y += 1``), or that the SubGraph returns, for its caller may change them
+    (``t = callee(x); t += 1``): the gradient of the first op then checks they were not."""
     guarded = {}
     for k, op in enumerate(ops):
         target = _in_place_target(op)
@@ -304,7 +305,25 @@ def _changed_later(ops):
         for earlier in ops[:k]:
             if target in earlier.operands() or target in earlier.outputs:
                 guarded.setdefault(earlier, []).append(target)
+    returned = _returned_values(outputs)
+    for op in ops if returned else ():
+        for v in (*op.operands(), *op.outputs):
+            if v in returned and v not in guarded.get(op, ()):
+                guarded.setdefault(op, []).append(v)
     return guarded
+
+
+def _returned_values(outputs):
+    """The Values a SubGraph returns, and those packed into a returned tuple (``return h, loss``)."""
+    found, pending = set(), [v for v in outputs if isinstance(v, ir.Value)]
+    while pending:
+        v = pending.pop()
+        if v in found:
+            continue
+        found.add(v)
+        if isinstance(v.op, ir.Call) and _const_fn(v.op) is sem.build_tuple:
+            pending.extend(a for a in v.op.args if isinstance(a, ir.Value))
+    return found
 
 
 def _in_place_target(op):
