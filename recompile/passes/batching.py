@@ -29,14 +29,13 @@ tree model then runs once per minibatch instead of once per level.
 
 from __future__ import annotations
 
-import operator
-
 from .. import ir
 from ..runtime import semantics as sem
+from ..runtime.batch_rules import LAZY_OPS
 from .effects import subgraph_mutates
 
-# ops that pass a lazy value on as a lazy value (``runtime.batch_rules.LAZY_OPS``, as the IR calls them)
-LAZY_FLOW = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, sem.build_tuple})
+# ops that pass a lazy value on as a lazy value: the runtime's arithmetic, and tuple building
+LAZY_FLOW = LAZY_OPS | {sem.build_tuple}
 
 
 class Unit:

@@ -334,8 +334,9 @@ class _Run:
         frame.waiting = len(requests)
         for slot, (target, args, count, site, deferrable) in enumerate(requests):
             unit = _unit_of(target)
-            for a in args:  # (a lazy argument could wait on a deferred call of this very group)
-                bt.ready_all(a)
+            if self.defer:  # (a lazy argument could wait on a deferred call of this very group)
+                for a in args:
+                    bt.ready_all(a)
             if deferrable and count > 1 and self.defer and not unit.is_generator:
                 cell = _Deferred(self, unit, args)
                 frame.results[slot] = bt.Batch(count, thunk=cell)
@@ -386,19 +387,12 @@ class _Run:
             return
         if len(frame.sources) == 1:
             values = [result]
-        elif not self.split_results:  # (autograd refuses in-place changes to a split's pieces)
-            values, start = [], 0
-            several = frame.unit.arity > 1
-            for _, _, count in frame.sources:
-                values.append(tuple(bt.part(v, start, count) for v in result) if several
-                              else bt.part(result, start, count))
-                start += count
         else:
             counts = [count for _, _, count in frame.sources]
             if frame.unit.arity > 1:
-                values = list(zip(*[bt.cut(v, counts) for v in result]))
+                values = list(zip(*[bt.cut(v, counts, self.split_results) for v in result]))
             else:
-                values = bt.cut(result, counts)
+                values = bt.cut(result, counts, self.split_results)
         for (parent, slot, count), value in zip(frame.sources, values):
             if type(slot) is _Deferred:
                 slot.value, slot.done = value, True

@@ -392,13 +392,14 @@ def part(value, start, count):
     return items[start] if count == 1 else from_items(items[start:start + count])
 
 
-def cut(value, counts):
+def cut(value, counts, split=True):
     """``value``'s instances cut into consecutive runs of ``counts``, one per request a frame served.
     A tensor is cut by one ``split``, whose gradient is one ``cat``: a slice per request would each
-    make a gradient the size of the whole tensor in the backward pass."""
+    make a gradient the size of the whole tensor in the backward pass. ``split=False`` cuts by slices,
+    which autograd lets a program change in place (a split's pieces it does not)."""
     if type(value) is not Batch:
         return [value] * len(counts)
-    if not is_lazy(value):
+    if split and not is_lazy(value):
         settle(value)
         t = value.tensor if value.owner == "tensor" else None
         if t is None and value.items is None and value.struct is None:
@@ -407,7 +408,7 @@ def cut(value, counts):
             return [p[0] if c == 1 else Batch(c, tensor=p) for p, c in zip(t.split_with_sizes(counts), counts)]
         if value.struct is not None and value.items is None:  # (a tuple: settle made a list's items)
             kind, parts = value.struct
-            rows = zip(*[cut(p, counts) for p in parts])
+            rows = zip(*[cut(p, counts, split) for p in parts])
             return [kind(row) if c == 1 else from_struct(kind, list(row), c) for row, c in zip(rows, counts)]
     out, start = [], 0
     for c in counts:

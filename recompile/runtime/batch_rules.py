@@ -586,8 +586,8 @@ def via_vmap(n, fn, args, kwargs):
     return _vmapped(n, fn, args, kwargs, None)
 
 _IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
-# ops that leave a lazy argument lazy: their result is computed when read (``batch.LazyOp``); the IR's
-# view of the same set is ``passes.batching.LAZY_FLOW``
+# ops that leave a lazy argument lazy: their result is computed when read (``batch.LazyOp``);
+# ``passes.batching`` builds on this set
 LAZY_OPS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.neg})
 _ANY_RANK = {F.embedding}
 
