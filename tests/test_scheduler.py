@@ -15,6 +15,7 @@ import pytest
 import recompile
 from recompile.runtime import scheduler
 from concurrency import run_threads  # tests/ is on sys.path under pytest
+from index_trees import random_index_tree
 from source_lines import marker
 
 HERE = os.path.basename(__file__)
@@ -103,22 +104,7 @@ VALS = [0, 10, 20, 30, 40, 50, 60]
 
 
 def random_tree(rnd, n_leaves):
-    left, right, vals = [], [], []
-
-    def build(k):
-        idx = len(left)
-        left.append(-1)
-        right.append(-1)
-        vals.append(rnd.randint(-50, 50))
-        if k > 1:
-            a = rnd.randint(1, k - 1)
-            lo = build(a)
-            hi = build(k - a)
-            left[idx], right[idx] = lo, hi
-        return idx
-
-    build(n_leaves)
-    return left, right, vals
+    return random_index_tree(rnd, n_leaves, values=True)
 
 
 # ---------------------------------------------------------------------------

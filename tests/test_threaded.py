@@ -42,6 +42,7 @@ from recompile.runtime import pool as rc_pool
 from recompile.runtime import scheduler as rc_scheduler
 from recompile.runtime import threaded as rc_threaded
 from concurrency import run_threads  # tests/ is on sys.path under pytest
+from index_trees import random_index_tree
 from source_lines import marker
 
 HERE = os.path.basename(__file__)
@@ -180,22 +181,7 @@ def spine_tree(depth, side="left"):
 
 
 def random_tree(seed, n_leaves):
-    rnd = random.Random(seed)
-    left, right = [], []
-
-    def build(k):
-        idx = len(left)
-        left.append(-1)
-        right.append(-1)
-        if k > 1:
-            a = rnd.randint(1, k - 1)
-            lo = build(a)
-            hi = build(k - a)
-            left[idx], right[idx] = lo, hi
-        return idx
-
-    build(n_leaves)
-    return left, right
+    return random_index_tree(random.Random(seed), n_leaves)
 
 
 def tree_depth(left, right):
