@@ -109,11 +109,11 @@ def item(n, x, index):
     """``x[index]``."""
     if type(x) is not Batch and type(index) is not Batch:
         return x[index]
-    if n > 1:
-        out = gather(n, operator.getitem, (x, index), None)
-        if out is not NotImplemented:
-            return out
-    return call(n, operator.getitem, (x, index))
+    # (call's path for getitem, without its dispatch: the gather rule, else vmap or one by one)
+    out = gather(n, operator.getitem, (x, index), None)
+    if out is NotImplemented:
+        out = _vmapped_or_per_instance(n, operator.getitem, (x, index), None)
+    return out
 
 
 def fused(n, kernel, args):
