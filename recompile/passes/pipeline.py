@@ -7,12 +7,14 @@ import functools
 from .. import ir
 from .capture import capture
 from .fusion import DEFAULT_BACKEND, fuse
+from .prune import prune
 
 
 def passes(fusion=DEFAULT_BACKEND):
     """The passes in order; ``fusion`` is the fused ops' backend, or None to fuse nothing."""
     return [
         ("capture", capture),
+        ("prune", prune),
         ("fusion", functools.partial(fuse, backend=fusion) if fusion else None),  # None: the stage is unchanged
     ]
 
