@@ -271,16 +271,26 @@ def _mul(fn, g, out, input, other):
         yield other, unbroadcast(g * input, other)
 
 
-# the divisor's gradient is written with the quotient, as torch's is: so in place (x /= y) needs no old x
-@rule(operator.truediv, operator.itruediv, *_forms("div", "div_", "divide", "divide_", "true_divide", "true_divide_"),
-      "__truediv__", "__div__", "__idiv__")
+# the divisor's gradient is torch's, (x / y) / y, from the inputs: a caller may change the quotient in place
+@rule(operator.truediv, *_forms("div", "divide", "true_divide"), "__truediv__", "__div__")
 def _div(fn, g, out, input, other, *, rounding_mode=None):
+    return _quotient_grads(g, input, other, None, rounding_mode)
+
+
+# in place (x /= y) the dividend is overwritten by the quotient: the divisor's gradient reads the quotient
+@rule(operator.itruediv, *_forms("div_", "divide_", "true_divide_"), "__idiv__")
+def _div_in_place(fn, g, out, input, other, *, rounding_mode=None):
+    return _quotient_grads(g, input, other, out, rounding_mode)
+
+
+def _quotient_grads(g, input, other, quotient, rounding_mode):
     if rounding_mode is not None:
         return  # floor/trunc division is piecewise constant: torch gives it a zero gradient
     if is_tensor(input):
         yield input, unbroadcast(g / other, input)
     if is_tensor(other):
-        yield other, unbroadcast(-g * (out / other), other)
+        q = quotient if quotient is not None else input / other
+        yield other, unbroadcast(-g * (q / other), other)
 
 
 @rule("__rdiv__")  # the name of x.__rtruediv__
