@@ -270,7 +270,10 @@ def _repeat(value, count):
 def _same_kind(tensors, skip):
     first = tensors[0]
     shape, dtype, device = first.shape[skip:], first.dtype, first.device
-    return all(t.shape[skip:] == shape and t.dtype is dtype and t.device == device for t in tensors)
+    for t in tensors[1:]:  # (a loop, not all(genexpr): it runs for every join and gathered input)
+        if t.dtype is not dtype or t.shape[skip:] != shape or t.device != device:
+            return False
+    return True
 
 
 def tensor_like(b, dtype):
