@@ -460,29 +460,6 @@ def test_cut_of_a_tuple_and_its_gradient_is_one_cat():
     assert_same(h.grad, torch.tensor([[1.0, 1.0]] * 4 + [[2.0, 2.0]], dtype=F64))
 
 
-def test_owned_copies_only_views_that_need_gradients():
-    base = rand(6, 2, seed=3).requires_grad_(True)
-    rows = base * 1  # not a view
-    views = bt.cut(Batch(6, tensor=rows), [3, 1, 2], split=False)
-    owned = [bt.owned(v) for v in views]
-    for before, after in zip(views, owned):
-        t_before = before if type(before) is torch.Tensor else before.tensor
-        t_after = after if type(after) is torch.Tensor else after.tensor
-        assert t_before._is_view() and not t_after._is_view()
-        assert_same(t_after, t_before)
-    owned[1].add_(1)  # changing one request's rows leaves the others' version counters alone
-    assert views[0].tensor._version == 0 and owned[0].tensor._version == 0
-    assert bt.owned(Batch(6, tensor=rows)).tensor is rows  # not a view: kept
-    plain = rand(6, 2, seed=3)
-    assert bt.owned(Batch(6, tensor=plain[:3])).tensor._base is plain  # no gradients: kept
-    nested = bt.owned(bt.from_struct(tuple, [Batch(2, items=[rows[0], rows[1]]), "label"], 2))
-    items = nested.struct[1][0].items
-    assert not any(x._is_view() for x in items) and nested.struct[1][1] == "label"
-    assert_same(items[1], rows[1])
-    pair = bt.owned((rows[2], 5))
-    assert not pair[0]._is_view() and pair[1] == 5
-
-
 class Counted:
     """A thunk that computes a fixed batch, counting how often it is asked to."""
 

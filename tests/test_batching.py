@@ -1652,6 +1652,9 @@ def adds_into_child_loss(tree, i, E):
     return torch.tanh(a + b), t0 * torch.tanh(t0)
 
 
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "known: the rows a batched call returns are views of one tensor with one version counter, so an in-place "
+    "change to one request's rows looks to autograd like a change to rows another frame saved"))
 def test_in_place_add_to_a_childs_result_under_vmap_with_gradients():
     funcs = {name: recompile.function(G[name]) for name in ("leaf_sq", "adds_into_child_loss")}
     trees = [make_tree(s) for s in ("random7", "random12", "random20", "balanced3")]

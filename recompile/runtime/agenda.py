@@ -393,8 +393,6 @@ class _Run:
                 values = list(zip(*[bt.cut(v, counts, self.split_results) for v in result]))
             else:
                 values = bt.cut(result, counts, self.split_results)
-            if not self.split_results and torch.is_grad_enabled():  # (see bt.owned)
-                values = [bt.owned(v) for v in values]
         for (parent, slot, count), value in zip(frame.sources, values):
             if type(slot) is _Deferred:
                 slot.value, slot.done = value, True

@@ -420,30 +420,6 @@ def cut(value, counts, split=True):
     return out
 
 
-def owned(value):
-    """``value`` with every tensor that is a view needing gradients replaced by its copy. A request's piece
-    of a result is a view of the rows of every request; in a program that may change a value in place,
-    changing one piece would change their shared version counter too, and autograd would then refuse
-    the backward of whatever saved another piece. Each instance's value in eager code is its own."""
-    kind = type(value)
-    if kind is torch.Tensor:
-        return value.clone() if value.requires_grad and value._is_view() else value
-    if kind in (tuple, list):
-        return kind(owned(x) for x in value)
-    if kind is not Batch:
-        return value
-    settle(value)
-    if value.owner == "tensor":
-        t = value.tensor
-        return Batch(value.n, tensor=t.clone()) if t.requires_grad and t._is_view() else value
-    if value.owner == "items":
-        return from_items([owned(x) for x in value.items])
-    if value.struct is not None:
-        return from_struct(value.struct[0], [owned(p) for p in value.struct[1]], value.n)
-    t = tensor_of(value)  # (joined pieces: one tensor, else per-instance values)
-    return owned(Batch(value.n, tensor=t)) if t is not None else from_items([owned(x) for x in items_of(value)])
-
-
 def concat(parts):
     """One batch of the instances of ``parts`` [(value, count)], in order: a frame's inputs gathered from
     the requests it serves, copied into one tensor once, at entry."""
