@@ -306,6 +306,35 @@ def test_nested_control_flow_matches_eager(fusion):
             torch.testing.assert_close(f(xs, k), nested(xs, k))
 
 
+def dead_chain(x, y):
+    unused = torch.sigmoid(x) * y + 0.1  # a fused op whose result nothing reads
+    return x * 2
+
+
+def dead_chain_in_branch(x, y):
+    if x.sum() > 0:
+        scaled = torch.sigmoid(x) * 2.0  # not read after the if: the prune pass drops it, fusion keeps the op
+        out = x + y
+    else:
+        out = x - y
+    return out
+
+
+@pytest.mark.parametrize("fusion", FUSIONS)
+@pytest.mark.parametrize("fn", [dead_chain, dead_chain_in_branch])
+def test_a_fused_chain_nothing_reads_still_runs_and_returns_nothing(fn, fusion):
+    f = recompile.function(fn, fusion=fusion)
+    if fusion:
+        assert any(not op.outputs for op in fused_ops(f))
+    xs = torch.randn(6, 3, dtype=F64)
+    xs[::2] = -xs[::2].abs()
+    ys = torch.randn(6, 3, dtype=F64)
+    torch.testing.assert_close(recompile.vmap(f)(xs, ys), torch.stack([fn(x, y) for x, y in zip(xs, ys)]))
+    if fn is dead_chain:  # its members still run: their shape error is still raised
+        with pytest.raises(RuntimeError):
+            recompile.vmap(f)(xs, torch.randn(6, 4, dtype=F64))
+
+
 # ---------------------------------------------------------------------------
 # 4. the batch rule
 # ---------------------------------------------------------------------------
