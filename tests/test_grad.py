@@ -2097,3 +2097,63 @@ def test_in_place_add_to_a_returned_value_is_refused_not_miscomputed():
         out = funcs["ip_enc_tanh"](h, 2)
         with pytest.raises(RuntimeError, match="was changed in place afterwards"):
             torch.autograd.grad(sum(v.sum() for v in out), h)
+
+
+def gv_div(x, y):
+    return x / y
+
+
+def gv_mul(x, y):
+    return x * y
+
+
+def gv_divide_in_branch(x, y, flag):
+    x = x * 1.0
+    if flag:
+        q = x / y  # the branch reads x, which the enclosing function changes after the if
+    else:
+        q = x * 0.5
+    x += 1
+    return q.sum() + x.sum()
+
+
+def gv_listed(x, flag):
+    if flag:
+        y = torch.tanh(x)  # y itself is not read after the if; the list holding it is returned
+        out = [y]
+    else:
+        y = torch.sigmoid(x)
+        out = [y]
+    return out
+
+
+@pytest.mark.parametrize("change", ["dividend", "divisor", "factor"])
+def test_a_callers_in_place_change_to_an_argument_an_op_read_is_refused_as_eager_refuses(change):
+    """Values that come from outside a SubGraph (its inputs) are guarded like values it returns: the caller may
+    change them in place after the call, and a gradient that reads them must not use the changed value."""
+    fn = gv_mul if change == "factor" else gv_div
+    for run in (fn, sequential(fn)):
+        a = torch.tensor([1.0, 2.0], dtype=F64, requires_grad=True)
+        b = torch.tensor([3.0, 5.0], dtype=F64, requires_grad=True)
+        x, y = a * 1.0, b * 1.0
+        out = run(x, y)
+        (y if change == "divisor" else x).add_(10.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(out.sum(), (a, b))
+
+
+def test_an_in_place_change_after_an_if_to_a_value_a_branch_read_is_refused_as_eager_refuses():
+    a = torch.tensor([1.0, 2.0], dtype=F64, requires_grad=True)
+    y = torch.tensor([3.0, 5.0], dtype=F64, requires_grad=True)
+    for run in (gv_divide_in_branch, sequential(gv_divide_in_branch)):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(run(a, y, True), y)
+
+
+def test_a_callers_in_place_change_to_a_value_returned_in_a_list_is_refused_as_eager_refuses():
+    for run in (gv_listed, sequential(gv_listed)):
+        x = torch.tensor([0.5, -1.0], dtype=F64, requires_grad=True)
+        out = run(x, True)
+        out[0].mul_(2.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(out[0].sum(), x)

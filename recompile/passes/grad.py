@@ -115,7 +115,7 @@ class _Deriver:
         record as its input after ``ctx_b`` unless ``prologue`` ops produce it.
         """
         chunks = []  # per forward op, its gradient ops (in order); run last chunk first
-        guarded = _changed_later(sg.ops, sg.outputs)
+        guarded = _changed_later(sg.ops, sg.outputs, sg.inputs)
         for op in sg.ops:
             chunk = self.op(op, fwd.ops, ctx_f, ctx_b)
             backward = [o for o in chunk if isinstance(o, ir.Call) and _const_fn(o) in BACKWARD_CALLS]
@@ -293,10 +293,12 @@ class _Deriver:
         return [ir.While(op.loc, more, body_b, [tape], [ctx_b])]
 
 
-def _changed_later(ops, outputs=()):
-    """{op: [values]}: values an op reads or makes that a later op of the SubGraph changes in place
-    (``y = torch.tanh(x); y += 1``), or that the SubGraph returns, for its caller may change them
-    (``t = callee(x); t += 1``): the gradient of the first op then checks they were not."""
+def _changed_later(ops, outputs=(), inputs=()):
+    """{op: [values]}: values an op reads or makes that may be changed in place after it ran: by a later
+    op of the SubGraph (``y = torch.tanh(x); y += 1``); by the caller or the enclosing SubGraph, when the
+    SubGraph returns them (``t = callee(x); t += 1``, also inside a returned tuple, list, set or dict)
+    or received them as inputs (``q = x / y`` in a branch, then ``x += 1`` after the ``if``). The
+    gradient of the op then checks they were not, where its rule reads them."""
     guarded = {}
     for k, op in enumerate(ops):
         target = _in_place_target(op)
@@ -305,23 +307,27 @@ def _changed_later(ops, outputs=()):
         for earlier in ops[:k]:
             if target in earlier.operands() or target in earlier.outputs:
                 guarded.setdefault(earlier, []).append(target)
-    returned = _returned_values(outputs)
-    for op in ops if returned else ():
+    outside = _returned_values(outputs) | set(inputs)
+    for op in ops if outside else ():
         for v in (*op.operands(), *op.outputs):
-            if v in returned and v not in guarded.get(op, ()):
+            if v in outside and v not in guarded.get(op, ()):
                 guarded.setdefault(op, []).append(v)
     return guarded
 
 
+_BUILDERS = (sem.build_tuple, sem.build_list, sem.build_set, sem.build_dict)
+
+
 def _returned_values(outputs):
-    """The Values a SubGraph returns, and those packed into a returned tuple (``return h, loss``)."""
+    """The Values a SubGraph returns, and those packed into a returned tuple, list, set or dict
+    (``return h, loss``; ``return [y]``)."""
     found, pending = set(), [v for v in outputs if isinstance(v, ir.Value)]
     while pending:
         v = pending.pop()
         if v in found:
             continue
         found.add(v)
-        if isinstance(v.op, ir.Call) and _const_fn(v.op) is sem.build_tuple:
+        if isinstance(v.op, ir.Call) and _const_fn(v.op) in _BUILDERS:
             pending.extend(a for a in v.op.args if isinstance(a, ir.Value))
     return found
 
