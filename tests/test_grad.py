@@ -2157,3 +2157,44 @@ def test_a_callers_in_place_change_to_a_value_returned_in_a_list_is_refused_as_e
         out[0].mul_(2.0)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             torch.autograd.grad(out[0].sum(), x)
+
+
+def gv_scaled_then_changed(x, k):
+    x = x * 1.0
+    y = x * k  # with k a number, y's gradient reads only k, not x
+    x += 1
+    return y.sum() + x.sum()
+
+
+def gv_squared_then_changed(x):
+    x = x * 1.0
+    y = x * x  # x is read for its own gradient, through the other factor
+    x += 1
+    return y.sum()
+
+
+@pytest.mark.parametrize("k", ["number", "tensor needing a gradient"])
+def test_a_factor_changed_in_place_is_refused_only_when_another_factor_needs_its_value(k):
+    def args():
+        a = torch.tensor([1.0, 2.0], dtype=F64, requires_grad=True)
+        factor = 0.5 if k == "number" else torch.tensor([0.5, 3.0], dtype=F64, requires_grad=True)
+        return a, factor
+
+    def run(fn):
+        a, factor = args()
+        return torch.autograd.grad(fn(a * 1.0, factor), a)
+
+    if k == "tensor needing a gradient":
+        for fn in (gv_scaled_then_changed, sequential(gv_scaled_then_changed)):
+            a, factor = args()
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                torch.autograd.grad(fn(a * 1.0, factor), (a, factor))
+    else:
+        assert_close_values(run(sequential(gv_scaled_then_changed))[0], run(gv_scaled_then_changed)[0])
+
+
+def test_a_square_changed_in_place_is_refused_as_eager_refuses():
+    for fn in (gv_squared_then_changed, sequential(gv_squared_then_changed)):
+        a = torch.tensor([1.0, 2.0], dtype=F64, requires_grad=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(fn(a * 1.0), a)

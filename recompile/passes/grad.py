@@ -125,8 +125,11 @@ class _Deriver:
                 fwd.ops.append(seen)
                 where = ir.Const(f"{os.path.basename(op.loc.filename)}:{op.loc.lineno}")
                 how = backward[0].args[1]
+                # (a rule's call also gives the check the op's arguments: see Rule.read_for_others)
+                by_rule = _const_fn(backward[0]) is bp.call_backward and not backward[0].kwargs
                 check = ir.Call(op.loc, ir.Const(bp.check_version),
-                                [v, seen.output, where, how, ir.Const(v in op.outputs)], n_outputs=0)
+                                [v, seen.output, where, how, ir.Const(v in op.outputs),
+                                 *(backward[0].args[4:] if by_rule else ())], n_outputs=0)
                 chunk.insert(0, check)
             chunks.append(chunk)
         grad_ops = [o for chunk in reversed(chunks) for o in chunk]

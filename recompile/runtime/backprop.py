@@ -384,17 +384,32 @@ def version(t):
     return t._version if isinstance(t, _Tensor) else None
 
 
-def check_version(t, expected, where, how, is_result):
-    """Raise, as torch does, when a value an op's gradient needs was changed in place after the op ran."""
+def check_version(t, expected, where, how, is_result, *args):
+    """Raise, as torch does, when a value an op's gradient needs was changed in place after the op ran
+    (``args``: the op's arguments, when the check is given them)."""
     if not isinstance(t, _Tensor) or t._version == expected:
         return
+    kwargs = ()
     if type(how) is Applied:
-        how = how.rule
+        how, args, kwargs = how.rule, how.args, how.kwargs
     if type(how) is not Rule or not (how.reads_out if is_result else how.reads_inputs):
         return  # its gradient needs no value (x + y), or it is autograd's to check (a recorded call)
+    if not is_result and how.read_for_others and not _read_for_a_gradient(t, args, kwargs, how.read_for_others):
+        return  # (x * 0.5: only the other arguments' gradients would read x)
     raise RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
         f"a tensor of shape {tuple(t.shape)} used at {where} was changed in place afterwards")
+
+
+def _read_for_a_gradient(t, args, kwargs, read_for_others):
+    """Whether some argument's gradient reads ``t``: an argument ``t`` is not read for itself (see
+    Rule.read_for_others), or another argument may need a gradient (a floating tensor)."""
+    mine = [k for k, a in enumerate(args) if a is t]
+    if not mine or kwargs or any(k not in read_for_others for k in mine):
+        return True
+    others = [a for k, a in enumerate(args) if k not in mine or len(mine) > 1]  # (x * x reads x for x)
+    # (in the no-grad forward a tensor of the program's own and a constant look alike: both may need one)
+    return any(_differentiable(a) for a in others)
 
 
 # ----------------------------------------------------------------------------

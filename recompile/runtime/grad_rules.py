@@ -53,9 +53,12 @@ class Rule:
     ``reads_out`` / ``reads_inputs``: whether the vjp needs the values of the
     result / the inputs (not only their shapes), so that changing them in place
     afterwards makes its gradient wrong (see passes.grad's version checks).
+    ``read_for_others``: positions of arguments whose value only the other
+    arguments' gradients read (``x * y`` reads x for y's gradient), so that
+    changing one matters only when another needs a gradient (``x * 0.5``).
     """
 
-    __slots__ = ("name", "vjp", "method", "reads_out", "reads_inputs")
+    __slots__ = ("name", "vjp", "method", "reads_out", "reads_inputs", "read_for_others")
 
     def __init__(self, name, vjp, method=False):
         self.name = name
@@ -63,6 +66,7 @@ class Rule:
         self.method = method
         self.reads_out = _loads(vjp, "out")
         self.reads_inputs = vjp not in SHAPE_ONLY
+        self.read_for_others = ()
 
     def __call__(self, fn, g, out, args, kwargs):
         if self.method:
@@ -1050,6 +1054,9 @@ _module(nn.BCEWithLogitsLoss, _bce_with_logits, F.binary_cross_entropy_with_logi
 
 SHAPE_ONLY.update({_add, _sub, _neg, _pos, _sum, _mean, _cat, _stack, _split, _unbind, _reshaped, _transpose,
                    _permute, _expand, _narrow, _select, _getitem, _rows})
+# (the positions of a function's arguments: a method rule's receiver is not among a call's arguments)
+READ_FOR_OTHERS = {_mul: (0, 1), _div: (0,)}  # x / y: x is read for y's gradient only; y for both
 for _table in (FUNCTION_RULES, METHOD_RULES, MODULE_RULES):
     for _r in _table.values():
         _r.reads_inputs = _r.vjp not in SHAPE_ONLY
+        _r.read_for_others = () if _r.method else READ_FOR_OTHERS.get(_r.vjp, ())
