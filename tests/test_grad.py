@@ -2198,3 +2198,48 @@ def test_a_square_changed_in_place_is_refused_as_eager_refuses():
         a = torch.tensor([1.0, 2.0], dtype=F64, requires_grad=True)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             torch.autograd.grad(fn(a * 1.0), a)
+
+
+def gv_divide_in_place_then_add(x, y):
+    x = x * 1.0
+    x /= y  # the divisor's gradient needs the quotient as it was here, not after the += below
+    x += 1
+    return (x * x).sum()
+
+
+def gv_div_method_then_add(x, y):
+    x = x * 1.0
+    x.div_(y)
+    x.add_(1)
+    return (x * x).sum()
+
+
+def gv_divide_in_place_then_change_divisor(x, y):
+    x = x * 1.0
+    y = y * 1.0
+    x /= y
+    y += 1
+    return (x * x).sum()
+
+
+def test_an_in_place_division_changed_again_afterwards_keeps_eagers_gradient():
+    x = torch.tensor([1.5, -2.0], dtype=F64, requires_grad=True)
+    y = torch.tensor([3.0, 0.7], dtype=F64, requires_grad=True)
+    want = torch.autograd.grad(gv_divide_in_place_then_add(x, y), (x, y))
+    got = torch.autograd.grad(sequential(gv_divide_in_place_then_add)(x, y), (x, y))
+    assert_close_values(got, want)
+
+
+def test_an_in_place_method_result_changed_again_afterwards_is_refused_not_miscomputed():
+    x = torch.tensor([1.5, -2.0], dtype=F64, requires_grad=True)
+    y = torch.tensor([3.0, 0.7], dtype=F64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="was changed in place afterwards"):  # (eager computes it)
+        torch.autograd.grad(sequential(gv_div_method_then_add)(x, y), (x, y))
+
+
+def test_a_divisor_changed_after_an_in_place_division_is_refused_as_eager_refuses():
+    for run in (gv_divide_in_place_then_change_divisor, sequential(gv_divide_in_place_then_change_divisor)):
+        x = torch.tensor([1.5, -2.0], dtype=F64, requires_grad=True)
+        y = torch.tensor([3.0, 0.7], dtype=F64, requires_grad=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(run(x, y), (x, y))

@@ -128,7 +128,7 @@ class _Deriver:
                 # (a rule's call also gives the check the op's arguments: see Rule.read_for_others)
                 by_rule = _const_fn(backward[0]) is bp.call_backward and not backward[0].kwargs
                 check = ir.Call(op.loc, ir.Const(bp.check_version),
-                                [v, seen.output, where, how, ir.Const(v in op.outputs),
+                                [v, seen.output, where, how, ir.Const(v in op.outputs or v is _in_place_target(op)),
                                  *(backward[0].args[4:] if by_rule else ())], n_outputs=0)
                 chunk.insert(0, check)
             chunks.append(chunk)
@@ -307,8 +307,8 @@ def _changed_later(ops, outputs=(), inputs=()):
         target = _in_place_target(op)
         if target is None:
             continue
-        for earlier in ops[:k]:
-            if target in earlier.operands() or target in earlier.outputs:
+        for earlier in ops[:k]:  # (x.div_(y) makes x too: its receiver is its result)
+            if target in earlier.operands() or target in earlier.outputs or target is _in_place_target(earlier):
                 guarded.setdefault(earlier, []).append(target)
     outside = _returned_values(outputs) | set(inputs)
     for op in ops if outside else ():

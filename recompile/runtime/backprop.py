@@ -324,21 +324,29 @@ def _check_in_place(target, what):
 
 
 class InPlace:
-    """``a op= b`` on a tensor, done in place as in Python, with the old ``a`` where its gradient needs it."""
+    """``a op= b`` on a tensor, done in place as in Python, with the old ``a`` where its gradient needs it
+    (a later in-place change to ``a`` must not reach the gradient: it reads ``before``, never ``a``)."""
 
-    __slots__ = ("op", "target", "other", "before")
+    __slots__ = ("op", "target", "other", "before", "other_version")
 
     def __init__(self, op, target, other, before):
         self.op = op
         self.target = target
         self.other = other
         self.before = before
+        self.other_version = version(other)  # (b's value is read by a's gradient, as torch reads it)
 
     def backward(self, ctx):
         g = ctx.pop(self.target)
         if g is None:
             return
         a, b, op = self.target, self.other, self.op
+        if op is not operator.iadd and op is not operator.isub and isinstance(b, _Tensor) \
+                and b._version != self.other_version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: the right-hand side of an augmented assignment (shape {tuple(b.shape)}) was "
+                "changed in place afterwards")
         if op is operator.iadd:
             ga, gb = g, g
         elif op is operator.isub:
@@ -347,10 +355,10 @@ class InPlace:
             factor = self.before if b is a else b  # (h *= h: the old h on both sides)
             ga, gb = g * factor, (g * self.before if isinstance(b, _Tensor) else None)
         elif op is operator.itruediv:
-            ga, gb = g / b, (-g * a / b if isinstance(b, _Tensor) else None)  # a is the quotient by now
+            ga, gb = g / b, (-g * (self.before / b) / b if isinstance(b, _Tensor) else None)
         else:  # ipow
             ga = g * b * self.before ** (b - 1)
-            gb = g * a * torch.log(self.before) if isinstance(b, _Tensor) else None
+            gb = g * self.before ** b * torch.log(self.before) if isinstance(b, _Tensor) else None
         ctx.add(a, ga)  # the same tensor: now the cotangent of its old value
         if gb is not None and isinstance(b, _Tensor):
             ctx.add(b, gb.sum_to_size(b.shape) if gb.shape != b.shape else gb)
@@ -366,7 +374,8 @@ def in_place(ctx, op, a, b):
     _check_in_place(a, "an augmented assignment")
     if op in (operator.itruediv, operator.ipow) and b is a:
         raise NotImplementedError("recompile cannot differentiate x /= x or x **= x in place; write it out of place")
-    before = a.clone() if op is operator.ipow or (op is operator.imul and isinstance(b, _Tensor)) else None
+    before = a.clone() if op is operator.ipow or (op in (operator.imul, operator.itruediv)
+                                                  and isinstance(b, _Tensor)) else None
     out = op(a, b)
     if out is not a:  # not done in place after all (an integer tensor divided): like a @ b
         return out, None
