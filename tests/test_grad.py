@@ -2243,3 +2243,34 @@ def test_a_divisor_changed_after_an_in_place_division_is_refused_as_eager_refuse
         y = torch.tensor([3.0, 0.7], dtype=F64, requires_grad=True)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             torch.autograd.grad(run(x, y), (x, y))
+
+
+def seq_concat(t):
+    return torch.stack([t * 2] + [t]).sum()
+
+
+def seq_concat_named(t):
+    xs = [t * 2]
+    xs = xs + [t * 3, t]
+    return torch.stack(xs).sum()
+
+
+def seq_repeat(t):
+    return torch.stack([t * 2] * 3).sum()
+
+
+def seq_repeat_left_and_concat(t):
+    return torch.stack(3 * [t * 2] + [t]).sum()
+
+
+def seq_tuple_concat(t):
+    return torch.stack((t,) + (t * 2, t)).sum()
+
+
+@pytest.mark.parametrize("fn", [seq_concat, seq_concat_named, seq_repeat, seq_repeat_left_and_concat,
+                                seq_tuple_concat])
+def test_lists_joined_or_repeated_by_operators_keep_their_elements_gradients(fn):
+    t = torch.tensor([1.0, -2.0, 0.5], dtype=F64, requires_grad=True)
+    want, = torch.autograd.grad(fn(t), t)
+    got, = torch.autograd.grad(sequential(fn)(t), t)
+    assert_close_values(got, want)

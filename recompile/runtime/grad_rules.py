@@ -249,6 +249,11 @@ def _by_autograd(fn, g, out, *args, **kwargs):
 
 @rule(operator.add, operator.iadd, *_forms("add", "add_"), "__add__", "__radd__", "__iadd__")
 def _add(fn, g, out, input, other, alpha=1):
+    if isinstance(input, (tuple, list)) and isinstance(other, (tuple, list)):
+        # [a] + [b]: the joined sequence holds the very elements, so each gets its own cotangent back
+        yield input, g[:len(input)]
+        yield other, g[len(input):]
+        return
     # in place (add_, +=) needs neither old value, so ``input`` being ``out`` by now does no harm
     yield input, unbroadcast(g, input)
     yield other, unbroadcast(g if alpha == 1 else g * alpha, other)
@@ -269,6 +274,10 @@ def _rsub(fn, g, out, input, other, alpha=1):
 # out of place before looking for a rule)
 @rule(operator.mul, *_forms("mul", "multiply"), "__mul__", "__rmul__")
 def _mul(fn, g, out, input, other):
+    seq = input if isinstance(input, (tuple, list)) else other if isinstance(other, (tuple, list)) else None
+    if seq is not None:  # [h] * 3 holds the very elements: each one's whole cotangent is at its first place
+        yield seq, g[:len(seq)]
+        return
     if is_tensor(input):
         yield input, unbroadcast(g * other, input)
     if is_tensor(other):
