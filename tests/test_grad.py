@@ -2274,3 +2274,15 @@ def test_lists_joined_or_repeated_by_operators_keep_their_elements_gradients(fn)
     want, = torch.autograd.grad(fn(t), t)
     got, = torch.autograd.grad(sequential(fn)(t), t)
     assert_close_values(got, want)
+
+
+def floor_divided(x, y):
+    return torch.div(x, y, rounding_mode="floor").sum()
+
+
+def test_a_floor_division_alone_has_torchs_zero_gradient():
+    x = torch.tensor([1.5, -2.0], dtype=F64, requires_grad=True)
+    y = torch.tensor([3.0, 0.7], dtype=F64, requires_grad=True)
+    want = torch.autograd.grad(floor_divided(x, y), (x, y))
+    got = torch.autograd.grad(sequential(floor_divided)(x, y), (x, y))  # (not "unused in the graph")
+    assert_close_values(got, want)

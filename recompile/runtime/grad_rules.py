@@ -297,8 +297,11 @@ def _div_in_place(fn, g, out, input, other, *, rounding_mode=None):
 
 
 def _quotient_grads(g, input, other, quotient, rounding_mode):
-    if rounding_mode is not None:
-        return  # floor/trunc division is piecewise constant: torch gives it a zero gradient
+    if rounding_mode is not None:  # floor/trunc division is piecewise constant: torch gives it a zero gradient
+        for x in (input, other):
+            if is_tensor(x):
+                yield x, torch.zeros_like(x)
+        return
     if is_tensor(input):
         yield input, unbroadcast(g / other, input)
     if is_tensor(other):
