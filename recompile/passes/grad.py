@@ -124,13 +124,16 @@ class _Deriver:
                 seen = ir.Call(op.loc, ir.Const(bp.version), [v], hints=("version",))
                 fwd.ops.append(seen)
                 where = ir.Const(f"{os.path.basename(op.loc.filename)}:{op.loc.lineno}")
-                how = backward[0].args[1]
+                back = backward[0]
+                ctx, how = back.args[0], back.args[1]
+                out = ir.Const(None) if _const_fn(back) is bp.backward_of else back.args[2]
                 # (a rule's call also gives the check the op's arguments: see Rule.read_for_others)
-                by_rule = _const_fn(backward[0]) is bp.call_backward and not backward[0].kwargs
+                by_rule = _const_fn(back) is bp.call_backward and not back.kwargs
                 check = ir.Call(op.loc, ir.Const(bp.check_version),
-                                [v, seen.output, where, how, ir.Const(v in op.outputs or v is _in_place_target(op)),
-                                 *(backward[0].args[4:] if by_rule else ())], n_outputs=0)
-                chunk.insert(0, check)
+                                [ctx, out, v, seen.output, where, how,
+                                 ir.Const(v in op.outputs or v is _in_place_target(op)),
+                                 *(back.args[4:] if by_rule else ())], n_outputs=0)
+                chunk.insert(chunk.index(back), check)  # (after what the chunk makes for the call)
             chunks.append(chunk)
         grad_ops = [o for chunk in reversed(chunks) for o in chunk]
         saved = _read_from(grad_ops, _defined(fwd))

@@ -121,6 +121,14 @@ class GradContext:
             return gs if any(g is not None for g in gs) else None
         return None
 
+    def reaches(self, out):
+        """Whether a cotangent waits for result ``out`` (a tensor, or a tuple or list of them)."""
+        if isinstance(out, _Tensor):
+            return id(out) in self.cotangents
+        if isinstance(out, (tuple, list)):
+            return any(self.reaches(o) for o in out)
+        return True  # (not known here: check)
+
     def peek(self, tensor):
         entry = self.cotangents.get(id(tensor))
         return None if entry is None else entry[1]
@@ -393,14 +401,16 @@ def version(t):
     return t._version if isinstance(t, _Tensor) else None
 
 
-def check_version(t, expected, where, how, is_result, *args):
+def check_version(ctx, out, t, expected, where, how, is_result, *args):
     """Raise, as torch does, when a value an op's gradient needs was changed in place after the op ran
-    (``args``: the op's arguments, when the check is given them)."""
+    (``out``: the op's result; ``args``: its arguments, when the check is given them)."""
     if not isinstance(t, _Tensor) or t._version == expected:
         return
     kwargs = ()
     if type(how) is Applied:
-        how, args, kwargs = how.rule, how.args, how.kwargs
+        how, out, args, kwargs = how.rule, how.out, how.args, how.kwargs
+    if not ctx.reaches(out):
+        return  # no cotangent comes back through the op (its result is unused): its gradient reads nothing
     if type(how) is not Rule or not (how.reads_out if is_result else how.reads_inputs):
         return  # its gradient needs no value (x + y), or it is autograd's to check (a recorded call)
     if not is_result and how.read_for_others and not _read_for_a_gradient(t, args, kwargs, how.read_for_others):
