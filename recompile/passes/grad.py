@@ -116,8 +116,20 @@ class _Deriver:
         """
         chunks = []  # per forward op, its gradient ops (in order); run last chunk first
         guarded = _changed_later(sg.ops, sg.outputs, sg.inputs)
-        for op in sg.ops:
+        stale = _read_after_a_change(sg.ops)
+        watched = {v for values in stale.values() for v in values}
+        made = {}  # watched Value -> its version when it was made
+        for j, op in enumerate(sg.ops):
+            for v in stale.get(j, ()):
+                where = ir.Const(f"{os.path.basename(op.loc.filename)}:{op.loc.lineno}")
+                fwd.ops.append(ir.Call(op.loc, ir.Const(bp.check_unchanged), [v, made[v], where], n_outputs=0))
+            outputs = list(op.outputs)
             chunk = self.op(op, fwd.ops, ctx_f, ctx_b)
+            for v in outputs:
+                if v in watched:
+                    seen = ir.Call(op.loc, ir.Const(bp.version), [v], hints=("version",))
+                    fwd.ops.append(seen)
+                    made[v] = seen.output
             backward = [o for o in chunk if isinstance(o, ir.Call) and _const_fn(o) in BACKWARD_CALLS]
             for v in guarded.get(op, ()) if len(backward) == 1 else ():
                 # its gradient may read v: check that v is still as the op saw it
@@ -322,6 +334,34 @@ def _changed_later(ops, outputs=(), inputs=()):
 
 
 _BUILDERS = (sem.build_tuple, sem.build_list, sem.build_set, sem.build_dict)
+_DATA_ATTRS = {"shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout"}
+
+
+def _read_after_a_change(ops):
+    """{index of op: [values]}: values made in the SubGraph that the op reads after some op changed a
+    value in place. If the change reached them (a view of the changed tensor, or another name of it), the
+    derived gradient would send their cotangent to what they were when made: the op checks, when it runs,
+    that they are unchanged (``bp.check_unchanged``)."""
+    made_at, changed, found = {}, False, {}
+    for j, op in enumerate(ops):
+        if changed and _moves_data(op):
+            for v in dict.fromkeys(x for x in op.operands() if isinstance(x, ir.Value) and x in made_at):
+                found.setdefault(j, []).append(v)
+        changed = changed or _in_place_target(op) is not None
+        for v in op.outputs:
+            made_at[v] = j
+    return found
+
+
+def _moves_data(op):
+    """Whether an op may pass the values it reads on to a gradient (not ``x.shape``, ``len(x)``, ``x > 0``)."""
+    if not isinstance(op, ir.Call):
+        return True
+    fn = _const_fn(op)
+    if fn is getattr:
+        name = op.args[1] if len(op.args) > 1 else None
+        return not (isinstance(name, ir.Const) and name.value in _DATA_ATTRS)
+    return fn is None or fn in _BUILDERS or fn not in NO_GRADIENT
 
 
 def _returned_values(outputs):

@@ -420,6 +420,17 @@ def check_version(ctx, out, t, expected, where, how, is_result, *args):
         f"a tensor of shape {tuple(t.shape)} used at {where} was changed in place afterwards")
 
 
+def check_unchanged(t, made, where):
+    """Refuse to read a view whose tensor was changed in place after the view was made: the derived gradient
+    would send the view's cotangent to the tensor's old value. (The same tensor under another name is
+    fine: cotangents follow the tensor object.)"""
+    if isinstance(t, _Tensor) and t._version != made and t._is_view():
+        raise NotImplementedError(
+            f"recompile cannot differentiate this read at {where}: it reads a view (shape {tuple(t.shape)}) of a "
+            "tensor changed in place after the view was taken; take the view after the change, or change a "
+            "copy (x = x.clone())")
+
+
 def _read_for_a_gradient(t, args, kwargs, read_for_others):
     """Whether some argument's gradient reads ``t``: an argument ``t`` is not read for itself (see
     Rule.read_for_others), or another argument may need a gradient (a floating tensor)."""
