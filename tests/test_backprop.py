@@ -1,5 +1,7 @@
 """runtime.backprop and runtime.deferred: cotangents by tensor, sources, the autograd fallback, lazy parameter grads."""
 
+import operator
+
 import pytest
 import torch
 from torch import nn
@@ -110,11 +112,20 @@ def test_in_place_method_without_rule_is_refused_with_advice():
     t = torch.ones(2)
     try:
         with torch.no_grad():
-            bp.call_forward(ctx, t.mul_, 2)
+            bp.call_forward(ctx, t.clamp_, 0)
     except NotImplementedError as exc:
-        assert "mul_" in str(exc) and "x = x.mul(" in str(exc)
+        assert "clamp_" in str(exc) and "x = x.clamp(" in str(exc)
     else:
         raise AssertionError("expected NotImplementedError")
+
+
+def test_in_place_arithmetic_methods_run_as_augmented_assignments():
+    ctx = bp.GradContext()
+    t = torch.ones(2)
+    with torch.no_grad():
+        out, how = bp.call_forward(ctx, t.mul_, torch.full((2,), 3.0))
+    assert out is t and type(how) is bp.InPlace and how.op is operator.imul
+    assert torch.equal(how.before, torch.ones(2)) and torch.equal(t, torch.full((2,), 3.0))
 
 
 def test_deferred_parts_form_the_summed_gradient():

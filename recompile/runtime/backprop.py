@@ -225,6 +225,10 @@ def _no_gradient(fn, args, kwargs):
 
 def call_forward(ctx, fn, *args, **kwargs):
     """Run ``fn`` for the forward: ``(result, how to differentiate it)``."""
+    if type(fn) is _BOUND_BUILTIN and len(args) == 1 and not kwargs and isinstance(fn.__self__, _Tensor):
+        op = _AUGMENTED.get(fn.__name__)
+        if op is not None:  # x.div_(y) is x /= y: the old x is kept where the gradient needs it
+            return in_place(ctx, op, fn.__self__, args[0])
     rule = lookup(fn)
     if rule is not None:
         if isinstance(fn, nn.Module):
@@ -373,6 +377,9 @@ class InPlace:
 
 
 IN_PLACE = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow)
+# in-place tensor methods that are an augmented assignment when given one operand and no option
+_AUGMENTED = {"add_": operator.iadd, "sub_": operator.isub, "mul_": operator.imul, "div_": operator.itruediv,
+              "true_divide_": operator.itruediv, "pow_": operator.ipow}
 
 
 def in_place(ctx, op, a, b):
