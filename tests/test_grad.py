@@ -2381,3 +2381,24 @@ def test_a_view_read_after_its_base_was_changed_in_place_keeps_eagers_gradient()
     want = torch.autograd.grad(gv_view_read_after_its_base_changed(x, w), (x, w))
     got = torch.autograd.grad(sequential(gv_view_read_after_its_base_changed)(x, w), (x, w))
     assert_close_values(got, want)
+
+
+def gv_halve(b):
+    b.mul_(0.5)  # changes its argument in place
+    return b.sum()
+
+
+def gv_view_read_after_a_call_changed_its_base(x, w):
+    c = x * w
+    v = c[:]
+    s = gv_halve(c)
+    return v.sum() + s
+
+
+def test_a_view_read_after_a_call_changed_its_base_is_refused_not_miscomputed():
+    funcs = {name: sequential(globals()[name]) for name in ("gv_halve", "gv_view_read_after_a_call_changed_its_base")}
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
+    w = torch.tensor([1.5, 0.2, -0.3], dtype=F64, requires_grad=True)
+    with bound_globals(globals(), funcs):
+        with pytest.raises(NotImplementedError, match="reads a view"):
+            funcs["gv_view_read_after_a_call_changed_its_base"](x, w)

@@ -338,18 +338,24 @@ _DATA_ATTRS = {"shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "
 
 
 def _read_after_a_change(ops):
-    """{index of op: [values]}: values made in the SubGraph that the op reads after some op changed a
-    value in place. If the change reached them (a view of the changed tensor, or another name of it), the
-    derived gradient would send their cotangent to what they were when made: the op checks, when it runs,
-    that they are unchanged (``bp.check_unchanged``)."""
-    made_at, changed, found = {}, False, {}
+    """{index of op: [values]}: values made in the SubGraph that the op reads after an op that may have
+    changed a value in place since they were made (an in-place op, or a call, branch or loop, which may hold
+    one). If the change reached them (a view of the changed tensor), the derived gradient would send their
+    cotangent to what they were when made: the op checks, when it runs, that they are unchanged
+    (``bp.check_unchanged``)."""
+    made_at, last_change, found = {}, -1, {}
     for j, op in enumerate(ops):
-        if changed and _moves_data(op):
-            for v in dict.fromkeys(x for x in op.operands() if isinstance(x, ir.Value) and x in made_at):
+        # (no check, and no version taken, between two calls: it would keep independent calls from being
+        # issued together; so a call's arguments and results are not checked here)
+        if last_change >= 0 and _moves_data(op) and not isinstance(op, ir.Invoke):
+            for v in dict.fromkeys(x for x in op.operands() if isinstance(x, ir.Value)
+                                   and made_at.get(x, last_change) < last_change):
                 found.setdefault(j, []).append(v)
-        changed = changed or _in_place_target(op) is not None
-        for v in op.outputs:
-            made_at[v] = j
+        if _in_place_target(op) is not None or isinstance(op, (ir.Invoke, ir.Cond, ir.While)):
+            last_change = j
+        if not isinstance(op, ir.Invoke):
+            for v in op.outputs:
+                made_at[v] = j
     return found
 
 
