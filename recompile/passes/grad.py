@@ -121,28 +121,23 @@ class _Deriver:
         made = {}  # watched Value -> its version when it was made
         for j, op in enumerate(sg.ops):
             for v in stale.get(j, ()):
-                where = ir.Const(f"{os.path.basename(op.loc.filename)}:{op.loc.lineno}")
-                fwd.ops.append(ir.Call(op.loc, ir.Const(bp.check_unchanged), [v, made[v], where], n_outputs=0))
+                fwd.ops.append(ir.Call(op.loc, ir.Const(bp.check_unchanged), [v, made[v], _where(op)], n_outputs=0))
             outputs = list(op.outputs)
             chunk = self.op(op, fwd.ops, ctx_f, ctx_b)
             for v in outputs:
                 if v in watched:
-                    seen = ir.Call(op.loc, ir.Const(bp.version), [v], hints=("version",))
-                    fwd.ops.append(seen)
-                    made[v] = seen.output
+                    made[v] = _version_now(fwd, op, v)
             backward = [o for o in chunk if isinstance(o, ir.Call) and _const_fn(o) in BACKWARD_CALLS]
             for v in guarded.get(op, ()) if len(backward) == 1 else ():
                 # its gradient may read v: check that v is still as the op saw it
-                seen = ir.Call(op.loc, ir.Const(bp.version), [v], hints=("version",))
-                fwd.ops.append(seen)
-                where = ir.Const(f"{os.path.basename(op.loc.filename)}:{op.loc.lineno}")
+                seen = _version_now(fwd, op, v)
                 back = backward[0]
                 ctx, how = back.args[0], back.args[1]
                 out = ir.Const(None) if _const_fn(back) is bp.backward_of else back.args[2]
                 # (a rule's call also gives the check the op's arguments: see Rule.read_for_others)
                 by_rule = _const_fn(back) is bp.call_backward and not back.kwargs
                 check = ir.Call(op.loc, ir.Const(bp.check_version),
-                                [ctx, out, v, seen.output, where, how,
+                                [ctx, out, v, seen, _where(op), how,
                                  ir.Const(v in op.outputs or v is _in_place_target(op)),
                                  *(back.args[4:] if by_rule else ())], n_outputs=0)
                 chunk.insert(chunk.index(back), check)  # (after what the chunk makes for the call)
@@ -309,6 +304,18 @@ class _Deriver:
         more.ops.append(test)
         more.outputs = [test.output]
         return [ir.While(op.loc, more, body_b, [tape], [ctx_b])]
+
+
+def _where(op):
+    """``file:line`` of ``op``, as the checks name it."""
+    return ir.Const(f"{os.path.basename(op.loc.filename)}:{op.loc.lineno}")
+
+
+def _version_now(fwd, op, v):
+    """Append to ``fwd`` the reading of ``v``'s version (after ``op``); return the Value read."""
+    seen = ir.Call(op.loc, ir.Const(bp.version), [v], hints=("version",))
+    fwd.ops.append(seen)
+    return seen.output
 
 
 def _changed_later(ops, outputs=(), inputs=()):
