@@ -2402,3 +2402,82 @@ def test_a_view_read_after_a_call_changed_its_base_is_refused_not_miscomputed():
     with bound_globals(globals(), funcs):
         with pytest.raises(NotImplementedError, match="reads a view"):
             funcs["gv_view_read_after_a_call_changed_its_base"](x, w)
+
+
+# a view handed on (returned, or carried out of a branch or loop body) after its tensor was changed in place
+def gv_view_returned_after_its_base_changed(x, w):
+    c = x * w
+    v = c[:]
+    c += x
+    return v
+
+
+def gv_view_out_of_a_branch_after_its_base_changed(x, w, flag):
+    c = w * 1.0
+    v = x * 1.0
+    if flag:
+        v = c.unsqueeze(0)[0]
+        c -= c + 0.5 * x
+    return (v * 2.0).sum()
+
+
+def gv_view_out_of_a_loop_body_after_its_base_changed(x, w, k):
+    c = x * w
+    v = c * 1.0
+    for _ in range(k):
+        v = c.reshape(3)
+        c.add_(x)
+    return (v * 2.0).sum()
+
+
+def gv_view_and_base(a):
+    c = a * 2.0
+    return c, c[:]
+
+
+def gv_view_from_a_call_out_of_a_branch(x, w, flag):
+    v = w * 1.0
+    if flag:
+        c, v = gv_view_and_base(x)
+        c.add_(w)  # v, a view of c, sees the change
+    return (v * 2.0).sum()
+
+
+def gv_view_given_to_a_branch_that_changes_its_base(x, w, flag):
+    c = x * w
+    v = c[:]
+    s = x.sum()
+    if flag:
+        c += x
+        s = (v * 2.0).sum()
+    return s
+
+
+def test_a_view_handed_on_after_its_base_was_changed_in_place_is_refused_not_miscomputed():
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
+    w = torch.tensor([1.5, 0.2, -0.3], dtype=F64, requires_grad=True)
+    for mode in ("sequential", "threaded"):
+        with pytest.raises(NotImplementedError, match=r"\(what the function returns\): it reads a view"):
+            recompile.function(gv_view_returned_after_its_base_changed, mode=mode)(x, w)
+        with pytest.raises(NotImplementedError, match=r"\(what the branch hands on\): it reads a view"):
+            recompile.function(gv_view_out_of_a_branch_after_its_base_changed, mode=mode)(x, w, True)
+        with pytest.raises(NotImplementedError, match=r"\(what the loop body hands on\): it reads a view"):
+            recompile.function(gv_view_out_of_a_loop_body_after_its_base_changed, mode=mode)(x, w, 2)
+        funcs = {name: recompile.function(globals()[name], mode=mode)
+                 for name in ("gv_view_and_base", "gv_view_from_a_call_out_of_a_branch")}
+        with bound_globals(globals(), funcs):
+            with pytest.raises(NotImplementedError, match=r"\(what the branch hands on\): it reads a view"):
+                funcs["gv_view_from_a_call_out_of_a_branch"](x, w, True)
+        # (a view a branch is given, read there after the branch changed its tensor)
+        with pytest.raises(NotImplementedError, match="reads a view .* of a tensor changed in place"):
+            recompile.function(gv_view_given_to_a_branch_that_changes_its_base, mode=mode)(x, w, True)
+    # where the view is not taken, or its tensor is not changed, the gradient is eager's
+    cases = [(gv_view_out_of_a_branch_after_its_base_changed, (False,)),
+             (gv_view_out_of_a_loop_body_after_its_base_changed, (0,)),
+             (gv_view_from_a_call_out_of_a_branch, (False,)),
+             (gv_view_given_to_a_branch_that_changes_its_base, (False,))]
+    with bound_globals(globals(), {"gv_view_and_base": sequential(gv_view_and_base)}):
+        for fn, args in cases:
+            got = torch.autograd.grad(sequential(fn)(x, w, *args), (x, w), allow_unused=True)
+            want = torch.autograd.grad(fn(x, w, *args), (x, w), allow_unused=True)
+            assert_close_values(got, want)

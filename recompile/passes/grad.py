@@ -116,9 +116,12 @@ class _Deriver:
         """
         chunks = []  # per forward op, its gradient ops (in order); run last chunk first
         guarded = _changed_later(sg.ops, sg.outputs, sg.inputs)
-        stale = _read_after_a_change(sg.ops)
+        stale = _read_after_a_change(sg.ops, sg.outputs, sg.inputs)
         watched = {v for values in stale.values() for v in values}
-        made = {}  # watched Value -> its version when it was made
+        made = {}  # watched Value -> its version when it was made (an input's: when the SubGraph began)
+        for v in sg.inputs:
+            if v in watched:
+                made[v] = _version_now(fwd, sg, v)
         for j, op in enumerate(sg.ops):
             for v in stale.get(j, ()):
                 fwd.ops.append(ir.Call(op.loc, ir.Const(bp.check_unchanged), [v, made[v], _where(op)], n_outputs=0))
@@ -142,6 +145,9 @@ class _Deriver:
                                  *(back.args[4:] if by_rule else ())], n_outputs=0)
                 chunk.insert(chunk.index(back), check)  # (after what the chunk makes for the call)
             chunks.append(chunk)
+        for v in stale.get(len(sg.ops), ()):  # what the SubGraph hands on is read too
+            fwd.ops.append(ir.Call(sg.loc, ir.Const(bp.check_unchanged), [v, made[v], _where_end(sg)],
+                                   n_outputs=0))
         grad_ops = [o for chunk in reversed(chunks) for o in chunk]
         saved = _read_from(grad_ops, _defined(fwd))
         rec = ir.Call(sg.loc, ir.Const(sem.build_tuple), saved, hints=("record",))
@@ -311,6 +317,17 @@ def _where(op):
     return ir.Const(f"{os.path.basename(op.loc.filename)}:{op.loc.lineno}")
 
 
+_HANDS_ON = {"function": "what the function returns", "then": "what the branch hands on",
+             "else": "what the branch hands on", "body": "what the loop body hands on"}
+
+
+def _where_end(sg):
+    """Where a check of what ``sg`` hands on (returns, or gives the next iteration) names: its last op."""
+    loc = sg.ops[-1].loc if sg.ops else sg.loc
+    what = _HANDS_ON.get(sg.kind, "what it hands on")
+    return ir.Const(f"{os.path.basename(loc.filename)}:{loc.lineno} ({what})")
+
+
 def _version_now(fwd, op, v):
     """Append to ``fwd`` the reading of ``v``'s version (after ``op``); return the Value read."""
     seen = ir.Call(op.loc, ir.Const(bp.version), [v], hints=("version",))
@@ -344,13 +361,14 @@ _BUILDERS = (sem.build_tuple, sem.build_list, sem.build_set, sem.build_dict)
 _DATA_ATTRS = {"shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout"}
 
 
-def _read_after_a_change(ops):
-    """{index of op: [values]}: values made in the SubGraph that the op reads after an op that may have
-    changed a value in place since they were made (an in-place op, or a call, branch or loop, which may hold
-    one). If the change reached them (a view of the changed tensor), the derived gradient would send their
-    cotangent to what they were when made: the op checks, when it runs, that they are unchanged
-    (``bp.check_unchanged``)."""
-    made_at, last_change, found = {}, -1, {}
+def _read_after_a_change(ops, outputs=(), inputs=()):
+    """{index of op: [values]}: values the op reads after an op that may have changed a value in place since
+    they were made in the SubGraph or came in as its inputs (an in-place op, or a call, branch or loop, which
+    may hold one). Index ``len(ops)`` lists the SubGraph's outputs that are so read (what a function returns,
+    a branch or a loop body hands on). If the change reached them (a view of the changed tensor), the derived
+    gradient would send their cotangent to what they were when made: the op checks, when it runs, that they
+    are unchanged (``bp.check_unchanged``)."""
+    made_at, last_change, found = dict.fromkeys(inputs, -1), -1, {}
     for j, op in enumerate(ops):
         # (no check, and no version taken, between two calls: it would keep independent calls from being
         # issued together; so a call's arguments and results are not checked here)
@@ -363,6 +381,10 @@ def _read_after_a_change(ops):
         if not isinstance(op, ir.Invoke):
             for v in op.outputs:
                 made_at[v] = j
+    if last_change >= 0:
+        for v in dict.fromkeys(x for x in outputs if isinstance(x, ir.Value)
+                               and made_at.get(x, last_change) < last_change):
+            found.setdefault(len(ops), []).append(v)
     return found
 
 
