@@ -178,7 +178,8 @@ class FunctionBuild:
     def grad(self):
         """(forward-with-saves SubGraph, gradient SubGraph) of this function (passes.grad)."""
         return self._once("_grad", lambda: derive(self.stages[FINAL],
-                                                  lambda target: (target.forward, target.backward)))
+                                                  lambda target: (target.forward, target.backward),
+                                                  self._may_mutate))
 
     @property
     def grad_code(self):

@@ -14,12 +14,14 @@ batched modes), and what follows such a call must see its change.
 from __future__ import annotations
 
 from .. import ir
-from ..runtime.backprop import note, note_all
+from ..runtime.backprop import check_unchanged, note, note_all, version
 from ..runtime.semantics import PURE
 
-# the forward-with-saves program notes the gradient's sources as it meets them: that changes nothing the
-# program reads, so it moves like a pure op (and a node's two children are still issued together)
-_MOVABLE = PURE | {note, note_all}
+# the forward-with-saves program notes the gradient's sources as it meets them, reads tensors' versions and
+# checks that a view's tensor was not changed since (passes.grad): that changes nothing the program reads,
+# and the calls of a group change nothing in place, so these move like pure ops (and a node's two children
+# are still issued together)
+_MOVABLE = PURE | {note, note_all, version, check_unchanged}
 
 
 def _pure(op):

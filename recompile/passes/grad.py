@@ -32,7 +32,10 @@ goes through ``backprop.call_forward``, which looks the rule up by the
 callable at run time or records the call for torch.autograd (the fallback).
 A value that a later op of the same SubGraph changes in place (``y += 1``)
 gets its version saved, and the gradient of an op that read it checks it, as
-torch does.
+torch does. A view read or handed on after something may have changed its
+tensor in place (an in-place op, or a call, branch or loop that may change a
+value: ``passes.effects``) is checked when it is read (``bp.check_unchanged``):
+the gradient cannot follow the change as torch's does.
 """
 
 from __future__ import annotations
@@ -61,14 +64,16 @@ BACKWARD_CALLS = {bp.call_backward, bp.read_backward, bp.backward_of}
 DIFFERENTIABLE_ATTRS = {"T", "mT", "H", "mH", "real"}
 
 
-def derive(sg, handles):
+def derive(sg, handles, may_mutate=lambda invoke: True):
     """(``F:fwd``, ``F:bwd``) for function SubGraph ``sg`` (not changed).
 
     ``handles(target)`` gives the (forward, backward) runtime handles of an
-    Invoke's target. A Fused op is derived from its members (``fusion.unfuse``).
+    Invoke's target; ``may_mutate(invoke)`` whether the program it runs may change
+    a value in place (``passes.effects``). A Fused op is derived from its members
+    (``fusion.unfuse``).
     """
     sg = unfuse(sg)
-    deriver = _Deriver(handles)
+    deriver = _Deriver(handles, may_mutate)
     ctx_f, ctx_b = ir.Value("ctx"), ir.Value("ctx")
     fwd = ir.SubGraph(f"{sg.name}:fwd", [ctx_f, *sg.inputs], sg.loc, "function")
     bwd = ir.SubGraph(f"{sg.name}:bwd", [ctx_b], sg.loc, "function")
@@ -105,8 +110,9 @@ def _produce(op, values):
 
 
 class _Deriver:
-    def __init__(self, handles):
+    def __init__(self, handles, may_mutate):
         self.handles = handles
+        self.may_mutate = may_mutate
 
     def body(self, sg, fwd, bwd, ctx_f, ctx_b, prologue=()):
         """Move ``sg``'s ops (already rewired to ``fwd``'s inputs) into ``fwd`` with saving, fill ``bwd``.
@@ -116,7 +122,7 @@ class _Deriver:
         """
         chunks = []  # per forward op, its gradient ops (in order); run last chunk first
         guarded = _changed_later(sg.ops, sg.outputs, sg.inputs)
-        stale = _read_after_a_change(sg.ops, sg.outputs, sg.inputs)
+        stale = _read_after_a_change(sg.ops, sg.outputs, sg.inputs, self.may_mutate)
         watched = {v for values in stale.values() for v in values}
         made = {}  # watched Value -> its version when it was made (an input's: when the SubGraph began)
         for v in sg.inputs:
@@ -361,31 +367,42 @@ _BUILDERS = (sem.build_tuple, sem.build_list, sem.build_set, sem.build_dict)
 _DATA_ATTRS = {"shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout"}
 
 
-def _read_after_a_change(ops, outputs=(), inputs=()):
+def _read_after_a_change(ops, outputs=(), inputs=(), may_mutate=lambda invoke: True):
     """{index of op: [values]}: values the op reads after an op that may have changed a value in place since
-    they were made in the SubGraph or came in as its inputs (an in-place op, or a call, branch or loop, which
-    may hold one). Index ``len(ops)`` lists the SubGraph's outputs that are so read (what a function returns,
-    a branch or a loop body hands on). If the change reached them (a view of the changed tensor), the derived
-    gradient would send their cotangent to what they were when made: the op checks, when it runs, that they
-    are unchanged (``bp.check_unchanged``)."""
+    they were made in the SubGraph or came in as its inputs (an in-place op, or a call, branch or loop that may
+    hold one). Index ``len(ops)`` lists the SubGraph's outputs that are so read (what a function returns, a
+    branch or a loop body hands on). If the change reached them (a view of the changed tensor, also one made,
+    handed in or handed back by a call), the derived gradient would send their cotangent to what they were
+    when made: the op checks, when it runs, that they are unchanged (``bp.check_unchanged``). A call that
+    may change nothing (``passes.effects``) is not a change, so recursion that changes nothing in place gets
+    no check. (The version reads and checks move like pure ops in ``codegen.plan``: a check of a call's
+    arguments, or a version read of its result, keeps independent calls issued together.)"""
     made_at, last_change, found = dict.fromkeys(inputs, -1), -1, {}
     for j, op in enumerate(ops):
-        # (no check, and no version taken, between two calls: it would keep independent calls from being
-        # issued together; so a call's arguments and results are not checked here)
-        if last_change >= 0 and _moves_data(op) and not isinstance(op, ir.Invoke):
+        if last_change >= 0 and _moves_data(op):
             for v in dict.fromkeys(x for x in op.operands() if isinstance(x, ir.Value)
                                    and made_at.get(x, last_change) < last_change):
                 found.setdefault(j, []).append(v)
-        if _in_place_target(op) is not None or isinstance(op, (ir.Invoke, ir.Cond, ir.While)):
+        if _may_change(op, may_mutate):
             last_change = j
-        if not isinstance(op, ir.Invoke):
-            for v in op.outputs:
-                made_at[v] = j
+        for v in op.outputs:
+            made_at[v] = j
     if last_change >= 0:
         for v in dict.fromkeys(x for x in outputs if isinstance(x, ir.Value)
                                and made_at.get(x, last_change) < last_change):
             found.setdefault(len(ops), []).append(v)
     return found
+
+
+def _may_change(op, may_mutate):
+    """Whether ``op`` may change a value in place: an in-place op, a call whose program may, or a branch or
+    loop holding either."""
+    if _in_place_target(op) is not None:
+        return True
+    if isinstance(op, ir.Invoke):
+        return may_mutate(op)
+    return any(_in_place_target(o) is not None or isinstance(o, ir.Invoke) and may_mutate(o)
+               for sub in op.subgraphs() for s in sub.walk() for o in s.ops)
 
 
 def _moves_data(op):
