@@ -1200,14 +1200,18 @@ def inplace_method(x):
     return h
 
 
-_SPLIT_ALIAS = pytest.mark.xfail(strict=True, reason="known limit: a branch or loop that splits the instances "
-                                 "works on copies of their rows, so an in-place change inside it is not seen "
-                                 "through another name bound outside")
+def alias_changed_after_cond(x):
+    y = x * 1.0
+    z = y
+    if x.sum() > 0:
+        y += 1
+    y += 10  # after the join: y is still z
+    return z
 
 
-@pytest.mark.parametrize("fn, arity", [pytest.param(alias_across_cond, 1, marks=_SPLIT_ALIAS),
-                                       pytest.param(alias_across_loop, 2, marks=_SPLIT_ALIAS), (inplace_iadd, 1),
-                                       (inplace_method, 1)], ids=lambda v: getattr(v, "__name__", str(v)))
+@pytest.mark.parametrize("fn, arity", [(alias_across_cond, 1), (alias_across_loop, 2), (alias_changed_after_cond, 1),
+                                       (inplace_iadd, 1), (inplace_method, 1)],
+                         ids=lambda v: getattr(v, "__name__", str(v)))
 def test_inplace_updates_seen_through_aliases(fn, arity):
     """``y += 1`` changes the tensor in place: every name bound to it sees the change (no_grad, where
     sequential mode runs in place too)."""
@@ -1667,3 +1671,58 @@ def test_in_place_add_to_a_childs_result_under_vmap_with_gradients():
     assert_close(got, want)
     gE, = torch.autograd.grad(got.sum(), E)
     assert_close(gE, gE_want, GRAD_TOL)
+
+
+# an argument changed in place inside a branch or a loop whose instances part ways, or by a call that serves
+# several requests at once: the caller's tensor sees the change, as in eager code
+def bump_down(y, d):
+    if d > 0:
+        y += 1.0
+        return bump_down(y, d - 1)
+    return y.sum()
+
+
+def bumped_by_a_call(x, d):
+    y = x * 1.0
+    s = bump_down(y, d)
+    return y * s
+
+
+def bump_once(y):
+    y *= 2.0
+    return y.sum()
+
+
+def bumped_in_either_branch(x):
+    y = x * 1.0
+    z = y
+    if x.sum() > 0:
+        s = bump_once(y)  # the two branches' calls are served by one frame
+    else:
+        s = bump_once(y) * 3.0
+    return z * s
+
+
+@pytest.mark.parametrize("with_grad", [False, True], ids=["no_grad", "grad"])
+def test_a_change_in_place_inside_a_split_reaches_the_callers_tensor(with_grad):
+    x = torch.tensor([[1., 2], [3, 4], [-5, -6], [7, 8], [0.5, -0.5]], dtype=F64)
+    d = torch.tensor([0, 1, 3, 2, 1])
+    names = ("bump_down", "bumped_by_a_call", "bump_once", "bumped_in_either_branch")
+    cases = [("bumped_by_a_call", (x, d)), ("bumped_in_either_branch", (x,))]
+    funcs = {name: recompile.function(G[name]) for name in names}
+    with bound_globals(G, funcs):
+        for name, inputs in cases:
+            x_e, x_b = x.clone().requires_grad_(with_grad), x.clone().requires_grad_(with_grad)
+            with torch.set_grad_enabled(with_grad):
+                want = torch.stack([G[name](x_e[k], *[a[k] for a in inputs[1:]]) for k in range(5)])
+                funcs[name].stats.reset()
+                got = recompile.vmap(funcs[name], in_dims=0)(x_b, *inputs[1:])
+            assert_close(got, want)
+            if name == "bumped_in_either_branch":  # (both branches' calls ran as one batch)
+                runs = [(v["runs"], v["instances"]) for k, v in funcs[name].stats["batches"].items()
+                        if k.startswith("bump_once")]
+                assert runs == [(1, 5)], funcs[name].stats["batches"]
+            if with_grad:
+                g_e, = torch.autograd.grad((want * want).sum(), x_e)
+                g_b, = torch.autograd.grad((got * got).sum(), x_b)
+                assert_close(g_b, g_e, GRAD_TOL)

@@ -15,6 +15,7 @@ import operator
 
 from .. import ir
 from ..passes.batching import BatchPlan
+from ..passes.effects import op_may_mutate
 from ..runtime import batch_rules, control, semantics as sem
 from . import emit
 
@@ -99,10 +100,16 @@ class _BatchedEmitter(emit._FunctionEmitter):
             return self.assign([], value, loc)
         return self.assign(outputs, value, loc, unpack=len(outputs) > 1)
 
+    def changes(self, op):
+        """``True`` for a Cond or While that may change a value in place (``passes.effects``): the sides of a
+        split then copy their changed rows back (``control.write_back``)."""
+        return [ast.Constant(value=True)] if op_may_mutate(op, self.gen.may_mutate) else []
+
     def cond_stmts(self, op):
         branch = ast.Call(func=self.helper(control.Branch, "Branch"),
                           args=[self.n_load(), self.load(op.pred),
-                                ast.Tuple(elts=[self.load(a) for a in op.args], ctx=ast.Load())], keywords=[])
+                                ast.Tuple(elts=[self.load(a) for a in op.args], ctx=ast.Load()),
+                                *self.changes(op)], keywords=[])
         b = self.var(ir.Value("_branch"))
         first = ast.Assign(targets=[ast.Name(id=b, ctx=ast.Store())], value=branch)
         first._rc_loc = op.loc
@@ -126,7 +133,8 @@ class _BatchedEmitter(emit._FunctionEmitter):
                             ctx=ast.Load())
         start = ast.Assign(targets=[ast.Name(id=loop, ctx=ast.Store())],
                            value=ast.Call(func=self.helper(control.Loop, "Loop"),
-                                          args=[self.n_load(), carried, ast.Constant(value=len(op.loop_vars))],
+                                          args=[self.n_load(), carried, ast.Constant(value=len(op.loop_vars)),
+                                                *self.changes(op)],
                                           keywords=[]))
         start._rc_loc = op.loc
 

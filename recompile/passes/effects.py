@@ -66,6 +66,17 @@ def op_mutates(op):
     return False
 
 
+def op_may_mutate(op, may_mutate):
+    """Whether running ``op`` may mutate state: the op itself, an Invoke whose program may
+    (``may_mutate(invoke)``), or a branch or loop holding either."""
+    if isinstance(op, ir.Invoke):
+        return may_mutate(op)
+    if op_mutates(op):
+        return True
+    return any(op_mutates(o) or (isinstance(o, ir.Invoke) and may_mutate(o))
+               for sub in op.subgraphs() for s in sub.walk() for o in s.ops)
+
+
 def build_time_value(capture):
     """What a global or closure Capture reads now (at build time); None when unbound."""
     if capture.source_kind == "closure":

@@ -51,7 +51,8 @@ _YIELDED, _RETURNED, _FAILED = range(3)
 
 
 class BatchFrame:
-    __slots__ = ("unit", "gen", "n", "sources", "results", "waiting", "inbox", "depth", "site", "parent", "args")
+    __slots__ = ("unit", "gen", "n", "sources", "results", "waiting", "inbox", "depth", "site", "parent", "args",
+                 "given")
 
     def __init__(self, unit, gen, n, sources, depth, site, parent):
         self.unit, self.gen, self.n, self.sources = unit, gen, n, sources
@@ -62,6 +63,7 @@ class BatchFrame:
         self.depth = depth
         self.site = site  # of the first request it serves; ``parent`` its frame (for error chains)
         self.parent = parent
+        self.given = None  # arguments gathered from several requests, to copy changes back (see _Run.give_back)
 
     @property
     def callee(self):
@@ -170,6 +172,7 @@ def run(target, args, n=1, pool=None):
         mutates = getattr(target, "may_mutate", True)
         run.defer = pool is None and not mutates
         run.split_results = not mutates
+        run.copy_back = mutates
         result = run.go(_unit_of(target), args, n)
     finally:
         stats.per_instance, counters.per_instance = counters.per_instance, saved
@@ -187,6 +190,7 @@ class _Run:
         self.live = set()
         self.defer = False  # whether requests may be deferred (see run)
         self.split_results = False  # whether a result is cut for its requests by one split (see deliver)
+        self.copy_back = False  # whether arguments a frame changed in place are copied back (see give_back)
         self.token = object()  # marks the errors this run has annotated
         self.stepping = False  # inside a frame's step: nested work is already timed as compute
 
@@ -320,6 +324,8 @@ class _Run:
         if kind == _RETURNED:
             frame.gen = None
             self.live.discard(frame)
+            if frame.given:
+                _give_back(frame.given, [count for _, _, count in frame.sources])
             self.deliver(frame, value)
             return
         if kind == _FAILED:
@@ -368,6 +374,8 @@ class _Run:
         self.stats.frames += 1
         frame = BatchFrame(unit, None, n, [(f, slot, count) for f, slot, _, count, _ in requests],
                            frame0.depth + 1, site, frame0)
+        if self.copy_back and len(requests) > 1:
+            frame.given = _gathered(args, requests)
         if frame.depth > self.stats.max_depth:
             self.stats.max_depth = frame.depth
             if frame.depth > MAX_DEPTH:
@@ -452,6 +460,35 @@ class _Run:
             if f.gen is not None and not f.gen.gi_running:  # (the running one ends with the error)
                 f.gen.close()
         self.live.clear()
+
+
+def _gathered(args, requests):
+    """[(gathered argument, its version, each request's value)]: the arguments of a frame serving several
+    requests whose rows were copied together from theirs (``batch.concat``). An inference tensor keeps no
+    version (None): its rows are copied back whether changed or not."""
+    found = []
+    for j, a in enumerate(args):
+        if type(a) is bt.Batch and a.owner == "tensor":
+            found.append((a, None if a.tensor.is_inference() else a.tensor._version, [r[2][j] for r in requests]))
+    return found
+
+
+def _give_back(given, counts):
+    """Copy what a frame changed in place in its gathered arguments back into each request's own value, as
+    eager code changes the caller's tensor. A value that all instances of a request share is left as it
+    was: its instances' rows may differ (README, Limits)."""
+    for a, version, values in given:
+        if version is not None and a.tensor._version == version:
+            continue
+        start = 0
+        for value, count in zip(values, counts):
+            rows = a.tensor[start:start + count]
+            start += count
+            if type(value) is bt.Batch:
+                if value.owner == "tensor":
+                    value.tensor.copy_(rows)
+            elif count == 1 and type(value) is torch.Tensor:  # (one instance's own tensor)
+                value.copy_(rows[0])
 
 
 class _Codes:

@@ -58,23 +58,52 @@ def _index(positions, like):
     return torch.tensor(positions, device=device)
 
 
-def _take_all(values, side):
-    """The sub-batches of ``values`` for the instances of ``side`` (positions, index)."""
+def _take_all(values, side, copies=None):
+    """The sub-batches of ``values`` for the instances of ``side`` (positions, index). A value given twice is
+    taken once, so the side sees one object, as each instance does. What is taken out of a batched tensor
+    (rows copied, or one instance's row, a view) is noted in ``copies`` (see ``write_back``)."""
     positions, index = side
     if index is None:
         index = _index(positions, values)
-    return [bt.take(v, index, positions) for v in values]
+    taken = {}
+    out = []
+    for v in values:
+        t = taken.get(id(v))
+        if t is None:
+            t = taken[id(v)] = bt.take(v, index, positions)
+            if copies is not None and type(v) is Batch and v.tensor is not None:
+                if type(t) is Batch and t.owner == "tensor":
+                    # (an inference tensor keeps no version: its rows are copied back whether changed or not)
+                    copies.append((v, index, t, None if t.tensor.is_inference() else t.tensor._version))
+                elif type(t) is torch.Tensor:  # one instance's row: a view, which changes reach already
+                    copies.append((v, index, t, None))
+        out.append(t)
+    return out
+
+
+def write_back(copies):
+    """Copy rows a branch or loop changed in place back into the batch they were taken from, latest copy
+    first: eager code changes the one tensor every name of it sees (``z = y; if c: y += 1``), while a side
+    of a split works on a copy of its instances' rows."""
+    for source, index, copy, version in reversed(copies):
+        if type(copy) is Batch and copy.owner == "tensor" and (version is None or copy.tensor._version != version):
+            target = source.tensor
+            target.index_copy_(0, index if index.device == target.device else index.to(target.device),
+                               copy.tensor)
 
 
 class Branch:
     """A Cond over n instances: ``requests``/``run`` give each branch its instances; ``join`` puts the
     branches' outputs back in instance order."""
 
-    __slots__ = ("n", "sides", "order")
+    __slots__ = ("n", "sides", "order", "copies")
 
-    def __init__(self, n, pred, args):
+    def __init__(self, n, pred, args, changes=False):
         self.n = n
         self.order = None
+        # where a branch may change a value in place (passes.effects): (batch, index, rows taken for a side,
+        # their version then), for write_back
+        self.copies = [] if changes else None
         if n == 1:
             self.sides = [(0 if pred else 1, args, [0])]
             return
@@ -84,7 +113,7 @@ class Branch:
             if len(positions) == n:
                 sides.append((which, args, positions))
             elif positions:
-                sides.append((which, tuple(_take_all(args, side)), positions))
+                sides.append((which, tuple(_take_all(args, side, self.copies)), positions))
                 indexes.append(side[1])
         self.sides = sides
         if len(sides) > 1:  # one Order for all the outputs
@@ -102,25 +131,43 @@ class Branch:
     def join(self, results, k):
         if len(self.sides) == 1:
             return results[0]
+        if self.copies:
+            write_back(self.copies)
         if k == 0:
             return None
         positions = [side[2] for side in self.sides]
         if k == 1:
-            return bt.join(self.n, list(zip(results, positions)), self.order)
-        return tuple(bt.join(self.n, [(r[j], p) for r, p in zip(results, positions)], self.order)
-                     for j in range(k))
+            return self._joined([(results, p) for results, p in zip(results, positions)])
+        return tuple(self._joined([(r[j], p) for r, p in zip(results, positions)]) for j in range(k))
+
+    def _joined(self, sides):
+        source = self._handed_on(sides) if self.copies else None
+        return source if source is not None else bt.join(self.n, sides, self.order)
+
+    def _handed_on(self, sides):
+        """The argument whose rows every side hands on (after write_back, it holds the joined value, and
+        eager code would hand on that very object), or None."""
+        source_of = {id(copy): source for source, _, copy, _ in self.copies}
+        found = None
+        for value, _ in sides:
+            source = source_of.get(id(value))
+            if source is None or (found is not None and source is not found):
+                return None
+            found = source
+        return found
 
 
 class Loop:
     """A While over n instances: instances leave as their predicate turns false; ``result`` joins their
     final values."""
 
-    __slots__ = ("n", "carried", "k", "positions", "done")
+    __slots__ = ("n", "carried", "k", "positions", "done", "copies")
 
-    def __init__(self, n, carried, k):
+    def __init__(self, n, carried, k, changes=False):
         self.n, self.carried, self.k = n, list(carried), k
         self.positions = list(range(n))
         self.done = []  # (final values, positions)
+        self.copies = [] if changes else None  # rows taken for the instances that stay (see write_back)
 
     def keep(self, pred):
         if self.n == 1 and not self.done:
@@ -135,7 +182,7 @@ class Loop:
         if not stay[0]:
             return False
         if leave[0]:
-            self.carried = _take_all(self.carried, stay)
+            self.carried = _take_all(self.carried, stay, self.copies)
             self.positions = [self.positions[k] for k in stay[0]]
             self.n = len(stay[0])
         return True
@@ -147,6 +194,8 @@ class Loop:
             self.carried[:self.k] = new
 
     def result(self):
+        if self.copies:
+            write_back(self.copies)
         n = sum(len(p) for _, p in self.done)
         if len(self.done) == 1:
             values = self.done[0][0]
