@@ -1726,3 +1726,116 @@ def test_a_change_in_place_inside_a_split_reaches_the_callers_tensor(with_grad):
                 g_e, = torch.autograd.grad((want * want).sum(), x_e)
                 g_b, = torch.autograd.grad((got * got).sum(), x_b)
                 assert_close(g_b, g_e, GRAD_TOL)
+
+
+# more of the same, with gradients: rows copied back without making autograd see a change eager code does not
+# make, arguments handed back or given twice, a branch that changes nothing handing on an argument
+def wb_loop_then_setitem(x):
+    v = x * 1.0
+    c = x[2] * 1.0
+    while c < 2.0:  # instances leave at different iterations
+        v *= 1.5
+        c = c + 0.6
+    v[2] = x[1] * 0.61  # (the copy back must not be a tensor the gradient of the loop saved)
+    return v
+
+
+def wb_one_instance_side_saves_its_row(x):
+    v = x * 1.0
+    if x[0] > -0.5:
+        v += 1.0
+        s = v * 1.0
+    else:  # one instance: its row must not share a version with the other side's rows
+        s = v.sin()
+    return torch.stack([v, s])
+
+
+def wb_changes_some(a):
+    if a[0] > 1.5:
+        a += 1.0
+    return a * 1.0
+
+
+def wb_call_changes_other_requests_rows(x):
+    v = x * 1.0
+    if x[0] > 0.5:
+        s = v * 1.0
+        wb_changes_some(v)
+    else:
+        s = v.sin()  # saved for the gradient; the call changes none of these rows
+        wb_changes_some(v)
+    return torch.stack([v, s])
+
+
+def wb_same(a):
+    return a
+
+
+def wb_argument_handed_back(x):
+    v = x * 1.0
+    if x[0] > 0.5:
+        w = wb_same(v)  # w is v: the two branches' calls are served together
+        w.mul_(2.0)
+    else:
+        w = wb_same(v)
+        w.add_(1.0)
+    return v
+
+
+def wb_changes_both(a, b):
+    a += 1.0
+    b *= 2.0
+    return a * 1.0
+
+
+def wb_argument_given_twice(x):
+    v = x * 1.0
+    if x[0] > 0.5:
+        wb_changes_both(v, v)
+    else:
+        wb_changes_both(v, v)
+    return v
+
+
+def wb_unchanging_branch_hands_on(x):
+    v = x * 1.0
+    if x[0] > 0.5:
+        w = v
+    else:
+        w = v
+    w += 1  # the branch changes nothing, the function does
+    return v
+
+
+def wb_one_side_rebinds(x):
+    v = x * 1.0
+    if x[0] > 0.5:
+        w = v
+        v = v * 2.0
+    else:
+        w = v  # here v is w after the branch too
+    w += 1
+    return torch.stack([v, w])
+
+
+WRITE_BACK_PROGRAMS = ["wb_loop_then_setitem", "wb_one_instance_side_saves_its_row",
+                       "wb_call_changes_other_requests_rows", "wb_argument_handed_back", "wb_argument_given_twice",
+                       "wb_unchanging_branch_hands_on", "wb_one_side_rebinds"]
+
+
+@pytest.mark.parametrize("name", WRITE_BACK_PROGRAMS)
+def test_changes_in_place_across_splits_and_shared_calls_match_eager(name):
+    X = torch.tensor([[0., 1, 1], [1., 1, 1], [2., 1, 0.2], [-3., 1, 0.4], [1, 1, 1.5]], dtype=F64)
+    helpers = ("wb_changes_some", "wb_same", "wb_changes_both")
+    funcs = {n: recompile.function(G[n]) for n in (name, *helpers)}
+    with bound_globals(G, funcs):
+        with torch.no_grad():
+            want = torch.stack([G[name](X[k].clone()) for k in range(len(X))])
+            assert_close(recompile.vmap(funcs[name])(X.clone()), want)
+        x_e, x_b = X.clone().requires_grad_(), X.clone().requires_grad_()
+        want = torch.stack([G[name](x_e[k]) for k in range(len(X))])
+        got = recompile.vmap(funcs[name])(x_b)
+    assert_close(got, want)
+    g_e, = torch.autograd.grad((want * want).sum(), x_e)
+    g_b, = torch.autograd.grad((got * got).sum(), x_b)
+    assert_close(g_b, g_e, GRAD_TOL)

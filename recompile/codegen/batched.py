@@ -15,7 +15,7 @@ import operator
 
 from .. import ir
 from ..passes.batching import BatchPlan
-from ..passes.effects import op_may_mutate
+from ..passes.effects import subgraph_may_mutate
 from ..runtime import batch_rules, control, semantics as sem
 from . import emit
 
@@ -101,9 +101,10 @@ class _BatchedEmitter(emit._FunctionEmitter):
         return self.assign(outputs, value, loc, unpack=len(outputs) > 1)
 
     def changes(self, op):
-        """``True`` for a Cond or While that may change a value in place (``passes.effects``): the sides of a
-        split then copy their changed rows back (``control.write_back``)."""
-        return [ast.Constant(value=True)] if op_may_mutate(op, self.gen.may_mutate) else []
+        """``True`` for a Cond or While of a function that may change a value in place (``passes.effects``),
+        in a branch or after it: the sides of a split then copy their changed rows back, and a side handing
+        on its rows of an argument hands on the argument (``control.write_back``)."""
+        return [ast.Constant(value=True)] if self.gen.changes else []
 
     def cond_stmts(self, op):
         branch = ast.Call(func=self.helper(control.Branch, "Branch"),
@@ -181,6 +182,7 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     batch_plan = BatchPlan(sg, may_mutate)
     gen = emit._Generator(sg, may_mutate)
     gen.generators = set(batch_plan.generators)
+    gen.changes = subgraph_may_mutate(sg, may_mutate)
     module = emit._Module()
     code = emit.compile_functions(sg, gen, [_BatchedEmitter(module, gen, batch_plan) for _ in gen.sgs], module)
     for s, unit in batch_plan.units.items():

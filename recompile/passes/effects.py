@@ -66,15 +66,10 @@ def op_mutates(op):
     return False
 
 
-def op_may_mutate(op, may_mutate):
-    """Whether running ``op`` may mutate state: the op itself, an Invoke whose program may
-    (``may_mutate(invoke)``), or a branch or loop holding either."""
-    if isinstance(op, ir.Invoke):
-        return may_mutate(op)
-    if op_mutates(op):
-        return True
-    return any(op_mutates(o) or (isinstance(o, ir.Invoke) and may_mutate(o))
-               for sub in op.subgraphs() for s in sub.walk() for o in s.ops)
+def subgraph_may_mutate(sg, may_mutate):
+    """Whether running SubGraph ``sg`` (the branches and loops it holds too) may mutate state: an op of its
+    own, or an Invoke whose program may (``may_mutate(invoke)``)."""
+    return any(op_mutates(o) or (isinstance(o, ir.Invoke) and may_mutate(o)) for s in sg.walk() for o in s.ops)
 
 
 def build_time_value(capture):

@@ -366,7 +366,12 @@ class _Run:
             n = sum(r[3] for r in requests)
             width = len(requests[0][2])
             t = time.perf_counter()
-            args = tuple(bt.concat([(r[2][j], r[3]) for r in requests]) for j in range(width))
+            if self.copy_back:  # (an argument given twice is gathered once: a change through one name
+                # reaches the other, as in eager code)
+                gathered = {}
+                args = tuple(_gather_once(gathered, [(r[2][j], r[3]) for r in requests]) for j in range(width))
+            else:
+                args = tuple(bt.concat([(r[2][j], r[3]) for r in requests]) for j in range(width))
             if not self.stepping:
                 self.stats.compute_s += time.perf_counter() - t
             frame0, site = requests[0][0], requests[0][4]
@@ -398,9 +403,9 @@ class _Run:
         else:
             counts = [count for _, _, count in frame.sources]
             if frame.unit.arity > 1:
-                values = list(zip(*[bt.cut(v, counts, self.split_results) for v in result]))
+                values = list(zip(*[self.cut(frame, v, counts) for v in result]))
             else:
-                values = bt.cut(result, counts, self.split_results)
+                values = self.cut(frame, result, counts)
         for (parent, slot, count), value in zip(frame.sources, values):
             if type(slot) is _Deferred:
                 slot.value, slot.done = value, True
@@ -411,6 +416,18 @@ class _Run:
                 parent.inbox = tuple(parent.results)
                 parent.results = None
                 self.ready.append(parent)
+
+    def cut(self, frame, value, counts):
+        """``value`` cut into the parts of the requests ``frame`` served. A gathered argument handed back
+        (``return y`` after ``y += 1``) gives each request its own value, which _give_back brought up to
+        date: eager code returns the caller's very tensor."""
+        if frame.given:
+            for a, _, values in frame.given:
+                if a is value:
+                    parts = bt.cut(value, counts, self.split_results)
+                    return [own if _kept_in_step(own, count) else part
+                            for own, part, count in zip(values, parts, counts)]
+        return bt.cut(value, counts, self.split_results)
 
     def run_deferred(self, cell):
         """Run the group of deferred request ``cell`` now: a frame is reading its lazy result. An error
@@ -462,21 +479,31 @@ class _Run:
         self.live.clear()
 
 
+def _gather_once(gathered, parts):
+    key = tuple(id(v) for v, _ in parts)
+    found = gathered.get(key)
+    if found is None:
+        found = gathered[key] = bt.concat(parts)
+    return found
+
+
 def _gathered(args, requests):
     """[(gathered argument, its version, each request's value)]: the arguments of a frame serving several
     requests whose rows were copied together from theirs (``batch.concat``). An inference tensor keeps no
     version (None): its rows are copied back whether changed or not."""
-    found = []
+    found, seen = [], set()
     for j, a in enumerate(args):
-        if type(a) is bt.Batch and a.owner == "tensor":
+        if type(a) is bt.Batch and a.owner == "tensor" and id(a) not in seen:
+            seen.add(id(a))
             found.append((a, None if a.tensor.is_inference() else a.tensor._version, [r[2][j] for r in requests]))
     return found
 
 
 def _give_back(given, counts):
     """Copy what a frame changed in place in its gathered arguments back into each request's own value, as
-    eager code changes the caller's tensor. A value that all instances of a request share is left as it
-    was: its instances' rows may differ (README, Limits)."""
+    eager code changes the caller's tensor; only where it changed, so that a request whose rows it did not
+    change keeps the version of its tensor (autograd may have saved it). A value that all instances of a
+    request share is left as it was: its instances' rows may differ (README, Limits)."""
     for a, version, values in given:
         if version is not None and a.tensor._version == version:
             continue
@@ -484,11 +511,18 @@ def _give_back(given, counts):
         for value, count in zip(values, counts):
             rows = a.tensor[start:start + count]
             start += count
-            if type(value) is bt.Batch:
-                if value.owner == "tensor":
-                    value.tensor.copy_(rows)
-            elif count == 1 and type(value) is torch.Tensor:  # (one instance's own tensor)
-                value.copy_(rows[0])
+            if _kept_in_step(value, count):
+                target = value.tensor if type(value) is bt.Batch else value.unsqueeze(0)
+                if not torch.equal(target, rows):
+                    target.copy_(rows)
+
+
+def _kept_in_step(value, count):
+    """Whether a request's argument ``value`` takes back the rows of its ``count`` instances: a batched tensor,
+    or one instance's own tensor (not one that all instances of the request share)."""
+    if type(value) is bt.Batch:
+        return value.owner == "tensor"
+    return count == 1 and type(value) is torch.Tensor
 
 
 class _Codes:

@@ -60,8 +60,10 @@ def _index(positions, like):
 
 def _take_all(values, side, copies=None):
     """The sub-batches of ``values`` for the instances of ``side`` (positions, index). A value given twice is
-    taken once, so the side sees one object, as each instance does. What is taken out of a batched tensor
-    (rows copied, or one instance's row, a view) is noted in ``copies`` (see ``write_back``)."""
+    taken once, so the side sees one object, as each instance does. With ``copies`` (where the program may
+    change a value in place), rows taken out of a batched tensor are always a copy (one instance's row too,
+    not a view, whose changes would move the version of the whole batch) and are noted there for
+    ``write_back``."""
     positions, index = side
     if index is None:
         index = _index(positions, values)
@@ -70,13 +72,15 @@ def _take_all(values, side, copies=None):
     for v in values:
         t = taken.get(id(v))
         if t is None:
-            t = taken[id(v)] = bt.take(v, index, positions)
-            if copies is not None and type(v) is Batch and v.tensor is not None:
-                if type(t) is Batch and t.owner == "tensor":
-                    # (an inference tensor keeps no version: its rows are copied back whether changed or not)
-                    copies.append((v, index, t, None if t.tensor.is_inference() else t.tensor._version))
-                elif type(t) is torch.Tensor:  # one instance's row: a view, which changes reach already
-                    copies.append((v, index, t, None))
+            if copies is not None and type(v) is Batch and (v.owner == "tensor" or (
+                    v.pieces is not None and v.items is None and bt.tensor_of(v) is not None)):
+                rows = v.tensor.index_select(0, _on(index, v.tensor))
+                t = bt.from_tensor(rows)
+                # (an inference tensor keeps no version: its rows are copied back whether changed or not)
+                copies.append((v, index, t, rows, None if rows.is_inference() else rows._version))
+            else:
+                t = bt.take(v, index, positions)
+            taken[id(v)] = t
         out.append(t)
     return out
 
@@ -84,12 +88,16 @@ def _take_all(values, side, copies=None):
 def write_back(copies):
     """Copy rows a branch or loop changed in place back into the batch they were taken from, latest copy
     first: eager code changes the one tensor every name of it sees (``z = y; if c: y += 1``), while a side
-    of a split works on a copy of its instances' rows."""
-    for source, index, copy, version in reversed(copies):
-        if type(copy) is Batch and copy.owner == "tensor" and (version is None or copy.tensor._version != version):
+    of a split works on a copy of its instances' rows. (``index_put_``: ``index_copy_``'s gradient would
+    save the copy, which the side may hand on and the program change again.)"""
+    for source, index, _, rows, version in reversed(copies):
+        if version is None or rows._version != version:
             target = source.tensor
-            target.index_copy_(0, index if index.device == target.device else index.to(target.device),
-                               copy.tensor)
+            target.index_put_((_on(index, target),), rows)
+
+
+def _on(index, t):
+    return index if index.device == t.device else index.to(t.device)
 
 
 class Branch:
@@ -101,8 +109,8 @@ class Branch:
     def __init__(self, n, pred, args, changes=False):
         self.n = n
         self.order = None
-        # where a branch may change a value in place (passes.effects): (batch, index, rows taken for a side,
-        # their version then), for write_back
+        # where the program may change a value in place (passes.effects): (batch, index, what a side got,
+        # the rows copied for it, their version then), for write_back
         self.copies = [] if changes else None
         if n == 1:
             self.sides = [(0 if pred else 1, args, [0])]
@@ -136,25 +144,31 @@ class Branch:
         if k == 0:
             return None
         positions = [side[2] for side in self.sides]
-        if k == 1:
-            return self._joined([(results, p) for results, p in zip(results, positions)])
-        return tuple(self._joined([(r[j], p) for r, p in zip(results, positions)]) for j in range(k))
+        outputs = [list(zip(results, positions))] if k == 1 else \
+            [[(r[j], p) for r, p in zip(results, positions)] for j in range(k)]
+        sources = self._handed_on(outputs) if self.copies else [None] * k
+        joined = [s if s is not None else bt.join(self.n, sides, self.order) for s, sides in zip(sources, outputs)]
+        return joined[0] if k == 1 else tuple(joined)
 
-    def _joined(self, sides):
-        source = self._handed_on(sides) if self.copies else None
-        return source if source is not None else bt.join(self.n, sides, self.order)
-
-    def _handed_on(self, sides):
-        """The argument whose rows every side hands on (after write_back, it holds the joined value, and
-        eager code would hand on that very object), or None."""
-        source_of = {id(copy): source for source, _, copy, _ in self.copies}
-        found = None
-        for value, _ in sides:
-            source = source_of.get(id(value))
-            if source is None or (found is not None and source is not found):
-                return None
-            found = source
-        return found
+    def _handed_on(self, outputs):
+        """Per output, the argument whose rows every side hands on, or None. After write_back the argument
+        holds the joined value, and eager code would hand on that very object; but not where another output
+        joins one of those rows too (``w = v`` on one side, ``w = v = y`` on the other): that join keeps
+        the copies, through which a later change to one reaches the other."""
+        source_of = {id(copy): source for source, _, copy, _, _ in self.copies}
+        sources = []
+        for sides in outputs:
+            found = None
+            for value, _ in sides:
+                source = source_of.get(id(value))
+                if source is None or (found is not None and source is not found):
+                    found = None
+                    break
+                found = source
+            sources.append(found)
+        joined_too = {id(value) for s, sides in zip(sources, outputs) if s is None for value, _ in sides}
+        return [s if s is not None and not any(id(value) in joined_too for value, _ in sides) else None
+                for s, sides in zip(sources, outputs)]
 
 
 class Loop:
