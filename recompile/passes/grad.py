@@ -378,19 +378,20 @@ def _read_after_a_change(ops, outputs=(), inputs=(), may_mutate=lambda invoke: T
     no check. (The version reads and checks move like pure ops in ``codegen.plan``: a check of a call's
     arguments, or a version read of its result, keeps independent calls issued together.)"""
     made_at, last_change, found = dict.fromkeys(inputs, -1), -1, {}
+
+    def note_stale(j, values):
+        for v in dict.fromkeys(x for x in values if isinstance(x, ir.Value) and made_at.get(x, last_change) < last_change):
+            found.setdefault(j, []).append(v)
+
     for j, op in enumerate(ops):
         if last_change >= 0 and _moves_data(op):
-            for v in dict.fromkeys(x for x in op.operands() if isinstance(x, ir.Value)
-                                   and made_at.get(x, last_change) < last_change):
-                found.setdefault(j, []).append(v)
+            note_stale(j, op.operands())
         if _may_change(op, may_mutate):
             last_change = j
         for v in op.outputs:
             made_at[v] = j
     if last_change >= 0:
-        for v in dict.fromkeys(x for x in outputs if isinstance(x, ir.Value)
-                               and made_at.get(x, last_change) < last_change):
-            found.setdefault(len(ops), []).append(v)
+        note_stale(len(ops), outputs)
     return found
 
 
@@ -401,8 +402,7 @@ def _may_change(op, may_mutate):
         return True
     if isinstance(op, ir.Invoke):
         return may_mutate(op)
-    return any(_in_place_target(o) is not None or isinstance(o, ir.Invoke) and may_mutate(o)
-               for sub in op.subgraphs() for s in sub.walk() for o in s.ops)
+    return any(_may_change(o, may_mutate) for sub in op.subgraphs() for o in sub.ops)
 
 
 def _moves_data(op):

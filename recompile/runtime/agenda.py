@@ -63,7 +63,7 @@ class BatchFrame:
         self.depth = depth
         self.site = site  # of the first request it serves; ``parent`` its frame (for error chains)
         self.parent = parent
-        self.given = None  # arguments gathered from several requests, to copy changes back (see _Run.give_back)
+        self.given = None  # arguments gathered from several requests, to copy changes back (see _give_back)
 
     @property
     def callee(self):
@@ -190,7 +190,7 @@ class _Run:
         self.live = set()
         self.defer = False  # whether requests may be deferred (see run)
         self.split_results = False  # whether a result is cut for its requests by one split (see deliver)
-        self.copy_back = False  # whether arguments a frame changed in place are copied back (see give_back)
+        self.copy_back = False  # whether arguments a frame changed in place are copied back (see _give_back)
         self.token = object()  # marks the errors this run has annotated
         self.stepping = False  # inside a frame's step: nested work is already timed as compute
 
@@ -402,10 +402,12 @@ class _Run:
             values = [result]
         else:
             counts = [count for _, _, count in frame.sources]
-            if frame.unit.arity > 1:
-                values = list(zip(*[self.cut(frame, v, counts) for v in result]))
+            several = frame.unit.arity > 1
+            if frame.given:
+                cuts = [self.cut_given(frame, v, counts) for v in (result if several else (result,))]
             else:
-                values = self.cut(frame, result, counts)
+                cuts = [bt.cut(v, counts, self.split_results) for v in (result if several else (result,))]
+            values = list(zip(*cuts)) if several else cuts[0]
         for (parent, slot, count), value in zip(frame.sources, values):
             if type(slot) is _Deferred:
                 slot.value, slot.done = value, True
@@ -417,17 +419,16 @@ class _Run:
                 parent.results = None
                 self.ready.append(parent)
 
-    def cut(self, frame, value, counts):
-        """``value`` cut into the parts of the requests ``frame`` served. A gathered argument handed back
-        (``return y`` after ``y += 1``) gives each request its own value, which _give_back brought up to
-        date: eager code returns the caller's very tensor."""
-        if frame.given:
-            for a, _, values in frame.given:
-                if a is value:
-                    parts = bt.cut(value, counts, self.split_results)
-                    return [own if _kept_in_step(own, count) else part
-                            for own, part, count in zip(values, parts, counts)]
-        return bt.cut(value, counts, self.split_results)
+    def cut_given(self, frame, value, counts):
+        """``value`` cut into the parts of the requests ``frame`` served, where it gathered arguments: one
+        handed back (``return y`` after ``y += 1``) gives each request its own value, which _give_back brought
+        up to date, as eager code returns the caller's very tensor."""
+        parts = bt.cut(value, counts, self.split_results)
+        for a, _, values in frame.given:
+            if a is value:
+                return [own if _kept_in_step(own, count) else part
+                        for own, part, count in zip(values, parts, counts)]
+        return parts
 
     def run_deferred(self, cell):
         """Run the group of deferred request ``cell`` now: a frame is reading its lazy result. An error

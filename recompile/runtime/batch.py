@@ -354,18 +354,29 @@ def take(value, index, positions):
     settle(value)
     if len(positions) == 1:
         return instance(value, positions[0])
-    if value.owner == "tensor" or (value.tensor is not None and value.items is None):
-        return Batch(len(positions), tensor=value.tensor.index_select(0, _on(index, value.tensor)))
     if value.struct is not None and value.items is None:
         kind, parts = value.struct
         return from_struct(kind, [take(p, index, positions) for p in parts], len(positions))
-    if value.pieces is not None and value.items is None and tensor_of(value) is not None:
-        return Batch(len(positions), tensor=value.tensor.index_select(0, _on(index, value.tensor)))
+    t = rows_tensor(value)
+    if t is not None:
+        return Batch(len(positions), tensor=t.index_select(0, index_on(index, t)))
     items = items_of(value)
     return from_items([items[k] for k in positions])
 
 
-def _on(index, t):
+def rows_tensor(value):
+    """The one tensor of Batch ``value``'s rows that taking instances indexes: its tensor where that is its
+    truth or an untouched cache, or its joined pieces as one tensor; None for items and structs."""
+    settle(value)
+    if value.owner == "tensor" or (value.tensor is not None and value.items is None and value.struct is None):
+        return value.tensor
+    if value.pieces is not None and value.items is None:
+        return tensor_of(value)
+    return None
+
+
+def index_on(index, t):
+    """LongTensor ``index`` on ``t``'s device."""
     return index if index.device == t.device else index.to(t.device)
 
 

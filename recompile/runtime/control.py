@@ -72,9 +72,9 @@ def _take_all(values, side, copies=None):
     for v in values:
         t = taken.get(id(v))
         if t is None:
-            if copies is not None and type(v) is Batch and (v.owner == "tensor" or (
-                    v.pieces is not None and v.items is None and bt.tensor_of(v) is not None)):
-                rows = v.tensor.index_select(0, _on(index, v.tensor))
+            source = bt.rows_tensor(v) if copies is not None and type(v) is Batch else None
+            if source is not None:
+                rows = source.index_select(0, bt.index_on(index, source))
                 t = bt.from_tensor(rows)
                 # (an inference tensor keeps no version: its rows are copied back whether changed or not)
                 copies.append((v, index, t, rows, None if rows.is_inference() else rows._version))
@@ -93,11 +93,7 @@ def write_back(copies):
     for source, index, _, rows, version in reversed(copies):
         if version is None or rows._version != version:
             target = source.tensor
-            target.index_put_((_on(index, target),), rows)
-
-
-def _on(index, t):
-    return index if index.device == t.device else index.to(t.device)
+            target.index_put_((bt.index_on(index, target),), rows)
 
 
 class Branch:
