@@ -1728,6 +1728,21 @@ def test_a_change_in_place_inside_a_split_reaches_the_callers_tensor(with_grad):
                 assert_close(g_b, g_e, GRAD_TOL)
 
 
+def written_through_out_in_a_branch(x, o):
+    if x[0] > 0.5:
+        torch.mul(x, 2.0, out=o)  # out= changes o in place, as o.copy_(x * 2.0) would
+    return o + 0.0
+
+
+def test_a_write_through_out_inside_a_split_reaches_the_callers_tensor():
+    x = torch.tensor([[1., 2], [-3, 4], [5, 6], [-7, 8]], dtype=F64)
+    o_e, o_b = torch.zeros(4, 2, dtype=F64), torch.zeros(4, 2, dtype=F64)
+    want = torch.stack([written_through_out_in_a_branch(x[k], o_e[k]) for k in range(4)])
+    got = recompile.vmap(recompile.function(written_through_out_in_a_branch))(x, o_b)
+    assert_close(got, want)
+    assert_close(o_b, o_e)
+
+
 # more of the same, with gradients: rows copied back without making autograd see a change eager code does not
 # make, arguments handed back or given twice, a branch that changes nothing handing on an argument
 def wb_loop_then_setitem(x):

@@ -1879,6 +1879,32 @@ def test_in_place_change_of_a_value_the_gradient_needs_is_not_silently_wrong():
         f"compiled gave a wrong gradient silently: {x.grad} instead of {true_grad}")
 
 
+def written_through_out(x, w):
+    y = x * w
+    torch.mul(x, 2.0, out=y)  # eager: "functions with out=... arguments don't support automatic differentiation"
+    return y * w
+
+
+def counted_through_out(x, w, k):
+    n = torch.zeros_like(k)
+    torch.add(k, 1, out=n)  # integer tensors: no gradient to derive, runs as it is
+    return x * w * n
+
+
+def test_out_keyword_on_floating_tensors_is_refused_as_eager_refuses_and_kept_on_integer_ones():
+    x, w = X3.detach().clone(), X3.detach().clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="out="):
+        written_through_out(x, w)
+    with pytest.raises(NotImplementedError, match=r"cannot differentiate torch\.mul\(\.\.\., out=\.\.\.\)"):
+        sequential(written_through_out)(x, w)  # (it had raised a TypeError in the backward)
+    k = torch.tensor([1, 2, 3])
+    want_grad, = torch.autograd.grad(counted_through_out(x, w, k).sum(), w)
+    got = sequential(counted_through_out)(x, w, k)
+    assert_close_values(got, counted_through_out(x, w, k))
+    got_grad, = torch.autograd.grad(got.sum(), w)
+    assert_close_values(got_grad, want_grad)
+
+
 def test_augmented_assignment_on_a_view_matches_eager_or_is_refused_clearly():
     prog = Program(sl_augmented_assign_on_a_view, [(M43,)], (), {}, {})
     try:

@@ -51,6 +51,8 @@ def op_mutates(op):
     """True when ``op`` itself may change an object in place."""
     if not isinstance(op, ir.Call):
         return False
+    if out_target(op) is not None:  # torch.mul(a, b, out=c) writes c
+        return True
     fn = op.fn
     if isinstance(fn, ir.Const):
         return _mutating_callable(fn.value)
@@ -64,6 +66,15 @@ def op_mutates(op):
         value = build_time_value(producer)  # setattr(...) read as a builtin, heappush imported by name
         return _mutating_callable(value) or _mutating_method(ir.safe_getattr(value, "__name__"))
     return False
+
+
+def out_target(op):
+    """The operand Call ``op`` names as ``out=`` (the tensor a torch function writes its result into), or
+    None. (``out=None`` is torch's default: no target.)"""
+    for name, value in op.kwargs:
+        if name == "out" and not (isinstance(value, ir.Const) and value.value is None):
+            return value
+    return None
 
 
 def subgraph_may_mutate(sg, may_mutate):

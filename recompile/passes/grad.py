@@ -47,6 +47,7 @@ from .. import ir
 from ..runtime import backprop as bp
 from ..runtime import grad_rules
 from ..runtime import semantics as sem
+from . import effects
 from .fusion import unfuse
 
 # Calls that make nothing differentiable from tensors: they need no gradient.
@@ -434,6 +435,9 @@ def _in_place_target(op):
     """The Value a Call changes in place (``x += y``, ``x[i] = v``, ``x.add_(y)``), or None."""
     if not isinstance(op, ir.Call) or not op.args:
         return None
+    out = effects.out_target(op)
+    if out is not None:  # torch.mul(a, b, out=c)
+        return out if isinstance(out, ir.Value) else None
     fn = _const_fn(op)
     if fn in bp.IN_PLACE or fn is operator.setitem or any(
             k == "inplace" and isinstance(v, ir.Const) and v.value is True for k, v in op.kwargs):

@@ -225,6 +225,12 @@ def _no_gradient(fn, args, kwargs):
 
 def call_forward(ctx, fn, *args, **kwargs):
     """Run ``fn`` for the forward: ``(result, how to differentiate it)``."""
+    if kwargs and kwargs.get("out") is not None and _takes_differentiable(args, kwargs):
+        # (torch refuses it too where an argument requires grad, and the derived program cannot tell)
+        raise NotImplementedError(
+            f"recompile cannot differentiate {_name(fn)}(..., out=...) on floating tensors (PyTorch derives no "
+            f"gradient through out= either); write y = {_name(fn)}(...) instead, or run the call under "
+            "torch.no_grad()")
     if type(fn) is _BOUND_BUILTIN and len(args) == 1 and not kwargs and isinstance(fn.__self__, _Tensor):
         op = _AUGMENTED.get(fn.__name__)
         if op is not None:  # x.div_(y) is x /= y: the old x is kept where the gradient needs it
