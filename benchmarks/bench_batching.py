@@ -21,9 +21,18 @@ node) over a minibatch of trees:
   forest.roots)``, the unchanged recursive method run over the whole forest;
   it returns (h, c, loss) stacked over the trees and the minibatch loss is
   ``loss.sum()``. If ``recompile.vmap`` is missing or fails, that column says
-  so and the other two still run.
+  so and the others still run.
+- schedule: the schedule recompile derives from ``encode`` (see
+  runtime/agenda.py), written out by hand as plain tensor code with no
+  runtime: the descent depth by depth through ``is_leaf``/``left``/``right``,
+  the leaf branch once for every leaf, the internal-node branch once per
+  depth with the ``if``'s join, the node losses once and the per-tree loss
+  chain. It issues about the fewest tensor ops an executor of the program as
+  written can, so "sched/hand" is about the most recompile's runtime could
+  reach with no overhead of its own, and "rec/sched" what that overhead
+  costs.
 
-Before timing, hand-batched and recompile are checked against eager in
+Before timing, hand-batched, schedule and recompile are checked against eager in
 float64 on a few trees (loss and every parameter gradient). Then, for each
 minibatch size, trees/s for inference (forward under torch.no_grad()) and for
 training (forward, zero_grad, backward, SGD step; one step per minibatch),
@@ -155,6 +164,65 @@ def hand_batched(model, forest):
     return F.cross_entropy(model.out(torch.cat(hs)), plan.labels, reduction="sum")
 
 
+# -- recompile's schedule, with no runtime ------------------------------------------------------
+
+
+def program_schedule(model, forest):
+    """(h, c, loss) per tree of ``forest``, computed as recompile's batched runtime schedules
+    ``TreeLSTM.encode`` (one batch per depth; leaves and node losses once), with every value a plain
+    tensor and no bookkeeping but what the schedule needs."""
+    # Descent: the roots, then each depth's internal nodes' left children followed by their right ones.
+    i, depths, leaf_rows = forest.roots, [], []
+    while i.numel():
+        leaf = forest.is_leaf[i]
+        inner = ~leaf
+        at_leaf, at_inner = i[leaf], i[inner]
+        # join order: this depth's leaves, then its internal nodes; ``back`` restores the depth's order
+        back = torch.argsort(torch.cat([leaf.nonzero().squeeze(1), inner.nonzero().squeeze(1)]))
+        depths.append((i, at_leaf.numel(), at_inner.numel(), back))
+        leaf_rows.append(at_leaf)
+        i = torch.cat([forest.left[at_inner], forest.right[at_inner]])
+    # The leaf branch, once for the leaves of every depth.
+    ig, og_leaf, u = torch.chunk(model.leaf(model.embed(forest.words[torch.cat(leaf_rows)])), 3, dim=-1)
+    c_leaf = torch.sigmoid(ig) * torch.tanh(u)
+    leaf_counts = [d[1] for d in depths]
+    og_leaf, c_leaf = torch.split(og_leaf, leaf_counts), torch.split(c_leaf, leaf_counts)
+    # Ascent, deepest first: the depth below holds the left children's rows, then the right ones'.
+    hs, labels, below = [], [], None
+    for d in range(len(depths) - 1, -1, -1):
+        i, leaves, inner, back = depths[d]
+        og, c = og_leaf[d], c_leaf[d]
+        if inner:
+            h_below, c_below = below
+            ig, og_in, u, fl, fr = torch.chunk(model.node(torch.cat([h_below[:inner], h_below[inner:]], -1)), 5, -1)
+            c_in = (torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * c_below[:inner]
+                    + torch.sigmoid(fr) * c_below[inner:])
+            og, c = ((torch.cat([og, og_in]).index_select(0, back), torch.cat([c, c_in]).index_select(0, back))
+                     if leaves else (og_in, c_in))
+        h = torch.sigmoid(og) * torch.tanh(c)
+        hs.append(h)
+        labels.append(forest.labels[i])
+        below = (h, c)
+    # The node losses, once; then each tree's sum, depth by depth as the program adds it up.
+    node_loss = torch.split(F.cross_entropy(model.out(torch.cat(hs)), torch.cat(labels), reduction="none"),
+                            [len(h) for h in hs])
+    loss = None
+    for k, d in enumerate(range(len(depths) - 1, -1, -1)):
+        _, leaves, inner, back = depths[d]
+        if inner:
+            summed = loss[:inner] + loss[inner:]
+            if leaves:
+                summed = torch.cat([summed.new_zeros(leaves), summed]).index_select(0, back)
+            loss = summed + node_loss[k]
+        else:
+            loss = node_loss[k]
+    return hs[-1], below[1], loss
+
+
+def schedule_loss(model):
+    return lambda forest: program_schedule(model, forest)[-1].sum()
+
+
 # -- recompile ---------------------------------------------------------------------------------
 
 
@@ -190,19 +258,25 @@ def check_hand_batched(model, trees):
     torch.testing.assert_close(got_grads, want_grads, rtol=1e-9, atol=1e-9)
 
 
-def check_recompile(model, trees):
-    """Raise unless recompile's batched encode gives, per tree, eager's root h and loss, and
-    the minibatch loss eager's parameter gradients (float64)."""
+def check_per_tree(model, trees, encode_forest):
+    """Raise unless ``encode_forest(model copy, forest)`` gives, per tree, eager's root h, c and loss,
+    and the minibatch loss eager's parameter gradients (float64)."""
     eager = eager_twin(TreeLSTM)(model.embed.num_embeddings).double()
     eager.load_state_dict(model.state_dict())
-    compiled = copy.deepcopy(model).double()
+    twin = copy.deepcopy(model).double()
     want = [eager.encode(tree, tree.root) for tree in trees]
     want_grads = gradients(eager, sum(w[-1] for w in want))
-    forest = Forest.from_trees(trees)
-    h, c, loss = recompile.vmap(compiled.encode, in_dims=(None, 0))(forest, forest.roots)
-    torch.testing.assert_close(h, torch.stack([w[0] for w in want]).detach(), rtol=1e-7, atol=1e-9)
-    torch.testing.assert_close(loss, torch.stack([w[-1] for w in want]).detach(), rtol=1e-7, atol=1e-9)
-    torch.testing.assert_close(gradients(compiled, loss.sum()), want_grads, rtol=1e-7, atol=1e-9)
+    got = encode_forest(twin, Forest.from_trees(trees))
+    for k, (value, wanted) in enumerate(zip(got, zip(*want))):
+        torch.testing.assert_close(value, torch.stack(wanted).detach(), rtol=1e-7, atol=1e-9,
+                                   msg=lambda m, k=k: f"{'hcl'[k]}: {m}")
+    torch.testing.assert_close(gradients(twin, got[-1].sum()), want_grads, rtol=1e-7, atol=1e-9)
+
+
+def check_recompile(model, trees):
+    """Raise unless recompile's batched encode matches eager (``check_per_tree``)."""
+    check_per_tree(model, trees,
+                   lambda twin, forest: recompile.vmap(twin.encode, in_dims=(None, 0))(forest, forest.roots))
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -261,6 +335,8 @@ def main(argv=None):
 
     check_hand_batched(base, trees[:CHECK_TREES])  # raises on a mismatch: no numbers for a wrong model
     print(f"hand-batched matches eager (float64, {min(CHECK_TREES, len(trees))} trees: loss and gradients)")
+    check_per_tree(base, trees[:CHECK_TREES], program_schedule)
+    print("schedule matches eager (float64: per-tree h, c and loss, gradients)")
     unavailable = None  # the recompile column's text when recompile.vmap is missing or fails
     try:
         check_recompile(base, trees[:CHECK_TREES])
@@ -272,19 +348,21 @@ def main(argv=None):
         print(f"recompile unavailable: {type(e).__name__}: {e}")
     errors = []  # exceptions raised by recompile while timing, printed after the table
 
-    models = {name: copy.deepcopy(base) for name in ("hand", "recompile")}
+    models = {name: copy.deepcopy(base) for name in ("hand", "recompile", "schedule")}
     models["eager"] = eager_twin(TreeLSTM)(len(sst.vocab))
     models["eager"].load_state_dict(base.state_dict())
     loss_fns = {"eager": lambda batch: eager_loss(models["eager"], batch),
-                "hand": lambda forest: hand_batched(models["hand"], forest)}
+                "hand": lambda forest: hand_batched(models["hand"], forest),
+                "schedule": schedule_loss(models["schedule"])}
     forests = {size: [Forest.from_trees(chunk) for chunk in chunks(trees, size)] for size in args.batch}
 
     print(f"{'':10} {'batch':>5} {'eager trees/s':>14} {'hand trees/s':>13} {'recompile trees/s':>18} "
-          f"{'rec/hand':>9} {'rec/eager':>10}")
+          f"{'rec/hand':>9} {'rec/eager':>10} {'schedule trees/s':>17} {'sched/hand':>11} {'rec/sched':>10}")
     for mode, train in (("inference", False), ("training", True)):
         for size in args.batch:
             eager = throughput(loss_fns["eager"], models["eager"], chunks(eager_trees, size), train, args.repeats)
             hand = throughput(loss_fns["hand"], models["hand"], forests[size], train, args.repeats)
+            schedule = throughput(loss_fns["schedule"], models["schedule"], forests[size], train, args.repeats)
             rec, column = None, unavailable
             if unavailable is None:
                 try:
@@ -295,11 +373,12 @@ def main(argv=None):
                     column = type(e).__name__
                     errors.append(f"{mode} {size}: {type(e).__name__}: {e}")
             if rec is None:
-                ratios = f"{'-':>9} {'-':>10}"
+                ratios, to_schedule = f"{'-':>9} {'-':>10}", "-"
             else:
                 column = f"{rec:.1f}"
-                ratios = f"{rec / hand:8.2f}x {rec / eager:9.2f}x"
-            print(f"{mode:10} {size:5d} {eager:14.1f} {hand:13.1f} {column:>18} {ratios}")
+                ratios, to_schedule = f"{rec / hand:8.2f}x {rec / eager:9.2f}x", f"{rec / schedule:.2f}x"
+            print(f"{mode:10} {size:5d} {eager:14.1f} {hand:13.1f} {column:>18} {ratios} "
+                  f"{schedule:17.1f} {schedule / hand:10.2f}x {to_schedule:>10}")
     for text in errors:
         print(f"recompile failed at {text}")
 
