@@ -36,7 +36,8 @@ Before timing, hand-batched, schedule and recompile are checked against eager in
 float64 on a few trees (loss and every parameter gradient). Then, for each
 minibatch size, trees/s for inference (forward under torch.no_grad()) and for
 training (forward, zero_grad, backward, SGD step; one step per minibatch),
-best of --repeats. Forests are built once, outside the timing.
+best of --repeats, the four taking turns in each repeat. Forests are built
+once, outside the timing.
 """
 
 import argparse
@@ -282,9 +283,40 @@ def check_recompile(model, trees):
 # -- timing ------------------------------------------------------------------------------------
 
 
+def throughputs(runs, train, repeats):
+    """{name: best trees/s} of runs {name: (loss_fn, model, batches)}: ``repeats`` passes of ``loss_fn`` over
+    ``batches`` each, after one untimed call on the first batch (warm-up, and recompile's one build). The runs
+    take turns within each repeat, so that a change in the machine's speed (it is shared) reaches them
+    alike. A run that raises gives its exception instead, and is not run again."""
+    passes = {name: (_pass(loss_fn, model, train), batches) for name, (loss_fn, model, batches) in runs.items()}
+    best = dict.fromkeys(runs, 0.0)
+    for turn in range(repeats + 1):
+        for name, (run, batches) in passes.items():
+            if isinstance(best[name], Exception):
+                continue
+            try:
+                if turn == 0:
+                    run(batches[:1])
+                    continue
+                start = time.perf_counter()
+                run(batches)
+                best[name] = max(best[name], sum(len(b) for b in batches) / (time.perf_counter() - start))
+            except Exception as e:
+                best[name] = e
+    return best
+
+
 def throughput(loss_fn, model, batches, train, repeats):
-    """Best trees/s over ``repeats`` passes of ``loss_fn`` over ``batches`` (the first is
-    run once before, untimed: warm-up, and recompile's one build)."""
+    """Best trees/s of one run (see ``throughputs``)."""
+    best = throughputs({"run": (loss_fn, model, batches)}, train, repeats)["run"]
+    if isinstance(best, Exception):
+        raise best
+    return best
+
+
+def _pass(loss_fn, model, train):
+    """A function running ``loss_fn`` once over a list of batches (with a training step each when
+    ``train``)."""
     # A small step: the loss sums thousands of nodes' cross-entropies (speed does not depend on it).
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
@@ -299,14 +331,7 @@ def throughput(loss_fn, model, batches, train, repeats):
                 with torch.no_grad():
                     loss_fn(batch)
 
-    run(batches[:1])
-    trees = sum(len(batch) for batch in batches)
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run(batches)
-        best = max(best, trees / (time.perf_counter() - start))
-    return best
+    return run
 
 
 def chunks(items, size):
@@ -360,18 +385,22 @@ def main(argv=None):
           f"{'rec/hand':>9} {'rec/eager':>10} {'schedule trees/s':>17} {'sched/hand':>11} {'rec/sched':>10}")
     for mode, train in (("inference", False), ("training", True)):
         for size in args.batch:
-            eager = throughput(loss_fns["eager"], models["eager"], chunks(eager_trees, size), train, args.repeats)
-            hand = throughput(loss_fns["hand"], models["hand"], forests[size], train, args.repeats)
-            schedule = throughput(loss_fns["schedule"], models["schedule"], forests[size], train, args.repeats)
-            rec, column = None, unavailable
+            runs = {"eager": (loss_fns["eager"], models["eager"], chunks(eager_trees, size)),
+                    **{name: (loss_fns[name], models[name], forests[size]) for name in ("hand", "schedule")}}
             if unavailable is None:
-                try:
-                    if "recompile" not in loss_fns:
-                        loss_fns["recompile"] = recompile_batched(models["recompile"])
-                    rec = throughput(loss_fns["recompile"], models["recompile"], forests[size], train, args.repeats)
-                except Exception as e:
-                    column = type(e).__name__
-                    errors.append(f"{mode} {size}: {type(e).__name__}: {e}")
+                if "recompile" not in loss_fns:
+                    loss_fns["recompile"] = recompile_batched(models["recompile"])
+                runs["recompile"] = (loss_fns["recompile"], models["recompile"], forests[size])
+            best = throughputs(runs, train, args.repeats)
+            for name in ("eager", "hand", "schedule"):
+                if isinstance(best[name], Exception):
+                    raise best[name]
+            eager, hand, schedule = best["eager"], best["hand"], best["schedule"]
+            rec, column = best.get("recompile"), unavailable
+            if isinstance(rec, Exception):
+                column = type(rec).__name__
+                errors.append(f"{mode} {size}: {type(rec).__name__}: {rec}")
+                rec = None
             if rec is None:
                 ratios, to_schedule = f"{'-':>9} {'-':>10}", "-"
             else:

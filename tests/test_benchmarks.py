@@ -32,7 +32,27 @@ def test_batching_benchmark_runs(capsys):
     assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows)  # eager and hand-batched trees/s
     assert "recompile matches eager" in out  # the batched column works and agrees with eager
     assert all(float(row[4]) > 0 and row[5].endswith("x") for row in rows)
+    assert "schedule matches eager" in out  # the schedule column computes what eager does
+    for row in rows:  # mode batch | eager hand recompile rec/hand rec/eager | schedule sched/hand rec/sched
+        assert len(row) == 10 and float(row[7]) > 0
+        assert float(row[8][:-1]) == pytest.approx(float(row[7]) / float(row[3]), rel=0.02, abs=0.01)
+        assert float(row[9][:-1]) == pytest.approx(float(row[4]) / float(row[7]), rel=0.02, abs=0.01)
     assert "recompile failed" not in out
+
+
+def test_batching_benchmark_times_its_runs_in_turns():
+    order = []
+
+    def loss_fn(name):
+        def run(batch):
+            order.append(name)
+            return bench_batching.torch.zeros((), requires_grad=True)
+        return run
+
+    model = bench_batching.torch.nn.Linear(1, 1)
+    best = bench_batching.throughputs({name: (loss_fn(name), model, [[0], [1]]) for name in "ab"}, False, 2)
+    assert order == ["a", "b"] + ["a", "a", "b", "b"] * 2  # warm-up on the first batch, then one pass each
+    assert all(best[name] > 0 for name in "ab")
 
 
 def test_fusion_benchmark_runs(capsys):
