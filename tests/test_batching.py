@@ -1833,9 +1833,57 @@ def wb_one_side_rebinds(x):
     return torch.stack([v, w])
 
 
+def wb_loop_hands_on(x):
+    v = x * 1.0
+    w = v
+    c = x[0] * 1.0
+    while c < 2.0:  # instances leave at different iterations
+        v += x
+        c = c + 1.0
+    v *= 3.0  # eager: v is still w
+    return w
+
+
+def wb_loop_rebinds(x):
+    v = x * 1.0
+    w = v
+    c = x[0] * 1.0
+    while c < 2.0:
+        v += 1.0
+        v = v * x  # v is a new object from here on: the loop must not hand on w
+        c = c + 1.0
+    v += 10.0
+    return torch.stack([v, w])
+
+
+def wb_loop_hands_on_two_names(x):
+    v = x * 1.0
+    u = v
+    c = x[0] * 1.0
+    while c < 2.0:
+        v += 1.0
+        u = v  # the same object, as it was before the loop
+        c = c + 1.0
+    u *= 2.0
+    return torch.stack([u, v])
+
+
+def wb_loop_other_takes_up(x):
+    v = x * 1.0
+    u = x * 2.0
+    c = x[0] * 1.0
+    while c < 2.0:
+        v += 1.0
+        u = v  # u joins v's rows: handing on v alone would part the two
+        c = c + 1.0
+    v *= 3.0
+    return torch.stack([u, v])
+
+
 WRITE_BACK_PROGRAMS = ["wb_loop_then_setitem", "wb_one_instance_side_saves_its_row",
                        "wb_call_changes_other_requests_rows", "wb_argument_handed_back", "wb_argument_given_twice",
-                       "wb_unchanging_branch_hands_on", "wb_one_side_rebinds"]
+                       "wb_unchanging_branch_hands_on", "wb_one_side_rebinds", "wb_loop_hands_on",
+                       "wb_loop_rebinds", "wb_loop_hands_on_two_names", "wb_loop_other_takes_up"]
 
 
 @pytest.mark.parametrize("name", WRITE_BACK_PROGRAMS)

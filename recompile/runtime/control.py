@@ -171,13 +171,16 @@ class Loop:
     """A While over n instances: instances leave as their predicate turns false; ``result`` joins their
     final values."""
 
-    __slots__ = ("n", "carried", "k", "positions", "done", "copies")
+    __slots__ = ("n", "carried", "k", "positions", "done", "copies", "initial", "handed_on")
 
     def __init__(self, n, carried, k, changes=False):
         self.n, self.carried, self.k = n, list(carried), k
         self.positions = list(range(n))
         self.done = []  # (final values, positions)
         self.copies = [] if changes else None  # rows taken for the instances that stay (see write_back)
+        # per loop variable, whether every step so far handed on the value it was given (see result)
+        self.initial = self.carried[:k] if changes else None
+        self.handed_on = [type(v) is Batch and v.owner == "tensor" for v in self.initial] if changes else None
 
     def keep(self, pred):
         if self.n == 1 and not self.done:
@@ -198,19 +201,39 @@ class Loop:
         return True
 
     def step(self, new):
+        if self.handed_on is not None:
+            self._note_handed_on([new] if self.k == 1 else new)
         if self.k == 1:
             self.carried[0] = new
         elif self.k:
             self.carried[:self.k] = new
 
+    def _note_handed_on(self, new):
+        """A loop variable stays handed on while each step gives back the very value it got (``v += 1``),
+        and no other variable that did not start as the same object takes it up (``u = v``: u would join
+        copies of v's rows)."""
+        carried, initial = self.carried, self.initial
+        for j in range(self.k):
+            if self.handed_on[j] and (new[j] is not carried[j] or any(
+                    new[i] is carried[j] and initial[i] is not initial[j] for i in range(self.k))):
+                self.handed_on[j] = False
+
     def result(self):
+        handed_on = None
         if self.copies:
             write_back(self.copies)
+            handed_on = self.handed_on
         n = sum(len(p) for _, p in self.done)
-        if len(self.done) == 1:
-            values = self.done[0][0]
-        else:
-            values = [bt.join(n, [(vals[j], p) for vals, p in self.done]) for j in range(self.k)]
+        values = []
+        for j in range(self.k):
+            if handed_on is not None and handed_on[j]:
+                # write_back brought the rows each instance changed back into the value the loop was given,
+                # and eager code ends the loop with that very object (``w = v``, ``while ...: v += 1``)
+                values.append(self.initial[j])
+            elif len(self.done) == 1:
+                values.append(self.done[0][0][j])
+            else:
+                values.append(bt.join(n, [(vals[j], p) for vals, p in self.done]))
         return values[0] if self.k == 1 else tuple(values)
 
 
