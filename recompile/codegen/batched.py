@@ -100,7 +100,7 @@ class _BatchedEmitter(emit._FunctionEmitter):
             return self.assign([], value, loc)
         return self.assign(outputs, value, loc, unpack=len(outputs) > 1)
 
-    def changes(self, op):
+    def changes(self):
         """``True`` for a Cond or While of a function that may change a value in place (``passes.effects``),
         in a branch or after it: the sides of a split then copy their changed rows back, and a side handing
         on its rows of an argument hands on the argument (``control.write_back``)."""
@@ -110,7 +110,7 @@ class _BatchedEmitter(emit._FunctionEmitter):
         branch = ast.Call(func=self.helper(control.Branch, "Branch"),
                           args=[self.n_load(), self.load(op.pred),
                                 ast.Tuple(elts=[self.load(a) for a in op.args], ctx=ast.Load()),
-                                *self.changes(op)], keywords=[])
+                                *self.changes()], keywords=[])
         b = self.var(ir.Value("_branch"))
         first = ast.Assign(targets=[ast.Name(id=b, ctx=ast.Store())], value=branch)
         first._rc_loc = op.loc
@@ -135,7 +135,7 @@ class _BatchedEmitter(emit._FunctionEmitter):
         start = ast.Assign(targets=[ast.Name(id=loop, ctx=ast.Store())],
                            value=ast.Call(func=self.helper(control.Loop, "Loop"),
                                           args=[self.n_load(), carried, ast.Constant(value=len(op.loop_vars)),
-                                                *self.changes(op)],
+                                                *self.changes()],
                                           keywords=[]))
         start._rc_loc = op.loc
 
