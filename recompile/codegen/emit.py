@@ -260,13 +260,18 @@ class _FunctionEmitter:
             return ([init] if op.outputs else []) + [loop]
         raise TypeError(f"no code for {op!r}")
 
-    def function(self, sg):
+    def body(self, sg, items):
+        """Statements for ``items`` of SubGraph ``sg`` (ops, and groups of Invokes issued together)."""
         body = []
-        for item in plan(sg.ops, self.gen.may_mutate):
+        for item in items:
             if isinstance(item, list):
                 body.append(self.invoke_group(item))
             else:
                 body.extend(self.op_stmts(item))
+        return body
+
+    def function(self, sg):
+        body = self.body(sg, plan(sg.ops, self.gen.may_mutate))
         if not sg.outputs:
             ret = ast.Return(value=ast.Constant(value=None))
         elif len(sg.outputs) == 1:
@@ -375,6 +380,8 @@ def generate(sg, may_mutate=lambda invoke: False, release=False):
 def compile_functions(sg, gen, emitters, module):
     """Emit each SubGraph of ``gen`` with its emitter, print, parse back with the user's lines, compile."""
     defs = [emitter.function(s) for emitter, s in zip(emitters, gen.sgs)]
+    extra = [d for emitter in emitters for d in getattr(emitter, "extra_defs", ())]  # (batched code's segments)
+    defs += extra
     tree = ast.Module(body=defs, type_ignores=[])
     ast.fix_missing_locations(tree)
     text = astor.to_source(tree)
@@ -386,7 +393,8 @@ def compile_functions(sg, gen, emitters, module):
     code = compile(parsed, filename, "exec")
     exec(code, module.namespace)
     functions = {s.name: module.namespace[gen.fn_name[s]] for s in gen.sgs}
-    codes = {f.__code__ for f in functions.values()} | module.codes
+    codes = {f.__code__ for f in functions.values()} | {module.namespace[d.name].__code__ for d in extra} \
+        | module.codes
     source = "\n\n".join([_annotate(text, line_map or {}), *module.sources])
     return GeneratedCode(source, functions, sg.name,
                          {s.name for s in gen.generators}, codes)
