@@ -17,13 +17,16 @@ from .. import ir
 from ..passes.batching import BatchPlan
 from ..passes.effects import subgraph_may_mutate
 from ..runtime import batch_rules, control, semantics as sem
-from . import emit
+from . import emit, segments
 
 
 class _BatchedEmitter(emit._FunctionEmitter):
     def __init__(self, module, gen, batch_plan):
         super().__init__(module, gen)
         self.batch_plan = batch_plan
+        self.kernels = {}  # Fused op -> its kernel, for the segment being emitted
+        self.extra_defs = []  # the segments' op-by-op functions
+        self.segments = {}  # function name -> Segment
         self.n = "_n"
         self.used.add(self.n)
 
@@ -60,6 +63,62 @@ class _BatchedEmitter(emit._FunctionEmitter):
         values = ast.Tuple(elts=[ast.Name(id=n, ctx=ast.Load()) for n in names], ctx=ast.Load())
         return ast.Call(func=self.helper(batch_rules.per_instance_or_once, "per_instance"),
                         args=[self.n_load(), fn, values], keywords=[])
+
+    def fused_kernel(self, op):
+        kernel = super().fused_kernel(op)
+        self.kernels[op] = kernel
+        return kernel
+
+    def body(self, sg, items):
+        """Maximal runs of plain ops (calls, captures, fused ops) become ``segments.Segment`` calls, in a
+        function that changes nothing in place; the rest as ``emit`` writes it."""
+        if self.gen.changes or not segments.ENABLED:
+            return super().body(sg, items)
+        used_after = [set() for _ in range(len(items) + 1)]
+        used_after[-1] = {v for v in sg.outputs if isinstance(v, ir.Value)}
+        for k in range(len(items) - 1, -1, -1):
+            ops = items[k] if isinstance(items[k], list) else [items[k]]
+            used_after[k] = used_after[k + 1] | {x for op in ops for x in op.operands() if isinstance(x, ir.Value)}
+        out, run = [], []
+        for k, item in enumerate(items + [None]):
+            if item is not None and _segmentable(item):
+                run.append(item)
+                continue
+            if sum(_dispatches(op) for op in run) >= 2:
+                out.append(self.segment(sg, run, used_after[k]))
+            else:
+                out.extend(super().body(sg, run))
+            run = []
+            if item is not None:
+                out.extend(super().body(sg, [item]))
+        return out
+
+    def segment(self, sg, ops, used_after):
+        """``outs = _rc_seg(_n, ins)``, and the function running ``ops`` one by one (``extra_defs``)."""
+        defined, inputs = set(), []
+        for op in ops:
+            for x in op.operands():
+                if isinstance(x, ir.Value) and x not in defined and x not in inputs:
+                    inputs.append(x)
+            defined.update(op.outputs)
+        outputs = [v for op in ops for v in op.outputs if v in used_after]
+        self.kernels = {}
+        stmts = super().body(sg, ops)
+        name = f"{self.gen.fn_name[sg]}_seg{len(self.extra_defs) + 1}"
+        seg = segments.Segment(name, ops, inputs, outputs, self.kernels)
+        self.segments[name] = seg
+        loads = [self.load(v) for v in outputs]
+        ret = ast.Return(value=loads[0] if len(loads) == 1 else ast.Tuple(elts=loads, ctx=ast.Load()))
+        ret._rc_loc = ops[-1].loc
+        params = [ast.arg(arg=self.n)] + [ast.arg(arg=self.var(v)) for v in inputs]
+        fdef = ast.FunctionDef(name=name, args=ast.arguments(posonlyargs=[], args=params, vararg=None, kwonlyargs=[],
+                                                             kw_defaults=[], kwarg=None, defaults=[]),
+                               body=stmts + [ret], decorator_list=[], returns=None, type_comment=None)
+        fdef._rc_loc = ops[0].loc
+        self.extra_defs.append(fdef)
+        call = ast.Call(func=self.helper(seg, "seg"), args=[self.n_load()] + [self.load(v) for v in inputs],
+                        keywords=[])
+        return self.assign(outputs, call, ops[0].loc, unpack=len(outputs) > 1)
 
     def fused_members(self, op):
         code = generate_batched(op.body)  # (batch_rules.fused: when one call would not mean the same)
@@ -172,6 +231,24 @@ class _BatchedEmitter(emit._FunctionEmitter):
         return fdef
 
 
+def _segmentable(item):
+    """An op a segment may hold: a call (not a raise, not one unpacking ``*args``), a capture, a fused op."""
+    if isinstance(item, (ir.Capture, ir.Fused)):
+        return True
+    return (isinstance(item, ir.Call) and not item.star and not any(k is None for k, _ in item.kwargs)
+            and not (isinstance(item.fn, ir.Const) and item.fn.value is sem.raise_exception))
+
+
+def _dispatches(op):
+    """Whether ``op`` goes through a batch rule (not a capture, not reading a constant attribute)."""
+    if isinstance(op, ir.Capture):
+        return False
+    if isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value is getattr \
+            and isinstance(op.args[1], ir.Const):
+        return False
+    return True
+
+
 def _no_args():
     return ast.arguments(posonlyargs=[], args=[], vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None,
                          defaults=[])
@@ -184,7 +261,13 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     gen.generators = set(batch_plan.generators)
     gen.changes = subgraph_may_mutate(sg, may_mutate)
     module = emit._Module()
-    code = emit.compile_functions(sg, gen, [_BatchedEmitter(module, gen, batch_plan) for _ in gen.sgs], module)
+    emitters = [_BatchedEmitter(module, gen, batch_plan) for _ in gen.sgs]
+    code = emit.compile_functions(sg, gen, emitters, module)
+    code.segments = []
+    for emitter in emitters:
+        for name, seg in emitter.segments.items():
+            seg.generic = module.namespace[name]
+            code.segments.append(seg)
     for s, unit in batch_plan.units.items():
         unit.fn = code.functions[s.name]
         unit.code = code

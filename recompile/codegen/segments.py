@@ -1,0 +1,709 @@
+"""Straight runs of ops in batched code, run on plain tensors once the kinds of their values are known.
+
+In batched code every op goes through ``batch_rules``: it looks at its
+arguments, picks a rule, unwraps the batched tensors and wraps the result in a
+new ``Batch``. That costs a few microseconds an op, paid again at every tree
+level. Most of those choices come out the same on every call: ``self.node(x)``
+is a Linear on a batched matrix, ``torch.chunk(y, 5, dim=-1)`` splits one along
+a feature dim, ``tree.left[i]`` gathers from a shared tensor.
+
+A ``Segment`` is a maximal run of such ops (calls, captures, fused ops) between
+the points where a unit yields, splits or loops. Its first call with more
+than one instance *traces* it: each op is run by the rule it would meet, on
+plain tensors (dim 0 the instance), and the line that does so is written
+down, with a guard for each fact the rule relied on (a value batched or
+shared, a tensor's rank and dtype, a callable's identity, a module's type and
+its having no hooks). The lines are compiled into one plain function, which
+later calls run instead of the op-by-op code. Ops with no such form (a lazy
+value's arithmetic, an unpacking of a batch of tuples) stay calls of their
+batch rule inside that function.
+
+Only functions that change nothing in place get raw segments, and only ops
+that change nothing are traced: a guard that fails, or an error of any kind,
+leaves the raw function for the op-by-op code, which runs the segment again
+from its start (what the raw one computed is dropped) and raises the user's
+error from the user's line. A segment whose raw function keeps failing its
+guards stops trying.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ir
+from ..runtime import batch as bt
+from ..runtime import batch_rules, control
+from ..runtime import semantics as sem
+from ..runtime.batch import Batch
+
+ENABLED = True  # (read when batched code is generated: False runs every op through its batch rule)
+MAX_TRACES = 3  # traces a segment makes, each a raw function for the kinds of that call (a leaf's 0.0 and
+# a node's batched loss may reach the same segment)
+MAX_MISSES = 8  # calls no raw function served, once MAX_TRACES were traced, after which it stops trying
+
+# ops a trace may run through their batch rule, inside the raw function: they change nothing, so a segment
+# cut short by a failed guard may run them again
+_GENERIC_OK = (sem.PURE | batch_rules.LAZY_OPS | {sem.read_global, sem.read_cell}
+               | set(batch_rules.RULES) - batch_rules._IN_PLACE - {F.dropout})
+_GENERIC_OK_MODULES = tuple(set(batch_rules.MODULE_RULES) - {nn.Dropout})
+_INTEGER = (torch.long, torch.int, torch.int16, torch.int8, torch.uint8)
+_NUMBERS = (int, float, bool)
+
+
+class Deopt(Exception):
+    """A guard of a raw segment failed: the facts its trace relied on do not hold for this call."""
+
+
+class Segment:
+    """A run of ops of a batched function: ``generic`` runs them op by op (set once the code is compiled);
+    ``__call__`` runs the raw function traced from them when it applies."""
+
+    def __init__(self, name, ops, inputs, outputs, kernels):
+        self.name = name
+        self.ops = ops
+        self.inputs = inputs  # ir.Values, in the order of the call's arguments
+        self.outputs = outputs  # ir.Values it returns (one: the value; several: a tuple)
+        self.kernels = kernels  # Fused op -> FusedKernel (the very kernels of the generic code)
+        self.generic = None
+        self.raws = []  # raw functions, one per trace (the kinds may differ between calls: a leaf's 0.0)
+        self.sources = []
+        self.off = False  # no raw function: the trace met an op it cannot run raw, or too many misses
+        self.traced = 0
+        self.misses = 0  # calls no raw function served once MAX_TRACES traces were made
+        self.hits = 0  # calls a raw function served
+        self._lock = threading.Lock()
+
+    def __repr__(self):
+        return f"<segment {self.name}>"
+
+    def __call__(self, n, *args):
+        if n > 1 and not self.off:
+            for raw in self.raws:
+                try:
+                    out = raw(n, *args)
+                except Exception as exc:  # a guard, or an error the op-by-op run raises again from the user's line
+                    if getattr(exc, "_recompile_chain", None) is not None:
+                        raise  # (a deferred call it read failed: that call ran, and its error names its chain)
+                    continue
+                self.hits += 1
+                return out
+            self._missed(n, args)
+        return self.generic(n, *args)
+
+    def _missed(self, n, args):
+        """No raw function applies: trace one for these kinds, or after too many misses give up."""
+        with self._lock:
+            if self.traced < MAX_TRACES:
+                self.traced += 1
+                self._trace(n, args)
+                return
+            self.misses += 1
+            if self.misses >= MAX_MISSES:
+                self.raws, self.off = [], True
+
+    def _trace(self, n, args):
+        try:
+            source, namespace = _Tracer(self, n, args).run()
+        except _Untraceable:
+            self.off = True
+            return
+        except Exception:  # the op-by-op run raises it again, from the user's line
+            return
+        code = compile(source, f"<recompile segment {self.name}>", "exec")
+        exec(code, namespace)
+        self.sources.append(source)
+        self.raws = self.raws + [namespace["raw"]]  # (a new list: another thread may be iterating the old)
+
+
+class _Untraceable(Exception):
+    """An op of the segment has no raw form: the segment runs op by op."""
+
+
+class _Slot:
+    """A value of the trace: ``kind`` S (shared: a plain value), B (batched: a plain tensor, dim 0 the
+    instance), T (a tuple or list built in the segment: ``items`` are slots) or O (a Batch, handled by the
+    batch rules); ``name`` holds it in the raw function; ``value`` is this call's."""
+
+    __slots__ = ("kind", "name", "value", "items", "as_b", "fixed")
+
+    def __init__(self, kind, name, value, items=None, fixed=False):
+        self.kind, self.name, self.value, self.items = kind, name, value, items
+        self.fixed = fixed  # a constant of the program: the same on every call
+        self.as_b = None  # (an O slot) its tensor, once a raw op needed it
+
+
+class _Tracer:
+    def __init__(self, segment, n, args):
+        self.segment = segment
+        self.n = n
+        self.args = args
+        self.lines = []
+        self.namespace = dict(_HELPERS)
+        self.env = {}
+        self.count = 0
+
+    # -- names and lines
+
+    def fresh(self):
+        self.count += 1
+        return f"v{self.count}"
+
+    def const(self, value):
+        name = f"k{len(self.namespace)}"
+        self.namespace[name] = value
+        return name
+
+    def emit(self, line):
+        self.lines.append(line)
+
+    def load(self, operand):
+        """The slot of an operand: a Value's, or a constant's (shared)."""
+        if isinstance(operand, ir.Value):
+            return self.env[operand]
+        value = operand.value
+        if type(value) in (int, bool, str, type(None)) or (type(value) is float and math.isfinite(value)):
+            return _Slot("S", repr(value), value, fixed=True)  # (a literal: repr reads back as the same value)
+        return _Slot("S", self.const(value), value, fixed=True)
+
+    def as_b(self, slot):
+        """``slot`` as a batched plain tensor (a Batch's tensor, guarded), or None if it has none."""
+        if slot.kind == "B":
+            return slot
+        if slot.kind != "O":
+            return None
+        if slot.as_b is None:
+            value = slot.value
+            if bt.is_lazy(value):  # (reading it would run a deferred call early: the rule keeps it lazy)
+                return None
+            t = bt.tensor_of(value)
+            if t is None:
+                return None
+            name = self.fresh()
+            self.emit(f"{name} = _tensor({slot.name}, {t.dim()}, {self.const(t.dtype)})")
+            slot.as_b = _Slot("B", name, t)
+        return slot.as_b
+
+    def as_batch(self, slot):
+        """An expression holding ``slot`` as the batch rules take it (a Batch, or a plain value)."""
+        if slot.kind == "B":
+            return f"_wrap({slot.name})"
+        if slot.kind == "T":
+            items = ", ".join(self.as_batch(s) for s in slot.items)
+            return f"_struct({self.const(type(slot.value))}, [{items}], _n)"
+        return slot.name
+
+    def wrapped_value(self, slot):
+        """This call's value of ``slot`` as the batch rules take it."""
+        if slot.kind == "B":
+            return bt.from_tensor(slot.value)
+        if slot.kind == "T":
+            return _struct(type(slot.value), [self.wrapped_value(s) for s in slot.items], self.n)
+        return slot.value
+
+    def guard_shared(self, slot):
+        """A shared value the trace read (a tensor's rank and dtype where it used it as one)."""
+        if isinstance(slot.value, torch.Tensor):
+            self.emit(f"_shared_tensor({slot.name}, {slot.value.dim()}, {self.const(slot.value.dtype)})")
+
+    # -- the trace
+
+    def run(self):
+        seg = self.segment
+        params = []
+        for k, (v, a) in enumerate(zip(seg.inputs, self.args)):
+            name = f"a{k}"
+            params.append(name)
+            if type(a) is Batch:
+                self.env[v] = _Slot("O", name, a)
+            else:
+                self.env[v] = _Slot("S", name, a)
+                self.emit(f"if type({name}) is _Batch: raise _Deopt")
+        for op in seg.ops:
+            self.op(op)
+        outs = [self.as_batch(self.env[v]) for v in seg.outputs]
+        ret = outs[0] if len(outs) == 1 else "(" + ", ".join(outs) + ("," if len(outs) == 1 else "") + ")"
+        if not outs:
+            ret = "None"
+        body = "\n".join("    " + line for line in self.lines + [f"return {ret}"])
+        source = f"def raw(_n{''.join(', ' + p for p in params)}):\n{body}\n"
+        return source, self.namespace
+
+    def define(self, value, slot):
+        self.env[value] = slot
+
+    def op(self, op):
+        if isinstance(op, ir.Capture):
+            return self.capture(op)
+        if isinstance(op, ir.Fused):
+            return self.fused(op)
+        if isinstance(op, ir.Call):
+            return self.call(op)
+        raise _Untraceable
+
+    def capture(self, op):
+        if op.source_kind == "attr":
+            base = self.load(op.base)
+            if base.kind != "S":
+                raise _Untraceable
+            return self.shared_attr(op.outputs[0], base, op.source)
+        helper = sem.read_global if op.source_kind == "global" else sem.read_cell
+        value = helper(op.source, op.name)
+        name = self.fresh()
+        self.emit(f"{name} = {self.const(helper)}({self.const(op.source)}, {op.name!r})")
+        self.define(op.outputs[0], _Slot("S", name, value))
+
+    def shared_attr(self, out, base, attr):
+        value = getattr(base.value, attr)
+        name = self.fresh()
+        self.emit(f"{name} = {base.name}.{attr}" if attr.isidentifier() else f"{name} = getattr({base.name}, {attr!r})")
+        self.define(out, _Slot("S", name, value))
+
+    def callable_slot(self, op):
+        """The slot of the op's callable, and its value: a constant, or a shared value the raw function
+        checks is still the same (a module: of the same type, with no hooks)."""
+        if isinstance(op.fn, ir.Const):
+            return op.fn.value, None
+        slot = self.env[op.fn]
+        if slot.kind != "S":
+            raise _Untraceable  # (a method of a batched tensor, a callable per instance)
+        return slot.value, slot
+
+    def guard_callable(self, fn, slot):
+        if slot is None:
+            return
+        if type(fn) in _PLAIN_MODULES or type(fn) in _GENERIC_OK_MODULES:
+            self.emit(f"if not _plain_module({slot.name}, {self.const(type(fn))}): raise _Deopt")
+        else:
+            self.emit(f"if {slot.name} is not {self.const(fn)}: raise _Deopt")
+
+    def call(self, op):
+        if op.star or any(k is None for k, _ in op.kwargs) or not op.outputs:
+            raise _Untraceable
+        fn, fn_slot = self.callable_slot(op)
+        args = [self.load(a) for a in op.args]
+        kwargs = {k: self.load(v) for k, v in op.kwargs}
+        if any(s.kind != "S" for s in kwargs.values()):
+            return self.generic(op, fn, fn_slot, args, kwargs)
+        if fn is sem.unpack:
+            return self.unpack(op, args[0])
+        if len(op.outputs) > 1:  # a call whose result is unpacked at once
+            value = self.raw_call(op, fn, fn_slot, args, kwargs)
+            return self.unpack(op, value)
+        self.define(op.outputs[0], self.raw_call(op, fn, fn_slot, args, kwargs))
+
+    def raw_call(self, op, fn, fn_slot, args, kwargs):
+        """The slot of ``fn(*args, **kwargs)``: a raw form where one applies, else the batch rule's call."""
+        if all(s.kind == "S" for s in args) and _shareable(fn):
+            return self.shared_call(fn, fn_slot, args, kwargs)
+        form = _form_of(fn)
+        if form is not None and all(s.kind == "S" for s in args):
+            form = None  # (nothing batched: the batch rule decides whether every instance may share it)
+        if form is not None:
+            slot = form(self, fn, fn_slot, args, kwargs)
+            if slot is not None:
+                return slot
+        return self.generic_slot(op, fn, fn_slot, args, kwargs)
+
+    def shared_call(self, fn, fn_slot, args, kwargs):
+        """A call of nothing batched whose result every instance shares (``batch_rules._SHAREABLE``)."""
+        self.guard_callable(fn, fn_slot)
+        fn_name = fn_slot.name if fn_slot is not None else self.const(fn)
+        value = fn(*[s.value for s in args], **{k: s.value for k, s in kwargs.items()})
+        name = self.fresh()
+        kw_text = "".join(f", {k}={s.name}" for k, s in kwargs.items())
+        self.emit(f"{name} = {fn_name}({', '.join(s.name for s in args)}{kw_text})")
+        return _Slot("S", name, value)
+
+    def generic(self, op, fn, fn_slot, args, kwargs):
+        slot = self.generic_slot(op, fn, fn_slot, args, kwargs)
+        if len(op.outputs) > 1:
+            return self.unpack(op, slot)
+        self.define(op.outputs[0], slot)
+
+    def generic_slot(self, op, fn, fn_slot, args, kwargs):
+        """``fn`` run by its batch rule (``batch_rules.call``), inside the raw function."""
+        if not _generic_ok(fn):
+            raise _Untraceable
+        self.guard_callable(fn, fn_slot)
+        fn_name = fn_slot.name if fn_slot is not None else self.const(fn)
+        arg_text = "".join(self.as_batch(s) + ", " for s in args)
+        values = tuple(self.wrapped_value(s) for s in args)
+        kw = {k: s.value for k, s in kwargs.items()}
+        if fn is operator.getitem and not kwargs and len(args) == 2:
+            value = batch_rules.item(self.n, *values)
+            text = f"_item(_n, {arg_text})"
+        elif kwargs:
+            value = batch_rules.call(self.n, fn, values, kw)
+            kw_text = ", ".join(f"{k!r}: {s.name}" for k, s in kwargs.items())
+            text = f"_call(_n, {fn_name}, ({arg_text}), {{{kw_text}}})"
+        else:
+            value = batch_rules.call(self.n, fn, values)
+            text = f"_call(_n, {fn_name}, ({arg_text}))"
+        return self.result(text, value)
+
+    def result(self, text, value):
+        """A slot for the batch rule's result ``value`` computed by expression ``text``."""
+        name = self.fresh()
+        self.emit(f"{name} = {text}")
+        if type(value) is Batch:
+            return _Slot("O", name, value)
+        if type(value) is torch.Tensor or not isinstance(value, (*_NUMBERS, str, type(None), torch.dtype)):
+            # a plain result that is not an immutable value: whether it is shared or per instance is the
+            # rule's decision on each call, which the raw function would not see
+            raise _Untraceable
+        self.emit(f"if type({name}) is _Batch: raise _Deopt")
+        return _Slot("S", name, value)
+
+    def unpack(self, op, slot):
+        k = len(op.outputs)
+        if slot.kind == "T" and len(slot.items) == k:
+            self.emit(f"if len({slot.name}) != {k}: raise _Deopt")
+            for v, s in zip(op.outputs, slot.items):
+                self.define(v, s)
+            return
+        if slot.kind == "S":
+            raise _Untraceable  # (a shared value unpacked: leave it to the op-by-op code)
+        value = control.unpack(self.n, self.wrapped_value(slot), k)
+        if type(value) is Batch:
+            raise _Untraceable
+        names = [self.fresh() for _ in range(k)]
+        self.emit(f"{', '.join(names)}{',' if k == 1 else ''} = _unpack(_n, {self.as_batch(slot)}, {k})")
+        for v, name, part in zip(op.outputs, names, value):
+            if type(part) is Batch:
+                self.define(v, _Slot("O", name, part))
+            else:
+                raise _Untraceable  # (a part every instance shares: the rule's decision per call)
+
+    def fused(self, op):
+        kernel = self.segment.kernels[op]
+        args = [self.load(a) for a in op.args]
+        for i, fn in kernel.callables.items():
+            s = args[i]
+            if s.kind != "S" or s.value is not fn:
+                return self.fused_generic(op, kernel, args)
+            if not s.fixed:
+                self.emit(f"if {s.name} is not {self.const(fn)}: raise _Deopt")
+        raw, rank, dtype, shared_rank, batched = list(args), None, None, 0, 0
+        for i in kernel.data_positions:
+            s = args[i]
+            if s.kind in ("O", "B"):
+                b = self.as_b(s)
+                if b is None or (rank is not None and b.value.dim() - 1 != rank):
+                    return self.fused_generic(op, kernel, args)
+                rank = b.value.dim() - 1
+                raw[i] = b
+                batched |= 1 << i
+                t = b.value
+            elif s.kind == "S" and isinstance(s.value, torch.Tensor):
+                self.guard_shared(s)
+                t = s.value
+                shared_rank = max(shared_rank, t.dim())
+            elif s.kind == "S" and type(s.value) in _NUMBERS:
+                if not s.fixed:
+                    self.emit(f"if type({s.name}) is not {type(s.value).__name__}: raise _Deopt")
+                continue
+            else:
+                return self.fused_generic(op, kernel, args)
+            if t.dtype is not torch.bool:
+                if dtype is not None and t.dtype != dtype:
+                    return self.fused_generic(op, kernel, args)
+                dtype = t.dtype
+        if rank is None or shared_rank > rank or not all(mask & batched for mask in kernel.dep_masks) \
+                or not kernel.deps:
+            return self.fused_generic(op, kernel, args)
+        out = kernel.entry(*[s.value for s in raw])
+        text = f"{self.const(kernel.entry)}({', '.join(s.name for s in raw)})"
+        if len(kernel.deps) == 1:
+            name = self.fresh()
+            self.emit(f"{name} = {text}")
+            slots = [_Slot("B", name, out)]
+        else:
+            names = [self.fresh() for _ in out]
+            self.emit(f"{', '.join(names)} = {text}")
+            slots = [_Slot("B", nm, o) for nm, o in zip(names, out)]
+        for v, s in zip(op.outputs, slots):
+            self.define(v, s)
+
+    def fused_generic(self, op, kernel, args):
+        values = tuple(self.wrapped_value(s) for s in args)
+        value = batch_rules.fused(self.n, kernel, values)
+        text = f"_fused(_n, {self.const(kernel)}, ({''.join(self.as_batch(s) + ', ' for s in args)}))"
+        if len(op.outputs) == 1:
+            self.define(op.outputs[0], self.result(text, value))
+            return
+        if type(value) is not tuple:
+            raise _Untraceable
+        name = self.fresh()
+        self.emit(f"{name} = {text}")
+        for j, (v, part) in enumerate(zip(op.outputs, value)):
+            if type(part) is not Batch:
+                raise _Untraceable
+            self.define(v, _Slot("O", f"{name}[{j}]", part))
+
+
+# -- raw forms: each returns the slot of the op run on plain tensors, or None (the batch rule runs it)
+
+
+def _getitem_form(tr, fn, fn_slot, args, kwargs):
+    """``x[i]``: a gather from a shared tensor by batched integer indices, one per instance."""
+    if len(args) != 2 or kwargs:
+        return None
+    x, i = args
+    if x.kind != "S" or type(x.value) is not torch.Tensor:
+        return None
+    i = tr.as_b(i)
+    if i is None or i.value.dtype not in _INTEGER or i.value.dim() != 1:
+        return None
+    tr.guard_callable(fn, fn_slot)
+    tr.guard_shared(x)
+    tr.emit(f"if type({x.name}) is not _Tensor: raise _Deopt")
+    name = tr.fresh()
+    value = batch_rules._rows(x.value, i.value)
+    tr.emit(f"{name} = _rows({x.name}, {i.name})")
+    return _Slot("B", name, value)
+
+
+def _tensors(tr, args):
+    """(raw slots, rank, dtype) of elementwise arguments: batched ones of one rank and dtype, shared
+    numbers, shared tensors of no larger rank and the same dtype; None if they are not all so."""
+    out, rank, dtype = [], None, None
+    for s in args:
+        if s.kind in ("O", "B"):
+            b = tr.as_b(s)
+            if b is None:
+                return None
+            r = b.value.dim() - 1
+            if (rank is not None and r != rank) or (dtype is not None and b.value.dtype != dtype):
+                return None
+            rank, dtype = r, b.value.dtype
+            out.append(b)
+        elif s.kind == "S" and type(s.value) in _NUMBERS:
+            out.append(s)
+        elif s.kind == "S" and type(s.value) is torch.Tensor:
+            out.append(s)
+        else:
+            return None
+    for s in out:
+        if s.kind == "S" and type(s.value) is torch.Tensor and (
+                rank is None or s.value.dim() > rank or s.value.dtype != dtype):
+            return None
+    if rank is None:
+        return None
+    return out, rank, dtype
+
+
+def _elementwise_form(tr, fn, fn_slot, args, kwargs):
+    if fn is F.dropout or fn in batch_rules._IN_PLACE or (fn is torch.where and len(args) == 1):
+        return None
+    found = _tensors(tr, args)
+    if found is None:
+        return None
+    raw, rank, dtype = found
+    tr.guard_callable(fn, fn_slot)
+    for s in raw:
+        if s.kind == "S" and not s.fixed:
+            if type(s.value) is torch.Tensor:
+                tr.guard_shared(s)
+                tr.emit(f"if type({s.name}) is not _Tensor: raise _Deopt")
+            else:
+                tr.emit(f"if type({s.name}) is not {type(s.value).__name__}: raise _Deopt")
+    fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
+    kw = {k: s.value for k, s in kwargs.items()}
+    value = fn(*[s.value for s in raw], **kw)
+    if type(value) is not torch.Tensor or value.dim() == 0 or value.shape[0] != tr.n:
+        return None
+    name = tr.fresh()
+    kw_text = "".join(f", {k}={s.name}" for k, s in kwargs.items())
+    tr.emit(f"{name} = {fn_name}({', '.join(s.name for s in raw)}{kw_text})")
+    return _Slot("B", name, value)
+
+
+def _module_form(tr, fn, fn_slot, args, kwargs):
+    """A Linear or Embedding module with no hooks on a batched input (rank ≥ 1 for Linear)."""
+    if len(args) != 1 or kwargs or type(fn) not in _PLAIN_MODULES or not _plain_module(fn, type(fn)):
+        return None
+    x = tr.as_b(args[0])
+    if x is None:
+        return None
+    if type(fn) is nn.Linear:
+        if x.value.dim() < 2:
+            return None
+        helper, value = "_linear", F.linear(x.value, fn.weight, fn.bias)
+    else:
+        if x.value.dtype not in _INTEGER:
+            return None
+        helper, value = "_module", fn(x.value)
+    tr.guard_callable(fn, fn_slot)
+    fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
+    name = tr.fresh()
+    tr.emit(f"{name} = {helper}({fn_name}, {x.name})")
+    return _Slot("B", name, value)
+
+
+def _dim_arg(args, kwargs, position, default):
+    """(the dim slot, whether it came by keyword) of a dim-taking op, or (None, _) if it has none."""
+    if "dim" in kwargs:
+        return kwargs["dim"], True
+    if len(args) > position:
+        return args[position], False
+    return default, False
+
+
+def _split_form(tr, fn, fn_slot, args, kwargs):
+    """torch.chunk / torch.split of a batched tensor along a feature dim: a tuple of batched tensors."""
+    if not args or set(kwargs) - {"dim"} or len(args) > 3 or any(s.kind != "S" for s in args[1:]):
+        return None
+    x = tr.as_b(args[0])
+    if x is None or len(args) < 2 or type(args[1].value) is not int:
+        return None
+    dim, _ = _dim_arg(args, kwargs, 2, _Slot("S", "0", 0, fixed=True))
+    if type(dim.value) is not int:
+        return None
+    rank = x.value.dim() - 1
+    d = dim.value
+    if not -rank <= d < rank:
+        return None
+    shifted = d + 1 if d >= 0 else d
+    tr.guard_callable(fn, fn_slot)
+    for s in (args[1], dim):
+        if not s.fixed:
+            tr.emit(f"if {s.name} != {s.value!r}: raise _Deopt")
+    fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
+    value = fn(x.value, args[1].value, shifted)
+    name = tr.fresh()
+    tr.emit(f"{name} = {fn_name}({x.name}, {args[1].value!r}, {shifted})")
+    items = []
+    for j, part in enumerate(value):
+        items.append(_Slot("B", f"{name}[{j}]", part))
+    return _Slot("T", name, value, items)
+
+
+def _join_form(tr, fn, fn_slot, args, kwargs):
+    """torch.cat / torch.stack of a list built in the segment, all batched tensors, along a feature dim."""
+    if not args or args[0].kind != "T" or set(kwargs) - {"dim"} or len(args) > 2:
+        return None
+    parts = [tr.as_b(s) for s in args[0].items]
+    if not parts or any(p is None for p in parts):
+        return None
+    ranks = {p.value.dim() - 1 for p in parts}
+    dtypes = {p.value.dtype for p in parts}
+    dim, _ = _dim_arg(args, kwargs, 1, _Slot("S", "0", 0, fixed=True))
+    if len(ranks) != 1 or len(dtypes) != 1 or dim.kind != "S" or type(dim.value) is not int:
+        return None
+    rank = ranks.pop() + (1 if fn is torch.stack else 0)
+    d = dim.value
+    if not -rank <= d < rank or rank == 0:
+        return None
+    shifted = d + 1 if d >= 0 else d
+    tr.guard_callable(fn, fn_slot)
+    if not dim.fixed:
+        tr.emit(f"if {dim.name} != {d!r}: raise _Deopt")
+    fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
+    value = fn([p.value for p in parts], dim=shifted)
+    name = tr.fresh()
+    tr.emit(f"{name} = {fn_name}([{', '.join(p.name for p in parts)}], dim={shifted})")
+    return _Slot("B", name, value)
+
+
+def _build_form(tr, fn, fn_slot, args, kwargs):
+    if kwargs or all(s.kind == "S" for s in args):
+        return None
+    kind = tuple if fn is sem.build_tuple else list
+    name = tr.fresh()
+    value = kind(s.value for s in args)
+    if kind is tuple:
+        tr.emit(f"{name} = ({''.join(s.name + ', ' for s in args)})")
+    else:
+        tr.emit(f"{name} = [{', '.join(s.name for s in args)}]")
+    return _Slot("T", name, value, list(args))
+
+
+_FORMS = {operator.getitem: _getitem_form, torch.chunk: _split_form,
+          torch.split: _split_form, torch.cat: _join_form, torch.concat: _join_form, torch.stack: _join_form,
+          sem.build_tuple: _build_form, sem.build_list: _build_form}
+_FORMS.update({f: _elementwise_form for f, r in batch_rules.RULES.items() if r is batch_rules.elementwise})
+_PLAIN_MODULES = (nn.Linear, nn.Embedding)
+
+
+def _generic_ok(fn):
+    """Whether ``fn`` changes nothing and draws nothing: a trace may run it by its batch rule."""
+    if type(fn) in _GENERIC_OK_MODULES:
+        return _plain_module(fn, type(fn))
+    try:
+        return fn in _GENERIC_OK
+    except TypeError:  # unhashable callable
+        return False
+
+
+def _shareable(fn):
+    try:
+        return fn in batch_rules._SHAREABLE
+    except TypeError:
+        return False
+
+
+def _form_of(fn):
+    try:
+        form = _FORMS.get(fn)
+    except TypeError:  # unhashable callable
+        return None
+    if form is None and type(fn) in _PLAIN_MODULES:
+        return _module_form
+    return form
+
+
+# -- what the raw functions call
+
+
+def _tensor(x, rank, dtype):
+    """The batched tensor of Batch ``x``, if it has one of this rank and dtype and computing it runs no
+    deferred call."""
+    if type(x) is not Batch or x.thunk is not None:
+        raise Deopt
+    t = x.tensor if x.owner == "tensor" else None
+    if t is None:
+        if bt.is_lazy(x):
+            raise Deopt
+        t = bt.tensor_of(x)
+        if t is None:
+            raise Deopt
+    if t.dim() != rank or t.dtype != dtype:
+        raise Deopt
+    return t
+
+
+def _shared_tensor(x, rank, dtype):
+    if not isinstance(x, torch.Tensor) or x.dim() != rank or x.dtype != dtype:
+        raise Deopt
+
+
+def _plain_module(m, kind):
+    """A module of exactly ``kind`` whose call is its own forward, with no hooks (``batch_rules``)."""
+    return type(m) is kind and not batch_rules._has_hooks(m) and "forward" not in m.__dict__
+
+
+def _linear(m, x):
+    return F.linear(x, m.weight, m.bias)
+
+
+def _module(m, x):
+    return m(x)
+
+
+def _struct(kind, parts, n):
+    if all(type(p) is not Batch for p in parts):
+        return kind(parts)
+    return bt.from_struct(kind, parts, n)
+
+
+_HELPERS = {"_Batch": Batch, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor": _tensor,
+            "_shared_tensor": _shared_tensor, "_plain_module": _plain_module, "_linear": _linear,
+            "_module": _module, "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules._rows,
+            "_call": batch_rules.call, "_item": batch_rules.item, "_fused": batch_rules.fused,
+            "_unpack": control.unpack, "__builtins__": __builtins__}

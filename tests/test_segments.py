@@ -1,0 +1,257 @@
+"""Raw segments (codegen/segments.py): straight runs of batched ops traced once and run on plain tensors.
+
+Each test compares the raw run with the op-by-op run of the same program
+(segments disabled when it was built) or with eager PyTorch per instance,
+values and gradients, and checks that the raw functions were in fact used,
+or that a guard sent a call back to the op-by-op code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import recompile
+from bound_globals import bound_globals
+from recompile.codegen import segments
+from recompile.data import Forest, Tree, Vocab
+
+G = globals()
+WORDS = [f"w{k}" for k in range(10)]
+
+
+def trees():
+    vocab = Vocab(WORDS)
+    vocab.freeze()
+    nested = [(1, "w1"), (2, (0, "w2"), (1, "w3")), (3, (4, (0, "w4"), (2, "w5")), (1, (0, "w6"), (2, "w7"))),
+              (0, (1, (2, (3, "w8"), (4, "w9")), (0, "w0")), (1, "w1"))]
+    return [Tree.from_nested(t, vocab) for t in nested]
+
+
+class Params(nn.Module):
+    def __init__(self, embed=5, hidden=4):
+        super().__init__()
+        self.embed = nn.Embedding(len(WORDS) + 1, embed)
+        self.leaf = nn.Linear(embed, 3 * hidden)
+        self.node = nn.Linear(2 * hidden, 5 * hidden)
+        self.out = nn.Linear(hidden, 5)
+
+
+def lstm_encode(self, tree, i):
+    if tree.is_leaf[i]:
+        ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3, dim=-1)
+        c = torch.sigmoid(ig) * torch.tanh(u)
+        loss = 0.0
+    else:
+        hl, cl, loss_l = self.encode(tree, tree.left[i])
+        hr, cr, loss_r = self.encode(tree, tree.right[i])
+        ig, og, u, fl, fr = torch.chunk(self.node(torch.cat([hl, hr], dim=-1)), 5, dim=-1)
+        c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cl + torch.sigmoid(fr) * cr
+        loss = loss_l + loss_r
+    h = torch.sigmoid(og) * torch.tanh(c)
+    return h, c, loss + F.cross_entropy(self.out(h), tree.labels[i])
+
+
+def model_class(raw):
+    """A Params subclass whose ``encode`` is compiled now, with raw segments or without."""
+    return type("RawLSTM" if raw else "PlainLSTM", (Params,), {"encode": recompile.function(lstm_encode)})
+
+
+@contextlib.contextmanager
+def segments_enabled(on):
+    saved, segments.ENABLED = segments.ENABLED, on
+    try:
+        yield
+    finally:
+        segments.ENABLED = saved
+
+
+def built(cf, owner=None):
+    """The batched code of compiled function ``cf`` (built now, under the current ENABLED)."""
+    callee = cf.callee(owner)
+    callee.prepare()
+    return callee.build.batched_code
+
+
+def run_forest(model, forest):
+    model.zero_grad()
+    h, c, loss = recompile.vmap(model.encode, in_dims=(None, 0))(forest, forest.roots)
+    (h.sum() + c.sum() * 0.5 + loss.sum()).backward()
+    return (h.detach(), c.detach(), loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def eager_forest(model, tree_list):
+    """Each tree through the plain Python function: stacked (h, c, loss) and the parameter gradients."""
+    plain = type("EagerLSTM", (Params,), {"encode": lstm_encode})().double()
+    plain.load_state_dict(model.state_dict())
+    outs = [plain.encode(t, t.root) for t in tree_list]
+    h, c, loss = (torch.stack([o[j] for o in outs]) for j in range(3))
+    (h.sum() + c.sum() * 0.5 + loss.sum()).backward()
+    return (h.detach(), c.detach(), loss.detach()), {k: p.grad.clone() for k, p in plain.named_parameters()}
+
+
+def assert_same(got, want, tol=1e-9):
+    (gv, gg), (wv, wg) = got, want
+    for a, b in zip(gv, wv):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    assert gg.keys() == wg.keys()
+    for k in wg:
+        torch.testing.assert_close(gg[k], wg[k], rtol=tol, atol=tol)
+
+
+def test_a_tree_lstm_runs_its_segments_raw_and_matches_the_op_by_op_run_and_eager():
+    torch.manual_seed(0)
+    with segments_enabled(True):
+        Raw = model_class(True)
+        code = built(Raw.encode, Raw)
+    with segments_enabled(False):
+        Plain = model_class(False)
+        assert built(Plain.encode, Plain).segments == []
+    raw, plain = Raw().double(), Plain().double()
+    plain.load_state_dict(raw.state_dict())
+    forest = Forest.from_trees(trees())
+    for _ in range(3):  # the first call traces; the others run the raw functions
+        got = run_forest(raw, forest)
+        assert_same(got, run_forest(plain, forest))
+        assert_same(got, eager_forest(raw, trees()))
+    names = {s.name.split("_seg")[0].rsplit("_", 1)[-1]: s for s in code.segments}
+    assert code.segments and all(not s.off for s in code.segments), [(s.name, s.off) for s in code.segments]
+    assert all(s.hits > 0 for s in code.segments), [(s.name, s.hits) for s in code.segments]
+    assert names  # (the entry, and the leaf and node branches, each have one)
+
+
+class Shifted(nn.Linear):
+    """A Linear whose call is not its own forward: a raw segment must not run it as F.linear."""
+
+    def forward(self, x):
+        return super().forward(x) + 1.0
+
+
+@pytest.mark.parametrize("change", ["module_type", "forward_hook", "dtype"])
+def test_a_call_whose_facts_changed_since_the_trace_is_run_op_by_op_and_stays_right(change):
+    torch.manual_seed(1)
+    with segments_enabled(True):
+        Raw = model_class(True)
+        code = built(Raw.encode, Raw)
+    model = Raw().double()
+    forest = Forest.from_trees(trees())
+    run_forest(model, forest)
+    run_forest(model, forest)
+    hits = sum(s.hits for s in code.segments)
+    assert hits > 0
+    if change == "module_type":
+        shifted = Shifted(model.node.in_features, model.node.out_features).double()
+        shifted.load_state_dict(model.node.state_dict())
+        model.node = shifted
+    elif change == "forward_hook":
+        model.node.register_forward_hook(lambda mod, args, out: out * 0.5)
+    else:  # every tensor of the program in another dtype
+        model.float()
+    got = run_forest(model, forest)
+    tol = 1e-5 if change == "dtype" else 1e-9
+    torch.testing.assert_close(got[0][0], eager_on(model, forest), rtol=tol, atol=tol)
+
+
+def eager_on(model, forest):
+    """h of every root by the plain Python function on the same (possibly changed) forest."""
+    plain = type("EagerLSTM", (Params,), {"encode": lstm_encode})()
+    plain.__dict__.update({k: v for k, v in model.__dict__.items() if k != "_modules"})
+    plain._modules = dict(model._modules)
+    return torch.stack([plain.encode(forest, r)[0] for r in forest.roots.tolist()]).detach()
+
+
+def scale_act(x, s):
+    y = torch.cat([x, x * s], dim=-1)
+    return ACT(y) * 2.0 + s
+
+
+ACT = torch.tanh
+
+
+def test_a_rebound_global_a_shared_argument_turned_batched_and_new_ranks_are_each_followed():
+    f = recompile.function(scale_act)
+    vf = recompile.vmap(f, in_dims=(0, None))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for _ in range(2):
+        torch.testing.assert_close(vf(x, 0.5), torch.stack([scale_act(r, 0.5) for r in x]))
+    code = built(f)
+    assert sum(s.hits for s in code.segments) > 0
+    with bound_globals(G, {"ACT": torch.sigmoid}):  # the raw function checks the callable it traced
+        torch.testing.assert_close(vf(x, 0.5), torch.stack([scale_act(r, 0.5) for r in x]))
+    s = torch.randn(4, dtype=torch.float64)  # shared at the trace, batched now
+    got = recompile.vmap(f, in_dims=(0, 0))(x, s)
+    torch.testing.assert_close(got, torch.stack([scale_act(r, k) for r, k in zip(x, s)]))
+    for rank in (2, 3, 4, 5):  # more kinds than a segment traces: it ends up op by op, and right
+        xr = torch.randn((4,) + (2,) * rank, dtype=torch.float64)
+        torch.testing.assert_close(vf(xr, 0.5), torch.stack([scale_act(r, 0.5) for r in xr]))
+
+
+def centered(y):
+    return y - y.mean()  # (over the whole instance: not elementwise)
+
+
+def product_halves(x, y):
+    a, b = torch.chunk(x, 2, dim=0)  # a feature dim of each instance: dim 1 of the batch
+    return torch.cat([ACT(a), b * y], dim=-1)  # (ACT alone: no fused op holds it)
+
+
+@pytest.mark.parametrize("case", ["rebound_to_non_elementwise", "ranks_differ_after_the_trace"])
+def test_facts_the_raw_forms_rely_on_are_checked_on_every_call(case):
+    f = recompile.function(product_halves)
+    vf = recompile.vmap(f)
+    x, y = torch.randn(2, 4, 3, dtype=torch.float64), torch.randn(2, 2, 3, dtype=torch.float64)
+    for _ in range(2):
+        torch.testing.assert_close(vf(x, y), torch.stack([product_halves(a, b) for a, b in zip(x, y)]))
+    assert sum(s.hits for s in built(f).segments) > 0
+    assert "fused" not in recompile.function(product_halves).source()  # (the call of ACT is its own op)
+    if case == "rebound_to_non_elementwise":
+        with bound_globals(G, {"ACT": centered}):
+            torch.testing.assert_close(vf(x, y), torch.stack([product_halves(a, b) for a, b in zip(x, y)]))
+    else:  # y of rank 1 now: each instance's y lines up with its own rows, not with another instance's
+        y1 = torch.randn(2, 3, dtype=torch.float64)
+        torch.testing.assert_close(vf(x, y1), torch.stack([product_halves(a, b) for a, b in zip(x, y1)]))
+
+
+def joined(x, y):
+    z = torch.cat([x, y], dim=0)  # line of the error below
+    return torch.tanh(z) * 2.0
+
+
+def test_an_error_in_a_raw_segment_is_raised_as_the_op_by_op_run_raises_it_from_the_users_line():
+    f = recompile.function(joined)
+    vf = recompile.vmap(f)
+    x = torch.randn(3, 2, 4)
+    torch.testing.assert_close(vf(x, x), torch.stack([joined(a, a) for a in x]))
+    vf(x, x)
+    assert sum(s.hits for s in built(f).segments) > 0
+    with pytest.raises(RuntimeError) as raw_error:
+        vf(x, torch.randn(3, 2, 5))
+    with segments_enabled(False):
+        g = recompile.function(joined)
+        with pytest.raises(RuntimeError) as plain_error:
+            recompile.vmap(g)(x, torch.randn(3, 2, 5))
+    assert str(raw_error.value) == str(plain_error.value)
+    frames = traceback.extract_tb(raw_error.value.__traceback__)
+    line = joined.__code__.co_firstlineno + 1
+    assert any(fr.filename == __file__ and fr.lineno == line for fr in frames), frames
+
+
+def bump(x, y):
+    y += 1.0
+    return torch.tanh(x) * y + x
+
+
+def test_a_function_that_changes_a_value_in_place_gets_no_segments():
+    f = recompile.function(bump)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    want_y = y.clone() + 1.0
+    want = torch.tanh(x) * want_y + x
+    got = recompile.vmap(f)(x, y)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(y, want_y)
+    assert built(f).segments == []
