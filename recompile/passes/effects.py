@@ -53,6 +53,8 @@ def op_mutates(op):
         return False
     if out_target(op) is not None:  # torch.mul(a, b, out=c) writes c
         return True
+    if any(name == "inplace" and not (isinstance(v, ir.Const) and not v.value) for name, v in op.kwargs):
+        return True  # F.relu(x, inplace=True) writes x
     fn = op.fn
     if isinstance(fn, ir.Const):
         return _mutating_callable(fn.value)
