@@ -255,3 +255,118 @@ def test_a_function_that_changes_a_value_in_place_gets_no_segments():
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(y, want_y)
     assert built(f).segments == []
+
+
+# -- what a trace must not take for granted (each found wrong once)
+
+
+def split_and_join(x):
+    return torch.cat(torch.split(torch.tanh(x), 2, dim=-1), dim=-1) * 3.0  # pieces: width / 2
+
+
+def batched_keyword(x, s):
+    return torch.mul(x, other=torch.tanh(s)) * 2.0
+
+
+def joined_along(x, d):
+    return torch.cat([torch.tanh(x), x], dim=d) * 2.0
+
+
+def test_piece_counts_keyword_values_and_int_arguments_are_what_they_are_on_each_call():
+    x4, x6 = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
+    f = recompile.vmap(recompile.function(split_and_join))
+    for x in (x4, x4, x6):  # traced with two pieces, then three
+        torch.testing.assert_close(f(x), torch.stack([split_and_join(r) for r in x]))
+    x, s = torch.randn(3, 3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    g = recompile.vmap(recompile.function(batched_keyword))
+    for _ in range(3):  # a batched value passed by keyword is batched in the raw function too
+        torch.testing.assert_close(g(x, s), torch.stack([batched_keyword(a, b) for a, b in zip(x, s)]))
+    h = recompile.vmap(recompile.function(joined_along), in_dims=(0, None))
+    x = torch.randn(3, 2, 4)
+    h(x, 1)
+    h(x, 1)
+    for bad in (True, 1.0):  # equal to the traced 1, but not an int: refused as eager refuses it
+        with pytest.raises(TypeError, match="must be int"):
+            h(x, bad)
+
+
+LEAKY = nn.LeakyReLU(0.5, inplace=True)
+
+
+def leaky_keyword(x):
+    y = F.leaky_relu(x, 0.5, inplace=True)
+    return torch.tanh(y) * 2.0 + y
+
+
+def leaky_module(x):
+    y = LEAKY(x)
+    return torch.tanh(y) * 2.0 + y
+
+
+@pytest.mark.parametrize("fn", [leaky_keyword, leaky_module])
+def test_an_op_that_changes_its_argument_in_place_is_not_run_twice(fn):
+    f = recompile.vmap(recompile.function(fn))
+    for _ in range(2):
+        x, want_x = -torch.ones(3, 2), -torch.ones(3, 2)
+        want = torch.stack([fn(r) for r in want_x])
+        torch.testing.assert_close(f(x), want)
+        torch.testing.assert_close(x, want_x)
+
+
+def largest_times(x, it):
+    return torch.tanh(x) * max(it) + x
+
+
+def test_a_builtin_that_consumes_an_iterator_runs_once():
+    f = recompile.vmap(recompile.function(largest_times), in_dims=(0, None))
+    x = torch.randn(4, 3)
+    for _ in range(2):
+        torch.testing.assert_close(f(x, iter([1.0, 3.0, 2.0])), torch.tanh(x) * 3.0 + x)
+
+
+SCALES = [0.5, 2.0, -1.0]
+
+
+def scaled_by_index(x, i):
+    return torch.tanh(x) * SCALES[i] + x * 2.0  # a list indexed per instance: run once per instance
+
+
+def test_per_instance_counts_are_the_op_by_op_runs_counts():
+    x, i = torch.randn(4, 3), torch.tensor([0, 2, 1, 2])
+    with segments_enabled(False):
+        plain = recompile.function(scaled_by_index)
+        built(plain)
+    raw = recompile.function(scaled_by_index)
+    want = torch.stack([scaled_by_index(a, int(k)) for a, k in zip(x, i)])
+    for _ in range(3):
+        counts = []
+        for cf in (plain, raw):
+            cf.stats.reset()
+            torch.testing.assert_close(recompile.vmap(cf)(x, i), want)
+            counts.append(cf.stats["per_instance"])
+        assert counts[0] == counts[1] and counts[0], counts
+
+
+W_MM = torch.randn(5, 2)
+
+
+def mm_helper(x):
+    return torch.mm(x, W_MM)
+
+
+def via_helper(x):
+    return mm_helper(x) * 2.0  # returned only: the call is deferred
+
+
+def softmax_of_deferred(x):
+    y = via_helper(x)
+    return torch.softmax(y, dim=-1) * 2.0 + torch.tanh(y)
+
+
+def test_a_deferred_call_that_fails_when_a_trace_reads_it_raises_its_own_error():
+    compiled = {name: recompile.function(G[name]) for name in ("mm_helper", "via_helper")}
+    with bound_globals(G, compiled):
+        f = recompile.function(softmax_of_deferred)
+        with pytest.raises(RuntimeError, match="cannot be multiplied") as info:
+            recompile.vmap(f)(torch.randn(4, 3, 4))
+    assert "internal error" not in str(info.value)

@@ -47,12 +47,15 @@ MAX_TRACES = 3  # traces a segment makes, each a raw function for the kinds of t
 # a node's batched loss may reach the same segment)
 MAX_MISSES = 8  # calls no raw function served, once MAX_TRACES were traced, after which it stops trying
 
-# ops a trace may run through their batch rule, inside the raw function: they change nothing, so a segment
-# cut short by a failed guard may run them again
-_GENERIC_OK = (sem.PURE | batch_rules.LAZY_OPS | {sem.read_global, sem.read_cell}
+# ops a trace may run through their batch rule, inside the raw function: they change nothing and draw nothing,
+# so a run cut short by a failed guard may run them again (not builtins such as max or tuple, which would
+# consume an iterator twice)
+_OPERATORS = {f for f in sem.PURE if getattr(f, "__module__", None) in ("_operator", "operator")}
+_GENERIC_OK = (_OPERATORS | batch_rules.LAZY_OPS
+               | {getattr, sem.build_tuple, sem.build_list, sem.unpack, sem.check_bound, sem.read_global,
+                  sem.read_cell}
                | set(batch_rules.RULES) - batch_rules._IN_PLACE - {F.dropout})
 _GENERIC_OK_MODULES = tuple(set(batch_rules.MODULE_RULES) - {nn.Dropout})
-_INTEGER = (torch.long, torch.int, torch.int16, torch.int8, torch.uint8)
 _NUMBERS = (int, float, bool)
 
 
@@ -77,48 +80,71 @@ class Segment:
         self.traced = 0
         self.misses = 0  # calls no raw function served once MAX_TRACES traces were made
         self.hits = 0  # calls a raw function served
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (a trace may read a deferred value whose call reaches it again)
 
     def __repr__(self):
         return f"<segment {self.name}>"
 
     def __call__(self, n, *args):
         if n > 1 and not self.off:
-            for raw in self.raws:
-                try:
-                    out = raw(n, *args)
-                except Exception as exc:  # a guard, or an error the op-by-op run raises again from the user's line
-                    if getattr(exc, "_recompile_chain", None) is not None:
-                        raise  # (a deferred call it read failed: that call ran, and its error names its chain)
-                    continue
-                self.hits += 1
-                return out
-            self._missed(n, args)
+            # ops a raw function runs by their batch rule count their per-instance runs; a raw run cut short
+            # is run again op by op, so its counts go in only if it finishes
+            counters = batch_rules.counters
+            saved = counters.per_instance
+            try:
+                for raw in self.raws:
+                    counters.per_instance = {}
+                    try:
+                        out = raw(n, *args)
+                    except Exception as exc:  # a guard, or an error the op-by-op run raises from the user's line
+                        if getattr(exc, "_recompile_chain", None) is not None:
+                            raise  # (a deferred call it read failed: that call ran, and its error names its chain)
+                        continue
+                    self.hits += 1
+                    _add_counts(saved, counters.per_instance)
+                    return out
+                counters.per_instance = {}
+                traced = self._missed(n, args)
+                if traced is not None:  # (the trace ran the call: its result is this call's)
+                    _add_counts(saved, counters.per_instance)
+                    return traced[0]
+            finally:
+                counters.per_instance = saved
         return self.generic(n, *args)
 
     def _missed(self, n, args):
-        """No raw function applies: trace one for these kinds, or after too many misses give up."""
+        """No raw function applies: trace one for these kinds (its result in a 1-tuple), or after too many
+        misses give up (None: the op-by-op code runs the call)."""
         with self._lock:
             if self.traced < MAX_TRACES:
                 self.traced += 1
-                self._trace(n, args)
-                return
+                return self._trace(n, args)
             self.misses += 1
             if self.misses >= MAX_MISSES:
                 self.raws, self.off = [], True
+        return None
 
     def _trace(self, n, args):
+        tracer = _Tracer(self, n, args)
         try:
-            source, namespace = _Tracer(self, n, args).run()
-        except _Untraceable:
+            source, namespace = tracer.run()
+        except _Untraceable:  # (raised before the op without a form ran: what ran before it changes nothing)
             self.off = True
-            return
-        except Exception:  # the op-by-op run raises it again, from the user's line
-            return
+            return None
+        except Exception as exc:  # the op-by-op run raises it again, from the user's line
+            if getattr(exc, "_recompile_chain", None) is not None:
+                raise
+            return None
         code = compile(source, f"<recompile segment {self.name}>", "exec")
         exec(code, namespace)
         self.sources.append(source)
         self.raws = self.raws + [namespace["raw"]]  # (a new list: another thread may be iterating the old)
+        return (tracer.result,)
+
+
+def _add_counts(into, counts):
+    for name, k in counts.items():
+        into[name] = into.get(name, 0) + k
 
 
 class _Untraceable(Exception):
@@ -226,8 +252,10 @@ class _Tracer:
                 self.emit(f"if type({name}) is _Batch: raise _Deopt")
         for op in seg.ops:
             self.op(op)
+        values = [self.wrapped_value(self.env[v]) for v in seg.outputs]
+        self.result = values[0] if len(values) == 1 else tuple(values)
         outs = [self.as_batch(self.env[v]) for v in seg.outputs]
-        ret = outs[0] if len(outs) == 1 else "(" + ", ".join(outs) + ("," if len(outs) == 1 else "") + ")"
+        ret = outs[0] if len(outs) == 1 else "(" + ", ".join(outs) + ")"
         if not outs:
             ret = "None"
         body = "\n".join("    " + line for line in self.lines + [f"return {ret}"])
@@ -299,6 +327,8 @@ class _Tracer:
 
     def raw_call(self, op, fn, fn_slot, args, kwargs):
         """The slot of ``fn(*args, **kwargs)``: a raw form where one applies, else the batch rule's call."""
+        if "inplace" in kwargs or getattr(fn, "inplace", False) is True:
+            raise _Untraceable  # (it changes its argument: a run cut short could not be run again)
         if all(s.kind == "S" for s in args) and _shareable(fn):
             return self.shared_call(fn, fn_slot, args, kwargs)
         form = _form_of(fn)
@@ -334,13 +364,13 @@ class _Tracer:
         fn_name = fn_slot.name if fn_slot is not None else self.const(fn)
         arg_text = "".join(self.as_batch(s) + ", " for s in args)
         values = tuple(self.wrapped_value(s) for s in args)
-        kw = {k: s.value for k, s in kwargs.items()}
+        kw = {k: self.wrapped_value(s) for k, s in kwargs.items()}
         if fn is operator.getitem and not kwargs and len(args) == 2:
             value = batch_rules.item(self.n, *values)
             text = f"_item(_n, {arg_text})"
         elif kwargs:
             value = batch_rules.call(self.n, fn, values, kw)
-            kw_text = ", ".join(f"{k!r}: {s.name}" for k, s in kwargs.items())
+            kw_text = ", ".join(f"{k!r}: {self.as_batch(s)}" for k, s in kwargs.items())
             text = f"_call(_n, {fn_name}, ({arg_text}), {{{kw_text}}})"
         else:
             value = batch_rules.call(self.n, fn, values)
@@ -458,7 +488,7 @@ def _getitem_form(tr, fn, fn_slot, args, kwargs):
     if x.kind != "S" or type(x.value) is not torch.Tensor:
         return None
     i = tr.as_b(i)
-    if i is None or i.value.dtype not in _INTEGER or i.value.dim() != 1:
+    if i is None or i.value.dtype not in batch_rules.INTEGER_INDEX or i.value.dim() != 1:
         return None
     tr.guard_callable(fn, fn_slot)
     tr.guard_shared(x)
@@ -536,7 +566,7 @@ def _module_form(tr, fn, fn_slot, args, kwargs):
             return None
         helper, value = "_linear", F.linear(x.value, fn.weight, fn.bias)
     else:
-        if x.value.dtype not in _INTEGER:
+        if x.value.dtype not in batch_rules.INTEGER_INDEX:
             return None
         helper, value = "_module", fn(x.value)
     tr.guard_callable(fn, fn_slot)
@@ -547,12 +577,12 @@ def _module_form(tr, fn, fn_slot, args, kwargs):
 
 
 def _dim_arg(args, kwargs, position, default):
-    """(the dim slot, whether it came by keyword) of a dim-taking op, or (None, _) if it has none."""
+    """The dim slot of a dim-taking op: by keyword, at ``position``, or ``default``."""
     if "dim" in kwargs:
-        return kwargs["dim"], True
+        return kwargs["dim"]
     if len(args) > position:
-        return args[position], False
-    return default, False
+        return args[position]
+    return default
 
 
 def _split_form(tr, fn, fn_slot, args, kwargs):
@@ -562,7 +592,7 @@ def _split_form(tr, fn, fn_slot, args, kwargs):
     x = tr.as_b(args[0])
     if x is None or len(args) < 2 or type(args[1].value) is not int:
         return None
-    dim, _ = _dim_arg(args, kwargs, 2, _Slot("S", "0", 0, fixed=True))
+    dim = _dim_arg(args, kwargs, 2, _Slot("S", "0", 0, fixed=True))
     if type(dim.value) is not int:
         return None
     rank = x.value.dim() - 1
@@ -573,11 +603,12 @@ def _split_form(tr, fn, fn_slot, args, kwargs):
     tr.guard_callable(fn, fn_slot)
     for s in (args[1], dim):
         if not s.fixed:
-            tr.emit(f"if {s.name} != {s.value!r}: raise _Deopt")
+            tr.emit(f"if type({s.name}) is not int or {s.name} != {s.value!r}: raise _Deopt")
     fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
     value = fn(x.value, args[1].value, shifted)
     name = tr.fresh()
     tr.emit(f"{name} = {fn_name}({x.name}, {args[1].value!r}, {shifted})")
+    tr.emit(f"if len({name}) != {len(value)}: raise _Deopt")  # (how many pieces depends on the size)
     items = []
     for j, part in enumerate(value):
         items.append(_Slot("B", f"{name}[{j}]", part))
@@ -593,7 +624,7 @@ def _join_form(tr, fn, fn_slot, args, kwargs):
         return None
     ranks = {p.value.dim() - 1 for p in parts}
     dtypes = {p.value.dtype for p in parts}
-    dim, _ = _dim_arg(args, kwargs, 1, _Slot("S", "0", 0, fixed=True))
+    dim = _dim_arg(args, kwargs, 1, _Slot("S", "0", 0, fixed=True))
     if len(ranks) != 1 or len(dtypes) != 1 or dim.kind != "S" or type(dim.value) is not int:
         return None
     rank = ranks.pop() + (1 if fn is torch.stack else 0)
@@ -603,7 +634,7 @@ def _join_form(tr, fn, fn_slot, args, kwargs):
     shifted = d + 1 if d >= 0 else d
     tr.guard_callable(fn, fn_slot)
     if not dim.fixed:
-        tr.emit(f"if {dim.name} != {d!r}: raise _Deopt")
+        tr.emit(f"if type({dim.name}) is not int or {dim.name} != {d!r}: raise _Deopt")
     fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
     value = fn([p.value for p in parts], dim=shifted)
     name = tr.fresh()

@@ -423,6 +423,9 @@ def over_last_dims(n, fn, args, kwargs):
     return bt.from_tensor(fn(x, *args[1:], **kwargs))
 
 
+INTEGER_INDEX = (torch.long, torch.int, torch.int16, torch.int8, torch.uint8)
+
+
 def gather(n, fn, args, kwargs):
     """``x[i]`` with a batched i (a gather), or a batched x with a shared index."""
     x, index = args
@@ -433,7 +436,7 @@ def gather(n, fn, args, kwargs):
             if not all(type(k) is int for k in items):
                 return NotImplemented
             i = torch.tensor(items, device=x.device)
-        elif i.dtype not in (torch.long, torch.int, torch.int16, torch.int8, torch.uint8) or i.dim() != 1:
+        elif i.dtype not in INTEGER_INDEX or i.dim() != 1:
             return NotImplemented  # a mask or an index per instance that is itself a tensor of indices
         return bt.from_tensor(_rows(x, i))
     if type(x) is Batch and type(index) is not Batch:
