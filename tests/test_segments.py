@@ -18,6 +18,7 @@ from torch import nn
 
 import recompile
 from bound_globals import bound_globals
+from test_batching import lstm_encode  # the Tree-LSTM node of the batching tests
 from recompile.codegen import segments
 from recompile.data import Forest, Tree, Vocab
 
@@ -40,21 +41,6 @@ class Params(nn.Module):
         self.leaf = nn.Linear(embed, 3 * hidden)
         self.node = nn.Linear(2 * hidden, 5 * hidden)
         self.out = nn.Linear(hidden, 5)
-
-
-def lstm_encode(self, tree, i):
-    if tree.is_leaf[i]:
-        ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3, dim=-1)
-        c = torch.sigmoid(ig) * torch.tanh(u)
-        loss = 0.0
-    else:
-        hl, cl, loss_l = self.encode(tree, tree.left[i])
-        hr, cr, loss_r = self.encode(tree, tree.right[i])
-        ig, og, u, fl, fr = torch.chunk(self.node(torch.cat([hl, hr], dim=-1)), 5, dim=-1)
-        c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cl + torch.sigmoid(fr) * cr
-        loss = loss_l + loss_r
-    h = torch.sigmoid(og) * torch.tanh(c)
-    return h, c, loss + F.cross_entropy(self.out(h), tree.labels[i])
 
 
 def model_class(raw):
