@@ -24,7 +24,7 @@ class _BatchedEmitter(emit._FunctionEmitter):
     def __init__(self, module, gen, batch_plan):
         super().__init__(module, gen)
         self.batch_plan = batch_plan
-        self.kernels = {}  # Fused op -> its kernel, for the segment being emitted
+        self.kernels = {}  # Fused op -> its kernel (a segment's trace runs the very kernel its code calls)
         self.extra_defs = []  # the segments' op-by-op functions
         self.segments = {}  # function name -> Segment
         self.n = "_n"
@@ -102,10 +102,10 @@ class _BatchedEmitter(emit._FunctionEmitter):
                     inputs.append(x)
             defined.update(op.outputs)
         outputs = [v for op in ops for v in op.outputs if v in used_after]
-        self.kernels = {}
         stmts = super().body(sg, ops)
         name = f"{self.gen.fn_name[sg]}_seg{len(self.extra_defs) + 1}"
-        seg = segments.Segment(name, ops, inputs, outputs, self.kernels)
+        kernels = {op: self.kernels[op] for op in ops if isinstance(op, ir.Fused)}
+        seg = segments.Segment(name, ops, inputs, outputs, kernels)
         self.segments[name] = seg
         loads = [self.load(v) for v in outputs]
         ret = ast.Return(value=loads[0] if len(loads) == 1 else ast.Tuple(elts=loads, ctx=ast.Load()))

@@ -392,8 +392,7 @@ class _Tracer:
 
     def unpack(self, op, slot):
         k = len(op.outputs)
-        if slot.kind == "T" and len(slot.items) == k:
-            self.emit(f"if len({slot.name}) != {k}: raise _Deopt")
+        if slot.kind == "T" and len(slot.items) == k:  # (its length is the program's, or a split's, guarded)
             for v, s in zip(op.outputs, slot.items):
                 self.define(v, s)
             return
