@@ -21,6 +21,7 @@ from bound_globals import bound_globals
 from test_batching import lstm_encode  # the Tree-LSTM node of the batching tests
 from recompile.codegen import segments
 from recompile.data import Forest, Tree, Vocab
+from recompile.runtime import levels
 
 G = globals()
 WORDS = [f"w{k}" for k in range(10)]
@@ -49,12 +50,17 @@ def model_class(raw):
 
 
 @contextlib.contextmanager
-def segments_enabled(on):
-    saved, segments.ENABLED = segments.ENABLED, on
+def switched(module, on):
+    """``module.ENABLED`` set to ``on`` for the block (segments, level programs)."""
+    saved, module.ENABLED = module.ENABLED, on
     try:
         yield
     finally:
-        segments.ENABLED = saved
+        module.ENABLED = saved
+
+
+def segments_enabled(on):
+    return switched(segments, on)
 
 
 def built(cf, owner=None):
@@ -101,12 +107,14 @@ def test_a_tree_lstm_runs_its_segments_raw_and_matches_the_op_by_op_run_and_eage
     raw, plain = Raw().double(), Plain().double()
     plain.load_state_dict(raw.state_dict())
     forest = Forest.from_trees(trees())
-    for _ in range(3):  # the first call traces; the others run the raw functions
-        got = run_forest(raw, forest)
-        assert_same(got, run_forest(plain, forest))
-        assert_same(got, eager_forest(raw, trees()))
-    assert code.segments and all(not s.off for s in code.segments), [(s.name, s.off) for s in code.segments]
-    assert all(s.hits > 0 for s in code.segments), [(s.name, s.hits) for s in code.segments]
+    units = [s for s in code.segments if s not in code.unit.levels.segments]  # (the agenda's; levels has its own)
+    with switched(levels, False):  # (the level program's pieces: tests/test_levels.py)
+        for _ in range(3):  # the first call traces; the others run the raw functions
+            got = run_forest(raw, forest)
+            assert_same(got, run_forest(plain, forest))
+            assert_same(got, eager_forest(raw, trees()))
+    assert units and all(not s.off for s in units), [(s.name, s.off) for s in units]
+    assert all(s.hits > 0 for s in units), [(s.name, s.hits) for s in units]
 
 
 class Shifted(nn.Linear):

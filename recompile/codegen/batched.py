@@ -16,8 +16,9 @@ import operator
 from .. import ir
 from ..passes.batching import BatchPlan
 from ..passes.effects import subgraph_may_mutate
-from ..runtime import batch_rules, control, semantics as sem
-from . import emit, segments
+from ..runtime import batch_rules, control, levels as rt_levels, semantics as sem
+from . import emit, levels, segments
+from .plan import plan
 
 
 class _BatchedEmitter(emit._FunctionEmitter):
@@ -27,6 +28,7 @@ class _BatchedEmitter(emit._FunctionEmitter):
         self.kernels = {}  # Fused op -> its kernel (a segment's trace runs the very kernel its code calls)
         self.extra_defs = []  # the segments' op-by-op functions
         self.segments = {}  # function name -> Segment
+        self.live_out = None  # a level piece's outputs (codegen.levels): what its last segment must hand on
         self.n = "_n"
         self.used.add(self.n)
 
@@ -75,7 +77,8 @@ class _BatchedEmitter(emit._FunctionEmitter):
         if self.gen.changes or not segments.ENABLED:
             return super().body(sg, items)
         used_after = [set() for _ in range(len(items) + 1)]
-        used_after[-1] = {v for v in sg.outputs if isinstance(v, ir.Value)}
+        used_after[-1] = self.live_out if self.live_out is not None else \
+            {v for v in sg.outputs if isinstance(v, ir.Value)}
         for k in range(len(items) - 1, -1, -1):
             ops = items[k] if isinstance(items[k], list) else [items[k]]
             used_after[k] = used_after[k + 1] | {x for op in ops for x in op.operands() if isinstance(x, ir.Value)}
@@ -231,6 +234,31 @@ class _BatchedEmitter(emit._FunctionEmitter):
         return fdef
 
 
+class _LevelEmitter(_BatchedEmitter):
+    """Emits the pieces of a level program (``codegen.levels``): plain functions, where a Cond runs its
+    branches inline and a deferrable call is answered at once by ``runtime.levels.defer``."""
+
+    def plan_items(self, ops):
+        return plan(ops, self.gen.may_mutate)
+
+    def piece(self, name, sg, ops, inputs, outputs):
+        while name in self.gen.fn_names or name in self.segments:
+            name += "_"
+        fdef = levels.piece_function(self, name, sg, ops, inputs, outputs)
+        self.extra_defs.append(fdef)
+        return name
+
+    def invoke_group(self, group):
+        requests = ast.Tuple(elts=[ast.Tuple(elts=self.request(op), ctx=ast.Load()) for op in group],
+                             ctx=ast.Load())
+        targets = [ast.Tuple(elts=[ast.Name(id=self.var(op.output), ctx=ast.Store()) for op in group],
+                             ctx=ast.Store())]
+        stmt = ast.Assign(targets=targets, value=ast.Call(func=self.helper(rt_levels.defer, "defer"),
+                                                          args=[requests], keywords=[]))
+        stmt._rc_loc = group[0].loc
+        return stmt
+
+
 def _segmentable(item):
     """An op a segment may hold: a call (not a raise, not one unpacking ``*args``), a capture, a fused op."""
     if isinstance(item, (ir.Capture, ir.Fused)):
@@ -262,6 +290,11 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     gen.changes = subgraph_may_mutate(sg, may_mutate)
     module = emit._Module()
     emitters = [_BatchedEmitter(module, gen, batch_plan) for _ in gen.sgs]
+    shape = levels.shape_of(sg, batch_plan, gen.changes)
+    build_levels = None
+    if shape is not None:
+        level_emitter, build_levels = levels.emit_pieces(_LevelEmitter, module, gen, batch_plan, shape)
+        emitters.append(level_emitter)  # (compile_functions emits one function per SubGraph, then every extra)
     code = emit.compile_functions(sg, gen, emitters, module)
     code.segments = []
     for emitter in emitters:
@@ -273,5 +306,7 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
         unit.code = code
     code.unit = batch_plan.units[sg]
     code.batch_plan = batch_plan
+    if build_levels is not None:
+        code.unit.levels = build_levels(module.namespace, code)
     return code
 

@@ -51,6 +51,7 @@ class Unit:
         self.is_generator = False
         self.successors = ()  # Units and Callee handles (resolved to their entry unit when needed)
         self.reach = None  # every unit it may lead to (runtime.agenda)
+        self.levels = None  # a function entry's level program, where it has one (codegen.levels)
 
     def __repr__(self):
         return f"<unit {self.name}>"

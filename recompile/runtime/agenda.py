@@ -42,7 +42,7 @@ from functools import partial
 import torch
 
 from . import batch as bt
-from . import batch_rules, streams
+from . import batch_rules, levels as levels_rt, streams
 from .scheduler import MAX_DEPTH, _annotate, _unwrap_stop_iteration
 from .thread_state import ThreadState
 
@@ -173,7 +173,18 @@ def run(target, args, n=1, pool=None):
         run.defer = pool is None and not mutates
         run.split_results = not mutates
         run.copy_back = mutates
-        result = run.go(_unit_of(target), args, n)
+        unit = _unit_of(target)
+        levels = getattr(unit, "levels", None)
+        if run.defer and levels is not None and levels_rt.ENABLED and levels.applies():
+            try:
+                result = levels.run(run, args, n)
+                return result, stats
+            except Exception:  # (run again by the agenda, which raises it with its chain of calls)
+                stats = RunStats()
+                counters.per_instance = {}
+                run = _Run(stats)
+                run.defer, run.split_results = True, True
+        result = run.go(unit, args, n)
     finally:
         stats.per_instance, counters.per_instance = counters.per_instance, saved
         stats.total_s = time.perf_counter() - started

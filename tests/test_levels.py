@@ -1,0 +1,228 @@
+"""Level programs (codegen/levels.py, runtime/levels.py): a recursion whose call tree its arguments decide,
+run down depth by depth and back up, without the agenda.
+
+Each test compares the level run with the agenda's run of the same program
+(levels disabled at run time) and with eager PyTorch per instance, values and
+gradients, and checks that the level program ran without falling back to the
+agenda (a failed level run is run again by the agenda, which would hide it).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+
+import recompile
+from recompile.codegen import segments
+from recompile.data import Forest
+from recompile.runtime import levels
+from test_batching import BatchedTopDown, topdown_models
+from test_segments import Params, assert_same, built, eager_forest, model_class, run_forest, switched, trees
+
+
+def levels_enabled(on):
+    return switched(levels, on)
+
+
+def program(cf, owner=None):
+    return built(cf, owner).unit.levels
+
+
+def both_ways(call):
+    """call() with level programs, then with the agenda."""
+    with levels_enabled(True):
+        got = call()
+    with levels_enabled(False):
+        want = call()
+    return got, want
+
+
+def test_a_tree_lstm_runs_as_levels_and_matches_the_agenda_and_eager():
+    torch.manual_seed(0)
+    Model = model_class(True)
+    prog = program(Model.encode, Model)
+    assert prog is not None
+    model = Model().double()
+    forest = Forest.from_trees(trees())
+    for _ in range(2):  # (the first call traces the pieces' segments, the second runs them raw)
+        got, want = both_ways(lambda: run_forest(model, forest))
+        assert_same(got, want)
+        assert_same(got, eager_forest(model, trees()))
+    assert prog.runs == 2 and prog.fallbacks == 0
+    pieces = prog.segments
+    assert pieces and all(s.hits > 0 for s in pieces), [(s.name, s.hits) for s in pieces]
+
+
+def test_the_schedule_is_the_agendas():
+    """The same executions per program point: each depth once, each leaf branch once, the loss once."""
+    Model = model_class(True)
+    model = Model().double()
+    forest = Forest.from_trees(trees())
+    stats = []
+    for on in (True, False):
+        Model.encode.stats.reset()
+        with levels_enabled(on):
+            run_forest(model, forest)
+        stats.append({k: Model.encode.stats[k] for k in ("batches", "frames", "max_depth")})
+    assert stats[0] == stats[1]
+    then = [name for name in stats[0]["batches"] if name.endswith(".then")]
+    assert len(then) == 1 and stats[0]["batches"][then[0]]["runs"] == 1
+
+
+def test_a_top_down_model_whose_tree_its_computed_states_decide():
+    """The predicate and the calls' arguments are computed (gates, states), yet come before any result."""
+    eager, batched, _, starts = topdown_models()
+    prog = program(BatchedTopDown.expand, BatchedTopDown)
+    assert prog is not None
+
+    def run():
+        batched.zero_grad()
+        out = recompile.vmap(batched.expand, in_dims=(0, None))(starts, 0)
+        out.sum().backward()
+        return out.detach(), {k: p.grad.clone() for k, p in batched.named_parameters()}
+
+    got, want = both_ways(run)
+    eager.zero_grad()
+    outs = torch.stack([eager.expand(h, 0) for h in starts])
+    outs.sum().backward()
+    assert_same(got, want)
+    assert_same(got, (outs.detach(), {k: p.grad.clone() for k, p in eager.named_parameters()}))
+    assert prog.fallbacks == 0 and prog.runs >= 1
+
+
+def walk(xs, i):
+    """Linear recursion over a sequence: the call tree is a chain as long as the sequence's rest."""
+    if i + 1 >= xs.shape[0]:
+        return torch.tanh(xs[i])
+    return torch.tanh(xs[i] + 0.5 * walk(xs, i + 1))
+
+
+def test_linear_recursion_over_a_sequence():
+    compiled = recompile.function(walk)
+    xs = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    starts = torch.tensor([0, 3, 6, 5])
+
+    def run():
+        xs.grad = None
+        out = recompile.vmap(compiled, in_dims=(None, 0))(xs, starts)
+        out.sum().backward()
+        return (out.detach(),), {"xs": xs.grad.clone()}
+
+    got, want = both_ways(run)
+    assert_same(got, want)
+    xs.grad = None
+    eager = torch.stack([walk(xs, int(i)) for i in starts])
+    eager.sum().backward()
+    assert_same(got, ((eager.detach(),), {"xs": xs.grad.clone()}))
+    prog = program(compiled)
+    assert prog.runs >= 1 and prog.fallbacks == 0
+
+
+def early_return(xs, i):
+    """After the early return, the rest is the else branch: a call, then a cond of its own inline."""
+    if i <= 0:
+        return xs[0]
+    a = early_return(xs, i - 1)
+    if i > 2:
+        return a * 2
+    return a + xs[i]
+
+
+def test_a_branch_with_a_cond_of_its_own_after_the_call():
+    compiled = recompile.function(early_return)
+    xs = torch.randn(5, 3, dtype=torch.float64)
+    starts = torch.tensor([0, 2, 4, 3])
+    got, want = both_ways(lambda: recompile.vmap(compiled, in_dims=(None, 0))(xs, starts))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, torch.stack([early_return(xs, int(i)) for i in starts]))
+    prog = program(compiled)
+    assert prog.runs == 1 and prog.fallbacks == 0
+
+
+def chained(xs, i):
+    """The second call's argument is the first call's result: the tree is not known on the way down."""
+    if i <= 0:
+        return xs[0]
+    a = chained(xs, i - 1)
+    return chained(xs, (a.sum() > 100).long() * 0) + xs[i] * a
+
+
+def mutating(xs, i):
+    if i <= 0:
+        return xs[0].clone()
+    y = mutating(xs, i - 1)
+    y.mul_(0.5)
+    return y + xs[i]
+
+
+def two_conds(xs, i):
+    if i <= 0:
+        a = xs[0]
+    else:
+        a = two_conds(xs, i - 1)
+    if i <= 1:
+        return a
+    return a + two_conds(xs, i - 2)
+
+
+@pytest.mark.parametrize("fn", [chained, mutating, two_conds])
+def test_what_does_not_qualify_runs_on_the_agenda(fn):
+    compiled = recompile.function(fn)
+    assert program(compiled) is None
+    xs = torch.randn(5, 3, dtype=torch.float64)
+    got = recompile.vmap(compiled, in_dims=(None, 0))(xs, torch.tensor([0, 2, 4]))
+    want = torch.stack([fn(xs, i) for i in (0, 2, 4)])
+    torch.testing.assert_close(got, want)
+
+
+def test_an_error_is_raised_by_the_agenda_with_its_chain_of_calls():
+    def deep(xs, i):
+        if i <= 0:
+            return xs[i + 100]  # out of range: at the bottom of every chain
+        return deep(xs, i - 1) + xs[i]
+
+    compiled = recompile.function(deep)
+    xs = torch.randn(5, 3)
+    errors = []
+    for on in (True, False):
+        with levels_enabled(on), pytest.raises(IndexError) as info:
+            recompile.vmap(compiled, in_dims=(None, 0))(xs, torch.tensor([2, 3]))
+        errors.append((str(info.value), getattr(info.value, "__notes__", None),
+                       traceback.extract_tb(info.value.__traceback__)[-1].line))
+    assert errors[0] == errors[1]
+    assert "recompile call chain" in "".join(errors[0][1])
+    assert program(compiled).fallbacks == 1
+
+
+def test_an_overriding_subclass_sends_its_calls_to_the_agenda():
+    """``self.encode`` in a subclass with its own ``encode`` is not this function: the level program steps
+    aside, and the calls reach the override."""
+    Model = model_class(True)
+    prog = program(Model.encode, Model)
+
+    class Sub(Model):
+        def encode(self, tree, i):
+            h, c, loss = Model.encode(self, tree, i)
+            return h * 0.5, c, loss
+
+    model = Sub().double()
+    tree = trees()[2]
+    runs = prog.runs
+    h, _, _ = Model.encode(model, tree, tree.root)
+    assert prog.runs == runs
+    eager = type("E", (Params,), {"encode": Model.encode.python})().double()
+    eager.load_state_dict(model.state_dict())
+    assert not torch.allclose(h, eager.encode(tree, tree.root)[0])
+
+
+def test_segments_disabled_level_pieces_still_match():
+    with switched(segments, False):
+        Model = model_class(False)
+        prog = program(Model.encode, Model)
+    model = Model().double()
+    forest = Forest.from_trees(trees())
+    got, want = both_ways(lambda: run_forest(model, forest))
+    assert_same(got, want)
+    assert prog.runs == 1 and prog.fallbacks == 0
