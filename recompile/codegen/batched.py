@@ -307,6 +307,6 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     code.unit = batch_plan.units[sg]
     code.batch_plan = batch_plan
     if build_levels is not None:
-        code.unit.levels = build_levels(module.namespace, code)
+        code.unit.levels = build_levels(module.namespace)
     return code
 

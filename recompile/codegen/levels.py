@@ -127,15 +127,15 @@ def emit_pieces(emitter_class, module, gen, batch_plan, shape):
         args = [a for inv in br.invokes for a in inv.args]
         down = em.piece(f"{base}_lv_down{k}", br.sg, br.down, list(br.sg.inputs), args + up_live)
         up = em.piece(f"{base}_lv_up{k}", br.sg, br.up, up_live + invoke_outs, list(br.sg.outputs))
-        branch_info.append((down, up, [len(inv.args) for inv in br.invokes], [inv.loc for inv in br.invokes]))
+        branch_info.append((down, up, [len(inv.args) for inv in br.invokes]))
 
-    def build(namespace, code):
+    def build(namespace):
         units = [batch_plan.units[b] for b in cond.subgraphs()]
         branches = [None if info is None else rt_levels.Descent(namespace[info[0]], namespace[info[1]], info[2],
-                                                                  info[3], [inv.target for inv in br.invokes])
+                                                                  [inv.target for inv in br.invokes])
                     for info, br in zip(branch_info, shape.branches)]
         prog = rt_levels.LevelProgram(batch_plan.units[sg], namespace[names["pre"]], namespace[names["post"]],
-                                      units, branches, cond.loc, len(cond.args), len(cond.outputs))
+                                      units, branches, len(cond.args), len(cond.outputs))
         prog.segments = list(em.segments.values())  # (the pieces' raw segments: tests, inspection)
         return prog
 

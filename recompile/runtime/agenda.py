@@ -17,6 +17,10 @@ what hand-batching by depth or height does, derived from the program.
 Frames keep the requests that created them (their parents), so an error names
 the chain of calls that led to it, as in sequential mode.
 
+A function with a level program (``codegen.levels``: its call tree known from
+its arguments) runs this same schedule by ``runtime.levels`` instead, without
+frames; an error there has the call run again here, for its chain of calls.
+
 A request the frame does not need before it returns (``deferrable``, from
 ``passes.batching``: the per-node loss of a tree model) is answered at once
 with a lazy value, and the frame goes on. Its group runs when that value is

@@ -34,10 +34,10 @@ _active = threading.local()  # .run: the LevelRun whose ``post`` is running (for
 class Descent:
     """An invoking branch's pieces: ``down`` and ``up``, and per invoke its argument count and target."""
 
-    __slots__ = ("down", "up", "arities", "sites", "targets")
+    __slots__ = ("down", "up", "arities", "targets")
 
-    def __init__(self, down, up, arities, sites, targets):
-        self.down, self.up, self.arities, self.sites, self.targets = down, up, arities, sites, targets
+    def __init__(self, down, up, arities, targets):
+        self.down, self.up, self.arities, self.targets = down, up, arities, targets
 
 
 class TooDeep(Exception):
@@ -45,12 +45,11 @@ class TooDeep(Exception):
 
 
 class LevelProgram:
-    def __init__(self, unit, pre, post, units, branches, site, nargs, k):
+    def __init__(self, unit, pre, post, units, branches, nargs, k):
         self.unit, self.pre, self.post = unit, pre, post
         self.nargs = nargs  # the cond's arguments, after its predicate in what ``pre`` returns
         self.units = units  # the cond's branch units (then, else)
         self.branches = branches  # per branch: Descent, or None for a leaf branch
-        self.site = site
         self.k = k  # the cond's outputs
         self.runs = 0  # calls run as levels, and calls whose level run failed and went to the agenda
         self.fallbacks = 0
