@@ -16,6 +16,7 @@ import operator
 from .. import ir
 from ..passes.batching import BatchPlan
 from ..passes.effects import subgraph_may_mutate
+from ..passes.levels import level_shape
 from ..runtime import batch_rules, control, levels as rt_levels, semantics as sem
 from . import emit, levels, segments
 from .plan import plan
@@ -110,18 +111,23 @@ class _BatchedEmitter(emit._FunctionEmitter):
         kernels = {op: self.kernels[op] for op in ops if isinstance(op, ir.Fused)}
         seg = segments.Segment(name, ops, inputs, outputs, kernels)
         self.segments[name] = seg
+        self.extra_def(name, inputs, stmts, outputs, ops[0].loc, ops[-1].loc, as_tuple=False)
+        call = ast.Call(func=self.helper(seg, "seg"), args=[self.n_load()] + [self.load(v) for v in inputs],
+                        keywords=[])
+        return self.assign(outputs, call, ops[0].loc, unpack=len(outputs) > 1)
+
+    def extra_def(self, name, inputs, stmts, outputs, loc, last_loc, as_tuple):
+        """``def name(_n, *inputs): stmts; return outputs`` into ``extra_defs`` (one output bare unless
+        ``as_tuple``)."""
         loads = [self.load(v) for v in outputs]
-        ret = ast.Return(value=loads[0] if len(loads) == 1 else ast.Tuple(elts=loads, ctx=ast.Load()))
-        ret._rc_loc = ops[-1].loc
+        ret = ast.Return(value=loads[0] if len(loads) == 1 and not as_tuple else ast.Tuple(elts=loads, ctx=ast.Load()))
+        ret._rc_loc = last_loc
         params = [ast.arg(arg=self.n)] + [ast.arg(arg=self.var(v)) for v in inputs]
         fdef = ast.FunctionDef(name=name, args=ast.arguments(posonlyargs=[], args=params, vararg=None, kwonlyargs=[],
                                                              kw_defaults=[], kwarg=None, defaults=[]),
                                body=stmts + [ret], decorator_list=[], returns=None, type_comment=None)
-        fdef._rc_loc = ops[0].loc
+        fdef._rc_loc = loc
         self.extra_defs.append(fdef)
-        call = ast.Call(func=self.helper(seg, "seg"), args=[self.n_load()] + [self.load(v) for v in inputs],
-                        keywords=[])
-        return self.assign(outputs, call, ops[0].loc, unpack=len(outputs) > 1)
 
     def fused_members(self, op):
         code = generate_batched(op.body)  # (batch_rules.fused: when one call would not mean the same)
@@ -238,14 +244,17 @@ class _LevelEmitter(_BatchedEmitter):
     """Emits the pieces of a level program (``codegen.levels``): plain functions, where a Cond runs its
     branches inline and a deferrable call is answered at once by ``runtime.levels.defer``."""
 
-    def plan_items(self, ops):
-        return plan(ops, self.gen.may_mutate)
-
     def piece(self, name, sg, ops, inputs, outputs):
         while name in self.gen.fn_names or name in self.segments:
             name += "_"
-        fdef = levels.piece_function(self, name, sg, ops, inputs, outputs)
-        self.extra_defs.append(fdef)
+        self.current = None  # (no Cond of a piece yields its branches: they run inline)
+        self.live_out = {v for v in outputs if isinstance(v, ir.Value)}
+        try:
+            stmts = self.body(sg, plan(ops, self.gen.may_mutate))
+        finally:
+            self.live_out = None
+        loc = ops[0].loc if ops else sg.loc
+        self.extra_def(name, inputs, stmts, outputs, loc, ops[-1].loc if ops else sg.loc, as_tuple=True)
         return name
 
     def invoke_group(self, group):
@@ -290,7 +299,7 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     gen.changes = subgraph_may_mutate(sg, may_mutate)
     module = emit._Module()
     emitters = [_BatchedEmitter(module, gen, batch_plan) for _ in gen.sgs]
-    shape = levels.shape_of(sg, batch_plan, gen.changes)
+    shape = level_shape(sg, batch_plan, gen.changes)
     build_levels = None
     if shape is not None:
         level_emitter, build_levels = levels.emit_pieces(_LevelEmitter, module, gen, batch_plan, shape)

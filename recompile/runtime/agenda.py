@@ -170,24 +170,17 @@ def run(target, args, n=1, pool=None):
     counters = batch_rules.counters
     saved, counters.per_instance = counters.per_instance, {}
     try:
-        run = _Run(stats, pool, streams.device_of(args) if pool is not None else None)
-        # a deferred call reads its arguments late: only where no function of the run changes state in place
-        # (a caller, or another callee, could change them in between), and not with workers
         mutates = getattr(target, "may_mutate", True)
-        run.defer = pool is None and not mutates
-        run.split_results = not mutates
-        run.copy_back = mutates
+        run = _Run.of(stats, pool, args, mutates)
         unit = _unit_of(target)
         levels = getattr(unit, "levels", None)
         if run.defer and levels is not None and levels_rt.ENABLED and levels.applies():
             try:
-                result = levels.run(run, args, n)
-                return result, stats
+                return levels.run(run, args, n), stats
             except Exception:  # (run again by the agenda, which raises it with its chain of calls)
                 stats = RunStats()
                 counters.per_instance = {}
-                run = _Run(stats)
-                run.defer, run.split_results = True, True
+                run = _Run.of(stats, pool, args, mutates)
         result = run.go(unit, args, n)
     finally:
         stats.per_instance, counters.per_instance = counters.per_instance, saved
@@ -208,6 +201,16 @@ class _Run:
         self.copy_back = False  # whether arguments a frame changed in place are copied back (see _give_back)
         self.token = object()  # marks the errors this run has annotated
         self.stepping = False  # inside a frame's step: nested work is already timed as compute
+
+    @classmethod
+    def of(cls, stats, pool, args, mutates):
+        run = cls(stats, pool, streams.device_of(args) if pool is not None else None)
+        # a deferred call reads its arguments late: only where no function of the run changes state in place
+        # (a caller, or another callee, could change them in between), and not with workers
+        run.defer = pool is None and not mutates
+        run.split_results = not mutates
+        run.copy_back = mutates
+        return run
 
     def record(self, unit, n):
         entry = self.stats.batches.get(unit.name)
@@ -386,7 +389,7 @@ class _Run:
                 gathered = {}
                 args = tuple(_gather_once(gathered, [(r[2][j], r[3]) for r in requests]) for j in range(width))
             else:
-                args = tuple(bt.concat([(r[2][j], r[3]) for r in requests]) for j in range(width))
+                args = bt.concat_args([(r[2], r[3]) for r in requests])
             if not self.stepping:
                 self.stats.compute_s += time.perf_counter() - t
             frame0, site = requests[0][0], requests[0][4]
@@ -420,9 +423,9 @@ class _Run:
             several = frame.unit.arity > 1
             if frame.given:
                 cuts = [self.cut_given(frame, v, counts) for v in (result if several else (result,))]
+                values = list(zip(*cuts)) if several else cuts[0]
             else:
-                cuts = [bt.cut(v, counts, self.split_results) for v in (result if several else (result,))]
-            values = list(zip(*cuts)) if several else cuts[0]
+                values = bt.cut_result(result, counts, several, self.split_results)
         for (parent, slot, count), value in zip(frame.sources, values):
             if type(slot) is _Deferred:
                 slot.value, slot.done = value, True

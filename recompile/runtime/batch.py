@@ -431,6 +431,19 @@ def cut(value, counts, split=True):
     return out
 
 
+def cut_result(value, counts, several, split=True):
+    """A frame's result cut for the requests it served: ``cut`` of the value, or with ``several`` outputs
+    one tuple of their parts per request."""
+    if not several:
+        return cut(value, counts, split)
+    return list(zip(*[cut(v, counts, split) for v in value]))
+
+
+def concat_args(requests):
+    """The arguments of a frame serving ``requests`` [(args, count)]: each position's values concatenated."""
+    return tuple(concat([(a[j], c) for a, c in requests]) for j in range(len(requests[0][0])))
+
+
 def concat(parts):
     """One batch of the instances of ``parts`` [(value, count)], in order: a frame's inputs gathered from
     the requests it serves, copied into one tensor once, at entry."""

@@ -24,6 +24,7 @@ import threading
 import time
 
 from . import batch as bt
+from . import batch_rules
 from .control import Branch
 
 ENABLED = True  # (off: every call goes through the agenda; for measuring one against the other)
@@ -113,7 +114,7 @@ class LevelRun:
             if 2 * len(levels) > MAX_DEPTH:
                 raise TooDeep()
             count = sum(c for _, c in children)
-            args = tuple(bt.concat([(a[j], c) for a, c in children]) for j in range(len(children[0][0])))
+            args = bt.concat_args(children)
         stats.max_depth = max(stats.max_depth, 2 * (len(levels) - 1))  # (the deepest call's frame, as the agenda's)
         leaf_results = [self.run_group(p.units[which], requests, record) if requests else None
                         for which, requests in enumerate(leaves)]
@@ -132,7 +133,7 @@ class LevelRun:
             out = self.timed(p.post, count, (*live, *((joined,) if p.k == 1 else joined or ())))
             result = out[0] if arity == 1 else out
             if at:
-                below = iter(self.cut(result, levels[at - 1][4], arity))  # (the rows its parents asked for)
+                below = iter(bt.cut_result(result, levels[at - 1][4], arity != 1))  # (the rows its parents asked for)
         while self.pending:
             unit = next(iter(self.pending))
             self.run_deferred_group(unit)
@@ -147,21 +148,15 @@ class LevelRun:
         finally:
             self.agenda.stats.compute_s += time.perf_counter() - t
 
-    @staticmethod
-    def cut(value, counts, arity):
-        if arity == 1:
-            return bt.cut(value, counts)
-        return list(zip(*[bt.cut(v, counts) for v in value]))
-
     def run_group(self, unit, requests, record):
         """Run non-yielding ``unit`` once for ``requests`` [(args, count)]; its result cut per request."""
         counts = [c for _, c in requests]
         total = sum(counts)
-        args = tuple(bt.concat([(a[j], c) for a, c in requests]) for j in range(len(requests[0][0])))
+        args = bt.concat_args(requests)
         record(unit, total)
         self.agenda.stats.frames += 1
         result = self.timed(unit.fn, total, args)
-        return self.cut(result, counts, unit.arity) if len(requests) > 1 else [result]
+        return bt.cut_result(result, counts, unit.arity > 1) if len(requests) > 1 else [result]
 
     def defer(self, requests):
         from .agenda import _Deferred, _unit_of, run as agenda_run
@@ -187,9 +182,8 @@ class LevelRun:
             entry = mine.batches.setdefault(name, [0, 0])
             entry[0] += runs
             entry[1] += instances
+        counts = batch_rules.counters.per_instance
         for name, k in stats.per_instance.items():
-            from . import batch_rules
-            counts = batch_rules.counters.per_instance
             counts[name] = counts.get(name, 0) + k
 
     def run_deferred(self, cell):
