@@ -43,7 +43,8 @@ def test_a_tree_lstm_runs_as_levels_and_matches_the_agenda_and_eager():
     torch.manual_seed(0)
     Model = model_class(True)
     prog = program(Model.encode, Model)
-    assert prog is not None
+    # (h, c, loss) as its elements, none late: no call is deferred (the loss is computed inline)
+    assert prog is not None and prog.late is not None and prog.late.positions == []
     model = Model().double()
     forest = Forest.from_trees(trees())
     for _ in range(2):  # (the first call traces the pieces' segments, the second runs them raw)
@@ -139,6 +140,86 @@ def test_a_branch_with_a_cond_of_its_own_after_the_call():
     torch.testing.assert_close(got, torch.stack([early_return(xs, int(i)) for i in starts]))
     prog = program(compiled)
     assert prog.runs == 1 and prog.fallbacks == 0
+
+
+def score(x):
+    return (x * x).sum()
+
+
+compiled_score = recompile.function(score)
+
+
+def scored(xs, i):
+    """A pair (state, loss), the loss summing a deferred call per node: a late split, whose second half of
+    the branch reads values of the first (w, a value of ``pre``, and g, computed from a call's state)."""
+    w = xs[i].sum()
+    if i + 1 >= xs.shape[0]:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        h2, loss2 = scored(xs, i + 1)
+        g = h2.mean()
+        h = torch.tanh(xs[i] + 0.5 * h2)
+        loss = loss2 * w + g
+    return h, loss + score(h)
+
+
+def scored_late_argument(xs, i):
+    """The deferred call's argument reads the loss, which waits on the deferred calls below: no split."""
+    if i + 1 >= xs.shape[0]:
+        h = torch.tanh(xs[i])
+        loss = xs[i].sum()
+    else:
+        h2, loss = scored_late_argument(xs, i + 1)
+        h = torch.tanh(xs[i] + 0.5 * h2)
+    return h, loss + score(h * loss)
+
+
+def scored_sum(xs, i):
+    """One value returned, not a tuple: no split, the deferred calls' results wait as lazy values."""
+    if i + 1 >= xs.shape[0]:
+        s = xs[i].sum()
+    else:
+        s = 0.5 * scored_sum(xs, i + 1)
+    return s + score(xs[i])
+
+
+@pytest.mark.parametrize("fn, late", [(scored, [1]), (scored_late_argument, None), (scored_sum, None)])
+def test_deferred_calls_run_once_and_what_waits_on_them_runs_after(fn, late):
+    """With a late split the deferred calls run once, after the way up for the other elements, and the late
+    elements are computed on a second way up; without one their results are lazy. Both match."""
+    namespace = dict(fn.__globals__, score=compiled_score)
+    compiled = recompile.function(type(fn)(fn.__code__, namespace, fn.__name__))
+    namespace[fn.__name__] = compiled
+    xs = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    starts = torch.tensor([0, 3, 5, 2])
+
+    def run():
+        xs.grad = None
+        out = recompile.vmap(compiled, in_dims=(None, 0))(xs, starts)
+        outs = out if isinstance(out, tuple) else (out,)
+        sum(o.sum() for o in outs).backward()
+        return tuple(o.detach() for o in outs), {"xs": xs.grad.clone()}
+
+    got, want = both_ways(run)
+    assert_same(got, want)
+    xs.grad = None
+    eager = [fn(xs, int(i)) for i in starts]
+    outs = tuple(torch.stack(o) for o in zip(*eager)) if isinstance(eager[0], tuple) else (torch.stack(eager),)
+    sum(o.sum() for o in outs).backward()
+    assert_same(got, (tuple(o.detach() for o in outs), {"xs": xs.grad.clone()}))
+    prog = program(compiled)
+    assert prog.runs >= 1 and prog.fallbacks == 0
+    assert (prog.late.positions if prog.late is not None else None) == late
+    runs = []
+    for on in (True, False):
+        compiled.stats.reset()
+        with levels_enabled(on):
+            run()
+        runs.append(compiled.stats["batches"]["score"]["runs"])
+    # split: every depth's at once (the agenda, forcing the lazy loss in ``loss2 * w + g``, a fused op, runs
+    # them depth by depth); lazy: as the agenda runs them
+    assert runs[0] == (1 if late else runs[1]), runs
 
 
 def chained(xs, i):

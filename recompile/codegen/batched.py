@@ -244,15 +244,19 @@ class _LevelEmitter(_BatchedEmitter):
     """Emits the pieces of a level program (``codegen.levels``): plain functions, where a Cond runs its
     branches inline and a deferrable call is answered at once by ``runtime.levels.defer``."""
 
-    def piece(self, name, sg, ops, inputs, outputs):
+    def piece(self, name, sg, ops, inputs, outputs, collected=None):
+        """Emit ``ops`` as ``name(_n, *inputs) -> outputs``. A deferrable call is answered by
+        ``runtime.levels.defer``, or, with ``collected`` (Invokes), only has its request collected
+        (``runtime.levels.collect``, with its position in ``collected``)."""
         while name in self.gen.fn_names or name in self.segments:
             name += "_"
         self.current = None  # (no Cond of a piece yields its branches: they run inline)
         self.live_out = {v for v in outputs if isinstance(v, ir.Value)}
+        self.collected = collected
         try:
             stmts = self.body(sg, plan(ops, self.gen.may_mutate))
         finally:
-            self.live_out = None
+            self.live_out = self.collected = None
         loc = ops[0].loc if ops else sg.loc
         self.extra_def(name, inputs, stmts, outputs, loc, ops[-1].loc if ops else sg.loc, as_tuple=True)
         return name
@@ -260,10 +264,14 @@ class _LevelEmitter(_BatchedEmitter):
     def invoke_group(self, group):
         requests = ast.Tuple(elts=[ast.Tuple(elts=self.request(op), ctx=ast.Load()) for op in group],
                              ctx=ast.Load())
+        if self.collected is None:
+            answer = ast.Call(func=self.helper(rt_levels.defer, "defer"), args=[requests], keywords=[])
+        else:
+            at = ast.Tuple(elts=[ast.Constant(value=self.collected.index(op)) for op in group], ctx=ast.Load())
+            answer = ast.Call(func=self.helper(rt_levels.collect, "collect"), args=[requests, at], keywords=[])
         targets = [ast.Tuple(elts=[ast.Name(id=self.var(op.output), ctx=ast.Store()) for op in group],
                              ctx=ast.Store())]
-        stmt = ast.Assign(targets=targets, value=ast.Call(func=self.helper(rt_levels.defer, "defer"),
-                                                          args=[requests], keywords=[]))
+        stmt = ast.Assign(targets=targets, value=answer)
         stmt._rc_loc = group[0].loc
         return stmt
 

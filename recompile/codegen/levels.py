@@ -16,6 +16,14 @@ function's own ops:
   branch outputs``: the others, in their order;
 - ``post(_n, *live, *cond outputs) -> outputs``: the ops after the cond, where a
   deferrable call is answered at once with a lazy value (``runtime.levels.defer``).
+
+With a late split (``passes.levels.LateSplit``) the function's result is its
+tuple's elements, each self-invoke's result is its elements (its unpacking is
+not emitted), and ``up`` and ``post`` are each cut in two: the first half
+(``up``, ``post``) computes the elements that are not late and hands on what
+the second (``up_late``, ``post_late``) reads; ``post`` only collects the
+deferred calls' arguments (``runtime.levels.collect``), and ``post_late``
+takes their results after them.
 """
 
 from __future__ import annotations
@@ -46,14 +54,23 @@ def _defined(inputs, ops):
 def emit_pieces(emitter_class, module, gen, batch_plan, shape):
     """Emit ``shape``'s pieces; returns (emitter holding their FunctionDefs, build(namespace) -> LevelProgram)."""
     em = emitter_class(module, gen, batch_plan)
-    sg, cond = shape.sg, shape.cond
+    sg, cond, split = shape.sg, shape.cond, shape.split
     base = gen.fn_name[sg]
     after = _values(list(cond.outputs))
     post_live = _live(shape.post, _values(sg.outputs), _defined(sg.inputs, shape.pre))
     post_live = [v for v in post_live if v not in after]
     pre_out = [cond.pred, *cond.args, *post_live]
-    names = {"pre": em.piece(f"{base}_lv_pre", sg, shape.pre, list(sg.inputs), pre_out),
-             "post": em.piece(f"{base}_lv_post", sg, shape.post, post_live + after, list(sg.outputs))}
+    names = {"pre": em.piece(f"{base}_lv_pre", sg, shape.pre, list(sg.inputs), pre_out)}
+    if split is None:
+        names["post"] = em.piece(f"{base}_lv_post", sg, shape.post, post_live + after, list(sg.outputs))
+    else:
+        early_out = [out for j, out in enumerate(cond.outputs) if j not in split.late_outputs]
+        late_out = [cond.outputs[j] for j in split.late_outputs]
+        results = [inv.output for inv in split.deferred]
+        names["post"], names["post_late"], _ = _halves(
+            em, f"{base}_lv_post", sg, [op for op in shape.post if op is not split.build], split,
+            post_live + _values(early_out), split.elements, late_out + results, at_late=split.positions,
+            collected=split.deferred)
     branch_info = []
     for k, br in enumerate(shape.branches):
         if br is None:
@@ -64,17 +81,45 @@ def emit_pieces(emitter_class, module, gen, batch_plan, shape):
                    if v not in invoke_outs]
         args = [a for inv in br.invokes for a in inv.args]
         down = em.piece(f"{base}_lv_down{k}", br.sg, br.down, list(br.sg.inputs), args + up_live)
-        up = em.piece(f"{base}_lv_up{k}", br.sg, br.up, up_live + invoke_outs, list(br.sg.outputs))
-        branch_info.append((down, up, [len(inv.args) for inv in br.invokes]))
+        if split is None:
+            up = em.piece(f"{base}_lv_up{k}", br.sg, br.up, up_live + invoke_outs, list(br.sg.outputs))
+            branch_info.append((down, up, None, [len(inv.args) for inv in br.invokes]))
+            continue
+        unpacks = split.unpacks[k]
+        early_in = [u.outputs[j] for u in unpacks for j in range(len(split.elements)) if j not in split.positions]
+        late_in = [u.outputs[j] for u in unpacks for j in split.positions]
+        up, up_late, _ = _halves(em, f"{base}_lv_up{k}", br.sg, [op for op in br.up if op not in unpacks], split,
+                                 up_live + early_in, list(br.sg.outputs), late_in, at_late=split.late_outputs)
+        branch_info.append((down, up, up_late, [len(inv.args) for inv in br.invokes]))
 
     def build(namespace):
         units = [batch_plan.units[b] for b in cond.subgraphs()]
-        branches = [None if info is None else rt_levels.Descent(namespace[info[0]], namespace[info[1]], info[2],
-                                                                  [inv.target for inv in br.invokes])
+        branches = [None if info is None else rt_levels.Descent(
+                        namespace[info[0]], namespace[info[1]], info[3], [inv.target for inv in br.invokes],
+                        namespace[info[2]] if info[2] else None)
                     for info, br in zip(branch_info, shape.branches)]
+        late = None
+        if split is not None:
+            late = rt_levels.Late(namespace[names["post_late"]], len(split.elements), split.positions,
+                                  split.late_outputs, len(cond.outputs), len(split.deferred))
         prog = rt_levels.LevelProgram(batch_plan.units[sg], namespace[names["pre"]], namespace[names["post"]],
-                                      units, branches, len(cond.args), len(cond.outputs))
+                                      units, branches, len(cond.args), len(cond.outputs), late)
         prog.segments = list(em.segments.values())  # (the pieces' raw segments: tests, inspection)
         return prog
 
     return em, build
+
+
+def _halves(em, name, sg, ops, split, inputs, outputs, late_inputs, at_late, collected=None):
+    """A piece's ops cut in two: ``name(_n, *inputs) -> (*outputs not at_late, *live)`` runs the ops
+    reading no late value, ``name_late(_n, *live, *late_inputs) -> outputs at_late`` the others, ``live``
+    being what the second reads of the first's values. Returns both names and ``live``."""
+    late_ops = [op for op in ops if split.is_late(op)]
+    early_ops = [op for op in ops if op not in late_ops]
+    late_outputs = [outputs[j] for j in at_late]
+    needed = _live(late_ops, late_outputs, _defined(inputs, early_ops))
+    live = [v for v in needed if v not in split.late]
+    early = em.piece(name, sg, early_ops, inputs, [o for j, o in enumerate(outputs) if j not in at_late] + live,
+                     collected)
+    late = em.piece(name + "_late", sg, late_ops, live + late_inputs, late_outputs)
+    return early, late, live

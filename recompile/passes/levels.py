@@ -8,11 +8,18 @@ where each branch either invokes nothing (a *leaf* branch) or invokes the
 function itself, with arguments computed from the branch's own inputs, not
 from another invoke's result (``tree.left[i]``, ``tree.right[i]``): its call
 tree is then known on the way down, before any call's result is.
+
+Where the function returns a tuple (``return h, c, loss``) and its deferred
+calls (a node's loss) feed only some of its elements, those elements are
+*late* (``LateSplit``): the way back up runs twice, first for the other
+elements, then, once the deferred calls ran for every depth, for the late ones,
+so that no value waits on a deferred call.
 """
 
 from __future__ import annotations
 
 from .. import ir
+from ..runtime import semantics as sem
 
 
 def level_shape(sg, batch_plan, changes):
@@ -52,7 +59,69 @@ def level_shape(sg, batch_plan, changes):
                                     [op for op in b.ops if op not in down and not isinstance(op, ir.Invoke)]))
     if all(br is None for br in branches):
         return None
-    return LevelShape(sg, cond, pre, post, branches)
+    shape = LevelShape(sg, cond, pre, post, branches)
+    shape.split = late_split(shape)
+    return shape
+
+
+def _calls(op, fn):
+    return (isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value is fn and not op.kwargs
+            and not op.star)
+
+
+def _spread(ops, late):
+    """Add to ``late`` the outputs of ``ops`` (in order) that read a late value."""
+    for op in ops:
+        if not isinstance(op, ir.Invoke) and any(x in late for x in op.operands()):
+            late.update(op.outputs)
+
+
+def late_split(shape):
+    """The LateSplit of ``shape``, or None: where the function returns the tuple a ``build_tuple`` in
+    ``post`` makes, each self-invoke's result is unpacked into as many elements once, and the deferred
+    calls' arguments read no late value."""
+    sg, cond, post = shape.sg, shape.cond, shape.post
+    if len(sg.outputs) != 1 or not isinstance(sg.outputs[0], ir.Value):
+        return None
+    ret = sg.outputs[0]
+    builds = [op for op in post if ret in op.outputs]
+    if len(builds) != 1 or not _calls(builds[0], sem.build_tuple) \
+            or any(ret in op.operands() for op in post):
+        return None
+    build = builds[0]
+    elements = list(build.args)
+    unpacks = []  # per branch: per invoke, the unpack of its result (None for a leaf branch)
+    for br in shape.branches:
+        if br is None:
+            unpacks.append(None)
+            continue
+        found = []
+        for inv in br.invokes:
+            users = [op for op in br.sg.ops if inv.output in op.operands()]
+            if inv.output in br.sg.outputs or len(users) != 1 or not _calls(users[0], sem.unpack) \
+                    or len(users[0].outputs) != len(elements):
+                return None
+            found.append(users[0])
+        unpacks.append(found)
+    deferred = [op for op in post if isinstance(op, ir.Invoke)]
+    late = {op.output for op in deferred}
+    rest = [op for op in post if op is not build]
+    while True:  # (an element is late in the callers' results too: until nothing more turns late)
+        size = len(late)
+        _spread(rest, late)
+        positions = [j for j, e in enumerate(elements) if e in late]
+        for br, found in zip(shape.branches, unpacks):
+            if br is not None:
+                late.update(u.outputs[j] for u in found for j in positions)
+                _spread(br.up, late)
+        late.update(out for j, out in enumerate(cond.outputs)
+                    if any(br is not None and br.sg.outputs[j] in late for br in shape.branches))
+        if len(late) == size:
+            break
+    if any(x in late for inv in deferred for x in inv.operands()):
+        return None  # (a deferred call fed by another's result: the lazy way)
+    late_outputs = [j for j, out in enumerate(cond.outputs) if out in late]
+    return LateSplit(elements, positions, late_outputs, late, build, unpacks, deferred)
 
 
 def _yields(op, generators):
@@ -67,3 +136,17 @@ class BranchShape:
 class LevelShape:
     def __init__(self, sg, cond, pre, post, branches):
         self.sg, self.cond, self.pre, self.post, self.branches = sg, cond, pre, post, branches
+        self.split = None
+
+
+class LateSplit:
+    """The function's result as ``elements`` (the ``build`` tuple's), the ``late`` values (fed by the
+    ``deferred`` calls of ``post``, here and through the self-invokes' results, which ``unpacks`` unpack),
+    the ``positions`` of the late elements and the cond's ``late_outputs`` (positions)."""
+
+    def __init__(self, elements, positions, late_outputs, late, build, unpacks, deferred):
+        self.elements, self.positions, self.late_outputs, self.late = elements, positions, late_outputs, late
+        self.build, self.unpacks, self.deferred = build, unpacks, deferred
+
+    def is_late(self, op):
+        return not isinstance(op, ir.Invoke) and any(x in self.late for x in op.operands())

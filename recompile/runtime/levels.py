@@ -11,9 +11,16 @@ consecutive rows there, as they were issued), the cond joins the branches, and
 loss) is answered with a lazy value and runs once, for every depth, when read
 or at the end, as the agenda runs it.
 
+With a late split (``passes.levels``) nothing is lazy: the way up runs for
+the result's elements that no deferred call feeds, ``post`` collecting the
+deferred calls' requests; those calls then run once, for every depth; and a
+second way up runs the late halves (``up_late``, ``post_late``: the loss
+chain ``loss_l + loss_r``, ``+ node_loss``) on their results.
+
 This is the agenda's own schedule for such a function (``runtime.agenda``),
 without frames, generators or choosing: the run records the same executions
-per program point. An error stops the level run; the agenda then runs the call
+per program point (with a late split, fewer runs of a deferred call where the
+agenda reads its lazy result early, in a fused op). An error stops the level run; the agenda then runs the call
 again, which raises it with the chain of calls that led there (the function
 changes nothing in place, so running it again is safe).
 """
@@ -25,6 +32,7 @@ import time
 
 from . import batch as bt
 from . import batch_rules
+from . import semantics as sem
 from .control import Branch
 
 ENABLED = True  # (off: every call goes through the agenda; for measuring one against the other)
@@ -33,12 +41,27 @@ _active = threading.local()  # .run: the LevelRun whose ``post`` is running (for
 
 
 class Descent:
-    """An invoking branch's pieces: ``down`` and ``up``, and per invoke its argument count and target."""
+    """An invoking branch's pieces: ``down``, ``up`` (and ``up_late`` with a late split), and per invoke its
+    argument count and target."""
 
-    __slots__ = ("down", "up", "arities", "targets")
+    __slots__ = ("down", "up", "arities", "targets", "up_late")
 
-    def __init__(self, down, up, arities, targets):
-        self.down, self.up, self.arities, self.targets = down, up, arities, targets
+    def __init__(self, down, up, arities, targets, up_late=None):
+        self.down, self.up, self.arities, self.targets, self.up_late = down, up, arities, targets, up_late
+
+
+class Late:
+    """A late split (``passes.levels.LateSplit``): ``post_late``, the result's ``size`` (its elements), the
+    ``positions`` of its late elements, of the cond's ``k`` outputs the late ones (``outputs``), and the count
+    of the calls whose requests ``post`` collects."""
+
+    __slots__ = ("post", "size", "positions", "outputs", "deferred", "early", "early_outputs")
+
+    def __init__(self, post, size, positions, outputs, k, deferred):
+        self.post, self.size, self.positions, self.outputs = post, size, positions, outputs
+        self.deferred = deferred  # how many deferred calls ``post`` makes
+        self.early = [j for j in range(size) if j not in positions]
+        self.early_outputs = [j for j in range(k) if j not in outputs]
 
 
 class TooDeep(Exception):
@@ -46,8 +69,8 @@ class TooDeep(Exception):
 
 
 class LevelProgram:
-    def __init__(self, unit, pre, post, units, branches, nargs, k):
-        self.unit, self.pre, self.post = unit, pre, post
+    def __init__(self, unit, pre, post, units, branches, nargs, k, late=None):
+        self.unit, self.pre, self.post, self.late = unit, pre, post, late
         self.nargs = nargs  # the cond's arguments, after its predicate in what ``pre`` returns
         self.units = units  # the cond's branch units (then, else)
         self.branches = branches  # per branch: Descent, or None for a leaf branch
@@ -80,11 +103,24 @@ class LevelRun:
         self.p = program
         self.agenda = agenda_run
         self.pending = {}  # deferred unit -> [(cell, args, count, site)]
+        self.collected = None  # with a late split: the requests of the ``post`` running (``collect``)
 
     def go(self, args, n):
+        levels, leaf_results = self.descend(args, n)
+        result = self.ascend(levels, leaf_results) if self.p.late is None else self.ascend_split(levels, leaf_results)
+        while self.pending:
+            unit = next(iter(self.pending))
+            self.run_deferred_group(unit)
+        bt.ready_all(result)
+        return result
+
+    def descend(self, args, n):
+        """Down the call tree depth by depth, then each leaf branch once: (per depth (count, Branch, what
+        ``pre`` hands to ``post``, per side (branch, count, its leaf request or what ``down`` hands to
+        ``up``), the counts of the calls made), per branch the leaf results cut per request)."""
         from .scheduler import MAX_DEPTH
         p, record, stats = self.p, self.agenda.record, self.agenda.stats
-        arity, ncargs = p.unit.arity, 1 + p.nargs
+        ncargs = 1 + p.nargs
         levels, leaves = [], [[] for _ in p.units]
         count = n
         while True:
@@ -118,6 +154,12 @@ class LevelRun:
         stats.max_depth = max(stats.max_depth, 2 * (len(levels) - 1))  # (the deepest call's frame, as the agenda's)
         leaf_results = [self.run_group(p.units[which], requests, record) if requests else None
                         for which, requests in enumerate(leaves)]
+        return levels, leaf_results
+
+    def ascend(self, levels, leaf_results):
+        """Up, deepest first: ``up`` per invoking side, the join, ``post``; the top depth's result."""
+        p = self.p
+        arity = p.unit.arity
         below = None
         for at in range(len(levels) - 1, -1, -1):
             count, branch, live, sides, _ = levels[at]
@@ -134,11 +176,52 @@ class LevelRun:
             result = out[0] if arity == 1 else out
             if at:
                 below = iter(bt.cut_result(result, levels[at - 1][4], arity != 1))  # (the rows its parents asked for)
-        while self.pending:
-            unit = next(iter(self.pending))
-            self.run_deferred_group(unit)
-        bt.ready_all(result)
         return result
+
+    def ascend_split(self, levels, leaf_results):
+        """Up twice with a late split: first the elements that are not late, collecting the deferred calls'
+        requests; then, once those calls ran for every depth, the late elements. The top depth's result."""
+        p, late = self.p, self.p.late
+        k_early, k_late = len(late.early_outputs), len(late.outputs)
+        below, kept = None, []
+        for at in range(len(levels) - 1, -1, -1):
+            count, branch, live, sides, _ = levels[at]
+            results, handed = [], []  # per side: its early outputs, and what its late half reads
+            for which, c, data in sides:
+                d = p.branches[which]
+                if d is None:
+                    got = leaf_results[which][data]
+                    got = (got,) if p.k == 1 else got
+                    results.append(tuple(got[j] for j in late.early_outputs))
+                    handed.append(tuple(got[j] for j in late.outputs))
+                    continue
+                got = self.timed(d.up, c, (*data, *[x for _ in d.arities for x in next(below)]))
+                results.append(got[:k_early])
+                handed.append(got[k_early:])
+            self.collected = [None] * late.deferred
+            out = self.timed(p.post, count, (*live, *_join(branch, results, k_early)))
+            early = out[:len(late.early)]
+            kept.append((at, handed, out[len(late.early):], self.collected))
+            if at:
+                below = iter(_rows(early, levels[at - 1][4]))
+        answers = self.run_collected([requests for _, _, _, requests in kept])
+        below = None
+        for (at, handed, post_live, _), answered in zip(kept, answers):
+            count, branch, _, sides, _ = levels[at]
+            results = []
+            for (which, c, _), data in zip(sides, handed):
+                d = p.branches[which]
+                results.append(data if d is None else
+                               self.timed(d.up_late, c, (*data, *[x for _ in d.arities for x in next(below)])))
+            lates = self.timed(late.post, count, (*post_live, *_join(branch, results, k_late), *answered))
+            if at:
+                below = iter(_rows(lates, levels[at - 1][4]))
+        elements = [None] * late.size
+        for j, v in zip(late.early, early):
+            elements[j] = v
+        for j, v in zip(late.positions, lates):
+            elements[j] = v
+        return batch_rules.call(levels[0][0], sem.build_tuple, tuple(elements))
 
     def timed(self, fn, n, args):
         """``fn(n, *args)``, its time counted as compute (the rest of the run is the schedule's)."""
@@ -175,6 +258,34 @@ class LevelRun:
             results.append(value)
         return tuple(results)
 
+    def collect(self, requests, at):
+        """Requests of ``post`` with a late split: kept at their positions ``at`` among the deferred calls;
+        their results are only read by ``post_late``."""
+        for request, j in zip(requests, at):
+            self.collected[j] = request
+        return (None,) * len(requests)
+
+    def run_collected(self, depths):
+        """Run the requests collected at every depth, each unit's once: per depth, their results in order."""
+        from .agenda import _unit_of
+        groups = {}
+        for d, requests in enumerate(depths):
+            for j, request in enumerate(requests):
+                groups.setdefault(_unit_of(request[0]), []).append((d, j, request))
+        answers = [[None] * len(requests) for requests in depths]
+        for unit, entries in groups.items():
+            asked = [(request[1], request[2]) for _, _, request in entries]
+            if unit.is_generator:  # (a recursive callee: the agenda runs it, for all of them at once)
+                from .agenda import run as agenda_run
+                value, stats = agenda_run(entries[0][2][0], bt.concat_args(asked), sum(c for _, c in asked))
+                self.merge(stats)
+                values = bt.cut_result(value, [c for _, c in asked], unit.arity > 1) if len(asked) > 1 else [value]
+            else:
+                values = self.run_group(unit, asked, self.agenda.record)
+            for (d, j, _), value in zip(entries, values):
+                answers[d][j] = value
+        return answers
+
     def merge(self, stats):
         mine = self.agenda.stats
         mine.frames += stats.frames
@@ -199,6 +310,30 @@ class LevelRun:
         results = self.run_group(unit, [(args, count) for _, args, count, _ in requests], self.agenda.record)
         for (cell, _, _, _), value in zip(requests, results):
             cell.value, cell.done = value, True
+
+
+def _rows(values, counts):
+    """Per request (its instance count in ``counts``), its rows of each of ``values``: a tuple."""
+    if not values:
+        return [()] * len(counts)
+    return bt.cut_result(tuple(values), counts, True)
+
+
+def _join(branch, parts, k):
+    """The Cond's sides' ``parts`` (per side a tuple of k values) joined, as a tuple of k."""
+    if k == 0:
+        return ()
+    if len(parts) == 1:
+        return tuple(parts[0])
+    if k == 1:
+        return (branch.join([part[0] for part in parts], 1),)
+    return branch.join(parts, k)
+
+
+def collect(requests, at):
+    """The requests of a level program's ``post`` with a late split, kept for once all depths made theirs
+    (``LevelRun.collect``)."""
+    return _active.run.collect(requests, at)
 
 
 def defer(requests):
