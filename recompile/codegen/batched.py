@@ -242,7 +242,8 @@ class _BatchedEmitter(emit._FunctionEmitter):
 
 class _LevelEmitter(_BatchedEmitter):
     """Emits the pieces of a level program (``codegen.levels``): plain functions, where a Cond runs its
-    branches inline and a deferrable call is answered at once by ``runtime.levels.defer``."""
+    branches inline and a deferrable call is answered at once by ``runtime.levels.defer`` (or collected by
+    ``runtime.levels.collect``, with a late split)."""
 
     def piece(self, name, sg, ops, inputs, outputs, collected=None):
         """Emit ``ops`` as ``name(_n, *inputs) -> outputs``. A deferrable call is answered by

@@ -67,9 +67,9 @@ def emit_pieces(emitter_class, module, gen, batch_plan, shape):
         early_out = [out for j, out in enumerate(cond.outputs) if j not in split.late_outputs]
         late_out = [cond.outputs[j] for j in split.late_outputs]
         results = [inv.output for inv in split.deferred]
-        names["post"], names["post_late"], _ = _halves(
+        names["post"], names["post_late"] = _halves(
             em, f"{base}_lv_post", sg, [op for op in shape.post if op is not split.build], split,
-            post_live + _values(early_out), split.elements, late_out + results, at_late=split.positions,
+            post_live + early_out, split.elements, late_out + results, at_late=split.positions,
             collected=split.deferred)
     branch_info = []
     for k, br in enumerate(shape.branches):
@@ -88,7 +88,7 @@ def emit_pieces(emitter_class, module, gen, batch_plan, shape):
         unpacks = split.unpacks[k]
         early_in = [u.outputs[j] for u in unpacks for j in range(len(split.elements)) if j not in split.positions]
         late_in = [u.outputs[j] for u in unpacks for j in split.positions]
-        up, up_late, _ = _halves(em, f"{base}_lv_up{k}", br.sg, [op for op in br.up if op not in unpacks], split,
+        up, up_late = _halves(em, f"{base}_lv_up{k}", br.sg, [op for op in br.up if op not in unpacks], split,
                                  up_live + early_in, list(br.sg.outputs), late_in, at_late=split.late_outputs)
         branch_info.append((down, up, up_late, [len(inv.args) for inv in br.invokes]))
 
@@ -113,7 +113,7 @@ def emit_pieces(emitter_class, module, gen, batch_plan, shape):
 def _halves(em, name, sg, ops, split, inputs, outputs, late_inputs, at_late, collected=None):
     """A piece's ops cut in two: ``name(_n, *inputs) -> (*outputs not at_late, *live)`` runs the ops
     reading no late value, ``name_late(_n, *live, *late_inputs) -> outputs at_late`` the others, ``live``
-    being what the second reads of the first's values. Returns both names and ``live``."""
+    being what the second reads of the first's values. Returns both names."""
     late_ops = [op for op in ops if split.is_late(op)]
     early_ops = [op for op in ops if op not in late_ops]
     late_outputs = [outputs[j] for j in at_late]
@@ -122,4 +122,4 @@ def _halves(em, name, sg, ops, split, inputs, outputs, late_inputs, at_late, col
     early = em.piece(name, sg, early_ops, inputs, [o for j, o in enumerate(outputs) if j not in at_late] + live,
                      collected)
     late = em.piece(name + "_late", sg, late_ops, live + late_inputs, late_outputs)
-    return early, late, live
+    return early, late
