@@ -164,6 +164,17 @@ def scored(xs, i):
     return h, loss + score(h)
 
 
+def scored_twice(xs, i):
+    """Two deferred calls of one function per node: collected at their own positions, run as one group."""
+    if i + 1 >= xs.shape[0]:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        h2, loss = scored_twice(xs, i + 1)
+        h = torch.tanh(xs[i] + 0.5 * h2)
+    return h, loss + score(h) - score(xs[i] * 2)
+
+
 def scored_late_argument(xs, i):
     """The deferred call's argument reads the loss, which waits on the deferred calls below: no split."""
     if i + 1 >= xs.shape[0]:
@@ -184,7 +195,8 @@ def scored_sum(xs, i):
     return s + score(xs[i])
 
 
-@pytest.mark.parametrize("fn, late", [(scored, [1]), (scored_late_argument, None), (scored_sum, None)])
+@pytest.mark.parametrize("fn, late", [(scored, [1]), (scored_twice, [1]), (scored_late_argument, None),
+                                      (scored_sum, None)])
 def test_deferred_calls_run_once_and_what_waits_on_them_runs_after(fn, late):
     """With a late split the deferred calls run once, after the way up for the other elements, and the late
     elements are computed on a second way up; without one their results are lazy. Both match."""

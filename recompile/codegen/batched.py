@@ -108,6 +108,9 @@ class _BatchedEmitter(emit._FunctionEmitter):
         outputs = [v for op in ops for v in op.outputs if v in used_after]
         stmts = super().body(sg, ops)
         name = f"{self.gen.fn_name[sg]}_seg{len(self.extra_defs) + 1}"
+        while name in self.gen.extra_names:  # (a level piece's emitter numbers its segments for the same SubGraph)
+            name += "_"
+        self.gen.extra_names.add(name)
         kernels = {op: self.kernels[op] for op in ops if isinstance(op, ir.Fused)}
         seg = segments.Segment(name, ops, inputs, outputs, kernels)
         self.segments[name] = seg
@@ -249,8 +252,9 @@ class _LevelEmitter(_BatchedEmitter):
         """Emit ``ops`` as ``name(_n, *inputs) -> outputs``. A deferrable call is answered by
         ``runtime.levels.defer``, or, with ``collected`` (Invokes), only has its request collected
         (``runtime.levels.collect``, with its position in ``collected``)."""
-        while name in self.gen.fn_names or name in self.segments:
+        while name in self.gen.fn_names or name in self.gen.extra_names:
             name += "_"
+        self.gen.extra_names.add(name)
         self.current = None  # (no Cond of a piece yields its branches: they run inline)
         self.live_out = {v for v in outputs if isinstance(v, ir.Value)}
         self.collected = collected
@@ -306,6 +310,7 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     gen = emit._Generator(sg, may_mutate)
     gen.generators = set(batch_plan.generators)
     gen.changes = subgraph_may_mutate(sg, may_mutate)
+    gen.extra_names = set()  # the segments' and level pieces' function names, one module for all emitters
     module = emit._Module()
     emitters = [_BatchedEmitter(module, gen, batch_plan) for _ in gen.sgs]
     shape = level_shape(sg, batch_plan, gen.changes)

@@ -55,11 +55,11 @@ class Late:
     ``positions`` of its late elements, of the cond's ``k`` outputs the late ones (``outputs``), and the count
     of the calls whose requests ``post`` collects."""
 
-    __slots__ = ("post", "size", "positions", "outputs", "deferred", "early", "early_outputs")
+    __slots__ = ("post_late", "size", "positions", "outputs", "ndeferred", "early", "early_outputs")
 
-    def __init__(self, post, size, positions, outputs, k, deferred):
-        self.post, self.size, self.positions, self.outputs = post, size, positions, outputs
-        self.deferred = deferred  # how many deferred calls ``post`` makes
+    def __init__(self, post_late, size, positions, outputs, k, ndeferred):
+        self.post_late, self.size, self.positions, self.outputs = post_late, size, positions, outputs
+        self.ndeferred = ndeferred  # how many deferred calls ``post`` makes
         self.early = [j for j in range(size) if j not in positions]
         self.early_outputs = [j for j in range(k) if j not in outputs]
 
@@ -198,7 +198,7 @@ class LevelRun:
                 got = self.timed(d.up, c, (*data, *[x for _ in d.arities for x in next(below)]))
                 results.append(got[:k_early])
                 handed.append(got[k_early:])
-            self.collected = [None] * late.deferred
+            self.collected = [None] * late.ndeferred
             out = self.timed(p.post, count, (*live, *_join(branch, results, k_early)))
             early = out[:len(late.early)]
             kept.append((at, handed, out[len(late.early):], self.collected))
@@ -213,7 +213,7 @@ class LevelRun:
                 d = p.branches[which]
                 results.append(data if d is None else
                                self.timed(d.up_late, c, (*data, *[x for _ in d.arities for x in next(below)])))
-            lates = self.timed(late.post, count, (*post_live, *_join(branch, results, k_late), *answered))
+            lates = self.timed(late.post_late, count, (*post_live, *_join(branch, results, k_late), *answered))
             if at:
                 below = iter(_rows(lates, levels[at - 1][4]))
         elements = [None] * late.size
@@ -260,7 +260,9 @@ class LevelRun:
 
     def collect(self, requests, at):
         """Requests of ``post`` with a late split: kept at their positions ``at`` among the deferred calls;
-        their results are only read by ``post_late``."""
+        their results are only read by ``post_late`` (the None each gets here is read by nothing). Unlike
+        ``defer``, no check that the arguments are unchanged when the call runs: this function changes
+        nothing in place (``passes.levels``) and a deferrable callee neither (``passes.batching``)."""
         for request, j in zip(requests, at):
             self.collected[j] = request
         return (None,) * len(requests)
