@@ -89,7 +89,7 @@ def emit_pieces(emitter_class, module, gen, batch_plan, shape):
         early_in = [u.outputs[j] for u in unpacks for j in range(len(split.elements)) if j not in split.positions]
         late_in = [u.outputs[j] for u in unpacks for j in split.positions]
         up, up_late = _halves(em, f"{base}_lv_up{k}", br.sg, [op for op in br.up if op not in unpacks], split,
-                                 up_live + early_in, list(br.sg.outputs), late_in, at_late=split.late_outputs)
+                              up_live + early_in, list(br.sg.outputs), late_in, at_late=split.late_outputs)
         branch_info.append((down, up, up_late, [len(inv.args) for inv in br.invokes]))
 
     def build(namespace):

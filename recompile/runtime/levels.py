@@ -20,9 +20,10 @@ chain ``loss_l + loss_r``, ``+ node_loss``) on their results.
 This is the agenda's own schedule for such a function (``runtime.agenda``),
 without frames, generators or choosing: the run records the same executions
 per program point (with a late split, fewer runs of a deferred call where the
-agenda reads its lazy result early, in a fused op). An error stops the level run; the agenda then runs the call
-again, which raises it with the chain of calls that led there (the function
-changes nothing in place, so running it again is safe).
+agenda reads its lazy result early, in a fused op). An error stops the level
+run; the agenda then runs the call again, which raises it with the chain of
+calls that led there (the function changes nothing in place, so running it
+again is safe).
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class LevelRun:
             count = sum(c for _, c in children)
             args = bt.concat_args(children)
         stats.max_depth = max(stats.max_depth, 2 * (len(levels) - 1))  # (the deepest call's frame, as the agenda's)
-        leaf_results = [self.run_group(p.units[which], requests, record) if requests else None
+        leaf_results = [self.run_group(p.units[which], requests) if requests else None
                         for which, requests in enumerate(leaves)]
         return levels, leaf_results
 
@@ -231,14 +232,20 @@ class LevelRun:
         finally:
             self.agenda.stats.compute_s += time.perf_counter() - t
 
-    def run_group(self, unit, requests, record):
-        """Run non-yielding ``unit`` once for ``requests`` [(args, count)]; its result cut per request."""
+    def run_group(self, unit, requests, target=None):
+        """Run ``unit`` once for ``requests`` [(args, count)]; its result cut per request. A yielding unit (a
+        recursive callee of a deferred call, ``target``) is run by the agenda, for all of them at once."""
         counts = [c for _, c in requests]
         total = sum(counts)
         args = bt.concat_args(requests)
-        record(unit, total)
-        self.agenda.stats.frames += 1
-        result = self.timed(unit.fn, total, args)
+        if unit.is_generator:
+            from .agenda import run as agenda_run
+            result, stats = agenda_run(target, args, total)
+            self.merge(stats)
+        else:
+            self.agenda.record(unit, total)
+            self.agenda.stats.frames += 1
+            result = self.timed(unit.fn, total, args)
         return bt.cut_result(result, counts, unit.arity > 1) if len(requests) > 1 else [result]
 
     def defer(self, requests):
@@ -276,14 +283,7 @@ class LevelRun:
                 groups.setdefault(_unit_of(request[0]), []).append((d, j, request))
         answers = [[None] * len(requests) for requests in depths]
         for unit, entries in groups.items():
-            asked = [(request[1], request[2]) for _, _, request in entries]
-            if unit.is_generator:  # (a recursive callee: the agenda runs it, for all of them at once)
-                from .agenda import run as agenda_run
-                value, stats = agenda_run(entries[0][2][0], bt.concat_args(asked), sum(c for _, c in asked))
-                self.merge(stats)
-                values = bt.cut_result(value, [c for _, c in asked], unit.arity > 1) if len(asked) > 1 else [value]
-            else:
-                values = self.run_group(unit, asked, self.agenda.record)
+            values = self.run_group(unit, [(request[1], request[2]) for _, _, request in entries], entries[0][2][0])
             for (d, j, _), value in zip(entries, values):
                 answers[d][j] = value
         return answers
@@ -309,7 +309,7 @@ class LevelRun:
         requests = self.pending.pop(unit)
         for cell, _, _, site in requests:
             cell.check_arguments(site)
-        results = self.run_group(unit, [(args, count) for _, args, count, _ in requests], self.agenda.record)
+        results = self.run_group(unit, [(args, count) for _, args, count, _ in requests])
         for (cell, _, _, _), value in zip(requests, results):
             cell.value, cell.done = value, True
 
