@@ -319,3 +319,183 @@ def test_segments_disabled_level_pieces_still_match():
     got, want = both_ways(lambda: run_forest(model, forest))
     assert_same(got, want)
     assert prog.runs == 1 and prog.fallbacks == 0
+
+
+def vector(x):
+    return x * 2.0
+
+
+def count(x):
+    return (x > 0).sum()
+
+
+compiled_vector, compiled_count = recompile.function(vector), recompile.function(count)
+
+
+def binary(xs, left, right, i):
+    """A loss summing a deferred call per node of a binary tree: a tree sum."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = binary(xs, left, right, left[i])
+        hr, loss_r = binary(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + score(h)
+
+
+def binary_twice(xs, left, right, i):
+    """Two deferred results added (one of them twice), the leaf's zero an int: a tree sum of three terms.
+    (Compiled without fusion, which would join the adds into one fused op, which no call's result is
+    deferred through.)"""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0
+    else:
+        hl, loss_l = binary_twice(xs, left, right, left[i])
+        hr, loss_r = binary_twice(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_r + loss_l
+    s = score(xs[i] * 2)
+    return h, s + (loss + score(h)) + s
+
+
+def binary_rows(xs, left, right, i):
+    """The deferred result is a vector per node: the sum has its shape."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = binary_rows(xs, left, right, left[i])
+        hr, loss_r = binary_rows(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + vector(h)
+
+
+def binary_counts(xs, left, right, i):
+    """An integer result: recognised as a tree sum when built, but summed by the second way up when run (0 +
+    an int tensor stays an int tensor, which the sum keeps as eager does)."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0
+    else:
+        hl, loss_l = binary_counts(xs, left, right, left[i])
+        hr, loss_r = binary_counts(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + count(h)
+
+
+def binary_one(xs, left, right, i):
+    """The leaf's loss is not zero: each leaf would add it once, which a tree sum of deferred results misses."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 1.0
+    else:
+        hl, loss_l = binary_one(xs, left, right, left[i])
+        hr, loss_r = binary_one(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + score(h)
+
+
+def binary_left(xs, left, right, i):
+    """Only the left child's loss is added: not a sum over the tree."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = binary_left(xs, left, right, left[i])
+        hr, loss_r = binary_left(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_l
+    return h, loss + score(h)
+
+
+def forest_of_trees():
+    """Index lists of several binary trees in one index space (-1 at a leaf) and their roots: a lone leaf, a
+    deep chain, a balanced tree, so that leaves and inner nodes share depths."""
+    left, right = [], []
+
+    def build(shape):
+        k = len(left)
+        left.append(-1)
+        right.append(-1)
+        if shape is not None:
+            left[k], right[k] = build(shape[0]), build(shape[1])
+        return k
+
+    shapes = [None, ((None, None), ((None, (None, None)), None)), ((None, None), (None, None)),
+              (None, (None, (None, (None, None))))]
+    roots = [build(s) for s in shapes]
+    return torch.tensor(left), torch.tensor(right), torch.tensor(roots)
+
+
+@pytest.mark.parametrize("fn, terms, summed", [
+    (binary, [[0]], True), (binary_twice, [[0, 0, 1]], True), (binary_rows, [[0]], True),
+    (binary_counts, [[0]], False), (binary_one, None, False), (binary_left, None, False), (scored, None, False)])
+def test_late_elements_that_only_add_up_are_summed_by_each_calls_root(fn, terms, summed):
+    """A late element made only of ``+``: the deferred results, the children's same element, a leaf's zero, is
+    the sum of the deferred results over the call tree, added into each root's row at once. It matches the
+    second way up (the agenda too) and eager, values, dtype and gradients."""
+    namespace = dict(fn.__globals__, score=compiled_score, vector=compiled_vector, count=compiled_count)
+    compiled = recompile.function(type(fn)(fn.__code__, namespace, fn.__name__), fusion=fn is not binary_twice)
+    namespace[fn.__name__] = compiled
+    prog = program(compiled)
+    assert ([sorted(t) for t in prog.late.sums.terms] if prog.late.sums is not None else None) == terms
+    left, right, roots = forest_of_trees()
+    if fn is scored:
+        args, in_dims, starts = (), (None, 0), torch.tensor([0, 3, 5, 2])
+    else:
+        args, in_dims, starts = (left, right), (None, None, None, 0), roots
+    xs = torch.randn(max(len(left), 6), 3, dtype=torch.float64, requires_grad=True)
+
+    def run():
+        xs.grad = None
+        h, loss = recompile.vmap(compiled, in_dims=in_dims)(xs, *args, starts)
+        (h.sum() + (loss.sum() if loss.is_floating_point() else 0)).backward()
+        return (h.detach(), loss.detach()), {"xs": xs.grad.clone()}
+
+    before = prog.summed
+    got = run()
+    assert prog.summed - before == (1 if summed else 0)
+    with switched(levels, True):
+        saved, prog.late.sums = prog.late.sums, None
+        try:
+            second_way_up = run()
+        finally:
+            prog.late.sums = saved
+    with levels_enabled(False):
+        agenda = run()
+    xs.grad = None
+    eager = [fn(xs, *args, int(i)) for i in starts]
+    h, loss = torch.stack([e[0] for e in eager]), torch.stack([torch.as_tensor(e[1]) for e in eager])
+    (h.sum() + (loss.sum() if loss.is_floating_point() else 0)).backward()
+    for want in (second_way_up, agenda, ((h.detach(), loss.detach()), {"xs": xs.grad.clone()})):
+        assert got[0][1].dtype == want[0][1].dtype
+        assert_same(got, want)
+    assert prog.fallbacks == 0
+    compiled.stats.reset()
+    run()
+    callee = {binary_rows: "vector", binary_counts: "count"}.get(fn, "score")
+    assert compiled.stats["batches"][callee]["runs"] == 1  # (once for every depth, summed or not)
+
+
+def test_a_tree_sum_of_one_instance_and_of_a_lone_leaf():
+    """A plain call (one instance) and a one-instance vmap of each tree, a lone leaf among them, sum as eager."""
+    namespace = dict(binary.__globals__, score=compiled_score)
+    compiled = recompile.function(type(binary)(binary.__code__, namespace, "binary"))
+    namespace["binary"] = compiled
+    prog = program(compiled)
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=torch.float64)
+    for root in roots.tolist():
+        summed = prog.summed
+        eager_h, eager_loss = binary(xs, left, right, root)
+        h, loss = compiled(xs, left, right, root)
+        torch.testing.assert_close((h, loss), (eager_h, eager_loss))
+        _, one = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, torch.tensor([root]))
+        torch.testing.assert_close(one, eager_loss.reshape(1))
+        assert prog.summed == summed + 2 and prog.fallbacks == 0

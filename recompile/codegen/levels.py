@@ -101,7 +101,7 @@ def emit_pieces(emitter_class, module, gen, batch_plan, shape):
         late = None
         if split is not None:
             late = rt_levels.Late(namespace[names["post_late"]], len(split.elements), split.positions,
-                                  split.late_outputs, len(cond.outputs), len(split.deferred))
+                                  split.late_outputs, len(cond.outputs), len(split.deferred), split.sums)
         prog = rt_levels.LevelProgram(batch_plan.units[sg], namespace[names["pre"]], namespace[names["post"]],
                                       units, branches, len(cond.args), len(cond.outputs), late)
         prog.segments = list(em.segments.values())  # (the pieces' raw segments: tests, inspection)

@@ -14,9 +14,18 @@ calls (a node's loss) feed only some of its elements, those elements are
 *late* (``LateSplit``): the way back up runs twice, first for the other
 elements, then, once the deferred calls ran for every depth, for the late ones,
 so that no value waits on a deferred call.
+
+Where each late element only adds up — the node's deferred results, the
+cond's output of that element, which an invoking branch adds up from its
+calls' same element, and a leaf branch's zero (``loss = 0.0``, ``loss_l +
+loss_r``, ``loss + node_loss``) — the element at the root is the sum of the
+deferred results over the whole call tree (``TreeSums``): the second way up is
+then one ``index_add`` by each call's root, not one pass per depth.
 """
 
 from __future__ import annotations
+
+import operator
 
 from .. import ir
 from ..runtime import semantics as sem
@@ -121,7 +130,55 @@ def late_split(shape):
     if any(x in late for inv in deferred for x in inv.operands()):
         return None  # (a deferred call fed by another's result: the lazy way)
     late_outputs = [j for j, out in enumerate(cond.outputs) if out in late]
-    return LateSplit(elements, positions, late_outputs, late, build, unpacks, deferred)
+    split = LateSplit(elements, positions, late_outputs, late, build, unpacks, deferred)
+    split.sums = tree_sums(shape, split)
+    return split
+
+
+def _addends(value, ops):
+    """``value`` as the list of what is added up to make it through ``a + b`` calls among ``ops`` (a value
+    no such call makes is its own one addend)."""
+    made = {v: op for op in ops for v in op.outputs}
+    found, stack = [], [value]
+    while stack:
+        v = stack.pop()
+        op = made.get(v)
+        if op is not None and _calls(op, operator.add) and len(op.args) == 2 and len(op.outputs) == 1:
+            stack.extend(reversed(op.args))
+        else:
+            found.append(v)
+    return found
+
+
+def _is_zero(x):
+    return isinstance(x, ir.Const) and type(x.value) in (int, float) and x.value == 0
+
+
+def tree_sums(shape, split):
+    """The TreeSums of a late split, or None: where every late element ``p`` is, in ``post``, the cond's
+    output ``q`` plus deferred results, an invoking branch's output ``q`` the sum of its calls' element
+    ``p`` (each once), and a leaf branch's output ``q`` a zero, the element at the root is the sum of its
+    deferred results over the call tree."""
+    post = [op for op in shape.post if split.is_late(op)]
+    deferred = {inv.output: k for k, inv in enumerate(split.deferred)}
+    terms = []
+    for p in split.positions:
+        found = _addends(split.elements[p], post)
+        outs = [x for x in found if x not in deferred]
+        if len(outs) != 1 or outs[0] not in shape.cond.outputs:
+            return None
+        q = list(shape.cond.outputs).index(outs[0])
+        for br, sg, unpacks in zip(shape.branches, shape.cond.subgraphs(), split.unpacks):
+            out = sg.outputs[q]
+            if br is None:
+                if not _is_zero(out):
+                    return None
+                continue
+            wanted = sorted(id(u.outputs[p]) for u in unpacks)
+            if sorted(id(x) for x in _addends(out, [op for op in br.up if split.is_late(op)])) != wanted:
+                return None
+        terms.append([deferred[x] for x in found if x in deferred])
+    return TreeSums(list(split.positions), terms)
 
 
 def _yields(op, generators):
@@ -150,3 +207,11 @@ class LateSplit:
 
     def is_late(self, op):
         return not isinstance(op, ir.Invoke) and any(x in self.late for x in op.operands())
+
+
+class TreeSums:
+    """Late elements that are sums over the call tree: for each of ``positions``, the indexes (among the
+    split's deferred calls, one per time it is added) of the deferred results it adds up."""
+
+    def __init__(self, positions, terms):
+        self.positions, self.terms = positions, terms

@@ -31,12 +31,15 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
+
 from . import batch as bt
 from . import batch_rules
 from . import semantics as sem
 from .control import Branch
 
 ENABLED = True  # (off: every call goes through the agenda; for measuring one against the other)
+SUMS_ENABLED = True  # (read when a level program is built; off: late elements always take the second way up)
 
 _active = threading.local()  # .run: the LevelRun whose ``post`` is running (for ``defer``)
 
@@ -53,14 +56,15 @@ class Descent:
 
 class Late:
     """A late split (``passes.levels.LateSplit``): ``post_late``, the result's ``size`` (its elements), the
-    ``positions`` of its late elements, of the cond's ``k`` outputs the late ones (``outputs``), and the count
-    of the calls whose requests ``post`` collects."""
+    ``positions`` of its late elements, of the cond's ``k`` outputs the late ones (``outputs``), the count
+    of the calls whose requests ``post`` collects, and ``sums`` (``passes.levels.TreeSums``, or None)."""
 
-    __slots__ = ("post_late", "size", "positions", "outputs", "ndeferred", "early", "early_outputs")
+    __slots__ = ("post_late", "size", "positions", "outputs", "ndeferred", "early", "early_outputs", "sums")
 
-    def __init__(self, post_late, size, positions, outputs, k, ndeferred):
+    def __init__(self, post_late, size, positions, outputs, k, ndeferred, sums=None):
         self.post_late, self.size, self.positions, self.outputs = post_late, size, positions, outputs
         self.ndeferred = ndeferred  # how many deferred calls ``post`` makes
+        self.sums = sums if SUMS_ENABLED else None
         self.early = [j for j in range(size) if j not in positions]
         self.early_outputs = [j for j in range(k) if j not in outputs]
 
@@ -78,6 +82,7 @@ class LevelProgram:
         self.k = k  # the cond's outputs
         self.runs = 0  # calls run as levels, and calls whose level run failed and went to the agenda
         self.fallbacks = 0
+        self.summed = 0  # level runs whose late elements were tree sums (``LevelRun.tree_sums``)
 
     def applies(self):
         """Whether every invoke still reaches this very function (a method overridden in a subclass
@@ -183,7 +188,7 @@ class LevelRun:
         """Up twice with a late split: first the elements that are not late, collecting the deferred calls'
         requests; then, once those calls ran for every depth, the late elements. The top depth's result."""
         p, late = self.p, self.p.late
-        k_early, k_late = len(late.early_outputs), len(late.outputs)
+        k_early = len(late.early_outputs)
         below, kept = None, []
         for at in range(len(levels) - 1, -1, -1):
             count, branch, live, sides, _ = levels[at]
@@ -205,7 +210,22 @@ class LevelRun:
             kept.append((at, handed, out[len(late.early):], self.collected))
             if at:
                 below = iter(_rows(early, levels[at - 1][4]))
-        answers = self.run_collected([requests for _, _, _, requests in kept])
+        ran = self.run_collected([requests for _, _, _, requests in kept])
+        lates = self.tree_sums(levels, kept, ran) if late.sums is not None else None
+        if lates is None:
+            lates = self.ascend_late(levels, kept, ran)
+        elements = [None] * late.size
+        for j, v in zip(late.early, early):
+            elements[j] = v
+        for j, v in zip(late.positions, lates):
+            elements[j] = v
+        return batch_rules.call(levels[0][0], sem.build_tuple, tuple(elements))
+
+    def ascend_late(self, levels, kept, ran):
+        """The second way up: the late halves on the deferred calls' results; the top depth's late elements."""
+        p, late = self.p, self.p.late
+        k_late = len(late.outputs)
+        answers = _answers([requests for _, _, _, requests in kept], ran)
         below = None
         for (at, handed, post_live, _), answered in zip(kept, answers):
             count, branch, _, sides, _ = levels[at]
@@ -217,12 +237,56 @@ class LevelRun:
             lates = self.timed(late.post_late, count, (*post_live, *_join(branch, results, k_late), *answered))
             if at:
                 below = iter(_rows(lates, levels[at - 1][4]))
-        elements = [None] * late.size
-        for j, v in zip(late.early, early):
-            elements[j] = v
-        for j, v in zip(late.positions, lates):
-            elements[j] = v
-        return batch_rules.call(levels[0][0], sem.build_tuple, tuple(elements))
+        return lates
+
+    def tree_sums(self, levels, kept, ran):
+        """The late elements as sums over each call tree (``passes.levels.TreeSums``): each deferred result's
+        rows added into the row of their call's root by one ``index_add``. None where a result is not a
+        floating tensor of one row shape and dtype per element (the second way up then runs instead)."""
+        sums, n = self.p.late.sums, levels[0][0]
+        depth_of = [at for at, _, _, _ in kept]
+        rows, roots = {}, None  # deferred index -> [(rows tensor, its depth's position in kept)]
+        for entries, value, _ in ran:
+            if isinstance(value, torch.Tensor):  # (one value for every row: one row, or shared by all)
+                t = value.unsqueeze(0).expand(sum(count for _, _, count in entries), *value.shape)
+            else:
+                t = bt.tensor_of(value) if type(value) is bt.Batch else None
+            if t is None or not (t.is_floating_point() or t.is_complex()):
+                return None
+            start = 0
+            for d, j, count in entries:
+                rows.setdefault(j, []).append((t, start, count, d))
+                start += count
+        totals = []
+        for terms in sums.terms:
+            total = None
+            for j in terms:
+                for t, start, count, d in rows[j]:
+                    if total is None:
+                        total = t.new_zeros((n, *t.shape[1:]))
+                        if roots is None:
+                            roots = self.roots(levels, t.device)
+                    elif t.shape[1:] != total.shape[1:] or t.dtype != total.dtype:
+                        return None
+                    total = total.index_add(0, roots[depth_of[d]], t.narrow(0, start, count))
+            totals.append(bt.from_tensor(total))
+        self.p.summed += 1
+        return totals
+
+    def roots(self, levels, device):
+        """Per depth, the LongTensor of the row (among the top depth's) of each instance's root call."""
+        p = self.p
+        roots = [torch.arange(levels[0][0], device=device)]
+        for count, branch, _, sides, _ in levels[:-1]:
+            parts = []
+            for k, (which, c, _) in enumerate(sides):
+                d = p.branches[which]
+                if d is None:
+                    continue
+                mine = roots[-1] if c == count else roots[-1].index_select(0, _side_index(branch, k, device))
+                parts.extend([mine] * len(d.arities))
+            roots.append(torch.cat(parts) if len(parts) > 1 else parts[0])
+        return roots
 
     def timed(self, fn, n, args):
         """``fn(n, *args)``, its time counted as compute (the rest of the run is the schedule's)."""
@@ -232,9 +296,10 @@ class LevelRun:
         finally:
             self.agenda.stats.compute_s += time.perf_counter() - t
 
-    def run_group(self, unit, requests, target=None):
-        """Run ``unit`` once for ``requests`` [(args, count)]; its result cut per request. A yielding unit (a
-        recursive callee of a deferred call, ``target``) is run by the agenda, for all of them at once."""
+    def run_group(self, unit, requests, target=None, cut=True):
+        """Run ``unit`` once for ``requests`` [(args, count)]; its result cut per request (or, without ``cut``,
+        not). A yielding unit (a recursive callee of a deferred call, ``target``) is run by the agenda, for all
+        of them at once."""
         counts = [c for _, c in requests]
         total = sum(counts)
         args = bt.concat_args(requests)
@@ -246,6 +311,8 @@ class LevelRun:
             self.agenda.record(unit, total)
             self.agenda.stats.frames += 1
             result = self.timed(unit.fn, total, args)
+        if not cut:
+            return result
         return bt.cut_result(result, counts, unit.arity > 1) if len(requests) > 1 else [result]
 
     def defer(self, requests):
@@ -275,18 +342,19 @@ class LevelRun:
         return (None,) * len(requests)
 
     def run_collected(self, depths):
-        """Run the requests collected at every depth, each unit's once: per depth, their results in order."""
+        """Run the requests collected at every depth, each unit's once: per unit, its entries [(depth, position
+        among that depth's requests, count)], its result (not cut) and whether it has several outputs."""
         from .agenda import _unit_of
         groups = {}
         for d, requests in enumerate(depths):
             for j, request in enumerate(requests):
                 groups.setdefault(_unit_of(request[0]), []).append((d, j, request))
-        answers = [[None] * len(requests) for requests in depths]
+        ran = []
         for unit, entries in groups.items():
-            values = self.run_group(unit, [(request[1], request[2]) for _, _, request in entries], entries[0][2][0])
-            for (d, j, _), value in zip(entries, values):
-                answers[d][j] = value
-        return answers
+            value = self.run_group(unit, [(request[1], request[2]) for _, _, request in entries], entries[0][2][0],
+                                   cut=False)
+            ran.append(([(d, j, request[2]) for d, j, request in entries], value, unit.arity > 1))
+        return ran
 
     def merge(self, stats):
         mine = self.agenda.stats
@@ -312,6 +380,23 @@ class LevelRun:
         results = self.run_group(unit, [(args, count) for _, args, count, _ in requests])
         for (cell, _, _, _), value in zip(requests, results):
             cell.value, cell.done = value, True
+
+
+def _answers(depths, ran):
+    """``run_collected``'s results cut per request: per depth, its requests' results in order."""
+    answers = [[None] * len(requests) for requests in depths]
+    for entries, value, several in ran:
+        values = bt.cut_result(value, [count for _, _, count in entries], several) if len(entries) > 1 else [value]
+        for (d, j, _), v in zip(entries, values):
+            answers[d][j] = v
+    return answers
+
+
+def _side_index(branch, k, device):
+    """The positions of the instances of the cond's side ``k``, as a LongTensor on ``device``."""
+    indexes = branch.order.indexes
+    index = indexes[k] if indexes is not None else torch.tensor(branch.sides[k][2])
+    return index.to(device)
 
 
 def _rows(values, counts):
