@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from .. import ir
 from ..runtime import levels as rt_levels
+from . import segments
 
 
 def _values(xs):
@@ -92,6 +93,8 @@ def emit_pieces(emitter_class, module, gen, batch_plan, shape):
                               up_live + early_in, list(br.sg.outputs), late_in, at_late=split.late_outputs)
         branch_info.append((down, up, up_late, [len(inv.args) for inv in br.invokes]))
 
+    plain = _plain_pieces(em, shape)
+
     def build(namespace):
         units = [batch_plan.units[b] for b in cond.subgraphs()]
         branches = [None if info is None else rt_levels.Descent(
@@ -105,6 +108,7 @@ def emit_pieces(emitter_class, module, gen, batch_plan, shape):
         prog = rt_levels.LevelProgram(batch_plan.units[sg], namespace[names["pre"]], namespace[names["post"]],
                                       units, branches, len(cond.args), len(cond.outputs), late)
         prog.segments = list(em.segments.values())  # (the pieces' raw segments: tests, inspection)
+        prog.plain = plain
         return prog
 
     return em, build
@@ -123,3 +127,59 @@ def _halves(em, name, sg, ops, split, inputs, outputs, late_inputs, at_late, col
                      collected)
     late = em.piece(name + "_late", sg, late_ops, live + late_inputs, late_outputs)
     return early, late
+
+
+def _plain_pieces(em, shape):
+    """The pieces again as ``segments.Plain`` (run on plain tensors by ``runtime.levels``), or None: where the
+    function has no late split and ``post`` calls nothing, or its late elements are tree sums (``post``
+    then hands on the deferred calls' arguments, which run once, and the late halves are not needed)."""
+    sg, cond, split = shape.sg, shape.cond, shape.split
+    if not segments.ENABLED:
+        return None
+    deferred = [] if split is None else split.deferred
+    if split is None and any(isinstance(op, ir.Invoke) for op in shape.post) \
+            or split is not None and split.sums is None:
+        return None
+
+    def piece(name, ops, inputs, outputs):
+        # (a leaf branch's fused ops were emitted with its SubGraph's function: their kernels are made here)
+        kernels = {op: em.kernels[op] if op in em.kernels else em.fused_kernel(op)
+                   for op in ops if isinstance(op, ir.Fused)}
+        return segments.Plain(name, ops, inputs, outputs, kernels)
+
+    base = em.gen.fn_name[sg]
+    after = _values(list(cond.outputs))
+    post_live = [v for v in _live(shape.post, _values(sg.outputs), _defined(sg.inputs, shape.pre)) if v not in after]
+    pre = piece(f"{base}_lv_pre", shape.pre, list(sg.inputs), [cond.pred, *cond.args, *post_live])
+    early = list(range(len(cond.outputs))) if split is None else \
+        [j for j in range(len(cond.outputs)) if j not in split.late_outputs]
+    if split is None:
+        post = piece(f"{base}_lv_post", shape.post, post_live + after, list(sg.outputs))
+    else:
+        ops = [op for op in shape.post if op is not split.build and not isinstance(op, ir.Invoke)
+               and not split.is_late(op)]
+        elements = [e for j, e in enumerate(split.elements) if j not in split.positions]
+        post = piece(f"{base}_lv_post", ops, post_live + [cond.outputs[j] for j in early],
+                     elements + [a for inv in deferred for a in inv.args])
+    downs, ups, leaves = [], [], []
+    for k, (br, b) in enumerate(zip(shape.branches, cond.subgraphs())):
+        leaves.append(None if br is not None else
+                      piece(f"{base}_lv_leaf{k}", b.ops, list(b.inputs), [b.outputs[j] for j in early]))
+        if br is None:
+            downs.append(None)
+            ups.append(None)
+            continue
+        invoke_outs = [inv.output for inv in br.invokes]
+        up_live = [v for v in _live(br.up, _values(br.sg.outputs), _defined(br.sg.inputs, br.down))
+                   if v not in invoke_outs]
+        args = [a for inv in br.invokes for a in inv.args]
+        downs.append(piece(f"{base}_lv_down{k}", br.down, list(br.sg.inputs), args + up_live))
+        if split is None:
+            ups.append(piece(f"{base}_lv_up{k}", br.up, up_live + invoke_outs, list(br.sg.outputs)))
+            continue
+        unpacks = split.unpacks[k]
+        early_in = [u.outputs[j] for u in unpacks for j in range(len(split.elements)) if j not in split.positions]
+        ops = [op for op in br.up if op not in unpacks and not split.is_late(op)]
+        ups.append(piece(f"{base}_lv_up{k}", ops, up_live + early_in, [br.sg.outputs[j] for j in early]))
+    return rt_levels.PlainPieces(pre, downs, ups, leaves, post, early,
+                                 [(inv.target, len(inv.args)) for inv in deferred])

@@ -41,6 +41,7 @@ from ..runtime import batch as bt
 from ..runtime import batch_rules, control
 from ..runtime import semantics as sem
 from ..runtime.batch import Batch
+from ..runtime.levels import NotPlain
 
 ENABLED = True  # (read when batched code is generated: False runs every op through its batch rule)
 MAX_TRACES = 3  # traces a segment makes, each a raw function for the kinds of that call (a leaf's 0.0 and
@@ -142,6 +143,50 @@ class Segment:
         return (tracer.result,)
 
 
+class Plain:
+    """A level piece's ops (``codegen.levels``) run on plain values: a batched one as its tensor (dim 0 the
+    instance, one row too), a shared one as itself, with no Batch on either side. ``kinds`` says which
+    inputs are batched (``B``) and which shared (``S``); each kinds gets its own trace, which also gives the
+    kinds of the outputs. Only ops with a raw form: an op the batch rules would run (or a value they would
+    hold) makes the piece untraceable, and a guard that fails raises ``Deopt``; either way the caller runs
+    the piece's batched code instead."""
+
+    def __init__(self, name, ops, inputs, outputs, kernels):
+        self.name = name
+        self.ops = ops
+        self.inputs = inputs
+        self.outputs = outputs  # ir.Values or Consts
+        self.kernels = kernels
+        self.traces = {}  # input kinds -> (raw function, output kinds)
+        self.sources = []
+        self.retraced = 0
+
+    def __repr__(self):
+        return f"<plain piece {self.name}>"
+
+    def __call__(self, n, kinds, args):
+        """(outputs, their kinds) of the piece on ``args``."""
+        entry = self.traces.get(kinds)
+        if entry is not None:
+            try:
+                return entry[0](n, *args), entry[1]
+            except Deopt:  # (the facts it relied on changed: the next call traces it again)
+                del self.traces[kinds]
+                self.retraced += 1
+                raise
+        if self.retraced >= MAX_TRACES or len(self.traces) >= MAX_TRACES:
+            raise NotPlain(self.name)
+        tracer = _Tracer(self, n, args, plain=kinds)
+        try:
+            source, namespace = tracer.run()
+        except _Untraceable:
+            raise NotPlain(self.name) from None
+        exec(compile(source, f"<recompile plain piece {self.name}>", "exec"), namespace)
+        self.sources.append(source)
+        self.traces[kinds] = (namespace["raw"], tracer.out_kinds)
+        return tracer.result, tracer.out_kinds
+
+
 def _add_counts(into, counts):
     for name, k in counts.items():
         into[name] = into.get(name, 0) + k
@@ -165,10 +210,12 @@ class _Slot:
 
 
 class _Tracer:
-    def __init__(self, segment, n, args):
+    def __init__(self, segment, n, args, plain=None):
         self.segment = segment
         self.n = n
         self.args = args
+        self.plain = plain  # (a Plain piece's trace) the kinds of its inputs
+        self.out_kinds = None
         self.lines = []
         self.namespace = dict(_HELPERS)
         self.env = {}
@@ -245,13 +292,22 @@ class _Tracer:
         for k, (v, a) in enumerate(zip(seg.inputs, self.args)):
             name = f"a{k}"
             params.append(name)
-            if type(a) is Batch:
+            if self.plain is not None:
+                if self.plain[k] == "B":
+                    self.env[v] = _Slot("B", name, a)
+                    self.emit(f"if {name}.dim() != {a.dim()} or {name}.dtype is not {self.const(a.dtype)}: "
+                              "raise _Deopt")
+                else:
+                    self.env[v] = _Slot("S", name, a)
+            elif type(a) is Batch:
                 self.env[v] = _Slot("O", name, a)
             else:
                 self.env[v] = _Slot("S", name, a)
                 self.emit(f"if type({name}) is _Batch: raise _Deopt")
         for op in seg.ops:
             self.op(op)
+        if self.plain is not None:
+            return self.plain_return(params)
         values = [self.wrapped_value(self.env[v]) for v in seg.outputs]
         self.result = values[0] if len(values) == 1 else tuple(values)
         outs = [self.as_batch(self.env[v]) for v in seg.outputs]
@@ -261,6 +317,17 @@ class _Tracer:
         body = "\n".join("    " + line for line in self.lines + [f"return {ret}"])
         source = f"def raw(_n{''.join(', ' + p for p in params)}):\n{body}\n"
         return source, self.namespace
+
+    def plain_return(self, params):
+        """A Plain piece's raw function returns its outputs as they are: each batched or shared."""
+        slots = [self.load(v) for v in self.segment.outputs]
+        if any(s.kind not in ("B", "S") for s in slots):
+            raise _Untraceable
+        self.out_kinds = tuple(s.kind for s in slots)
+        self.result = tuple(s.value for s in slots)
+        ret = "(" + "".join(s.name + ", " for s in slots) + ")"
+        body = "\n".join("    " + line for line in self.lines + [f"return {ret}"])
+        return f"def raw(_n{''.join(', ' + p for p in params)}):\n{body}\n", self.namespace
 
     def define(self, value, slot):
         self.env[value] = slot
@@ -358,7 +425,7 @@ class _Tracer:
 
     def generic_slot(self, op, fn, fn_slot, args, kwargs):
         """``fn`` run by its batch rule (``batch_rules.call``), inside the raw function."""
-        if not _generic_ok(fn):
+        if not _generic_ok(fn) or self.plain is not None:
             raise _Untraceable
         self.guard_callable(fn, fn_slot)
         fn_name = fn_slot.name if fn_slot is not None else self.const(fn)
@@ -396,7 +463,7 @@ class _Tracer:
             for v, s in zip(op.outputs, slot.items):
                 self.define(v, s)
             return
-        if slot.kind == "S":
+        if slot.kind == "S" or self.plain is not None:
             raise _Untraceable  # (a shared value unpacked: leave it to the op-by-op code)
         value = control.unpack(self.n, self.wrapped_value(slot), k)
         if type(value) is Batch:
@@ -460,6 +527,8 @@ class _Tracer:
             self.define(v, s)
 
     def fused_generic(self, op, kernel, args):
+        if self.plain is not None:
+            raise _Untraceable
         values = tuple(self.wrapped_value(s) for s in args)
         value = batch_rules.fused(self.n, kernel, values)
         text = f"_fused(_n, {self.const(kernel)}, ({''.join(self.as_batch(s) + ', ' for s in args)}))"

@@ -73,6 +73,32 @@ class TooDeep(Exception):
     """The call tree is deeper than the agenda allows: its run raises the RecursionError."""
 
 
+class NotPlain(Exception):
+    """A value or an op a plain level run cannot hold: the run goes on Batch values instead."""
+
+
+PLAIN_ENABLED = True  # (off: level runs always go on Batch values; for measuring one against the other)
+PLAIN_FAILURES = 8  # failed plain runs (a guard, an error) after which a program runs on Batch values only
+
+
+class PlainPieces:
+    """A level program's pieces as ``segments.Plain``, run on plain tensors: ``pre``, per branch ``down`` and
+    ``up`` (None for a leaf branch) or ``leaves`` (a leaf branch's), and ``post``; ``early``, the positions among the cond's outputs of those
+    ``up`` gives (all of them, or with a late split the ones that are not late); ``deferred``, per deferred
+    call of ``post`` its target and argument count (whose arguments ``post`` hands on after the elements)."""
+
+    def __init__(self, pre, down, up, leaves, post, early, deferred):
+        self.pre, self.down, self.up, self.post, self.early, self.deferred = pre, down, up, post, early, deferred
+        self.leaves = leaves  # per branch: a leaf branch's own ops (None for an invoking branch)
+        self.nargs = sum(a for _, a in deferred)
+        self.on = True
+        self.failures = 0
+        self.runs = 0
+
+    def pieces(self):
+        return [x for x in (self.pre, *self.down, *self.up, *self.leaves, self.post) if x is not None]
+
+
 class LevelProgram:
     def __init__(self, unit, pre, post, units, branches, nargs, k, late=None):
         self.unit, self.pre, self.post, self.late = unit, pre, post, late
@@ -83,6 +109,7 @@ class LevelProgram:
         self.runs = 0  # calls run as levels, and calls whose level run failed and went to the agenda
         self.fallbacks = 0
         self.summed = 0  # level runs whose late elements were tree sums (``LevelRun.tree_sums``)
+        self.plain = None  # PlainPieces, or None
 
     def applies(self):
         """Whether every invoke still reaches this very function (a method overridden in a subclass
@@ -112,6 +139,21 @@ class LevelRun:
         self.collected = None  # with a late split: the requests of the ``post`` running (``collect``)
 
     def go(self, args, n):
+        plain = self.p.plain
+        if plain is not None and plain.on and PLAIN_ENABLED:
+            saved = self.snapshot()
+            try:
+                result = self.go_plain(args, n)
+                plain.runs += 1
+                return result
+            except NotPlain:
+                plain.on = False
+            except Exception as exc:
+                if getattr(exc, "_recompile_chain", None) is not None:
+                    raise  # (a deferred call's error, with its chain: the agenda would raise it again)
+                plain.failures += 1
+                plain.on = plain.failures < PLAIN_FAILURES
+            self.restore(saved)
         levels, leaf_results = self.descend(args, n)
         result = self.ascend(levels, leaf_results) if self.p.late is None else self.ascend_split(levels, leaf_results)
         while self.pending:
@@ -211,7 +253,10 @@ class LevelRun:
             if at:
                 below = iter(_rows(early, levels[at - 1][4]))
         ran = self.run_collected([requests for _, _, _, requests in kept])
-        lates = self.tree_sums(levels, kept, ran) if late.sums is not None else None
+        lates = None
+        if late.sums is not None:
+            lates = self.tree_sums(levels[0][0], [at for at, _, _, _ in kept], ran,
+                                   lambda device: self.roots(levels, device))
         if lates is None:
             lates = self.ascend_late(levels, kept, ran)
         elements = [None] * late.size
@@ -239,13 +284,13 @@ class LevelRun:
                 below = iter(_rows(lates, levels[at - 1][4]))
         return lates
 
-    def tree_sums(self, levels, kept, ran):
+    def tree_sums(self, n, depth_of, ran, make_roots):
         """The late elements as sums over each call tree (``passes.levels.TreeSums``): each deferred result's
-        rows added into the row of their call's root by one ``index_add``. None where a result is not a
-        floating tensor of one row shape and dtype per element (the second way up then runs instead)."""
-        sums, n = self.p.late.sums, levels[0][0]
-        depth_of = [at for at, _, _, _ in kept]
-        rows, roots = {}, None  # deferred index -> [(rows tensor, its depth's position in kept)]
+        rows (``run_collected``'s, ``depth_of`` each of its depths) added into the row of their call's root
+        (``make_roots(device)``), by one ``index_add`` where a callee's run serves one deferred call. None
+        where a result is not a floating tensor of one row shape and dtype per element (the second way up
+        then runs instead)."""
+        parts = {}  # deferred index -> [(rows, the depths (positions in depth_of) they are of, in order)]
         for entries, value, _ in ran:
             if isinstance(value, torch.Tensor):  # (one value for every row: one row, or shared by all)
                 t = value.unsqueeze(0).expand(sum(count for _, _, count in entries), *value.shape)
@@ -253,22 +298,26 @@ class LevelRun:
                 t = bt.tensor_of(value) if type(value) is bt.Batch else None
             if t is None or not (t.is_floating_point() or t.is_complex()):
                 return None
+            if len({j for _, j, _ in entries}) == 1:
+                parts.setdefault(entries[0][1], []).append((t, [d for d, _, _ in entries]))
+                continue
             start = 0
             for d, j, count in entries:
-                rows.setdefault(j, []).append((t, start, count, d))
+                parts.setdefault(j, []).append((t.narrow(0, start, count), [d]))
                 start += count
-        totals = []
-        for terms in sums.terms:
+        roots, totals = None, []
+        for terms in self.p.late.sums.terms:
             total = None
             for j in terms:
-                for t, start, count, d in rows[j]:
+                for t, depths in parts[j]:
                     if total is None:
                         total = t.new_zeros((n, *t.shape[1:]))
-                        if roots is None:
-                            roots = self.roots(levels, t.device)
+                        roots = roots or make_roots(t.device)
                     elif t.shape[1:] != total.shape[1:] or t.dtype != total.dtype:
                         return None
-                    total = total.index_add(0, roots[depth_of[d]], t.narrow(0, start, count))
+                    index = torch.cat([roots[depth_of[d]] for d in depths]) if len(depths) > 1 else \
+                        roots[depth_of[depths[0]]]
+                    total = total.index_add(0, index, t)
             totals.append(bt.from_tensor(total))
         self.p.summed += 1
         return totals
@@ -287,6 +336,145 @@ class LevelRun:
                 parts.extend([mine] * len(d.arities))
             roots.append(torch.cat(parts) if len(parts) > 1 else parts[0])
         return roots
+
+    # -- plain runs: every batched value a plain tensor (dim 0 the instance, one row too) and each piece's
+    # traced code (``segments.Plain``) run on them; the cond's split and join, gathering and cutting rows are
+    # index ops. Anything they cannot hold raises, and the run goes on Batch values instead.
+
+    def go_plain(self, args, n):
+        p, plain = self.p, self.p.plain
+        levels, leaves = self.descend_plain(*_plain_args(args), n)
+        leaf_results = []
+        for which, requests in enumerate(leaves):
+            leaf_results.append(self.run_leaves_plain(which, requests) if requests else None)
+        top, deferred = self.ascend_plain(levels, leaf_results)
+        elements = [bt.from_tensor(v) if k == "B" else v for v, k in zip(*top)]
+        if p.late is None:
+            return elements[0]
+        ran = self.run_deferred_plain(deferred)
+        lates = self.tree_sums(n, [at for at, _ in deferred], ran, lambda device: _plain_roots(p, levels, device))
+        if lates is None:
+            raise NotPlain("a deferred result that is not a floating tensor")  # (the Batch run sums it)
+        result = [None] * p.late.size
+        for j, v in zip(p.late.early, elements):
+            result[j] = v
+        for j, v in zip(p.late.positions, lates):
+            result[j] = v
+        return batch_rules.call(n, sem.build_tuple, tuple(result))
+
+    def descend_plain(self, values, kinds, n):
+        """``descend`` on plain values: per depth (count, sides [(branch, index of its instances or None for
+        all, count, its leaf request's position or what ``down`` hands to ``up``)], what ``pre`` hands to
+        ``post`` and its kinds, the counts of the calls made); per branch its leaf requests."""
+        from .scheduler import MAX_DEPTH
+        p, plain = self.p, self.p.plain
+        ncargs = 1 + p.nargs
+        levels, leaves = [], [[] for _ in p.units]
+        count = n
+        while True:
+            self.note(p.unit, count)
+            out, ok = self.timed(plain.pre, count, (kinds, values))
+            cargs, ckinds = out[1:ncargs], ok[1:ncargs]
+            sides, children = [], []
+            for which, index, c in _plain_split(count, out[0], ok[0]):
+                side = cargs if index is None else \
+                    tuple(v.index_select(0, index) if k == "B" else v for v, k in zip(cargs, ckinds))
+                d = p.branches[which]
+                if d is None:
+                    leaves[which].append((side, ckinds, c))
+                    sides.append((which, index, c, len(leaves[which]) - 1))
+                    continue
+                self.note(p.units[which], c)
+                o, k = self.timed(plain.down[which], c, (ckinds, side))
+                at = 0
+                for a in d.arities:
+                    children.append((o[at:at + a], k[at:at + a], c))
+                    at += a
+                sides.append((which, index, c, (o[at:], k[at:])))
+            levels.append((count, sides, out[ncargs:], ok[ncargs:], [c for _, _, c in children]))
+            if not children:
+                break
+            if 2 * len(levels) > MAX_DEPTH:
+                raise TooDeep()
+            values, kinds = _plain_concat(children)
+            count = sum(c for _, _, c in children)
+        stats = self.agenda.stats
+        stats.max_depth = max(stats.max_depth, 2 * (len(levels) - 1))
+        return levels, leaves
+
+    def run_leaves_plain(self, which, requests):
+        """Leaf branch ``which`` once for its ``requests`` of every depth: per request, its rows of the
+        branch's outputs that ``up`` gives too, and their kinds. (Its traced code: only pure ops, so that a
+        plain run given up and run again on Batch values runs no effect twice.)"""
+        values, kinds = _plain_concat(requests)
+        counts = [c for _, _, c in requests]
+        total = sum(counts)
+        self.note(self.p.units[which], total)
+        return _plain_cut(*self.timed(self.p.plain.leaves[which], total, (kinds, values)), counts)
+
+    def ascend_plain(self, levels, leaf_results):
+        """``ascend`` on plain values, for the cond's early outputs: the top depth's elements and their kinds,
+        and per depth (deepest first) the arguments of ``post``'s deferred calls."""
+        p, plain = self.p, self.p.plain
+        below, deferred = None, []
+        for at in range(len(levels) - 1, -1, -1):
+            count, sides, live, live_kinds, _ = levels[at]
+            parts = []
+            for which, index, c, data in sides:
+                d = p.branches[which]
+                if d is None:
+                    parts.append((index, c, *leaf_results[which][data]))
+                    continue
+                ins, kinds = list(data[0]), list(data[1])
+                for _ in d.arities:
+                    v, k = next(below)
+                    ins.extend(v)
+                    kinds.extend(k)
+                parts.append((index, c, *self.timed(plain.up[which], c, (tuple(kinds), tuple(ins)))))
+            joined, joined_kinds = _plain_join(parts)
+            out, ok = self.timed(plain.post, count, (live_kinds + joined_kinds, live + joined))
+            ne = len(out) - plain.nargs
+            if plain.deferred:
+                deferred.append((at, (out[ne:], ok[ne:], count)))
+            if at:
+                below = iter(_plain_cut(out[:ne], ok[:ne], levels[at - 1][4]))  # (the rows its parents asked for)
+        return (out[:ne], ok[:ne]), deferred
+
+    def run_deferred_plain(self, deferred):
+        """``post``'s deferred calls, each callee once for every depth: ``run_collected``'s result."""
+        plain = self.p.plain
+        from .agenda import _unit_of
+        groups = {}
+        for d, (_, (values, kinds, count)) in enumerate(deferred):
+            at = 0
+            for j, (target, nargs) in enumerate(plain.deferred):
+                entry = (d, j, values[at:at + nargs], kinds[at:at + nargs], count)
+                groups.setdefault(_unit_of(target), (target, []))[1].append(entry)
+                at += nargs
+        ran = []
+        for unit, (target, entries) in groups.items():
+            values, kinds = _plain_concat([(v, k, c) for _, _, v, k, c in entries])
+            total = sum(c for *_, c in entries)
+            args = tuple(bt.from_tensor(v) if k == "B" else v for v, k in zip(values, kinds))
+            ran.append(([(d, j, c) for d, j, _, _, c in entries], self.run_group(unit, [(args, total)], target,
+                                                                                 cut=False), unit.arity > 1))
+        return ran
+
+    def note(self, unit, count):
+        self.agenda.record(unit, count)
+        self.agenda.stats.frames += 1
+
+    def snapshot(self):
+        """What a failed plain run may have counted (the Batch run counts again): stats and per-instance ops."""
+        stats = self.agenda.stats
+        return (stats.frames, stats.max_depth, {k: list(v) for k, v in stats.batches.items()},
+                dict(batch_rules.counters.per_instance))
+
+    def restore(self, saved):
+        stats = self.agenda.stats
+        stats.frames, stats.max_depth, stats.batches, per_instance = saved
+        batch_rules.counters.per_instance.clear()
+        batch_rules.counters.per_instance.update(per_instance)
 
     def timed(self, fn, n, args):
         """``fn(n, *args)``, its time counted as compute (the rest of the run is the schedule's)."""
@@ -380,6 +568,104 @@ class LevelRun:
         results = self.run_group(unit, [(args, count) for _, args, count, _ in requests])
         for (cell, _, _, _), value in zip(requests, results):
             cell.value, cell.done = value, True
+
+
+def _plain_args(args):
+    """A call's arguments as plain values and their kinds (B: a batched tensor, S: shared)."""
+    values, kinds = [], []
+    for a in args:
+        v, k = _plain_value(a)
+        values.append(v)
+        kinds.append(k)
+    return tuple(values), tuple(kinds)
+
+
+def _plain_value(v):
+    if type(v) is not bt.Batch:
+        return v, "S"
+    t = None if bt.is_lazy(v) else bt.tensor_of(v)
+    if t is None:
+        raise NotPlain("a batch that is not one tensor")
+    return t, "B"
+
+
+def _plain_split(n, pred, kind):
+    """The cond's sides on a plain predicate: [(branch, LongTensor of its instances or None for all, count)]."""
+    if kind == "S":
+        return [(0 if pred else 1, None, n)]
+    if pred.numel() != n:
+        raise NotPlain("a predicate of more than one element per instance")
+    mask = pred.reshape(n)
+    if mask.dtype is not torch.bool:
+        mask = mask != 0
+    yes = mask.nonzero().view(-1)
+    k = yes.numel()
+    if k == n or k == 0:
+        return [(0 if k else 1, None, n)]
+    return [(0, yes, k), (1, torch.logical_not(mask).nonzero().view(-1), n - k)]
+
+
+def _plain_rows(v, kind, count):
+    """``v`` as ``count`` rows: a batched tensor as it is, a shared tensor repeated (a view)."""
+    if kind == "B":
+        return v
+    if isinstance(v, torch.Tensor):
+        return v.unsqueeze(0).expand(count, *v.shape)
+    raise NotPlain("a shared value that is not a tensor, joined with other values")
+
+
+def _plain_column(column):
+    """Values [(value, kind, count)] of one position, one after the other: one shared value, or rows."""
+    first = column[0][0]
+    if all(k == "S" and v is first for v, k, _ in column):
+        return first, "S"
+    rows = [_plain_rows(v, k, c) for v, k, c in column]
+    head = rows[0]
+    if any(r.dtype != head.dtype or r.shape[1:] != head.shape[1:] or r.device != head.device for r in rows):
+        raise NotPlain("instances of different shapes or dtypes")  # (Batch values keep them apart)
+    return torch.cat(rows), "B"
+
+
+def _plain_concat(parts):
+    """Arguments [(values, kinds, count)] of several requests as one batch: (values, kinds)."""
+    if len(parts) == 1:
+        return parts[0][0], parts[0][1]
+    out = [_plain_column([(p[0][j], p[1][j], p[2]) for p in parts]) for j in range(len(parts[0][0]))]
+    return tuple(v for v, _ in out), tuple(k for _, k in out)
+
+
+def _plain_join(parts):
+    """The cond's sides' outputs [(index, count, values, kinds)] back in instance order: (values, kinds)."""
+    if len(parts) == 1:
+        return parts[0][2], parts[0][3]
+    inverse = torch.argsort(torch.cat([index for index, *_ in parts]))
+    out = []
+    for j in range(len(parts[0][2])):
+        v, k = _plain_column([(p[2][j], p[3][j], p[1]) for p in parts])
+        out.append((v.index_select(0, inverse.to(v.device)) if k == "B" else v, k))
+    return tuple(v for v, _ in out), tuple(k for _, k in out)
+
+
+def _plain_cut(values, kinds, counts):
+    """Per request (its instance count in ``counts``), its rows of ``values``: [(values, kinds)]."""
+    if len(counts) == 1:
+        return [(values, kinds)]
+    pieces = [v.split_with_sizes(counts) if k == "B" else [v] * len(counts) for v, k in zip(values, kinds)]
+    return [(tuple(p[r] for p in pieces), kinds) for r in range(len(counts))]
+
+
+def _plain_roots(p, levels, device):
+    """``LevelRun.roots`` of a plain run's levels."""
+    roots = [torch.arange(levels[0][0], device=device)]
+    for _, sides, _, _, _ in levels[:-1]:
+        parts = []
+        for which, index, _, _ in sides:
+            d = p.branches[which]
+            if d is not None:
+                mine = roots[-1] if index is None else roots[-1].index_select(0, index.to(device))
+                parts.extend([mine] * len(d.arities))
+        roots.append(torch.cat(parts) if len(parts) > 1 else parts[0])
+    return roots
 
 
 def _answers(depths, ran):
