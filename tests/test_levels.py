@@ -9,6 +9,7 @@ agenda (a failed level run is run again by the agenda, which would hide it).
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 
 import pytest
@@ -18,8 +19,8 @@ import recompile
 from recompile.codegen import segments
 from recompile.data import Forest
 from recompile.runtime import levels
-from test_batching import BatchedTopDown, topdown_models
-from test_segments import Params, assert_same, built, eager_forest, model_class, run_forest, switched, trees
+from test_batching import BatchedTopDown, TreeLSTM, topdown_models
+from test_segments import WORDS, Params, assert_same, built, eager_forest, model_class, run_forest, switched, trees
 
 
 def levels_enabled(on):
@@ -375,14 +376,26 @@ def binary_rows(xs, left, right, i):
 
 
 def binary_counts(xs, left, right, i):
-    """An integer result: recognised as a tree sum when built, but summed by the second way up when run (0 +
-    an int tensor stays an int tensor, which the sum keeps as eager does)."""
+    """An integer result, summed in the dtype eager code gives it: ``0 + t`` an int tensor, ``0.0 + t`` a float
+    one (``binary_counts_float``)."""
     if left[i] < 0:
         h = torch.tanh(xs[i])
         loss = 0
     else:
         hl, loss_l = binary_counts(xs, left, right, left[i])
         hr, loss_r = binary_counts(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + count(h)
+
+
+def binary_counts_float(xs, left, right, i):
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = binary_counts_float(xs, left, right, left[i])
+        hr, loss_r = binary_counts_float(xs, left, right, right[i])
         h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
         loss = loss_l + loss_r
     return h, loss + count(h)
@@ -414,6 +427,15 @@ def binary_left(xs, left, right, i):
     return h, loss + score(h)
 
 
+def compiled_recursion(fn, fusion=True, **callees):
+    """``fn`` compiled, calling itself and the compiled ``score``, ``vector``, ``count`` (or ``callees``)."""
+    namespace = dict(fn.__globals__, **{"score": compiled_score, "vector": compiled_vector, "count": compiled_count,
+                                        **callees})
+    compiled = recompile.function(type(fn)(fn.__code__, namespace, fn.__name__), fusion=fusion)
+    namespace[fn.__name__] = compiled
+    return compiled
+
+
 def forest_of_trees():
     """Index lists of several binary trees in one index space (-1 at a leaf) and their roots: a lone leaf, a
     deep chain, a balanced tree, so that leaves and inner nodes share depths."""
@@ -435,14 +457,12 @@ def forest_of_trees():
 
 @pytest.mark.parametrize("fn, terms, summed", [
     (binary, [[0]], True), (binary_twice, [[0, 0, 1]], True), (binary_rows, [[0]], True),
-    (binary_counts, [[0]], False), (binary_one, None, False), (binary_left, None, False), (scored, None, False)])
+    (binary_counts, [[0]], True), (binary_counts_float, [[0]], True), (binary_one, None, False), (binary_left, None, False), (scored, None, False)])
 def test_late_elements_that_only_add_up_are_summed_by_each_calls_root(fn, terms, summed):
     """A late element made only of ``+``: the deferred results, the children's same element, a leaf's zero, is
     the sum of the deferred results over the call tree, added into each root's row at once. It matches the
     second way up (the agenda too) and eager, values, dtype and gradients."""
-    namespace = dict(fn.__globals__, score=compiled_score, vector=compiled_vector, count=compiled_count)
-    compiled = recompile.function(type(fn)(fn.__code__, namespace, fn.__name__), fusion=fn is not binary_twice)
-    namespace[fn.__name__] = compiled
+    compiled = compiled_recursion(fn, fusion=fn is not binary_twice)
     prog = program(compiled)
     assert ([sorted(t) for t in prog.late.sums.terms] if prog.late.sums is not None else None) == terms
     left, right, roots = forest_of_trees()
@@ -479,15 +499,13 @@ def test_late_elements_that_only_add_up_are_summed_by_each_calls_root(fn, terms,
     assert prog.fallbacks == 0
     compiled.stats.reset()
     run()
-    callee = {binary_rows: "vector", binary_counts: "count"}.get(fn, "score")
+    callee = {binary_rows: "vector", binary_counts: "count", binary_counts_float: "count"}.get(fn, "score")
     assert compiled.stats["batches"][callee]["runs"] == 1  # (once for every depth, summed or not)
 
 
 def test_a_tree_sum_of_one_instance_and_of_a_lone_leaf():
     """A plain call (one instance) and a one-instance vmap of each tree, a lone leaf among them, sum as eager."""
-    namespace = dict(binary.__globals__, score=compiled_score)
-    compiled = recompile.function(type(binary)(binary.__code__, namespace, "binary"))
-    namespace["binary"] = compiled
+    compiled = compiled_recursion(binary)
     prog = program(compiled)
     left, right, roots = forest_of_trees()
     xs = torch.randn(len(left), 3, dtype=torch.float64)
@@ -499,3 +517,156 @@ def test_a_tree_sum_of_one_instance_and_of_a_lone_leaf():
         _, one = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, torch.tensor([root]))
         torch.testing.assert_close(one, eager_loss.reshape(1))
         assert prog.summed == summed + 2 and prog.fallbacks == 0
+    assert prog.plain.runs == 2 * len(roots)  # (a plain call: every value shared, its one instance's)
+
+
+def plain_enabled(on):
+    return contextlib.contextmanager(lambda: (yield))() if on is None else _plain_switch(on)
+
+
+@contextlib.contextmanager
+def _plain_switch(on):
+    saved, levels.PLAIN_ENABLED = levels.PLAIN_ENABLED, on
+    try:
+        yield
+    finally:
+        levels.PLAIN_ENABLED = saved
+
+
+def three_ways(call):
+    """call() as a plain level run, as a level run on Batch values, and on the agenda."""
+    with plain_enabled(False):
+        batch = call()
+    got, agenda = both_ways(call)
+    return got, batch, agenda
+
+
+def test_plain_runs_match_batch_values_and_the_agenda():
+    """A level run on plain tensors (every piece traced again as one plain function, the cond's split and join
+    as index ops) gives what the run on Batch values gives, and the agenda, for the examples' Tree-LSTM (its
+    node loss deferred: a tree sum), another tree sum and a linear recursion returning one value. (The
+    top-down model's ``p.squeeze(-1)``, a method of a batched tensor, has no raw form: it runs on Batch
+    values.)"""
+    torch.manual_seed(0)
+    model = TreeLSTM(len(WORDS) + 1, embed=5, hidden=4).double()
+    forest = Forest.from_trees(trees())
+    cases = [(program(TreeLSTM.encode, TreeLSTM), lambda: run_forest(model, forest))]
+    compiled = compiled_recursion(binary)
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=torch.float64, requires_grad=True)
+
+    def run_binary():
+        xs.grad = None
+        h, loss = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+        (h.sum() + loss.sum()).backward()
+        return (h.detach(), loss.detach()), {"xs": xs.grad.clone()}
+
+    cases.append((program(compiled), run_binary))
+    walker = recompile.function(walk)
+
+    def run_walk():
+        xs.grad = None
+        out = recompile.vmap(walker, in_dims=(None, 0))(xs, torch.tensor([0, 3, 6, 5, 9]))
+        out.sum().backward()
+        return (out.detach(),), {"xs": xs.grad.clone()}
+
+    cases.append((program(walker), run_walk))
+    for prog, run in cases:
+        # (the Tree-LSTM's program is the class's: other tests may have changed the model's dtype before, a
+        # guard that fails once)
+        runs, failures, fallbacks = prog.plain.runs, prog.plain.failures, prog.fallbacks
+        for k in range(3):
+            got, batch, agenda = three_ways(run)
+            assert_same(got, batch)
+            assert_same(got, agenda)
+        assert prog.plain.runs - runs >= 2 and prog.plain.failures - failures <= 1, prog.plain
+        assert prog.fallbacks == fallbacks
+        assert all(piece.traces for piece in prog.plain.pieces())
+
+
+def helped(xs, i):
+    """A Python helper in the branch: no plain form, so the level run goes on Batch values for good."""
+    if i + 1 >= xs.shape[0]:
+        return torch.tanh(xs[i])
+    return torch.tanh(xs[i] + 0.5 * helped(xs, i + 1)) * halve(1.0)
+
+
+def halve(x):
+    return x / 2
+
+
+def test_what_a_plain_run_cannot_hold_runs_on_batch_values():
+    """A Python helper has no plain form; the cond joining a leaf's ``loss = 0.0`` with the nodes' tensors (the
+    loss computed inline) is not one tensor. Those calls run on Batch values, and the next ones with the same
+    arguments batched go there at once."""
+    compiled = recompile.function(helped)
+    prog = program(compiled)
+    xs = torch.randn(5, 3, dtype=torch.float64)
+    starts = torch.tensor([0, 2, 4])
+    want = torch.stack([helped(xs, int(i)) for i in starts])
+    for _ in range(2):
+        torch.testing.assert_close(recompile.vmap(compiled, in_dims=(None, 0))(xs, starts), want)
+    assert prog.plain.runs == 0 and prog.plain.refused and prog.runs == 2 and prog.fallbacks == 0
+    Model = model_class(True)
+    prog = program(Model.encode, Model)
+    model = Model().double()
+    forest = Forest.from_trees(trees())
+    for _ in range(2):
+        got, batch, agenda = three_ways(lambda: run_forest(model, forest))
+        assert_same(got, agenda)
+    assert prog.plain.runs == 0 and prog.plain.refused == {(False, False, True)} and prog.fallbacks == 0
+    assert any(prog.plain.post.refused)
+
+
+def test_a_failed_guard_runs_that_call_on_batch_values_and_the_next_traces_again():
+    compiled = recompile.function(walk)
+    prog = program(compiled)
+    starts = torch.tensor([0, 3, 4])
+    for dtype, runs, failures in ((torch.float64, 1, 0), (torch.float32, 1, 1), (torch.float32, 2, 1)):
+        xs = torch.randn(5, 3, dtype=dtype)
+        got = recompile.vmap(compiled, in_dims=(None, 0))(xs, starts)
+        torch.testing.assert_close(got, torch.stack([walk(xs, int(i)) for i in starts]))
+        assert (prog.plain.runs, prog.plain.failures) == (runs, failures)
+    assert prog.plain.on
+
+
+calls = []
+
+
+def logged_score(x):
+    note(x)
+    return (x * x).sum()
+
+
+def note(x):
+    calls.append(1)
+
+
+compiled_logged_score = recompile.function(logged_score)
+
+
+def binary_logged(xs, left, right, i):
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = binary_logged(xs, left, right, left[i])
+        hr, loss_r = binary_logged(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + score(h)
+
+
+def test_a_plain_run_makes_each_calls_effects_once():
+    """The deferred callee calls a Python helper once per instance: once per node of every tree."""
+    compiled = compiled_recursion(binary_logged, score=compiled_logged_score)
+    prog = program(compiled)
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=torch.float64)
+    for k in range(2):
+        calls.clear()
+        _, loss = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+        assert len(calls) == len(left)
+        torch.testing.assert_close(loss, torch.stack([binary_logged(xs, left, right, int(r))[1] for r in roots]))
+        calls.clear()
+    assert prog.plain.runs == 2 and prog.plain.failures == 0

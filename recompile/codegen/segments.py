@@ -147,9 +147,10 @@ class Plain:
     """A level piece's ops (``codegen.levels``) run on plain values: a batched one as its tensor (dim 0 the
     instance, one row too), a shared one as itself, with no Batch on either side. ``kinds`` says which
     inputs are batched (``B``) and which shared (``S``); each kinds gets its own trace, which also gives the
-    kinds of the outputs. Only ops with a raw form: an op the batch rules would run (or a value they would
-    hold) makes the piece untraceable, and a guard that fails raises ``Deopt``; either way the caller runs
-    the piece's batched code instead."""
+    kinds of the outputs. Only ops with a raw form, and ops of nothing batched for one instance: an op the
+    batch rules would run (or a value they would hold) makes the piece untraceable for those kinds
+    (``NotPlain``), and a guard that fails raises ``Deopt``; either way the caller runs the piece's batched
+    code instead."""
 
     def __init__(self, name, ops, inputs, outputs, kernels):
         self.name = name
@@ -159,27 +160,25 @@ class Plain:
         self.kernels = kernels
         self.traces = {}  # input kinds -> (raw function, output kinds)
         self.sources = []
-        self.retraced = 0
+        self.refused = set()  # input kinds it has no plain form for
 
     def __repr__(self):
         return f"<plain piece {self.name}>"
 
     def __call__(self, n, kinds, args):
         """(outputs, their kinds) of the piece on ``args``."""
+        if kinds in self.refused:
+            raise NotPlain(self.name)
         entry = self.traces.get(kinds)
         if entry is not None:
-            try:
-                return entry[0](n, *args), entry[1]
-            except Deopt:  # (the facts it relied on changed: the next call traces it again)
-                del self.traces[kinds]
-                self.retraced += 1
-                raise
-        if self.retraced >= MAX_TRACES or len(self.traces) >= MAX_TRACES:
+            return entry[0](n, *args), entry[1]
+        if len(self.traces) >= MAX_TRACES:
             raise NotPlain(self.name)
         tracer = _Tracer(self, n, args, plain=kinds)
         try:
             source, namespace = tracer.run()
         except _Untraceable:
+            self.refused.add(kinds)
             raise NotPlain(self.name) from None
         exec(compile(source, f"<recompile plain piece {self.name}>", "exec"), namespace)
         self.sources.append(source)
@@ -425,8 +424,13 @@ class _Tracer:
 
     def generic_slot(self, op, fn, fn_slot, args, kwargs):
         """``fn`` run by its batch rule (``batch_rules.call``), inside the raw function."""
-        if not _generic_ok(fn) or self.plain is not None:
+        if not _generic_ok(fn):
             raise _Untraceable
+        if self.plain is not None:  # (no Batch values: only where nothing is batched, for one instance)
+            if any(s.kind != "S" for s in (*args, *kwargs.values())):
+                raise _Untraceable
+            self.emit("if _n != 1: raise _Deopt")
+            return self.shared_call(fn, fn_slot, args, kwargs)
         self.guard_callable(fn, fn_slot)
         fn_name = fn_slot.name if fn_slot is not None else self.const(fn)
         arg_text = "".join(self.as_batch(s) + ", " for s in args)

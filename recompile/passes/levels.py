@@ -161,24 +161,26 @@ def tree_sums(shape, split):
     deferred results over the call tree."""
     post = [op for op in shape.post if split.is_late(op)]
     deferred = {inv.output: k for k, inv in enumerate(split.deferred)}
-    terms = []
+    terms, zeros = [], []
     for p in split.positions:
         found = _addends(split.elements[p], post)
         outs = [x for x in found if x not in deferred]
         if len(outs) != 1 or outs[0] not in shape.cond.outputs:
             return None
         q = list(shape.cond.outputs).index(outs[0])
+        zeros.append([])
         for br, sg, unpacks in zip(shape.branches, shape.cond.subgraphs(), split.unpacks):
             out = sg.outputs[q]
             if br is None:
                 if not _is_zero(out):
                     return None
+                zeros[-1].append(out.value)
                 continue
             wanted = sorted(id(u.outputs[p]) for u in unpacks)
             if sorted(id(x) for x in _addends(out, [op for op in br.up if split.is_late(op)])) != wanted:
                 return None
         terms.append([deferred[x] for x in found if x in deferred])
-    return TreeSums(list(split.positions), terms)
+    return TreeSums(list(split.positions), terms, zeros)
 
 
 def _yields(op, generators):
@@ -211,7 +213,8 @@ class LateSplit:
 
 class TreeSums:
     """Late elements that are sums over the call tree: for each of ``positions``, the indexes (among the
-    split's deferred calls, one per time it is added) of the deferred results it adds up."""
+    split's deferred calls, one per time it is added) of the deferred results it adds up, and the zeros its
+    leaf branches start from (``0`` or ``0.0``: what they add to the result's dtype, as ``0.0 + t``)."""
 
-    def __init__(self, positions, terms):
-        self.positions, self.terms = positions, terms
+    def __init__(self, positions, terms, zeros):
+        self.positions, self.terms, self.zeros = positions, terms, zeros

@@ -91,6 +91,7 @@ class PlainPieces:
         self.pre, self.down, self.up, self.post, self.early, self.deferred = pre, down, up, post, early, deferred
         self.leaves = leaves  # per branch: a leaf branch's own ops (None for an invoking branch)
         self.nargs = sum(a for _, a in deferred)
+        self.refused = set()  # which arguments were batched, in calls a plain run could not hold: not tried again
         self.on = True
         self.failures = 0
         self.runs = 0
@@ -140,19 +141,22 @@ class LevelRun:
 
     def go(self, args, n):
         plain = self.p.plain
-        if plain is not None and plain.on and PLAIN_ENABLED:
+        entry = tuple(type(a) is bt.Batch for a in args)  # (what is batched decides the kinds of every piece)
+        if plain is not None and plain.on and PLAIN_ENABLED and entry not in plain.refused:
             saved = self.snapshot()
             try:
                 result = self.go_plain(args, n)
                 plain.runs += 1
                 return result
             except NotPlain:
-                plain.on = False
+                plain.refused.add(entry)
             except Exception as exc:
                 if getattr(exc, "_recompile_chain", None) is not None:
                     raise  # (a deferred call's error, with its chain: the agenda would raise it again)
-                plain.failures += 1
+                plain.failures += 1  # (a guard that failed, or an error the Batch run raises again)
                 plain.on = plain.failures < PLAIN_FAILURES
+                for piece in plain.pieces():  # (the next call traces them again, for what holds then)
+                    piece.traces.clear()
             self.restore(saved)
         levels, leaf_results = self.descend(args, n)
         result = self.ascend(levels, leaf_results) if self.p.late is None else self.ascend_split(levels, leaf_results)
@@ -287,16 +291,16 @@ class LevelRun:
     def tree_sums(self, n, depth_of, ran, make_roots):
         """The late elements as sums over each call tree (``passes.levels.TreeSums``): each deferred result's
         rows (``run_collected``'s, ``depth_of`` each of its depths) added into the row of their call's root
-        (``make_roots(device)``), by one ``index_add`` where a callee's run serves one deferred call. None
-        where a result is not a floating tensor of one row shape and dtype per element (the second way up
-        then runs instead)."""
+        (``make_roots(device)``), by one ``index_add`` where a callee's run serves one deferred call, in the
+        dtype eager code's ``0.0 + t`` gives. None where a result is not a tensor, or the results an element
+        adds differ in row shape or dtype (the second way up then runs instead)."""
         parts = {}  # deferred index -> [(rows, the depths (positions in depth_of) they are of, in order)]
         for entries, value, _ in ran:
             if isinstance(value, torch.Tensor):  # (one value for every row: one row, or shared by all)
                 t = value.unsqueeze(0).expand(sum(count for _, _, count in entries), *value.shape)
             else:
                 t = bt.tensor_of(value) if type(value) is bt.Batch else None
-            if t is None or not (t.is_floating_point() or t.is_complex()):
+            if t is None:
                 return None
             if len({j for _, j, _ in entries}) == 1:
                 parts.setdefault(entries[0][1], []).append((t, [d for d, _, _ in entries]))
@@ -306,18 +310,22 @@ class LevelRun:
                 parts.setdefault(j, []).append((t.narrow(0, start, count), [d]))
                 start += count
         roots, totals = None, []
-        for terms in self.p.late.sums.terms:
+        sums = self.p.late.sums
+        for terms, zeros in zip(sums.terms, sums.zeros):
             total = None
             for j in terms:
                 for t, depths in parts[j]:
                     if total is None:
-                        total = t.new_zeros((n, *t.shape[1:]))
+                        dtype = t.dtype
+                        for z in zeros:  # (every call tree has a leaf: its zero is in every sum, 0.0 + t)
+                            dtype = torch.result_type(t[:0], z)
+                        total, shape = t.new_zeros((n, *t.shape[1:]), dtype=dtype), (t.shape[1:], t.dtype)
                         roots = roots or make_roots(t.device)
-                    elif t.shape[1:] != total.shape[1:] or t.dtype != total.dtype:
-                        return None
+                    elif (t.shape[1:], t.dtype) != shape:
+                        return None  # (a sum of different dtypes or shapes: broadcast and promoted one by one)
                     index = torch.cat([roots[depth_of[d]] for d in depths]) if len(depths) > 1 else \
                         roots[depth_of[depths[0]]]
-                    total = total.index_add(0, index, t)
+                    total = total.index_add(0, index, t.to(dtype))
             totals.append(bt.from_tensor(total))
         self.p.summed += 1
         return totals
