@@ -386,7 +386,7 @@ class LevelRun:
             sides, children = [], []
             for which, index, c in _plain_split(count, out[0], ok[0]):
                 side = cargs if index is None else \
-                    tuple(v.index_select(0, index) if k == "B" else v for v, k in zip(cargs, ckinds))
+                    tuple(v.index_select(0, index.to(v.device)) if k == "B" else v for v, k in zip(cargs, ckinds))
                 d = p.branches[which]
                 if d is None:
                     leaves[which].append((side, ckinds, c))
@@ -628,10 +628,18 @@ def _plain_column(column):
     if all(k == "S" and v is first for v, k, _ in column):
         return first, "S"
     rows = [_plain_rows(v, k, c) for v, k, c in column]
-    head = rows[0]
-    if any(r.dtype != head.dtype or r.shape[1:] != head.shape[1:] or r.device != head.device for r in rows):
+    if not _same_rows(rows):
         raise NotPlain("instances of different shapes or dtypes")  # (Batch values keep them apart)
     return torch.cat(rows), "B"
+
+
+def _same_rows(rows):
+    head = rows[0]
+    dtype, shape, device = head.dtype, head.shape[1:], head.device
+    for r in rows[1:]:
+        if r.dtype is not dtype or r.shape[1:] != shape or r.device != device:
+            return False
+    return True
 
 
 def _plain_concat(parts):
@@ -646,12 +654,17 @@ def _plain_join(parts):
     """The cond's sides' outputs [(index, count, values, kinds)] back in instance order: (values, kinds)."""
     if len(parts) == 1:
         return parts[0][2], parts[0][3]
-    inverse = torch.argsort(torch.cat([index for index, *_ in parts]))
-    out = []
-    for j in range(len(parts[0][2])):
-        v, k = _plain_column([(p[2][j], p[3][j], p[1]) for p in parts])
-        out.append((v.index_select(0, inverse.to(v.device)) if k == "B" else v, k))
-    return tuple(v for v, _ in out), tuple(k for _, k in out)
+    (index_a, count_a, values_a, kinds_a), (index_b, count_b, values_b, kinds_b) = parts  # (a cond's two sides)
+    inverse = torch.argsort(torch.cat([index_a, index_b]))
+    values, kinds = [], []
+    for a, b, kind_a, kind_b in zip(values_a, values_b, kinds_a, kinds_b):
+        if kind_a == "B" and kind_b == "B" and _same_rows((a, b)):
+            v, k = torch.cat((a, b)), "B"
+        else:
+            v, k = _plain_column(((a, kind_a, count_a), (b, kind_b, count_b)))
+        values.append(v.index_select(0, inverse.to(v.device)) if k == "B" else v)
+        kinds.append(k)
+    return tuple(values), tuple(kinds)
 
 
 def _plain_cut(values, kinds, counts):
