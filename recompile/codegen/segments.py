@@ -427,7 +427,7 @@ class _Tracer:
         if not _generic_ok(fn):
             raise _Untraceable
         if self.plain is not None:  # (no Batch values: only where nothing is batched, for one instance)
-            if any(s.kind != "S" for s in (*args, *kwargs.values())):
+            if self.n != 1 or any(s.kind != "S" for s in (*args, *kwargs.values())):
                 raise _Untraceable
             self.emit("if _n != 1: raise _Deopt")
             return self.shared_call(fn, fn_slot, args, kwargs)
