@@ -481,7 +481,7 @@ def test_late_elements_that_only_add_up_are_summed_by_each_calls_root(fn, terms,
     before = prog.summed
     got = run()
     assert prog.summed - before == (1 if summed else 0)
-    with switched(levels, True):
+    with switched(levels, True), plain_enabled(False):  # (the second way up: on Batch values)
         saved, prog.late.sums = prog.late.sums, None
         try:
             second_way_up = run()
@@ -657,16 +657,48 @@ def binary_logged(xs, left, right, i):
     return h, loss + score(h)
 
 
-def test_a_plain_run_makes_each_calls_effects_once():
-    """The deferred callee calls a Python helper once per instance: once per node of every tree."""
-    compiled = compiled_recursion(binary_logged, score=compiled_logged_score)
+def logged_count(x):
+    note(x)
+    return (x > 0).sum()
+
+
+compiled_logged_count = recompile.function(logged_count)
+
+
+def binary_logged_mixed(xs, left, right, i):
+    """An int and a float deferred result in one sum: not one index_add (their dtypes differ), summed depth by
+    depth instead, still in the plain run."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0
+    else:
+        hl, loss_l = binary_logged_mixed(xs, left, right, left[i])
+        hr, loss_r = binary_logged_mixed(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + count(h) + score(h)
+
+
+@pytest.mark.parametrize("fn, per_node", [(binary_logged, 1), (binary_logged_mixed, 2)])
+def test_a_plain_run_makes_each_calls_effects_once(fn, per_node):
+    """The deferred callees call a Python helper once per instance: once per node of every tree, in a vmap and
+    in a plain call of one tree."""
+    compiled = compiled_recursion(fn, fusion=False, score=compiled_logged_score, count=compiled_logged_count)
     prog = program(compiled)
+    assert prog.plain is not None
     left, right, roots = forest_of_trees()
     xs = torch.randn(len(left), 3, dtype=torch.float64)
-    for k in range(2):
+    eager = [fn(xs, left, right, int(r))[1] for r in roots]
+    sizes = torch.diff(roots, append=torch.tensor([len(left)])).tolist()  # (each tree's nodes are consecutive)
+    for _ in range(2):
         calls.clear()
         _, loss = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
-        assert len(calls) == len(left)
-        torch.testing.assert_close(loss, torch.stack([binary_logged(xs, left, right, int(r))[1] for r in roots]))
-        calls.clear()
-    assert prog.plain.runs == 2 and prog.plain.failures == 0
+        assert len(calls) == per_node * len(left)
+        torch.testing.assert_close(loss, torch.stack(eager))
+        for r, size, want in zip(roots.tolist(), sizes, eager):
+            calls.clear()
+            _, got = compiled(xs, left, right, r)
+            assert len(calls) == per_node * size and got.dtype == want.dtype
+            torch.testing.assert_close(got, want)
+    calls.clear()
+    assert prog.plain.runs == 2 * (1 + len(roots)) and prog.plain.failures == 0 and prog.fallbacks == 0

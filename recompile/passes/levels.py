@@ -171,10 +171,10 @@ def tree_sums(shape, split):
         zeros.append([])
         for br, sg, unpacks in zip(shape.branches, shape.cond.subgraphs(), split.unpacks):
             out = sg.outputs[q]
+            zeros[-1].append(out.value if br is None and _is_zero(out) else None)
             if br is None:
-                if not _is_zero(out):
+                if zeros[-1][-1] is None:
                     return None
-                zeros[-1].append(out.value)
                 continue
             wanted = sorted(id(u.outputs[p]) for u in unpacks)
             if sorted(id(x) for x in _addends(out, [op for op in br.up if split.is_late(op)])) != wanted:
@@ -213,8 +213,9 @@ class LateSplit:
 
 class TreeSums:
     """Late elements that are sums over the call tree: for each of ``positions``, the indexes (among the
-    split's deferred calls, one per time it is added) of the deferred results it adds up, and the zeros its
-    leaf branches start from (``0`` or ``0.0``: what they add to the result's dtype, as ``0.0 + t``)."""
+    split's deferred calls, one per time it is added) of the deferred results it adds up, and per branch the
+    zero a leaf branch starts from (``0`` or ``0.0``: what it adds to the result's dtype, as ``0.0 + t``;
+    None for an invoking branch)."""
 
     def __init__(self, positions, terms, zeros):
         self.positions, self.terms, self.zeros = positions, terms, zeros

@@ -28,6 +28,7 @@ again is safe).
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 
@@ -138,6 +139,7 @@ class LevelRun:
         self.agenda = agenda_run
         self.pending = {}  # deferred unit -> [(cell, args, count, site)]
         self.collected = None  # with a late split: the requests of the ``post`` running (``collect``)
+        self.effects_ran = False  # (a plain run) the deferred calls ran: it is not run again on Batch values
 
     def go(self, args, n):
         plain = self.p.plain
@@ -151,8 +153,8 @@ class LevelRun:
             except NotPlain:
                 plain.refused.add(entry)
             except Exception as exc:
-                if getattr(exc, "_recompile_chain", None) is not None:
-                    raise  # (a deferred call's error, with its chain: the agenda would raise it again)
+                if self.effects_ran or getattr(exc, "_recompile_chain", None) is not None:
+                    raise  # (the deferred calls ran: the agenda runs the call again and raises it, as for a Batch run)
                 plain.failures += 1  # (a guard that failed, or an error the Batch run raises again)
                 plain.on = plain.failures < PLAIN_FAILURES
                 for piece in plain.pieces():  # (the next call traces them again, for what holds then)
@@ -318,7 +320,8 @@ class LevelRun:
                     if total is None:
                         dtype = t.dtype
                         for z in zeros:  # (every call tree has a leaf: its zero is in every sum, 0.0 + t)
-                            dtype = torch.result_type(t[:0], z)
+                            if z is not None:
+                                dtype = torch.result_type(t[:0], z)
                         total, shape = t.new_zeros((n, *t.shape[1:]), dtype=dtype), (t.shape[1:], t.dtype)
                         roots = roots or make_roots(t.device)
                     elif (t.shape[1:], t.dtype) != shape:
@@ -359,10 +362,11 @@ class LevelRun:
         elements = [bt.from_tensor(v) if k == "B" else v for v, k in zip(*top)]
         if p.late is None:
             return elements[0]
+        self.effects_ran = True  # (what fails from here on is not run again on Batch values: the calls' effects)
         ran = self.run_deferred_plain(deferred)
         lates = self.tree_sums(n, [at for at, _ in deferred], ran, lambda device: _plain_roots(p, levels, device))
         if lates is None:
-            raise NotPlain("a deferred result that is not a floating tensor")  # (the Batch run sums it)
+            lates = self.sums_by_depth(levels, deferred, ran)
         result = [None] * p.late.size
         for j, v in zip(p.late.early, elements):
             result[j] = v
@@ -467,6 +471,40 @@ class LevelRun:
             ran.append(([(d, j, c) for d, j, _, _, c in entries], self.run_group(unit, [(args, total)], target,
                                                                                  cut=False), unit.arity > 1))
         return ran
+
+    def sums_by_depth(self, levels, deferred, ran):
+        """The tree sums of a plain run where ``tree_sums`` cannot add them at once (results that are not
+        tensors, or of different row shapes or dtypes): up depth by depth on Batch values, each late element
+        a leaf's zero or its calls' same elements added, then the node's deferred results, one ``+`` at a
+        time as eager code adds them."""
+        p, sums = self.p, self.p.late.sums
+        answers = _answers([p.plain.deferred] * len(deferred), ran)
+        below = None
+        for d, (at, _) in enumerate(deferred):
+            count, sides, _, _, _ = levels[at]
+            parts = []
+            for which, index, c, _ in sides:
+                positions = list(range(count)) if index is None else index.tolist()
+                if p.branches[which] is None:
+                    parts.append(([zeros[which] for zeros in sums.zeros], positions))
+                    continue
+                kids = [next(below) for _ in p.branches[which].arities]
+                summed = []
+                for e in range(len(sums.terms)):
+                    v = kids[0][e]
+                    for kid in kids[1:]:
+                        v = batch_rules.call(c, operator.add, (v, kid[e]))
+                    summed.append(v)
+                parts.append((summed, positions))
+            values = []
+            for e, terms in enumerate(sums.terms):
+                v = parts[0][0][e] if len(parts) == 1 else bt.join(count, [(part[e], pos) for part, pos in parts])
+                for j in terms:
+                    v = batch_rules.call(count, operator.add, (v, answers[d][j]))
+                values.append(v)
+            if at:
+                below = iter(_rows(values, levels[at - 1][4]))
+        return values
 
     def note(self, unit, count):
         self.agenda.record(unit, count)
