@@ -26,8 +26,8 @@ node) over a minibatch of trees:
   runtime/agenda.py), written out by hand as plain tensor code with no
   runtime: the descent depth by depth through ``is_leaf``/``left``/``right``,
   the leaf branch once for every leaf, the internal-node branch once per
-  depth with the ``if``'s join, the node losses once and the per-tree loss
-  chain. It issues about the fewest tensor ops an executor of the program as
+  depth with the ``if``'s join, the node losses once and each tree's loss
+  summed into its root's row at once (a tree sum, runtime/levels.py). It issues about the fewest tensor ops an executor of the program as
   written can, so "sched/hand" is about the most recompile's runtime could
   reach with no overhead of its own, and "rec/sched" what that overhead
   costs.
@@ -172,17 +172,19 @@ def program_schedule(model, forest):
     """(h, c, loss) per tree of ``forest``, computed as recompile's batched runtime schedules
     ``TreeLSTM.encode`` (one batch per depth; leaves and node losses once), with every value a plain
     tensor and no bookkeeping but what the schedule needs."""
-    # Descent: the roots, then each depth's internal nodes' left children followed by their right ones.
-    i, depths, leaf_rows = forest.roots, [], []
+    # Descent: the roots, then each depth's internal nodes' left children followed by their right ones;
+    # ``root``: the tree (its root's row) of each node of the depth.
+    i, root, depths, leaf_rows = forest.roots, torch.arange(forest.roots.numel()), [], []
     while i.numel():
         leaf = forest.is_leaf[i]
         inner = ~leaf
         at_leaf, at_inner = i[leaf], i[inner]
         # join order: this depth's leaves, then its internal nodes; ``back`` restores the depth's order
         back = torch.argsort(torch.cat([leaf.nonzero().squeeze(1), inner.nonzero().squeeze(1)]))
-        depths.append((i, at_leaf.numel(), at_inner.numel(), back))
+        depths.append((i, at_leaf.numel(), at_inner.numel(), back, root))
         leaf_rows.append(at_leaf)
         i = torch.cat([forest.left[at_inner], forest.right[at_inner]])
+        root = root[inner].repeat(2)
     # The leaf branch, once for the leaves of every depth.
     ig, og_leaf, u = torch.chunk(model.leaf(model.embed(forest.words[torch.cat(leaf_rows)])), 3, dim=-1)
     c_leaf = torch.sigmoid(ig) * torch.tanh(u)
@@ -191,7 +193,7 @@ def program_schedule(model, forest):
     # Ascent, deepest first: the depth below holds the left children's rows, then the right ones'.
     hs, labels, below = [], [], None
     for d in range(len(depths) - 1, -1, -1):
-        i, leaves, inner, back = depths[d]
+        i, leaves, inner, back, _ = depths[d]
         og, c = og_leaf[d], c_leaf[d]
         if inner:
             h_below, c_below = below
@@ -204,19 +206,11 @@ def program_schedule(model, forest):
         hs.append(h)
         labels.append(forest.labels[i])
         below = (h, c)
-    # The node losses, once; then each tree's sum, depth by depth as the program adds it up.
-    node_loss = torch.split(F.cross_entropy(model.out(torch.cat(hs)), torch.cat(labels), reduction="none"),
-                            [len(h) for h in hs])
-    loss = None
-    for k, d in enumerate(range(len(depths) - 1, -1, -1)):
-        _, leaves, inner, back = depths[d]
-        if inner:
-            summed = loss[:inner] + loss[inner:]
-            if leaves:
-                summed = torch.cat([summed.new_zeros(leaves), summed]).index_select(0, back)
-            loss = summed + node_loss[k]
-        else:
-            loss = node_loss[k]
+    # The node losses, once; each tree's loss (a tree sum: 0.0 at a leaf, loss_l + loss_r, + node_loss) is
+    # their sum over its nodes, added into its root's row at once.
+    node_loss = F.cross_entropy(model.out(torch.cat(hs)), torch.cat(labels), reduction="none")
+    roots = torch.cat([depths[d][4] for d in range(len(depths) - 1, -1, -1)])
+    loss = node_loss.new_zeros(forest.roots.numel()).index_add(0, roots, node_loss)
     return hs[-1], below[1], loss
 
 
