@@ -672,10 +672,10 @@ def _plain_column(column):
 
 
 def _same_rows(rows):
-    head = rows[0]
-    dtype, shape, device = head.dtype, head.shape[1:], head.device
-    for r in rows[1:]:
-        if r.dtype is not dtype or r.shape[1:] != shape or r.device != device:
+    """Whether ``cat`` of ``rows`` keeps each row's dtype (different shapes or devices it refuses itself)."""
+    dtype = rows[0].dtype
+    for r in rows:
+        if r.dtype is not dtype:
             return False
     return True
 
@@ -684,8 +684,26 @@ def _plain_concat(parts):
     """Arguments [(values, kinds, count)] of several requests as one batch: (values, kinds)."""
     if len(parts) == 1:
         return parts[0][0], parts[0][1]
+    if len(parts) == 2 and parts[0][1] == parts[1][1]:  # (a node's two calls, their arguments alike)
+        values = _concat_alike(parts[0][0], parts[1][0], parts[0][1])
+        if values is not None:
+            return values, parts[0][1]
     out = [_plain_column([(p[0][j], p[1][j], p[2]) for p in parts]) for j in range(len(parts[0][0]))]
     return tuple(v for v, _ in out), tuple(k for _, k in out)
+
+
+def _concat_alike(values_a, values_b, kinds):
+    """``values_a`` then ``values_b`` (of the same ``kinds``): batched tensors of one dtype concatenated, one
+    shared value kept; None where a position is neither."""
+    out = []
+    for a, b, k in zip(values_a, values_b, kinds):
+        if k == "B" and a.dtype is b.dtype:
+            out.append(torch.cat((a, b)))
+        elif k == "S" and a is b:
+            out.append(a)
+        else:
+            return None
+    return tuple(out)
 
 
 def _plain_join(parts):
