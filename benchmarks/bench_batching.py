@@ -27,10 +27,10 @@ node) over a minibatch of trees:
   runtime: the descent depth by depth through ``is_leaf``/``left``/``right``,
   the leaf branch once for every leaf, the internal-node branch once per
   depth with the ``if``'s join, the node losses once and each tree's loss
-  summed into its root's row at once (a tree sum, runtime/levels.py). It issues about the fewest tensor ops an executor of the program as
-  written can, so "sched/hand" is about the most recompile's runtime could
-  reach with no overhead of its own, and "rec/sched" what that overhead
-  costs.
+  summed into its root's row at once (a tree sum, runtime/levels.py). It
+  issues about the fewest tensor ops an executor of the program as written
+  can, so "sched/hand" is about the most recompile's runtime could reach with
+  no overhead of its own, and "rec/sched" what that overhead costs.
 
 Before timing, hand-batched, schedule and recompile are checked against eager in
 float64 on a few trees (loss and every parameter gradient). Then, for each

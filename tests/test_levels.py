@@ -9,7 +9,6 @@ agenda (a failed level run is run again by the agenda, which would hide it).
 
 from __future__ import annotations
 
-import contextlib
 import traceback
 
 import pytest
@@ -330,11 +329,9 @@ def count(x):
     return (x > 0).sum()
 
 
-compiled_vector, compiled_count = recompile.function(vector), recompile.function(count)
-
-
 def binary(xs, left, right, i):
-    """A loss summing a deferred call per node of a binary tree: a tree sum."""
+    """A loss summing a deferred call per node of a binary tree: a tree sum (``score`` is the callee the test
+    gives it: a scalar, a vector, or an int per node, which ``0.0 +`` makes a float)."""
     if left[i] < 0:
         h = torch.tanh(xs[i])
         loss = 0.0
@@ -362,43 +359,19 @@ def binary_twice(xs, left, right, i):
     return h, s + (loss + score(h)) + s
 
 
-def binary_rows(xs, left, right, i):
-    """The deferred result is a vector per node: the sum has its shape."""
-    if left[i] < 0:
-        h = torch.tanh(xs[i])
-        loss = 0.0
-    else:
-        hl, loss_l = binary_rows(xs, left, right, left[i])
-        hr, loss_r = binary_rows(xs, left, right, right[i])
-        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
-        loss = loss_l + loss_r
-    return h, loss + vector(h)
-
-
-def binary_counts(xs, left, right, i):
-    """An integer result, summed in the dtype eager code gives it: ``0 + t`` an int tensor, ``0.0 + t`` a float
-    one (``binary_counts_float``)."""
+def binary_mixed(xs, left, right, i):
+    """An int zero, and an int and a float deferred result in one sum (compiled without fusion): 0 + an int
+    count is an int, and the float score makes the sum a float; not one index_add (the results' dtypes
+    differ), summed depth by depth."""
     if left[i] < 0:
         h = torch.tanh(xs[i])
         loss = 0
     else:
-        hl, loss_l = binary_counts(xs, left, right, left[i])
-        hr, loss_r = binary_counts(xs, left, right, right[i])
+        hl, loss_l = binary_mixed(xs, left, right, left[i])
+        hr, loss_r = binary_mixed(xs, left, right, right[i])
         h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
         loss = loss_l + loss_r
-    return h, loss + count(h)
-
-
-def binary_counts_float(xs, left, right, i):
-    if left[i] < 0:
-        h = torch.tanh(xs[i])
-        loss = 0.0
-    else:
-        hl, loss_l = binary_counts_float(xs, left, right, left[i])
-        hr, loss_r = binary_counts_float(xs, left, right, right[i])
-        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
-        loss = loss_l + loss_r
-    return h, loss + count(h)
+    return h, loss + count(h) + score(h)
 
 
 def binary_one(xs, left, right, i):
@@ -427,13 +400,26 @@ def binary_left(xs, left, right, i):
     return h, loss + score(h)
 
 
-def compiled_recursion(fn, fusion=True, **callees):
-    """``fn`` compiled, calling itself and the compiled ``score``, ``vector``, ``count`` (or ``callees``)."""
-    namespace = dict(fn.__globals__, **{"score": compiled_score, "vector": compiled_vector, "count": compiled_count,
-                                        **callees})
-    compiled = recompile.function(type(fn)(fn.__code__, namespace, fn.__name__), fusion=fusion)
-    namespace[fn.__name__] = compiled
-    return compiled
+def recursion(fn, compiled=True, fusion=True, **callees):
+    """``fn`` calling itself and ``callees`` by name (``score=vector``; by default ``score`` and ``count``):
+    each compiled, or with ``compiled`` False the plain functions, for eager references."""
+    callees = {"score": score, "count": count, **callees}
+    namespace = dict(fn.__globals__)
+    for name, callee in callees.items():
+        namespace[name] = _compiled_callee(callee) if compiled else callee
+    this = type(fn)(fn.__code__, namespace, fn.__name__)
+    namespace[fn.__name__] = recompile.function(this, fusion=fusion) if compiled else this
+    return namespace[fn.__name__]
+
+
+_callees = {score: compiled_score}
+
+
+def _compiled_callee(fn):
+    """One compiled function per callee for the whole module (its stats carry the callee's name)."""
+    if fn not in _callees:
+        _callees[fn] = recompile.function(fn)
+    return _callees[fn]
 
 
 def forest_of_trees():
@@ -455,14 +441,17 @@ def forest_of_trees():
     return torch.tensor(left), torch.tensor(right), torch.tensor(roots)
 
 
-@pytest.mark.parametrize("fn, terms, summed", [
-    (binary, [[0]], True), (binary_twice, [[0, 0, 1]], True), (binary_rows, [[0]], True),
-    (binary_counts, [[0]], True), (binary_counts_float, [[0]], True), (binary_one, None, False), (binary_left, None, False), (scored, None, False)])
-def test_late_elements_that_only_add_up_are_summed_by_each_calls_root(fn, terms, summed):
+@pytest.mark.parametrize("fn, callee, terms, summed", [
+    (binary, score, [[0]], True), (binary_twice, score, [[0, 0, 1]], True), (binary, vector, [[0]], True),
+    (binary, count, [[0]], True), (binary_mixed, score, [[0, 1]], True), (binary_one, score, None, False),
+    (binary_left, score, None, False), (scored, score, None, False)])
+def test_late_elements_that_only_add_up_are_summed_by_each_calls_root(fn, callee, terms, summed):
     """A late element made only of ``+``: the deferred results, the children's same element, a leaf's zero, is
-    the sum of the deferred results over the call tree, added into each root's row at once. It matches the
-    second way up (the agenda too) and eager, values, dtype and gradients."""
-    compiled = compiled_recursion(fn, fusion=fn is not binary_twice)
+    the sum of the deferred results over the call tree, added into each root's row at once (depth by depth
+    where the results differ in dtype). It matches the second way up (the agenda too) and eager, values,
+    dtype and gradients."""
+    compiled = recursion(fn, fusion=fn not in (binary_twice, binary_mixed), score=callee)
+    eager = recursion(fn, compiled=False, score=callee)
     prog = program(compiled)
     assert ([sorted(t) for t in prog.late.sums.terms] if prog.late.sums is not None else None) == terms
     left, right, roots = forest_of_trees()
@@ -480,7 +469,7 @@ def test_late_elements_that_only_add_up_are_summed_by_each_calls_root(fn, terms,
 
     before = prog.summed
     got = run()
-    assert prog.summed - before == (1 if summed else 0)
+    assert prog.summed - before == (1 if summed and fn is not binary_mixed else 0)
     with switched(levels, True), plain_enabled(False):  # (the second way up: on Batch values)
         saved, prog.late.sums = prog.late.sums, None
         try:
@@ -490,8 +479,8 @@ def test_late_elements_that_only_add_up_are_summed_by_each_calls_root(fn, terms,
     with levels_enabled(False):
         agenda = run()
     xs.grad = None
-    eager = [fn(xs, *args, int(i)) for i in starts]
-    h, loss = torch.stack([e[0] for e in eager]), torch.stack([torch.as_tensor(e[1]) for e in eager])
+    outs = [eager(xs, *args, int(i)) for i in starts]
+    h, loss = torch.stack([e[0] for e in outs]), torch.stack([torch.as_tensor(e[1]) for e in outs])
     (h.sum() + (loss.sum() if loss.is_floating_point() else 0)).backward()
     for want in (second_way_up, agenda, ((h.detach(), loss.detach()), {"xs": xs.grad.clone()})):
         assert got[0][1].dtype == want[0][1].dtype
@@ -499,13 +488,12 @@ def test_late_elements_that_only_add_up_are_summed_by_each_calls_root(fn, terms,
     assert prog.fallbacks == 0
     compiled.stats.reset()
     run()
-    callee = {binary_rows: "vector", binary_counts: "count", binary_counts_float: "count"}.get(fn, "score")
-    assert compiled.stats["batches"][callee]["runs"] == 1  # (once for every depth, summed or not)
+    assert compiled.stats["batches"][callee.__name__]["runs"] == 1  # (once for every depth, summed or not)
 
 
 def test_a_tree_sum_of_one_instance_and_of_a_lone_leaf():
     """A plain call (one instance) and a one-instance vmap of each tree, a lone leaf among them, sum as eager."""
-    compiled = compiled_recursion(binary)
+    compiled = recursion(binary)
     prog = program(compiled)
     left, right, roots = forest_of_trees()
     xs = torch.randn(len(left), 3, dtype=torch.float64)
@@ -521,16 +509,7 @@ def test_a_tree_sum_of_one_instance_and_of_a_lone_leaf():
 
 
 def plain_enabled(on):
-    return contextlib.contextmanager(lambda: (yield))() if on is None else _plain_switch(on)
-
-
-@contextlib.contextmanager
-def _plain_switch(on):
-    saved, levels.PLAIN_ENABLED = levels.PLAIN_ENABLED, on
-    try:
-        yield
-    finally:
-        levels.PLAIN_ENABLED = saved
+    return switched(levels, on, "PLAIN_ENABLED")
 
 
 def three_ways(call):
@@ -551,7 +530,7 @@ def test_plain_runs_match_batch_values_and_the_agenda():
     model = TreeLSTM(len(WORDS) + 1, embed=5, hidden=4).double()
     forest = Forest.from_trees(trees())
     cases = [(program(TreeLSTM.encode, TreeLSTM), lambda: run_forest(model, forest))]
-    compiled = compiled_recursion(binary)
+    compiled = recursion(binary)
     left, right, roots = forest_of_trees()
     xs = torch.randn(len(left), 3, dtype=torch.float64, requires_grad=True)
 
@@ -633,62 +612,32 @@ def test_a_failed_guard_runs_that_call_on_batch_values_and_the_next_traces_again
 calls = []
 
 
-def logged_score(x):
-    note(x)
-    return (x * x).sum()
-
-
-def note(x):
+def note():
+    """An undecorated helper with an effect (the callees' own ``calls.append`` would be an in-place change,
+    which keeps a call from being deferred)."""
     calls.append(1)
 
 
-compiled_logged_score = recompile.function(logged_score)
-
-
-def binary_logged(xs, left, right, i):
-    if left[i] < 0:
-        h = torch.tanh(xs[i])
-        loss = 0.0
-    else:
-        hl, loss_l = binary_logged(xs, left, right, left[i])
-        hr, loss_r = binary_logged(xs, left, right, right[i])
-        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
-        loss = loss_l + loss_r
-    return h, loss + score(h)
+def logged_score(x):
+    note()
+    return (x * x).sum()
 
 
 def logged_count(x):
-    note(x)
+    note()
     return (x > 0).sum()
 
 
-compiled_logged_count = recompile.function(logged_count)
-
-
-def binary_logged_mixed(xs, left, right, i):
-    """An int and a float deferred result in one sum: not one index_add (their dtypes differ), summed depth by
-    depth instead, still in the plain run."""
-    if left[i] < 0:
-        h = torch.tanh(xs[i])
-        loss = 0
-    else:
-        hl, loss_l = binary_logged_mixed(xs, left, right, left[i])
-        hr, loss_r = binary_logged_mixed(xs, left, right, right[i])
-        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
-        loss = loss_l + loss_r
-    return h, loss + count(h) + score(h)
-
-
-@pytest.mark.parametrize("fn, per_node", [(binary_logged, 1), (binary_logged_mixed, 2)])
+@pytest.mark.parametrize("fn, per_node", [(binary, 1), (binary_mixed, 2)])
 def test_a_plain_run_makes_each_calls_effects_once(fn, per_node):
-    """The deferred callees call a Python helper once per instance: once per node of every tree, in a vmap and
-    in a plain call of one tree."""
-    compiled = compiled_recursion(fn, fusion=False, score=compiled_logged_score, count=compiled_logged_count)
+    """The deferred callees make an effect once per instance: once per node of every tree, in a vmap and in a
+    plain call of one tree (also where the sum goes depth by depth, after the callees ran)."""
+    compiled = recursion(fn, fusion=False, score=logged_score, count=logged_count)
     prog = program(compiled)
     assert prog.plain is not None
     left, right, roots = forest_of_trees()
     xs = torch.randn(len(left), 3, dtype=torch.float64)
-    eager = [fn(xs, left, right, int(r))[1] for r in roots]
+    eager = [recursion(fn, compiled=False)(xs, left, right, int(r))[1] for r in roots]
     sizes = torch.diff(roots, append=torch.tensor([len(left)])).tolist()  # (each tree's nodes are consecutive)
     for _ in range(2):
         calls.clear()
@@ -700,5 +649,4 @@ def test_a_plain_run_makes_each_calls_effects_once(fn, per_node):
             _, got = compiled(xs, left, right, r)
             assert len(calls) == per_node * size and got.dtype == want.dtype
             torch.testing.assert_close(got, want)
-    calls.clear()
     assert prog.plain.runs == 2 * (1 + len(roots)) and prog.plain.failures == 0 and prog.fallbacks == 0

@@ -50,13 +50,14 @@ def model_class(raw):
 
 
 @contextlib.contextmanager
-def switched(module, on):
-    """``module.ENABLED`` set to ``on`` for the block (segments, level programs)."""
-    saved, module.ENABLED = module.ENABLED, on
+def switched(module, on, flag="ENABLED"):
+    """``module.ENABLED`` (or another ``flag``) set to ``on`` for the block (segments, level programs)."""
+    saved = getattr(module, flag)
+    setattr(module, flag, on)
     try:
         yield
     finally:
-        module.ENABLED = saved
+        setattr(module, flag, saved)
 
 
 def segments_enabled(on):

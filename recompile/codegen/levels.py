@@ -52,14 +52,33 @@ def _defined(inputs, ops):
     return out
 
 
+def _post_live(shape):
+    """What ``post`` reads of the function's inputs and ``pre``'s values (the cond's outputs apart), in order."""
+    after = _values(list(shape.cond.outputs))
+    return [v for v in _live(shape.post, _values(shape.sg.outputs), _defined(shape.sg.inputs, shape.pre))
+            if v not in after]
+
+
+def _branch_values(br):
+    """An invoking branch's calls' arguments, and what its ``up`` reads of its inputs and ``down``'s values."""
+    invoke_outs = [inv.output for inv in br.invokes]
+    up_live = [v for v in _live(br.up, _values(br.sg.outputs), _defined(br.sg.inputs, br.down))
+               if v not in invoke_outs]
+    return [a for inv in br.invokes for a in inv.args], up_live
+
+
+def _early_inputs(split, k):
+    """With a late split, the elements of branch ``k``'s calls' results that are not late, call by call."""
+    return [u.outputs[j] for u in split.unpacks[k] for j in range(len(split.elements)) if j not in split.positions]
+
+
 def emit_pieces(emitter_class, module, gen, batch_plan, shape):
     """Emit ``shape``'s pieces; returns (emitter holding their FunctionDefs, build(namespace) -> LevelProgram)."""
     em = emitter_class(module, gen, batch_plan)
     sg, cond, split = shape.sg, shape.cond, shape.split
     base = gen.fn_name[sg]
     after = _values(list(cond.outputs))
-    post_live = _live(shape.post, _values(sg.outputs), _defined(sg.inputs, shape.pre))
-    post_live = [v for v in post_live if v not in after]
+    post_live = _post_live(shape)
     pre_out = [cond.pred, *cond.args, *post_live]
     names = {"pre": em.piece(f"{base}_lv_pre", sg, shape.pre, list(sg.inputs), pre_out)}
     if split is None:
@@ -77,17 +96,15 @@ def emit_pieces(emitter_class, module, gen, batch_plan, shape):
         if br is None:
             branch_info.append(None)
             continue
-        invoke_outs = [inv.output for inv in br.invokes]
-        up_live = [v for v in _live(br.up, _values(br.sg.outputs), _defined(br.sg.inputs, br.down))
-                   if v not in invoke_outs]
-        args = [a for inv in br.invokes for a in inv.args]
+        args, up_live = _branch_values(br)
         down = em.piece(f"{base}_lv_down{k}", br.sg, br.down, list(br.sg.inputs), args + up_live)
         if split is None:
-            up = em.piece(f"{base}_lv_up{k}", br.sg, br.up, up_live + invoke_outs, list(br.sg.outputs))
+            up = em.piece(f"{base}_lv_up{k}", br.sg, br.up, up_live + [inv.output for inv in br.invokes],
+                          list(br.sg.outputs))
             branch_info.append((down, up, None, [len(inv.args) for inv in br.invokes]))
             continue
         unpacks = split.unpacks[k]
-        early_in = [u.outputs[j] for u in unpacks for j in range(len(split.elements)) if j not in split.positions]
+        early_in = _early_inputs(split, k)
         late_in = [u.outputs[j] for u in unpacks for j in split.positions]
         up, up_late = _halves(em, f"{base}_lv_up{k}", br.sg, [op for op in br.up if op not in unpacks], split,
                               up_live + early_in, list(br.sg.outputs), late_in, at_late=split.late_outputs)
@@ -149,7 +166,7 @@ def _plain_pieces(em, shape):
 
     base = em.gen.fn_name[sg]
     after = _values(list(cond.outputs))
-    post_live = [v for v in _live(shape.post, _values(sg.outputs), _defined(sg.inputs, shape.pre)) if v not in after]
+    post_live = _post_live(shape)
     pre = piece(f"{base}_lv_pre", shape.pre, list(sg.inputs), [cond.pred, *cond.args, *post_live])
     early = list(range(len(cond.outputs))) if split is None else \
         [j for j in range(len(cond.outputs)) if j not in split.late_outputs]
@@ -169,17 +186,13 @@ def _plain_pieces(em, shape):
             downs.append(None)
             ups.append(None)
             continue
-        invoke_outs = [inv.output for inv in br.invokes]
-        up_live = [v for v in _live(br.up, _values(br.sg.outputs), _defined(br.sg.inputs, br.down))
-                   if v not in invoke_outs]
-        args = [a for inv in br.invokes for a in inv.args]
+        args, up_live = _branch_values(br)
         downs.append(piece(f"{base}_lv_down{k}", br.down, list(br.sg.inputs), args + up_live))
         if split is None:
-            ups.append(piece(f"{base}_lv_up{k}", br.up, up_live + invoke_outs, list(br.sg.outputs)))
+            ups.append(piece(f"{base}_lv_up{k}", br.up, up_live + [inv.output for inv in br.invokes],
+                             list(br.sg.outputs)))
             continue
-        unpacks = split.unpacks[k]
-        early_in = [u.outputs[j] for u in unpacks for j in range(len(split.elements)) if j not in split.positions]
-        ops = [op for op in br.up if op not in unpacks and not split.is_late(op)]
-        ups.append(piece(f"{base}_lv_up{k}", ops, up_live + early_in, [br.sg.outputs[j] for j in early]))
+        ops = [op for op in br.up if op not in split.unpacks[k] and not split.is_late(op)]
+        ups.append(piece(f"{base}_lv_up{k}", ops, up_live + _early_inputs(split, k), [br.sg.outputs[j] for j in early]))
     return rt_levels.PlainPieces(pre, downs, ups, leaves, post, early,
                                  [(inv.target, len(inv.args)) for inv in deferred])

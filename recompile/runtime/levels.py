@@ -84,9 +84,10 @@ PLAIN_FAILURES = 8  # failed plain runs (a guard, an error) after which a progra
 
 class PlainPieces:
     """A level program's pieces as ``segments.Plain``, run on plain tensors: ``pre``, per branch ``down`` and
-    ``up`` (None for a leaf branch) or ``leaves`` (a leaf branch's), and ``post``; ``early``, the positions among the cond's outputs of those
-    ``up`` gives (all of them, or with a late split the ones that are not late); ``deferred``, per deferred
-    call of ``post`` its target and argument count (whose arguments ``post`` hands on after the elements)."""
+    ``up`` (None for a leaf branch) or ``leaves`` (a leaf branch's), and ``post``; ``early``, the positions
+    among the cond's outputs of those ``up`` gives (all of them, or with a late split the ones that are not
+    late); ``deferred``, per deferred call of ``post`` its target and argument count (whose arguments
+    ``post`` hands on after the elements)."""
 
     def __init__(self, pre, down, up, leaves, post, early, deferred):
         self.pre, self.down, self.up, self.post, self.early, self.deferred = pre, down, up, post, early, deferred
@@ -353,7 +354,7 @@ class LevelRun:
     # index ops. Anything they cannot hold raises, and the run goes on Batch values instead.
 
     def go_plain(self, args, n):
-        p, plain = self.p, self.p.plain
+        p = self.p
         levels, leaves = self.descend_plain(*_plain_args(args), n)
         leaf_results = []
         for which, requests in enumerate(leaves):
