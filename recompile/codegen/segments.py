@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 import threading
 
 import torch
@@ -58,6 +59,10 @@ _GENERIC_OK = (_OPERATORS | batch_rules.LAZY_OPS
                | set(batch_rules.RULES) - batch_rules._IN_PLACE - {F.dropout})
 _GENERIC_OK_MODULES = tuple(set(batch_rules.MODULE_RULES) - {nn.Dropout})
 _NUMBERS = (int, float, bool)
+# (reading a Plain piece's traced lines: the names they define and read, and the instance count)
+_DEFINES = re.compile(r"^([\w, ]+?) = ")
+_NAMES = re.compile(r"\b[av]\d+\b")
+_BATCH_N = re.compile(r"\b_n\b")
 
 
 class Deopt(Exception):
@@ -165,13 +170,25 @@ class Plain:
     def __repr__(self):
         return f"<plain piece {self.name}>"
 
-    def __call__(self, n, kinds, args):
-        """(outputs, their kinds) of the piece on ``args``."""
+    def __call__(self, n, kinds, args, prepared=None):
+        """(outputs, their kinds) of the piece on ``args``. ``prepared`` (a dict a level run keeps for its
+        duration, in which pure code changes no attribute or global) holds what ``prep`` gave for the shared
+        inputs of the last call, reused while they are the same objects."""
         if kinds in self.refused:
             raise NotPlain(self.name)
         entry = self.traces.get(kinds)
-        if entry is not None:
-            return entry[0](n, *args), entry[1]
+        if entry is None:
+            return self._trace(n, kinds, args)
+        prep, body, out_kinds, shared = entry
+        mine = prepared.get(self) if prepared is not None else None
+        if mine is None or mine[0] != kinds or any(args[i] is not x for i, x in zip(shared, mine[1])):
+            mine = (kinds, [args[i] for i in shared], None)
+            mine = (kinds, mine[1], prep(*mine[1]))
+            if prepared is not None:
+                prepared[self] = mine
+        return body(n, mine[2], *args), out_kinds
+
+    def _trace(self, n, kinds, args):
         if len(self.traces) >= MAX_TRACES:
             raise NotPlain(self.name)
         tracer = _Tracer(self, n, args, plain=kinds)
@@ -182,7 +199,8 @@ class Plain:
             raise NotPlain(self.name) from None
         exec(compile(source, f"<recompile plain piece {self.name}>", "exec"), namespace)
         self.sources.append(source)
-        self.traces[kinds] = (namespace["raw"], tracer.out_kinds)
+        shared = [i for i, k in enumerate(kinds) if k == "S"]
+        self.traces[kinds] = (namespace["prep"], namespace["body"], tracer.out_kinds, shared)
         return tracer.result, tracer.out_kinds
 
 
@@ -318,15 +336,36 @@ class _Tracer:
         return source, self.namespace
 
     def plain_return(self, params):
-        """A Plain piece's raw function returns its outputs as they are: each batched or shared."""
+        """A Plain piece's code, in two functions: ``prep(*shared inputs)`` runs the lines that read nothing
+        batched (globals, attributes of shared values, the guards on them) and returns what the rest reads of
+        theirs; ``body(_n, prep's result, *inputs)`` runs the rest and returns the outputs as they are, each
+        batched or shared. A level run calls ``prep`` once for the depths whose shared inputs are the same
+        objects (``Plain.__call__``)."""
         slots = [self.load(v) for v in self.segment.outputs]
         if any(s.kind not in ("B", "S") for s in slots):
             raise _Untraceable
         self.out_kinds = tuple(s.kind for s in slots)
         self.result = tuple(s.value for s in slots)
-        ret = "(" + "".join(s.name + ", " for s in slots) + ")"
-        body = "\n".join("    " + line for line in self.lines + [f"return {ret}"])
-        return f"def raw(_n{''.join(', ' + p for p in params)}):\n{body}\n", self.namespace
+        ret = "return (" + "".join(s.name + ", " for s in slots) + ")"
+        batched = {p for p, k in zip(params, self.plain) if k == "B"}
+        shared, rest, made = [], [], []
+        for line in self.lines:
+            defines = _DEFINES.match(line)
+            names = [x.strip() for x in defines.group(1).split(",") if x.strip()] if defines else []
+            if _BATCH_N.search(line) or any(x in batched for x in _NAMES.findall(line)):
+                batched.update(names)
+                rest.append(line)
+            else:
+                made.extend(names)
+                shared.append(line)
+        read = set(_NAMES.findall("\n".join(rest + [ret])))
+        handed = [x for x in made if x in read]
+        hand = "(" + "".join(x + ", " for x in handed) + ")"
+        prep = "\n".join("    " + line for line in shared + [f"return {hand}"])
+        body = "\n".join("    " + line for line in ([f"{hand} = _prep"] if handed else []) + rest + [ret])
+        shared_params = [p for p, k in zip(params, self.plain) if k == "S"]
+        return (f"def prep({', '.join(shared_params)}):\n{prep}\n\n"
+                f"def body(_n, _prep{''.join(', ' + p for p in params)}):\n{body}\n"), self.namespace
 
     def define(self, value, slot):
         self.env[value] = slot
@@ -636,15 +675,20 @@ def _module_form(tr, fn, fn_slot, args, kwargs):
     if type(fn) is nn.Linear:
         if x.value.dim() < 2:
             return None
-        helper, value = "_linear", F.linear(x.value, fn.weight, fn.bias)
+        value = F.linear(x.value, fn.weight, fn.bias)
     else:
         if x.value.dtype not in batch_rules.INTEGER_INDEX:
             return None
-        helper, value = "_module", fn(x.value)
+        value = fn(x.value)
     tr.guard_callable(fn, fn_slot)
     fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
     name = tr.fresh()
-    tr.emit(f"{name} = {helper}({fn_name}, {x.name})")
+    if type(fn) is nn.Linear:  # (its parameters read on lines of their own: a plain piece reads them once a run)
+        weight, bias = tr.fresh(), tr.fresh()
+        tr.emit(f"{weight}, {bias} = {fn_name}.weight, {fn_name}.bias")
+        tr.emit(f"{name} = _F_linear({x.name}, {weight}, {bias})")
+    else:
+        tr.emit(f"{name} = _module({fn_name}, {x.name})")
     return _Slot("B", name, value)
 
 
@@ -791,10 +835,6 @@ def _plain_module(m, kind):
     return type(m) is kind and not batch_rules._has_hooks(m) and "forward" not in m.__dict__
 
 
-def _linear(m, x):
-    return F.linear(x, m.weight, m.bias)
-
-
 def _module(m, x):
     return m(x)
 
@@ -806,7 +846,7 @@ def _struct(kind, parts, n):
 
 
 _HELPERS = {"_Batch": Batch, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor": _tensor,
-            "_shared_tensor": _shared_tensor, "_plain_module": _plain_module, "_linear": _linear,
+            "_shared_tensor": _shared_tensor, "_plain_module": _plain_module, "_F_linear": F.linear,
             "_module": _module, "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules._rows,
             "_call": batch_rules.call, "_item": batch_rules.item, "_fused": batch_rules.fused,
             "_unpack": control.unpack, "__builtins__": __builtins__}

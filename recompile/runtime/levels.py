@@ -141,6 +141,7 @@ class LevelRun:
         self.pending = {}  # deferred unit -> [(cell, args, count, site)]
         self.collected = None  # with a late split: the requests of the ``post`` running (``collect``)
         self.effects_ran = False  # (a plain run) the deferred calls ran: it is not run again on Batch values
+        self.prepared = {}  # (a plain run) per piece, what its ``prep`` gave (``segments.Plain.__call__``)
 
     def go(self, args, n):
         plain = self.p.plain
@@ -386,7 +387,7 @@ class LevelRun:
         count = n
         while True:
             self.note(p.unit, count)
-            out, ok = self.timed(plain.pre, count, (kinds, values))
+            out, ok = self.timed(plain.pre, count, (kinds, values, self.prepared))
             cargs, ckinds = out[1:ncargs], ok[1:ncargs]
             sides, children = [], []
             for which, index, c in _plain_split(count, out[0], ok[0]):
@@ -398,7 +399,7 @@ class LevelRun:
                     sides.append((which, index, c, len(leaves[which]) - 1))
                     continue
                 self.note(p.units[which], c)
-                o, k = self.timed(plain.down[which], c, (ckinds, side))
+                o, k = self.timed(plain.down[which], c, (ckinds, side, self.prepared))
                 at = 0
                 for a in d.arities:
                     children.append((o[at:at + a], k[at:at + a], c))
@@ -423,7 +424,7 @@ class LevelRun:
         counts = [c for _, _, c in requests]
         total = sum(counts)
         self.note(self.p.units[which], total)
-        return _plain_cut(*self.timed(self.p.plain.leaves[which], total, (kinds, values)), counts)
+        return _plain_cut(*self.timed(self.p.plain.leaves[which], total, (kinds, values, self.prepared)), counts)
 
     def ascend_plain(self, levels, leaf_results):
         """``ascend`` on plain values, for the cond's early outputs: the top depth's elements and their kinds,
@@ -443,9 +444,9 @@ class LevelRun:
                     v, k = next(below)
                     ins.extend(v)
                     kinds.extend(k)
-                parts.append((index, c, *self.timed(plain.up[which], c, (tuple(kinds), tuple(ins)))))
+                parts.append((index, c, *self.timed(plain.up[which], c, (tuple(kinds), tuple(ins), self.prepared))))
             joined, joined_kinds = _plain_join(parts)
-            out, ok = self.timed(plain.post, count, (live_kinds + joined_kinds, live + joined))
+            out, ok = self.timed(plain.post, count, (live_kinds + joined_kinds, live + joined, self.prepared))
             ne = len(out) - plain.nargs
             if plain.deferred:
                 deferred.append((at, (out[ne:], ok[ne:], count)))
