@@ -650,3 +650,47 @@ def test_a_plain_run_makes_each_calls_effects_once(fn, per_node):
             assert len(calls) == per_node * size and got.dtype == want.dtype
             torch.testing.assert_close(got, want)
     assert prog.plain.runs == 2 * (1 + len(roots)) and prog.plain.failures == 0 and prog.fallbacks == 0
+
+
+def test_a_plain_run_reads_modules_and_parameters_anew_each_call():
+    """What a plain piece reads of shared values (a module, its parameters, a global) is read once per level
+    run: a module or parameter replaced between calls, or a hook added, is seen by the next call."""
+    torch.manual_seed(0)
+    model = TreeLSTM(len(WORDS) + 1, embed=5, hidden=4).double()
+    forest = Forest.from_trees(trees())
+    prog = program(TreeLSTM.encode, TreeLSTM)
+    eager = eager_twin(model)
+
+    def check():
+        eager.load_state_dict(model.state_dict())
+        got = recompile.vmap(model.encode, in_dims=(None, 0))(forest, forest.roots)
+        want = [torch.stack(x) for x in zip(*[eager.encode(t, t.root) for t in trees()])]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+
+    check()
+    runs = prog.plain.runs
+    model.node = torch.nn.Linear(8, 20).double()
+    check()
+    model.node.weight = torch.nn.Parameter(torch.randn(20, 8, dtype=torch.float64))
+    check()
+    assert prog.plain.runs == runs + 2
+    handle = model.node.register_forward_hook(lambda m, args, out: out * 0.5)
+    try:
+        got = recompile.vmap(model.encode, in_dims=(None, 0))(forest, forest.roots)
+        eager.load_state_dict(model.state_dict())
+        eager.node.register_forward_hook(lambda m, args, out: out * 0.5)
+        want = [torch.stack(x) for x in zip(*[eager.encode(t, t.root) for t in trees()])]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+        assert prog.plain.runs == runs + 2  # (the hook: a guard of prep failed, the call ran on Batch values)
+    finally:
+        handle.remove()
+
+
+def eager_twin(model):
+    """A TreeLSTM whose encode and node_loss are the plain Python functions, with ``model``'s sizes."""
+    plain = {name: attr.python for klass in type(model).__mro__ for name, attr in vars(klass).items()
+             if isinstance(attr, recompile.CompiledFunction)}
+    twin = type("EagerTreeLSTM", (type(model),), plain)(len(WORDS) + 1, embed=5, hidden=4).double()
+    return twin
