@@ -364,7 +364,6 @@ class LevelRun:
         elements = [bt.from_tensor(v) if k == "B" else v for v, k in zip(*top)]
         if p.late is None:
             return elements[0]
-        self.effects_ran = True  # (what fails from here on is not run again on Batch values: the calls' effects)
         ran = self.run_deferred_plain(deferred)
         lates = self.tree_sums(n, [at for at, _ in deferred], ran, lambda device: _plain_roots(p, levels, device))
         if lates is None:
@@ -465,14 +464,14 @@ class LevelRun:
                 entry = (d, j, values[at:at + nargs], kinds[at:at + nargs], count)
                 groups.setdefault(_unit_of(target), (target, []))[1].append(entry)
                 at += nargs
-        ran = []
+        gathered = []
         for unit, (target, entries) in groups.items():
             values, kinds = _plain_concat([(v, k, c) for _, _, v, k, c in entries])
-            total = sum(c for *_, c in entries)
             args = tuple(bt.from_tensor(v) if k == "B" else v for v, k in zip(values, kinds))
-            ran.append(([(d, j, c) for d, j, _, _, c in entries], self.run_group(unit, [(args, total)], target,
-                                                                                 cut=False), unit.arity > 1))
-        return ran
+            gathered.append((unit, target, entries, args, sum(c for *_, c in entries)))
+        self.effects_ran = True  # (what fails from here on is not run again on Batch values: the calls' effects)
+        return [([(d, j, c) for d, j, _, _, c in entries], self.run_group(unit, [(args, total)], target, cut=False),
+                 unit.arity > 1) for unit, target, entries, args, total in gathered]
 
     def sums_by_depth(self, levels, deferred, ran):
         """The tree sums of a plain run where ``tree_sums`` cannot add them at once (results that are not
