@@ -174,16 +174,16 @@ class Plain:
         """(outputs, their kinds) of the piece on ``args``. ``prepared`` (a dict a level run keeps for its
         duration, in which pure code changes no attribute or global) holds what ``prep`` gave for the shared
         inputs of the last call, reused while they are the same objects."""
-        if kinds in self.refused:
-            raise NotPlain(self.name)
         entry = self.traces.get(kinds)
         if entry is None:
+            if kinds in self.refused:
+                raise NotPlain(self.name)
             return self._trace(n, kinds, args)
         prep, body, out_kinds, shared = entry
         mine = prepared.get(self) if prepared is not None else None
-        if mine is None or mine[0] != kinds or any(args[i] is not x for i, x in zip(shared, mine[1])):
-            mine = (kinds, [args[i] for i in shared], None)
-            mine = (kinds, mine[1], prep(*mine[1]))
+        if mine is None or mine[0] is not entry or any(args[i] is not x for i, x in zip(shared, mine[1])):
+            values = [args[i] for i in shared]
+            mine = (entry, values, prep(*values))
             if prepared is not None:
                 prepared[self] = mine
         return body(n, mine[2], *args), out_kinds

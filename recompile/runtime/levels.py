@@ -438,12 +438,11 @@ class LevelRun:
                 if d is None:
                     parts.append((index, c, *leaf_results[which][data]))
                     continue
-                ins, kinds = list(data[0]), list(data[1])
+                ins, kinds = data
                 for _ in d.arities:
                     v, k = next(below)
-                    ins.extend(v)
-                    kinds.extend(k)
-                parts.append((index, c, *self.timed(plain.up[which], c, (tuple(kinds), tuple(ins), self.prepared))))
+                    ins, kinds = ins + v, kinds + k
+                parts.append((index, c, *self.timed(plain.up[which], c, (kinds, ins, self.prepared))))
             joined, joined_kinds = _plain_join(parts)
             out, ok = self.timed(plain.post, count, (live_kinds + joined_kinds, live + joined, self.prepared))
             ne = len(out) - plain.nargs
