@@ -694,3 +694,43 @@ def eager_twin(model):
              if isinstance(attr, recompile.CompiledFunction)}
     twin = type("EagerTreeLSTM", (type(model),), plain)(len(WORDS) + 1, embed=5, hidden=4).double()
     return twin
+
+
+def methods(xs, left, right, i):
+    """Tensor methods on batched values (a dim moved past the instance dim, a reshape keeping it first) and an
+    operator on shared values (``2 < 3``): still a plain run."""
+    if left[i] < 0:
+        h = xs[i].tanh()
+    else:
+        hl = methods(xs, left, right, left[i])
+        hr = methods(xs, left, right, right[i])
+        both = torch.stack([hl, hr]).mean(0)
+        s = both.reshape(3, 1).squeeze(-1).sum(dim=0, keepdim=True)
+        h = (xs[i] * s + both.unsqueeze(0).sum(0)).sigmoid() * float(2 < 3)
+    return h
+
+
+def test_tensor_methods_run_in_plain_pieces():
+    compiled = recompile.function(methods)
+    prog = program(compiled)
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=torch.float64, requires_grad=True)
+
+    def run():
+        xs.grad = None
+        out = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+        out.sum().backward()
+        return (out.detach(),), {"xs": xs.grad.clone()}
+
+    for _ in range(2):
+        got, batch, agenda = three_ways(run)
+        assert_same(got, batch)
+        assert_same(got, agenda)
+    xs.grad = None
+    eager = torch.stack([methods(xs, left, right, int(r)) for r in roots])
+    eager.sum().backward()
+    assert_same(got, ((eager.detach(),), {"xs": xs.grad.clone()}))
+    assert prog.plain.runs == 2 and not prog.plain.refused, prog.plain.refused
+    sources = "".join(src for piece in prog.plain.pieces() for src in piece.sources)
+    for text in (".squeeze(-1)", ".sum(dim=1, keepdim=True)", ".unsqueeze(1)", ".reshape((", ".sigmoid()", ".tanh()"):
+        assert text in sources, text

@@ -215,8 +215,9 @@ class _Untraceable(Exception):
 
 class _Slot:
     """A value of the trace: ``kind`` S (shared: a plain value), B (batched: a plain tensor, dim 0 the
-    instance), T (a tuple or list built in the segment: ``items`` are slots) or O (a Batch, handled by the
-    batch rules); ``name`` holds it in the raw function; ``value`` is this call's."""
+    instance), T (a tuple or list built in the segment: ``items`` are slots), O (a Batch, handled by the
+    batch rules) or M (a method of a batched tensor: ``value`` is (its B slot, the name), for the call that
+    follows); ``name`` holds it in the raw function; ``value`` is this call's."""
 
     __slots__ = ("kind", "name", "value", "items", "as_b", "fixed")
 
@@ -281,6 +282,8 @@ class _Tracer:
 
     def as_batch(self, slot):
         """An expression holding ``slot`` as the batch rules take it (a Batch, or a plain value)."""
+        if slot.kind == "M":
+            raise _Untraceable  # (a method of a batched tensor, not called at once)
         if slot.kind == "B":
             return f"_wrap({slot.name})"
         if slot.kind == "T":
@@ -290,6 +293,8 @@ class _Tracer:
 
     def wrapped_value(self, slot):
         """This call's value of ``slot`` as the batch rules take it."""
+        if slot.kind == "M":
+            raise _Untraceable
         if slot.kind == "B":
             return bt.from_tensor(slot.value)
         if slot.kind == "T":
@@ -418,6 +423,8 @@ class _Tracer:
     def call(self, op):
         if op.star or any(k is None for k, _ in op.kwargs) or not op.outputs:
             raise _Untraceable
+        if isinstance(op.fn, ir.Value) and self.env[op.fn].kind == "M":
+            return self.method_call(op, self.env[op.fn])
         fn, fn_slot = self.callable_slot(op)
         args = [self.load(a) for a in op.args]
         kwargs = {k: self.load(v) for k, v in op.kwargs}
@@ -429,6 +436,52 @@ class _Tracer:
             value = self.raw_call(op, fn, fn_slot, args, kwargs)
             return self.unpack(op, value)
         self.define(op.outputs[0], self.raw_call(op, fn, fn_slot, args, kwargs))
+
+    def method_call(self, op, method):
+        """``x.name(*args)`` of a batched tensor ``x`` (an M slot): the method on the batched tensor, a dim it
+        takes moved past the instance dim (``_METHODS``); its arguments shared, a dim a constant."""
+        base, name = method.value
+        args = [self.load(a) for a in op.args]
+        kwargs = {k: self.load(v) for k, v in op.kwargs}
+        if len(op.outputs) != 1 or any(a.kind != "S" for a in (*args, *kwargs.values())):
+            raise _Untraceable
+        dim_at, every = _METHODS[name]
+        texts = [a.name for a in args]
+        values = [a.value for a in args]
+        kw_texts = {k: a.name for k, a in kwargs.items()}
+        kw_values = {k: a.value for k, a in kwargs.items()}
+        rank = base.value.dim()
+        if dim_at is not None:
+            if "dim" in kwargs:
+                where, dim = "dim", kwargs["dim"]
+            elif len(args) > dim_at:
+                where, dim = dim_at, args[dim_at]
+            elif every and rank > 1:  # (x.sum(): over every dim of the instance)
+                where, dim = "dim", _Slot("S", repr(tuple(range(rank - 1))), tuple(range(rank - 1)), fixed=True)
+            else:
+                raise _Untraceable
+            if not dim.fixed or type(dim.value) not in (int, tuple):
+                raise _Untraceable  # (a dim computed at run time: the shift would be this call's)
+            shifted = batch_rules._shift(dim.value)
+            if where == "dim":
+                kw_texts["dim"], kw_values["dim"] = repr(shifted), shifted
+            else:
+                texts[where], values[where] = repr(shifted), shifted
+        elif name in ("view", "reshape"):
+            shape = values[0] if len(values) == 1 and type(values[0]) in (tuple, list) else values
+            if kwargs or not all(a.fixed for a in args) or not all(type(d) is int for d in shape):
+                raise _Untraceable
+            name, texts, values = "reshape", [f"({base.name}.shape[0], {', '.join(map(repr, shape))}, )"], \
+                [(base.value.shape[0], *shape)]
+        elif args or kwargs:
+            raise _Untraceable
+        value = getattr(base.value, name)(*values, **kw_values)
+        if type(value) is not torch.Tensor:
+            raise _Untraceable
+        out = self.fresh()
+        arg_text = ", ".join(texts + [f"{k}={t}" for k, t in kw_texts.items()])
+        self.emit(f"{out} = {base.name}.{name}({arg_text})")
+        self.define(op.outputs[0], _Slot("B", out, value))
 
     def raw_call(self, op, fn, fn_slot, args, kwargs):
         """The slot of ``fn(*args, **kwargs)``: a raw form where one applies, else the batch rule's call."""
@@ -462,14 +515,22 @@ class _Tracer:
         self.define(op.outputs[0], slot)
 
     def generic_slot(self, op, fn, fn_slot, args, kwargs):
-        """``fn`` run by its batch rule (``batch_rules.call``), inside the raw function."""
+        """``fn`` run by its batch rule (``batch_rules.call``), inside the raw function (a plain piece has no
+        batch rule: a call of shared values only, shared where pure, else for one instance)."""
+        if self.plain is not None:  # (no Batch values: only where nothing is batched)
+            if any(s.kind != "S" for s in (*args, *kwargs.values())):
+                raise _Untraceable
+            if _pure(fn) and type(fn(*[a.value for a in args], **{k: a.value for k, a in kwargs.items()})) \
+                    in batch_rules._IMMUTABLE:  # (every instance shares it, as batch_rules._unbatched decides)
+                slot = self.shared_call(fn, fn_slot, args, kwargs)
+                self.emit(f"if type({slot.name}) is not {self.const(type(slot.value))}: raise _Deopt")
+                return slot
+            if self.n != 1 or not _generic_ok(fn):
+                raise _Untraceable
+            self.emit("if _n != 1: raise _Deopt")  # (for one instance: its own call)
+            return self.shared_call(fn, fn_slot, args, kwargs)
         if not _generic_ok(fn):
             raise _Untraceable
-        if self.plain is not None:  # (no Batch values: only where nothing is batched, for one instance)
-            if self.n != 1 or any(s.kind != "S" for s in (*args, *kwargs.values())):
-                raise _Untraceable
-            self.emit("if _n != 1: raise _Deopt")
-            return self.shared_call(fn, fn_slot, args, kwargs)
         self.guard_callable(fn, fn_slot)
         fn_name = fn_slot.name if fn_slot is not None else self.const(fn)
         arg_text = "".join(self.as_batch(s) + ", " for s in args)
@@ -608,6 +669,26 @@ def _getitem_form(tr, fn, fn_slot, args, kwargs):
     value = batch_rules._rows(x.value, i.value)
     tr.emit(f"{name} = _rows({x.name}, {i.name})")
     return _Slot("B", name, value)
+
+
+def _attr_form(tr, fn, fn_slot, args, kwargs):
+    """``x.name`` of a batched tensor, for a method ``_METHODS`` knows: an M slot, for the call that follows."""
+    if len(args) != 2 or kwargs or args[1].kind != "S" or not args[1].fixed or args[1].value not in _METHODS:
+        return None
+    x = tr.as_b(args[0])
+    if x is None:
+        return None
+    tr.guard_callable(fn, fn_slot)
+    return _Slot("M", "", (x, args[1].value))
+
+
+# Tensor methods a trace runs on the batched tensor: name -> (the position of the dim it takes, or None; whether
+# no dim means every dim of the instance). Their batch rules: batch_rules.METHOD_RULES.
+_METHODS = {**{name: (None, False) for name in ("sigmoid", "tanh", "relu", "exp", "log", "sqrt", "abs", "neg",
+                                                "clone", "detach", "float", "double", "long", "contiguous",
+                                                "view", "reshape")},
+            "sum": (0, True), "mean": (0, True), "softmax": (0, False), "log_softmax": (0, False),
+            "unsqueeze": (0, False), "squeeze": (0, False), "argmax": (0, False)}
 
 
 def _tensors(tr, args):
@@ -771,7 +852,7 @@ def _build_form(tr, fn, fn_slot, args, kwargs):
     return _Slot("T", name, value, list(args))
 
 
-_FORMS = {operator.getitem: _getitem_form, torch.chunk: _split_form,
+_FORMS = {operator.getitem: _getitem_form, getattr: _attr_form, torch.chunk: _split_form,
           torch.split: _split_form, torch.cat: _join_form, torch.concat: _join_form, torch.stack: _join_form,
           sem.build_tuple: _build_form, sem.build_list: _build_form}
 _FORMS.update({f: _elementwise_form for f, r in batch_rules.RULES.items() if r is batch_rules.elementwise})
@@ -785,6 +866,13 @@ def _generic_ok(fn):
     try:
         return fn in _GENERIC_OK
     except TypeError:  # unhashable callable
+        return False
+
+
+def _pure(fn):
+    try:
+        return fn in sem.PURE
+    except TypeError:
         return False
 
 
