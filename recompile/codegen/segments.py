@@ -163,7 +163,7 @@ class Plain:
         self.inputs = inputs
         self.outputs = outputs  # ir.Values or Consts
         self.kernels = kernels
-        self.traces = {}  # input kinds -> (raw function, output kinds)
+        self.traces = {}  # input kinds -> (prep, body, output kinds, positions of the shared inputs)
         self.sources = []
         self.refused = set()  # input kinds it has no plain form for
 
@@ -863,23 +863,21 @@ def _generic_ok(fn):
     """Whether ``fn`` changes nothing and draws nothing: a trace may run it by its batch rule."""
     if type(fn) in _GENERIC_OK_MODULES:
         return _plain_module(fn, type(fn))
-    try:
-        return fn in _GENERIC_OK
-    except TypeError:  # unhashable callable
-        return False
+    return _among(fn, _GENERIC_OK)
 
 
 def _pure(fn):
-    try:
-        return fn in sem.PURE
-    except TypeError:
-        return False
+    return _among(fn, sem.PURE)
 
 
 def _shareable(fn):
+    return _among(fn, batch_rules._SHAREABLE)
+
+
+def _among(fn, group):
     try:
-        return fn in batch_rules._SHAREABLE
-    except TypeError:
+        return fn in group
+    except TypeError:  # unhashable callable
         return False
 
 

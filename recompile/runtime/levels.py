@@ -145,7 +145,7 @@ class LevelRun:
 
     def go(self, args, n):
         plain = self.p.plain
-        entry = tuple(type(a) is bt.Batch for a in args)  # (what is batched decides the kinds of every piece)
+        entry = None if plain is None else tuple(type(a) is bt.Batch for a in args)  # (it decides every kinds)
         if plain is not None and plain.on and PLAIN_ENABLED and entry not in plain.refused:
             saved = self.snapshot()
             try:
@@ -264,15 +264,10 @@ class LevelRun:
         lates = None
         if late.sums is not None:
             lates = self.tree_sums(levels[0][0], [at for at, _, _, _ in kept], ran,
-                                   lambda device: self.roots(levels, device))
+                                   lambda device: _roots(p, levels[0][0], _batch_sides(levels), device))
         if lates is None:
             lates = self.ascend_late(levels, kept, ran)
-        elements = [None] * late.size
-        for j, v in zip(late.early, early):
-            elements[j] = v
-        for j, v in zip(late.positions, lates):
-            elements[j] = v
-        return batch_rules.call(levels[0][0], sem.build_tuple, tuple(elements))
+        return _result(levels[0][0], late, early, lates)
 
     def ascend_late(self, levels, kept, ran):
         """The second way up: the late halves on the deferred calls' results; the top depth's late elements."""
@@ -335,21 +330,6 @@ class LevelRun:
         self.p.summed += 1
         return totals
 
-    def roots(self, levels, device):
-        """Per depth, the LongTensor of the row (among the top depth's) of each instance's root call."""
-        p = self.p
-        roots = [torch.arange(levels[0][0], device=device)]
-        for count, branch, _, sides, _ in levels[:-1]:
-            parts = []
-            for k, (which, c, _) in enumerate(sides):
-                d = p.branches[which]
-                if d is None:
-                    continue
-                mine = roots[-1] if c == count else roots[-1].index_select(0, _side_index(branch, k, device))
-                parts.extend([mine] * len(d.arities))
-            roots.append(torch.cat(parts) if len(parts) > 1 else parts[0])
-        return roots
-
     # -- plain runs: every batched value a plain tensor (dim 0 the instance, one row too) and each piece's
     # traced code (``segments.Plain``) run on them; the cond's split and join, gathering and cutting rows are
     # index ops. Anything they cannot hold raises, and the run goes on Batch values instead.
@@ -365,15 +345,11 @@ class LevelRun:
         if p.late is None:
             return elements[0]
         ran = self.run_deferred_plain(deferred)
-        lates = self.tree_sums(n, [at for at, _ in deferred], ran, lambda device: _plain_roots(p, levels, device))
+        lates = self.tree_sums(n, [at for at, _ in deferred], ran,
+                               lambda device: _roots(p, n, _plain_sides(levels), device))
         if lates is None:
             lates = self.sums_by_depth(levels, deferred, ran)
-        result = [None] * p.late.size
-        for j, v in zip(p.late.early, elements):
-            result[j] = v
-        for j, v in zip(p.late.positions, lates):
-            result[j] = v
-        return batch_rules.call(n, sem.build_tuple, tuple(result))
+        return _result(n, p.late, elements, lates)
 
     def descend_plain(self, values, kinds, n):
         """``descend`` on plain values: per depth (count, sides [(branch, index of its instances or None for
@@ -731,18 +707,40 @@ def _plain_cut(values, kinds, counts):
     return [(tuple(p[r] for p in pieces), kinds) for r in range(len(counts))]
 
 
-def _plain_roots(p, levels, device):
-    """``LevelRun.roots`` of a plain run's levels."""
-    roots = [torch.arange(levels[0][0], device=device)]
-    for _, sides, _, _, _ in levels[:-1]:
+def _batch_sides(levels):
+    """``_roots``' sides of a level run on Batch values (``LevelRun.descend``'s levels)."""
+    return [[(which, None if c == count else _side_index(branch, k)) for k, (which, c, _) in enumerate(sides)]
+            for count, branch, _, sides, _ in levels]
+
+
+def _plain_sides(levels):
+    """``_roots``' sides of a plain level run (``LevelRun.descend_plain``'s levels)."""
+    return [[(which, index) for which, index, _, _ in sides] for _, sides, _, _, _ in levels]
+
+
+def _roots(p, n, sides, device):
+    """Per depth, the LongTensor of the row (among the ``n`` of the top depth) of each instance's root call;
+    ``sides``: per depth, per side of its cond (branch, the LongTensor of its instances or None for all)."""
+    roots = [torch.arange(n, device=device)]
+    for level in sides[:-1]:
         parts = []
-        for which, index, _, _ in sides:
+        for which, index in level:
             d = p.branches[which]
             if d is not None:
                 mine = roots[-1] if index is None else roots[-1].index_select(0, index.to(device))
                 parts.extend([mine] * len(d.arities))
         roots.append(torch.cat(parts) if len(parts) > 1 else parts[0])
     return roots
+
+
+def _result(n, late, early, lates):
+    """A late split's result: the tuple of its ``early`` and ``lates`` elements, each at its position."""
+    elements = [None] * late.size
+    for j, v in zip(late.early, early):
+        elements[j] = v
+    for j, v in zip(late.positions, lates):
+        elements[j] = v
+    return batch_rules.call(n, sem.build_tuple, tuple(elements))
 
 
 def _answers(depths, ran):
@@ -755,11 +753,10 @@ def _answers(depths, ran):
     return answers
 
 
-def _side_index(branch, k, device):
-    """The positions of the instances of the cond's side ``k``, as a LongTensor on ``device``."""
+def _side_index(branch, k):
+    """The positions of the instances of the cond's side ``k``, as a LongTensor."""
     indexes = branch.order.indexes
-    index = indexes[k] if indexes is not None else torch.tensor(branch.sides[k][2])
-    return index.to(device)
+    return indexes[k] if indexes is not None else torch.tensor(branch.sides[k][2])
 
 
 def _rows(values, counts):
