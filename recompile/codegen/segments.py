@@ -181,11 +181,16 @@ class Plain:
             return self._trace(n, kinds, args)
         prep, body, out_kinds, shared = entry
         mine = prepared.get(self) if prepared is not None else None
-        if mine is None or mine[0] is not entry or any(args[i] is not x for i, x in zip(shared, mine[1])):
-            values = [args[i] for i in shared]
-            mine = (entry, values, prep(*values))
-            if prepared is not None:
-                prepared[self] = mine
+        if mine is not None and mine[0] is entry:
+            for i, x in zip(shared, mine[1]):
+                if args[i] is not x:
+                    break
+            else:
+                return body(n, mine[2], *args), out_kinds
+        values = [args[i] for i in shared]
+        mine = (entry, values, prep(*values))
+        if prepared is not None:
+            prepared[self] = mine
         return body(n, mine[2], *args), out_kinds
 
     def _trace(self, n, kinds, args):

@@ -318,7 +318,7 @@ class LevelRun:
                         dtype = t.dtype
                         for z in zeros:  # (every call tree has a leaf: its zero is in every sum, 0.0 + t)
                             if z is not None:
-                                dtype = torch.result_type(t[:0], z)
+                                dtype = torch.result_type(t, z)
                         total, shape = t.new_zeros((n, *t.shape[1:]), dtype=dtype), (t.shape[1:], t.dtype)
                         roots = roots or make_roots(t.device)
                     elif (t.shape[1:], t.dtype) != shape:
@@ -354,27 +354,35 @@ class LevelRun:
     def descend_plain(self, values, kinds, n):
         """``descend`` on plain values: per depth (count, sides [(branch, index of its instances or None for
         all, count, its leaf request's position or what ``down`` hands to ``up``)], what ``pre`` hands to
-        ``post`` and its kinds, the counts of the calls made); per branch its leaf requests."""
+        ``post`` and its kinds, the counts of the calls made); per branch its leaf requests. (The hot loop of
+        a plain run: its Python is kept to what each depth needs, the pieces called and timed inline.)"""
         from .scheduler import MAX_DEPTH
-        p, plain = self.p, self.p.plain
+        p, plain, prepared = self.p, self.p.plain, self.prepared
+        pre, downs, branches, units, unit = plain.pre, plain.down, p.branches, p.units, p.unit
+        record, clock = self.agenda.record, time.perf_counter
         ncargs = 1 + p.nargs
-        levels, leaves = [], [[] for _ in p.units]
-        count = n
+        levels, leaves = [], [[] for _ in units]
+        count, frames, compute = n, 0, 0.0
         while True:
-            self.note(p.unit, count)
-            out, ok = self.timed(plain.pre, count, (kinds, values, self.prepared))
+            record(unit, count)
+            frames += 1
+            t = clock()
+            out, ok = pre(count, kinds, values, prepared)
+            compute += clock() - t
             cargs, ckinds = out[1:ncargs], ok[1:ncargs]
             sides, children = [], []
             for which, index, c in _plain_split(count, out[0], ok[0]):
-                side = cargs if index is None else \
-                    tuple(v.index_select(0, index.to(v.device)) if k == "B" else v for v, k in zip(cargs, ckinds))
-                d = p.branches[which]
+                side = cargs if index is None else _plain_take(cargs, ckinds, index)
+                d = branches[which]
                 if d is None:
                     leaves[which].append((side, ckinds, c))
                     sides.append((which, index, c, len(leaves[which]) - 1))
                     continue
-                self.note(p.units[which], c)
-                o, k = self.timed(plain.down[which], c, (ckinds, side, self.prepared))
+                record(units[which], c)
+                frames += 1
+                t = clock()
+                o, k = downs[which](c, ckinds, side, prepared)
+                compute += clock() - t
                 at = 0
                 for a in d.arities:
                     children.append((o[at:at + a], k[at:at + a], c))
@@ -388,6 +396,8 @@ class LevelRun:
             values, kinds = _plain_concat(children)
             count = sum(c for _, _, c in children)
         stats = self.agenda.stats
+        stats.frames += frames
+        stats.compute_s += compute
         stats.max_depth = max(stats.max_depth, 2 * (len(levels) - 1))
         return levels, leaves
 
@@ -404,13 +414,15 @@ class LevelRun:
     def ascend_plain(self, levels, leaf_results):
         """``ascend`` on plain values, for the cond's early outputs: the top depth's elements and their kinds,
         and per depth (deepest first) the arguments of ``post``'s deferred calls."""
-        p, plain = self.p, self.p.plain
-        below, deferred = None, []
+        p, plain, prepared = self.p, self.p.plain, self.prepared
+        post, ups, branches, nargs, deferring = plain.post, plain.up, p.branches, plain.nargs, bool(plain.deferred)
+        clock = time.perf_counter
+        below, deferred, compute = None, [], 0.0
         for at in range(len(levels) - 1, -1, -1):
             count, sides, live, live_kinds, _ = levels[at]
             parts = []
             for which, index, c, data in sides:
-                d = p.branches[which]
+                d = branches[which]
                 if d is None:
                     parts.append((index, c, *leaf_results[which][data]))
                     continue
@@ -418,14 +430,20 @@ class LevelRun:
                 for _ in d.arities:
                     v, k = next(below)
                     ins, kinds = ins + v, kinds + k
-                parts.append((index, c, *self.timed(plain.up[which], c, (kinds, ins, self.prepared))))
+                t = clock()
+                got, got_kinds = ups[which](c, kinds, ins, prepared)
+                compute += clock() - t
+                parts.append((index, c, got, got_kinds))
             joined, joined_kinds = _plain_join(parts)
-            out, ok = self.timed(plain.post, count, (live_kinds + joined_kinds, live + joined, self.prepared))
-            ne = len(out) - plain.nargs
-            if plain.deferred:
+            t = clock()
+            out, ok = post(count, live_kinds + joined_kinds, live + joined, prepared)
+            compute += clock() - t
+            ne = len(out) - nargs
+            if deferring:
                 deferred.append((at, (out[ne:], ok[ne:], count)))
             if at:
                 below = iter(_plain_cut(out[:ne], ok[:ne], levels[at - 1][4]))  # (the rows its parents asked for)
+        self.agenda.stats.compute_s += compute
         return (out[:ne], ok[:ne]), deferred
 
     def run_deferred_plain(self, deferred):
@@ -617,7 +635,7 @@ def _plain_split(n, pred, kind):
         return [(0 if pred else 1, None, n)]
     if pred.numel() != n:
         raise NotPlain("a predicate of more than one element per instance")
-    mask = pred.reshape(n)
+    mask = pred if pred.dim() == 1 else pred.reshape(n)
     if mask.dtype is not torch.bool:
         mask = mask != 0
     yes = mask.nonzero().view(-1)
@@ -625,6 +643,17 @@ def _plain_split(n, pred, kind):
     if k == n or k == 0:
         return [(0 if k else 1, None, n)]
     return [(0, yes, k), (1, torch.logical_not(mask).nonzero().view(-1), n - k)]
+
+
+def _plain_take(values, kinds, index):
+    """The rows ``index`` of each batched value of ``values``; shared ones as they are."""
+    device = index.device
+    out = []
+    for v, k in zip(values, kinds):
+        if k == "B":
+            v = v.index_select(0, index if v.device == device else index.to(v.device))
+        out.append(v)
+    return tuple(out)
 
 
 def _plain_rows(v, kind, count):
@@ -703,8 +732,8 @@ def _plain_cut(values, kinds, counts):
     """Per request (its instance count in ``counts``), its rows of ``values``: [(values, kinds)]."""
     if len(counts) == 1:
         return [(values, kinds)]
-    pieces = [v.split_with_sizes(counts) if k == "B" else [v] * len(counts) for v, k in zip(values, kinds)]
-    return [(tuple(p[r] for p in pieces), kinds) for r in range(len(counts))]
+    pieces = [v.split_with_sizes(counts) if k == "B" else (v,) * len(counts) for v, k in zip(values, kinds)]
+    return [(rows, kinds) for rows in zip(*pieces)] if pieces else [((), kinds)] * len(counts)
 
 
 def _batch_sides(levels):
