@@ -453,7 +453,7 @@ def _rows(x, i):
     """``x[i]`` for a 1-d integer index: on CPU by index_select, a third the cost of advanced indexing on
     small tensors. It refuses negative or out-of-range indices, which ``x[i]`` then wraps or reports
     (on CUDA it would assert on the device instead, so there it is always ``x[i]``)."""
-    if x.dim() and x.device.type == "cpu" and i.dtype in (torch.long, torch.int):
+    if x.is_cpu and x.dim() and (i.dtype is torch.long or i.dtype is torch.int):
         try:
             return x.index_select(0, i)
         except (IndexError, RuntimeError):

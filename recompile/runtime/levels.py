@@ -717,6 +717,15 @@ def _plain_join(parts):
         return parts[0][2], parts[0][3]
     (index_a, count_a, values_a, kinds_a), (index_b, count_b, values_b, kinds_b) = parts  # (a cond's two sides)
     inverse = torch.argsort(torch.cat([index_a, index_b]))
+    if kinds_a == kinds_b and "S" not in kinds_a:  # (the usual case: batched tensors alike on both sides)
+        device, values = inverse.device, []
+        for a, b in zip(values_a, values_b):
+            if a.dtype is not b.dtype:
+                break
+            v = torch.cat((a, b))
+            values.append(v.index_select(0, inverse if v.device == device else inverse.to(v.device)))
+        else:
+            return tuple(values), kinds_a
     values, kinds = [], []
     for a, b, kind_a, kind_b in zip(values_a, values_b, kinds_a, kinds_b):
         if kind_a == "B" and kind_b == "B" and _same_rows((a, b)):
