@@ -243,6 +243,7 @@ class _Tracer:
         self.namespace = dict(_HELPERS)
         self.env = {}
         self.count = 0
+        self.builds = set()  # names of the tuples and lists the trace built (dropped where nothing reads them)
 
     # -- names and lines
 
@@ -341,7 +342,7 @@ class _Tracer:
         ret = outs[0] if len(outs) == 1 else "(" + ", ".join(outs) + ")"
         if not outs:
             ret = "None"
-        body = "\n".join("    " + line for line in self.lines + [f"return {ret}"])
+        body = "\n".join("    " + line for line in self.unread_dropped(f"return {ret}") + [f"return {ret}"])
         source = f"def raw(_n{''.join(', ' + p for p in params)}):\n{body}\n"
         return source, self.namespace
 
@@ -359,7 +360,7 @@ class _Tracer:
         ret = "return (" + "".join(s.name + ", " for s in slots) + ")"
         batched = {p for p, k in zip(params, self.plain) if k == "B"}
         shared, rest, made = [], [], []
-        for line in self.lines:
+        for line in self.unread_dropped(ret):
             defines = _DEFINES.match(line)
             names = [x.strip() for x in defines.group(1).split(",") if x.strip()] if defines else []
             if _BATCH_N.search(line) or any(x in batched for x in _NAMES.findall(line)):
@@ -376,6 +377,17 @@ class _Tracer:
         shared_params = [p for p, k in zip(params, self.plain) if k == "S"]
         return (f"def prep({', '.join(shared_params)}):\n{prep}\n\n"
                 f"def body(_n, _prep{''.join(', ' + p for p in params)}):\n{body}\n"), self.namespace
+
+    def unread_dropped(self, ret):
+        """The trace's lines less the tuples and lists it built that no other line, nor ``ret``, reads (a
+        ``cat`` of a list names its items itself)."""
+        if not self.builds:
+            return self.lines
+        read = set(_NAMES.findall("\n".join([ret] + [line.split("=", 1)[1] if _DEFINES.match(line) else line
+                                                       for line in self.lines])))
+        return [line for line in self.lines
+                if not ((d := _DEFINES.match(line)) and d.group(1).strip() in self.builds
+                        and d.group(1).strip() not in read)]
 
     def define(self, value, slot):
         self.env[value] = slot
@@ -588,6 +600,8 @@ class _Tracer:
     def fused(self, op):
         kernel = self.segment.kernels[op]
         args = [self.load(a) for a in op.args]
+        if self.plain is not None and kernel.backend == "python":
+            return self.fused_members(op, args)
         for i, fn in kernel.callables.items():
             s = args[i]
             if s.kind != "S" or s.value is not fn:
@@ -634,6 +648,16 @@ class _Tracer:
             slots = [_Slot("B", nm, o) for nm, o in zip(names, out)]
         for v, s in zip(op.outputs, slots):
             self.define(v, s)
+
+    def fused_members(self, op, args):
+        """A fused op of plain Python in a plain piece: its members traced one by one, as the kernel runs
+        them, so that the piece's code holds their ops itself (one call less per op on the hot path)."""
+        for v, s in zip(op.body.inputs, args):
+            self.define(v, s)
+        for member in op.body.ops:
+            self.op(member)
+        for v, out in zip(op.outputs, op.body.outputs):
+            self.define(v, self.load(out))
 
     def fused_generic(self, op, kernel, args):
         if self.plain is not None:
@@ -746,9 +770,16 @@ def _elementwise_form(tr, fn, fn_slot, args, kwargs):
     if type(value) is not torch.Tensor or value.dim() == 0 or value.shape[0] != tr.n:
         return None
     name = tr.fresh()
+    infix = _INFIX.get(fn) if fn_slot is None and not kwargs and len(raw) == 2 else None
+    if infix is not None:  # (``operator.mul(a, b)`` is ``a * b``: written so, it is one call less)
+        tr.emit(f"{name} = {raw[0].name} {infix} {raw[1].name}")
+        return _Slot("B", name, value)
     kw_text = "".join(f", {k}={s.name}" for k, s in kwargs.items())
     tr.emit(f"{name} = {fn_name}({', '.join(s.name for s in raw)}{kw_text})")
     return _Slot("B", name, value)
+
+
+_INFIX = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/"}
 
 
 def _module_form(tr, fn, fn_slot, args, kwargs):
@@ -854,6 +885,7 @@ def _build_form(tr, fn, fn_slot, args, kwargs):
         tr.emit(f"{name} = ({''.join(s.name + ', ' for s in args)})")
     else:
         tr.emit(f"{name} = [{', '.join(s.name for s in args)}]")
+    tr.builds.add(name)
     return _Slot("T", name, value, list(args))
 
 
