@@ -9,6 +9,7 @@ agenda (a failed level run is run again by the agenda, which would hide it).
 
 from __future__ import annotations
 
+import re
 import traceback
 
 import pytest
@@ -650,6 +651,28 @@ def test_a_plain_run_makes_each_calls_effects_once(fn, per_node):
             assert len(calls) == per_node * size and got.dtype == want.dtype
             torch.testing.assert_close(got, want)
     assert prog.plain.runs == 2 * (1 + len(roots)) and prog.plain.failures == 0 and prog.fallbacks == 0
+
+
+def test_a_plain_piece_holds_its_fused_ops_members():
+    """A fused op of plain Python inside a plain piece is traced member by member: the piece's code calls
+    ``sigmoid`` and ``tanh`` and multiplies infix, never the fused kernel, and builds no list it does not
+    read; it computes what the run on Batch values and the agenda compute, gradients included."""
+    torch.manual_seed(0)
+    model = TreeLSTM(len(WORDS) + 1, embed=5, hidden=4).double()
+    forest = Forest.from_trees(trees())
+    prog = program(TreeLSTM.encode, TreeLSTM)
+    got, batch, agenda = three_ways(lambda: run_forest(model, forest))
+    assert_same(got, batch)
+    assert_same(got, agenda)
+    fused = [p for p in prog.plain.pieces() if p.kernels and p.traces]
+    assert fused  # (the node's and the leaf's cell updates, and post's ``sigmoid(og) * tanh(c)``)
+    for piece in fused:
+        entries = {id(k.entry) for k in piece.kernels.values()}
+        for _, body, _, _ in piece.traces.values():
+            assert not entries & {id(v) for v in body.__globals__.values()}, piece.name
+        source = "\n".join(piece.sources)
+        assert " * " in source and "_mul" not in source, source
+        assert not re.search(r"^\s*v\d+ = \[", source, re.M), source  # (``cat``'s list is written in place)
 
 
 def test_a_plain_run_reads_modules_and_parameters_anew_each_call():
