@@ -383,11 +383,10 @@ class _Tracer:
         ``cat`` of a list names its items itself)."""
         if not self.builds:
             return self.lines
-        read = set(_NAMES.findall("\n".join([ret] + [line.split("=", 1)[1] if _DEFINES.match(line) else line
-                                                       for line in self.lines])))
-        return [line for line in self.lines
-                if not ((d := _DEFINES.match(line)) and d.group(1).strip() in self.builds
-                        and d.group(1).strip() not in read)]
+        defined = [(m.group(1).strip() if (m := _DEFINES.match(line)) else None) for line in self.lines]
+        read = set(_NAMES.findall("\n".join([ret] + [line if name is None else line.split("=", 1)[1]
+                                                       for line, name in zip(self.lines, defined)])))
+        return [line for line, name in zip(self.lines, defined) if name not in self.builds or name in read]
 
     def define(self, value, slot):
         self.env[value] = slot
