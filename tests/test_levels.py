@@ -757,3 +757,75 @@ def test_tensor_methods_run_in_plain_pieces():
     sources = "".join(src for piece in prog.plain.pieces() for src in piece.sources)
     for text in (".squeeze(-1)", ".sum(dim=1, keepdim=True)", ".unsqueeze(1)", ".reshape((", ".sigmoid()", ".tanh()"):
         assert text in sources, text
+
+
+class _InferenceModeSeen(torch.overrides.TorchFunctionMode):
+    """Records, per torch function called, whether inference mode was on."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append((getattr(func, "__name__", str(func)), torch.is_inference_mode_enabled()))
+        return func(*args, **(kwargs or {}))
+
+
+kept = []
+
+
+def keep(x):
+    """An undecorated helper keeping what it is given (a tensor of the run reaches the caller this way too)."""
+    kept.append(x)
+
+
+def kept_score(x):
+    keep(x)
+    return (x * x).sum()
+
+
+@pytest.mark.parametrize("starts", ["forest", "lone leaf"])
+def test_without_grad_a_plain_run_goes_down_and_up_in_inference_mode_and_hands_out_ordinary_tensors(starts):
+    """Under ``torch.no_grad()`` the pure way down and up runs in inference mode; its results, the deferred
+    calls' arguments (one depth: no ``cat`` that would copy them) and the sums are ordinary tensors, which the
+    caller may change in place or use where autograd records. A call with gradients after it (the pieces
+    traced in inference mode) and one under the caller's own ``torch.inference_mode()`` compute as eager."""
+    compiled = recursion(binary, score=kept_score)
+    prog = program(compiled)
+    assert prog.plain is not None and prog.plain.deferred
+    left, right, roots = forest_of_trees()
+    if starts == "lone leaf":
+        roots = roots[:1]
+    xs = torch.randn(len(left), 3, dtype=torch.float64, requires_grad=True)
+    eager = [recursion(binary, compiled=False, score=kept_score)(xs, left, right, int(r)) for r in roots]
+    want_h = torch.stack([h for h, _ in eager]).detach()
+    want_loss = torch.stack([loss for _, loss in eager]).detach()
+    batched = recompile.vmap(compiled, in_dims=(None, None, None, 0))
+    runs = prog.plain.runs
+    modes = _InferenceModeSeen()
+    kept.clear()
+    with torch.no_grad(), modes:
+        h, loss = batched(xs, left, right, roots)
+    assert prog.plain.runs == runs + 1
+    assert kept and not any(x.is_inference() for x in kept)  # (the deferred calls' arguments)
+    assert any(on for _, on in modes.seen) and not all(on for _, on in modes.seen), modes.seen
+    torch.testing.assert_close((h, loss), (want_h, want_loss))
+    assert not h.is_inference() and not loss.is_inference()
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    (h * w).sum().backward()  # (h saved for the backward: an inference tensor could not be)
+    h.add_(1.0)
+    loss.mul_(2.0)
+
+    xs.grad = None
+    h, loss = batched(xs, left, right, roots)  # (with gradients: the pieces traced above, nothing of the mode)
+    (h.sum() + loss.sum()).backward()
+    got_grad = xs.grad.clone()
+    xs.grad = None
+    sum(h.sum() + loss for h, loss in eager).backward()
+    torch.testing.assert_close((h.detach(), loss.detach(), got_grad), (want_h, want_loss, xs.grad))
+
+    with torch.inference_mode():  # (the caller's own mode: its results are inference tensors, as eager's)
+        h, loss = batched(xs, left, right, roots)
+    assert h.is_inference() and loss.is_inference()
+    torch.testing.assert_close((h, loss), (want_h, want_loss))
+    assert prog.plain.runs == runs + 3 and prog.plain.failures == 0 and prog.fallbacks == 0
