@@ -39,7 +39,7 @@ from torch import nn
 
 from .. import ir
 from ..runtime import batch as bt
-from ..runtime import batch_rules, control
+from ..runtime import batch_rules, control, lazy_weights
 from ..runtime import semantics as sem
 from ..runtime.batch import Batch
 from ..runtime.levels import NotPlain
@@ -802,7 +802,12 @@ def _module_form(tr, fn, fn_slot, args, kwargs):
     if type(fn) is nn.Linear:  # (its parameters read on lines of their own: a plain piece reads them once a run)
         weight, bias = tr.fresh(), tr.fresh()
         tr.emit(f"{weight}, {bias} = {fn_name}.weight, {fn_name}.bias")
-        tr.emit(f"{name} = _F_linear({x.name}, {weight}, {bias})")
+        if tr.plain is not None:  # (a level run's piece: its weight's gradient formed once per backward)
+            lazy = tr.fresh()
+            tr.emit(f"{lazy} = _LazyWeight()")
+            tr.emit(f"{name} = _lazy_linear({x.name}, {weight}, {bias}, {lazy})")
+        else:
+            tr.emit(f"{name} = _F_linear({x.name}, {weight}, {bias})")
     else:
         tr.emit(f"{name} = _module({fn_name}, {x.name})")
     return _Slot("B", name, value)
@@ -969,6 +974,6 @@ def _struct(kind, parts, n):
 
 _HELPERS = {"_Batch": Batch, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor": _tensor,
             "_shared_tensor": _shared_tensor, "_plain_module": _plain_module, "_F_linear": F.linear,
-            "_module": _module, "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules._rows,
+            "_LazyWeight": lazy_weights.LazyWeight, "_lazy_linear": lazy_weights.linear, "_module": _module, "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules._rows,
             "_call": batch_rules.call, "_item": batch_rules.item, "_fused": batch_rules.fused,
             "_unpack": control.unpack, "__builtins__": __builtins__}

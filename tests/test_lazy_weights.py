@@ -1,0 +1,105 @@
+"""A Linear weight's gradient formed once per backward (runtime/lazy_weights.py): the products of a level run's
+pieces keep their rows, and one gate per weight and run forms the weight's gradient from all of them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import recompile
+from recompile.data import Forest
+from recompile.runtime import lazy_weights
+from test_batching import TreeLSTM
+from test_segments import WORDS, switched, trees
+
+F64 = torch.float64
+
+
+def products(lazy_on, xs, weight, bias):
+    """The sum of ``tanh`` of each ``x @ weight.T + bias``: through one LazyWeight, or by ``F.linear``."""
+    lazy = lazy_weights.LazyWeight()
+    outs = [lazy_weights.linear(x, weight, bias, lazy) if lazy_on else F.linear(x, weight, bias) for x in xs]
+    return sum(torch.tanh(o).sum() for o in outs)
+
+
+def gates(t):
+    """The names of the weight gates in the autograd graph of ``t``."""
+    seen, found, todo = set(), [], [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "WeightGate" in node.name():
+            found.append(node.name())
+        todo.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def test_deferred_weight_gradients_equal_torchs_and_are_differentiable_again():
+    torch.manual_seed(0)
+    weight = torch.randn(4, 3, dtype=F64, requires_grad=True)
+    bias = torch.randn(4, dtype=F64, requires_grad=True)
+    xs = [torch.randn(k, 3, dtype=F64, requires_grad=True) for k in (1, 5, 2)]
+    loss = products(True, xs, weight, bias)
+    assert len(gates(loss)) == 1  # (one gate for the three products)
+    got = torch.autograd.grad(loss, [weight, bias, *xs])
+    want = torch.autograd.grad(products(False, xs, weight, bias), [weight, bias, *xs])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    inputs = (weight, bias, *xs)
+    assert torch.autograd.gradcheck(lambda w, b, *x: products(True, x, w, b), inputs)
+    assert torch.autograd.gradgradcheck(lambda w, b, *x: products(True, x, w, b), inputs)
+
+
+def test_a_backward_that_does_not_reach_the_gate_leaves_nothing_for_the_next():
+    """``autograd.grad`` of the rows only runs the products' backwards, not the gate: a later backward of the
+    same graph (retain_graph) forms the weight's gradient from its own rows, not twice as many."""
+    torch.manual_seed(0)
+    weight = torch.randn(4, 3, dtype=F64, requires_grad=True)
+    xs = [torch.randn(k, 3, dtype=F64, requires_grad=True) for k in (3, 2)]
+    loss = products(True, xs, weight, None)
+    torch.autograd.grad(loss, xs, retain_graph=True)
+    loss.backward()
+    want, = torch.autograd.grad(products(False, xs, weight, None), [weight])
+    torch.testing.assert_close(weight.grad, want)
+
+
+def test_without_grad_or_with_many_rows_a_product_is_plain_linear():
+    weight = torch.randn(4, 3, requires_grad=True)
+    many = torch.randn(lazy_weights.FEW_ROWS + 1, 3)
+    few = torch.randn(2, 3)
+    assert not gates(products(True, [many], weight, None))
+    assert gates(products(True, [few], weight, None))
+    with torch.no_grad():
+        assert products(True, [few], weight, None).grad_fn is None
+    frozen = weight.detach()
+    assert products(True, [few.requires_grad_()], frozen, None).grad_fn.name() != "_DeferredLinearBackward"
+
+
+def test_a_level_runs_linears_share_one_gate_per_weight_and_train_as_eager():
+    """The Tree-LSTM's node and leaf products of a plain level run: one gate per weight (none with deferral
+    off), and the same values and parameter gradients either way."""
+    torch.manual_seed(0)
+    model = TreeLSTM(len(WORDS) + 1, embed=5, hidden=4).double()
+    forest = Forest.from_trees(trees())
+    encode = recompile.vmap(model.encode, in_dims=(None, 0))
+
+    def run():
+        model.zero_grad()
+        h, c, loss = encode(forest, forest.roots)
+        total = h.sum() + c.sum() * 0.5 + loss.sum()
+        found = gates(total)
+        total.backward()
+        return found, (h.detach(), loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    run()  # (the pieces traced)
+    found, values, grads = run()
+    with switched(lazy_weights, -1, "FEW_ROWS"):
+        off, want_values, want_grads = run()
+    assert sorted(found) == ["_WeightGateBackward"] * 2 and off == []
+    for a, b in zip(values, want_values):
+        torch.testing.assert_close(a, b)
+    assert grads.keys() == want_grads.keys()
+    for k in want_grads:
+        torch.testing.assert_close(grads[k], want_grads[k])
