@@ -93,7 +93,8 @@ def test_a_level_runs_linears_share_one_gate_per_weight_and_train_as_eager():
         total.backward()
         return found, (h.detach(), loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()}
 
-    run()  # (the pieces traced)
+    for _ in range(2):  # (the pieces traced: a trace runs each op itself; before it, a guard of another
+        run()           # test's trace may fail once, for float64)
     found, values, grads = run()
     with switched(lazy_weights, -1, "FEW_ROWS"):
         off, want_values, want_grads = run()
