@@ -3,6 +3,7 @@ pieces keep their rows, and one gate per weight and run forms the weight's gradi
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -104,3 +105,12 @@ def test_a_level_runs_linears_share_one_gate_per_weight_and_train_as_eager():
     assert grads.keys() == want_grads.keys()
     for k in want_grads:
         torch.testing.assert_close(grads[k], want_grads[k])
+
+
+def test_a_weight_changed_in_place_before_the_backward_is_refused_as_torch_refuses_it():
+    weight = torch.randn(4, 3, requires_grad=True)
+    loss = products(True, [torch.randn(2, 3, requires_grad=True)], weight, None)
+    with torch.no_grad():
+        weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -61,19 +61,19 @@ class _WeightGate(torch.autograd.Function):
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, bias, lazy):
-        ctx.save_for_backward(x)
+        # (the weight saved too: changed in place before the backward, it is refused as torch refuses it)
+        ctx.save_for_backward(x, lazy.weight)
         ctx.lazy = lazy
         ctx.has_bias = bias is not None
         return F.linear(x, lazy.weight, bias)
 
     @staticmethod
     def backward(ctx, g):
-        x, = ctx.saved_tensors
-        lazy = ctx.lazy
-        grads, inputs = lazy.rows()
+        x, weight = ctx.saved_tensors
+        grads, inputs = ctx.lazy.rows()
         grads.append(g)
         inputs.append(x)
-        grad_x = g.mm(lazy.weight) if ctx.needs_input_grad[0] else None
+        grad_x = g.mm(weight) if ctx.needs_input_grad[0] else None
         grad_bias = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None, grad_bias, None
 
