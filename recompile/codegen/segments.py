@@ -974,6 +974,7 @@ def _struct(kind, parts, n):
 
 _HELPERS = {"_Batch": Batch, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor": _tensor,
             "_shared_tensor": _shared_tensor, "_plain_module": _plain_module, "_F_linear": F.linear,
-            "_LazyWeight": lazy_weights.LazyWeight, "_lazy_linear": lazy_weights.linear, "_module": _module, "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules._rows,
+            "_LazyWeight": lazy_weights.LazyWeight, "_lazy_linear": lazy_weights.linear, "_module": _module,
+            "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules._rows,
             "_call": batch_rules.call, "_item": batch_rules.item, "_fused": batch_rules.fused,
             "_unpack": control.unpack, "__builtins__": __builtins__}

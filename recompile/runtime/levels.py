@@ -341,17 +341,16 @@ class LevelRun:
         # Nothing records the pure way down and up without grad: in inference mode torch skips its
         # per-op version counter and view bookkeeping too. What leaves it is made an ordinary tensor
         # (``_ordinary``), so the caller may change it in place or use it where autograd records.
-        with torch.inference_mode() if unrecorded else _RECORDED:
+        with torch.inference_mode() if unrecorded else _UNCHANGED_MODE:
             levels, leaves = self.descend_plain(*_plain_args(args), n)
             leaf_results = []
             for which, requests in enumerate(leaves):
                 leaf_results.append(self.run_leaves_plain(which, requests) if requests else None)
             top, deferred = self.ascend_plain(levels, leaf_results)
-        ordinary = _ordinary if unrecorded else _same
-        elements = [bt.from_tensor(ordinary(v)) if k == "B" else ordinary(v) for v, k in zip(*top)]
+        elements = [bt.from_tensor(_ordinary(v)) if k == "B" else _ordinary(v) for v, k in zip(*top)]
         if p.late is None:
             return elements[0]
-        ran = self.run_deferred_plain(deferred, ordinary)
+        ran = self.run_deferred_plain(deferred)
         lates = self.tree_sums(n, [at for at, _ in deferred], ran,
                                lambda device: _roots(p, n, _plain_sides(levels), device))
         if lates is None:
@@ -453,9 +452,9 @@ class LevelRun:
         self.agenda.stats.compute_s += compute
         return (out[:ne], ok[:ne]), deferred
 
-    def run_deferred_plain(self, deferred, ordinary):
+    def run_deferred_plain(self, deferred):
         """``post``'s deferred calls, each callee once for every depth: ``run_collected``'s result. (Their
-        arguments made ordinary tensors by ``ordinary``: the calls run outside inference mode.)"""
+        arguments made ordinary tensors: the calls run outside the way down and up's inference mode.)"""
         plain = self.p.plain
         from .agenda import _unit_of
         groups = {}
@@ -468,7 +467,7 @@ class LevelRun:
         gathered = []
         for unit, (target, entries) in groups.items():
             values, kinds = _plain_concat([(v, k, c) for _, _, v, k, c in entries])
-            args = tuple(bt.from_tensor(ordinary(v)) if k == "B" else ordinary(v) for v, k in zip(values, kinds))
+            args = tuple(bt.from_tensor(_ordinary(v)) if k == "B" else _ordinary(v) for v, k in zip(values, kinds))
             gathered.append((unit, target, entries, args, sum(c for *_, c in entries)))
         self.effects_ran = True  # (what fails from here on is not run again on Batch values: the calls' effects)
         return [([(d, j, c) for d, j, _, _, c in entries], self.run_group(unit, [(args, total)], target, cut=False),
@@ -618,15 +617,14 @@ class LevelRun:
             cell.value, cell.done = value, True
 
 
-_RECORDED = contextlib.nullcontext()
+_UNCHANGED_MODE = contextlib.nullcontext()
 
 
 def _ordinary(v):
-    """``v``, or a copy of it outside inference mode where it is an inference tensor."""
-    return v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v
-
-
-def _same(v):
+    """``v``, or where it is an inference tensor and the caller is not in inference mode (a plain run's own
+    inference mode made it), a copy of it as an ordinary tensor."""
+    if isinstance(v, torch.Tensor) and v.is_inference() and not torch.is_inference_mode_enabled():
+        return v.clone()
     return v
 
 
