@@ -189,6 +189,24 @@ def lstm_encode(self, tree, i):
     return h, c, loss
 
 
+def lstm_keywords_encode(self, tree, i):
+    """``lstm_encode`` with its ops' tensors given by keyword (``torch.cat(tensors=...)``, ``input=``)."""
+    if tree.is_leaf[i]:
+        x = F.embedding(input=tree.words[i], weight=self.embed.weight)
+        ig, og, u = torch.chunk(F.linear(input=x, weight=self.leaf.weight, bias=self.leaf.bias), 3, dim=-1)
+        c = torch.sigmoid(ig) * torch.tanh(u)
+        loss = 0.0
+    else:
+        hl, cl, loss_l = self.encode(tree, tree.left[i])
+        hr, cr, loss_r = self.encode(tree, tree.right[i])
+        ig, og, u, fl, fr = torch.chunk(self.node(input=torch.cat(tensors=[hl, hr], dim=-1)), 5, dim=-1)
+        c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cl + torch.sigmoid(fr) * cr
+        loss = loss_l + loss_r
+    h = torch.sigmoid(og) * torch.tanh(torch.stack(tensors=[c], dim=0)[0])
+    loss = loss + F.cross_entropy(self.out(h), tree.labels[i])
+    return h, c, loss
+
+
 def rnn_encode(self, tree, i):
     """Tree-RNN node (Socher 2011 style): h = tanh(W [hl; hr] + b); a leaf is its projected embedding."""
     if tree.is_leaf[i]:
@@ -207,7 +225,8 @@ def model_classes(fn, name):
             type("Sequential" + name, (TreeParams,), {"encode": recompile.function(fn, mode="sequential")}))
 
 
-MODELS = {"lstm": model_classes(lstm_encode, "LSTM"), "rnn": model_classes(rnn_encode, "RNN")}
+MODELS = {"lstm": model_classes(lstm_encode, "LSTM"), "rnn": model_classes(rnn_encode, "RNN"),
+          "lstm_keywords": model_classes(lstm_keywords_encode, "LSTMKeywords")}
 
 
 def three_models(kind, seed=0):

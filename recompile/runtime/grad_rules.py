@@ -1034,8 +1034,8 @@ def _embedding(fn, g, out, input, weight, padding_idx=None, max_norm=None, norm_
 
 
 def _module(module_type, vjp, functional, *attrs):
-    def module_vjp(module, g, out, *args):
-        return vjp(functional, g, out, *args, **{a: getattr(module, a) for a in attrs})
+    def module_vjp(module, g, out, *args, **kwargs):  # (forward's keywords, input and target, are the functional's)
+        return vjp(functional, g, out, *args, **kwargs, **{a: getattr(module, a) for a in attrs})
 
     module_vjp.__name__ = module_vjp.__qualname__ = f"_{module_type.__name__}"
     rule(module_type)(module_vjp)
