@@ -392,20 +392,21 @@ def _shift(dim):
     raise TypeError  # caught by nobody: a dim we do not understand should not pass silently
 
 
-def _by_position(args, kwargs, name):
-    """``args`` and ``kwargs`` with the first parameter ``name``, given by keyword, moved to its position
-    (``torch.cat(tensors=[a, b])`` read as ``torch.cat([a, b])``), for the rules that read it there."""
-    if args or name not in kwargs:
-        return args, kwargs
+def _by_position(kwargs, name):
+    """A call with no positional argument: its first parameter ``name``, given by keyword, moved to its
+    position (``torch.cat(tensors=[a, b])`` read as ``torch.cat([a, b])``), for the rules that read it there."""
+    if name not in kwargs:
+        return (), kwargs
     rest = dict(kwargs)
     return (rest.pop(name),), rest
 
 
 def join_along(n, fn, args, kwargs):
     """torch.cat / torch.stack of a list of batched tensors along a feature dim."""
-    args, kwargs = _by_position(args, kwargs, "tensors")
-    if not args:
-        return NotImplemented
+    if not args:  # (the positional form, the usual one, pays only this test)
+        args, kwargs = _by_position(kwargs, "tensors")
+        if not args:
+            return NotImplemented
     seq = args[0]
     if type(seq) is not Batch or seq.struct is None or seq.owner is not None or len(args) > 2:
         return NotImplemented
@@ -426,7 +427,8 @@ def join_along(n, fn, args, kwargs):
 def over_last_dims(n, fn, args, kwargs):
     """Ops acting on the last dim(s) of their first argument with shared weights (linear, embedding,
     layer norm, a Linear module): the batch dim is one more leading dim."""
-    args, kwargs = _by_position(args, kwargs, "input")
+    if not args:
+        args, kwargs = _by_position(kwargs, "input")
     if not args or type(args[0]) is not Batch or any(type(a) is Batch for a in args[1:]) or \
             any(type(v) is Batch for v in kwargs.values()):
         return NotImplemented
