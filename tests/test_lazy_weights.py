@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import recompile
 from recompile.data import Forest
 from recompile.runtime import lazy_weights
-from test_batching import TreeLSTM
+from test_batching import TreeLSTM, eager_tree_lstm
 from test_segments import WORDS, switched, trees
 
 F64 = torch.float64
@@ -114,3 +114,74 @@ def test_a_weight_changed_in_place_before_the_backward_is_refused_as_torch_refus
         weight.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_a_product_of_few_rows_without_grad_is_linears_by_a_transposed_copy_kept_for_the_next_run():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(7, 3, dtype=F64), torch.randn(7, dtype=F64)
+    first, second = lazy_weights.LazyWeight(), lazy_weights.LazyWeight()  # (two runs' handles)
+    with torch.inference_mode():
+        for rows in (1, 5, lazy_weights.SMALL_ROWS):
+            x = torch.randn(rows, 3, dtype=F64)
+            torch.testing.assert_close(lazy_weights.linear(x, weight, bias, first), F.linear(x, weight, bias))
+            torch.testing.assert_close(lazy_weights.linear(x, weight, None, first), F.linear(x, weight))
+        copy = first.flipped[2]
+        assert copy.is_contiguous() and copy.shape == (3, 7) and not copy.is_inference()
+        x = torch.randn(2, 3, dtype=F64)
+        torch.testing.assert_close(lazy_weights.linear(x, weight, bias, second), F.linear(x, weight, bias))
+        assert second.flipped[2] is copy  # (the thread's buffer for this weight, copied into again)
+        many = torch.randn(lazy_weights.SMALL_ROWS + 1, 3, dtype=F64)
+        third = lazy_weights.LazyWeight()
+        torch.testing.assert_close(lazy_weights.linear(many, weight, bias, third), F.linear(many, weight, bias))
+        assert third.flipped is None
+
+
+def test_a_weight_changed_between_runs_even_through_data_is_copied_again(monkeypatch):
+    """torch's version counter does not see a change through ``.data``: each run copies its weights anew."""
+    torch.manual_seed(0)
+    model = TreeLSTM(len(WORDS) + 1, embed=5, hidden=4).double()
+    eager = eager_tree_lstm()(len(WORDS) + 1, embed=5, hidden=4).double()
+    forest = Forest.from_trees(trees())
+    encode = recompile.vmap(model.encode, in_dims=(None, 0))
+    copies = []
+    transposed = lazy_weights._transposed
+    monkeypatch.setattr(lazy_weights, "_transposed", lambda w: copies.append(w) or transposed(w))
+
+    def check():
+        eager.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            got = encode(forest, forest.roots)
+            want = [eager.encode(t, t.root) for t in forest.trees()]
+        for g, w in zip(got, zip(*want)):
+            torch.testing.assert_close(g, torch.stack(w))
+
+    for _ in range(2):  # (traced on the first run)
+        check()
+    copies.clear()
+    model.node.weight.data.mul_(-2.0)
+    check()
+    assert any(w is model.node.weight for w in copies)
+    with torch.no_grad():
+        model.node.weight.add_(0.5)
+    check()
+
+
+def test_a_run_with_grad_after_one_without_trains_as_eager():
+    torch.manual_seed(0)
+    model = TreeLSTM(len(WORDS) + 1, embed=5, hidden=4).double()
+    eager = eager_tree_lstm()(len(WORDS) + 1, embed=5, hidden=4).double()
+    eager.load_state_dict(model.state_dict())
+    forest = Forest.from_trees(trees())
+    encode = recompile.vmap(model.encode, in_dims=(None, 0))
+    with torch.no_grad():
+        encode(forest, forest.roots)  # (its copies made inside inference mode)
+    for _ in range(2):
+        model.zero_grad()
+        h, c, loss = encode(forest, forest.roots)
+        (h.sum() + loss.sum()).backward()
+    eager.zero_grad()
+    want = [eager.encode(t, t.root) for t in forest.trees()]
+    (sum(s[0].sum() for s in want) + sum(s[2] for s in want)).backward()
+    torch.testing.assert_close(loss.detach(), torch.stack([s[2] for s in want]).detach())
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

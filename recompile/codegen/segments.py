@@ -791,7 +791,8 @@ def _module_form(tr, fn, fn_slot, args, kwargs):
     if type(fn) is nn.Linear:
         if x.value.dim() < 2:
             return None
-        value = F.linear(x.value, fn.weight, fn.bias)
+        value = F.linear(x.value, fn.weight, fn.bias) if tr.plain is None else \
+            lazy_weights.linear(x.value, fn.weight, fn.bias, lazy_weights.LazyWeight())  # (as its line computes it)
     else:
         if x.value.dtype not in batch_rules.INTEGER_INDEX:
             return None
