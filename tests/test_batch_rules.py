@@ -662,3 +662,46 @@ def test_matmul_operator_is_batched():
     out = br.call(N, operator.matmul, (Batch(N, tensor=x.clone()), W))
     check_readers(out, [x[k] @ W for k in range(N)], N)
     assert br.counters.per_instance == {}, br.counters.per_instance
+
+
+@pytest.mark.parametrize("classes", [3, 5, 15, 16, 2])
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_cross_entropy_of_many_rows_of_few_classes_is_torchs(classes, reduction, monkeypatch):
+    """Without grad, many rows of 3 to 15 classes take ``logsumexp - gather`` (``batch_rules._row_losses``):
+    the same losses as torch's, an ignored class index (-100) included, and torch's own path with grad."""
+    taken = []
+    logsumexp = torch.logsumexp
+    monkeypatch.setattr(torch, "logsumexp", lambda *a: taken.append(1) or logsumexp(*a))
+    n, b = 400, 3  # (1200 rows)
+    x, target = rand(n, b, classes, seed=1), randint(classes, n, b, seed=2)
+    target[::7, 1] = -100
+    want = F.cross_entropy(x.reshape(n * b, classes), target.reshape(n * b), reduction="none").reshape(n, b)
+    want = want.sum(1) if reduction == "sum" else want
+    for t in (target.clamp(min=0), target):  # (all indices classes, then some ignored)
+        with torch.no_grad():
+            got = bt.tensor_of(br.call(n, F.cross_entropy, (bt.from_tensor(x), bt.from_tensor(t)),
+                                       {"reduction": reduction}))
+        assert taken == ([1] if 2 < classes < 16 and t is not target else [])  # (-100: gather refuses)
+        taken.clear()
+        if t is target:
+            torch.testing.assert_close(got, want)
+        else:
+            full = F.cross_entropy(x.reshape(n * b, classes), t.reshape(n * b), reduction="none").reshape(n, b)
+            torch.testing.assert_close(got, full.sum(1) if reduction == "sum" else full)
+    x.requires_grad_()
+    got = bt.tensor_of(br.call(n, F.cross_entropy, (bt.from_tensor(x), bt.from_tensor(target)),
+                               {"reduction": reduction}))
+    assert not taken and any("LogSoftmax" in name for name in _graph_names(got))
+    torch.testing.assert_close(got.detach(), want)
+
+
+def _graph_names(t):
+    seen, names, todo = set(), [], [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(node.name())
+        todo.extend(f for f, _ in node.next_functions)
+    return names

@@ -584,12 +584,11 @@ def cross_entropy(n, fn, args, kwargs):
     x, target = values
     reduction = kwargs.get("reduction", "mean")
     if x.dim() == 2 and target.dim() == 1:  # one row per instance
-        rows = fn(x, target, reduction="none")
-        return bt.from_tensor(rows)
+        return bt.from_tensor(_row_losses(fn, x, target))
     if x.dim() != 3 or target.dim() != 2 or target.dtype not in (torch.long, torch.int):
         return NotImplemented  # class probabilities, or extra dims: leave it to vmap
     b = x.shape[1]
-    rows = fn(x.reshape(n * b, x.shape[2]), target.reshape(n * b), reduction="none").reshape(n, b)
+    rows = _row_losses(fn, x.reshape(n * b, x.shape[2]), target.reshape(n * b)).reshape(n, b)
     if reduction == "none":
         return bt.from_tensor(rows)
     if reduction == "sum":
@@ -597,6 +596,24 @@ def cross_entropy(n, fn, args, kwargs):
     if reduction == "mean" and fn is F.cross_entropy:
         return bt.from_tensor(rows.mean(1))
     return NotImplemented
+
+
+def _row_losses(fn, x, target):
+    """``fn(x, target, reduction="none")`` for rows ``x`` (R, C) of class indices ``target`` (R). Without
+    grad, a cross-entropy of a few classes over many rows is ``logsumexp(x) - x[target]``: torch's
+    ``log_softmax`` is slow for 3 to 15 classes on CPU (measured: 1.2-5x slower from about 1000 elements,
+    e.g. 60 against 25 us for 941 rows of 5 classes; faster below, and for 2 or 16 and more classes). An
+    index outside the classes (``ignore_index``) makes ``gather`` refuse: torch's own then answers it."""
+    rows, classes = x.shape
+    if fn is F.cross_entropy and 2 < classes < 16 and rows * classes >= 1024 and x.is_cpu and \
+            target.dtype is torch.long and not (torch.is_grad_enabled() and x.requires_grad):
+        try:
+            picked = x.gather(1, target.unsqueeze(1)).squeeze(1)
+        except (IndexError, RuntimeError):
+            pass
+        else:
+            return torch.logsumexp(x, 1) - picked
+    return fn(x, target, reduction="none")
 
 
 _SCALARS = (int, float, bool)
