@@ -116,21 +116,22 @@ def test_a_weight_changed_in_place_before_the_backward_is_refused_as_torch_refus
         loss.backward()
 
 
-def test_a_product_of_few_rows_without_grad_is_linears_by_a_transposed_copy_kept_for_the_next_run():
+@pytest.mark.parametrize("dtype", [F64, torch.bfloat16])  # (copied by numpy, and by torch: numpy has no bf16)
+def test_a_product_of_few_rows_without_grad_is_linears_by_a_transposed_copy_kept_for_the_next_run(dtype):
     torch.manual_seed(0)
-    weight, bias = torch.randn(7, 3, dtype=F64), torch.randn(7, dtype=F64)
+    weight, bias = torch.randn(7, 3, dtype=dtype), torch.randn(7, dtype=dtype)
     first, second = lazy_weights.LazyWeight(), lazy_weights.LazyWeight()  # (two runs' handles)
     with torch.inference_mode():
         for rows in (1, 5, lazy_weights.SMALL_ROWS):
-            x = torch.randn(rows, 3, dtype=F64)
+            x = torch.randn(rows, 3, dtype=dtype)
             torch.testing.assert_close(lazy_weights.linear(x, weight, bias, first), F.linear(x, weight, bias))
             torch.testing.assert_close(lazy_weights.linear(x, weight, None, first), F.linear(x, weight))
         copy = first.flipped[2]
         assert copy.is_contiguous() and copy.shape == (3, 7) and not copy.is_inference()
-        x = torch.randn(2, 3, dtype=F64)
+        x = torch.randn(2, 3, dtype=dtype)
         torch.testing.assert_close(lazy_weights.linear(x, weight, bias, second), F.linear(x, weight, bias))
         assert second.flipped[2] is copy  # (the thread's buffer for this weight, copied into again)
-        many = torch.randn(lazy_weights.SMALL_ROWS + 1, 3, dtype=F64)
+        many = torch.randn(lazy_weights.SMALL_ROWS + 1, 3, dtype=dtype)
         third = lazy_weights.LazyWeight()
         torch.testing.assert_close(lazy_weights.linear(many, weight, bias, third), F.linear(many, weight, bias))
         assert third.flipped is None
