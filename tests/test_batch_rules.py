@@ -23,7 +23,7 @@ from torch import nn
 
 from recompile.runtime import batch as bt
 from recompile.runtime import batch_rules as br
-from recompile.runtime import semantics as sem
+from recompile import intrinsics
 from recompile.runtime.batch import Batch
 
 F64 = torch.float64
@@ -356,7 +356,7 @@ def test_elementwise_type_promotion_of_scalar_instances(batched_dtype, shared):
 def test_append_to_struct_list_then_stack():
     """``xs = [x]; xs.append(y); torch.stack(xs)`` where x, y are batched: the append must be seen."""
     x, y = rand(N, 3, seed=1), rand(N, 3, seed=2)
-    xs = br.call(N, sem.build_list, (Batch(N, tensor=x.clone()),))
+    xs = br.call(N, intrinsics.build_list, (Batch(N, tensor=x.clone()),))
     append = br.call(N, getattr, (xs, "append"))
     br.call(N, append, (Batch(N, tensor=y.clone()),))
     assert [len(v) for v in instances(xs, N)] == [2] * N
@@ -366,7 +366,7 @@ def test_append_to_struct_list_then_stack():
 
 def test_setitem_in_struct_list_then_cat():
     x, y = rand(N, 3, seed=1), rand(N, 3, seed=2)
-    xs = br.call(N, sem.build_list, (Batch(N, tensor=x.clone()), Batch(N, tensor=x.clone())))
+    xs = br.call(N, intrinsics.build_list, (Batch(N, tensor=x.clone()), Batch(N, tensor=x.clone())))
     br.call(N, operator.setitem, (xs, 0, Batch(N, tensor=y.clone())))
     out = br.call(N, torch.cat, (xs,), {"dim": -1})
     check_readers(out, [torch.cat([y[k], x[k]], -1) for k in range(N)], N)
@@ -491,7 +491,7 @@ def test_lazy_values_pass_through_arithmetic_cuts_joins_and_tuples():
     assert doubled.thunk is not None and total.thunk is not None
     head, tail = bt.cut(total, [4, 2])
     joined = bt.join(6, [(head, [0, 2, 4, 5]), (tail, [1, 3])])
-    pair = br.call(6, sem.build_tuple, (joined, "tag"))
+    pair = br.call(6, intrinsics.build_tuple, (joined, "tag"))
     assert bt.is_lazy(joined) and source.calls == 0  # nothing read yet
     first = bt.tensor_of(pair.struct[1][0])
     assert source.calls == 1

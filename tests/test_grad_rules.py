@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recompile.runtime import grad_rules
-from recompile.runtime import semantics as sem
+from recompile import intrinsics
 from recompile.runtime.deferred import DEFERRED, form
 from recompile.runtime.grad_rules import lookup
 
@@ -570,8 +570,8 @@ case(operator.getitem, b3, (0, slice(None), idx))
 case(operator.getitem, b3, (idx[:2] % 2, 1, idx[:2]))
 case(torch.Tensor.__getitem__, x, (rows3, 0))
 case("__getitem__", x, (slice(None), [3, 3]))
-case(sem.unpack, x, 3)
-case(sem.as_sequence, x)
+case(intrinsics.unpack, x, 3)
+case(intrinsics.as_sequence, x)
 case(getattr, x, "T")
 case(getattr, b3, "mT")
 

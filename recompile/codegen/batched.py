@@ -17,7 +17,8 @@ from .. import ir
 from ..passes.batching import BatchPlan
 from ..passes.effects import subgraph_may_mutate
 from ..passes.levels import level_shape
-from ..runtime import batch_rules, control, levels as rt_levels, semantics as sem
+from .. import intrinsics
+from ..runtime import batch_rules, control, levels as rt_levels
 from . import emit, levels, segments
 from .plan import plan
 
@@ -146,10 +147,10 @@ class _BatchedEmitter(emit._FunctionEmitter):
 
     def op_stmts(self, op):
         if isinstance(op, ir.Call):
-            if isinstance(op.fn, ir.Const) and op.fn.value is sem.raise_exception:
+            if isinstance(op.fn, ir.Const) and op.fn.value is intrinsics.raise_exception:
                 return [self.assign([], self.call_expr(op), op.loc)]
-            if len(op.outputs) > 1 or (isinstance(op.fn, ir.Const) and op.fn.value is sem.unpack):
-                value = self.call_expr(op) if not (isinstance(op.fn, ir.Const) and op.fn.value is sem.unpack) \
+            if len(op.outputs) > 1 or (isinstance(op.fn, ir.Const) and op.fn.value is intrinsics.unpack):
+                value = self.call_expr(op) if not (isinstance(op.fn, ir.Const) and op.fn.value is intrinsics.unpack) \
                     else self.load(op.args[0])
                 unpacked = ast.Call(func=self.helper(control.unpack, "unpack"),
                                     args=[self.n_load(), value, ast.Constant(value=len(op.outputs))], keywords=[])
@@ -286,7 +287,7 @@ def _segmentable(item):
     if isinstance(item, (ir.Capture, ir.Fused)):
         return True
     return (isinstance(item, ir.Call) and not item.star and not any(k is None for k, _ in item.kwargs)
-            and not (isinstance(item.fn, ir.Const) and item.fn.value is sem.raise_exception))
+            and not (isinstance(item.fn, ir.Const) and item.fn.value is intrinsics.raise_exception))
 
 
 def _dispatches(op):

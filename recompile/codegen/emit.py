@@ -23,7 +23,7 @@ import re
 import astor
 
 from .. import ir
-from ..runtime import semantics as sem
+from .. import intrinsics
 from .fused import FusedKernel
 from .plan import plan
 
@@ -35,7 +35,7 @@ _BINARY = {
 }
 _COMPARE = {
     operator.lt: ast.Lt, operator.le: ast.LtE, operator.gt: ast.Gt, operator.ge: ast.GtE, operator.eq: ast.Eq,
-    operator.ne: ast.NotEq, operator.is_: ast.Is, operator.is_not: ast.IsNot, sem.not_in: ast.NotIn,
+    operator.ne: ast.NotEq, operator.is_: ast.Is, operator.is_not: ast.IsNot, intrinsics.not_in: ast.NotIn,
 }
 _UNARY = {operator.neg: ast.USub, operator.pos: ast.UAdd, operator.invert: ast.Invert, operator.not_: ast.Not}
 _LITERALS = {int, str, bool, bytes, type(None)}  # exact types: a subclass (an IntEnum) prints otherwise
@@ -167,11 +167,11 @@ class _FunctionEmitter:
                     and isinstance(op.args[1].value, str) and op.args[1].value.isidentifier()
                     and not keyword.iskeyword(op.args[1].value)):
                 return ast.Attribute(value=args[0], attr=op.args[1].value, ctx=ast.Load())
-            if fn is sem.build_tuple:
+            if fn is intrinsics.build_tuple:
                 return ast.Tuple(elts=args, ctx=ast.Load())
-            if fn is sem.build_list:
+            if fn is intrinsics.build_list:
                 return ast.List(elts=args, ctx=ast.Load())
-            if fn is sem.unpack:
+            if fn is intrinsics.unpack:
                 return args[0]
         args = [ast.Starred(value=a, ctx=ast.Load()) if i in op.star else a for i, a in enumerate(args)]
         keywords = [ast.keyword(arg=k, value=self.load(v)) for k, v in op.kwargs]
@@ -188,7 +188,7 @@ class _FunctionEmitter:
     def capture_expr(self, op):
         if op.source_kind == "attr":
             return ast.Attribute(value=self.load(op.base), attr=op.source, ctx=ast.Load())
-        helper = sem.read_global if op.source_kind == "global" else sem.read_cell
+        helper = intrinsics.read_global if op.source_kind == "global" else intrinsics.read_cell
         return ast.Call(func=self.load(ir.Const(helper)),
                         args=[ast.Name(id=self.module.ref(op.source, "globals" if op.source_kind == "global"
                                                           else "cell_" + op.name), ctx=ast.Load()),
@@ -237,10 +237,10 @@ class _FunctionEmitter:
     def op_stmts(self, op):
         if isinstance(op, ir.Fused):
             return self.fused_stmts(op)
-        if isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value is sem.raise_exception:
+        if isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value is intrinsics.raise_exception:
             return [self.raise_stmt(op)]
         if isinstance(op, ir.Call):
-            unpack = isinstance(op.fn, ir.Const) and op.fn.value is sem.unpack
+            unpack = isinstance(op.fn, ir.Const) and op.fn.value is intrinsics.unpack
             return [self.assign(op.outputs, self.call_expr(op), op.loc, unpack)]
         if isinstance(op, ir.Capture):
             return [self.assign(op.outputs, self.capture_expr(op), op.loc)]

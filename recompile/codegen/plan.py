@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .. import ir
 from ..runtime.backprop import check_unchanged, note, note_all, version
-from ..runtime.semantics import PURE
+from ..intrinsics import PURE
 
 # the forward-with-saves program notes the gradient's sources as it meets them, reads tensors' versions and
 # checks that a view's tensor was not changed since (passes.grad): that changes nothing the program reads,

@@ -40,7 +40,7 @@ from torch import nn
 from .. import ir
 from ..runtime import batch as bt
 from ..runtime import batch_rules, control, lazy_weights
-from ..runtime import semantics as sem
+from .. import intrinsics
 from ..runtime.batch import Batch
 from ..runtime.levels import NotPlain
 
@@ -52,10 +52,10 @@ MAX_MISSES = 8  # calls no raw function served, once MAX_TRACES were traced, aft
 # ops a trace may run through their batch rule, inside the raw function: they change nothing and draw nothing,
 # so a run cut short by a failed guard may run them again (not builtins such as max or tuple, which would
 # consume an iterator twice)
-_OPERATORS = {f for f in sem.PURE if getattr(f, "__module__", None) in ("_operator", "operator")}
+_OPERATORS = {f for f in intrinsics.PURE if getattr(f, "__module__", None) in ("_operator", "operator")}
 _GENERIC_OK = (_OPERATORS | batch_rules.LAZY_OPS
-               | {getattr, sem.build_tuple, sem.build_list, sem.unpack, sem.check_bound, sem.read_global,
-                  sem.read_cell}
+               | {getattr, intrinsics.build_tuple, intrinsics.build_list, intrinsics.unpack, intrinsics.check_bound,
+                  intrinsics.read_global, intrinsics.read_cell}
                | set(batch_rules.RULES) - batch_rules._IN_PLACE - {F.dropout})
 _GENERIC_OK_MODULES = tuple(set(batch_rules.MODULE_RULES) - {nn.Dropout})
 _NUMBERS = (int, float, bool)
@@ -406,7 +406,7 @@ class _Tracer:
             if base.kind != "S":
                 raise _Untraceable
             return self.shared_attr(op.outputs[0], base, op.source)
-        helper = sem.read_global if op.source_kind == "global" else sem.read_cell
+        helper = intrinsics.read_global if op.source_kind == "global" else intrinsics.read_cell
         value = helper(op.source, op.name)
         name = self.fresh()
         self.emit(f"{name} = {self.const(helper)}({self.const(op.source)}, {op.name!r})")
@@ -446,7 +446,7 @@ class _Tracer:
         kwargs = {k: self.load(v) for k, v in op.kwargs}
         if any(s.kind != "S" for s in kwargs.values()):
             return self.generic(op, fn, fn_slot, args, kwargs)
-        if fn is sem.unpack:
+        if fn is intrinsics.unpack:
             return self.unpack(op, args[0])
         if len(op.outputs) > 1:  # a call whose result is unpacked at once
             value = self.raw_call(op, fn, fn_slot, args, kwargs)
@@ -883,7 +883,7 @@ def _join_form(tr, fn, fn_slot, args, kwargs):
 def _build_form(tr, fn, fn_slot, args, kwargs):
     if kwargs or all(s.kind == "S" for s in args):
         return None
-    kind = tuple if fn is sem.build_tuple else list
+    kind = tuple if fn is intrinsics.build_tuple else list
     name = tr.fresh()
     value = kind(s.value for s in args)
     if kind is tuple:
@@ -896,7 +896,7 @@ def _build_form(tr, fn, fn_slot, args, kwargs):
 
 _FORMS = {operator.getitem: _getitem_form, getattr: _attr_form, torch.chunk: _split_form,
           torch.split: _split_form, torch.cat: _join_form, torch.concat: _join_form, torch.stack: _join_form,
-          sem.build_tuple: _build_form, sem.build_list: _build_form}
+          intrinsics.build_tuple: _build_form, intrinsics.build_list: _build_form}
 _FORMS.update({f: _elementwise_form for f, r in batch_rules.RULES.items() if r is batch_rules.elementwise})
 _PLAIN_MODULES = (nn.Linear, nn.Embedding)
 
@@ -909,7 +909,7 @@ def _generic_ok(fn):
 
 
 def _pure(fn):
-    return _among(fn, sem.PURE)
+    return _among(fn, intrinsics.PURE)
 
 
 def _shareable(fn):

@@ -23,7 +23,7 @@ import operator
 import gast
 
 from .. import ir
-from ..runtime import semantics as sem
+from .. import intrinsics
 from . import canonicalize as canon
 
 DEF, MAYBE, POISON, LOOPLOCAL = "def", "maybe", "poison", "looplocal"
@@ -44,9 +44,10 @@ UNARY = {gast.USub: operator.neg, gast.UAdd: operator.pos, gast.Invert: operator
 COMPARE = {
     gast.Lt: operator.lt, gast.LtE: operator.le, gast.Gt: operator.gt, gast.GtE: operator.ge,
     gast.Eq: operator.eq, gast.NotEq: operator.ne, gast.Is: operator.is_, gast.IsNot: operator.is_not,
-    gast.NotIn: sem.not_in,
+    gast.NotIn: intrinsics.not_in,
 }
-INTERNAL = {canon.AS_SEQUENCE: sem.as_sequence, canon.HAS_INDEX: sem.has_index, canon.ASSERTION_ERROR: AssertionError}
+INTERNAL = {canon.AS_SEQUENCE: intrinsics.as_sequence, canon.HAS_INDEX: intrinsics.has_index,
+            canon.ASSERTION_ERROR: AssertionError}
 
 
 class Binding:
@@ -158,7 +159,7 @@ class Converter:
             if b.state == DEF:
                 return b.value
             if b.state == MAYBE:
-                value = self.call(node, sem.check_bound, [b.value, ir.Const(ident)], hint=ident)
+                value = self.call(node, intrinsics.check_bound, [b.value, ir.Const(ident)], hint=ident)
                 self.env[ident] = Binding(value)
                 return value
             raise self.loc(node).error(b.reason, "variable")  # POISON, LOOPLOCAL
@@ -173,7 +174,7 @@ class Converter:
             self.env[target.id] = Binding(value)
         elif isinstance(target, (gast.Tuple, gast.List)):
             n = len(target.elts)
-            outs = self.call(target, sem.unpack, [value, ir.Const(n)], n_outputs=n)
+            outs = self.call(target, intrinsics.unpack, [value, ir.Const(n)], n_outputs=n)
             outs = [outs] if n == 1 else outs
             for elt, v in zip(target.elts, outs):
                 self.store(elt, v)
@@ -239,12 +240,12 @@ class Converter:
 
     def stmt_Raise(self, s):
         if s.exc is None:
-            self.call(s, sem.raise_exception, [], n_outputs=0)
+            self.call(s, intrinsics.raise_exception, [], n_outputs=0)
         elif s.cause is None:
-            self.call(s, sem.raise_exception, [self.expr(s.exc)], n_outputs=0)
+            self.call(s, intrinsics.raise_exception, [self.expr(s.exc)], n_outputs=0)
         else:
             exc = self.expr(s.exc)
-            self.call(s, sem.raise_exception, [exc, self.expr(s.cause), ir.Const(True)], n_outputs=0)
+            self.call(s, intrinsics.raise_exception, [exc, self.expr(s.cause), ir.Const(True)], n_outputs=0)
 
     def stmt_If(self, s):
         if isinstance(s.test, gast.Constant):
@@ -318,7 +319,7 @@ class Converter:
     @staticmethod
     def _value_of(binding):
         if binding is None or binding.state == POISON:
-            return ir.Const(sem.UNDEFINED)
+            return ir.Const(intrinsics.UNDEFINED)
         return binding.value
 
     def stmt_While(self, s):
@@ -337,7 +338,7 @@ class Converter:
                 init.append(b.value)
                 init_states.append(MAYBE)
             else:
-                init.append(ir.Const(sem.UNDEFINED))
+                init.append(ir.Const(intrinsics.UNDEFINED))
                 init_states.append(MAYBE)
 
         def entry_env(sg):
@@ -416,31 +417,31 @@ class Converter:
 
     def expr_Tuple(self, node):
         args, star = self._elements(node.elts)
-        return self.call(node, sem.build_tuple, args, star=star)
+        return self.call(node, intrinsics.build_tuple, args, star=star)
 
     def expr_List(self, node):
         args, star = self._elements(node.elts)
-        return self.call(node, sem.build_list, args, star=star)
+        return self.call(node, intrinsics.build_list, args, star=star)
 
     def expr_Set(self, node):
         args, star = self._elements(node.elts)
-        return self.call(node, sem.build_set, args, star=star)
+        return self.call(node, intrinsics.build_set, args, star=star)
 
     def expr_Dict(self, node):
         items = []
         for k, v in zip(node.keys, node.values):
-            items.append(self.expr(k) if k is not None else ir.Const(sem.MERGE))
+            items.append(self.expr(k) if k is not None else ir.Const(intrinsics.MERGE))
             items.append(self.expr(v))
-        return self.call(node, sem.build_dict, items)
+        return self.call(node, intrinsics.build_dict, items)
 
     def expr_JoinedStr(self, node):
         parts = [self.expr(v) for v in node.values]
-        return self.call(node, sem.join_str, parts)
+        return self.call(node, intrinsics.join_str, parts)
 
     def expr_FormattedValue(self, node):
         value = self.expr(node.value)  # before the spec, as Python evaluates them
         spec = self.expr(node.format_spec) if node.format_spec is not None else ir.Const("")
-        return self.call(node, sem.format_value, [value, ir.Const(node.conversion), spec])
+        return self.call(node, intrinsics.format_value, [value, ir.Const(node.conversion), spec])
 
     def expr_NamedExpr(self, node):
         value = self.expr(node.value)
@@ -661,7 +662,7 @@ class Converter:
         of C objects recursing through its children runs in the frame tree), else the ordinary call."""
         obj = self.expr(node.func.value)
         attr = self.mangle(node.func.attr)
-        is_owner = self.call(node, sem.finds_in_class, [obj, ir.Const(self.owner), ir.Const(attr)])
+        is_owner = self.call(node, intrinsics.finds_in_class, [obj, ir.Const(self.owner), ir.Const(attr)])
 
         def invoke():
             args, kwargs = self._call_args(node)
@@ -708,7 +709,7 @@ class Converter:
         for pname, param in handle.signature.parameters.items():
             value = bound.arguments[pname]
             if param.kind is inspect.Parameter.VAR_POSITIONAL:
-                value = self.call(node, sem.build_tuple, list(value))
+                value = self.call(node, intrinsics.build_tuple, list(value))
             elif param.kind is inspect.Parameter.VAR_KEYWORD:
                 value = self.call(node, dict, [], list(value.items()))
             elif not isinstance(value, (ir.Value, ir.Const)):

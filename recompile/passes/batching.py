@@ -30,12 +30,12 @@ tree model then runs once per minibatch instead of once per level.
 from __future__ import annotations
 
 from .. import ir
-from ..runtime import semantics as sem
+from .. import intrinsics
 from ..runtime.batch_rules import LAZY_OPS
 from .effects import subgraph_mutates
 
 # ops that pass a lazy value on as a lazy value: the runtime's arithmetic, and tuple building
-LAZY_FLOW = LAZY_OPS | {sem.build_tuple}
+LAZY_FLOW = LAZY_OPS | {intrinsics.build_tuple}
 
 
 class Unit:

@@ -46,20 +46,20 @@ import os
 from .. import ir
 from ..runtime import backprop as bp
 from ..runtime import grad_rules
-from ..runtime import semantics as sem
+from .. import intrinsics
 from . import effects
 from .fusion import unfuse
 
 # Calls that make nothing differentiable from tensors: they need no gradient.
 NO_GRADIENT = {
-    sem.build_tuple, sem.build_list, sem.build_dict, sem.build_set, sem.check_bound, sem.has_index,
-    sem.format_value, sem.join_str, sem.finds_in_class, sem.not_in, sem.raise_exception, sem.read_global,
-    sem.read_cell, operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne, operator.is_,
+    intrinsics.build_tuple, intrinsics.build_list, intrinsics.build_dict, intrinsics.build_set, intrinsics.check_bound, intrinsics.has_index,
+    intrinsics.format_value, intrinsics.join_str, intrinsics.finds_in_class, intrinsics.not_in, intrinsics.raise_exception, intrinsics.read_global,
+    intrinsics.read_cell, operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne, operator.is_,
     operator.is_not, operator.not_, operator.contains, operator.truth, len, isinstance, issubclass, slice, range,
     bool, int, str, repr, type, id, hash, print, callable, hasattr,
 }
 # Calls whose result may be a tensor from outside the program (a parameter): the forward notes it.
-READS = {getattr, operator.getitem, sem.unpack}
+READS = {getattr, operator.getitem, intrinsics.unpack}
 BACKWARD_CALLS = {bp.call_backward, bp.read_backward, bp.backward_of}
 # Tensor attributes whose read is differentiable; other attribute reads are bound methods or data.
 DIFFERENTIABLE_ATTRS = {"T", "mT", "H", "mH", "real"}
@@ -79,7 +79,7 @@ def derive(sg, handles, may_mutate=lambda invoke: True):
     fwd = ir.SubGraph(f"{sg.name}:fwd", [ctx_f, *sg.inputs], sg.loc, "function")
     bwd = ir.SubGraph(f"{sg.name}:bwd", [ctx_b], sg.loc, "function")
     rec_f = deriver.body(sg, fwd, bwd, ctx_f, ctx_b)
-    pair = ir.Call(sg.loc, ir.Const(sem.build_tuple), [sg.outputs[0], rec_f], hints=("result",))
+    pair = ir.Call(sg.loc, ir.Const(intrinsics.build_tuple), [sg.outputs[0], rec_f], hints=("result",))
     fwd.ops.append(pair)
     fwd.outputs = [pair.output]
     bwd.outputs = [ir.Const(None)]
@@ -157,12 +157,12 @@ class _Deriver:
                                    n_outputs=0))
         grad_ops = [o for chunk in reversed(chunks) for o in chunk]
         saved = _read_from(grad_ops, _defined(fwd))
-        rec = ir.Call(sg.loc, ir.Const(sem.build_tuple), saved, hints=("record",))
+        rec = ir.Call(sg.loc, ir.Const(intrinsics.build_tuple), saved, hints=("record",))
         fwd.ops.append(rec)
         rec_b = ir.Value("record")
         restore = []
         if saved:
-            unpack = ir.Call(sg.loc, ir.Const(sem.unpack), [rec_b, ir.Const(len(saved))], n_outputs=len(saved),
+            unpack = ir.Call(sg.loc, ir.Const(intrinsics.unpack), [rec_b, ir.Const(len(saved))], n_outputs=len(saved),
                              hints=[v.hint for v in saved])
             mapping = dict(zip(saved, unpack.outputs))
             for o in grad_ops:
@@ -225,7 +225,7 @@ class _Deriver:
                 return []
             aux = ir.Const(rule)
             result, grads = self._result(op, ctx_b)
-            backward = bp.read_backward if fn in READS or fn is sem.as_sequence else bp.call_backward
+            backward = bp.read_backward if fn in READS or fn is intrinsics.as_sequence else bp.call_backward
             return grads + [self._backward_call(op, ctx_b, aux, result, backward)]
         # a callable known only when it runs: look its rule up then, or record it for torch.autograd
         wrapped = ir.Call(op.loc, ir.Const(bp.call_forward), [ctx_f, op.fn, *op.args], op.kwargs,
@@ -236,7 +236,7 @@ class _Deriver:
             _produce(wrapped, [op.outputs[0], aux])
             result = op.outputs[0]
         elif op.outputs:
-            unpack = ir.Call(op.loc, ir.Const(sem.unpack), [result, ir.Const(len(op.outputs))],
+            unpack = ir.Call(op.loc, ir.Const(intrinsics.unpack), [result, ir.Const(len(op.outputs))],
                              n_outputs=len(op.outputs))
             _produce(unpack, op.outputs)
             out.append(unpack)
@@ -248,7 +248,7 @@ class _Deriver:
             return op.outputs[0], []
         if not op.outputs:
             return ir.Const(None), []
-        pack = ir.Call(op.loc, ir.Const(sem.build_tuple), list(op.outputs), hints=("results",))
+        pack = ir.Call(op.loc, ir.Const(intrinsics.build_tuple), list(op.outputs), hints=("results",))
         return pack.output, [pack]
 
     def _backward_call(self, op, ctx_b, aux, result, backward=bp.call_backward):
@@ -259,7 +259,7 @@ class _Deriver:
         fwd_handle, bwd_handle = self.handles(op.target)
         call = ir.Invoke(op.loc, f"{op.callee}:fwd", fwd_handle, [ctx_f, *op.args], hints=(_hint(op),))
         out.append(call)
-        split = ir.Call(op.loc, ir.Const(sem.unpack), [call.output, ir.Const(2)], n_outputs=2)
+        split = ir.Call(op.loc, ir.Const(intrinsics.unpack), [call.output, ir.Const(2)], n_outputs=2)
         rec = ir.Value("record", split)
         _produce(split, [op.output, rec])
         out.append(split)
@@ -297,11 +297,11 @@ class _Deriver:
                              body.kind)
         body_b = ir.SubGraph(f"{body.name}:bwd", [], body.loc, body.kind)
         tape_b = ir.Value("tape")
-        split = ir.Call(body.loc, ir.Const(sem.unpack), [tape_b, ir.Const(2)], n_outputs=2,
+        split = ir.Call(body.loc, ir.Const(intrinsics.unpack), [tape_b, ir.Const(2)], n_outputs=2,
                         hints=("record", "tape"))
         rest = split.outputs[1]
         rec = self.body(body, body_f, body_b, ctx_in, c_b, prologue=[split])
-        push = ir.Call(body.loc, ir.Const(sem.build_tuple), [rec, tape_in], hints=("tape",))
+        push = ir.Call(body.loc, ir.Const(intrinsics.build_tuple), [rec, tape_in], hints=("tape",))
         body_f.ops.append(push)
         body_f.outputs = [*body.outputs, push.output]
         body_b.inputs = [tape_b, c_b]
@@ -364,7 +364,7 @@ def _changed_later(ops, outputs=(), inputs=()):
     return guarded
 
 
-_BUILDERS = (sem.build_tuple, sem.build_list, sem.build_set, sem.build_dict)
+_BUILDERS = (intrinsics.build_tuple, intrinsics.build_list, intrinsics.build_set, intrinsics.build_dict)
 _DATA_ATTRS = {"shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout"}
 
 

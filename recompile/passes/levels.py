@@ -28,7 +28,7 @@ from __future__ import annotations
 import operator
 
 from .. import ir
-from ..runtime import semantics as sem
+from .. import intrinsics
 
 
 def level_shape(sg, batch_plan, changes):
@@ -94,7 +94,7 @@ def late_split(shape):
         return None
     ret = sg.outputs[0]
     builds = [op for op in post if ret in op.outputs]
-    if len(builds) != 1 or not _calls(builds[0], sem.build_tuple) \
+    if len(builds) != 1 or not _calls(builds[0], intrinsics.build_tuple) \
             or any(ret in op.operands() for op in post):
         return None
     build = builds[0]
@@ -107,7 +107,7 @@ def late_split(shape):
         found = []
         for inv in br.invokes:
             users = [op for op in br.sg.ops if inv.output in op.operands()]
-            if inv.output in br.sg.outputs or len(users) != 1 or not _calls(users[0], sem.unpack) \
+            if inv.output in br.sg.outputs or len(users) != 1 or not _calls(users[0], intrinsics.unpack) \
                     or len(users[0].outputs) != len(elements):
                 return None
             found.append(users[0])

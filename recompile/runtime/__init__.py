@@ -1,1 +1,2 @@
-"""Runs generated programs: the scheduler (frames off the Python stack) and Python-semantics helpers."""
+"""Runs generated programs: the schedulers (sequential, agenda-batched, threaded), batch values and
+their rules, level runs, streams."""

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import batch as bt
-from . import semantics as sem
+from .. import intrinsics
 from .batch import Batch
 
-_SHAREABLE = {getattr, operator.getitem, sem.unpack, sem.build_tuple, sem.check_bound, sem.read_global,
-              sem.read_cell, sem.finds_in_class, isinstance, len}
+_SHAREABLE = {getattr, operator.getitem, intrinsics.unpack, intrinsics.build_tuple, intrinsics.check_bound, intrinsics.read_global,
+              intrinsics.read_cell, intrinsics.finds_in_class, isinstance, len}
 _IMMUTABLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
@@ -165,7 +165,7 @@ def _unbatched(n, fn, args, kwargs):
     """No argument differs between instances: run once if every instance may share the result."""
     first = fn(*args, **kwargs) if kwargs else fn(*args)
     try:
-        pure = fn in _SHAREABLE or fn in sem.PURE
+        pure = fn in _SHAREABLE or fn in intrinsics.PURE
     except TypeError:
         pure = False
     if pure and (fn in _SHAREABLE or type(first) in _IMMUTABLE):
@@ -484,7 +484,7 @@ def _plain_index(index):
 
 
 def _build_rule(n, fn, args, kwargs):
-    return bt.from_struct(tuple if fn is sem.build_tuple else list, list(args), n)
+    return bt.from_struct(tuple if fn is intrinsics.build_tuple else list, list(args), n)
 
 
 def attribute(n, fn, args, kwargs):
@@ -649,7 +649,7 @@ RULES.update({
     torch.sum: full_reduction, torch.mean: full_reduction, torch.max: _dim_rule(1), torch.min: _dim_rule(1),
     torch.argmax: _dim_rule(1), torch.logsumexp: _dim_rule(1), torch.norm: _dim_rule(2),
     operator.getitem: gather, getattr: attribute, operator.matmul: via_vmap,
-    sem.build_tuple: _build_rule, sem.build_list: _build_rule,
+    intrinsics.build_tuple: _build_rule, intrinsics.build_list: _build_rule,
     F.cross_entropy: cross_entropy, F.nll_loss: cross_entropy,
 })
 

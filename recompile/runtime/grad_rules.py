@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-from . import semantics as sem
+from .. import intrinsics
 from .deferred import Outer, Rows
 
 FUNCTION_RULES = {}
@@ -895,7 +895,7 @@ def _advanced(part):
     return False
 
 
-@rule(sem.unpack, sem.as_sequence)
+@rule(intrinsics.unpack, intrinsics.as_sequence)
 def _rows(fn, g, out, obj, *rest):
     """``a, b = t`` and ``for row in t`` take a tensor's rows (unbind); other sequences are themselves."""
     if not is_tensor(obj):

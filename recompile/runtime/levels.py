@@ -37,7 +37,7 @@ import torch
 
 from . import batch as bt
 from . import batch_rules
-from . import semantics as sem
+from .. import intrinsics
 from .control import Branch
 
 ENABLED = True  # (off: every call goes through the agenda; for measuring one against the other)
@@ -796,7 +796,7 @@ def _result(n, late, early, lates):
         elements[j] = v
     for j, v in zip(late.positions, lates):
         elements[j] = v
-    return batch_rules.call(n, sem.build_tuple, tuple(elements))
+    return batch_rules.call(n, intrinsics.build_tuple, tuple(elements))
 
 
 def _answers(depths, ran):

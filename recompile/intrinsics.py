@@ -1,8 +1,10 @@
-"""Small functions that give generated code Python's own semantics.
+"""Python's semantics as the callables the IR holds.
 
 Each is what a piece of syntax does in plain Python (building a tuple,
 unpacking, raising, reading a global), written as a callable so that the IR
-can hold it as a ``Call``.
+can hold it as a ``Call``. Every stage knows them: the frontend emits them,
+passes and emitters recognise them, generated code calls them. They import
+nothing of recompile's.
 """
 
 from __future__ import annotations
