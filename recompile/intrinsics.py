@@ -10,7 +10,6 @@ nothing of recompile's.
 from __future__ import annotations
 
 import builtins
-import operator
 
 import torch
 
@@ -184,18 +183,3 @@ def finds_in_class(obj, cls, name):
 
 def not_in(a, b):
     return a not in b
-
-
-# Calls that read and build but change nothing: safe to move across a compiled call
-# (not `in`: on an iterator it consumes items)
-# when independent Invokes are grouped (codegen.plan).
-PURE = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
-    operator.pow, operator.matmul, operator.neg, operator.pos, operator.invert, operator.not_,
-    operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne, operator.is_,
-    operator.is_not, operator.getitem, operator.and_, operator.or_, operator.xor,
-    operator.lshift, operator.rshift,
-    finds_in_class, getattr, len, isinstance, slice, range, int, float, bool, abs, min, max, tuple,
-    build_tuple, build_list, build_dict, build_set, unpack, check_bound, as_sequence, has_index, format_value,
-    join_str,
-}

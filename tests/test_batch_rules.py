@@ -323,6 +323,18 @@ def test_iadd_on_batched_tensor(form):
     reset_counters()
 
 
+@pytest.mark.parametrize("exponent", ["shared", "batched"])
+def test_ipow_on_batched_tensor_is_in_place(exponent):
+    stacked = rand(N, 3, seed=1).abs() + 0.5
+    target = Batch(N, tensor=stacked.clone())
+    power = 2.0 if exponent == "shared" else Batch(N, tensor=rand(N, 3, seed=2).abs())
+    reset_counters()
+    out = br.call(N, operator.ipow, (target, power))
+    assert out is target and br.counters.per_instance == {}  # x **= y changes x's tensor, as x += y does
+    want = stacked ** (2.0 if exponent == "shared" else power.tensor)
+    assert_same(target.tensor, want)
+
+
 def test_iadd_shared_operand_broadcast():
     stacked = rand(N, 2, 3, seed=1)
     target = Batch(N, tensor=stacked.clone())

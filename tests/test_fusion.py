@@ -21,7 +21,8 @@ import torch.nn.functional as F
 import recompile
 from recompile import ir
 from recompile.codegen import fused as fused_kernels
-from recompile.passes.fusion import FUSIBLE, unfuse
+from recompile.ops.facts import FUSIBLE
+from recompile.passes.fusion import unfuse
 from source_lines import marker
 
 F64 = torch.float64

@@ -677,9 +677,9 @@ def _tested():
 
 def test_every_rule_has_cases():
     functions, methods, modules = _tested()
-    assert [k for k in grad_rules.FUNCTION_RULES if k not in functions] == []
-    assert sorted(set(grad_rules.METHOD_RULES) - methods) == []
-    assert [m.__name__ for m in grad_rules.MODULE_RULES if m not in modules] == []
+    assert [k for k in grad_rules.GRAD.by_callable if k not in functions] == []
+    assert sorted(set(grad_rules.GRAD.by_method) - methods) == []
+    assert [m.__name__ for m in grad_rules.GRAD.by_module if m not in modules] == []
 
 
 def test_lookup_without_rule():

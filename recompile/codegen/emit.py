@@ -24,20 +24,13 @@ import astor
 
 from .. import ir
 from .. import intrinsics
+from ..ops import syntax
 from .fused import FusedKernel
 from .plan import plan
 
-_BINARY = {
-    operator.add: ast.Add, operator.sub: ast.Sub, operator.mul: ast.Mult, operator.truediv: ast.Div,
-    operator.floordiv: ast.FloorDiv, operator.mod: ast.Mod, operator.pow: ast.Pow, operator.matmul: ast.MatMult,
-    operator.and_: ast.BitAnd, operator.or_: ast.BitOr, operator.xor: ast.BitXor, operator.lshift: ast.LShift,
-    operator.rshift: ast.RShift,
-}
-_COMPARE = {
-    operator.lt: ast.Lt, operator.le: ast.LtE, operator.gt: ast.Gt, operator.ge: ast.GtE, operator.eq: ast.Eq,
-    operator.ne: ast.NotEq, operator.is_: ast.Is, operator.is_not: ast.IsNot, intrinsics.not_in: ast.NotIn,
-}
-_UNARY = {operator.neg: ast.USub, operator.pos: ast.UAdd, operator.invert: ast.Invert, operator.not_: ast.Not}
+_BINARY = syntax.by_fn(syntax.BINARY, ast)
+_COMPARE = syntax.by_fn(syntax.COMPARE, ast)
+_UNARY = syntax.by_fn(syntax.UNARY, ast)
 _LITERALS = {int, str, bool, bytes, type(None)}  # exact types: a subclass (an IntEnum) prints otherwise
 _LARGEST_LITERAL = 10 ** 100  # larger ints go by reference (printing them may exceed int->str limits)
 

@@ -27,8 +27,8 @@ import warnings
 import torch
 
 from .. import ir
+from ..ops.facts import NUMBERS
 
-_NUMBERS = (int, float, bool)
 COMPILE_MIN_ELEMENTS = 16384
 
 
@@ -69,7 +69,7 @@ class FusedKernel:
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
                 largest = max(largest, a.numel())
-            elif type(a) not in _NUMBERS and i not in self.callables:
+            elif type(a) not in NUMBERS and i not in self.callables:
                 return self.python(*args)
         if largest < COMPILE_MIN_ELEMENTS or self._compile_failed:
             return self.python(*args)

@@ -14,25 +14,15 @@ batched modes), and what follows such a call must see its change.
 from __future__ import annotations
 
 from .. import ir
-from ..runtime.backprop import check_unchanged, note, note_all, version
-from ..intrinsics import PURE
-
-# the forward-with-saves program notes the gradient's sources as it meets them, reads tensors' versions and
-# checks that a view's tensor was not changed since (passes.grad): that changes nothing the program reads,
-# and the calls of a group change nothing in place, so these move like pure ops (and a node's two children
-# are still issued together)
-_MOVABLE = PURE | {note, note_all, version, check_unchanged}
+from ..ops import facts
 
 
 def _pure(op):
+    """A pure op (``facts.PURE``; the forward-with-saves program's bookkeeping is pure too, so a node's two
+    children are still issued together when their gradients are derived) or a read of an outer name."""
     if isinstance(op, ir.Capture):
         return True
-    if isinstance(op, ir.Call) and isinstance(op.fn, ir.Const):
-        try:
-            return op.fn.value in _MOVABLE
-        except TypeError:  # unhashable callable
-            return False
-    return False
+    return isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and facts.among(op.fn.value, facts.PURE)
 
 
 def plan(ops, may_mutate=lambda invoke: False):

@@ -37,10 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ir
+from .. import intrinsics, ir
+from ..ops import facts, syntax
+from ..ops.table import RuleTable, has_hooks
 from ..runtime import batch as bt
 from ..runtime import batch_rules, control, lazy_weights
-from .. import intrinsics
 from ..runtime.batch import Batch
 from ..runtime.levels import NotPlain
 
@@ -52,13 +53,12 @@ MAX_MISSES = 8  # calls no raw function served, once MAX_TRACES were traced, aft
 # ops a trace may run through their batch rule, inside the raw function: they change nothing and draw nothing,
 # so a run cut short by a failed guard may run them again (not builtins such as max or tuple, which would
 # consume an iterator twice)
-_OPERATORS = {f for f in intrinsics.PURE if getattr(f, "__module__", None) in ("_operator", "operator")}
-_GENERIC_OK = (_OPERATORS | batch_rules.LAZY_OPS
+_OPERATORS = {f for f in facts.PURE if getattr(f, "__module__", None) in ("_operator", "operator")}
+_GENERIC_OK = (_OPERATORS | facts.LAZY
                | {getattr, intrinsics.build_tuple, intrinsics.build_list, intrinsics.unpack, intrinsics.check_bound,
                   intrinsics.read_global, intrinsics.read_cell}
-               | set(batch_rules.RULES) - batch_rules._IN_PLACE - {F.dropout})
-_GENERIC_OK_MODULES = tuple(set(batch_rules.MODULE_RULES) - {nn.Dropout})
-_NUMBERS = (int, float, bool)
+               | set(batch_rules.BATCH.by_callable) - set(facts.IN_PLACE) - facts.DRAWS)
+_GENERIC_OK_MODULES = tuple(set(batch_rules.BATCH.by_module) - facts.DRAWS)
 # (reading a Plain piece's traced lines: the names they define and read, and the instance count)
 _DEFINES = re.compile(r"^([\w, ]+?) = ")
 _NAMES = re.compile(r"\b[av]\d+\b")
@@ -478,7 +478,7 @@ class _Tracer:
                 raise _Untraceable
             if not dim.fixed or type(dim.value) not in (int, tuple):
                 raise _Untraceable  # (a dim computed at run time: the shift would be this call's)
-            shifted = batch_rules._shift(dim.value)
+            shifted = batch_rules.shift_dim(dim.value)
             if where == "dim":
                 kw_texts["dim"], kw_values["dim"] = repr(shifted), shifted
             else:
@@ -515,7 +515,7 @@ class _Tracer:
         return self.generic_slot(op, fn, fn_slot, args, kwargs)
 
     def shared_call(self, fn, fn_slot, args, kwargs):
-        """A call of nothing batched whose result every instance shares (``batch_rules._SHAREABLE``)."""
+        """A call of nothing batched whose result every instance shares (``facts.SHAREABLE``)."""
         self.guard_callable(fn, fn_slot)
         fn_name = fn_slot.name if fn_slot is not None else self.const(fn)
         value = fn(*[s.value for s in args], **{k: s.value for k, s in kwargs.items()})
@@ -537,7 +537,7 @@ class _Tracer:
             if any(s.kind != "S" for s in (*args, *kwargs.values())):
                 raise _Untraceable
             if _pure(fn) and type(fn(*[a.value for a in args], **{k: a.value for k, a in kwargs.items()})) \
-                    in batch_rules._IMMUTABLE:  # (every instance shares it, as batch_rules._unbatched decides)
+                    in facts.IMMUTABLE:  # (every instance shares it, as batch_rules._unbatched decides)
                 slot = self.shared_call(fn, fn_slot, args, kwargs)
                 self.emit(f"if type({slot.name}) is not {self.const(type(slot.value))}: raise _Deopt")
                 return slot
@@ -570,7 +570,7 @@ class _Tracer:
         self.emit(f"{name} = {text}")
         if type(value) is Batch:
             return _Slot("O", name, value)
-        if type(value) is torch.Tensor or not isinstance(value, (*_NUMBERS, str, type(None), torch.dtype)):
+        if type(value) is torch.Tensor or not isinstance(value, (*facts.NUMBERS, str, type(None), torch.dtype)):
             # a plain result that is not an immutable value: whether it is shared or per instance is the
             # rule's decision on each call, which the raw function would not see
             raise _Untraceable
@@ -622,7 +622,7 @@ class _Tracer:
                 self.guard_shared(s)
                 t = s.value
                 shared_rank = max(shared_rank, t.dim())
-            elif s.kind == "S" and type(s.value) in _NUMBERS:
+            elif s.kind == "S" and type(s.value) in facts.NUMBERS:
                 if not s.fixed:
                     self.emit(f"if type({s.name}) is not {type(s.value).__name__}: raise _Deopt")
                 continue
@@ -677,9 +677,15 @@ class _Tracer:
             self.define(v, _Slot("O", f"{name}[{j}]", part))
 
 
-# -- raw forms: each returns the slot of the op run on plain tensors, or None (the batch rule runs it)
+# -- raw forms: each returns the slot of the op run on plain tensors, or None (the batch rule runs it); filed
+# as the batch rules are, by the callable or module type they run
+
+TRACE = RuleTable("trace")
+_PLAIN_MODULES = (nn.Linear, nn.Embedding)
 
 
+
+@TRACE.register(operator.getitem)
 def _getitem_form(tr, fn, fn_slot, args, kwargs):
     """``x[i]``: a gather from a shared tensor by batched integer indices, one per instance."""
     if len(args) != 2 or kwargs:
@@ -688,17 +694,18 @@ def _getitem_form(tr, fn, fn_slot, args, kwargs):
     if x.kind != "S" or type(x.value) is not torch.Tensor:
         return None
     i = tr.as_b(i)
-    if i is None or i.value.dtype not in batch_rules.INTEGER_INDEX or i.value.dim() != 1:
+    if i is None or i.value.dtype not in facts.INTEGER_INDEX or i.value.dim() != 1:
         return None
     tr.guard_callable(fn, fn_slot)
     tr.guard_shared(x)
     tr.emit(f"if type({x.name}) is not _Tensor: raise _Deopt")
     name = tr.fresh()
-    value = batch_rules._rows(x.value, i.value)
+    value = batch_rules.index_rows(x.value, i.value)
     tr.emit(f"{name} = _rows({x.name}, {i.name})")
     return _Slot("B", name, value)
 
 
+@TRACE.register(getattr)
 def _attr_form(tr, fn, fn_slot, args, kwargs):
     """``x.name`` of a batched tensor, for a method ``_METHODS`` knows: an M slot, for the call that follows."""
     if len(args) != 2 or kwargs or args[1].kind != "S" or not args[1].fixed or args[1].value not in _METHODS:
@@ -711,12 +718,11 @@ def _attr_form(tr, fn, fn_slot, args, kwargs):
 
 
 # Tensor methods a trace runs on the batched tensor: name -> (the position of the dim it takes, or None; whether
-# no dim means every dim of the instance). Their batch rules: batch_rules.METHOD_RULES.
-_METHODS = {**{name: (None, False) for name in ("sigmoid", "tanh", "relu", "exp", "log", "sqrt", "abs", "neg",
-                                                "clone", "detach", "float", "double", "long", "contiguous",
-                                                "view", "reshape")},
-            "sum": (0, True), "mean": (0, True), "softmax": (0, False), "log_softmax": (0, False),
-            "unsqueeze": (0, False), "squeeze": (0, False), "argmax": (0, False)}
+# no dim means every dim of the instance), as their batch rules do (``facts.UNARY_METHODS``, ``DIM_METHODS``);
+# not those giving several tensors (chunk, split, unbind, max).
+_METHODS = {**{name: (None, False) for name in (*facts.UNARY_METHODS, "view", "reshape")},
+            **{name: facts.DIM_METHODS[name] for name in ("sum", "mean", "softmax", "log_softmax", "unsqueeze",
+                                                          "squeeze", "argmax")}}
 
 
 def _tensors(tr, args):
@@ -733,7 +739,7 @@ def _tensors(tr, args):
                 return None
             rank, dtype = r, b.value.dtype
             out.append(b)
-        elif s.kind == "S" and type(s.value) in _NUMBERS:
+        elif s.kind == "S" and type(s.value) in facts.NUMBERS:
             out.append(s)
         elif s.kind == "S" and type(s.value) is torch.Tensor:
             out.append(s)
@@ -748,8 +754,9 @@ def _tensors(tr, args):
     return out, rank, dtype
 
 
+@TRACE.register(*facts.ELEMENTWISE)
 def _elementwise_form(tr, fn, fn_slot, args, kwargs):
-    if fn is F.dropout or fn in batch_rules._IN_PLACE or (fn is torch.where and len(args) == 1):
+    if fn in facts.DRAWS or fn in facts.IN_PLACE or (fn is torch.where and len(args) == 1):
         return None
     found = _tensors(tr, args)
     if found is None:
@@ -778,9 +785,10 @@ def _elementwise_form(tr, fn, fn_slot, args, kwargs):
     return _Slot("B", name, value)
 
 
-_INFIX = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/"}
+_INFIX = {fn: syntax.SYMBOL[fn] for fn in (operator.add, operator.sub, operator.mul, operator.truediv)}
 
 
+@TRACE.register(*_PLAIN_MODULES)
 def _module_form(tr, fn, fn_slot, args, kwargs):
     """A Linear or Embedding module with no hooks on a batched input (rank ≥ 1 for Linear)."""
     if len(args) != 1 or kwargs or type(fn) not in _PLAIN_MODULES or not _plain_module(fn, type(fn)):
@@ -794,7 +802,7 @@ def _module_form(tr, fn, fn_slot, args, kwargs):
         value = F.linear(x.value, fn.weight, fn.bias) if tr.plain is None else \
             lazy_weights.linear(x.value, fn.weight, fn.bias, lazy_weights.LazyWeight())  # (as its line computes it)
     else:
-        if x.value.dtype not in batch_rules.INTEGER_INDEX:
+        if x.value.dtype not in facts.INTEGER_INDEX:
             return None
         value = fn(x.value)
     tr.guard_callable(fn, fn_slot)
@@ -823,6 +831,7 @@ def _dim_arg(args, kwargs, position, default):
     return default
 
 
+@TRACE.register(torch.chunk, torch.split)
 def _split_form(tr, fn, fn_slot, args, kwargs):
     """torch.chunk / torch.split of a batched tensor along a feature dim: a tuple of batched tensors."""
     if not args or set(kwargs) - {"dim"} or len(args) > 3 or any(s.kind != "S" for s in args[1:]):
@@ -853,6 +862,7 @@ def _split_form(tr, fn, fn_slot, args, kwargs):
     return _Slot("T", name, value, items)
 
 
+@TRACE.register(torch.cat, torch.concat, torch.stack)
 def _join_form(tr, fn, fn_slot, args, kwargs):
     """torch.cat / torch.stack of a list built in the segment, all batched tensors, along a feature dim."""
     if not args or args[0].kind != "T" or set(kwargs) - {"dim"} or len(args) > 2:
@@ -880,6 +890,7 @@ def _join_form(tr, fn, fn_slot, args, kwargs):
     return _Slot("B", name, value)
 
 
+@TRACE.register(intrinsics.build_tuple, intrinsics.build_list)
 def _build_form(tr, fn, fn_slot, args, kwargs):
     if kwargs or all(s.kind == "S" for s in args):
         return None
@@ -894,43 +905,28 @@ def _build_form(tr, fn, fn_slot, args, kwargs):
     return _Slot("T", name, value, list(args))
 
 
-_FORMS = {operator.getitem: _getitem_form, getattr: _attr_form, torch.chunk: _split_form,
-          torch.split: _split_form, torch.cat: _join_form, torch.concat: _join_form, torch.stack: _join_form,
-          intrinsics.build_tuple: _build_form, intrinsics.build_list: _build_form}
-_FORMS.update({f: _elementwise_form for f, r in batch_rules.RULES.items() if r is batch_rules.elementwise})
-_PLAIN_MODULES = (nn.Linear, nn.Embedding)
-
-
 def _generic_ok(fn):
     """Whether ``fn`` changes nothing and draws nothing: a trace may run it by its batch rule."""
     if type(fn) in _GENERIC_OK_MODULES:
         return _plain_module(fn, type(fn))
-    return _among(fn, _GENERIC_OK)
+    return facts.among(fn, _GENERIC_OK)
 
 
 def _pure(fn):
-    return _among(fn, intrinsics.PURE)
+    return facts.among(fn, facts.PURE)
 
 
 def _shareable(fn):
-    return _among(fn, batch_rules._SHAREABLE)
-
-
-def _among(fn, group):
-    try:
-        return fn in group
-    except TypeError:  # unhashable callable
-        return False
+    return facts.among(fn, facts.SHAREABLE)
 
 
 def _form_of(fn):
+    """The raw form of ``fn``: by the callable, or by a module's exact type (``_module_form`` checks its hooks)."""
     try:
-        form = _FORMS.get(fn)
+        form = TRACE.by_callable.get(fn)
     except TypeError:  # unhashable callable
         return None
-    if form is None and type(fn) in _PLAIN_MODULES:
-        return _module_form
-    return form
+    return form if form is not None else TRACE.by_module.get(type(fn))
 
 
 # -- what the raw functions call
@@ -960,7 +956,7 @@ def _shared_tensor(x, rank, dtype):
 
 def _plain_module(m, kind):
     """A module of exactly ``kind`` whose call is its own forward, with no hooks (``batch_rules``)."""
-    return type(m) is kind and not batch_rules._has_hooks(m) and "forward" not in m.__dict__
+    return type(m) is kind and not has_hooks(m) and "forward" not in m.__dict__
 
 
 def _module(m, x):
@@ -976,6 +972,6 @@ def _struct(kind, parts, n):
 _HELPERS = {"_Batch": Batch, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor": _tensor,
             "_shared_tensor": _shared_tensor, "_plain_module": _plain_module, "_F_linear": F.linear,
             "_LazyWeight": lazy_weights.LazyWeight, "_lazy_linear": lazy_weights.linear, "_module": _module,
-            "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules._rows,
+            "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules.index_rows,
             "_call": batch_rules.call, "_item": batch_rules.item, "_fused": batch_rules.fused,
             "_unpack": control.unpack, "__builtins__": __builtins__}

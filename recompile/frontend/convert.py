@@ -24,28 +24,15 @@ import gast
 
 from .. import ir
 from .. import intrinsics
+from ..ops import syntax
 from . import canonicalize as canon
 
 DEF, MAYBE, POISON, LOOPLOCAL = "def", "maybe", "poison", "looplocal"
 
-BINOPS = {
-    gast.Add: operator.add, gast.Sub: operator.sub, gast.Mult: operator.mul, gast.Div: operator.truediv,
-    gast.FloorDiv: operator.floordiv, gast.Mod: operator.mod, gast.Pow: operator.pow,
-    gast.MatMult: operator.matmul, gast.BitAnd: operator.and_, gast.BitOr: operator.or_,
-    gast.BitXor: operator.xor, gast.LShift: operator.lshift, gast.RShift: operator.rshift,
-}
-INPLACE = {
-    gast.Add: operator.iadd, gast.Sub: operator.isub, gast.Mult: operator.imul, gast.Div: operator.itruediv,
-    gast.FloorDiv: operator.ifloordiv, gast.Mod: operator.imod, gast.Pow: operator.ipow,
-    gast.MatMult: operator.imatmul, gast.BitAnd: operator.iand, gast.BitOr: operator.ior,
-    gast.BitXor: operator.ixor, gast.LShift: operator.ilshift, gast.RShift: operator.irshift,
-}
-UNARY = {gast.USub: operator.neg, gast.UAdd: operator.pos, gast.Invert: operator.invert, gast.Not: operator.not_}
-COMPARE = {
-    gast.Lt: operator.lt, gast.LtE: operator.le, gast.Gt: operator.gt, gast.GtE: operator.ge,
-    gast.Eq: operator.eq, gast.NotEq: operator.ne, gast.Is: operator.is_, gast.IsNot: operator.is_not,
-    gast.NotIn: intrinsics.not_in,
-}
+BINOPS = syntax.by_node(syntax.BINARY, gast)
+INPLACE = syntax.by_node(syntax.BINARY, gast, in_place=True)
+UNARY = syntax.by_node(syntax.UNARY, gast)
+COMPARE = syntax.by_node(syntax.COMPARE, gast)
 INTERNAL = {canon.AS_SEQUENCE: intrinsics.as_sequence, canon.HAS_INDEX: intrinsics.has_index,
             canon.ASSERTION_ERROR: AssertionError}
 

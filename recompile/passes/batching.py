@@ -30,12 +30,8 @@ tree model then runs once per minibatch instead of once per level.
 from __future__ import annotations
 
 from .. import ir
-from .. import intrinsics
-from ..runtime.batch_rules import LAZY_OPS
+from ..ops import facts
 from .effects import subgraph_mutates
-
-# ops that pass a lazy value on as a lazy value: the runtime's arithmetic, and tuple building
-LAZY_FLOW = LAZY_OPS | {intrinsics.build_tuple}
 
 
 class Unit:
@@ -99,14 +95,11 @@ class BatchPlan:
 def _flows_lazily(op):
     if not isinstance(op, ir.Call) or op.kwargs or op.star or not isinstance(op.fn, ir.Const):
         return False
-    try:
-        return op.fn.value in LAZY_FLOW
-    except TypeError:  # unhashable callable
-        return False
+    return facts.among(op.fn.value, facts.LAZY_FLOW)
 
 
 def _deferrable_invokes(sg, may_mutate):
-    """The Invokes of ``sg`` whose outputs reach nothing but ``sg``'s outputs, through LAZY_FLOW ops."""
+    """The Invokes of ``sg`` whose outputs reach nothing but ``sg``'s outputs, through ``facts.LAZY_FLOW`` ops."""
     users = {}
     for op in sg.ops:
         for x in op.operands():

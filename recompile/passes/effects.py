@@ -11,41 +11,9 @@ Calls of undecorated helpers are taken as not mutating what the caller reads.
 from __future__ import annotations
 
 import builtins
-import operator
 
 from .. import ir
-
-MUTATING_CALLS = frozenset({
-    setattr, delattr, operator.setitem, operator.delitem, next,
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
-    operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-    operator.irshift, operator.iconcat,
-})
-MUTATING_METHODS = frozenset({
-    "append", "extend", "insert", "pop", "remove", "clear", "update", "add", "discard", "setdefault",
-    "popitem", "sort", "reverse", "put", "write", "send", "__setitem__", "__delitem__", "__setattr__",
-    "__iadd__", "__imul__",
-    # module functions that mutate their argument: operator.setitem, heapq.heappush, random.shuffle, ...
-    "setitem", "delitem", "setattr", "delattr", "iadd", "isub", "imul", "heappush", "heappop", "heapify",
-    "heapreplace", "heappushpop", "shuffle",
-    # deque, set, array and autograd state
-    "appendleft", "extendleft", "popleft", "rotate", "difference_update", "intersection_update",
-    "symmetric_difference_update", "fill", "resize", "itemset", "backward", "zero_grad", "step",
-    "register_buffer", "register_parameter", "add_module", "next", "insort", "insort_left", "insort_right",
-    "move_to_end", "subtract",
-})
-
-
-def _mutating_callable(value):
-    try:
-        return value in MUTATING_CALLS
-    except TypeError:  # unhashable callable
-        return False
-
-
-def _mutating_method(name):
-    return isinstance(name, str) and (name in MUTATING_METHODS or (name.endswith("_") and not name.endswith("__")))
-
+from ..ops import facts
 
 def op_mutates(op):
     """True when ``op`` itself may change an object in place."""
@@ -57,16 +25,16 @@ def op_mutates(op):
         return True  # F.relu(x, inplace=True) writes x
     fn = op.fn
     if isinstance(fn, ir.Const):
-        return _mutating_callable(fn.value)
+        return facts.among(fn.value, facts.MUTATING)
     producer = fn.op
     if (isinstance(producer, ir.Call) and isinstance(producer.fn, ir.Const) and producer.fn.value is getattr
             and isinstance(producer.args[1], ir.Const)):
-        return _mutating_method(producer.args[1].value)  # obj.append(...)
+        return facts.mutating_method(producer.args[1].value)  # obj.append(...)
     if isinstance(producer, ir.Capture):
         if producer.source_kind == "attr":
-            return _mutating_method(producer.source)  # self.append(...) in a list subclass
+            return facts.mutating_method(producer.source)  # self.append(...) in a list subclass
         value = build_time_value(producer)  # setattr(...) read as a builtin, heappush imported by name
-        return _mutating_callable(value) or _mutating_method(ir.safe_getattr(value, "__name__"))
+        return facts.among(value, facts.MUTATING) or facts.mutating_method(ir.safe_getattr(value, "__name__"))
     return False
 
 

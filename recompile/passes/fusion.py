@@ -3,7 +3,7 @@
 In each SubGraph, union-find joins an elementwise Call with the elementwise
 Calls that produce its operands (an LSTM cell's ``sigmoid(i) * tanh(u) + ...``).
 A Call is elementwise when its callable, resolved while the program is built
-(``torch.sigmoid`` through the captured ``torch``), is in ``FUSIBLE`` and it has
+(``torch.sigmoid`` through the captured ``torch``), is in ``facts.FUSIBLE`` and it has
 neither keyword nor ``*`` arguments. A group becomes one op placed where its
 last member was, so a join is refused unless every other op between the
 group's first and last member is inert (a name read, a constant attribute
@@ -22,23 +22,10 @@ bakes the resolved callables in checks them when it runs, so rebinding
 from __future__ import annotations
 
 import copy
-import operator
-
-import torch
-import torch.nn.functional as F
 
 from .. import ir
+from ..ops import facts
 from .effects import build_time_value
-
-# Elementwise with broadcasting, the same rank and dtype rules in one instance and a batch of them,
-# no randomness, no state. Comparisons are left out: their results mostly feed predicates.
-FUSIBLE = frozenset({
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
-    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.maximum, torch.minimum,
-    torch.sigmoid, torch.tanh, torch.relu, torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.abs,
-    torch.sin, torch.cos, torch.square, torch.log1p, torch.expm1, torch.erf, torch.where,
-    F.relu, F.gelu, F.silu, F.softplus, F.sigmoid, F.tanh,
-})
 BACKENDS = ("python", "compile")
 DEFAULT_BACKEND = "python"  # see the README's fusion section for the measurement behind it
 
@@ -62,10 +49,7 @@ def _elementwise_fn(op):
     if not isinstance(op, ir.Call) or op.kwargs or op.star or len(op.outputs) != 1:
         return None
     fn = resolve(op.fn)
-    try:
-        return fn if fn in FUSIBLE else None
-    except TypeError:  # unhashable
-        return None
+    return fn if facts.among(fn, facts.FUSIBLE) else None
 
 
 def fuse(sg, parsed=None, backend=DEFAULT_BACKEND):

@@ -43,26 +43,14 @@ from __future__ import annotations
 import operator
 import os
 
-from .. import ir
+from .. import intrinsics, ir
+from ..ops import facts
 from ..runtime import backprop as bp
 from ..runtime import grad_rules
-from .. import intrinsics
 from . import effects
 from .fusion import unfuse
 
-# Calls that make nothing differentiable from tensors: they need no gradient.
-NO_GRADIENT = {
-    intrinsics.build_tuple, intrinsics.build_list, intrinsics.build_dict, intrinsics.build_set, intrinsics.check_bound, intrinsics.has_index,
-    intrinsics.format_value, intrinsics.join_str, intrinsics.finds_in_class, intrinsics.not_in, intrinsics.raise_exception, intrinsics.read_global,
-    intrinsics.read_cell, operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne, operator.is_,
-    operator.is_not, operator.not_, operator.contains, operator.truth, len, isinstance, issubclass, slice, range,
-    bool, int, str, repr, type, id, hash, print, callable, hasattr,
-}
-# Calls whose result may be a tensor from outside the program (a parameter): the forward notes it.
-READS = {getattr, operator.getitem, intrinsics.unpack}
 BACKWARD_CALLS = {bp.call_backward, bp.read_backward, bp.backward_of}
-# Tensor attributes whose read is differentiable; other attribute reads are bound methods or data.
-DIFFERENTIABLE_ATTRS = {"T", "mT", "H", "mH", "real"}
 
 
 def derive(sg, handles, may_mutate=lambda invoke: True):
@@ -198,34 +186,34 @@ class _Deriver:
 
     def call(self, op, out, ctx_f, ctx_b):
         fn = _const_fn(op)
-        if fn is not None and fn in NO_GRADIENT:
+        if fn is not None and fn in facts.NO_GRADIENT and fn not in facts.READS:
             out.append(op)
             return []
         if fn is operator.setitem:
             op.fn = ir.Const(bp.set_item)
             out.append(op)
             return [ir.Call(op.loc, ir.Const(bp.setitem_backward), [ctx_b, *op.args], n_outputs=0)]
-        if fn in bp.IN_PLACE and len(op.args) == 2 and not op.star and not op.kwargs and len(op.outputs) == 1:
+        if fn in facts.IN_PLACE and len(op.args) == 2 and not op.star and not op.kwargs and len(op.outputs) == 1:
             update = ir.Call(op.loc, ir.Const(bp.in_place), [ctx_f, op.fn, *op.args], n_outputs=2)
             _produce(update, [op.output, ir.Value("aux", update)])
             out.append(update)
             return [self._backward_call(op, ctx_b, update.outputs[1], op.output)]
         rule = grad_rules.lookup(fn) if fn is not None else None
-        if fn is not None and (rule is not None or fn in READS):
+        if fn is not None and (rule is not None or fn in facts.READS):
             out.append(op)
-            if fn in READS:
+            if fn in facts.READS:
                 old = _swap_outputs(op)
                 note = ir.Call(op.loc, ir.Const(bp.note_all if len(old) > 1 else bp.note), [ctx_f, *op.outputs],
                                n_outputs=len(old))
                 _produce(note, old)
                 out.append(note)
                 op = _with_outputs(op, old)
-            if fn is getattr and not (isinstance(op.args[1], ir.Const) and op.args[1].value in DIFFERENTIABLE_ATTRS
-                                      or isinstance(op.args[1], ir.Value)):
+            name = op.args[1] if fn is getattr else None
+            if name is not None and not (isinstance(name, ir.Value) or name.value in facts.DIFFERENTIABLE_ATTRS):
                 return []
             aux = ir.Const(rule)
             result, grads = self._result(op, ctx_b)
-            backward = bp.read_backward if fn in READS or fn is intrinsics.as_sequence else bp.call_backward
+            backward = bp.read_backward if fn in facts.READS or fn is intrinsics.as_sequence else bp.call_backward
             return grads + [self._backward_call(op, ctx_b, aux, result, backward)]
         # a callable known only when it runs: look its rule up then, or record it for torch.autograd
         wrapped = ir.Call(op.loc, ir.Const(bp.call_forward), [ctx_f, op.fn, *op.args], op.kwargs,
@@ -364,10 +352,6 @@ def _changed_later(ops, outputs=(), inputs=()):
     return guarded
 
 
-_BUILDERS = (intrinsics.build_tuple, intrinsics.build_list, intrinsics.build_set, intrinsics.build_dict)
-_DATA_ATTRS = {"shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout"}
-
-
 def _read_after_a_change(ops, outputs=(), inputs=(), may_mutate=lambda invoke: True):
     """{index of op: [values]}: values the op reads after an op that may have changed a value in place since
     they were made in the SubGraph or came in as its inputs (an in-place op, or a call, branch or loop that may
@@ -381,7 +365,8 @@ def _read_after_a_change(ops, outputs=(), inputs=(), may_mutate=lambda invoke: T
     made_at, last_change, found = dict.fromkeys(inputs, -1), -1, {}
 
     def note_stale(j, values):
-        for v in dict.fromkeys(x for x in values if isinstance(x, ir.Value) and made_at.get(x, last_change) < last_change):
+        stale = (x for x in values if isinstance(x, ir.Value) and made_at.get(x, last_change) < last_change)
+        for v in dict.fromkeys(stale):
             found.setdefault(j, []).append(v)
 
     for j, op in enumerate(ops):
@@ -413,8 +398,8 @@ def _moves_data(op):
     fn = _const_fn(op)
     if fn is getattr:
         name = op.args[1] if len(op.args) > 1 else None
-        return not (isinstance(name, ir.Const) and name.value in _DATA_ATTRS)
-    return fn is None or fn in _BUILDERS or fn not in NO_GRADIENT
+        return not (isinstance(name, ir.Const) and name.value in facts.DATA_ATTRS)
+    return fn is None or fn in facts.BUILDERS or fn in facts.MOVES or fn not in facts.NO_GRADIENT
 
 
 def _returned_values(outputs):
@@ -426,7 +411,7 @@ def _returned_values(outputs):
         if v in found:
             continue
         found.add(v)
-        if isinstance(v.op, ir.Call) and _const_fn(v.op) in _BUILDERS:
+        if isinstance(v.op, ir.Call) and _const_fn(v.op) in facts.BUILDERS:
             pending.extend(a for a in v.op.args if isinstance(a, ir.Value))
     return found
 
@@ -439,7 +424,7 @@ def _in_place_target(op):
     if out is not None:  # torch.mul(a, b, out=c)
         return out if isinstance(out, ir.Value) else None
     fn = _const_fn(op)
-    if fn in bp.IN_PLACE or fn is operator.setitem or any(
+    if fn in facts.IN_PLACE or fn is operator.setitem or any(
             k == "inplace" and isinstance(v, ir.Const) and v.value is True for k, v in op.kwargs):
         target = op.args[0]  # (F.relu(x, inplace=True) too)
     elif isinstance(op.fn, ir.Value) and isinstance(op.fn.op, ir.Call) and _const_fn(op.fn.op) is getattr:

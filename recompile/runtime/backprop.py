@@ -15,7 +15,6 @@ always one from outside; that is how sources are recognised.
 
 from __future__ import annotations
 
-import collections
 import operator
 import threading
 import types
@@ -23,8 +22,10 @@ import types
 import torch
 from torch import nn
 
+from ..ops import facts
+from ..ops.table import BOUND_BUILTIN
 from .deferred import DEFERRED, form
-from .grad_rules import _BOUND_BUILTIN, Rule, lookup
+from .grad_rules import Rule, lookup
 
 _Tensor = torch.Tensor
 
@@ -159,7 +160,12 @@ def tensors_in(value, depth=0):
 # ----------------------------------------------------------------------------
 # forward
 
+# (The forward's bookkeeping, ``note``, ``note_all``, ``version`` and ``check_unchanged``, changes nothing the
+# program reads: declared pure, it moves like a pure op between the calls of a group, ``codegen.plan``, and
+# a node's two children are still issued together.)
 
+
+@facts.pure
 def note(ctx, value):
     """Make ``value`` a source of the call if it is a tensor from outside that requires grad."""
     if isinstance(value, _Tensor) and external(value):
@@ -167,28 +173,11 @@ def note(ctx, value):
     return value
 
 
+@facts.pure
 def note_all(ctx, *values):
     for v in values:
         note(ctx, v)
     return values
-
-
-# callables whose result carries no gradient whatever they are given: run as they are
-_NO_GRADIENT = {
-    print, len, isinstance, issubclass, range, str, repr, format, int, float, bool, id, hash, type, callable,
-    hasattr, chr, ord, divmod, round, any, all,
-    getattr, setattr, delattr, dict, set, frozenset,  # these move objects: a tensor stays itself
-}
-_NO_GRADIENT_METHODS = {
-    "size", "dim", "ndimension", "numel", "item", "tolist", "nelement", "element_size", "stride",
-    "is_contiguous", "data_ptr", "storage_offset", "get_device", "argmax", "argmin", "argsort", "eq",
-    "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite", "nonzero", "numpy", "equal", "any", "all",
-    "is_floating_point", "is_complex", "sign", "__bool__", "__len__", "__int__", "__float__", "__index__",
-    "bool", "long", "int", "byte", "logical_not", "logical_and", "logical_or", "count_nonzero",
-}
-# callables that iterate what they are given: a tensor gives its rows (as ``for row in x`` does)
-_ITERATING = {enumerate, zip, list, tuple, reversed, iter, sorted}
-_CONTAINERS = (list, dict, set, frozenset, tuple, str, bytes, bytearray, collections.deque)
 
 
 def _differentiable(x):
@@ -206,21 +195,21 @@ def _takes_differentiable(args, kwargs):
 def _no_gradient(fn, args, kwargs):
     """Whether ``fn(*args, **kwargs)`` runs as it is, with no gradient to derive."""
     try:
-        if fn in _NO_GRADIENT:
+        if fn in facts.NO_GRADIENT:
             return True
     except TypeError:
         return False
-    if type(fn) is _BOUND_BUILTIN:
+    if type(fn) is BOUND_BUILTIN:
         owner = fn.__self__
         if isinstance(owner, _Tensor):
-            return fn.__name__ in _NO_GRADIENT_METHODS
-        if isinstance(owner, _CONTAINERS):  # list.append, dict.get: they move objects, compute nothing
+            return fn.__name__ in facts.NO_GRADIENT_METHODS
+        if isinstance(owner, facts.CONTAINERS):  # list.append, dict.get: they move objects, compute nothing
             return True
     if _takes_differentiable(args, kwargs):
         return False
     # a torch function given no floating tensor (torch.zeros, arange) makes no gradient; a Python function
     # might still read parameters, and a class might compute from them: those are recorded
-    return type(fn) is _BOUND_BUILTIN and (getattr(fn, "__module__", None) or "").startswith("torch")
+    return type(fn) is BOUND_BUILTIN and (getattr(fn, "__module__", None) or "").startswith("torch")
 
 
 def call_forward(ctx, fn, *args, **kwargs):
@@ -231,8 +220,8 @@ def call_forward(ctx, fn, *args, **kwargs):
             f"recompile cannot differentiate {_name(fn)}(..., out=...) on floating tensors (PyTorch derives no "
             f"gradient through out= either); write y = {_name(fn)}(...) instead, or run the call under "
             "torch.no_grad()")
-    if type(fn) is _BOUND_BUILTIN and len(args) == 1 and not kwargs and isinstance(fn.__self__, _Tensor):
-        op = _AUGMENTED.get(fn.__name__)
+    if type(fn) is BOUND_BUILTIN and len(args) == 1 and not kwargs and isinstance(fn.__self__, _Tensor):
+        op = facts.AUGMENTED_METHODS.get(fn.__name__)
         if op is not None:  # x.div_(y) is x /= y: the old x is kept where the gradient needs it
             return in_place(ctx, op, fn.__self__, args[0])
     rule = lookup(fn)
@@ -244,14 +233,14 @@ def call_forward(ctx, fn, *args, **kwargs):
                 _check_in_place(args[0], f"{type(fn).__name__}(inplace=True)")
         elif kwargs.get("inplace") is True and args:
             _check_in_place(args[0], f"{rule.name}(inplace=True)")
-        elif type(fn) is _BOUND_BUILTIN and fn.__name__.endswith("_"):
+        elif type(fn) is BOUND_BUILTIN and fn.__name__.endswith("_"):
             target = fn.__self__ if isinstance(fn.__self__, _Tensor) else args[0] if args else None
             if isinstance(target, _Tensor):
                 _check_in_place(target, fn.__name__)
         out = fn(*args, **kwargs)
         return out, Applied(rule, fn, out, args, kwargs)
     try:
-        iterating = fn in _ITERATING
+        iterating = fn in facts.ITERATING
     except TypeError:
         iterating = False
     if iterating and _takes_differentiable(args, kwargs):
@@ -260,7 +249,7 @@ def call_forward(ctx, fn, *args, **kwargs):
         out = fn(*args, **kwargs)
         note(ctx, out)
         return out, None
-    if type(fn) is _BOUND_BUILTIN and isinstance(fn.__self__, _Tensor) and fn.__name__.endswith("_"):
+    if type(fn) is BOUND_BUILTIN and isinstance(fn.__self__, _Tensor) and fn.__name__.endswith("_"):
         return _in_place(ctx, fn, args, kwargs)
     if kwargs.get("inplace") is True:
         raise NotImplementedError(
@@ -382,12 +371,6 @@ class InPlace:
             ctx.add(b, gb.sum_to_size(b.shape) if gb.shape != b.shape else gb)
 
 
-IN_PLACE = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow)
-# in-place tensor methods that are an augmented assignment when given one operand and no option
-_AUGMENTED = {"add_": operator.iadd, "sub_": operator.isub, "mul_": operator.imul, "div_": operator.itruediv,
-              "true_divide_": operator.itruediv, "pow_": operator.ipow}
-
-
 def in_place(ctx, op, a, b):
     """``a op= b``: for a tensor, in place with what its gradient needs; else Python's own."""
     if not isinstance(a, _Tensor):
@@ -410,6 +393,7 @@ def set_item(obj, index, value):
     obj[index] = value
 
 
+@facts.pure
 def version(t):
     return t._version if isinstance(t, _Tensor) else None
 
@@ -433,6 +417,7 @@ def check_version(ctx, out, t, expected, where, how, is_result, *args):
         f"a tensor of shape {tuple(t.shape)} used at {where} was changed in place afterwards")
 
 
+@facts.pure
 def check_unchanged(t, made, where):
     """Refuse to read a view whose tensor was changed in place after the view was made: the derived gradient
     would send the view's cotangent to the tensor's old value. (The same tensor under another name is
@@ -535,7 +520,7 @@ class Recorded:
                 return type(x)(items) if any(a is not b for a, b in zip(items, x)) else x
             return x
 
-        if type(fn) is _BOUND_BUILTIN and isinstance(fn.__self__, _Tensor):  # x.f(...): x is an input too
+        if type(fn) is BOUND_BUILTIN and isinstance(fn.__self__, _Tensor):  # x.f(...): x is an input too
             args = (fn.__self__, *args)
             fn = getattr(type(fn.__self__), fn.__name__)
         call_args = [detach(a) for a in args]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-_NUMBERS = (bool, int, float)
+from ..ops.facts import NUMBERS
 
 
 class Batch:
@@ -289,13 +289,13 @@ def tensor_like(b, dtype):
     items = items_of(b)
     tensors = [x for x in items if type(x) is torch.Tensor]
     if not tensors:
-        if not all(type(x) in _NUMBERS for x in items) or not _number_fits(items, dtype):
+        if not all(type(x) in NUMBERS for x in items) or not _number_fits(items, dtype):
             return None
         return torch.tensor(items, dtype=dtype)
     if not _same_kind(tensors, 0) or tensors[0].dtype is not dtype:
         return None
     numbers = [x for x in items if type(x) is not torch.Tensor]
-    if not all(type(x) in _NUMBERS for x in numbers) or not _number_fits(numbers, dtype):
+    if not all(type(x) in NUMBERS for x in numbers) or not _number_fits(numbers, dtype):
         return None
     shape, device = tensors[0].shape, tensors[0].device
     rows = [x if type(x) is torch.Tensor else torch.full(shape, x, dtype=dtype, device=device) for x in items]
@@ -320,7 +320,7 @@ def _joined_tensor(pieces, like):
     one shared Python number becomes rows of its dtype."""
     parts = []
     for v, count in pieces[0]:
-        if like is not None and type(v) in _NUMBERS:
+        if like is not None and type(v) in NUMBERS:
             if not _number_fits([v], like.dtype):
                 return None
             parts.append(torch.full((count, *like.shape[1:]), v, dtype=like.dtype, device=like.device))

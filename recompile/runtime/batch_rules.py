@@ -19,13 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import batch as bt
 from .. import intrinsics
+from ..ops import facts
+from ..ops.table import RuleTable, has_hooks
+from . import batch as bt
 from .batch import Batch
 
-_SHAREABLE = {getattr, operator.getitem, intrinsics.unpack, intrinsics.build_tuple, intrinsics.check_bound, intrinsics.read_global,
-              intrinsics.read_cell, intrinsics.finds_in_class, isinstance, len}
-_IMMUTABLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+# Batch rules, filed as the gradient rules are (``ops.table``): ``rule(n, fn, args, kwargs)`` for a callable
+# or a module (``fn``), ``rule(n, x, args, kwargs)`` for a method of a batched tensor ``x``; each returns the
+# batched result, or NotImplemented where it does not apply (the op then goes to vmap, or per instance).
+BATCH = RuleTable("batch")
+_IN_PLACE = frozenset(facts.IN_PLACE)
 
 
 class Counters(threading.local):
@@ -59,7 +63,7 @@ def call(n, fn, args, kwargs=None):
         bt.ready(fn)
         if fn.method is not None:
             base, name = fn.method
-            rule = METHOD_RULES.get(name)
+            rule = BATCH.by_method.get(name)
             if rule is not None:
                 out = rule(n, base, args, kwargs or {})
                 if out is not NotImplemented:
@@ -73,17 +77,17 @@ def call(n, fn, args, kwargs=None):
         if not kwargs or not any(type(v) is Batch for v in kwargs.values()):
             return _unbatched(n, fn, args, kwargs)
     try:
-        rule = RULES.get(fn)
+        rule = BATCH.by_callable.get(fn)
     except TypeError:  # unhashable callable
         rule = None
     if _lazy_among(args) or (kwargs and _lazy_among(kwargs.values())):
-        if rule is elementwise and fn in LAZY_OPS and not kwargs:
+        if rule is elementwise and fn in facts.LAZY and not kwargs:
             return Batch(n, thunk=bt.LazyOp(n, fn, args))
         if rule is not _build_rule:  # (a tuple or list holds its lazy elements as they are)
             for a in (*args, *(kwargs.values() if kwargs else ())):
                 bt.ready(a)
-    if rule is None and isinstance(fn, nn.Module) and not _has_hooks(fn):
-        rule = MODULE_RULES.get(type(fn))
+    if rule is None and isinstance(fn, nn.Module) and not has_hooks(fn):
+        rule = BATCH.by_module.get(type(fn))
     if rule is not None:
         out = rule(n, fn, args, kwargs or {})
         if out is not NotImplemented:
@@ -144,7 +148,7 @@ def fused(n, kernel, args):
             t = a
             shared_rank = max(shared_rank, a.dim())
         else:
-            if kind not in _SCALARS:
+            if kind not in facts.NUMBERS:
                 return kernel.batched(n, *args)
             continue
         if t.dtype is not torch.bool:  # (bool is the lowest category: it never decides a promotion)
@@ -164,11 +168,8 @@ def fused(n, kernel, args):
 def _unbatched(n, fn, args, kwargs):
     """No argument differs between instances: run once if every instance may share the result."""
     first = fn(*args, **kwargs) if kwargs else fn(*args)
-    try:
-        pure = fn in _SHAREABLE or fn in intrinsics.PURE
-    except TypeError:
-        pure = False
-    if pure and (fn in _SHAREABLE or type(first) in _IMMUTABLE):
+    shareable = facts.among(fn, facts.SHAREABLE)
+    if shareable or (facts.among(fn, facts.PURE) and type(first) in facts.IMMUTABLE):
         return first
     # a side effect, a random draw or a fresh object (a tensor, a list) per instance, as n runs would make
     _count(fn, n)
@@ -205,11 +206,6 @@ def per_instance_or_once(n, thunk, values):
 def _count(fn, n):
     name = _name(fn)
     counters.per_instance[name] = counters.per_instance.get(name, 0) + n
-
-
-def _has_hooks(module):
-    return bool(module._forward_hooks or module._forward_pre_hooks or nn.modules.module._global_forward_hooks
-                or nn.modules.module._global_forward_pre_hooks)
 
 
 # -- torch.func.vmap for torch ops without a rule here
@@ -317,6 +313,7 @@ def _dtype_hint(args):
     return None
 
 
+@BATCH.register(*facts.ELEMENTWISE, *facts.ELEMENTWISE_MODULES)
 def elementwise(n, fn, args, kwargs):
     """An op applied elementwise with broadcasting: instance values of lower rank are lined up with the
     others by inserting dims after the batch dim."""
@@ -324,10 +321,10 @@ def elementwise(n, fn, args, kwargs):
         return NotImplemented
     if len(args) == 2:  # fast path: two tensors of equal rank, or a tensor and a number
         a, b = args
-        ta = a.tensor if type(a) is Batch and a.owner == "tensor" else a if type(a) in _SCALARS else None
-        tb = b.tensor if type(b) is Batch and b.owner == "tensor" else b if type(b) in _SCALARS else None
+        ta = a.tensor if type(a) is Batch and a.owner == "tensor" else a if type(a) in facts.NUMBERS else None
+        tb = b.tensor if type(b) is Batch and b.owner == "tensor" else b if type(b) in facts.NUMBERS else None
         if ta is not None and tb is not None and fn not in _IN_PLACE and (
-                type(ta) in _SCALARS or type(tb) in _SCALARS or (ta.dim() == tb.dim() and ta.dtype is tb.dtype)):
+                type(ta) in facts.NUMBERS or type(tb) in facts.NUMBERS or (ta.dim() == tb.dim() and ta.dtype is tb.dtype)):
             return bt.from_tensor(fn(ta, tb, **kwargs))
     elif len(args) == 1 and type(args[0]) is Batch and args[0].owner == "tensor":
         return bt.from_tensor(fn(args[0].tensor, **kwargs))
@@ -353,6 +350,7 @@ def elementwise(n, fn, args, kwargs):
     return bt.from_tensor(out)
 
 
+@BATCH.register(*facts.IN_PLACE)
 def elementwise_inplace(n, fn, args, kwargs):
     target = args[0]
     if type(target) is not Batch or target.owner != "tensor":
@@ -360,7 +358,7 @@ def elementwise_inplace(n, fn, args, kwargs):
     return elementwise(n, fn, args, kwargs)
 
 
-def _dim_rule(position, default=None, keep_negative=True):
+def _dim_rule(position, default=None):
     """An op mapping over every dim but one (``dim``, given at ``position`` or by keyword): the instance
     dim goes first, so a non-negative dim moves up by one."""
 
@@ -372,11 +370,11 @@ def _dim_rule(position, default=None, keep_negative=True):
             return NotImplemented
         kwargs = dict(kwargs)
         if "dim" in kwargs:
-            kwargs["dim"] = _shift(kwargs["dim"])
+            kwargs["dim"] = shift_dim(kwargs["dim"])
         elif len(values) > position:
-            values[position] = _shift(values[position])
+            values[position] = shift_dim(values[position])
         elif default is not None:
-            kwargs["dim"] = _shift(default)
+            kwargs["dim"] = shift_dim(default)
         else:
             return NotImplemented
         return _wrap(fn(*values, **kwargs), n)
@@ -384,7 +382,8 @@ def _dim_rule(position, default=None, keep_negative=True):
     return rule
 
 
-def _shift(dim):
+def shift_dim(dim):
+    """A dim of an instance's tensor as the same dim of the batch's (dim 0 the instance)."""
     if type(dim) is int:
         return dim + 1 if dim >= 0 else dim
     if type(dim) in (tuple, list):
@@ -401,6 +400,7 @@ def _by_position(kwargs, name):
     return (rest.pop(name),), rest
 
 
+@BATCH.register(torch.cat, torch.stack, torch.concat)
 def join_along(n, fn, args, kwargs):
     """torch.cat / torch.stack of a list of batched tensors along a feature dim."""
     if not args:  # (the positional form, the usual one, pays only this test)
@@ -421,9 +421,10 @@ def join_along(n, fn, args, kwargs):
     dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
     if type(dim) is not int or set(kwargs) - {"dim"}:
         return NotImplemented
-    return bt.from_tensor(fn(parts, dim=_shift(dim)))
+    return bt.from_tensor(fn(parts, dim=shift_dim(dim)))
 
 
+@BATCH.register(F.linear, F.embedding, F.layer_norm)
 def over_last_dims(n, fn, args, kwargs):
     """Ops acting on the last dim(s) of their first argument with shared weights (linear, embedding,
     layer norm, a Linear module): the batch dim is one more leading dim."""
@@ -438,9 +439,7 @@ def over_last_dims(n, fn, args, kwargs):
     return bt.from_tensor(fn(x, *args[1:], **kwargs))
 
 
-INTEGER_INDEX = (torch.long, torch.int, torch.int16, torch.int8, torch.uint8)
-
-
+@BATCH.register(operator.getitem)
 def gather(n, fn, args, kwargs):
     """``x[i]`` with a batched i (a gather), or a batched x with a shared index."""
     x, index = args
@@ -451,9 +450,9 @@ def gather(n, fn, args, kwargs):
             if not all(type(k) is int for k in items):
                 return NotImplemented
             i = torch.tensor(items, device=x.device)
-        elif i.dtype not in INTEGER_INDEX or i.dim() != 1:
+        elif i.dtype not in facts.INTEGER_INDEX or i.dim() != 1:
             return NotImplemented  # a mask or an index per instance that is itself a tensor of indices
-        return bt.from_tensor(_rows(x, i))
+        return bt.from_tensor(index_rows(x, i))
     if type(x) is Batch and type(index) is not Batch:
         if x.struct is not None and x.owner is None and type(index) is int:
             return x.struct[1][index]
@@ -464,7 +463,7 @@ def gather(n, fn, args, kwargs):
     return NotImplemented
 
 
-def _rows(x, i):
+def index_rows(x, i):
     """``x[i]`` for a 1-d integer index: on CPU by index_select, a third the cost of advanced indexing on
     small tensors. It refuses negative or out-of-range indices, which ``x[i]`` then wraps or reports
     (on CUDA it would assert on the device instead, so there it is always ``x[i]``)."""
@@ -483,10 +482,12 @@ def _plain_index(index):
     return type(index) in (int, slice, type(None)) or index is Ellipsis
 
 
+@BATCH.register(intrinsics.build_tuple, intrinsics.build_list)
 def _build_rule(n, fn, args, kwargs):
     return bt.from_struct(tuple if fn is intrinsics.build_tuple else list, list(args), n)
 
 
+@BATCH.register(getattr)
 def attribute(n, fn, args, kwargs):
     """``getattr(x, name)`` of a batched x."""
     x, name = args[0], args[1]
@@ -508,6 +509,7 @@ def attribute(n, fn, args, kwargs):
 _SHARED_ATTRS = {"dtype", "device", "is_cuda", "requires_grad", "layout", "is_floating_point"}
 
 
+@BATCH.register("size")
 def size(n, x, args, kwargs):
     t = x.tensor if x.owner == "tensor" else None
     if t is None or kwargs:
@@ -517,11 +519,13 @@ def size(n, x, args, kwargs):
     return t.shape[1:][args[0]]
 
 
+@BATCH.register("dim")
 def dim(n, x, args, kwargs):
     t = x.tensor if x.owner == "tensor" else None
     return NotImplemented if t is None else t.dim() - 1
 
 
+@BATCH.register("view", "reshape")
 def reshaping(n, x, args, kwargs):
     """view / reshape: the instance dim stays first."""
     t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
@@ -542,19 +546,18 @@ def unary_method(name):
     return rule
 
 
-def method_dim(position, default_all=False):
-    """A Tensor method taking a dim (sum, mean, softmax, unsqueeze, chunk ...)."""
+def method_dim(name, position, default_all=False):
+    """Tensor method ``name`` taking a dim (sum, mean, softmax, unsqueeze, chunk ...)."""
 
     def rule(n, x, args, kwargs):
         t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
         if t is None or any(type(a) is Batch for a in (*args, *kwargs.values())):
             return NotImplemented
         args, kwargs = list(args), dict(kwargs)
-        name = rule.method_name
         if "dim" in kwargs:
-            kwargs["dim"] = _shift(kwargs["dim"])
+            kwargs["dim"] = shift_dim(kwargs["dim"])
         elif len(args) > position:
-            args[position] = _shift(args[position])
+            args[position] = shift_dim(args[position])
         elif default_all and t.dim() > 1:  # x.sum(): over every dim of the instance
             kwargs["dim"] = tuple(range(1, t.dim()))
         else:
@@ -564,6 +567,7 @@ def method_dim(position, default_all=False):
     return rule
 
 
+@BATCH.register(torch.sum, torch.mean)
 def full_reduction(n, fn, args, kwargs):
     """torch.sum(x) / torch.mean(x) with no dim: a reduction over all of an instance."""
     if len(args) != 1 or kwargs or type(args[0]) is not Batch:
@@ -574,6 +578,7 @@ def full_reduction(n, fn, args, kwargs):
     return bt.from_tensor(fn(t, dim=tuple(range(1, t.dim()))))
 
 
+@BATCH.register(F.cross_entropy, F.nll_loss)
 def cross_entropy(n, fn, args, kwargs):
     """cross_entropy / nll_loss: an instance's (C) or (B, C) input becomes rows of one (n·B, C) input."""
     if len(args) != 2 or not {"reduction"}.issuperset(kwargs) or type(args[0]) is not Batch:
@@ -616,46 +621,15 @@ def _row_losses(fn, x, target):
     return fn(x, target, reduction="none")
 
 
-_SCALARS = (int, float, bool)
-
-
+@BATCH.register(operator.matmul)
 def via_vmap(n, fn, args, kwargs):
     return _vmapped(n, fn, args, kwargs, None)
 
-_IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
-# ops that leave a lazy argument lazy: their result is computed when read (``batch.LazyOp``);
-# ``passes.batching`` builds on this set
-LAZY_OPS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.neg})
+
 _ANY_RANK = {F.embedding}
 
-_ELEMENTWISE = [
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
-    operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
-    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.maximum, torch.minimum,
-    torch.sigmoid, torch.tanh, torch.relu, torch.exp, torch.log, torch.sqrt, torch.abs, torch.sin, torch.cos,
-    torch.where, torch.clamp, torch.lt, torch.gt, torch.eq, torch.logical_not, torch.logical_and,
-    F.relu, F.gelu, F.silu, F.softplus, F.elu, F.leaky_relu, F.dropout, torch.square, torch.rsqrt,
-    torch.log1p, torch.expm1, torch.erf, torch.floor, torch.ceil, torch.round, torch.sign,
-]
 
-RULES = {fn: elementwise for fn in _ELEMENTWISE}
-RULES.update({fn: elementwise_inplace for fn in _IN_PLACE})
-RULES.update({
-    F.linear: over_last_dims, F.embedding: over_last_dims, F.layer_norm: over_last_dims,
-    torch.cat: join_along, torch.stack: join_along, torch.concat: join_along,
-    torch.chunk: _dim_rule(2, default=0), torch.split: _dim_rule(2, default=0), torch.unbind: _dim_rule(1, default=0),
-    torch.softmax: _dim_rule(1), F.softmax: _dim_rule(1), F.log_softmax: _dim_rule(1),
-    torch.log_softmax: _dim_rule(1), torch.unsqueeze: _dim_rule(1), torch.squeeze: _dim_rule(1),
-    torch.sum: full_reduction, torch.mean: full_reduction, torch.max: _dim_rule(1), torch.min: _dim_rule(1),
-    torch.argmax: _dim_rule(1), torch.logsumexp: _dim_rule(1), torch.norm: _dim_rule(2),
-    operator.getitem: gather, getattr: attribute, operator.matmul: via_vmap,
-    intrinsics.build_tuple: _build_rule, intrinsics.build_list: _build_rule,
-    F.cross_entropy: cross_entropy, F.nll_loss: cross_entropy,
-})
-
-_ACTIVATIONS = (nn.Sigmoid, nn.Tanh, nn.ReLU, nn.GELU, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Softplus, nn.Dropout)
-
-
+@BATCH.register(nn.Linear, nn.Embedding, nn.LayerNorm)
 def _module_over_last_dims(n, module, args, kwargs):
     kind = type(module)
     if kind is nn.Embedding and len(args) == 1 and not kwargs and type(args[0]) is Batch:
@@ -667,22 +641,12 @@ def _module_over_last_dims(n, module, args, kwargs):
     return over_last_dims(n, module, args, kwargs)
 
 
-def _module_elementwise(n, module, args, kwargs):
-    return elementwise(n, module, args, kwargs)
-
-
-MODULE_RULES = {nn.Linear: _module_over_last_dims, nn.Embedding: _module_over_last_dims,
-                nn.LayerNorm: _module_over_last_dims}
-MODULE_RULES.update({m: _module_elementwise for m in _ACTIVATIONS})
-
-METHOD_RULES = {
-    "size": size, "dim": dim, "view": reshaping, "reshape": reshaping,
-    **{name: unary_method(name) for name in ("sigmoid", "tanh", "relu", "exp", "log", "sqrt", "abs", "neg",
-                                              "clone", "detach", "float", "double", "long", "contiguous")},
-}
-for _name_, _pos, _all in (("sum", 0, True), ("mean", 0, True), ("softmax", 0, False), ("log_softmax", 0, False),
-                           ("unsqueeze", 0, False), ("squeeze", 0, False), ("chunk", 1, False),
-                           ("split", 1, False), ("unbind", 0, False), ("max", 0, False), ("argmax", 0, False)):
-    _rule = method_dim(_pos, _all)
-    _rule.method_name = _name_
-    METHOD_RULES[_name_] = _rule
+BATCH.register(torch.chunk, torch.split)(_dim_rule(2, default=0))
+BATCH.register(torch.unbind)(_dim_rule(1, default=0))
+BATCH.register(torch.softmax, F.softmax, F.log_softmax, torch.log_softmax, torch.unsqueeze, torch.squeeze,
+               torch.max, torch.min, torch.argmax, torch.logsumexp)(_dim_rule(1))
+BATCH.register(torch.norm)(_dim_rule(2))
+for _method in facts.UNARY_METHODS:
+    BATCH.register(_method)(unary_method(_method))
+for _method, (_position, _every) in facts.DIM_METHODS.items():
+    BATCH.register(_method)(method_dim(_method, _position, _every))

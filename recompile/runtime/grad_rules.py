@@ -12,11 +12,12 @@ other: ``(module.weight, g_w)``.
 ``unbind``, ``torch.max(x, dim)``) a tuple with None where an item got no
 cotangent.
 
-Three tables: by callable (``torch.tanh``, ``operator.mul``, ``F.linear``,
-``torch.Tensor.tanh``), by Tensor method name (``x.tanh()``: the bound tensor
-is passed first, as ``self``) and by nn.Module type (``self.linear(x)``: the
-module is ``fn``). Rules take torch's parameter names, so that keyword calls
-bind as they do in torch.
+Rules are filed in ``GRAD`` (an ``ops.table.RuleTable``) by callable
+(``torch.tanh``, ``operator.mul``, ``F.linear``, ``torch.Tensor.tanh``), by
+Tensor method name (``x.tanh()``: the bound tensor is passed first, as
+``self``) and by nn.Module type (``self.linear(x)``: the module is ``fn``).
+Rules take torch's parameter names, so that keyword calls bind as they do in
+torch.
 
 The common case of each rule is a formula (the table exists for speed); options
 rare enough not to deserve one are differentiated on the spot with
@@ -34,17 +35,10 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as _nn_module
 
 from .. import intrinsics
+from ..ops.table import BOUND_BUILTIN, BOUND_SLOT, RuleTable
 from .deferred import Outer, Rows
-
-FUNCTION_RULES = {}
-METHOD_RULES = {}
-MODULE_RULES = {}
-
-_BOUND_BUILTIN = type([].append)  # a bound method of a builtin type: x.tanh for a tensor x
-_BOUND_SLOT = type((0).__add__)  # a bound slot wrapper: x.__getitem__
 
 
 class Rule:
@@ -90,46 +84,19 @@ def _loads(fn, name):
 SHAPE_ONLY = set()
 
 
-def rule(*targets):
-    """Register a vjp for callables, Tensor method names (strings) and nn.Module types."""
-
-    def register(vjp):
-        for t in targets:
-            if isinstance(t, str):
-                METHOD_RULES[t] = Rule(t, vjp, method=True)
-            elif isinstance(t, type) and issubclass(t, nn.Module):
-                MODULE_RULES[t] = Rule(t.__name__, vjp)
-            else:
-                FUNCTION_RULES[t] = Rule(getattr(t, "__name__", repr(t)), vjp)
-        return vjp
-
-    return register
+def _filed(vjp, target):
+    """The Rule filed for ``vjp`` under ``target`` (a callable, a Tensor method name, a Module type)."""
+    if isinstance(target, str):
+        return Rule(target, vjp, method=True)
+    if isinstance(target, type) and issubclass(target, nn.Module):
+        return Rule(target.__name__, vjp)
+    return Rule(getattr(target, "__name__", repr(target)), vjp)
 
 
-def lookup(fn):
-    """The Rule for callable ``fn``, or None."""
-    try:
-        found = FUNCTION_RULES.get(fn)
-    except TypeError:  # unhashable callable
-        found = None
-    if found is not None:
-        return found
-    kind = type(fn)
-    if kind is _BOUND_BUILTIN or kind is _BOUND_SLOT:
-        if isinstance(fn.__self__, torch.Tensor):
-            return METHOD_RULES.get(fn.__name__)
-        return None
-    if kind is types.MethodType:
-        # Tensor methods written in Python (x.split, x.norm, x.__rsub__); a subclass's own method of the
-        # same name is not torch's, so it must not get torch's rule
-        if isinstance(fn.__self__, torch.Tensor) and getattr(fn.__func__, "__module__", "") == "torch._tensor":
-            return METHOD_RULES.get(fn.__name__)
-        return None
-    if isinstance(fn, nn.Module):
-        if fn._forward_hooks or fn._forward_pre_hooks or fn._backward_hooks or _global_module_hooks():
-            return None  # a hook may change what the module computes (weight_norm): recorded instead
-        return MODULE_RULES.get(kind)
-    return None
+# (a module with backward hooks gets no rule either: its call is recorded by torch.autograd, which runs them)
+GRAD = RuleTable("grad", make=_filed, backward_hooks=True)
+rule = GRAD.register  # ``@rule(*targets)``: register a vjp for callables, Tensor method names and Module types
+lookup = GRAD.lookup  # the Rule for callable ``fn``, or None
 
 
 def _forms(*names):
@@ -140,11 +107,6 @@ def _forms(*names):
         if hasattr(torch.Tensor, name):
             found.append(name)
     return found
-
-
-def _global_module_hooks():
-    m = _nn_module
-    return m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
 
 
 # ----------------------------------------------------------------------------
@@ -196,7 +158,7 @@ def _dim_kw(dim, keepdim, aliases):
 
 def _unbound(fn):
     """``x.f`` as ``Tensor.f``, which takes x first as a method rule's arguments do; others as they are."""
-    if type(fn) in (_BOUND_BUILTIN, _BOUND_SLOT, types.MethodType) and is_tensor(fn.__self__):
+    if type(fn) in (BOUND_BUILTIN, BOUND_SLOT, types.MethodType) and is_tensor(fn.__self__):
         return getattr(torch.Tensor, fn.__name__)
     return fn
 
@@ -479,7 +441,7 @@ del _name, _derivative, _reads_result
 
 
 def _unary_rule(name):
-    return FUNCTION_RULES[getattr(torch, name)].vjp
+    return GRAD.by_callable[getattr(torch, name)].vjp
 
 
 @rule(F.leaky_relu, F.leaky_relu_)
@@ -1068,7 +1030,7 @@ SHAPE_ONLY.update({_add, _sub, _neg, _pos, _sum, _mean, _cat, _stack, _split, _u
                    _permute, _expand, _narrow, _select, _getitem, _rows})
 # (the positions of a function's arguments: a method rule's receiver is not among a call's arguments)
 READ_FOR_OTHERS = {_mul: (0, 1), _div: (0,)}  # x / y: x is read for y's gradient only; y for both
-for _table in (FUNCTION_RULES, METHOD_RULES, MODULE_RULES):
+for _table in (GRAD.by_callable, GRAD.by_method, GRAD.by_module):
     for _r in _table.values():
         _r.reads_inputs = _r.vjp not in SHAPE_ONLY
         _r.read_for_others = () if _r.method else READ_FOR_OTHERS.get(_r.vjp, ())

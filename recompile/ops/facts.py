@@ -1,0 +1,180 @@
+"""Named sets of what recompile knows about callables, one definition each.
+
+Every stage reasons about the same callables: which ones change nothing (and may move), which change
+state in place, which need no gradient, which act elementwise, which pass a lazy value on. Each fact is
+defined here once and read by its consumers (the frontend, the passes, the emitters, the gradient
+library, the batch rules); a fact that refines another is derived from it. A callable of recompile's
+own that belongs to a fact declares it where it is written (``@pure``), as rules are filed where they
+are written (``ops.table``).
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import intrinsics
+from . import syntax
+
+# -- what a call changes
+
+
+def _pure_operators():
+    return {row.fn for row in (*syntax.BINARY, *syntax.UNARY, *syntax.COMPARE)
+            if row.fn is not intrinsics.not_in}  # (not ``in``: on an iterator it consumes items)
+
+
+# Calls that read and build but change nothing the program reads: one may move across a compiled call
+# (``codegen.plan`` hoists them between the calls of a group), run once for instances that share their
+# arguments, or run again when a traced segment is cut short. Mutable (``pure``): the gradient library
+# declares its bookkeeping calls pure where it writes them.
+PURE = _pure_operators() | {
+    operator.getitem, getattr, len, isinstance, slice, range, int, float, bool, abs, min, max, tuple,
+    intrinsics.finds_in_class, intrinsics.build_tuple, intrinsics.build_list, intrinsics.build_dict,
+    intrinsics.build_set, intrinsics.unpack, intrinsics.check_bound, intrinsics.as_sequence,
+    intrinsics.has_index, intrinsics.format_value, intrinsics.join_str,
+}
+
+
+def pure(fn):
+    """Declare ``fn`` pure (see ``PURE``) where it is defined: ``@facts.pure``."""
+    PURE.add(fn)
+    return fn
+
+
+# Calls whose result, given the same arguments, every instance of a batch may share as one object: reads
+# of what exists (an attribute, an item, a global) and immutable builds.
+SHAREABLE = frozenset({
+    getattr, operator.getitem, intrinsics.unpack, intrinsics.build_tuple, intrinsics.check_bound,
+    intrinsics.read_global, intrinsics.read_cell, intrinsics.finds_in_class, isinstance, len,
+})
+
+# Calls that change their arguments in place (``passes.effects``: a compiled call that may run one keeps
+# its place among its group).
+MUTATING = frozenset({
+    setattr, delattr, operator.setitem, operator.delitem, next, operator.iconcat, *syntax.AUGMENTED,
+})
+# Method names (and module functions named alike) that change their receiver or argument: ``xs.append``,
+# ``heapq.heappush``; any name ending in one ``_`` (``t.add_``) changes it too (``mutating_method``).
+MUTATING_METHODS = frozenset({
+    "append", "extend", "insert", "pop", "remove", "clear", "update", "add", "discard", "setdefault",
+    "popitem", "sort", "reverse", "put", "write", "send", "__setitem__", "__delitem__", "__setattr__",
+    "__iadd__", "__imul__",
+    # module functions that mutate their argument: operator.setitem, heapq.heappush, random.shuffle, ...
+    "setitem", "delitem", "setattr", "delattr", "iadd", "isub", "imul", "heappush", "heappop", "heapify",
+    "heapreplace", "heappushpop", "shuffle",
+    # deque, set, array and autograd state
+    "appendleft", "extendleft", "popleft", "rotate", "difference_update", "intersection_update",
+    "symmetric_difference_update", "fill", "resize", "itemset", "backward", "zero_grad", "step",
+    "register_buffer", "register_parameter", "add_module", "next", "insort", "insort_left", "insort_right",
+    "move_to_end", "subtract",
+})
+
+
+def mutating_method(name):
+    """Whether a method (or module function) of this name may change what it is called on."""
+    return isinstance(name, str) and (name in MUTATING_METHODS or (name.endswith("_") and not name.endswith("__")))
+
+
+# Augmented assignments a tensor takes in place, with the gradient of its old value (``autodiff.backprop``)
+# and, batched, on the batch's tensor (``runtime.batch_rules``).
+IN_PLACE = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow)
+# In-place Tensor methods that are an augmented assignment when given one operand and no option.
+AUGMENTED_METHODS = {"add_": operator.iadd, "sub_": operator.isub, "mul_": operator.imul, "div_": operator.itruediv,
+                     "true_divide_": operator.itruediv, "pow_": operator.ipow}
+
+# -- gradients
+
+# Calls that hand on the very objects they are given (an attribute, a dict of them): no gradient of their
+# own, but what they hand on carries its own.
+MOVES = frozenset({getattr, setattr, delattr, dict, set, frozenset})
+# Calls that compute nothing differentiable: what they return is no function of a tensor's values that a
+# gradient flows through (a bool, an int, a str), or the very objects they were given (``MOVES``, a tuple
+# built), whose cotangents follow those objects. The grad pass emits no gradient for them (a read such as
+# getattr is noted first: ``READS``), and the gradient library runs them as they are.
+NO_GRADIENT = MOVES | {
+    intrinsics.build_tuple, intrinsics.build_list, intrinsics.build_dict, intrinsics.build_set,
+    intrinsics.check_bound, intrinsics.has_index, intrinsics.format_value, intrinsics.join_str,
+    intrinsics.finds_in_class, intrinsics.not_in, intrinsics.raise_exception, intrinsics.read_global,
+    intrinsics.read_cell, *(row.fn for row in syntax.COMPARE), operator.not_, operator.contains, operator.truth,
+    print, len, isinstance, issubclass, slice, range, str, repr, format, int, float, bool, id, hash, type,
+    callable, hasattr, chr, ord, divmod, round, any, all,
+}
+# Tensor methods whose result carries no gradient: sizes, tests, integer results, conversions out of torch.
+NO_GRADIENT_METHODS = frozenset({
+    "size", "dim", "ndimension", "numel", "item", "tolist", "nelement", "element_size", "stride",
+    "is_contiguous", "data_ptr", "storage_offset", "get_device", "argmax", "argmin", "argsort", "eq",
+    "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite", "nonzero", "numpy", "equal", "any", "all",
+    "is_floating_point", "is_complex", "sign", "__bool__", "__len__", "__int__", "__float__", "__index__",
+    "bool", "long", "int", "byte", "logical_not", "logical_and", "logical_or", "count_nonzero",
+})
+# Calls whose result may be a tensor from outside the program (a parameter): the forward notes it.
+READS = frozenset({getattr, operator.getitem, intrinsics.unpack})
+# Calls that build a container of the very values given.
+BUILDERS = (intrinsics.build_tuple, intrinsics.build_list, intrinsics.build_set, intrinsics.build_dict)
+# Calls that iterate what they are given: a tensor gives its rows (as ``for row in x`` does).
+ITERATING = frozenset({enumerate, zip, list, tuple, reversed, iter, sorted})
+# Python's containers: their methods move objects and compute nothing.
+CONTAINERS = (list, dict, set, frozenset, tuple, str, bytes, bytearray, collections.deque)
+# Tensor attributes whose read is differentiable; other attribute reads are bound methods or data.
+DIFFERENTIABLE_ATTRS = frozenset({"T", "mT", "H", "mH", "real"})
+# Tensor attributes that describe a tensor and hand on none of its values.
+DATA_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout"})
+
+# -- elementwise ops and batches
+
+# Elementwise with broadcasting, the same rank and dtype rules in one instance and a batch of them, no
+# randomness, no state: chains of them fuse (``passes.fusion``). Comparisons are left out: their results
+# mostly feed predicates.
+FUSIBLE = frozenset({
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.maximum, torch.minimum,
+    torch.sigmoid, torch.tanh, torch.relu, torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.abs,
+    torch.sin, torch.cos, torch.square, torch.log1p, torch.expm1, torch.erf, torch.where,
+    F.relu, F.gelu, F.silu, F.softplus, F.sigmoid, F.tanh,
+})
+# Elementwise with broadcasting (FUSIBLE, and the comparisons, roundings and ops with options or random
+# draws that do not fuse): a batch runs them on its tensor, instance dims lined up (``runtime.batch_rules``).
+ELEMENTWISE = FUSIBLE | {
+    operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
+    torch.where, torch.clamp, torch.lt, torch.gt, torch.eq, torch.logical_not, torch.logical_and,
+    F.elu, F.leaky_relu, F.dropout, torch.floor, torch.ceil, torch.round, torch.sign,
+}
+# Module types whose call acts elementwise.
+ELEMENTWISE_MODULES = (nn.Sigmoid, nn.Tanh, nn.ReLU, nn.GELU, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Softplus,
+                       nn.Dropout)
+# Calls that draw random numbers: run twice they are not the same as run once.
+DRAWS = frozenset({F.dropout, nn.Dropout})
+# Tensor methods of no argument that keep the shape: a batch's tensor runs them whole.
+UNARY_METHODS = ("sigmoid", "tanh", "relu", "exp", "log", "sqrt", "abs", "neg", "clone", "detach", "float",
+                 "double", "long", "contiguous")
+# Tensor methods taking a dim: name -> (the position of ``dim`` among their arguments, whether no dim
+# means every dim); a batch's tensor runs them with the dim moved past the instance dim.
+DIM_METHODS = {"sum": (0, True), "mean": (0, True), "softmax": (0, False), "log_softmax": (0, False),
+               "unsqueeze": (0, False), "squeeze": (0, False), "chunk": (1, False), "split": (1, False),
+               "unbind": (0, False), "max": (0, False), "argmax": (0, False)}
+# Arithmetic that leaves a lazy (deferred) argument lazy: its result is computed when read
+# (``runtime.batch.LazyOp``); with tuple building, what ``passes.batching`` lets a deferred result flow
+# through.
+LAZY = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.neg})
+LAZY_FLOW = LAZY | {intrinsics.build_tuple}
+
+# -- values
+
+NUMBERS = (int, float, bool)  # Python's numbers, by exact type
+# Values no call can change: every instance may share one.
+IMMUTABLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+INTEGER_INDEX = (torch.long, torch.int, torch.int16, torch.int8, torch.uint8)  # dtypes of integer indices
+
+
+def among(fn, fact):
+    """``fn in fact``, False for an unhashable callable."""
+    try:
+        return fn in fact
+    except TypeError:
+        return False
+

@@ -1,0 +1,163 @@
+"""recompile.ops.facts: every fact set and rule table its consumers read before op knowledge moved below the
+pipeline (``fixtures/facts_before_move.json``, written from the old layout) is the same after the move, but
+for the differences listed here, each made on purpose."""
+
+import importlib
+import json
+import operator
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fact_names import describe, listing
+from recompile import intrinsics
+from recompile.codegen import emit, segments
+from recompile.ops import facts, syntax
+from recompile.runtime import backprop, batch_rules, deferred, grad_rules
+
+convert = importlib.import_module("recompile.frontend.convert")
+
+with open(os.path.join(os.path.dirname(__file__), "fixtures", "facts_before_move.json")) as f:
+    BEFORE = json.load(f)
+
+_BOOKKEEPING = {backprop.note, backprop.note_all, backprop.version, backprop.check_unchanged}
+_ACTIVATIONS = facts.ELEMENTWISE_MODULES
+
+
+def _rules(table):
+    return {k: r.vjp for k, r in table.items()}
+
+
+def _metadata():
+    return {f"{describe(k)} {kind}": (r.reads_out, r.reads_inputs, tuple(r.read_for_others))
+            for kind, table in (("function", grad_rules.GRAD.by_callable), ("method", grad_rules.GRAD.by_method),
+                                ("module", grad_rules.GRAD.by_module)) for k, r in table.items()}
+
+
+def _names(*items):
+    return {describe(x) for x in items}
+
+
+def _entries(pairs):
+    return {f"{describe(k)} -> {describe(v)}" for k, v in pairs}
+
+
+# old name -> (what its consumers read now, names added on purpose, names removed on purpose)
+AFTER = {
+    # the gradient library's bookkeeping is declared pure where it is written: one PURE for every consumer
+    "semantics.PURE": (lambda: facts.PURE, _names(*_BOOKKEEPING), set()),
+    "plan._MOVABLE": (lambda: facts.PURE, set(), set()),
+    "batch_rules._SHAREABLE": (lambda: facts.SHAREABLE, set(), set()),
+    "batch_rules._IMMUTABLE": (lambda: facts.IMMUTABLE, set(), set()),
+    # one fact of the augmented assignments a tensor takes in place: ``x **= y`` of a batch runs in place too
+    "batch_rules._IN_PLACE": (lambda: facts.IN_PLACE, _names(operator.ipow), set()),
+    "batch_rules.LAZY_OPS": (lambda: facts.LAZY, set(), set()),
+    "batch_rules._ANY_RANK": (lambda: batch_rules._ANY_RANK, set(), set()),
+    # FUSIBLE is a subset of ELEMENTWISE: F.sigmoid and F.tanh, fused before, batch elementwise now
+    "batch_rules._ELEMENTWISE": (lambda: facts.ELEMENTWISE, _names(F.sigmoid, F.tanh), set()),
+    "batch_rules._ACTIVATIONS": (lambda: facts.ELEMENTWISE_MODULES, set(), set()),
+    "batch_rules._SCALARS": (lambda: facts.NUMBERS, set(), set()),
+    "batch_rules.INTEGER_INDEX": (lambda: facts.INTEGER_INDEX, set(), set()),
+    "batch_rules._SHARED_ATTRS": (lambda: batch_rules._SHARED_ATTRS, set(), set()),
+    "batch_rules.RULES": (lambda: batch_rules.BATCH.by_callable,
+                          _entries([(F.sigmoid, batch_rules.elementwise), (F.tanh, batch_rules.elementwise),
+                                    (operator.ipow, batch_rules.elementwise_inplace)]), set()),
+    # an elementwise module is filed under the elementwise rule itself (its wrapper only called it)
+    "batch_rules.MODULE_RULES": (lambda: batch_rules.BATCH.by_module,
+                                 {f"{describe(m)} -> recompile:elementwise" for m in _ACTIVATIONS},
+                                 {f"{describe(m)} -> recompile:_module_elementwise" for m in _ACTIVATIONS}),
+    "batch_rules.METHOD_RULES": (lambda: batch_rules.BATCH.by_method, set(), set()),
+    "fusion.FUSIBLE": (lambda: facts.FUSIBLE, set(), set()),
+    "batching.LAZY_FLOW": (lambda: facts.LAZY_FLOW, set(), set()),
+    # one NO_GRADIENT: the grad pass's and the gradient library's lists were two views of one fact
+    "grad.NO_GRADIENT": (lambda: facts.NO_GRADIENT,
+                         set(BEFORE["backprop._NO_GRADIENT"]) - set(BEFORE["grad.NO_GRADIENT"]), set()),
+    "backprop._NO_GRADIENT": (lambda: facts.NO_GRADIENT,
+                              set(BEFORE["grad.NO_GRADIENT"]) - set(BEFORE["backprop._NO_GRADIENT"]), set()),
+    "grad.READS": (lambda: facts.READS, set(), set()),
+    "grad.DIFFERENTIABLE_ATTRS": (lambda: facts.DIFFERENTIABLE_ATTRS, set(), set()),
+    "grad._BUILDERS": (lambda: facts.BUILDERS, set(), set()),
+    "grad._DATA_ATTRS": (lambda: facts.DATA_ATTRS, set(), set()),
+    "backprop._NO_GRADIENT_METHODS": (lambda: facts.NO_GRADIENT_METHODS, set(), set()),
+    "backprop._ITERATING": (lambda: facts.ITERATING, set(), set()),
+    "backprop._CONTAINERS": (lambda: facts.CONTAINERS, set(), set()),
+    "backprop.IN_PLACE": (lambda: facts.IN_PLACE, set(), set()),
+    "backprop._AUGMENTED": (lambda: facts.AUGMENTED_METHODS, set(), set()),
+    "effects.MUTATING_CALLS": (lambda: facts.MUTATING, set(), set()),
+    "effects.MUTATING_METHODS": (lambda: facts.MUTATING_METHODS, set(), set()),
+    "convert.BINOPS": (lambda: convert.BINOPS, set(), set()),
+    "convert.INPLACE": (lambda: convert.INPLACE, set(), set()),
+    "convert.UNARY": (lambda: convert.UNARY, set(), set()),
+    "convert.COMPARE": (lambda: convert.COMPARE, set(), set()),
+    "emit._BINARY": (lambda: emit._BINARY, set(), set()),
+    "emit._COMPARE": (lambda: emit._COMPARE, set(), set()),
+    "emit._UNARY": (lambda: emit._UNARY, set(), set()),
+    "segments._OPERATORS": (lambda: segments._OPERATORS, set(), set()),
+    "segments._GENERIC_OK": (lambda: segments._GENERIC_OK, _names(F.sigmoid, F.tanh), set()),
+    "segments._GENERIC_OK_MODULES": (lambda: segments._GENERIC_OK_MODULES, set(), set()),
+    "segments._METHODS": (lambda: segments._METHODS, set(), set()),
+    "segments._INFIX": (lambda: segments._INFIX, set(), set()),
+    "segments._FORMS": (lambda: segments.TRACE.by_callable,
+                        _entries([(F.sigmoid, segments._elementwise_form), (F.tanh, segments._elementwise_form)]),
+                        set()),
+    "segments._PLAIN_MODULES": (lambda: segments.TRACE.by_module, set(), set()),
+    "grad_rules.FUNCTION_RULES": (lambda: _rules(grad_rules.GRAD.by_callable), set(), set()),
+    "grad_rules.METHOD_RULES": (lambda: _rules(grad_rules.GRAD.by_method), set(), set()),
+    "grad_rules.MODULE_RULES": (lambda: _rules(grad_rules.GRAD.by_module), set(), set()),
+    "grad_rules.rule_metadata": (_metadata, set(), set()),
+    "grad_rules.SHAPE_ONLY": (lambda: grad_rules.SHAPE_ONLY, set(), set()),
+    "grad_rules.READ_FOR_OTHERS": (lambda: grad_rules.READ_FOR_OTHERS, set(), set()),
+    "deferred.DEFERRED": (lambda: deferred.DEFERRED, set(), set()),
+}
+
+
+def test_every_fact_of_the_snapshot_has_its_new_home():
+    assert set(AFTER) == set(BEFORE)
+
+
+def test_each_fact_is_as_before_but_for_the_listed_differences():
+    for name, (now, added, removed) in AFTER.items():
+        before = set(BEFORE[name])
+        current = listing(now())
+        if name == "segments._PLAIN_MODULES":  # (a tuple of types then, the trace table's module keys now)
+            current = sorted(k.split(" -> ")[0] for k in current)
+        assert not (added & before) and removed <= before, name  # (a listed difference is a real one)
+        assert sorted(current) == sorted((before | added) - removed), name
+
+
+def test_the_derived_facts_hold_their_relations():
+    assert facts.FUSIBLE <= facts.ELEMENTWISE
+    assert facts.LAZY <= facts.PURE and facts.LAZY_FLOW == facts.LAZY | {intrinsics.build_tuple}
+    assert facts.MOVES <= facts.NO_GRADIENT and facts.READS <= facts.NO_GRADIENT | {operator.getitem,
+                                                                                     intrinsics.unpack}
+    assert set(syntax.AUGMENTED) <= facts.MUTATING and set(facts.IN_PLACE) <= set(syntax.AUGMENTED)
+    assert set(facts.AUGMENTED_METHODS.values()) <= set(facts.IN_PLACE)
+    assert intrinsics.not_in not in facts.PURE  # (``in`` consumes an iterator)
+    assert facts.DRAWS <= facts.ELEMENTWISE | set(facts.ELEMENTWISE_MODULES)
+
+
+def test_mutating_method_names():
+    assert facts.mutating_method("append") and facts.mutating_method("add_")
+    assert not facts.mutating_method("__add__") and not facts.mutating_method("sum")
+    assert not facts.mutating_method(None)
+
+
+def test_among_survives_unhashable_callables():
+    class Unhashable:
+        __hash__ = None
+
+        def __call__(self):
+            return 1
+
+    assert not facts.among(Unhashable(), facts.PURE)
+    assert facts.among(len, facts.PURE)
+
+
+def test_the_same_torch_callables_batch_and_fuse_as_tensors_of_a_batch():
+    x = torch.randn(3, 4)
+    for fn in (F.sigmoid, F.tanh):
+        assert batch_rules.BATCH.lookup(fn) is batch_rules.elementwise
+        assert torch.equal(fn(x), torch.stack([fn(row) for row in x]))
+    assert batch_rules.BATCH.lookup(nn.Tanh()) is batch_rules.elementwise

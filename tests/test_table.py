@@ -1,0 +1,94 @@
+"""recompile.ops.table: rules filed under a callable, a Tensor method's name or an nn.Module type, and found
+again from the callable a program holds when it runs."""
+
+import operator
+
+import torch
+from torch import nn
+
+from recompile.ops.table import RuleTable, has_hooks, key, tensor_method
+
+
+def rule_a(*args):
+    return "a"
+
+
+def rule_b(*args):
+    return "b"
+
+
+def test_a_rule_is_filed_under_each_target_and_found_by_the_callable():
+    table = RuleTable("t")
+    table.register(torch.tanh, "tanh", nn.Tanh)(rule_a)
+    x = torch.zeros(2)
+    assert table.lookup(torch.tanh) is rule_a
+    assert table.lookup(x.tanh) is rule_a  # a bound method of any tensor: by its name
+    assert table.lookup(nn.Tanh()) is rule_a  # a module: by its type
+    assert table.lookup(torch.sigmoid) is None and table.lookup(x.sigmoid) is None
+    assert len(table) == 3 and "3 rules" in repr(table)
+
+
+def test_make_files_what_the_table_holds_for_each_target():
+    table = RuleTable("t", make=lambda rule, target: (rule, target))
+    table.register(operator.add, "add")(rule_b)
+    assert table.lookup(operator.add) == (rule_b, operator.add)
+    assert table.lookup(torch.zeros(1).add) == (rule_b, "add")
+
+
+def test_python_tensor_methods_are_torchs_but_a_subclass_method_is_not():
+    table = RuleTable("t")
+    table.register("split")(rule_a)
+    x = torch.arange(4.0)
+    assert tensor_method(x.split) == "split" and table.lookup(x.split) is rule_a
+
+    class Mine(torch.Tensor):
+        def split(self, *args):
+            return "mine"
+
+    mine = x.as_subclass(Mine)
+    assert tensor_method(mine.split) is None and table.lookup(mine.split) is None
+    assert tensor_method([].append) is None  # a bound method of another builtin type
+
+
+def test_a_module_whose_hooks_may_change_it_has_no_rule():
+    forward_only, with_backward = RuleTable("f"), RuleTable("b", backward_hooks=True)
+    for table in (forward_only, with_backward):
+        table.register(nn.Linear)(rule_a)
+    m = nn.Linear(2, 2)
+    assert forward_only.lookup(m) is rule_a and with_backward.lookup(m) is rule_a
+    handle = m.register_full_backward_hook(lambda *a: None)
+    assert has_hooks(m, backward=True) and not has_hooks(m)
+    assert forward_only.lookup(m) is rule_a and with_backward.lookup(m) is None
+    handle.remove()
+    handle = m.register_forward_hook(lambda *a: None)
+    assert forward_only.lookup(m) is None and with_backward.lookup(m) is None
+    handle.remove()
+    assert forward_only.lookup(m) is rule_a
+
+
+def test_an_exact_module_type_only():
+    table = RuleTable("t")
+    table.register(nn.Linear)(rule_a)
+
+    class MyLinear(nn.Linear):
+        pass
+
+    assert table.lookup(MyLinear(2, 2)) is None
+
+
+def test_unhashable_callables_find_no_rule():
+    class Unhashable:
+        __hash__ = None
+
+        def __call__(self):
+            return 0
+
+    table = RuleTable("t")
+    table.register(operator.add)(rule_a)
+    assert table.lookup(Unhashable()) is None
+
+
+def test_key_names_where_a_rule_is_filed():
+    x = torch.ones(1)
+    assert key(torch.tanh) is torch.tanh and key(x.tanh) == "tanh" and key(x.split) == "split"
+    assert key(nn.ReLU()) is nn.ReLU and key(len) is len
