@@ -1,4 +1,4 @@
-"""runtime.backprop and runtime.deferred: cotangents by tensor, sources, the autograd fallback, lazy parameter grads."""
+"""autodiff.backprop and autodiff.factors: cotangents by tensor, sources, the autograd fallback, lazy parameter grads."""
 
 import operator
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from recompile.runtime import backprop as bp
-from recompile.runtime.deferred import Outer, Rows, form
+from recompile.autodiff import backprop as bp
+from recompile.autodiff.factors import Outer, Rows, form
 
 F64 = torch.float64
 

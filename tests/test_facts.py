@@ -15,7 +15,8 @@ from fact_names import describe, listing
 from recompile import intrinsics
 from recompile.codegen import emit, segments
 from recompile.ops import facts, syntax
-from recompile.runtime import backprop, batch_rules, deferred, grad_rules
+from recompile.autodiff import backprop, factors as deferred, rules as grad_rules
+from recompile.runtime import batch_rules
 
 convert = importlib.import_module("recompile.frontend.convert")
 

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import recompile
-import recompile.runtime.grad_rules
+import recompile.autodiff.rules
 from bound_globals import bound_globals  # tests/ is on sys.path under pytest
 
 # these tests are about the derived gradient program, which sequential mode runs
@@ -1461,7 +1461,7 @@ def test_calls_without_rule_are_counted_in_grad_fallbacks(name):
 
 
 def has_rule(fn):
-    return recompile.runtime.grad_rules.lookup(fn) is not None
+    return recompile.autodiff.rules.lookup(fn) is not None
 
 
 def test_fallback_tables_still_exercise_calls_without_rules():
@@ -2598,7 +2598,7 @@ def test_view_checks_around_calls_keep_independent_calls_issued_together():
         build = funcs["gv_three_calls_after_a_change"]._build_for(None)
         fwd, _ = build.grad
         fns = {o.fn.value for o in fwd.ops if isinstance(o, ir.Call) and isinstance(o.fn, ir.Const)}
-        assert recompile.runtime.backprop.check_unchanged in fns  # checks are placed around the calls
+        assert recompile.autodiff.backprop.check_unchanged in fns  # checks are placed around the calls
         groups = [item for item in plan(fwd.ops, build._may_mutate) if isinstance(item, list)]
     assert [len(g) for g in groups] == [3]
     assert_close_values(got, torch.autograd.grad(gv_three_calls_after_a_change(x, w), (x, w)))

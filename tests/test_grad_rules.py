@@ -1,4 +1,4 @@
-"""recompile.runtime.grad_rules: every rule, in each of its forms, against torch.autograd.
+"""recompile.autodiff.rules: every rule, in each of its forms, against torch.autograd.
 
 A case is a callable (or a Tensor method name, called on the first argument, or a module) and its
 arguments. ``check`` runs it twice: on ``requires_grad_()`` copies under autograd, and on plain copies under
@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recompile.runtime import grad_rules
+from recompile.autodiff import rules as grad_rules
 from recompile import intrinsics
-from recompile.runtime.deferred import DEFERRED, form
-from recompile.runtime.grad_rules import lookup
+from recompile.autodiff.factors import DEFERRED, form
+from recompile.autodiff.rules import lookup
 
 D = torch.float64
 _gen = torch.Generator().manual_seed(0)

@@ -10,7 +10,7 @@ For a function ``F`` the pass makes two function SubGraphs:
   stack shared between frames, and it is dropped as soon as its gradient has
   run.
 - ``F:bwd(ctx, record)`` runs the reverse-mode rules of F's ops in reverse
-  order. Cotangents are kept by tensor in ``ctx`` (``runtime.backprop``):
+  order. Cotangents are kept by tensor in ``ctx`` (``autodiff.backprop``):
   a rule reads the cotangent of its result and adds to those of its inputs,
   so tensors that travel through lists, tuples, dicts and objects need no rule
   of their own.
@@ -45,8 +45,8 @@ import os
 
 from .. import intrinsics, ir
 from ..ops import facts
-from ..runtime import backprop as bp
-from ..runtime import grad_rules
+from ..autodiff import backprop as bp
+from ..autodiff import rules as grad_rules
 from . import effects
 from .fusion import unfuse
 

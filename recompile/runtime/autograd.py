@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from . import scheduler
-from .backprop import GradContext, external, plain_object, tensors_in
+from ..autodiff.backprop import GradContext, external, plain_object, tensors_in
 
 # contexts still alive (their saved values with them): what the memory test watches
 live_contexts = weakref.WeakSet()

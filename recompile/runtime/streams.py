@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .backprop import tensors_in
+from ..autodiff.backprop import tensors_in
 from .batch import Batch
 
 

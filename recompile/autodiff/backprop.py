@@ -24,8 +24,8 @@ from torch import nn
 
 from ..ops import facts
 from ..ops.table import BOUND_BUILTIN
-from .deferred import DEFERRED, form
-from .grad_rules import Rule, lookup
+from .factors import DEFERRED, form
+from .rules import Rule, lookup
 
 _Tensor = torch.Tensor
 

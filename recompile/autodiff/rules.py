@@ -38,7 +38,7 @@ from torch import nn
 
 from .. import intrinsics
 from ..ops.table import BOUND_BUILTIN, BOUND_SLOT, RuleTable
-from .deferred import Outer, Rows
+from .factors import Outer, Rows
 
 
 class Rule:
@@ -377,7 +377,7 @@ def _linear(fn, g, out, input, weight, bias=None):
 
 def _weight_grad(g, x):
     """Gradient of ``x @ w.T`` for w, summed over all leading (batch) dimensions: kept as its factors,
-    so that a weight used at many nodes gets one matrix product (runtime.deferred)."""
+    so that a weight used at many nodes gets one matrix product (autodiff.factors)."""
     return Outer(g, x)
 
 
