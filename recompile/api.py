@@ -12,7 +12,7 @@ import torch
 from . import ir
 from .codegen import generate
 from .codegen.batched import generate_batched
-from .errors import CompileError
+from .naming import Namer
 from .frontend import convert, parse_function, validate
 from .passes.effects import invoke_may_mutate, program_may_mutate
 from .passes.fusion import BACKENDS, DEFAULT_BACKEND
@@ -21,16 +21,14 @@ from .passes.pipeline import FINAL, GRAD, STAGES, run_passes
 from .runtime import agenda, autograd, pool, scheduler, threaded
 
 MODES = ("batched", "sequential", "threaded")
-_names_taken = {}
-_names_lock = threading.Lock()
+_ir_names = Namer(suffix=lambda k: f"#{k}")
+_ir_names_lock = threading.Lock()
 
 
 def _unique_ir_name(qualname):
     """SubGraph names are unique across programs: a second function of the same qualname gets #2."""
-    with _names_lock:
-        n = _names_taken.get(qualname, 0) + 1
-        _names_taken[qualname] = n
-    return qualname if n == 1 else f"{qualname}#{n}"
+    with _ir_names_lock:
+        return _ir_names.fresh(qualname)
 
 
 def _make_binder(fn):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import os
 
+from .naming import Namer
+
 _ids = itertools.count(1)
 
 
@@ -291,26 +293,17 @@ class Program:
 # Text printer
 
 
-class _Namer:
-    """Readable, unique names for values: the hint, suffixed where it repeats."""
+class _Printed:
+    """How the printers name operands: a Value by its hint, ``.1``, ``.2``... where it repeats (a hint holds no
+    dot, so these never meet another hint); a constant by its repr."""
 
     def __init__(self):
-        self.names = {}
-        self.used = {}
+        self.names = Namer(suffix=lambda k: f".{k}", start=1)
 
     def __call__(self, operand):
-        if isinstance(operand, Const):
-            return repr(operand)
         if not isinstance(operand, Value):
             return repr(operand)
-        name = self.names.get(operand)
-        if name is None:
-            base = (operand.hint or "").replace(".", "_").strip("_") or "v"
-            n = self.used.get(base, 0)
-            self.used[base] = n + 1
-            name = "%" + (base if n == 0 else f"{base}.{n}")
-            self.names[operand] = name
-        return name
+        return "%" + self.names.name_of(operand, (operand.hint or "").replace(".", "_").strip("_") or "v")
 
 
 def _loc_suffix(loc):
@@ -350,7 +343,7 @@ def _format_op(op, nm):
 
 
 def format_subgraph(sg, nm=None):
-    nm = nm or _Namer()
+    nm = nm or _Printed()
     lines = [f"subgraph @{sg.name}({', '.join(nm(v) for v in sg.inputs)}):{_loc_suffix(sg.loc)}"]
     for op in sg.ops:
         lines.append("  " + _format_op(op, nm))
@@ -364,7 +357,7 @@ def format_subgraph(sg, nm=None):
 
 
 def format_program(program):
-    nm = _Namer()
+    nm = _Printed()
     parts = [f"# program, entry @{program.entry}"]
     for sg in program.subgraphs.values():
         parts.append(format_subgraph(sg, nm))
@@ -381,7 +374,7 @@ def _dot_escape(text):
 
 def format_dot(program):
     """Graphviz DOT: one cluster per SubGraph, data edges inside, dashed edges to callees."""
-    nm = _Namer()
+    nm = _Printed()
     lines = ["digraph recompile {", "  compound=true;", "  node [shape=box, fontname=monospace, fontsize=10];"]
     node_ids = {}
     entry_node = {}

@@ -32,7 +32,7 @@ class _BatchedEmitter(emit._FunctionEmitter):
         self.segments = {}  # function name -> Segment
         self.live_out = None  # a level piece's outputs (codegen.levels): what its last segment must hand on
         self.n = "_n"
-        self.used.add(self.n)
+        self.names.reserve(self.n)
 
     def helper(self, fn, hint):
         return ast.Name(id=self.module.ref(fn, hint), ctx=ast.Load())
@@ -108,10 +108,8 @@ class _BatchedEmitter(emit._FunctionEmitter):
             defined.update(op.outputs)
         outputs = [v for op in ops for v in op.outputs if v in used_after]
         stmts = super().body(sg, ops)
-        name = f"{self.gen.fn_name[sg]}_seg{len(self.extra_defs) + 1}"
-        while name in self.gen.extra_names:  # (a level piece's emitter numbers its segments for the same SubGraph)
-            name += "_"
-        self.gen.extra_names.add(name)
+        # (a level piece's emitter numbers its segments for the same SubGraph: the names still differ)
+        name = self.gen.extra_names.fresh(f"{self.gen.fn_name[sg]}_seg{len(self.extra_defs) + 1}")
         kernels = {op: self.kernels[op] for op in ops if isinstance(op, ir.Fused)}
         seg = segments.Segment(name, ops, inputs, outputs, kernels)
         self.segments[name] = seg
@@ -253,9 +251,7 @@ class _LevelEmitter(_BatchedEmitter):
         """Emit ``ops`` as ``name(_n, *inputs) -> outputs``. A deferrable call is answered by
         ``runtime.levels.defer``, or, with ``collected`` (Invokes), only has its request collected
         (``runtime.levels.collect``, with its position in ``collected``)."""
-        while name in self.gen.fn_names or name in self.gen.extra_names:
-            name += "_"
-        self.gen.extra_names.add(name)
+        name = self.gen.extra_names.fresh(name)
         self.current = None  # (no Cond of a piece yields its branches: they run inline)
         self.live_out = {v for v in outputs if isinstance(v, ir.Value)}
         self.collected = collected
@@ -311,7 +307,6 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     gen = emit._Generator(sg, may_mutate)
     gen.generators = set(batch_plan.generators)
     gen.changes = subgraph_may_mutate(sg, may_mutate)
-    gen.extra_names = set()  # the segments' and level pieces' function names, one module for all emitters
     module = emit._Module()
     emitters = [_BatchedEmitter(module, gen, batch_plan) for _ in gen.sgs]
     shape = level_shape(sg, batch_plan, gen.changes)

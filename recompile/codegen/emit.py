@@ -24,6 +24,7 @@ import astor
 
 from .. import ir
 from .. import intrinsics
+from ..naming import Namer
 from ..ops import syntax
 from .fused import FusedKernel
 from .plan import plan
@@ -51,7 +52,7 @@ class _Module:
 
     def __init__(self):
         self.namespace = {"__builtins__": builtins, "__name__": "recompile.generated"}
-        self.by_id = {}
+        self.names = Namer(reserved=self.namespace)
         self.codes = set()  # code generated for this module elsewhere (fused ops' members), and its source
         self.sources = []
 
@@ -60,17 +61,10 @@ class _Module:
         self.sources.append(code.source)
 
     def ref(self, value, hint=""):
+        """The module-level name holding ``value`` (the same name each time it is asked for)."""
         key = id(value)
-        if key in self.by_id:
-            return self.by_id[key]
-        base = re.sub(r"\W", "_", hint or type(value).__name__)[:30]
-        name = f"_rc_{base}"
-        n = 1
-        while name in self.namespace:
-            n += 1
-            name = f"_rc_{base}_{n}"
+        name = self.names.name_of(key, "_rc_" + re.sub(r"\W", "_", hint or type(value).__name__)[:30])
         self.namespace[name] = value
-        self.by_id[key] = name
         return name
 
 
@@ -86,24 +80,14 @@ class _FunctionEmitter:
     def __init__(self, module, gen):
         self.module = module
         self.gen = gen
-        self.names = {}
-        self.used = set()
+        # a variable's name is its hint, unless that names a keyword, a builtin, a module-level name or a
+        # function of the module
+        self.names = Namer(refuse=lambda name: (keyword.iskeyword(name) or hasattr(builtins, name)
+                                                or name.startswith("_rc_") or name in gen.fn_names))
 
     def var(self, value):
-        name = self.names.get(value)
-        if name is None:
-            base = re.sub(r"\W", "_", value.hint or "v").strip("_") or "v"
-            if base[0].isdigit():
-                base = "v" + base
-            name = base
-            n = 1
-            while (name in self.used or keyword.iskeyword(name) or hasattr(builtins, name)
-                   or name.startswith("_rc_") or name in self.gen.fn_names):
-                n += 1
-                name = f"{base}_{n}"
-            self.used.add(name)
-            self.names[value] = name
-        return name
+        base = re.sub(r"\W", "_", value.hint or "v").strip("_") or "v"
+        return self.names.name_of(value, "v" + base if base[0].isdigit() else base)
 
     def load(self, operand):
         if isinstance(operand, ir.Value):
@@ -310,17 +294,11 @@ class _Generator:
         self.may_mutate = may_mutate
         self.release = release
         self.sgs = list(sg.walk())
-        self.fn_name = {}
-        used = set()
-        for s in self.sgs:
-            base = re.sub(r"\W", "_", s.name)
-            name, n = base, 1
-            while name in used or hasattr(builtins, name) or keyword.iskeyword(name):
-                n += 1
-                name = f"{base}_{n}"
-            used.add(name)
-            self.fn_name[s] = name
+        names = Namer(refuse=lambda name: hasattr(builtins, name) or keyword.iskeyword(name))
+        self.fn_name = {s: names.fresh(re.sub(r"\W", "_", s.name)) for s in self.sgs}
         self.fn_names = set(self.fn_name.values())
+        # the functions emitted besides one per SubGraph (segments, level pieces): named apart from those
+        self.extra_names = Namer(suffix=lambda k: "_" * k, start=1, refuse=self.fn_names.__contains__)
         self.generators = set()
         for s in reversed(self.sgs):  # inner SubGraphs first
             if any(isinstance(op, ir.Invoke) or any(x in self.generators for x in op.subgraphs())

@@ -24,6 +24,7 @@ import gast
 
 from .. import ir
 from .. import intrinsics
+from ..naming import Namer
 from ..ops import syntax
 from . import canonicalize as canon
 
@@ -77,7 +78,7 @@ class Converter:
         self.callee_of = callee_of
         self.sg = None
         self.env = None
-        self.sg_names = set()
+        self.sg_names = Namer(reserved=(name,))  # the SubGraphs' names: branches and loops get unique ones
         self.comprehensions = 0
 
     # -- entry
@@ -90,7 +91,6 @@ class Converter:
         if self.self_name is not None:
             inputs[0].is_self = True
         sg = ir.SubGraph(self.name, inputs, self.p.loc(fdef), "function")
-        self.sg_names.add(self.name)
         self.sg = sg
         self.env = {p: Binding(v) for p, v in zip(self.p.params, inputs)}
         self.block(fdef.body)
@@ -112,12 +112,7 @@ class Converter:
 
     def new_subgraphs(self, kind, node, parts):
         """SubGraphs named ``<current>.<kind><line>.<part>``, one per part, the base unique."""
-        base = f"{self.sg.name}.{kind}{node.lineno}"
-        name, n = base, 1
-        while name in self.sg_names:
-            n += 1
-            name = f"{base}_{n}"
-        self.sg_names.add(name)
+        name = self.sg_names.fresh(f"{self.sg.name}.{kind}{node.lineno}")
         return [ir.SubGraph(f"{name}.{part}", [], self.loc(node), part) for part in parts]
 
     def inside(self, sg, env, build):
