@@ -9,7 +9,7 @@ import types
 
 import torch
 
-from . import ir
+from . import config, ir
 from .codegen import generate
 from .codegen.batched import generate_batched
 from .naming import Namer
@@ -281,7 +281,7 @@ def _callee_of(obj, owner):
 class CompiledFunction:
     """A function compiled to a recompile program. Call it like the original."""
 
-    def __init__(self, fn, mode="batched", fusion=True, threads=None, max_live_frames=threaded.DEFAULT_MAX_LIVE):
+    def __init__(self, fn, mode="batched", fusion=True, threads=None, max_live_frames=config.MAX_LIVE_FRAMES):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):

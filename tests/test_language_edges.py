@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import recompile
+from recompile import config
 
 
 def outcome(fn, *args):
@@ -735,9 +736,7 @@ def runaway(n):
 
 
 def test_runaway_recursion_ends_with_recursion_error(monkeypatch):
-    from recompile.runtime import scheduler
-
-    monkeypatch.setattr(scheduler, "MAX_DEPTH", 5000)
+    monkeypatch.setattr(config, "MAX_DEPTH", 5000)
     with pytest.raises(RecursionError) as info:
         recompile.function(runaway)(0)
     assert "more compiled calls" in "".join(getattr(info.value, "__notes__", []))

@@ -16,15 +16,14 @@ import pytest
 import torch
 
 import recompile
-from recompile.codegen import segments
+from recompile import config
 from recompile.data import Forest
-from recompile.runtime import levels
 from test_batching import BatchedTopDown, TreeLSTM, topdown_models
 from test_segments import WORDS, Params, assert_same, built, eager_forest, model_class, run_forest, switched, trees
 
 
 def levels_enabled(on):
-    return switched(levels, on)
+    return switched(config, on, "LEVELS")
 
 
 def program(cf, owner=None):
@@ -312,7 +311,7 @@ def test_an_overriding_subclass_sends_its_calls_to_the_agenda():
 
 
 def test_segments_disabled_level_pieces_still_match():
-    with switched(segments, False):
+    with switched(config, False, "SEGMENTS"):
         Model = model_class(False)
         prog = program(Model.encode, Model)
     model = Model().double()
@@ -471,7 +470,7 @@ def test_late_elements_that_only_add_up_are_summed_by_each_calls_root(fn, callee
     before = prog.summed
     got = run()
     assert prog.summed - before == (1 if summed and fn is not binary_mixed else 0)
-    with switched(levels, True), plain_enabled(False):  # (the second way up: on Batch values)
+    with switched(config, True, "LEVELS"), plain_enabled(False):  # (the second way up: on Batch values)
         saved, prog.late.sums = prog.late.sums, None
         try:
             second_way_up = run()
@@ -510,7 +509,7 @@ def test_a_tree_sum_of_one_instance_and_of_a_lone_leaf():
 
 
 def plain_enabled(on):
-    return switched(levels, on, "PLAIN_ENABLED")
+    return switched(config, on, "PLAIN_LEVELS")
 
 
 def three_ways(call):

@@ -13,13 +13,13 @@ import sys
 import pytest
 
 import recompile
-from recompile.runtime import scheduler
+from recompile import config
 from concurrency import run_threads  # tests/ is on sys.path under pytest
 from index_trees import random_index_tree
 from source_lines import marker
 
 HERE = os.path.basename(__file__)
-SHOWN = scheduler.CHAIN_SHOWN
+SHOWN = config.CHAIN_SHOWN
 
 
 

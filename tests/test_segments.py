@@ -19,9 +19,8 @@ from torch import nn
 import recompile
 from bound_globals import bound_globals
 from test_batching import lstm_encode  # the Tree-LSTM node of the batching tests
-from recompile.codegen import segments
+from recompile import config
 from recompile.data import Forest, Tree, Vocab
-from recompile.runtime import levels
 
 G = globals()
 WORDS = [f"w{k}" for k in range(10)]
@@ -50,8 +49,8 @@ def model_class(raw):
 
 
 @contextlib.contextmanager
-def switched(module, on, flag="ENABLED"):
-    """``module.ENABLED`` (or another ``flag``) set to ``on`` for the block (segments, level programs)."""
+def switched(module, on, flag):
+    """``module.flag`` set to ``on`` for the block (a switch of ``recompile.config``, a module's threshold)."""
     saved = getattr(module, flag)
     setattr(module, flag, on)
     try:
@@ -61,11 +60,11 @@ def switched(module, on, flag="ENABLED"):
 
 
 def segments_enabled(on):
-    return switched(segments, on)
+    return switched(config, on, "SEGMENTS")
 
 
 def built(cf, owner=None):
-    """The batched code of compiled function ``cf`` (built now, under the current ENABLED)."""
+    """The batched code of compiled function ``cf`` (built now, under the current switches)."""
     callee = cf.callee(owner)
     callee.prepare()
     return callee.build.batched_code
@@ -109,7 +108,7 @@ def test_a_tree_lstm_runs_its_segments_raw_and_matches_the_op_by_op_run_and_eage
     plain.load_state_dict(raw.state_dict())
     forest = Forest.from_trees(trees())
     units = [s for s in code.segments if s not in code.unit.levels.segments]  # (the agenda's; levels has its own)
-    with switched(levels, False):  # (the level program's pieces: tests/test_levels.py)
+    with switched(config, False, "LEVELS"):  # (the level program's pieces: tests/test_levels.py)
         for _ in range(3):  # the first call traces; the others run the raw functions
             got = run_forest(raw, forest)
             assert_same(got, run_forest(plain, forest))

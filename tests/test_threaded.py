@@ -37,10 +37,9 @@ import torch
 from torch import nn
 
 import recompile
+from recompile import config
 from recompile.runtime import autograd as rc_autograd
 from recompile.runtime import pool as rc_pool
-from recompile.runtime import scheduler as rc_scheduler
-from recompile.runtime import threaded as rc_threaded
 from concurrency import run_threads  # tests/ is on sys.path under pytest
 from index_trees import random_index_tree
 from source_lines import marker
@@ -140,7 +139,7 @@ def compiled(fn, mode="sequential", **options):
     return cf
 
 
-def thr(fn, threads=2, max_live=rc_threaded.DEFAULT_MAX_LIVE):
+def thr(fn, threads=2, max_live=config.MAX_LIVE_FRAMES):
     return compiled(fn, "threaded", threads=threads, max_live_frames=max_live)
 
 
@@ -747,8 +746,7 @@ def test_stop_iteration_at_a_root_without_compiled_calls(grad):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_recursion_error_at_the_depth_limit(threads, grad, monkeypatch):
     limit = 30
-    monkeypatch.setattr(rc_scheduler, "MAX_DEPTH", limit)
-    monkeypatch.setattr(rc_threaded, "MAX_DEPTH", limit)
+    monkeypatch.setattr(config, "MAX_DEPTH", limit)
     v = torch.tensor([1.0, 2.0], dtype=F64, requires_grad=grad)
     t = thr(chain_val, threads)
     with grad_ctx(grad):
@@ -1203,7 +1201,7 @@ def test_option_validation():
 def test_option_defaults_and_repr():
     t = recompile.function(tree_val, mode="threaded")
     assert t.threads == rc_pool.default_threads() >= 1
-    assert t.max_live_frames == rc_threaded.DEFAULT_MAX_LIVE
+    assert t.max_live_frames == config.MAX_LIVE_FRAMES
     assert repr(t) == f"<recompile.function tree_val mode=threaded threads={t.threads}>"
     assert recompile.function(tree_val, mode="threaded", threads=3, max_live_frames=None).max_live_frames is None
     assert recompile.function(tree_val, mode="batched", threads=2).threads == 2

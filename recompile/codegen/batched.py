@@ -17,7 +17,7 @@ from .. import ir
 from ..passes.batching import BatchPlan
 from ..passes.effects import subgraph_may_mutate
 from ..passes.levels import level_shape
-from .. import intrinsics
+from .. import config, intrinsics
 from ..runtime import batch_rules, control, levels as rt_levels
 from . import emit, levels, segments
 from .plan import plan
@@ -76,7 +76,7 @@ class _BatchedEmitter(emit._FunctionEmitter):
     def body(self, sg, items):
         """Maximal runs of plain ops (calls, captures, fused ops) become ``segments.Segment`` calls, in a
         function that changes nothing in place; the rest as ``emit`` writes it."""
-        if self.gen.changes or not segments.ENABLED:
+        if self.gen.changes or not config.SEGMENTS:
             return super().body(sg, items)
         used_after = [set() for _ in range(len(items) + 1)]
         used_after[-1] = self.live_out if self.live_out is not None else \

@@ -28,7 +28,7 @@ takes their results after them.
 
 from __future__ import annotations
 
-from .. import ir
+from .. import config, ir
 from ..runtime import levels as rt_levels
 from . import segments
 
@@ -151,7 +151,7 @@ def _plain_pieces(em, shape):
     function has no late split and ``post`` calls nothing, or its late elements are tree sums (``post``
     then hands on the deferred calls' arguments, which run once, and the late halves are not needed)."""
     sg, cond, split = shape.sg, shape.cond, shape.split
-    if not segments.ENABLED:
+    if not config.SEGMENTS:
         return None
     deferred = [] if split is None else split.deferred
     if split is None and any(isinstance(op, ir.Invoke) for op in shape.post) \

@@ -37,18 +37,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import intrinsics, ir
+from .. import config, intrinsics, ir
 from ..ops import facts, syntax
 from ..ops.table import RuleTable, has_hooks
 from ..runtime import batch as bt
 from ..runtime import batch_rules, control, lazy_weights
 from ..runtime.batch import Batch
 from ..runtime.levels import NotPlain
-
-ENABLED = True  # (read when batched code is generated: False runs every op through its batch rule)
-MAX_TRACES = 3  # traces a segment makes, each a raw function for the kinds of that call (a leaf's 0.0 and
-# a node's batched loss may reach the same segment)
-MAX_MISSES = 8  # calls no raw function served, once MAX_TRACES were traced, after which it stops trying
 
 # ops a trace may run through their batch rule, inside the raw function: they change nothing and draw nothing,
 # so a run cut short by a failed guard may run them again (not builtins such as max or tuple, which would
@@ -84,7 +79,7 @@ class Segment:
         self.sources = []
         self.off = False  # no raw function: the trace met an op it cannot run raw, or too many misses
         self.traced = 0
-        self.misses = 0  # calls no raw function served once MAX_TRACES traces were made
+        self.misses = 0  # calls no raw function served once config.SEGMENT_TRACES traces were made
         self.hits = 0  # calls a raw function served
         self._lock = threading.RLock()  # (a trace may read a deferred value whose call reaches it again)
 
@@ -122,11 +117,11 @@ class Segment:
         """No raw function applies: trace one for these kinds (its result in a 1-tuple), or after too many
         misses give up (None: the op-by-op code runs the call)."""
         with self._lock:
-            if self.traced < MAX_TRACES:
+            if self.traced < config.SEGMENT_TRACES:
                 self.traced += 1
                 return self._trace(n, args)
             self.misses += 1
-            if self.misses >= MAX_MISSES:
+            if self.misses >= config.SEGMENT_MISSES:
                 self.raws, self.off = [], True
         return None
 
@@ -194,7 +189,7 @@ class Plain:
         return body(n, mine[2], *args), out_kinds
 
     def _trace(self, n, kinds, args):
-        if len(self.traces) >= MAX_TRACES:
+        if len(self.traces) >= config.SEGMENT_TRACES:
             raise NotPlain(self.name)
         tracer = _Tracer(self, n, args, plain=kinds)
         try:

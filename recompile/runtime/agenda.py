@@ -46,8 +46,9 @@ from functools import partial
 import torch
 
 from . import batch as bt
-from . import batch_rules, levels as levels_rt, streams
-from .scheduler import MAX_DEPTH, _annotate, _unwrap_stop_iteration
+from . import batch_rules, streams
+from .. import config
+from .scheduler import _annotate, _unwrap_stop_iteration
 from .thread_state import ThreadState
 
 # what a step of a frame came to
@@ -174,7 +175,7 @@ def run(target, args, n=1, pool=None):
         run = _Run.of(stats, pool, args, mutates)
         unit = _unit_of(target)
         levels = getattr(unit, "levels", None)
-        if run.defer and levels is not None and levels_rt.ENABLED and levels.applies():
+        if run.defer and levels is not None and config.LEVELS and levels.applies():
             try:
                 return levels.run(run, args, n), stats
             except Exception:  # (run again by the agenda, which raises it with its chain of calls)
@@ -401,8 +402,8 @@ class _Run:
             frame.given = _gathered(args, requests)
         if frame.depth > self.stats.max_depth:
             self.stats.max_depth = frame.depth
-            if frame.depth > MAX_DEPTH:
-                exc = RecursionError(f"maximum compiled recursion depth exceeded ({MAX_DEPTH})")
+            if frame.depth > config.MAX_DEPTH:
+                exc = RecursionError(f"maximum compiled recursion depth exceeded ({config.MAX_DEPTH})")
                 self.fail(exc, frame)
                 raise exc
         if unit.is_generator:

@@ -37,11 +37,9 @@ import torch
 
 from . import batch as bt
 from . import batch_rules
-from .. import intrinsics
+from .. import config, intrinsics
 from .control import Branch
 
-ENABLED = True  # (off: every call goes through the agenda; for measuring one against the other)
-SUMS_ENABLED = True  # (read when a level program is built; off: late elements always take the second way up)
 
 _active = threading.local()  # .run: the LevelRun whose ``post`` is running (for ``defer``)
 
@@ -66,7 +64,7 @@ class Late:
     def __init__(self, post_late, size, positions, outputs, k, ndeferred, sums=None):
         self.post_late, self.size, self.positions, self.outputs = post_late, size, positions, outputs
         self.ndeferred = ndeferred  # how many deferred calls ``post`` makes
-        self.sums = sums if SUMS_ENABLED else None
+        self.sums = sums if config.TREE_SUMS else None
         self.early = [j for j in range(size) if j not in positions]
         self.early_outputs = [j for j in range(k) if j not in outputs]
 
@@ -79,8 +77,6 @@ class NotPlain(Exception):
     """A value or an op a plain level run cannot hold: the run goes on Batch values instead."""
 
 
-PLAIN_ENABLED = True  # (off: level runs always go on Batch values; for measuring one against the other)
-PLAIN_FAILURES = 8  # failed plain runs (a guard, an error) after which a program runs on Batch values only
 
 
 class PlainPieces:
@@ -147,7 +143,7 @@ class LevelRun:
     def go(self, args, n):
         plain = self.p.plain
         entry = None if plain is None else tuple(type(a) is bt.Batch for a in args)  # (it decides every kinds)
-        if plain is not None and plain.on and PLAIN_ENABLED and entry not in plain.refused:
+        if plain is not None and plain.on and config.PLAIN_LEVELS and entry not in plain.refused:
             saved = self.snapshot()
             try:
                 result = self.go_plain(args, n)
@@ -159,7 +155,7 @@ class LevelRun:
                 if self.effects_ran or getattr(exc, "_recompile_chain", None) is not None:
                     raise  # (the deferred calls ran: the agenda runs the call again and raises it, as for a Batch run)
                 plain.failures += 1  # (a guard that failed, or an error the Batch run raises again)
-                plain.on = plain.failures < PLAIN_FAILURES
+                plain.on = plain.failures < config.PLAIN_FAILURES
                 for piece in plain.pieces():  # (the next call traces them again, for what holds then)
                     piece.traces.clear()
             self.restore(saved)
@@ -175,7 +171,6 @@ class LevelRun:
         """Down the call tree depth by depth, then each leaf branch once: (per depth (count, Branch, what
         ``pre`` hands to ``post``, per side (branch, count, its leaf request or what ``down`` hands to
         ``up``), the counts of the calls made), per branch the leaf results cut per request)."""
-        from .scheduler import MAX_DEPTH
         p, record, stats = self.p, self.agenda.record, self.agenda.stats
         ncargs = 1 + p.nargs
         levels, leaves = [], [[] for _ in p.units]
@@ -204,7 +199,7 @@ class LevelRun:
             levels.append((count, branch, out[ncargs:], sides, [c for _, c in children]))
             if not children:
                 break
-            if 2 * len(levels) > MAX_DEPTH:
+            if 2 * len(levels) > config.MAX_DEPTH:
                 raise TooDeep()
             count = sum(c for _, c in children)
             args = bt.concat_args(children)
@@ -362,7 +357,6 @@ class LevelRun:
         all, count, its leaf request's position or what ``down`` hands to ``up``)], what ``pre`` hands to
         ``post`` and its kinds, the counts of the calls made); per branch its leaf requests. (The hot loop of
         a plain run: its Python is kept to what each depth needs, the pieces called and timed inline.)"""
-        from .scheduler import MAX_DEPTH
         p, plain, prepared = self.p, self.p.plain, self.prepared
         pre, downs, branches, units, unit = plain.pre, plain.down, p.branches, p.units, p.unit
         record, clock = self.agenda.record, time.perf_counter
@@ -397,7 +391,7 @@ class LevelRun:
             levels.append((count, sides, out[ncargs:], ok[ncargs:], [c for _, _, c in children]))
             if not children:
                 break
-            if 2 * len(levels) > MAX_DEPTH:
+            if 2 * len(levels) > config.MAX_DEPTH:
                 raise TooDeep()
             values, kinds = _plain_concat(children)
             count = sum(c for _, _, c in children)

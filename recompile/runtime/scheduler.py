@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import os
 
-CHAIN_SHOWN = 12  # frames shown at each end of a long chain
-# Compiled recursion is not bounded by the interpreter's limit, but a runaway one should end with
-# RecursionError, as in Python, rather than take all memory.
-MAX_DEPTH = 1_000_000
+from .. import config
+
 
 
 class Frame:
@@ -94,8 +92,8 @@ def _next_request(frame, stack, stats):
             child = Frame(callee, code.entry(*args), frame, site)
             if child.depth > stats.max_depth:
                 stats.max_depth = child.depth
-                if child.depth > MAX_DEPTH:
-                    exc = RecursionError(f"maximum compiled recursion depth exceeded ({MAX_DEPTH})")
+                if child.depth > config.MAX_DEPTH:
+                    exc = RecursionError(f"maximum compiled recursion depth exceeded ({config.MAX_DEPTH})")
                     _fail(exc, stack)
                     raise exc
             stack.append(child)
@@ -159,9 +157,10 @@ def _annotate(exc, stack):
         else:
             line = _failing_line(exc, frame.callee)
         entries.append(f"  {name} ({os.path.basename(filename)}:{line})" if line else f"  {name} ({filename})")
-    if len(entries) > 2 * CHAIN_SHOWN:
-        hidden = len(entries) - 2 * CHAIN_SHOWN
-        entries = entries[:CHAIN_SHOWN] + [f"  ... {hidden} more compiled calls ..."] + entries[-CHAIN_SHOWN:]
+    shown = config.CHAIN_SHOWN
+    if len(entries) > 2 * shown:
+        hidden = len(entries) - 2 * shown
+        entries = entries[:shown] + [f"  ... {hidden} more compiled calls ..."] + entries[-shown:]
     note = "recompile call chain, root first (depth {}):\n{}".format(len(stack) - 1, "\n".join(entries))
     try:
         exc.add_note(note)

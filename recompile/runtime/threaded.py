@@ -37,10 +37,9 @@ from functools import partial
 import torch
 
 from . import streams
-from .scheduler import MAX_DEPTH, RunStats, _annotate, _unwrap_stop_iteration
+from .. import config
+from .scheduler import RunStats, _annotate, _unwrap_stop_iteration
 from .thread_state import ThreadState
-
-DEFAULT_MAX_LIVE = 4096  # live frames of one call, by default
 
 
 class ThreadFrame:
@@ -71,9 +70,10 @@ class ThreadFrame:
         return frames[::-1]
 
 
-def run(callee, args, pool, max_live=DEFAULT_MAX_LIVE):
+def run(callee, args, pool, max_live):
     """Run compiled function ``callee`` (a handle whose ``.code`` is its GeneratedCode) on bound ``args``
-    on ``pool``. Returns (result, RunStats)."""
+    on ``pool``, with at most ``max_live`` frames started and not returned (None: no bound). Returns
+    (result, RunStats)."""
     return _Run(pool, max_live, streams.device_of(args)).go(callee, args)
 
 
@@ -198,8 +198,8 @@ class _Run:
         """Start ``frame``'s requests as child frames, as far as the limit allows: the first on this worker,
         the rest queued."""
         depth = frame.depth + 1
-        if depth > MAX_DEPTH and any(r[0].code.entry_is_generator for r in requests):
-            self.fail(RecursionError(f"maximum compiled recursion depth exceeded ({MAX_DEPTH})"), frame)
+        if depth > config.MAX_DEPTH and any(r[0].code.entry_is_generator for r in requests):
+            self.fail(RecursionError(f"maximum compiled recursion depth exceeded ({config.MAX_DEPTH})"), frame)
             return None
         handoff = streams.handoff(self.device, [r[1] for r in requests]) if self.device is not None else None
         frame.results = [None] * len(requests)

@@ -1,0 +1,31 @@
+"""Switches and limits, in one place, read where they are used (``config.NAME`` when it is needed, never
+copied at import), so that a test or a benchmark may change one for a while and every reader sees it.
+
+The switches are on by default; turned off, they measure one way of running against another. The
+thresholds a kernel choice rests on (``runtime.lazy_weights.SMALL_ROWS``, ``codegen.fused``'s
+``COMPILE_MIN_ELEMENTS``) stay beside the measurements that chose them.
+"""
+
+# -- limits
+
+# Compiled recursion is not bounded by the interpreter's limit, but a runaway one should end with
+# RecursionError, as in Python, rather than take all memory.
+MAX_DEPTH = 1_000_000
+CHAIN_SHOWN = 12  # calls shown at each end of a long call chain in an error's note
+MAX_LIVE_FRAMES = 4096  # threaded mode's default bound on the frames of one call started and not returned
+
+# -- batched execution
+
+# Level programs (``runtime.levels``): a recursion whose call tree its arguments decide runs depth by depth,
+# without frames. Off: every call goes through the agenda.
+LEVELS = True
+TREE_SUMS = True  # (read when a level program is built; off: late elements always take the second way up)
+PLAIN_LEVELS = True  # level runs on plain tensors where they can; off: always on Batch values
+PLAIN_FAILURES = 8  # failed plain runs (a guard, an error) after which a program runs on Batch values only
+
+# Segments (``codegen.segments``): straight runs of batched ops traced into plain tensor code. Read when
+# batched code is generated; off: every op goes through its batch rule.
+SEGMENTS = True
+SEGMENT_TRACES = 3  # traces a segment makes, each a raw function for the kinds of that call (a leaf's 0.0 and
+# a node's batched loss may reach the same segment)
+SEGMENT_MISSES = 8  # calls no raw function served, once SEGMENT_TRACES were traced, after which it stops trying
