@@ -19,6 +19,7 @@ from ..passes.effects import subgraph_may_mutate
 from ..passes.levels import level_shape
 from .. import config, intrinsics
 from ..runtime import batch_rules, control, levels as rt_levels
+from ..runtime.units import Unit
 from . import emit, levels, segments
 from .plan import plan
 
@@ -185,7 +186,7 @@ class _BatchedEmitter(emit._FunctionEmitter):
         first = ast.Assign(targets=[ast.Name(id=b, ctx=ast.Store())], value=branch)
         first._rc_loc = op.loc
         if self.batch_plan.yields_branches(self.current):
-            units = [self.helper(self.batch_plan.units[s], "unit_" + s.name) for s in op.subgraphs()]
+            units = [self.helper(self.gen.units[s], "unit_" + s.name) for s in op.subgraphs()]
             request = ast.Call(func=ast.Attribute(value=ast.Name(id=b, ctx=ast.Load()), attr="requests",
                                                   ctx=ast.Load()),
                                args=[*units, self.helper(op.loc, "site")], keywords=[])
@@ -301,12 +302,24 @@ def _no_args():
                          defaults=[])
 
 
+def _units(batch_plan):
+    """A runtime Unit for each unit SubGraph of ``batch_plan`` (passes.batching), its successors resolved."""
+    units = {s: Unit(s.name, s.loc.filename if s.loc is not None else "<unknown>", len(s.outputs))
+             for s in batch_plan.units}
+    for s, unit in units.items():
+        unit.is_generator = s in batch_plan.generators
+        unit.successors = tuple(units[x] if isinstance(x, ir.SubGraph) else x for x in batch_plan.successors[s])
+    return units
+
+
 def generate_batched(sg, may_mutate=lambda invoke: False):
-    """Batched code of function SubGraph ``sg``: GeneratedCode whose ``units`` maps SubGraph -> Unit."""
+    """Batched code of function SubGraph ``sg``: GeneratedCode whose ``unit`` is the function's entry Unit
+    (``runtime.units``), where its frames merge."""
     batch_plan = BatchPlan(sg, may_mutate)
     gen = emit._Generator(sg, may_mutate)
     gen.generators = set(batch_plan.generators)
     gen.changes = subgraph_may_mutate(sg, may_mutate)
+    gen.units = _units(batch_plan)  # SubGraph -> Unit
     module = emit._Module()
     emitters = [_BatchedEmitter(module, gen, batch_plan) for _ in gen.sgs]
     shape = level_shape(sg, batch_plan, gen.changes)
@@ -320,11 +333,10 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
         for name, seg in emitter.segments.items():
             seg.generic = module.namespace[name]
             code.segments.append(seg)
-    for s, unit in batch_plan.units.items():
+    for s, unit in gen.units.items():
         unit.fn = code.functions[s.name]
         unit.code = code
-    code.unit = batch_plan.units[sg]
-    code.batch_plan = batch_plan
+    code.unit = gen.units[sg]
     if build_levels is not None:
         code.unit.levels = build_levels(module.namespace)
     return code

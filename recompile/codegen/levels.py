@@ -113,7 +113,7 @@ def emit_pieces(emitter_class, module, gen, batch_plan, shape):
     plain = _plain_pieces(em, shape)
 
     def build(namespace):
-        units = [batch_plan.units[b] for b in cond.subgraphs()]
+        units = [gen.units[b] for b in cond.subgraphs()]
         branches = [None if info is None else rt_levels.Descent(
                         namespace[info[0]], namespace[info[1]], info[3], [inv.target for inv in br.invokes],
                         namespace[info[2]] if info[2] else None)
@@ -122,7 +122,7 @@ def emit_pieces(emitter_class, module, gen, batch_plan, shape):
         if split is not None:
             late = rt_levels.Late(namespace[names["post_late"]], len(split.elements), split.positions,
                                   split.late_outputs, len(cond.outputs), len(split.deferred), split.sums)
-        prog = rt_levels.LevelProgram(batch_plan.units[sg], namespace[names["pre"]], namespace[names["post"]],
+        prog = rt_levels.LevelProgram(gen.units[sg], namespace[names["pre"]], namespace[names["post"]],
                                       units, branches, len(cond.args), len(cond.outputs), late)
         prog.segments = list(em.segments.values())  # (the pieces' raw segments: tests, inspection)
         prog.plain = plain

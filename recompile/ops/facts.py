@@ -158,7 +158,7 @@ DIM_METHODS = {"sum": (0, True), "mean": (0, True), "softmax": (0, False), "log_
                "unsqueeze": (0, False), "squeeze": (0, False), "chunk": (1, False), "split": (1, False),
                "unbind": (0, False), "max": (0, False), "argmax": (0, False)}
 # Arithmetic that leaves a lazy (deferred) argument lazy: its result is computed when read
-# (``runtime.batch.LazyOp``); with tuple building, what ``passes.batching`` lets a deferred result flow
+# (``runtime.batch_rules.LazyOp``); with tuple building, what ``passes.batching`` lets a deferred result flow
 # through.
 LAZY = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.neg})
 LAZY_FLOW = LAZY | {intrinsics.build_tuple}

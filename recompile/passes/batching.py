@@ -15,8 +15,10 @@ Each op's batch rule is found by its callable when it runs
 one another are issued together (``codegen.plan``), so that a node's two
 children are one request each, merged into one frame.
 
-``feeds``: a unit's successors (the units its frames may request), from which
-the scheduler's agenda knows which pending groups may still grow.
+``successors``: per unit, what its frames may request (the SubGraphs of
+other units, the targets of Invokes), from which the scheduler's agenda knows
+which pending groups may still grow. Codegen makes a ``runtime.units.Unit``
+of each unit.
 
 ``deferrable``: the Invokes of a unit whose results its frame does not need
 before it returns. Their outputs flow, through arithmetic (``+ - * /``, unary ``-``) and
@@ -34,43 +36,23 @@ from ..ops import facts
 from .effects import subgraph_mutates
 
 
-class Unit:
-    """A program point where frames are merged: a function entry or a Cond branch."""
-
-    def __init__(self, sg, name):
-        self.sg = sg
-        self.name = self.qualname = name
-        self.filename = sg.loc.filename if sg.loc is not None else "<unknown>"
-        self.arity = len(sg.outputs)
-        self.fn = None  # the generated function, and ``code`` its GeneratedCode: set by codegen
-        self.code = None
-        self.is_generator = False
-        self.successors = ()  # Units and Callee handles (resolved to their entry unit when needed)
-        self.reach = None  # every unit it may lead to (runtime.agenda)
-        self.levels = None  # a function entry's level program, where it has one (codegen.levels)
-
-    def __repr__(self):
-        return f"<unit {self.name}>"
-
-
 class BatchPlan:
-    """Which SubGraphs of a function yield (``generators``) and its units (``units``: SubGraph -> Unit)."""
+    """Which SubGraphs of a function yield (``generators``), its units (``units``: SubGraphs, the function's
+    first), what each unit's frames may request (``successors``: unit SubGraph -> unit SubGraphs and Invoke
+    targets) and the Invokes that may be ``deferrable``."""
 
     def __init__(self, sg, may_mutate=lambda invoke: False):
         self.generators = set()
         for s in reversed(list(sg.walk())):  # inner SubGraphs first
             if any(isinstance(op, ir.Invoke) or any(x in self.generators for x in op.subgraphs()) for op in s.ops):
                 self.generators.add(s)
-        self.units = {sg: Unit(sg, sg.name)}
+        self.units = [sg]
         for s in sg.walk():
             if s in self.generators:
                 for op in s.ops:
                     if isinstance(op, ir.Cond):
-                        for branch in op.subgraphs():
-                            self.units[branch] = Unit(branch, branch.name)
-        for s, unit in self.units.items():
-            unit.is_generator = s in self.generators
-            unit.successors = tuple(self._requested(s))
+                        self.units.extend(op.subgraphs())
+        self.successors = {s: tuple(self._requested(s)) for s in self.units}
         self.deferrable = set()
         if not subgraph_mutates(sg):  # (a caller's in-place change could reach a deferred call's arguments)
             for s in self.units:  # (a unit's outputs go back to the frames that asked for it)
@@ -85,8 +67,8 @@ class BatchPlan:
             if isinstance(op, ir.Invoke):
                 yield op.target
             elif isinstance(op, ir.Cond) and sg in self.generators:
-                yield self.units[op.then_sg]
-                yield self.units[op.else_sg]
+                yield op.then_sg
+                yield op.else_sg
             else:
                 for nested in op.subgraphs():
                     yield from self._requested(nested)

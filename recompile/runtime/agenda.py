@@ -48,7 +48,8 @@ import torch
 from . import batch as bt
 from . import batch_rules, streams
 from .. import config
-from .scheduler import _annotate, _unwrap_stop_iteration
+from .frames import RunStats, annotate, too_deep, unwrap_stop_iteration
+from .units import Deferred, unit_of
 from .thread_state import ThreadState
 
 # what a step of a frame came to
@@ -75,50 +76,6 @@ class BatchFrame:
         return self.unit
 
 
-class _Deferred:
-    """The result of a deferred request: the thunk of the lazy value its frame got instead."""
-
-    __slots__ = ("run", "unit", "value", "done", "versions")
-
-    def __init__(self, run, unit, args):
-        self.run, self.unit = run, unit
-        self.value, self.done = None, False
-        # in-place changes to the arguments before the call runs would change what it computes
-        self.versions = bt.tensor_versions(args)
-
-    def depends_on(self):
-        return ()
-
-    def compute(self):
-        if not self.done:
-            self.run.run_deferred(self)
-        return self.value
-
-    def check_arguments(self, site):
-        if bt.changed(self.versions):
-            raise RuntimeError(
-                f"recompile: an argument of the call at {site.filename}:{site.lineno} was changed in place "
-                "after the call was issued and before it ran (batched mode defers calls whose results "
-                "are only returned); change a copy instead, or compile with mode='sequential'")
-
-
-class RunStats:
-    __slots__ = ("frames", "max_depth", "batches", "per_instance", "compute_s", "total_s")
-
-    def __init__(self):
-        self.frames = 0
-        self.max_depth = 0
-        self.batches = {}  # unit name -> [executions, instances]
-        self.per_instance = {}
-        self.compute_s = 0.0
-        self.total_s = 0.0
-
-
-def _unit_of(target):
-    unit = getattr(target, "batched_unit", None)
-    return unit if unit is not None else target
-
-
 def reaches(a, b):
     """Whether a frame of unit ``a`` may (through its requests) lead to a request of unit ``b``."""
     reach = a.reach
@@ -127,7 +84,7 @@ def reaches(a, b):
         while pending:
             u = pending.pop()
             for s in u.successors:
-                s = _unit_of(s)
+                s = unit_of(s)
                 if s not in reach:
                     reach.add(s)
                     pending.append(s)
@@ -173,7 +130,7 @@ def run(target, args, n=1, pool=None):
     try:
         mutates = getattr(target, "may_mutate", True)
         run = _Run.of(stats, pool, args, mutates)
-        unit = _unit_of(target)
+        unit = unit_of(target)
         levels = getattr(unit, "levels", None)
         if run.defer and levels is not None and config.LEVELS and levels.applies():
             try:
@@ -213,6 +170,11 @@ class _Run:
         run.copy_back = mutates
         return run
 
+    @staticmethod
+    def nested(target, args, n):
+        """A call of its own for ``n`` instances (a level run's callee that yields): (result, RunStats)."""
+        return run(target, args, n)
+
     def record(self, unit, n):
         entry = self.stats.batches.get(unit.name)
         if entry is None:
@@ -229,7 +191,7 @@ class _Run:
             try:
                 return unit.fn(n, *args)
             except BaseException as exc:
-                _annotate(exc, [BatchFrame(unit, None, n, (), 0, None, None)])
+                annotate(exc, [BatchFrame(unit, None, n, (), 0, None, None)])
                 raise
             finally:
                 self.stats.compute_s += time.perf_counter() - t
@@ -348,7 +310,7 @@ class _Run:
             self.deliver(frame, value)
             return
         if kind == _FAILED:
-            original = _unwrap_stop_iteration(value, _Codes(frame.unit))
+            original = unwrap_stop_iteration(value, frame.unit.code.codes)
             self.fail(original, frame)
             if original is not value:
                 raise original from None
@@ -358,12 +320,12 @@ class _Run:
         frame.results = [None] * len(requests)
         frame.waiting = len(requests)
         for slot, (target, args, count, site, deferrable) in enumerate(requests):
-            unit = _unit_of(target)
+            unit = unit_of(target)
             if self.defer:  # (a lazy argument could wait on a deferred call of this very group)
                 for a in args:
                     bt.ready_all(a)
             if deferrable and count > 1 and self.defer and not unit.is_generator:
-                cell = _Deferred(self, unit, args)
+                cell = Deferred(self, unit, args)
                 frame.results[slot] = bt.Batch(count, thunk=cell)
                 frame.waiting -= 1
                 slot = cell
@@ -377,7 +339,7 @@ class _Run:
     def launch(self, unit):
         requests = self.pending.pop(unit)
         for r in requests:
-            if type(r[1]) is _Deferred:
+            if type(r[1]) is Deferred:
                 r[1].check_arguments(r[4])
         if len(requests) == 1:
             frame0, slot, args, n, site = requests[0]
@@ -403,7 +365,7 @@ class _Run:
         if frame.depth > self.stats.max_depth:
             self.stats.max_depth = frame.depth
             if frame.depth > config.MAX_DEPTH:
-                exc = RecursionError(f"maximum compiled recursion depth exceeded ({config.MAX_DEPTH})")
+                exc = too_deep()
                 self.fail(exc, frame)
                 raise exc
         if unit.is_generator:
@@ -428,7 +390,7 @@ class _Run:
             else:
                 values = bt.cut_result(result, counts, several, self.split_results)
         for (parent, slot, count), value in zip(frame.sources, values):
-            if type(slot) is _Deferred:
+            if type(slot) is Deferred:
                 slot.value, slot.done = value, True
                 continue
             parent.results[slot] = value
@@ -462,7 +424,7 @@ class _Run:
         if not self.stepping:  # (inside a step, the step's own time counts it)
             self.stats.compute_s += time.perf_counter() - t
         if kind == _FAILED:
-            original = _unwrap_stop_iteration(value, _Codes(frame.unit))
+            original = unwrap_stop_iteration(value, frame.unit.code.codes)
             self.fail(original, frame)
             raise original
         self.settle(frame, kind, value)  # (it returned: a unit that never yields has no requests)
@@ -485,7 +447,7 @@ class _Run:
         while f is not None:
             chain.append(f)
             f = f.parent
-        _annotate(exc, list(reversed(chain)))
+        annotate(exc, list(reversed(chain)))
         try:
             exc._recompile_chain = self.token
         except AttributeError:  # (an exception type without a __dict__)
@@ -543,10 +505,3 @@ def _kept_in_step(value, count):
     if type(value) is bt.Batch:
         return value.owner == "tensor"
     return count == 1 and type(value) is torch.Tensor
-
-
-class _Codes:
-    """What ``_unwrap_stop_iteration`` asks of a callee: the code objects of its generated functions."""
-
-    def __init__(self, unit):
-        self.code = unit.code

@@ -19,7 +19,7 @@ A Batch may also be *lazy* (``thunk``): a value not computed yet — the result
 of a call the scheduler deferred, or arithmetic on such a result. It is
 computed, in place, the first time anything reads it (``force``); a few
 operations pass it on unread (``part``, a Cond's join, tuple building, the
-arithmetic of ``batch_rules.LAZY_OPS``).
+arithmetic of ``facts.LAZY``, ``batch_rules.LazyOp``).
 """
 
 from __future__ import annotations
@@ -64,10 +64,6 @@ def from_struct(kind, parts, n):
     return Batch(n, struct=(kind, parts))
 
 
-def is_batch(value):
-    return type(value) is Batch
-
-
 # -- lazy batches
 
 
@@ -80,7 +76,7 @@ def is_lazy(value):
     return value.pieces is not None and any(is_lazy(v) for v, _ in value.pieces[0])
 
 
-def _lazies_in(value):
+def lazies_in(value):
     """The uncomputed lazy batches ``value`` is made of (itself, its joined pieces, its elements)."""
     if type(value) is not Batch:
         return []
@@ -89,10 +85,10 @@ def _lazies_in(value):
     found = []
     if value.pieces is not None:
         for v, _ in value.pieces[0]:
-            found.extend(_lazies_in(v))
+            found.extend(lazies_in(v))
     if value.struct is not None:
         for v in value.struct[1]:
-            found.extend(_lazies_in(v))
+            found.extend(lazies_in(v))
     return found
 
 
@@ -137,7 +133,7 @@ def ready_all(value):
     """Compute every lazy batch ``value`` is made of (its joined pieces and elements too). A plain value
     holds no batch (see above), so it is not searched."""
     if type(value) is Batch:
-        for lazy in _lazies_in(value):
+        for lazy in lazies_in(value):
             force(lazy)
 
 
@@ -155,28 +151,6 @@ def changed(versions):
     return any(t._version != version for t, version in versions)
 
 
-class LazyOp:
-    """``fn(*args)`` on n instances where an argument is lazy: run (by ``batch_rules.call``) when read."""
-
-    __slots__ = ("n", "fn", "args", "versions")
-
-    def __init__(self, n, fn, args):
-        self.n, self.fn, self.args = n, fn, args
-        self.versions = tensor_versions(args)
-
-    def depends_on(self):
-        return [d for a in self.args for d in _lazies_in(a)]
-
-    def compute(self):
-        from .batch_rules import call  # (batch_rules builds on this module)
-        if changed(self.versions):
-            raise RuntimeError(
-                "recompile: a tensor that arithmetic on a deferred call's result reads was changed in place "
-                "before that arithmetic ran (batched mode defers calls whose results are only returned); "
-                "change a copy instead, or compile with mode='sequential'")
-        return call(self.n, self.fn, self.args)
-
-
 class _LazyPart:
     """Instances start .. start+count-1 of a lazy value, for the request that asked for them."""
 
@@ -186,7 +160,7 @@ class _LazyPart:
         self.value, self.start, self.count = value, start, count
 
     def depends_on(self):
-        return _lazies_in(self.value)
+        return lazies_in(self.value)
 
     def compute(self):
         return part(self.value, self.start, self.count)

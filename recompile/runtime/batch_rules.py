@@ -82,7 +82,7 @@ def call(n, fn, args, kwargs=None):
         rule = None
     if _lazy_among(args) or (kwargs and _lazy_among(kwargs.values())):
         if rule is elementwise and fn in facts.LAZY and not kwargs:
-            return Batch(n, thunk=bt.LazyOp(n, fn, args))
+            return Batch(n, thunk=LazyOp(n, fn, args))
         if rule is not _build_rule:  # (a tuple or list holds its lazy elements as they are)
             for a in (*args, *(kwargs.values() if kwargs else ())):
                 bt.ready(a)
@@ -93,6 +93,29 @@ def call(n, fn, args, kwargs=None):
         if out is not NotImplemented:
             return out
     return _vmapped_or_per_instance(n, fn, args, kwargs)
+
+
+class LazyOp:
+    """``fn(*args)`` on n instances where an argument is lazy (arithmetic of ``facts.LAZY``): run by ``call``
+    when read."""
+
+    __slots__ = ("n", "fn", "args", "versions")
+
+    def __init__(self, n, fn, args):
+        self.n, self.fn, self.args = n, fn, args
+        self.versions = bt.tensor_versions(args)
+
+    def depends_on(self):
+        return [d for a in self.args for d in bt.lazies_in(a)]
+
+    def compute(self):
+        if bt.changed(self.versions):
+            raise RuntimeError(
+                "recompile: a tensor that arithmetic on a deferred call's result reads was changed in place "
+                "before that arithmetic ran (batched mode defers calls whose results are only returned); "
+                "change a copy instead, or compile with mode='sequential'")
+        return call(self.n, self.fn, self.args)
+
 
 
 def _lazy_among(values):

@@ -39,6 +39,7 @@ from . import batch as bt
 from . import batch_rules
 from .. import config, intrinsics
 from .control import Branch
+from .units import Deferred, unit_of
 
 
 _active = threading.local()  # .run: the LevelRun whose ``post`` is running (for ``defer``)
@@ -114,8 +115,7 @@ class LevelProgram:
     def applies(self):
         """Whether every invoke still reaches this very function (a method overridden in a subclass
         does not)."""
-        from .agenda import _unit_of
-        return all(_unit_of(t) is self.unit for d in self.branches if d is not None for t in d.targets)
+        return all(unit_of(t) is self.unit for d in self.branches if d is not None for t in d.targets)
 
     def run(self, agenda_run, args, n):
         saved = getattr(_active, "run", None)
@@ -450,13 +450,12 @@ class LevelRun:
         """``post``'s deferred calls, each callee once for every depth: ``run_collected``'s result. (Their
         arguments made ordinary tensors: the calls run outside the way down and up's inference mode.)"""
         plain = self.p.plain
-        from .agenda import _unit_of
         groups = {}
         for d, (_, (values, kinds, count)) in enumerate(deferred):
             at = 0
             for j, (target, nargs) in enumerate(plain.deferred):
                 entry = (d, j, values[at:at + nargs], kinds[at:at + nargs], count)
-                groups.setdefault(_unit_of(target), (target, []))[1].append(entry)
+                groups.setdefault(unit_of(target), (target, []))[1].append(entry)
                 at += nargs
         gathered = []
         for unit, (target, entries) in groups.items():
@@ -533,8 +532,7 @@ class LevelRun:
         total = sum(counts)
         args = bt.concat_args(requests)
         if unit.is_generator:
-            from .agenda import run as agenda_run
-            result, stats = agenda_run(target, args, total)
+            result, stats = self.agenda.nested(target, args, total)
             self.merge(stats)
         else:
             self.agenda.record(unit, total)
@@ -545,18 +543,17 @@ class LevelRun:
         return bt.cut_result(result, counts, unit.arity > 1) if len(requests) > 1 else [result]
 
     def defer(self, requests):
-        from .agenda import _Deferred, _unit_of, run as agenda_run
         results = []
         for target, args, count, site, deferrable in requests:
-            unit = _unit_of(target)
+            unit = unit_of(target)
             for a in args:  # (a lazy argument could wait on a deferred call of this very group)
                 bt.ready_all(a)
             if deferrable and count > 1 and not unit.is_generator:
-                cell = _Deferred(self, unit, args)
+                cell = Deferred(self, unit, args)
                 self.pending.setdefault(unit, []).append((cell, args, count, site))
                 results.append(bt.Batch(count, thunk=cell))
                 continue
-            value, stats = agenda_run(target, args, count)
+            value, stats = self.agenda.nested(target, args, count)
             self.merge(stats)
             results.append(value)
         return tuple(results)
@@ -573,11 +570,10 @@ class LevelRun:
     def run_collected(self, depths):
         """Run the requests collected at every depth, each unit's once: per unit, its entries [(depth, position
         among that depth's requests, count)], its result (not cut) and whether it has several outputs."""
-        from .agenda import _unit_of
         groups = {}
         for d, requests in enumerate(depths):
             for j, request in enumerate(requests):
-                groups.setdefault(_unit_of(request[0]), []).append((d, j, request))
+                groups.setdefault(unit_of(request[0]), []).append((d, j, request))
         ran = []
         for unit, entries in groups.items():
             value = self.run_group(unit, [(request[1], request[2]) for _, _, request in entries], entries[0][2][0],
@@ -597,7 +593,7 @@ class LevelRun:
             counts[name] = counts.get(name, 0) + k
 
     def run_deferred(self, cell):
-        """A lazy result is read: run its whole group now (``_Deferred.compute``)."""
+        """A lazy result is read: run its whole group now (``units.Deferred.compute``)."""
         if not any(r[0] is cell for r in self.pending.get(cell.unit, ())):
             raise RuntimeError("recompile: a deferred call's result was read before its call ran (internal error)")
         self.run_deferred_group(cell.unit)

@@ -11,9 +11,8 @@ the root to the failing frame (Jeong et al. §4.1's graph execution stack).
 
 from __future__ import annotations
 
-import os
-
 from .. import config
+from .frames import RunStats, annotate, too_deep, unwrap_stop_iteration
 
 
 
@@ -31,14 +30,6 @@ class Frame:
         self.depth = 0 if parent is None else parent.depth + 1
 
 
-class RunStats:
-    __slots__ = ("frames", "max_depth")
-
-    def __init__(self):
-        self.frames = 0
-        self.max_depth = 0
-
-
 def run(callee, args):
     """Run compiled function ``callee`` (a handle whose ``.code`` is its GeneratedCode) on bound ``args``.
 
@@ -51,7 +42,7 @@ def run(callee, args):
         try:
             return code.entry(*args), stats
         except BaseException as exc:
-            _annotate(exc, [_Leaf(callee, None, None)])
+            annotate(exc, [_Leaf(callee, None, None)])
             raise
     stack = [Frame(callee, code.entry(*args), None, None)]
     del args  # the frame has them: what they hold (a gradient's record) goes when the frame is done with it
@@ -63,7 +54,7 @@ def run(callee, args):
             result = stop.value
             requests = None
         except BaseException as exc:
-            original = _unwrap_stop_iteration(exc, frame.callee)
+            original = unwrap_stop_iteration(exc, frame.callee.code.codes)
             _fail(original, stack)
             if original is not exc:
                 raise original from None
@@ -93,7 +84,7 @@ def _next_request(frame, stack, stats):
             if child.depth > stats.max_depth:
                 stats.max_depth = child.depth
                 if child.depth > config.MAX_DEPTH:
-                    exc = RecursionError(f"maximum compiled recursion depth exceeded ({config.MAX_DEPTH})")
+                    exc = too_deep()
                     _fail(exc, stack)
                     raise exc
             stack.append(child)
@@ -117,52 +108,8 @@ class _Leaf:
         self.callee, self.parent, self.site, self.gen = callee, parent, site, None
 
 
-def _unwrap_stop_iteration(exc, callee):
-    """The StopIteration that Python (PEP 479) turned into RuntimeError as it left a generated generator
-    (not one that left a generator of the user's)."""
-    if (type(exc) is RuntimeError and isinstance(exc.__cause__, StopIteration)
-            and str(exc) == "generator raised StopIteration"):
-        left = exc.__cause__.__traceback__  # its first frame is the generator it left
-        if left is not None and left.tb_frame.f_code in callee.code.codes:
-            return exc.__cause__
-    return exc
-
-
 def _fail(exc, stack):
-    _annotate(exc, stack)
+    annotate(exc, stack)
     for frame in stack:  # cancel the rest of the call
         if frame.gen is not None:
             frame.gen.close()
-
-
-def _failing_line(exc, callee):
-    """The user line the failing frame was at, from the traceback of its generated code."""
-    line = None
-    tb = exc.__traceback__
-    codes = callee.code.codes
-    while tb is not None:
-        if tb.tb_frame.f_code in codes:
-            line = tb.tb_lineno
-        tb = tb.tb_next
-    return line
-
-
-def _annotate(exc, stack):
-    entries = []
-    for i, frame in enumerate(stack):
-        name = frame.callee.qualname
-        filename = frame.callee.filename
-        if i + 1 < len(stack):
-            line = stack[i + 1].site.lineno
-        else:
-            line = _failing_line(exc, frame.callee)
-        entries.append(f"  {name} ({os.path.basename(filename)}:{line})" if line else f"  {name} ({filename})")
-    shown = config.CHAIN_SHOWN
-    if len(entries) > 2 * shown:
-        hidden = len(entries) - 2 * shown
-        entries = entries[:shown] + [f"  ... {hidden} more compiled calls ..."] + entries[-shown:]
-    note = "recompile call chain, root first (depth {}):\n{}".format(len(stack) - 1, "\n".join(entries))
-    try:
-        exc.add_note(note)
-    except TypeError:  # an exception class that refuses notes
-        pass

@@ -38,7 +38,7 @@ import torch
 
 from . import streams
 from .. import config
-from .scheduler import RunStats, _annotate, _unwrap_stop_iteration
+from .frames import RunStats, annotate, too_deep, unwrap_stop_iteration
 from .thread_state import ThreadState
 
 
@@ -183,7 +183,7 @@ class _Run:
         except StopIteration as stop:
             return self.answer(frame, stop.value)
         except BaseException as exc:
-            original = _unwrap_stop_iteration(exc, frame.callee)
+            original = unwrap_stop_iteration(exc, frame.callee.code.codes)
             if original is not exc:  # (as ``raise original from None``)
                 original.__cause__, original.__suppress_context__ = None, True
             self.fail(original, frame)
@@ -199,7 +199,7 @@ class _Run:
         the rest queued."""
         depth = frame.depth + 1
         if depth > config.MAX_DEPTH and any(r[0].code.entry_is_generator for r in requests):
-            self.fail(RecursionError(f"maximum compiled recursion depth exceeded ({config.MAX_DEPTH})"), frame)
+            self.fail(too_deep(), frame)
             return None
         handoff = streams.handoff(self.device, [r[1] for r in requests]) if self.device is not None else None
         frame.results = [None] * len(requests)
@@ -281,7 +281,7 @@ class _Run:
         return self._start(parent, slot, request, handoff)
 
     def fail(self, exc, frame):
-        _annotate(exc, frame.chain())
+        annotate(exc, frame.chain())
         self.cancel(exc)
 
     def cancel(self, exc):
