@@ -1,4 +1,4 @@
-"""The decorator: ``recompile.function`` and the CompiledFunction it returns."""
+"""The decorator: ``recompile.function`` and the CompiledFunction it returns (options, calling, inspecting)."""
 
 from __future__ import annotations
 
@@ -10,25 +10,12 @@ import types
 import torch
 
 from . import config, ir
-from .codegen import generate
-from .codegen.batched import generate_batched
-from .naming import Namer
-from .frontend import convert, parse_function, validate
-from .passes.effects import invoke_may_mutate, program_may_mutate
 from .passes.fusion import BACKENDS, DEFAULT_BACKEND
-from .passes.grad import derive
-from .passes.pipeline import FINAL, GRAD, STAGES, run_passes
+from .passes.pipeline import FINAL, GRAD, STAGES
+from .program import Function
 from .runtime import agenda, autograd, pool, scheduler, threaded
 
 MODES = ("batched", "sequential", "threaded")
-_ir_names = Namer(suffix=lambda k: f"#{k}")
-_ir_names_lock = threading.Lock()
-
-
-def _unique_ir_name(qualname):
-    """SubGraph names are unique across programs: a second function of the same qualname gets #2."""
-    with _ir_names_lock:
-        return _ir_names.fresh(qualname)
 
 
 def _make_binder(fn):
@@ -128,158 +115,12 @@ class Stats(dict):
             self["builds"] = builds
 
 
-class FunctionBuild:
-    """The program of one compiled function, for one owner class (None for plain functions)."""
+class CompiledFunction(Function):
+    """A function compiled to a recompile program. Call it like the original.
 
-    def __init__(self, cf, owner):
-        self.cf = cf
-        self.owner = owner
-        def callee_of(obj, owner_of_call):
-            # the plain function referring to itself by name is recursion too: calling the
-            # compiled version gives the same results, and runs off the Python stack
-            if obj is cf.python:
-                return cf.callee(owner_of_call)
-            return _callee_of(obj, owner_of_call)
-
-        frontend_sg = convert(cf._parsed, cf.ir_name, owner, callee_of)
-        self.stages = run_passes(frontend_sg, cf._parsed, cf.fusion)
-        self._code = None
-        self._code_lock = threading.Lock()
-        self._grad = None
-        self._grad_code = None
-        self._batched_code = None
-        cf.stats.record_build()
-
-    def _once(self, attr, make):
-        """``self.<attr>``, made by ``make()`` on first use (once, whichever thread asks first)."""
-        value = getattr(self, attr)
-        if value is None:
-            with self._code_lock:
-                value = getattr(self, attr)
-                if value is None:
-                    value = make()
-                    setattr(self, attr, value)
-        return value
-
-    @property
-    def code(self):
-        # generated on first use: grouping calls needs the callees' programs, which for mutual
-        # recursion can only be converted once this build exists
-        return self._once("_code", lambda: generate(self.stages[FINAL], self._may_mutate))
-
-    @property
-    def batched_code(self):
-        """The batched program (codegen.batched): its ``unit`` is where frames of this function merge."""
-        return self._once("_batched_code", lambda: generate_batched(self.stages[FINAL], self._may_mutate))
-
-    @property
-    def grad(self):
-        """(forward-with-saves SubGraph, gradient SubGraph) of this function (passes.grad)."""
-        return self._once("_grad", lambda: derive(self.stages[FINAL],
-                                                  lambda target: (target.forward, target.backward),
-                                                  self._may_mutate))
-
-    @property
-    def grad_code(self):
-        """(forward-with-saves code, gradient code)."""
-        fwd, bwd = self.grad  # (outside the lock: deriving takes it)
-        # the gradient changes no user state: its calls need no ordering analysis
-        return self._once("_grad_code", lambda: (generate(fwd, self._may_mutate), generate(bwd, release=True)))
-
-    @staticmethod
-    def _may_mutate(invoke):
-        return invoke_may_mutate(invoke, FINAL)
-
-
-class Callee:
-    """The runtime handle of a compiled function bound to an owner class.
-
-    It is what an Invoke names; the program it runs is built on first use, so
-    mutually recursive functions refer to each other before either is built.
+    As a ``program.Function`` it holds the builds and handles; this class adds the options, the calling
+    (bound like the Python function, run by the mode's scheduler) and the inspecting.
     """
-
-    def __init__(self, cf, owner):
-        self.cf = cf
-        self.owner = owner
-        self.ir_name = cf.ir_name
-        self.signature = cf.signature
-        self.qualname = cf.__qualname__
-        self.filename = cf._parsed.filename
-        self._code = None
-        self._unit = None
-        self._may_mutate = None
-        self.ready = False  # this function and every function it may invoke are built
-        self.forward = GradHandle(self, 0)
-        self.backward = GradHandle(self, 1)
-
-    def prepare(self):
-        """Build everything this function may invoke, so that a CompileError comes before anything runs."""
-        seen = set()
-        pending = [self]
-        while pending:
-            handle = pending.pop()
-            if handle in seen:
-                continue
-            seen.add(handle)
-            build = handle.build
-            for sg in build.stages[FINAL].walk():
-                pending.extend(op.target for op in sg.ops if isinstance(op, ir.Invoke))
-        self.ready = True
-
-    @property
-    def build(self):
-        return self.cf._build_for(self.owner)
-
-    @property
-    def code(self):
-        code = self._code
-        if code is None:
-            code = self._code = self.build.code
-        return code
-
-    @property
-    def may_mutate(self):
-        """Whether this function, or any it may invoke, may change state in place (``passes.effects``)."""
-        if self._may_mutate is None:
-            self._may_mutate = program_may_mutate(self, FINAL)
-        return self._may_mutate
-
-    @property
-    def batched_unit(self):
-        unit = self._unit
-        if unit is None:
-            unit = self._unit = self.build.batched_code.unit
-        return unit
-
-
-class GradHandle:
-    """The runtime handle of a function's forward-with-saves (0) or gradient (1) program."""
-
-    def __init__(self, callee, which):
-        self.callee = callee
-        self.which = which
-        self.qualname = callee.qualname
-        self.filename = callee.filename
-        self._code = None
-
-    @property
-    def build(self):
-        return self.callee.build
-
-    @property
-    def code(self):
-        code = self._code
-        if code is None:
-            code = self._code = self.callee.build.grad_code[self.which]
-        return code
-
-
-def _callee_of(obj, owner):
-    return obj.callee(owner) if isinstance(obj, CompiledFunction) else None
-
-
-class CompiledFunction:
-    """A function compiled to a recompile program. Call it like the original."""
 
     def __init__(self, fn, mode="batched", fusion=True, threads=None, max_live_frames=config.MAX_LIVE_FRAMES):
         if mode not in MODES:
@@ -299,44 +140,25 @@ class CompiledFunction:
             raise ValueError(f"unknown fusion {fusion!r}; use True, False or one of: {', '.join(BACKENDS)}")
         if not inspect.isfunction(fn):
             raise TypeError(f"recompile.function expects a Python function, got {type(fn).__name__}")
-        self.python = fn
         self.mode = mode
-        self.fusion = fusion  # the fused ops' backend, or None
         # worker threads: threaded mode uses what the machine offers unless told; batched mode runs its
         # groups on the calling thread unless told (see README, "Threads")
         self.threads = threads if threads is not None else (pool.default_threads() if mode == "threaded" else 1)
         self.max_live_frames = max_live_frames
         functools.update_wrapper(self, fn)
-        self._parsed = parse_function(fn)
-        validate(self._parsed)
-        self.signature = self._parsed.signature
-        self.ir_name = _unique_ir_name(fn.__qualname__)
-        self._binder = _make_binder(fn)
-        self._builds = {}
-        self._callees = {}
-        self._lock = threading.RLock()
-        self._owner = None
         self.stats = Stats()
+        super().__init__(fn, fusion)  # (the fused ops' backend, or None)
+        # bind(*args, **kwargs): the parameters' values in order, bound as Python binds them (or its TypeError)
+        self.bind = _make_binder(fn)
+        self._owner = None
 
     # -- building
 
     def __set_name__(self, owner, name):
         self._owner = owner
 
-    def callee(self, owner):
-        handle = self._callees.get(owner)
-        if handle is None:  # no lock: a build holding one may ask for a handle (mutual recursion)
-            handle = self._callees.setdefault(owner, Callee(self, owner))
-        return handle
-
-    def _build_for(self, owner):
-        build = self._builds.get(owner)
-        if build is None:
-            with self._lock:
-                build = self._builds.get(owner)
-                if build is None:
-                    build = self._builds[owner] = FunctionBuild(self, owner)
-        return build
+    def built(self):
+        self.stats.record_build()
 
     # -- calling
 
@@ -346,17 +168,12 @@ class CompiledFunction:
         return self._run(owner, args, kwargs)
 
     def _run(self, owner, args, kwargs):
-        bound = self._binder(*args, **kwargs)
-        callee = self.callee(owner)
-        if not callee.ready:
-            callee.prepare()
+        bound = self.bind(*args, **kwargs)
+        if self.mode == "batched":
+            return self.run_batched(bound, 1, owner)
+        callee = self._ready_callee(owner)
         self.stats.record_start()
         workers = self._pool()
-        if self.mode == "batched":
-            # torch.autograd records each batched op once for all its instances: the backward is batched too
-            result, run_stats = agenda.run(callee, bound, pool=workers)
-            self.stats.record_batched(run_stats)
-            return result
         if self.mode == "threaded" and workers is not None:
             runner = functools.partial(threaded.run, pool=workers, max_live=self.max_live_frames)
         else:
@@ -367,6 +184,23 @@ class CompiledFunction:
             result, run_stats = runner(callee, bound)
         self.stats.record_run(run_stats)
         return result
+
+    def run_batched(self, args, n, owner=None):
+        """Run ``n`` instances at once on ``args``, the value of each parameter in order (the self of a method
+        first), each a value every instance shares or a ``runtime.batch.Batch`` of one value per instance
+        (what ``recompile.vmap`` makes). Returns the result, a Batch where it differs between instances.
+        torch.autograd records each batched op once for all its instances: the backward is batched too."""
+        callee = self._ready_callee(owner)
+        self.stats.record_start()
+        result, run_stats = agenda.run(callee, args, n, pool=self._pool())
+        self.stats.record_batched(run_stats)
+        return result
+
+    def _ready_callee(self, owner):
+        callee = self.callee(owner)
+        if not callee.ready:
+            callee.prepare()
+        return callee
 
     def _pool(self):
         """The worker pool a call runs on, or None to run on the calling thread: sequential mode, batched
@@ -405,22 +239,16 @@ class CompiledFunction:
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r}; available: {', '.join(STAGES)}")
         owner = owner if owner is not None else self._owner
-        subgraphs = {}
-        seen = set()
-        pending = [self.callee(owner)]
-        while pending:
-            handle = pending.pop()
-            if handle.ir_name in seen:
+        subgraphs, seen = {}, set()
+        for handle in ir.reachable(self.callee(owner), FINAL if stage == GRAD else stage):
+            if handle.ir_name in seen:  # (a function built for two owner classes: shown once)
                 continue
             seen.add(handle.ir_name)
-            build = handle.build
             if stage == GRAD:
-                for sg in build.grad:
+                for sg in handle.build.grad:
                     subgraphs[sg.name] = sg
             else:
-                subgraphs[handle.ir_name] = build.stages[stage]
-            for s in build.stages[FINAL if stage == GRAD else stage].walk():
-                pending.extend(op.target for op in s.ops if isinstance(op, ir.Invoke))
+                subgraphs[handle.ir_name] = handle.subgraph(stage)
         return ir.Program(self.ir_name + (":fwd" if stage == GRAD else ""), subgraphs)
 
     def dump(self, stage=FINAL, format="text", owner=None):
@@ -435,7 +263,7 @@ class CompiledFunction:
     def source(self, owner=None):
         """The generated Python source of this function (and its nested SubGraphs)."""
         owner = owner if owner is not None else self._owner
-        return self._build_for(owner).code.source
+        return self.build(owner).code.source
 
     def __repr__(self):
         threads = f" threads={self.threads}" if self.mode != "sequential" else ""

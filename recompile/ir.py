@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from typing import Protocol
 
 from .naming import Namer
 
@@ -123,11 +124,48 @@ class Call(Op):
         self.kwargs = [(k, fn(v)) for k, v in self.kwargs]
 
 
+class Target(Protocol):
+    """What ``Invoke.target`` holds: the handle of a compiled function built for one owner class
+    (``program.Callee``), or of its forward-with-saves or gradient program (``program.GradHandle``).
+    The IR and the passes read only this of it; generated code hands it to the runtime, which runs
+    its ``code`` (and in batched mode its ``batched_unit``).
+
+    - ``ir_name``: the name of its entry SubGraph (``Invoke.callee``);
+    - ``signature``: how a call binds to its parameters (the frontend binds each call's arguments);
+    - ``qualname``, ``filename``: how an error's chain of calls names it;
+    - ``subgraph(stage)``: its function's SubGraph after pipeline stage ``stage`` (built on first use);
+    - ``forward``, ``backward``: the Targets of its forward-with-saves and gradient programs.
+    """
+
+    ir_name: str
+    signature: object
+    qualname: str
+    filename: str
+    forward: "Target"
+    backward: "Target"
+
+    def subgraph(self, stage) -> "SubGraph": ...
+
+
+def reachable(target, stage):
+    """Each Target reachable from ``target`` through the Invokes of the SubGraphs after ``stage``,
+    ``target`` first, each once: the one walk over the functions a call may run (building each)."""
+    seen, pending = set(), [target]
+    while pending:
+        t = pending.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        yield t
+        for sg in t.subgraph(stage).walk():
+            pending.extend(op.target for op in sg.ops if isinstance(op, Invoke))
+
+
 class Invoke(Op):
     """A call of a compiled function's SubGraph (recursion included).
 
-    ``callee`` is the entry SubGraph's name; ``target`` is the runtime handle
-    of the compiled function (resolved when the program is built).
+    ``callee`` is the entry SubGraph's name; ``target`` is the compiled
+    function's handle (a ``Target``, resolved when the program is built).
     """
 
     kind = "invoke"

@@ -14,7 +14,6 @@ import types
 import torch
 
 from .api import CompiledFunction
-from .runtime import agenda
 from .runtime import batch as bt
 
 
@@ -46,14 +45,8 @@ def vmap(fn, in_dims=0, out_dims=0):
             raise ValueError("recompile.vmap: the batch has no instances (batched arguments of size 0)")
         all_args = (*bound_self, *values)
         owner = type(bound_self[0]) if bound_self else None
-        cf._binder(*all_args)  # Python's own TypeError for a wrong call
-        callee = cf.callee(owner)
-        if not callee.ready:
-            callee.prepare()
-        cf.stats.record_start()
-        result, run_stats = agenda.run(callee, all_args, n, pool=cf._pool())
-        cf.stats.record_batched(run_stats)
-        out = bt.stack_output(result, n)
+        cf.bind(*all_args)  # Python's own TypeError for a wrong call
+        out = bt.stack_output(cf.run_batched(all_args, n, owner), n)
         return _move(out, out_dims)
 
     return batched

@@ -2595,7 +2595,7 @@ def test_view_checks_around_calls_keep_independent_calls_issued_together():
     w = torch.tensor([1.5, 0.2, -0.3], dtype=F64, requires_grad=True)
     with bound_globals(globals(), funcs):
         got = torch.autograd.grad(funcs["gv_three_calls_after_a_change"](x, w), (x, w))
-        build = funcs["gv_three_calls_after_a_change"]._build_for(None)
+        build = funcs["gv_three_calls_after_a_change"].build(None)
         fwd, _ = build.grad
         fns = {o.fn.value for o in fwd.ops if isinstance(o, ir.Call) and isinstance(o.fn, ir.Const)}
         assert recompile.autodiff.backprop.check_unchanged in fns  # checks are placed around the calls

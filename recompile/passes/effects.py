@@ -76,17 +76,7 @@ def invoke_may_mutate(invoke, stage):
     return program_may_mutate(invoke.target, stage)
 
 
-def program_may_mutate(handle, stage):
-    """Whether the compiled function ``handle`` names, or anything it may invoke, may mutate state."""
-    seen = set()
-    pending = [handle]
-    while pending:
-        handle = pending.pop()
-        if handle in seen:
-            continue
-        seen.add(handle)
-        sg = handle.build.stages[stage]
-        if subgraph_mutates(sg):
-            return True
-        pending.extend(op.target for s in sg.walk() for op in s.ops if isinstance(op, ir.Invoke))
-    return False
+def program_may_mutate(target, stage):
+    """Whether the compiled function ``target`` names (an ``ir.Target``), or anything it may invoke, may
+    mutate state."""
+    return any(subgraph_mutates(t.subgraph(stage)) for t in ir.reachable(target, stage))

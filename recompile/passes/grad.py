@@ -53,16 +53,16 @@ from .fusion import unfuse
 BACKWARD_CALLS = {bp.call_backward, bp.read_backward, bp.backward_of}
 
 
-def derive(sg, handles, may_mutate=lambda invoke: True):
+def derive(sg, may_mutate=lambda invoke: True):
     """(``F:fwd``, ``F:bwd``) for function SubGraph ``sg`` (not changed).
 
-    ``handles(target)`` gives the (forward, backward) runtime handles of an
-    Invoke's target; ``may_mutate(invoke)`` whether the program it runs may change
+    An Invoke's target (``ir.Target``) gives the handles of its forward-with-saves
+    and gradient programs; ``may_mutate(invoke)`` whether the program it runs may change
     a value in place (``passes.effects``). A Fused op is derived from its members
     (``fusion.unfuse``).
     """
     sg = unfuse(sg)
-    deriver = _Deriver(handles, may_mutate)
+    deriver = _Deriver(may_mutate)
     ctx_f, ctx_b = ir.Value("ctx"), ir.Value("ctx")
     fwd = ir.SubGraph(f"{sg.name}:fwd", [ctx_f, *sg.inputs], sg.loc, "function")
     bwd = ir.SubGraph(f"{sg.name}:bwd", [ctx_b], sg.loc, "function")
@@ -99,8 +99,7 @@ def _produce(op, values):
 
 
 class _Deriver:
-    def __init__(self, handles, may_mutate):
-        self.handles = handles
+    def __init__(self, may_mutate):
         self.may_mutate = may_mutate
 
     def body(self, sg, fwd, bwd, ctx_f, ctx_b, prologue=()):
@@ -244,7 +243,7 @@ class _Deriver:
                        star={i + 4 for i in op.star}, n_outputs=0)
 
     def invoke(self, op, out, ctx_f, ctx_b):
-        fwd_handle, bwd_handle = self.handles(op.target)
+        fwd_handle, bwd_handle = op.target.forward, op.target.backward
         call = ir.Invoke(op.loc, f"{op.callee}:fwd", fwd_handle, [ctx_f, *op.args], hints=(_hint(op),))
         out.append(call)
         split = ir.Call(op.loc, ir.Const(intrinsics.unpack), [call.output, ir.Const(2)], n_outputs=2)

@@ -1,0 +1,228 @@
+"""Builds and handles: what a compiled function is to the programs that call it.
+
+A ``Function`` holds what recompile made of a Python function once (its parsed source, IR name and
+signature) and, per owner class, its ``FunctionBuild`` (the program after each pass, its generated code,
+its gradient programs) and its ``Callee``, the handle an Invoke names (the ``ir.Target`` protocol). The
+frontend binds a call of a compiled function to the callee's handle when it converts the caller, so
+mutually recursive functions refer to each other before either is built; the api's ``CompiledFunction``
+is a Function that can also be called and inspected.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+from . import ir
+from .codegen import generate
+from .codegen.batched import generate_batched
+from .frontend import convert, parse_function, validate
+from .naming import Namer
+from .passes.effects import invoke_may_mutate, program_may_mutate
+from .passes.grad import derive
+from .passes.pipeline import FINAL, run_passes
+
+_ir_names = Namer(suffix=lambda k: f"#{k}")
+_ir_names_lock = threading.Lock()
+
+
+def unique_ir_name(qualname):
+    """SubGraph names are unique across programs: a second function of the same qualname gets #2."""
+    with _ir_names_lock:
+        return _ir_names.fresh(qualname)
+
+
+class Function:
+    """A Python function as recompile compiles it: ``python`` (the function itself), its parsed source,
+    ``signature``, ``ir_name`` and ``fusion`` (the fused ops' backend, or None); its builds and handles,
+    one per owner class (None for a plain function). Refused syntax raises CompileError here."""
+
+    def __init__(self, python, fusion):
+        if not inspect.isfunction(python):
+            raise TypeError(f"recompile.function expects a Python function, got {type(python).__name__}")
+        self.python = python
+        self.fusion = fusion
+        self.parsed = parse_function(python)
+        validate(self.parsed)
+        self.signature = self.parsed.signature
+        self.ir_name = unique_ir_name(python.__qualname__)
+        self._builds = {}
+        self._callees = {}
+        self._lock = threading.RLock()
+
+    def built(self):
+        """Called once for each build made (the api counts them)."""
+
+    def callee(self, owner):
+        """The handle of this function built for ``owner`` (an ``ir.Target``)."""
+        handle = self._callees.get(owner)
+        if handle is None:  # no lock: a build holding one may ask for a handle (mutual recursion)
+            handle = self._callees.setdefault(owner, Callee(self, owner))
+        return handle
+
+    def build(self, owner):
+        """The FunctionBuild for ``owner``, made on first use (once, whichever thread asks first)."""
+        build = self._builds.get(owner)
+        if build is None:
+            with self._lock:
+                build = self._builds.get(owner)
+                if build is None:
+                    build = self._builds[owner] = FunctionBuild(self, owner)
+        return build
+
+
+def callee_of(obj, owner):
+    """The handle of compiled function ``obj`` for ``owner``, or None if ``obj`` is not one."""
+    return obj.callee(owner) if isinstance(obj, Function) else None
+
+
+class FunctionBuild:
+    """The program of one compiled function, for one owner class (None for plain functions)."""
+
+    def __init__(self, function, owner):
+        self.function = function
+        self.owner = owner
+
+        def callee_for(obj, owner_of_call):
+            # the plain function referring to itself by name is recursion too: calling the
+            # compiled version gives the same results, and runs off the Python stack
+            if obj is function.python:
+                return function.callee(owner_of_call)
+            return callee_of(obj, owner_of_call)
+
+        frontend_sg = convert(function.parsed, function.ir_name, owner, callee_for)
+        self.stages = run_passes(frontend_sg, function.parsed, function.fusion)
+        self._code = None
+        self._code_lock = threading.Lock()
+        self._grad = None
+        self._grad_code = None
+        self._batched_code = None
+        function.built()
+
+    def _once(self, attr, make):
+        """``self.<attr>``, made by ``make()`` on first use (once, whichever thread asks first)."""
+        value = getattr(self, attr)
+        if value is None:
+            with self._code_lock:
+                value = getattr(self, attr)
+                if value is None:
+                    value = make()
+                    setattr(self, attr, value)
+        return value
+
+    @property
+    def code(self):
+        # generated on first use: grouping calls needs the callees' programs, which for mutual
+        # recursion can only be converted once this build exists
+        return self._once("_code", lambda: generate(self.stages[FINAL], self._may_mutate))
+
+    @property
+    def batched_code(self):
+        """The batched program (codegen.batched): its ``unit`` is where frames of this function merge."""
+        return self._once("_batched_code", lambda: generate_batched(self.stages[FINAL], self._may_mutate))
+
+    @property
+    def grad(self):
+        """(forward-with-saves SubGraph, gradient SubGraph) of this function (passes.grad)."""
+        return self._once("_grad", lambda: derive(self.stages[FINAL], self._may_mutate))
+
+    @property
+    def grad_code(self):
+        """(forward-with-saves code, gradient code)."""
+        fwd, bwd = self.grad  # (outside the lock: deriving takes it)
+        # the gradient changes no user state: its calls need no ordering analysis
+        return self._once("_grad_code", lambda: (generate(fwd, self._may_mutate), generate(bwd, release=True)))
+
+    @staticmethod
+    def _may_mutate(invoke):
+        return invoke_may_mutate(invoke, FINAL)
+
+
+class Callee:
+    """The handle of a compiled function bound to an owner class: what an Invoke names (``ir.Target``).
+
+    The program it runs is built on first use, so mutually recursive functions refer to each other before
+    either is built.
+    """
+
+    def __init__(self, function, owner):
+        self.function = function
+        self.owner = owner
+        self.ir_name = function.ir_name
+        self.signature = function.signature
+        self.qualname = function.python.__qualname__
+        self.filename = function.parsed.filename
+        self._code = None
+        self._unit = None
+        self._may_mutate = None
+        self.ready = False  # this function and every function it may invoke are built
+        self.forward = GradHandle(self, 0)
+        self.backward = GradHandle(self, 1)
+
+    def prepare(self):
+        """Build everything this function may invoke, so that a CompileError comes before anything runs."""
+        for _ in ir.reachable(self, FINAL):
+            pass
+        self.ready = True
+
+    @property
+    def build(self):
+        return self.function.build(self.owner)
+
+    def subgraph(self, stage):
+        return self.build.stages[stage]
+
+    @property
+    def code(self):
+        code = self._code
+        if code is None:
+            code = self._code = self.build.code
+        return code
+
+    @property
+    def may_mutate(self):
+        """Whether this function, or any it may invoke, may change state in place (``passes.effects``)."""
+        if self._may_mutate is None:
+            self._may_mutate = program_may_mutate(self, FINAL)
+        return self._may_mutate
+
+    @property
+    def batched_unit(self):
+        unit = self._unit
+        if unit is None:
+            unit = self._unit = self.build.batched_code.unit
+        return unit
+
+
+class GradHandle:
+    """The handle of a function's forward-with-saves (0) or gradient (1) program (``ir.Target``). Its
+    ``subgraph(stage)`` is its function's, which is what the gradient programs' analyses read."""
+
+    def __init__(self, callee, which):
+        self.callee = callee
+        self.which = which
+        self.ir_name = callee.ir_name + (":fwd", ":bwd")[which]
+        self.signature = None  # (gradient programs are invoked by the grad pass, never bound by the frontend)
+        self.qualname = callee.qualname
+        self.filename = callee.filename
+        self._code = None
+
+    @property
+    def build(self):
+        return self.callee.build
+
+    def subgraph(self, stage):
+        return self.callee.subgraph(stage)
+
+    @property
+    def forward(self):
+        raise TypeError("a gradient program has no gradient program of its own (no higher-order gradients)")
+
+    backward = forward
+
+    @property
+    def code(self):
+        code = self._code
+        if code is None:
+            code = self._code = self.callee.build.grad_code[self.which]
+        return code
