@@ -21,10 +21,11 @@ from .. import config, intrinsics
 from ..runtime import batch_rules, control, levels as rt_levels
 from ..runtime.units import Unit
 from . import emit, levels, segments
+from .loader import Module
 from .plan import plan
 
 
-class _BatchedEmitter(emit._FunctionEmitter):
+class _BatchedEmitter(emit.FunctionEmitter):
     def __init__(self, module, gen, batch_plan):
         super().__init__(module, gen)
         self.batch_plan = batch_plan
@@ -316,11 +317,11 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     """Batched code of function SubGraph ``sg``: GeneratedCode whose ``unit`` is the function's entry Unit
     (``runtime.units``), where its frames merge."""
     batch_plan = BatchPlan(sg, may_mutate)
-    gen = emit._Generator(sg, may_mutate)
+    gen = emit.Emission(sg, may_mutate)
     gen.generators = set(batch_plan.generators)
     gen.changes = subgraph_may_mutate(sg, may_mutate)
     gen.units = _units(batch_plan)  # SubGraph -> Unit
-    module = emit._Module()
+    module = Module()
     emitters = [_BatchedEmitter(module, gen, batch_plan) for _ in gen.sgs]
     shape = level_shape(sg, batch_plan, gen.changes)
     build_levels = None

@@ -1,12 +1,11 @@
-"""One Python function per SubGraph, built as an AST, printed with astor, compiled.
+"""One Python function per SubGraph, built as an AST (then printed and compiled by ``loader``).
 
 A SubGraph that contains Invokes (directly or in a nested SubGraph) becomes a
 generator: at each group of independent Invokes it yields
 ``((callee, args, site), ...)`` to the scheduler and is resumed with the
 results. Nested SubGraphs are entered with ``yield from`` (or called, when they
-never yield). The printed source is parsed back, each statement is given the
-user's line, and the code is compiled under the user's file name, so a
-traceback points at the user's source.
+never yield). Each statement carries the user's Location, so that the loaded
+code's tracebacks point at the user's source.
 """
 
 from __future__ import annotations
@@ -14,19 +13,16 @@ from __future__ import annotations
 import ast
 import builtins
 import keyword
-import linecache
 import math
-import os
 import operator
 import re
-
-import astor
 
 from .. import ir
 from .. import intrinsics
 from ..naming import Namer
 from ..ops import syntax
 from .fused import FusedKernel
+from .loader import GeneratedCode, Module, load
 from .plan import plan
 
 _BINARY = syntax.by_fn(syntax.BINARY, ast)
@@ -34,38 +30,6 @@ _COMPARE = syntax.by_fn(syntax.COMPARE, ast)
 _UNARY = syntax.by_fn(syntax.UNARY, ast)
 _LITERALS = {int, str, bool, bytes, type(None)}  # exact types: a subclass (an IntEnum) prints otherwise
 _LARGEST_LITERAL = 10 ** 100  # larger ints go by reference (printing them may exceed int->str limits)
-
-
-class GeneratedCode:
-    """The compiled functions of one function build and the source they came from."""
-
-    def __init__(self, source, functions, entry_name, generators, codes):
-        self.source = source
-        self.functions = functions
-        self.entry = functions[entry_name]
-        self.entry_is_generator = entry_name in generators
-        self.codes = codes
-
-
-class _Module:
-    """Module-level names of the generated code: constants, helpers, SubGraph functions."""
-
-    def __init__(self):
-        self.namespace = {"__builtins__": builtins, "__name__": "recompile.generated"}
-        self.names = Namer(reserved=self.namespace)
-        self.codes = set()  # code generated for this module elsewhere (fused ops' members), and its source
-        self.sources = []
-
-    def attach(self, code):
-        self.codes |= code.codes
-        self.sources.append(code.source)
-
-    def ref(self, value, hint=""):
-        """The module-level name holding ``value`` (the same name each time it is asked for)."""
-        key = id(value)
-        name = self.names.name_of(key, "_rc_" + re.sub(r"\W", "_", hint or type(value).__name__)[:30])
-        self.namespace[name] = value
-        return name
 
 
 def _is_builtin(value):
@@ -76,7 +40,9 @@ def _is_builtin(value):
         return False
 
 
-class _FunctionEmitter:
+class FunctionEmitter:
+    """Emits one SubGraph as a Python function (``function``), op by op, into the ``module``'s names."""
+
     def __init__(self, module, gen):
         self.module = module
         self.gen = gen
@@ -288,7 +254,11 @@ def _release(body, params):
     return out
 
 
-class _Generator:
+class Emission:
+    """What the emitters of one function share: its SubGraphs (``sgs``) and the name of the function each
+    becomes (``fn_name``), which of them are generators, ``may_mutate`` (codegen.plan), ``release`` (delete
+    each variable after its last use) and ``extra_names``, the names of the functions emitted besides."""
+
     def __init__(self, sg, may_mutate, release=False):
         self.root = sg
         self.may_mutate = may_mutate
@@ -306,76 +276,22 @@ class _Generator:
                 self.generators.add(s)
 
 
-def _statements(node):
-    """Statements in a fixed depth-first order (parents before their bodies)."""
-    for field in ("body", "orelse"):
-        for stmt in getattr(node, field, None) or []:
-            yield stmt
-            yield from _statements(stmt)
-
-
-def _place(tree, original):
-    """Give the parsed-back statements the user's positions; return {generated line: loc}."""
-    line_map = {}
-    new_stmts, old_stmts = list(_statements(tree)), list(_statements(original))
-    if len(new_stmts) != len(old_stmts):
-        return None
-    pairs = [(new, getattr(old, "_rc_loc", None)) for new, old in zip(new_stmts, old_stmts)]
-    for new, loc in pairs:
-        if loc is not None:
-            line_map[new.lineno] = loc
-    for new, loc in pairs:  # parents first: a nested statement then overrides its own nodes
-        if loc is None:
-            continue
-        text = linecache.getline(loc.filename, loc.lineno)
-        indent = len(text) - len(text.lstrip())
-        for n in ast.walk(new):
-            if hasattr(n, "lineno"):
-                n.lineno = n.end_lineno = loc.lineno
-                n.col_offset = indent
-                n.end_col_offset = max(len(text.rstrip()), indent)
-    return line_map
-
-
 def generate(sg, may_mutate=lambda invoke: False, release=False):
     """Compile the function SubGraph ``sg`` (with its nested SubGraphs).
 
     ``may_mutate(invoke)`` tells whether a compiled call may change state (see codegen.plan);
     with ``release`` each variable is deleted after its last use.
     """
-    gen = _Generator(sg, may_mutate, release)
-    module = _Module()
-    return compile_functions(sg, gen, [_FunctionEmitter(module, gen) for _ in gen.sgs], module)
+    gen = Emission(sg, may_mutate, release)
+    module = Module()
+    return compile_functions(sg, gen, [FunctionEmitter(module, gen) for _ in gen.sgs], module)
 
 
 def compile_functions(sg, gen, emitters, module):
-    """Emit each SubGraph of ``gen`` with its emitter, print, parse back with the user's lines, compile."""
+    """Emit each SubGraph of ``gen`` with its emitter (then every extra function an emitter made), and load
+    them (``loader.load``): the GeneratedCode of function SubGraph ``sg``."""
     defs = [emitter.function(s) for emitter, s in zip(emitters, gen.sgs)]
     extra = [d for emitter in emitters for d in getattr(emitter, "extra_defs", ())]  # (batched code's segments)
-    defs += extra
-    tree = ast.Module(body=defs, type_ignores=[])
-    ast.fix_missing_locations(tree)
-    text = astor.to_source(tree)
-    parsed = ast.parse(text)
-    line_map = _place(parsed, tree)
-    filename = sg.loc.filename if line_map is not None else f"<recompile {sg.name}>"
-    if line_map is None:
-        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
-    code = compile(parsed, filename, "exec")
-    exec(code, module.namespace)
+    source, codes = load(defs + extra, sg, module)
     functions = {s.name: module.namespace[gen.fn_name[s]] for s in gen.sgs}
-    codes = {f.__code__ for f in functions.values()} | {module.namespace[d.name].__code__ for d in extra} \
-        | module.codes
-    source = "\n\n".join([_annotate(text, line_map or {}), *module.sources])
-    return GeneratedCode(source, functions, sg.name,
-                         {s.name for s in gen.generators}, codes)
-
-
-def _annotate(text, line_map):
-    """The printed source with each statement's user file:line at its end."""
-    lines = text.splitlines()
-    for lineno, loc in line_map.items():
-        i = lineno - 1
-        if 0 <= i < len(lines):
-            lines[i] = f"{lines[i]}  # {os.path.basename(loc.filename)}:{loc.lineno}"
-    return "\n".join(lines) + "\n"
+    return GeneratedCode(source, functions, sg.name, {s.name for s in gen.generators}, codes)
