@@ -27,7 +27,8 @@ HAS_INDEX = ".has_index"
 ASSERTION_ERROR = ".AssertionError"
 
 
-def _loc(new, old):
+def located(new, old):
+    """``new`` at ``old``'s position in the source (line and column span)."""
     for attr in ("lineno", "col_offset", "end_lineno", "end_col_offset"):
         setattr(new, attr, getattr(old, attr, None))
     return new
@@ -35,24 +36,24 @@ def _loc(new, old):
 
 def name(ident, store=False, at=None):
     node = gast.Name(id=ident, ctx=gast.Store() if store else gast.Load(), annotation=None, type_comment=None)
-    return _loc(node, at) if at is not None else node
+    return located(node, at) if at is not None else node
 
 
 def const(value, at=None):
     node = gast.Constant(value=value, kind=None)
-    return _loc(node, at) if at is not None else node
+    return located(node, at) if at is not None else node
 
 
 def assign(ident, value, at):
-    return _loc(gast.Assign(targets=[name(ident, True, at)], value=value, type_comment=None), at)
+    return located(gast.Assign(targets=[name(ident, True, at)], value=value, type_comment=None), at)
 
 
 def not_(expr, at):
-    return _loc(gast.UnaryOp(op=gast.Not(), operand=expr), at)
+    return located(gast.UnaryOp(op=gast.Not(), operand=expr), at)
 
 
 def and_(exprs, at):
-    return exprs[0] if len(exprs) == 1 else _loc(gast.BoolOp(op=gast.And(), values=exprs), at)
+    return exprs[0] if len(exprs) == 1 else located(gast.BoolOp(op=gast.And(), values=exprs), at)
 
 
 def jump(ident, at):
@@ -101,7 +102,7 @@ class Canonicalizer:
         new_body = self.block(body)
         at = fdef
         prelude = [assign(RETVAL, const(None, at), at), assign(RETFLAG, const(False, at), at)]
-        end = _loc(gast.Return(value=name(RETVAL, at=at)), body[-1] if body else at)
+        end = located(gast.Return(value=name(RETVAL, at=at)), body[-1] if body else at)
         fdef.body = _drop_unread_flags(prelude + new_body + [end], self.flags)
         return fdef
 
@@ -135,7 +136,7 @@ class Canonicalizer:
             last.body = self._attach(last.body, rest)
             return stmts
         test = and_([not_(name(f, at=rest[0]), rest[0]) for f in sorted(flags)], rest[0])
-        guard = _loc(gast.If(test=test, body=self.block(rest), orelse=[]), rest[0])
+        guard = located(gast.If(test=test, body=self.block(rest), orelse=[]), rest[0])
         guard._guard = True  # its (empty) else runs only after a jump
         return stmts + [guard]
 
@@ -187,9 +188,9 @@ class Canonicalizer:
         if not __debug__:  # python -O drops asserts
             return []
         args = [s.msg] if s.msg is not None else []
-        exc = _loc(gast.Call(func=name(ASSERTION_ERROR, at=s), args=args, keywords=[]), s)
-        raise_ = _loc(gast.Raise(exc=exc, cause=None), s)
-        return [_loc(gast.If(test=not_(s.test, s), body=[raise_], orelse=[]), s)]
+        exc = located(gast.Call(func=name(ASSERTION_ERROR, at=s), args=args, keywords=[]), s)
+        raise_ = located(gast.Raise(exc=exc, cause=None), s)
+        return [located(gast.If(test=not_(s.test, s), body=[raise_], orelse=[]), s)]
 
     def stmt_While(self, s):
         if any(isinstance(n, gast.NamedExpr) for n in gast.walk(s.test)):
@@ -197,8 +198,8 @@ class Canonicalizer:
             # remember that the test (not a break) ended the loop, for the else clause
             self.counter += 1
             done = self._flag(f".exhausted{self.counter}")
-            stop = _loc(gast.If(test=not_(s.test, s.test), body=[assign(done, const(True, s), s),
-                                                                  _loc(gast.Break(), s.test)], orelse=[]), s.test)
+            stop = located(gast.If(test=not_(s.test, s.test), body=[assign(done, const(True, s), s),
+                                                                  located(gast.Break(), s.test)], orelse=[]), s.test)
             bound = [n.target.id for n in gast.walk(s.test) if isinstance(n, gast.NamedExpr)]
             breaks = _breaks_out(s.body)  # (before the body is canonical: its breaks become flags)
             # like a for target, what the test binds is bound after the loop (the test ran at least once)
@@ -207,7 +208,7 @@ class Canonicalizer:
                 return loop
             if not breaks:  # without a break of its own, the loop only ends by its test
                 return loop + self.block(s.orelse)
-            orelse = _loc(gast.If(test=name(done, at=s), body=self.block(s.orelse), orelse=[]), s)
+            orelse = located(gast.If(test=name(done, at=s), body=self.block(s.orelse), orelse=[]), s)
             return [assign(done, const(False, s), s)] + loop + [orelse]
         return self._loop(s, s.test, s.body, s.orelse, prelude=[], header=[], for_targets=())
 
@@ -215,12 +216,12 @@ class Canonicalizer:
         self.counter += 1
         n = self.counter
         seq, idx = f".seq{n}", f".idx{n}"
-        as_seq = _loc(gast.Call(func=name(AS_SEQUENCE, at=s.iter), args=[s.iter], keywords=[]), s.iter)
+        as_seq = located(gast.Call(func=name(AS_SEQUENCE, at=s.iter), args=[s.iter], keywords=[]), s.iter)
         prelude = [assign(seq, as_seq, s), assign(idx, const(0, s), s)]
-        test = _loc(gast.Call(func=name(HAS_INDEX, at=s), args=[name(seq, at=s), name(idx, at=s)], keywords=[]), s)
-        item = _loc(gast.Subscript(value=name(seq, at=s), slice=name(idx, at=s), ctx=gast.Load()), s.target)
-        bind = _loc(gast.Assign(targets=[s.target], value=item, type_comment=None), s.target)
-        step = assign(idx, _loc(gast.BinOp(left=name(idx, at=s), op=gast.Add(), right=const(1, s)), s), s)
+        test = located(gast.Call(func=name(HAS_INDEX, at=s), args=[name(seq, at=s), name(idx, at=s)], keywords=[]), s)
+        item = located(gast.Subscript(value=name(seq, at=s), slice=name(idx, at=s), ctx=gast.Load()), s.target)
+        bind = located(gast.Assign(targets=[s.target], value=item, type_comment=None), s.target)
+        step = assign(idx, located(gast.BinOp(left=name(idx, at=s), op=gast.Add(), right=const(1, s)), s), s)
         targets = [n.id for n in gast.walk(s.target) if isinstance(n, gast.Name)]
         return self._loop(s, test, s.body, s.orelse, prelude, [bind, step], targets)
 
@@ -242,7 +243,7 @@ class Canonicalizer:
         conds.append(test)
         if loop.uses_cont:
             header = header + [assign(loop.cont, const(False, s), s)]
-        node = _loc(gast.While(test=and_(conds, s), body=header + new_body, orelse=[]), s)
+        node = located(gast.While(test=and_(conds, s), body=header + new_body, orelse=[]), s)
         node._for_targets = tuple(for_targets)
         out = list(prelude)
         if loop.uses_brk:
@@ -253,7 +254,7 @@ class Canonicalizer:
             guard = [not_(name(loop.brk, at=s), s)] if loop.uses_brk else []
             if returns:
                 guard.append(not_(name(RETFLAG, at=s), s))
-            out.extend([_loc(gast.If(test=and_(guard, s), body=new_else, orelse=[]), s)] if guard else new_else)
+            out.extend([located(gast.If(test=and_(guard, s), body=new_else, orelse=[]), s)] if guard else new_else)
         return out
 
 
@@ -281,7 +282,7 @@ def _drop_unread_flags(body, flags):
             t = node.targets[0] if len(node.targets) == 1 else None
             if isinstance(t, gast.Name) and t.id in flags and t.id not in read:
                 if getattr(node, "_jump", False):
-                    marker = _loc(gast.Pass(), node)
+                    marker = located(gast.Pass(), node)
                     marker._jump = True
                     return marker
                 return None

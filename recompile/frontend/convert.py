@@ -522,14 +522,14 @@ class Converter:
         self.comprehensions += 1
         acc = f".listcomp{self.comprehensions}"
         append = gast.Attribute(value=canon.name(acc, at=node), attr="append", ctx=gast.Load())
-        body = canon._loc(gast.Expr(value=canon._loc(gast.Call(func=canon._loc(append, node), args=[node.elt],
+        body = canon.located(gast.Expr(value=canon.located(gast.Call(func=canon.located(append, node), args=[node.elt],
                                                                 keywords=[]), node)), node)
         for gen in reversed(node.generators):
             for cond in reversed(gen.ifs):
-                body = canon._loc(gast.If(test=cond, body=[body], orelse=[]), cond)
-            body = canon._loc(gast.For(target=gen.target, iter=gen.iter, body=[body], orelse=[],
+                body = canon.located(gast.If(test=cond, body=[body], orelse=[]), cond)
+            body = canon.located(gast.For(target=gen.target, iter=gen.iter, body=[body], orelse=[],
                                        type_comment=None), node)
-        stmts = [canon.assign(acc, canon._loc(gast.List(elts=[], ctx=gast.Load()), node), node), body]
+        stmts = [canon.assign(acc, canon.located(gast.List(elts=[], ctx=gast.Load()), node), node), body]
         lowering = canon.Canonicalizer()
         lowering.counter = 100000 * self.comprehensions  # keep its synthetic names apart from the function's
         stmts = lowering.block(stmts)

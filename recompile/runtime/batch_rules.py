@@ -29,7 +29,10 @@ from .batch import Batch
 # or a module (``fn``), ``rule(n, x, args, kwargs)`` for a method of a batched tensor ``x``; each returns the
 # batched result, or NotImplemented where it does not apply (the op then goes to vmap, or per instance).
 BATCH = RuleTable("batch")
+# (the facts the hot paths test on every op, as names of this module: one global lookup each)
 _IN_PLACE = frozenset(facts.IN_PLACE)
+_NUMBERS = facts.NUMBERS
+_LAZY = facts.LAZY
 
 
 class Counters(threading.local):
@@ -81,7 +84,7 @@ def call(n, fn, args, kwargs=None):
     except TypeError:  # unhashable callable
         rule = None
     if _lazy_among(args) or (kwargs and _lazy_among(kwargs.values())):
-        if rule is elementwise and fn in facts.LAZY and not kwargs:
+        if rule is elementwise and fn in _LAZY and not kwargs:
             return Batch(n, thunk=LazyOp(n, fn, args))
         if rule is not _build_rule:  # (a tuple or list holds its lazy elements as they are)
             for a in (*args, *(kwargs.values() if kwargs else ())):
@@ -171,7 +174,7 @@ def fused(n, kernel, args):
             t = a
             shared_rank = max(shared_rank, a.dim())
         else:
-            if kind not in facts.NUMBERS:
+            if kind not in _NUMBERS:
                 return kernel.batched(n, *args)
             continue
         if t.dtype is not torch.bool:  # (bool is the lowest category: it never decides a promotion)
@@ -191,8 +194,12 @@ def fused(n, kernel, args):
 def _unbatched(n, fn, args, kwargs):
     """No argument differs between instances: run once if every instance may share the result."""
     first = fn(*args, **kwargs) if kwargs else fn(*args)
-    shareable = facts.among(fn, facts.SHAREABLE)
-    if shareable or (facts.among(fn, facts.PURE) and type(first) in facts.IMMUTABLE):
+    try:
+        shareable = fn in facts.SHAREABLE
+        pure = shareable or (fn in facts.PURE and type(first) in facts.IMMUTABLE)
+    except TypeError:  # unhashable callable
+        pure = False
+    if pure:
         return first
     # a side effect, a random draw or a fresh object (a tensor, a list) per instance, as n runs would make
     _count(fn, n)
@@ -344,10 +351,10 @@ def elementwise(n, fn, args, kwargs):
         return NotImplemented
     if len(args) == 2:  # fast path: two tensors of equal rank, or a tensor and a number
         a, b = args
-        ta = a.tensor if type(a) is Batch and a.owner == "tensor" else a if type(a) in facts.NUMBERS else None
-        tb = b.tensor if type(b) is Batch and b.owner == "tensor" else b if type(b) in facts.NUMBERS else None
+        ta = a.tensor if type(a) is Batch and a.owner == "tensor" else a if type(a) in _NUMBERS else None
+        tb = b.tensor if type(b) is Batch and b.owner == "tensor" else b if type(b) in _NUMBERS else None
         if ta is not None and tb is not None and fn not in _IN_PLACE and (
-                type(ta) in facts.NUMBERS or type(tb) in facts.NUMBERS or (ta.dim() == tb.dim() and ta.dtype is tb.dtype)):
+                type(ta) in _NUMBERS or type(tb) in _NUMBERS or (ta.dim() == tb.dim() and ta.dtype is tb.dtype)):
             return bt.from_tensor(fn(ta, tb, **kwargs))
     elif len(args) == 1 and type(args[0]) is Batch and args[0].owner == "tensor":
         return bt.from_tensor(fn(args[0].tensor, **kwargs))

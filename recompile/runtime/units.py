@@ -31,9 +31,8 @@ class Unit:
 
 
 def unit_of(target):
-    """The unit a request for ``target`` goes to: a compiled function's entry unit, or the unit itself."""
-    unit = getattr(target, "batched_unit", None)
-    return unit if unit is not None else target
+    """The unit a request for ``target`` goes to: the unit itself, or a compiled function's entry unit."""
+    return target if type(target) is Unit else target.batched_unit
 
 
 class Deferred:
