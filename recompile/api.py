@@ -18,6 +18,22 @@ from .runtime import agenda, autograd, pool, scheduler, threaded
 MODES = ("batched", "sequential", "threaded")
 
 
+class _Configured:
+    """A default read from ``recompile.config`` when it is used, not when the function was compiled."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"config.{self.name}"
+
+    def value(self):
+        return getattr(config, self.name)
+
+
+_MAX_LIVE_FRAMES = _Configured("MAX_LIVE_FRAMES")
+
+
 def _make_binder(fn):
     """A function with ``fn``'s signature returning its parameters as a tuple.
 
@@ -122,15 +138,15 @@ class CompiledFunction(Function):
     (bound like the Python function, run by the mode's scheduler) and the inspecting.
     """
 
-    def __init__(self, fn, mode="batched", fusion=True, threads=None, max_live_frames=config.MAX_LIVE_FRAMES):
+    def __init__(self, fn, mode="batched", fusion=True, threads=None, max_live_frames=_MAX_LIVE_FRAMES):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise ValueError(f"threads must be a positive int or None, got {threads!r}")
         if threads is not None and mode == "sequential":
             raise ValueError("threads applies to mode='threaded' and mode='batched', not mode='sequential'")
-        if max_live_frames is not None and (not isinstance(max_live_frames, int) or isinstance(max_live_frames, bool)
-                                            or max_live_frames < 1):
+        if max_live_frames is not None and max_live_frames is not _MAX_LIVE_FRAMES and (
+                not isinstance(max_live_frames, int) or isinstance(max_live_frames, bool) or max_live_frames < 1):
             raise ValueError(f"max_live_frames must be a positive int or None, got {max_live_frames!r}")
         if fusion is True:
             fusion = DEFAULT_BACKEND
@@ -138,16 +154,14 @@ class CompiledFunction(Function):
             fusion = None
         elif fusion not in BACKENDS:
             raise ValueError(f"unknown fusion {fusion!r}; use True, False or one of: {', '.join(BACKENDS)}")
-        if not inspect.isfunction(fn):
-            raise TypeError(f"recompile.function expects a Python function, got {type(fn).__name__}")
         self.mode = mode
         # worker threads: threaded mode uses what the machine offers unless told; batched mode runs its
         # groups on the calling thread unless told (see README, "Threads")
         self.threads = threads if threads is not None else (pool.default_threads() if mode == "threaded" else 1)
-        self.max_live_frames = max_live_frames
+        self._max_live_frames = max_live_frames
         functools.update_wrapper(self, fn)
         self.stats = Stats()
-        super().__init__(fn, fusion)  # (the fused ops' backend, or None)
+        super().__init__(fn, fusion)  # (the fused ops' backend, or None; a TypeError for what is no function)
         # bind(*args, **kwargs): the parameters' values in order, bound as Python binds them (or its TypeError)
         self.bind = _make_binder(fn)
         self._owner = None
@@ -157,7 +171,7 @@ class CompiledFunction(Function):
     def __set_name__(self, owner, name):
         self._owner = owner
 
-    def built(self):
+    def on_build(self):
         self.stats.record_build()
 
     # -- calling
@@ -202,6 +216,13 @@ class CompiledFunction(Function):
             callee.prepare()
         return callee
 
+    @property
+    def max_live_frames(self):
+        """In threaded mode, how many frames of one call may be started and not returned (None: no bound);
+        by default ``config.MAX_LIVE_FRAMES``, read when a call starts."""
+        bound = self._max_live_frames
+        return bound.value() if bound is _MAX_LIVE_FRAMES else bound
+
     def _pool(self):
         """The worker pool a call runs on, or None to run on the calling thread: sequential mode, batched
         mode with one thread, and a call made by a worker's own code (not an Invoke the compiler saw), since
@@ -238,18 +259,16 @@ class CompiledFunction(Function):
         """
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r}; available: {', '.join(STAGES)}")
-        owner = owner if owner is not None else self._owner
-        subgraphs, seen = {}, set()
-        for handle in ir.reachable(self.callee(owner), FINAL if stage == GRAD else stage):
-            if handle.ir_name in seen:  # (a function built for two owner classes: shown once)
-                continue
-            seen.add(handle.ir_name)
+        entry = self.callee(owner if owner is not None else self._owner)
+        subgraphs = {}
+        # (a function built for two owner classes is shown once, as the first build met)
+        for handle in ir.reachable(entry, FINAL if stage == GRAD else stage, key=_ir_name):
             if stage == GRAD:
                 for sg in handle.build.grad:
                     subgraphs[sg.name] = sg
             else:
                 subgraphs[handle.ir_name] = handle.subgraph(stage)
-        return ir.Program(self.ir_name + (":fwd" if stage == GRAD else ""), subgraphs)
+        return ir.Program(entry.forward.ir_name if stage == GRAD else entry.ir_name, subgraphs)
 
     def dump(self, stage=FINAL, format="text", owner=None):
         """The IR after ``stage`` as text (``format="text"``) or Graphviz DOT (``format="dot"``)."""
@@ -263,11 +282,15 @@ class CompiledFunction(Function):
     def source(self, owner=None):
         """The generated Python source of this function (and its nested SubGraphs)."""
         owner = owner if owner is not None else self._owner
-        return self.build(owner).code.source
+        return self.build_for(owner).code.source
 
     def __repr__(self):
         threads = f" threads={self.threads}" if self.mode != "sequential" else ""
         return f"<recompile.function {self.__qualname__} mode={self.mode}{threads}>"
+
+
+def _ir_name(target):
+    return target.ir_name
 
 
 def function(fn=None, **options):

@@ -14,20 +14,28 @@ import builtins
 import torch
 
 
-class _Undefined:
+class Marker:
+    """A constant of the IR's own, printed by its name."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+
+class _Undefined(Marker):
     """The value of a variable that is not bound on this path (e.g. a loop target after zero iterations)."""
 
     __slots__ = ()
-    _ir_name = "UNDEFINED"
-
-    def __repr__(self):
-        return "UNDEFINED"
 
     def __bool__(self):
         raise UnboundLocalError("an unbound variable was used")
 
 
-UNDEFINED = _Undefined()
+UNDEFINED = _Undefined("UNDEFINED")
 
 
 def check_bound(value, name):
@@ -106,16 +114,7 @@ def build_set(*items):
     return set(items)
 
 
-class _Merge:
-    """Marks ``**mapping`` among the keys given to build_dict."""
-
-    _ir_name = "MERGE"
-
-    def __repr__(self):
-        return "MERGE"
-
-
-MERGE = _Merge()
+MERGE = Marker("MERGE")  # marks ``**mapping`` among the keys given to build_dict
 
 
 def build_dict(*items):

@@ -11,6 +11,7 @@ import itertools
 import os
 from typing import Protocol
 
+from .intrinsics import Marker
 from .naming import Namer
 
 _ids = itertools.count(1)
@@ -50,8 +51,8 @@ def const_repr(value):
         return repr(value)
     if isinstance(value, tuple) and all(isinstance(v, (int, float, str, bool, type(None))) for v in value):
         return "(" + "".join(const_repr(v) + ", " for v in value) + ")"
-    if hasattr(type(value), "_ir_name"):
-        return type(value)._ir_name
+    if isinstance(value, Marker):
+        return value.name
     name = safe_getattr(value, "__qualname__") or safe_getattr(value, "__name__")
     if isinstance(name, str) and name:
         mod = safe_getattr(value, "__module__")
@@ -147,15 +148,18 @@ class Target(Protocol):
     def subgraph(self, stage) -> "SubGraph": ...
 
 
-def reachable(target, stage):
+def reachable(target, stage, key=None):
     """Each Target reachable from ``target`` through the Invokes of the SubGraphs after ``stage``,
-    ``target`` first, each once: the one walk over the functions a call may run (building each)."""
+    ``target`` first, each once: the one walk over the functions a call may run (building each). With
+    ``key``, a target whose key was met already is neither given nor walked (``key=ir_name``: one
+    function built for several owner classes counts once)."""
     seen, pending = set(), [target]
     while pending:
         t = pending.pop()
-        if t in seen:
+        k = t if key is None else key(t)
+        if k in seen:
             continue
-        seen.add(t)
+        seen.add(k)
         yield t
         for sg in t.subgraph(stage).walk():
             pending.extend(op.target for op in sg.ops if isinstance(op, Invoke))
@@ -341,7 +345,10 @@ class _Printed:
     def __call__(self, operand):
         if not isinstance(operand, Value):
             return repr(operand)
-        return "%" + self.names.name_of(operand, (operand.hint or "").replace(".", "_").strip("_") or "v")
+        name = self.names.given_to(operand)
+        if name is None:
+            name = self.names.name_of(operand, (operand.hint or "").replace(".", "_").strip("_") or "v")
+        return "%" + name
 
 
 def _loc_suffix(loc):

@@ -46,6 +46,10 @@ class Namer:
             name = self._names[key] = self.fresh(base)
         return name
 
+    def given_to(self, key):
+        """The name ``key`` was given (``name_of``), or None: for a caller whose base costs to make."""
+        return self._names.get(key)
+
     def reserve(self, name):
         """Keep ``name`` from being given (it names something already)."""
         self.given.add(name)

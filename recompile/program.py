@@ -19,7 +19,7 @@ from .codegen.batched import generate_batched
 from .frontend import convert, parse_function, validate
 from .naming import Namer
 from .passes.effects import invoke_may_mutate, program_may_mutate
-from .passes.grad import derive
+from .passes.grad import backward_name, derive, forward_name
 from .passes.pipeline import FINAL, run_passes
 
 _ir_names = Namer(suffix=lambda k: f"#{k}")
@@ -50,7 +50,7 @@ class Function:
         self._callees = {}
         self._lock = threading.RLock()
 
-    def built(self):
+    def on_build(self):
         """Called once for each build made (the api counts them)."""
 
     def callee(self, owner):
@@ -60,7 +60,7 @@ class Function:
             handle = self._callees.setdefault(owner, Callee(self, owner))
         return handle
 
-    def build(self, owner):
+    def build_for(self, owner):
         """The FunctionBuild for ``owner``, made on first use (once, whichever thread asks first)."""
         build = self._builds.get(owner)
         if build is None:
@@ -97,7 +97,7 @@ class FunctionBuild:
         self._grad = None
         self._grad_code = None
         self._batched_code = None
-        function.built()
+        function.on_build()
 
     def _once(self, attr, make):
         """``self.<attr>``, made by ``make()`` on first use (once, whichever thread asks first)."""
@@ -167,7 +167,7 @@ class Callee:
 
     @property
     def build(self):
-        return self.function.build(self.owner)
+        return self.function.build_for(self.owner)
 
     def subgraph(self, stage):
         return self.build.stages[stage]
@@ -201,7 +201,7 @@ class GradHandle:
     def __init__(self, callee, which):
         self.callee = callee
         self.which = which
-        self.ir_name = callee.ir_name + (":fwd", ":bwd")[which]
+        self.ir_name = (forward_name, backward_name)[which](callee.ir_name)
         self.signature = None  # (gradient programs are invoked by the grad pass, never bound by the frontend)
         self.qualname = callee.qualname
         self.filename = callee.filename

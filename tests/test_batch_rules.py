@@ -214,6 +214,19 @@ OPS = {
     "getattr_dtype": lambda w: (getattr, (w(rand(N, 2, 3, seed=1)), "dtype"), {}),
     "getattr_device": lambda w: (getattr, (w(rand(N, 2, 3, seed=1)), "device"), {}),
     "tanh_method": lambda w: (method(w(rand(N, 3, seed=1)), "tanh"), (), {}),
+    "F_sigmoid": lambda w: (F.sigmoid, (w(rand(N, 3, seed=1)),), {}),
+    "F_tanh": lambda w: (F.tanh, (w(rand(N, 2, 3, seed=1)),), {}),
+    # each Tensor method taking a dim, and each torch function filed with a dim rule (where its dim is)
+    **{f"method_{name}": (lambda name, args: lambda w: (method(w(rand(N, 2, 4, seed=1)), name), args, {}))(name, args)
+       for name, args in (("chunk", (2, -1)), ("split", (2, 1)), ("unbind", (1,)), ("max", (0,)),
+                          ("argmax", (-1,)), ("softmax", (0,)), ("squeeze", (0,)), ("mean", ()))},
+    "torch_split_dim": lambda w: (torch.split, (w(rand(N, 2, 4, seed=1)), 2, -1), {}),
+    "torch_unbind_dim": lambda w: (torch.unbind, (w(rand(N, 2, 4, seed=1)), 1), {}),
+    "torch_max_dim": lambda w: (torch.max, (w(rand(N, 2, 4, seed=1)), 0), {}),
+    "torch_argmax_dim": lambda w: (torch.argmax, (w(rand(N, 2, 4, seed=1)), -1), {}),
+    "torch_logsumexp_dim": lambda w: (torch.logsumexp, (w(rand(N, 2, 4, seed=1)), 1), {}),
+    "torch_norm_dim": lambda w: (torch.norm, (w(rand(N, 2, 4, seed=1)), 2, 0), {}),
+    "torch_log_softmax_dim": lambda w: (torch.log_softmax, (w(rand(N, 2, 4, seed=1)), 0), {}),
 }
 
 # losses: (C,) and (B, C) per-instance inputs, every reduction

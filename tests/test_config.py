@@ -58,3 +58,29 @@ def test_chain_shown_is_read_when_the_note_is_written(monkeypatch):
         f(9, "not a tensor")  # (str + 1.0 fails in chain(1), at depth 8: nine calls)
     note = "".join(info.value.__notes__)
     assert "... 5 more compiled calls ..." in note and note.count("chain (") == 4
+
+
+def test_the_default_bound_on_live_frames_is_read_when_a_call_starts(monkeypatch):
+    f = recompile.function(chain, mode="threaded", threads=2)
+    assert f.max_live_frames == config.MAX_LIVE_FRAMES
+    monkeypatch.setattr(config, "MAX_LIVE_FRAMES", 7)
+    assert f.max_live_frames == 7 and torch.equal(f(20, torch.zeros(1)), torch.full((1,), 20.0))
+    assert recompile.function(chain, mode="threaded", max_live_frames=3).max_live_frames == 3
+
+
+def count_leaves(left, right, i):
+    if left[i] < 0:
+        return torch.ones(())
+    return count_leaves(left, right, left[i]) + count_leaves(left, right, right[i])
+
+
+def test_switching_level_programs_off_is_seen_by_the_next_call(monkeypatch):
+    f = recompile.function(count_leaves)
+    left, right = comb(6)
+    assert float(f(left, right, 0)) == 7
+    program = f.callee(None).batched_unit.levels
+    runs = program.runs
+    monkeypatch.setattr(config, "LEVELS", False)
+    assert float(f(left, right, 0)) == 7 and program.runs == runs  # (the agenda ran it)
+    monkeypatch.setattr(config, "LEVELS", True)
+    assert float(f(left, right, 0)) == 7 and program.runs == runs + 1

@@ -16,6 +16,7 @@ from recompile import intrinsics
 from recompile.codegen import emit, segments
 from recompile.ops import facts, syntax
 from recompile.autodiff import backprop, factors as deferred, rules as grad_rules
+from recompile.runtime import batch as bt
 from recompile.runtime import batch_rules
 
 convert = importlib.import_module("recompile.frontend.convert")
@@ -50,16 +51,16 @@ AFTER = {
     # the gradient library's bookkeeping is declared pure where it is written: one PURE for every consumer
     "semantics.PURE": (lambda: facts.PURE, _names(*_BOOKKEEPING), set()),
     "plan._MOVABLE": (lambda: facts.PURE, set(), set()),
-    "batch_rules._SHAREABLE": (lambda: facts.SHAREABLE, set(), set()),
-    "batch_rules._IMMUTABLE": (lambda: facts.IMMUTABLE, set(), set()),
+    "batch_rules._SHAREABLE": (lambda: batch_rules._SHAREABLE, set(), set()),
+    "batch_rules._IMMUTABLE": (lambda: batch_rules._IMMUTABLE, set(), set()),
     # one fact of the augmented assignments a tensor takes in place: ``x **= y`` of a batch runs in place too
-    "batch_rules._IN_PLACE": (lambda: facts.IN_PLACE, _names(operator.ipow), set()),
-    "batch_rules.LAZY_OPS": (lambda: facts.LAZY, set(), set()),
+    "batch_rules._IN_PLACE": (lambda: batch_rules._IN_PLACE, _names(operator.ipow), set()),
+    "batch_rules.LAZY_OPS": (lambda: batch_rules._LAZY, set(), set()),
     "batch_rules._ANY_RANK": (lambda: batch_rules._ANY_RANK, set(), set()),
     # FUSIBLE is a subset of ELEMENTWISE: F.sigmoid and F.tanh, fused before, batch elementwise now
     "batch_rules._ELEMENTWISE": (lambda: facts.ELEMENTWISE, _names(F.sigmoid, F.tanh), set()),
     "batch_rules._ACTIVATIONS": (lambda: facts.ELEMENTWISE_MODULES, set(), set()),
-    "batch_rules._SCALARS": (lambda: facts.NUMBERS, set(), set()),
+    "batch_rules._SCALARS": (lambda: batch_rules._NUMBERS, set(), set()),
     "batch_rules.INTEGER_INDEX": (lambda: facts.INTEGER_INDEX, set(), set()),
     "batch_rules._SHARED_ATTRS": (lambda: batch_rules._SHARED_ATTRS, set(), set()),
     "batch_rules.RULES": (lambda: batch_rules.BATCH.by_callable,
@@ -72,7 +73,11 @@ AFTER = {
     "batch_rules.METHOD_RULES": (lambda: batch_rules.BATCH.by_method, set(), set()),
     "fusion.FUSIBLE": (lambda: facts.FUSIBLE, set(), set()),
     "batching.LAZY_FLOW": (lambda: facts.LAZY_FLOW, set(), set()),
-    # one NO_GRADIENT: the grad pass's and the gradient library's lists were two views of one fact
+    # one NO_GRADIENT: the grad pass's and the gradient library's lists were two views of one fact. (The
+    # frontend's own dict and setattr, for **kwargs and attribute stores, now need no run-time lookup in the
+    # gradient programs: tests/test_grad.py::test_frontend_dict_and_setattr_calls_pass_gradients_through.
+    # format, float, round and the like no longer count as handing data on to a gradient (``_moves_data``);
+    # builtins reach the grad pass as captured globals, which it never reads as constants.)
     "grad.NO_GRADIENT": (lambda: facts.NO_GRADIENT,
                          set(BEFORE["backprop._NO_GRADIENT"]) - set(BEFORE["grad.NO_GRADIENT"]), set()),
     "backprop._NO_GRADIENT": (lambda: facts.NO_GRADIENT,
@@ -156,9 +161,10 @@ def test_among_survives_unhashable_callables():
     assert facts.among(len, facts.PURE)
 
 
-def test_the_same_torch_callables_batch_and_fuse_as_tensors_of_a_batch():
+def test_the_callables_that_fuse_batch_elementwise_with_a_trace_form():
     x = torch.randn(3, 4)
-    for fn in (F.sigmoid, F.tanh):
-        assert batch_rules.BATCH.lookup(fn) is batch_rules.elementwise
-        assert torch.equal(fn(x), torch.stack([fn(row) for row in x]))
-    assert batch_rules.BATCH.lookup(nn.Tanh()) is batch_rules.elementwise
+    for fn in (F.sigmoid, F.tanh, nn.Tanh()):
+        batch_rules.counters.per_instance = {}
+        out = batch_rules.call(3, fn, (bt.Batch(3, tensor=x),))
+        assert batch_rules.counters.per_instance == {} and torch.equal(out.tensor, torch.stack([fn(r) for r in x]))
+    assert segments.TRACE.by_callable[F.sigmoid] is segments.TRACE.by_callable[torch.tanh]

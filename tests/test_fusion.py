@@ -366,7 +366,7 @@ def test_batch_rule_against_per_instance(case):
 
 def kernels(f):
     """The fused kernels of ``f``'s batched code, each counting how often its members ran one by one."""
-    code = f.build(None).batched_code
+    code = f.build_for(None).batched_code
     found = [v for v in code.entry.__globals__.values() if isinstance(v, fused_kernels.FusedKernel)]
     for kernel in found:
         kernel.member_runs = 0
@@ -467,7 +467,7 @@ def big_cell(i, u, f, c0):
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="torch.compile needs a C++ compiler")
 def test_compile_backend_compiles_large_calls_once_and_matches():
     f = recompile.function(big_cell, fusion="compile")
-    code = f.build(None).batched_code
+    code = f.build_for(None).batched_code
     (kernel,) = [v for v in code.entry.__globals__.values() if isinstance(v, fused_kernels.FusedKernel)]
     small = [torch.randn(4, 8) for _ in range(4)]
     torch.testing.assert_close(f(*small), big_cell(*small))

@@ -2595,10 +2595,49 @@ def test_view_checks_around_calls_keep_independent_calls_issued_together():
     w = torch.tensor([1.5, 0.2, -0.3], dtype=F64, requires_grad=True)
     with bound_globals(globals(), funcs):
         got = torch.autograd.grad(funcs["gv_three_calls_after_a_change"](x, w), (x, w))
-        build = funcs["gv_three_calls_after_a_change"].build(None)
+        build = funcs["gv_three_calls_after_a_change"].build_for(None)
         fwd, _ = build.grad
         fns = {o.fn.value for o in fwd.ops if isinstance(o, ir.Call) and isinstance(o.fn, ir.Const)}
         assert recompile.autodiff.backprop.check_unchanged in fns  # checks are placed around the calls
         groups = [item for item in plan(fwd.ops, build._may_mutate) if isinstance(item, list)]
     assert [len(g) for g in groups] == [3]
     assert_close_values(got, torch.autograd.grad(gv_three_calls_after_a_change(x, w), (x, w)))
+
+
+# -- the frontend's own dict and setattr calls need no gradient: they hand on the very objects given
+
+
+def kw_inner(x, **kw):
+    return x * kw["out"]
+
+
+def kw_outer(x):
+    return kw_inner(x, out=x)  # (``out=`` names a keyword of the callee's **kw, not torch's out=)
+
+
+class KwHolder:
+    pass
+
+
+def stores_then_reads(x):
+    holder = KwHolder()
+    holder.h = x * 2.0
+    return holder.h * x
+
+
+@pytest.mark.parametrize("fn", [kw_outer, stores_then_reads], ids=["kwargs_named_out", "attribute_store"])
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
+def test_frontend_dict_and_setattr_calls_pass_gradients_through(fn, mode):
+    f = recompile.function(fn, mode=mode)
+    kw_inner_compiled = recompile.function(kw_inner, mode=mode)
+    globals()["kw_inner"], saved = kw_inner_compiled, kw_inner
+    try:
+        x = torch.tensor([1.5, -2.0], dtype=torch.float64, requires_grad=True)
+        y = f(x)
+        (g,) = torch.autograd.grad(y.sum(), x)
+    finally:
+        globals()["kw_inner"] = saved
+    x0 = x.detach().requires_grad_()
+    (want,) = torch.autograd.grad(fn(x0).sum(), x0)
+    torch.testing.assert_close(y, fn(x0))
+    torch.testing.assert_close(g, want)

@@ -29,8 +29,8 @@ FLOORS = [
 ]
 FLOOR = {part: k for k, parts in enumerate(FLOORS) for part in parts}
 TOP = {"recompile", "recompile.__main__"}  # the package's face: above every floor
-# private attributes of torch's (and Python's) that the runtime reads on purpose
-FOREIGN_PRIVATE = {"_C", "_base", "_is_view", "_version", "_current_graph_task_id", "_forward_hooks",
+# private attributes of torch's (and Python's: a namedtuple's _fields) that the runtime reads on purpose
+FOREIGN_PRIVATE = {"_fields", "_C", "_base", "_is_view", "_version", "_current_graph_task_id", "_forward_hooks",
                    "_forward_pre_hooks", "_backward_hooks", "_global_forward_hooks", "_global_forward_pre_hooks",
                    "_global_backward_hooks"}
 
@@ -123,7 +123,8 @@ def test_no_cycle_between_modules():
 
 
 def _defined_names(tree):
-    """Every name a module defines, binds or spells as a string (an attribute it sets, a __slots__ entry)."""
+    """Every name a module defines or binds: its functions and classes, the names and attributes it assigns,
+    the parameters, the ``__slots__`` of its classes, the attributes it sets by name (``setattr``)."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -134,9 +135,26 @@ def _defined_names(tree):
             names.add(node.id)
         elif isinstance(node, ast.arg):
             names.add(node.arg)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            names.add(node.value)
+        elif isinstance(node, ast.Assign) and any(getattr(x, "id", None) == "__slots__" for x in node.targets):
+            names.update(c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant))
+        elif _call_of(node, "setattr") and len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+            names.add(node.args[1].value)
     return names
+
+
+def _call_of(node, fn):
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == fn
+
+
+def _attribute_reads(tree):
+    """(line, base, name) of each attribute a module reads: ``x.name``, and ``getattr(x, "name")`` /
+    ``hasattr(x, "name")`` (base None)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            yield node.lineno, node.value, node.attr
+        elif (_call_of(node, "getattr") or _call_of(node, "hasattr")) and len(node.args) > 1 \
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            yield node.lineno, None, node.args[1].value
 
 
 def _module_names(name, tree):
@@ -163,13 +181,13 @@ def test_no_module_reads_another_modules_private_names():
             wrong.extend(f"{name}:{line} imports {target}.{n}" for n in names if _private(n) and target != name)
         modules_here = _module_names(name, tree)
         own = _defined_names(tree)
-        for node in ast.walk(tree):
-            if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+        for line, base, attr in _attribute_reads(tree):
+            if not _private(attr) or attr in own:
                 continue
-            if isinstance(node.value, ast.Name) and node.value.id in modules_here and node.attr not in own:
-                wrong.append(f"{name}:{node.lineno} reads {node.value.id}.{node.attr}")
-            elif node.attr not in own and node.attr not in FOREIGN_PRIVATE:
-                wrong.append(f"{name}:{node.lineno} reads .{node.attr}, which it does not define")
+            if isinstance(base, ast.Name) and base.id in modules_here:
+                wrong.append(f"{name}:{line} reads {base.id}.{attr}")
+            elif attr not in FOREIGN_PRIVATE:
+                wrong.append(f"{name}:{line} reads .{attr}, which it does not define")
     _none(sorted(set(wrong)))
 
 
@@ -190,9 +208,10 @@ def test_a_cycle_and_a_private_read_are_seen(monkeypatch):
     monkeypatch.setitem(MODULES, "recompile.ir", (path, ast.parse("from . import naming\n"), is_package))
     path, _, is_package = MODULES["recompile.naming"]
     monkeypatch.setitem(MODULES, "recompile.naming", (path, ast.parse(
-        "from . import ir\nfrom .ir import _Printed\nx = ir._Printed\n"), is_package))
+        "from . import ir\nfrom .ir import _Printed\nx = ir._Printed\ny = getattr(x, '_names', None)\n"), is_package))
     with pytest.raises(AssertionError, match="recompile.ir -> recompile.naming -> recompile.ir"):
         test_no_cycle_between_modules()
     with pytest.raises(AssertionError) as info:
         test_no_module_reads_another_modules_private_names()
     assert "imports recompile.ir._Printed" in str(info.value) and "reads ir._Printed" in str(info.value)
+    assert "reads ._names, which it does not define" in str(info.value)

@@ -6,7 +6,7 @@ import traceback
 import pytest
 
 from recompile import ir
-from recompile.codegen.loader import Module, load
+from recompile.codegen.loader import Module, load, locate, location
 from recompile.errors import Location
 
 
@@ -24,19 +24,21 @@ def _def(name, statements):
     body = []
     for text, line in statements:
         stmt = ast.parse(text).body[0]
-        stmt._rc_loc = Location(__file__, line) if line else None
+        locate(stmt, Location(__file__, line) if line else None)
         body.append(stmt)
     fdef = ast.FunctionDef(name=name, args=ast.arguments(posonlyargs=[], args=[ast.arg(arg="x")], vararg=None,
                                                          kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]),
                            body=body, decorator_list=[], returns=None, type_comment=None)
-    fdef._rc_loc = Location(__file__, LINE_A - 1)
+    locate(fdef, Location(__file__, LINE_A - 1))
     return fdef
 
 
 def test_a_traceback_points_at_the_users_line():
     module = Module()
     sg = ir.SubGraph("f", [], Location(__file__, LINE_A - 1))
-    source, codes = load([_def("f", [("y = x + 1", LINE_A), ("return y / 0", LINE_B)])], sg, module)
+    fdef = _def("f", [("y = x + 1", LINE_A), ("return y / 0", LINE_B)])
+    assert location(fdef.body[1]).lineno == LINE_B
+    source, codes = load([fdef], sg, module)
     f = module.namespace["f"]
     assert f.__code__ in codes
     with pytest.raises(ZeroDivisionError) as info:
@@ -52,4 +54,3 @@ def test_module_names_a_value_once_and_apart_from_its_builtins():
     name = module.ref(value, "weight")
     assert name == "_rc_weight" and module.ref(value, "other") == name and module.namespace[name] is value
     assert module.ref(object(), "weight") == "_rc_weight_2"
-    assert module.ref(object(), "__name__") == "_rc___name__"

@@ -63,7 +63,7 @@ def test_one_build_and_one_handle_per_owner_class():
     before = Base.depth.stats["builds"]
     assert Base().depth(3) == 3 and Sub().depth(3) == 6
     assert Base.depth.callee(Base) is Base.depth.callee(Base) and Base.depth.callee(Sub) is not Base.depth.callee(Base)
-    assert Base.depth.build(Sub) is Base.depth.build(Sub) and Base.depth.build(Sub).owner is Sub
+    assert Base.depth.build_for(Sub) is Base.depth.build_for(Sub) and Base.depth.build_for(Sub).owner is Sub
     assert Base.depth.stats["builds"] == before + 2
 
 
@@ -83,4 +83,41 @@ def test_a_function_is_what_recompile_compiles():
         program.Function(len, None)
     f = program.Function(plain, None)
     assert f.python is plain and f.ir_name.startswith("plain") and list(f.signature.parameters) == ["n"]
-    assert f.build(None).stages[FINAL].name == f.ir_name
+    assert f.build_for(None).stages[FINAL].name == f.ir_name
+
+
+def helper(obj, n):
+    if n == 0:
+        return 0
+    return obj.extra(n - 1)
+
+
+class TwoOwners:
+    m = helper  # (compiled below: helper is built for this class, and for no class when called by name)
+
+    @recompile.function
+    def root(self, n):
+        return self.m(n) + helper(self, n)
+
+    @recompile.function
+    def extra(self, n):
+        return n
+
+
+helper = recompile.function(helper)
+TwoOwners.m = helper
+
+
+def test_a_function_built_for_two_owners_is_shown_once_and_walked_once():
+    assert TwoOwners().root(2) == 2
+    before = helper.stats["builds"]
+    program = TwoOwners.root.program()
+    assert list(program.subgraphs) == [TwoOwners.root.ir_name, helper.ir_name]
+    assert helper.stats["builds"] == before  # (the second owner's build was not walked into)
+
+
+def test_a_gradient_handle_runs_its_gradient_programs_code():
+    callee = is_even.callee(None)
+    fwd, bwd = callee.forward, callee.backward
+    assert fwd.code is callee.build.grad_code[0] and bwd.code is callee.build.grad_code[1]
+    assert fwd.code.entry.__name__.endswith("fwd") and bwd.code.entry.__name__.endswith("bwd")

@@ -92,3 +92,20 @@ def test_key_names_where_a_rule_is_filed():
     x = torch.ones(1)
     assert key(torch.tanh) is torch.tanh and key(x.tanh) == "tanh" and key(x.split) == "split"
     assert key(nn.ReLU()) is nn.ReLU and key(len) is len
+
+
+def test_lookup_finds_what_is_filed_under_the_key_of_a_callable():
+    x, m = torch.ones(2), nn.Linear(2, 2)
+
+    class Mine(torch.Tensor):
+        def split(self, *args):
+            return "mine"
+
+    callables = [torch.tanh, operator.mul, x.tanh, x.split, x.__getitem__, x.__rsub__, m, nn.ReLU(), len,
+                 [].append, x.as_subclass(Mine).split, torch.Tensor.tanh]
+    table = RuleTable("t")
+    for fn in callables:
+        k = key(fn)
+        table.register(k if isinstance(k, (str, type)) else fn)(("rule", k))
+    for fn in callables:
+        assert table.lookup(fn) == ("rule", key(fn)), fn

@@ -139,8 +139,10 @@ def compiled(fn, mode="sequential", **options):
     return cf
 
 
-def thr(fn, threads=2, max_live=config.MAX_LIVE_FRAMES):
-    return compiled(fn, "threaded", threads=threads, max_live_frames=max_live)
+def thr(fn, threads=2, max_live="default"):
+    """``fn`` compiled in threaded mode (``max_live``: its max_live_frames, unless its default)."""
+    options = {} if isinstance(max_live, str) else {"max_live_frames": max_live}
+    return compiled(fn, "threaded", threads=threads, **options)
 
 
 def seq(fn):

@@ -180,6 +180,11 @@ def note_all(ctx, *values):
     return values
 
 
+# (the facts every forward call tests, as names of this module: one global lookup each)
+_NO_GRADIENT, _NO_GRADIENT_METHODS, _CONTAINERS = facts.NO_GRADIENT, facts.NO_GRADIENT_METHODS, facts.CONTAINERS
+_AUGMENTED_METHODS, _ITERATING = facts.AUGMENTED_METHODS, facts.ITERATING
+
+
 def _differentiable(x):
     return isinstance(x, _Tensor) and (x.is_floating_point() or x.is_complex())
 
@@ -195,15 +200,15 @@ def _takes_differentiable(args, kwargs):
 def _no_gradient(fn, args, kwargs):
     """Whether ``fn(*args, **kwargs)`` runs as it is, with no gradient to derive."""
     try:
-        if fn in facts.NO_GRADIENT:
+        if fn in _NO_GRADIENT:
             return True
     except TypeError:
         return False
     if type(fn) is BOUND_BUILTIN:
         owner = fn.__self__
         if isinstance(owner, _Tensor):
-            return fn.__name__ in facts.NO_GRADIENT_METHODS
-        if isinstance(owner, facts.CONTAINERS):  # list.append, dict.get: they move objects, compute nothing
+            return fn.__name__ in _NO_GRADIENT_METHODS
+        if isinstance(owner, _CONTAINERS):  # list.append, dict.get: they move objects, compute nothing
             return True
     if _takes_differentiable(args, kwargs):
         return False
@@ -221,7 +226,7 @@ def call_forward(ctx, fn, *args, **kwargs):
             f"gradient through out= either); write y = {_name(fn)}(...) instead, or run the call under "
             "torch.no_grad()")
     if type(fn) is BOUND_BUILTIN and len(args) == 1 and not kwargs and isinstance(fn.__self__, _Tensor):
-        op = facts.AUGMENTED_METHODS.get(fn.__name__)
+        op = _AUGMENTED_METHODS.get(fn.__name__)
         if op is not None:  # x.div_(y) is x /= y: the old x is kept where the gradient needs it
             return in_place(ctx, op, fn.__self__, args[0])
     rule = lookup(fn)
@@ -240,7 +245,7 @@ def call_forward(ctx, fn, *args, **kwargs):
         out = fn(*args, **kwargs)
         return out, Applied(rule, fn, out, args, kwargs)
     try:
-        iterating = fn in facts.ITERATING
+        iterating = fn in _ITERATING
     except TypeError:
         iterating = False
     if iterating and _takes_differentiable(args, kwargs):

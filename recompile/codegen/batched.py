@@ -13,21 +13,20 @@ from __future__ import annotations
 import ast
 import operator
 
-from .. import ir
+from .. import config, intrinsics, ir
 from ..passes.batching import BatchPlan
 from ..passes.effects import subgraph_may_mutate
 from ..passes.levels import level_shape
-from .. import config, intrinsics
 from ..runtime import batch_rules, control, levels as rt_levels
 from ..runtime.units import Unit
 from . import emit, levels, segments
-from .loader import Module
+from .loader import Module, locate
 from .plan import plan
 
 
 class _BatchedEmitter(emit.FunctionEmitter):
-    def __init__(self, module, gen, batch_plan):
-        super().__init__(module, gen)
+    def __init__(self, module, emission, batch_plan):
+        super().__init__(module, emission)
         self.batch_plan = batch_plan
         self.kernels = {}  # Fused op -> its kernel (a segment's trace runs the very kernel its code calls)
         self.extra_defs = []  # the segments' op-by-op functions
@@ -78,7 +77,7 @@ class _BatchedEmitter(emit.FunctionEmitter):
     def body(self, sg, items):
         """Maximal runs of plain ops (calls, captures, fused ops) become ``segments.Segment`` calls, in a
         function that changes nothing in place; the rest as ``emit`` writes it."""
-        if self.gen.changes or not config.SEGMENTS:
+        if self.emission.changes or not config.SEGMENTS:
             return super().body(sg, items)
         used_after = [set() for _ in range(len(items) + 1)]
         used_after[-1] = self.live_out if self.live_out is not None else \
@@ -111,7 +110,8 @@ class _BatchedEmitter(emit.FunctionEmitter):
         outputs = [v for op in ops for v in op.outputs if v in used_after]
         stmts = super().body(sg, ops)
         # (a level piece's emitter numbers its segments for the same SubGraph: the names still differ)
-        name = self.gen.extra_names.fresh(f"{self.gen.fn_name[sg]}_seg{len(self.extra_defs) + 1}")
+        fn_name = self.emission.fn_name[sg]
+        name = self.emission.extra_names.fresh(f"{fn_name}_seg{len(self.extra_defs) + 1}")
         kernels = {op: self.kernels[op] for op in ops if isinstance(op, ir.Fused)}
         seg = segments.Segment(name, ops, inputs, outputs, kernels)
         self.segments[name] = seg
@@ -125,12 +125,12 @@ class _BatchedEmitter(emit.FunctionEmitter):
         ``as_tuple``)."""
         loads = [self.load(v) for v in outputs]
         ret = ast.Return(value=loads[0] if len(loads) == 1 and not as_tuple else ast.Tuple(elts=loads, ctx=ast.Load()))
-        ret._rc_loc = last_loc
+        locate(ret, last_loc)
         params = [ast.arg(arg=self.n)] + [ast.arg(arg=self.var(v)) for v in inputs]
         fdef = ast.FunctionDef(name=name, args=ast.arguments(posonlyargs=[], args=params, vararg=None, kwonlyargs=[],
                                                              kw_defaults=[], kwarg=None, defaults=[]),
                                body=stmts + [ret], decorator_list=[], returns=None, type_comment=None)
-        fdef._rc_loc = loc
+        locate(fdef, loc)
         self.extra_defs.append(fdef)
 
     def fused_members(self, op):
@@ -176,7 +176,7 @@ class _BatchedEmitter(emit.FunctionEmitter):
         """``True`` for a Cond or While of a function that may change a value in place (``passes.effects``),
         in a branch or after it: the sides of a split then copy their changed rows back, and a side handing
         on its rows of an argument hands on the argument (``control.write_back``)."""
-        return [ast.Constant(value=True)] if self.gen.changes else []
+        return [ast.Constant(value=True)] if self.emission.changes else []
 
     def cond_stmts(self, op):
         branch = ast.Call(func=self.helper(control.Branch, "Branch"),
@@ -185,15 +185,15 @@ class _BatchedEmitter(emit.FunctionEmitter):
                                 *self.changes()], keywords=[])
         b = self.var(ir.Value("_branch"))
         first = ast.Assign(targets=[ast.Name(id=b, ctx=ast.Store())], value=branch)
-        first._rc_loc = op.loc
+        locate(first, op.loc)
         if self.batch_plan.yields_branches(self.current):
-            units = [self.helper(self.gen.units[s], "unit_" + s.name) for s in op.subgraphs()]
+            units = [self.helper(self.emission.units[s], "unit_" + s.name) for s in op.subgraphs()]
             request = ast.Call(func=ast.Attribute(value=ast.Name(id=b, ctx=ast.Load()), attr="requests",
                                                   ctx=ast.Load()),
                                args=[*units, self.helper(op.loc, "site")], keywords=[])
             ran = ast.Yield(value=request)
         else:
-            fns = [ast.Name(id=self.gen.fn_name[s], ctx=ast.Load()) for s in op.subgraphs()]
+            fns = [ast.Name(id=self.emission.fn_name[s], ctx=ast.Load()) for s in op.subgraphs()]
             ran = ast.Call(func=ast.Attribute(value=ast.Name(id=b, ctx=ast.Load()), attr="run", ctx=ast.Load()),
                            args=fns, keywords=[])
         joined = ast.Call(func=ast.Attribute(value=ast.Name(id=b, ctx=ast.Load()), attr="join", ctx=ast.Load()),
@@ -209,10 +209,10 @@ class _BatchedEmitter(emit.FunctionEmitter):
                                           args=[self.n_load(), carried, ast.Constant(value=len(op.loop_vars)),
                                                 *self.changes()],
                                           keywords=[]))
-        start._rc_loc = op.loc
+        locate(start, op.loc)
 
         def run(sg):
-            call = ast.Call(func=ast.Name(id=self.gen.fn_name[sg], ctx=ast.Load()),
+            call = ast.Call(func=ast.Name(id=self.emission.fn_name[sg], ctx=ast.Load()),
                             args=[ast.Attribute(value=ast.Name(id=loop, ctx=ast.Load()), attr="n", ctx=ast.Load()),
                                   ast.Starred(value=ast.Attribute(value=ast.Name(id=loop, ctx=ast.Load()),
                                                                   attr="carried", ctx=ast.Load()),
@@ -224,9 +224,9 @@ class _BatchedEmitter(emit.FunctionEmitter):
                             args=[arg], keywords=[])
 
         step = ast.Expr(value=method("step", run(op.body_sg)))
-        step._rc_loc = op.loc
+        locate(step, op.loc)
         body = ast.While(test=method("keep", run(op.cond_sg)), body=[step], orelse=[])
-        body._rc_loc = op.loc
+        locate(body, op.loc)
         result = ast.Call(func=ast.Attribute(value=ast.Name(id=loop, ctx=ast.Load()), attr="result", ctx=ast.Load()),
                           args=[], keywords=[])
         return [start, body] + ([self.results(op.outputs, result, op.loc)] if op.outputs else [])
@@ -253,12 +253,12 @@ class _LevelEmitter(_BatchedEmitter):
         """Emit ``ops`` as ``name(_n, *inputs) -> outputs``. A deferrable call is answered by
         ``runtime.levels.defer``, or, with ``collected`` (Invokes), only has its request collected
         (``runtime.levels.collect``, with its position in ``collected``)."""
-        name = self.gen.extra_names.fresh(name)
+        name = self.emission.extra_names.fresh(name)
         self.current = None  # (no Cond of a piece yields its branches: they run inline)
         self.live_out = {v for v in outputs if isinstance(v, ir.Value)}
         self.collected = collected
         try:
-            stmts = self.body(sg, plan(ops, self.gen.may_mutate))
+            stmts = self.body(sg, plan(ops, self.emission.may_mutate))
         finally:
             self.live_out = self.collected = None
         loc = ops[0].loc if ops else sg.loc
@@ -276,7 +276,7 @@ class _LevelEmitter(_BatchedEmitter):
         targets = [ast.Tuple(elts=[ast.Name(id=self.var(op.output), ctx=ast.Store()) for op in group],
                              ctx=ast.Store())]
         stmt = ast.Assign(targets=targets, value=answer)
-        stmt._rc_loc = group[0].loc
+        locate(stmt, group[0].loc)
         return stmt
 
 
@@ -317,27 +317,27 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     """Batched code of function SubGraph ``sg``: GeneratedCode whose ``unit`` is the function's entry Unit
     (``runtime.units``), where its frames merge."""
     batch_plan = BatchPlan(sg, may_mutate)
-    gen = emit.Emission(sg, may_mutate)
-    gen.generators = set(batch_plan.generators)
-    gen.changes = subgraph_may_mutate(sg, may_mutate)
-    gen.units = _units(batch_plan)  # SubGraph -> Unit
+    emission = emit.Emission(sg, may_mutate)
+    emission.generators = set(batch_plan.generators)
+    emission.changes = subgraph_may_mutate(sg, may_mutate)
+    emission.units = _units(batch_plan)  # SubGraph -> Unit
     module = Module()
-    emitters = [_BatchedEmitter(module, gen, batch_plan) for _ in gen.sgs]
-    shape = level_shape(sg, batch_plan, gen.changes)
+    emitters = [_BatchedEmitter(module, emission, batch_plan) for _ in emission.sgs]
+    shape = level_shape(sg, batch_plan, emission.changes)
     build_levels = None
     if shape is not None:
-        level_emitter, build_levels = levels.emit_pieces(_LevelEmitter, module, gen, batch_plan, shape)
+        level_emitter, build_levels = levels.emit_pieces(_LevelEmitter, module, emission, batch_plan, shape)
         emitters.append(level_emitter)  # (compile_functions emits one function per SubGraph, then every extra)
-    code = emit.compile_functions(sg, gen, emitters, module)
+    code = emit.compile_functions(sg, emission, emitters, module)
     code.segments = []
     for emitter in emitters:
         for name, seg in emitter.segments.items():
             seg.generic = module.namespace[name]
             code.segments.append(seg)
-    for s, unit in gen.units.items():
+    for s, unit in emission.units.items():
         unit.fn = code.functions[s.name]
         unit.code = code
-    code.unit = gen.units[sg]
+    code.unit = emission.units[sg]
     if build_levels is not None:
         code.unit.levels = build_levels(module.namespace)
     return code

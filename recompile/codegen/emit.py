@@ -22,7 +22,7 @@ from .. import intrinsics
 from ..naming import Namer
 from ..ops import syntax
 from .fused import FusedKernel
-from .loader import GeneratedCode, Module, load
+from .loader import GeneratedCode, Module, load, locate, location
 from .plan import plan
 
 _BINARY = syntax.by_fn(syntax.BINARY, ast)
@@ -43,17 +43,20 @@ def _is_builtin(value):
 class FunctionEmitter:
     """Emits one SubGraph as a Python function (``function``), op by op, into the ``module``'s names."""
 
-    def __init__(self, module, gen):
+    def __init__(self, module, emission):
         self.module = module
-        self.gen = gen
+        self.emission = emission
         # a variable's name is its hint, unless that names a keyword, a builtin, a module-level name or a
         # function of the module
         self.names = Namer(refuse=lambda name: (keyword.iskeyword(name) or hasattr(builtins, name)
-                                                or name.startswith("_rc_") or name in gen.fn_names))
+                                                or name.startswith("_rc_") or name in emission.fn_names))
 
     def var(self, value):
-        base = re.sub(r"\W", "_", value.hint or "v").strip("_") or "v"
-        return self.names.name_of(value, "v" + base if base[0].isdigit() else base)
+        name = self.names.given_to(value)
+        if name is None:
+            base = re.sub(r"\W", "_", value.hint or "v").strip("_") or "v"
+            name = self.names.name_of(value, "v" + base if base[0].isdigit() else base)
+        return name
 
     def load(self, operand):
         if isinstance(operand, ir.Value):
@@ -82,7 +85,7 @@ class FunctionEmitter:
             stmt = ast.Expr(value=value)
         else:
             stmt = ast.Assign(targets=self.store_targets(outputs), value=value)
-        stmt._rc_loc = loc
+        locate(stmt, loc)
         return stmt
 
     # -- ops
@@ -125,7 +128,7 @@ class FunctionEmitter:
         exc = self.load(op.args[0]) if op.args else None
         cause = self.load(op.args[1]) if len(op.args) > 1 else None
         stmt = ast.Raise(exc=exc, cause=cause)
-        stmt._rc_loc = op.loc
+        locate(stmt, op.loc)
         return stmt
 
     def capture_expr(self, op):
@@ -139,9 +142,9 @@ class FunctionEmitter:
 
     def enter(self, sg, operands):
         """Expression running nested SubGraph ``sg`` on ``operands``."""
-        call = ast.Call(func=ast.Name(id=self.gen.fn_name[sg], ctx=ast.Load()),
+        call = ast.Call(func=ast.Name(id=self.emission.fn_name[sg], ctx=ast.Load()),
                         args=[self.load(a) for a in operands], keywords=[])
-        return ast.YieldFrom(value=call) if sg in self.gen.generators else call
+        return ast.YieldFrom(value=call) if sg in self.emission.generators else call
 
     def request(self, op):
         """What the scheduler is asked for an Invoke: (callee, args, site)."""
@@ -157,7 +160,7 @@ class FunctionEmitter:
         targets = [ast.Tuple(elts=[ast.Name(id=self.var(op.output), ctx=ast.Store()) for op in group],
                              ctx=ast.Store())]
         stmt = ast.Assign(targets=targets, value=ast.Yield(value=ast.Tuple(elts=requests, ctx=ast.Load())))
-        stmt._rc_loc = group[0].loc
+        locate(stmt, group[0].loc)
         return stmt
 
     def fused_kernel(self, op):
@@ -191,7 +194,7 @@ class FunctionEmitter:
             then = self.assign(op.outputs, self.enter(op.then_sg, op.args), op.loc)
             other = self.assign(op.outputs, self.enter(op.else_sg, op.args), op.loc)
             stmt = ast.If(test=self.load(op.pred), body=[then], orelse=[other])
-            stmt._rc_loc = op.loc
+            locate(stmt, op.loc)
             return [stmt]
         if isinstance(op, ir.While):
             init = self.assign(op.outputs, ast.Tuple(elts=[self.load(v) for v in op.loop_vars], ctx=ast.Load())
@@ -199,7 +202,7 @@ class FunctionEmitter:
             carried = list(op.outputs) + list(op.invariants)
             body = self.assign(op.outputs, self.enter(op.body_sg, carried), op.loc)
             loop = ast.While(test=self.enter(op.cond_sg, carried), body=[body], orelse=[])
-            loop._rc_loc = op.loc
+            locate(loop, op.loc)
             return ([init] if op.outputs else []) + [loop]
         raise TypeError(f"no code for {op!r}")
 
@@ -214,22 +217,22 @@ class FunctionEmitter:
         return body
 
     def function(self, sg):
-        body = self.body(sg, plan(sg.ops, self.gen.may_mutate))
+        body = self.body(sg, plan(sg.ops, self.emission.may_mutate))
         if not sg.outputs:
             ret = ast.Return(value=ast.Constant(value=None))
         elif len(sg.outputs) == 1:
             ret = ast.Return(value=self.load(sg.outputs[0]))
         else:
             ret = ast.Return(value=ast.Tuple(elts=[self.load(v) for v in sg.outputs], ctx=ast.Load()))
-        ret._rc_loc = sg.outputs[0].op.loc if sg.outputs and getattr(sg.outputs[0], "op", None) else sg.loc
+        locate(ret, sg.outputs[0].op.loc if sg.outputs and getattr(sg.outputs[0], "op", None) else sg.loc)
         body.append(ret)
-        if self.gen.release:
+        if self.emission.release:
             body = _release(body, [self.var(v) for v in sg.inputs])
         args = ast.arguments(posonlyargs=[], args=[ast.arg(arg=self.var(v)) for v in sg.inputs], vararg=None,
                              kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[])
-        fdef = ast.FunctionDef(name=self.gen.fn_name[sg], args=args, body=body, decorator_list=[], returns=None,
-                               type_comment=None)
-        fdef._rc_loc = sg.loc
+        fdef = ast.FunctionDef(name=self.emission.fn_name[sg], args=args, body=body, decorator_list=[],
+                               returns=None, type_comment=None)
+        locate(fdef, sg.loc)
         return fdef
 
 
@@ -249,7 +252,7 @@ def _release(body, params):
         dead = sorted(n for n, j in last.items() if j == i and n in local)
         if dead and not isinstance(stmt, ast.Return):
             gone = ast.Delete(targets=[ast.Name(id=n, ctx=ast.Del()) for n in dead])
-            gone._rc_loc = getattr(stmt, "_rc_loc", None)
+            locate(gone, location(stmt))
             out.append(gone)
     return out
 
@@ -282,16 +285,16 @@ def generate(sg, may_mutate=lambda invoke: False, release=False):
     ``may_mutate(invoke)`` tells whether a compiled call may change state (see codegen.plan);
     with ``release`` each variable is deleted after its last use.
     """
-    gen = Emission(sg, may_mutate, release)
+    emission = Emission(sg, may_mutate, release)
     module = Module()
-    return compile_functions(sg, gen, [FunctionEmitter(module, gen) for _ in gen.sgs], module)
+    return compile_functions(sg, emission, [FunctionEmitter(module, emission) for _ in emission.sgs], module)
 
 
-def compile_functions(sg, gen, emitters, module):
-    """Emit each SubGraph of ``gen`` with its emitter (then every extra function an emitter made), and load
-    them (``loader.load``): the GeneratedCode of function SubGraph ``sg``."""
-    defs = [emitter.function(s) for emitter, s in zip(emitters, gen.sgs)]
+def compile_functions(sg, emission, emitters, module):
+    """Emit each SubGraph of ``emission`` with its emitter (then every extra function an emitter made), and
+    load them (``loader.load``): the GeneratedCode of function SubGraph ``sg``."""
+    defs = [emitter.function(s) for emitter, s in zip(emitters, emission.sgs)]
     extra = [d for emitter in emitters for d in getattr(emitter, "extra_defs", ())]  # (batched code's segments)
     source, codes = load(defs + extra, sg, module)
-    functions = {s.name: module.namespace[gen.fn_name[s]] for s in gen.sgs}
-    return GeneratedCode(source, functions, sg.name, {s.name for s in gen.generators}, codes)
+    functions = {s.name: module.namespace[emission.fn_name[s]] for s in emission.sgs}
+    return GeneratedCode(source, functions, sg.name, {s.name for s in emission.generators}, codes)

@@ -72,11 +72,11 @@ def _early_inputs(split, k):
     return [u.outputs[j] for u in split.unpacks[k] for j in range(len(split.elements)) if j not in split.positions]
 
 
-def emit_pieces(emitter_class, module, gen, batch_plan, shape):
+def emit_pieces(emitter_class, module, emission, batch_plan, shape):
     """Emit ``shape``'s pieces; returns (emitter holding their FunctionDefs, build(namespace) -> LevelProgram)."""
-    em = emitter_class(module, gen, batch_plan)
+    em = emitter_class(module, emission, batch_plan)
     sg, cond, split = shape.sg, shape.cond, shape.split
-    base = gen.fn_name[sg]
+    base = emission.fn_name[sg]
     after = _values(list(cond.outputs))
     post_live = _post_live(shape)
     pre_out = [cond.pred, *cond.args, *post_live]
@@ -113,7 +113,7 @@ def emit_pieces(emitter_class, module, gen, batch_plan, shape):
     plain = _plain_pieces(em, shape)
 
     def build(namespace):
-        units = [gen.units[b] for b in cond.subgraphs()]
+        units = [emission.units[b] for b in cond.subgraphs()]
         branches = [None if info is None else rt_levels.Descent(
                         namespace[info[0]], namespace[info[1]], info[3], [inv.target for inv in br.invokes],
                         namespace[info[2]] if info[2] else None)
@@ -122,7 +122,7 @@ def emit_pieces(emitter_class, module, gen, batch_plan, shape):
         if split is not None:
             late = rt_levels.Late(namespace[names["post_late"]], len(split.elements), split.positions,
                                   split.late_outputs, len(cond.outputs), len(split.deferred), split.sums)
-        prog = rt_levels.LevelProgram(gen.units[sg], namespace[names["pre"]], namespace[names["post"]],
+        prog = rt_levels.LevelProgram(emission.units[sg], namespace[names["pre"]], namespace[names["post"]],
                                       units, branches, len(cond.args), len(cond.outputs), late)
         prog.segments = list(em.segments.values())  # (the pieces' raw segments: tests, inspection)
         prog.plain = plain
@@ -164,7 +164,7 @@ def _plain_pieces(em, shape):
                    for op in ops if isinstance(op, ir.Fused)}
         return segments.Plain(name, ops, inputs, outputs, kernels)
 
-    base = em.gen.fn_name[sg]
+    base = em.emission.fn_name[sg]
     after = _values(list(cond.outputs))
     post_live = _post_live(shape)
     pre = piece(f"{base}_lv_pre", shape.pre, list(sg.inputs), [cond.pred, *cond.args, *post_live])

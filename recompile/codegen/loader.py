@@ -46,14 +46,27 @@ class Module:
     def ref(self, value, hint=""):
         """The module-level name holding ``value`` (the same name each time it is asked for)."""
         key = id(value)
-        name = self.names.name_of(key, "_rc_" + re.sub(r"\W", "_", hint or type(value).__name__)[:30])
-        self.namespace[name] = value
+        name = self.names.given_to(key)
+        if name is None:
+            name = self.names.name_of(key, "_rc_" + re.sub(r"\W", "_", hint or type(value).__name__)[:30])
+            self.namespace[name] = value
         return name
 
 
+def locate(node, loc):
+    """Mark generated statement ``node`` as made from the user's Location ``loc``; returns ``node``."""
+    node._rc_loc = loc
+    return node
+
+
+def location(node):
+    """The user's Location a generated statement was marked with (``locate``), or None."""
+    return getattr(node, "_rc_loc", None)
+
+
 def load(defs, sg, module):
-    """Print ``defs`` (FunctionDefs whose statements carry the user's Location as ``_rc_loc``), parse the
-    text back with each statement at the user's line, compile it under the file of function SubGraph ``sg``
+    """Print ``defs`` (FunctionDefs whose statements are marked with the user's Location, ``locate``), parse
+    the text back with each statement at the user's line, compile it under the file of function SubGraph ``sg``
     (under a name of its own where the lines cannot be placed) and run it in ``module``'s namespace.
     Returns (the source, each statement marked with its user file:line; the code objects of the functions
     and of the code ``module`` holds besides)."""
@@ -86,7 +99,7 @@ def _place(tree, original):
     new_stmts, old_stmts = list(_statements(tree)), list(_statements(original))
     if len(new_stmts) != len(old_stmts):
         return None
-    pairs = [(new, getattr(old, "_rc_loc", None)) for new, old in zip(new_stmts, old_stmts)]
+    pairs = [(new, location(old)) for new, old in zip(new_stmts, old_stmts)]
     for new, loc in pairs:
         if loc is not None:
             line_map[new.lineno] = loc

@@ -43,6 +43,7 @@ from ..ops.table import RuleTable, has_hooks
 from ..runtime import batch as bt
 from ..runtime import batch_rules, control, lazy_weights
 from ..runtime.batch import Batch
+from ..runtime.frames import annotated_by
 from ..runtime.levels import NotPlain
 
 # ops a trace may run through their batch rule, inside the raw function: they change nothing and draw nothing,
@@ -98,7 +99,7 @@ class Segment:
                     try:
                         out = raw(n, *args)
                     except Exception as exc:  # a guard, or an error the op-by-op run raises from the user's line
-                        if getattr(exc, "_recompile_chain", None) is not None:
+                        if annotated_by(exc) is not None:
                             raise  # (a deferred call it read failed: that call ran, and its error names its chain)
                         continue
                     self.hits += 1
@@ -133,7 +134,7 @@ class Segment:
             self.off = True
             return None
         except Exception as exc:  # the op-by-op run raises it again, from the user's line
-            if getattr(exc, "_recompile_chain", None) is not None:
+            if annotated_by(exc) is not None:
                 raise
             return None
         code = compile(source, f"<recompile segment {self.name}>", "exec")
@@ -677,7 +678,6 @@ class _Tracer:
 
 TRACE = RuleTable("trace")
 _PLAIN_MODULES = (nn.Linear, nn.Embedding)
-
 
 
 @TRACE.register(operator.getitem)

@@ -29,7 +29,7 @@ class Forest(NodeArrays):
     Make one with :meth:`Forest.from_trees`.
     """
 
-    TENSORS = NodeArrays.TENSORS + ("roots", "offsets", "sizes", "tree_of")
+    _TENSORS = NodeArrays._TENSORS + ("roots", "offsets", "sizes", "tree_of")
 
     roots: torch.Tensor
     offsets: torch.Tensor
@@ -63,7 +63,7 @@ class Forest(NodeArrays):
     @classmethod
     def _empty(cls) -> "Forest":
         forest = cls.__new__(cls)
-        for name in cls.TENSORS:
+        for name in cls._TENSORS:
             setattr(forest, name, torch.zeros(0, dtype=torch.bool if name == "is_leaf" else torch.long))
         forest.tokens = []
         return forest

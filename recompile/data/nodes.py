@@ -26,7 +26,7 @@ class NodeArrays:
     """
 
     # Names of the tensor attributes that ``to`` moves; subclasses extend it.
-    TENSORS: tuple[str, ...] = ("words", "left", "right", "is_leaf", "labels", "heights")
+    _TENSORS: tuple[str, ...] = ("words", "left", "right", "is_leaf", "labels", "heights")
 
     words: torch.Tensor
     left: torch.Tensor
@@ -47,7 +47,7 @@ class NodeArrays:
         """A copy whose tensors are on ``device`` (tensors already there are
         shared, as with ``Tensor.to``); token lists are shared, not copied."""
         moved = copy.copy(self)
-        for name in self.TENSORS:
+        for name in self._TENSORS:
             setattr(moved, name, getattr(self, name).to(device))
         return moved
 

@@ -34,6 +34,16 @@ def located(new, old):
     return new
 
 
+def is_guard(node):
+    """Whether ``node`` is an ``if`` canonicalize put after a jump, whose empty else runs only after it."""
+    return getattr(node, "_guard", False)
+
+
+def for_targets(node):
+    """The targets of the ``for`` loops a ``while`` node was lowered from (they keep their last value)."""
+    return getattr(node, "_for_targets", ())
+
+
 def name(ident, store=False, at=None):
     node = gast.Name(id=ident, ctx=gast.Store() if store else gast.Load(), annotation=None, type_comment=None)
     return located(node, at) if at is not None else node
@@ -137,7 +147,7 @@ class Canonicalizer:
             return stmts
         test = and_([not_(name(f, at=rest[0]), rest[0]) for f in sorted(flags)], rest[0])
         guard = located(gast.If(test=test, body=self.block(rest), orelse=[]), rest[0])
-        guard._guard = True  # its (empty) else runs only after a jump
+        guard._guard = True  # its (empty) else runs only after a jump (``is_guard``)
         return stmts + [guard]
 
     def _active_flags(self):
@@ -244,7 +254,7 @@ class Canonicalizer:
         if loop.uses_cont:
             header = header + [assign(loop.cont, const(False, s), s)]
         node = located(gast.While(test=and_(conds, s), body=header + new_body, orelse=[]), s)
-        node._for_targets = tuple(for_targets)
+        node._for_targets = tuple(for_targets)  # (``for_targets``)
         out = list(prelude)
         if loop.uses_brk:
             out.append(assign(loop.brk, const(False, s), s))

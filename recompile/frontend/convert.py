@@ -67,8 +67,9 @@ def _stored_names(nodes):
 class Converter:
     """Builds the SubGraphs of one function.
 
-    ``callee_of(obj, owner)`` returns a runtime handle when ``obj`` is a
-    compiled function (its ``.ir_name`` and ``.signature`` are used), else None.
+    ``callee_of(obj, owner)`` returns the handle an Invoke names (an ``ir.Target``:
+    its ``ir_name`` and ``signature`` are used) when ``obj`` is a compiled
+    function, else None.
     """
 
     def __init__(self, parsed, name, owner, callee_of):
@@ -243,7 +244,7 @@ class Converter:
             jumped = self.inside(sg, env, lambda: self.block(body))
             branches.append((env, jumped))
         # the empty else of a guard that canonicalize put after a jump is reached only by jumping
-        branches[1] = (branches[1][0], branches[1][1] or getattr(s, "_guard", False))
+        branches[1] = (branches[1][0], branches[1][1] or canon.is_guard(s))
         outs, states = [], []
         for name in assigned:
             before = self.env.get(name)
@@ -306,7 +307,7 @@ class Converter:
 
     def stmt_While(self, s):
         # loop variables, of this loop or of loops inside it, keep their last value after it
-        for_targets = {n for node in gast.walk(s) for n in getattr(node, "_for_targets", ())}
+        for_targets = {n for node in gast.walk(s) for n in canon.for_targets(node)}
         # every name the body binds is carried: a value from an earlier iteration may be read
         # (checked when read, like the first iteration of a name bound only in the body)
         carried = [n for n in _stored_names(s.body) if n in self.locals]

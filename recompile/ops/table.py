@@ -89,16 +89,22 @@ class RuleTable:
         return register
 
     def lookup(self, fn):
-        """The rule of callable ``fn``, or None (also for a module whose hooks may change what it computes)."""
+        """The rule of callable ``fn`` filed under ``key(fn)``, or None (also for a module whose hooks may
+        change what it computes). (``key``'s tests written out: this runs for every call a gradient
+        program's forward makes.)"""
         try:
             found = self.by_callable.get(fn)
         except TypeError:  # unhashable callable
             found = None
         if found is not None:
             return found
-        name = tensor_method(fn)
-        if name is not None:
-            return self.by_method.get(name)
+        kind = type(fn)
+        if kind is BOUND_BUILTIN or kind is BOUND_SLOT:
+            return self.by_method.get(fn.__name__) if isinstance(fn.__self__, torch.Tensor) else None
+        if kind is types.MethodType:
+            if isinstance(fn.__self__, torch.Tensor) and getattr(fn.__func__, "__module__", "") == "torch._tensor":
+                return self.by_method.get(fn.__name__)
+            return None
         if isinstance(fn, nn.Module):
-            return None if has_hooks(fn, self.backward_hooks) else self.by_module.get(type(fn))
+            return None if has_hooks(fn, self.backward_hooks) else self.by_module.get(kind)
         return None

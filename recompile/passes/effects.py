@@ -15,6 +15,7 @@ import builtins
 from .. import ir
 from ..ops import facts
 
+
 def op_mutates(op):
     """True when ``op`` itself may change an object in place."""
     if not isinstance(op, ir.Call):

@@ -53,6 +53,16 @@ from .fusion import unfuse
 BACKWARD_CALLS = {bp.call_backward, bp.read_backward, bp.backward_of}
 
 
+def forward_name(name):
+    """The name of the forward-with-saves SubGraph of SubGraph ``name`` (``F:fwd``)."""
+    return f"{name}:fwd"
+
+
+def backward_name(name):
+    """The name of the gradient SubGraph of SubGraph ``name`` (``F:bwd``)."""
+    return f"{name}:bwd"
+
+
 def derive(sg, may_mutate=lambda invoke: True):
     """(``F:fwd``, ``F:bwd``) for function SubGraph ``sg`` (not changed).
 
@@ -64,8 +74,8 @@ def derive(sg, may_mutate=lambda invoke: True):
     sg = unfuse(sg)
     deriver = _Deriver(may_mutate)
     ctx_f, ctx_b = ir.Value("ctx"), ir.Value("ctx")
-    fwd = ir.SubGraph(f"{sg.name}:fwd", [ctx_f, *sg.inputs], sg.loc, "function")
-    bwd = ir.SubGraph(f"{sg.name}:bwd", [ctx_b], sg.loc, "function")
+    fwd = ir.SubGraph(forward_name(sg.name), [ctx_f, *sg.inputs], sg.loc, "function")
+    bwd = ir.SubGraph(backward_name(sg.name), [ctx_b], sg.loc, "function")
     rec_f = deriver.body(sg, fwd, bwd, ctx_f, ctx_b)
     pair = ir.Call(sg.loc, ir.Const(intrinsics.build_tuple), [sg.outputs[0], rec_f], hints=("result",))
     fwd.ops.append(pair)
@@ -244,21 +254,21 @@ class _Deriver:
 
     def invoke(self, op, out, ctx_f, ctx_b):
         fwd_handle, bwd_handle = op.target.forward, op.target.backward
-        call = ir.Invoke(op.loc, f"{op.callee}:fwd", fwd_handle, [ctx_f, *op.args], hints=(_hint(op),))
+        call = ir.Invoke(op.loc, fwd_handle.ir_name, fwd_handle, [ctx_f, *op.args], hints=(_hint(op),))
         out.append(call)
         split = ir.Call(op.loc, ir.Const(intrinsics.unpack), [call.output, ir.Const(2)], n_outputs=2)
         rec = ir.Value("record", split)
         _produce(split, [op.output, rec])
         out.append(split)
-        back = ir.Invoke(op.loc, f"{op.callee}:bwd", bwd_handle, [ctx_b, rec])
+        back = ir.Invoke(op.loc, bwd_handle.ir_name, bwd_handle, [ctx_b, rec])
         return [back]
 
     def cond(self, op, out, ctx_f, ctx_b):
         branches_f, branches_b = [], []
         for sg, flag in ((op.then_sg, True), (op.else_sg, False)):
             c_f, c_b = ir.Value("ctx"), ir.Value("ctx")
-            f = ir.SubGraph(f"{sg.name}:fwd", [c_f, *sg.inputs], sg.loc, sg.kind)
-            b = ir.SubGraph(f"{sg.name}:bwd", [c_b], sg.loc, sg.kind)
+            f = ir.SubGraph(forward_name(sg.name), [c_f, *sg.inputs], sg.loc, sg.kind)
+            b = ir.SubGraph(backward_name(sg.name), [c_b], sg.loc, sg.kind)
             rec = self.body(sg, f, b, c_f, c_b)
             f.outputs = [*sg.outputs, ir.Const(flag), rec]
             branches_f.append(f)
@@ -276,13 +286,13 @@ class _Deriver:
         tape_c, ctx_c = ir.Value("tape"), ir.Value("ctx")
         cond.inputs[n:n] = [tape_c]
         cond.inputs.append(ctx_c)
-        cond.name += ":fwd"
+        cond.name = forward_name(cond.name)
         body = op.body_sg
         tape_in, ctx_in = ir.Value("tape"), ir.Value("ctx")
         c_b = ir.Value("ctx")
-        body_f = ir.SubGraph(f"{body.name}:fwd", [*body.inputs[:n], tape_in, *body.inputs[n:], ctx_in], body.loc,
+        body_f = ir.SubGraph(forward_name(body.name), [*body.inputs[:n], tape_in, *body.inputs[n:], ctx_in], body.loc,
                              body.kind)
-        body_b = ir.SubGraph(f"{body.name}:bwd", [], body.loc, body.kind)
+        body_b = ir.SubGraph(backward_name(body.name), [], body.loc, body.kind)
         tape_b = ir.Value("tape")
         split = ir.Call(body.loc, ir.Const(intrinsics.unpack), [tape_b, ir.Const(2)], n_outputs=2,
                         hints=("record", "tape"))

@@ -48,7 +48,7 @@ import torch
 from . import batch as bt
 from . import batch_rules, streams
 from .. import config
-from .frames import RunStats, annotate, too_deep, unwrap_stop_iteration
+from .frames import RunStats, annotate, annotated_by, mark_annotated, too_deep, unwrap_stop_iteration
 from .units import Deferred, unit_of
 from .thread_state import ThreadState
 
@@ -440,7 +440,7 @@ class _Run:
         """Name the chain of calls that led to ``frame`` on ``exc``, once per run: an error that reaches a
         frame reading a deferred result already names the deferred call's chain. (An enclosing run, of a
         compiled function that called this one through plain code, adds its own.)"""
-        if getattr(exc, "_recompile_chain", None) is self.token:
+        if annotated_by(exc) is self.token:
             return
         chain = []
         f = frame
@@ -448,10 +448,7 @@ class _Run:
             chain.append(f)
             f = f.parent
         annotate(exc, list(reversed(chain)))
-        try:
-            exc._recompile_chain = self.token
-        except AttributeError:  # (an exception type without a __dict__)
-            pass
+        mark_annotated(exc, self.token)
 
     def fail(self, exc, frame):
         self.annotate(exc, frame)

@@ -31,8 +31,8 @@ from .batch import Batch
 BATCH = RuleTable("batch")
 # (the facts the hot paths test on every op, as names of this module: one global lookup each)
 _IN_PLACE = frozenset(facts.IN_PLACE)
-_NUMBERS = facts.NUMBERS
-_LAZY = facts.LAZY
+_NUMBERS, _LAZY = facts.NUMBERS, facts.LAZY
+_SHAREABLE, _PURE, _IMMUTABLE = facts.SHAREABLE, facts.PURE, facts.IMMUTABLE
 
 
 class Counters(threading.local):
@@ -120,7 +120,6 @@ class LazyOp:
         return call(self.n, self.fn, self.args)
 
 
-
 def _lazy_among(values):
     for a in values:
         if type(a) is Batch and (a.thunk is not None or (a.pieces is not None and bt.is_lazy(a))):
@@ -195,11 +194,10 @@ def _unbatched(n, fn, args, kwargs):
     """No argument differs between instances: run once if every instance may share the result."""
     first = fn(*args, **kwargs) if kwargs else fn(*args)
     try:
-        shareable = fn in facts.SHAREABLE
-        pure = shareable or (fn in facts.PURE and type(first) in facts.IMMUTABLE)
+        shared = fn in _SHAREABLE or (fn in _PURE and type(first) in _IMMUTABLE)
     except TypeError:  # unhashable callable
-        pure = False
-    if pure:
+        shared = False
+    if shared:
         return first
     # a side effect, a random draw or a fresh object (a tensor, a list) per instance, as n runs would make
     _count(fn, n)

@@ -58,6 +58,19 @@ def _failing_line(exc, callee):
     return line
 
 
+def annotated_by(exc):
+    """The run that named its chain of calls on ``exc`` (``mark_annotated``), or None: a batched run names
+    it once, and a level run or a traced segment that meets an error so named lets it through."""
+    return getattr(exc, "_recompile_chain", None)
+
+
+def mark_annotated(exc, run):
+    try:
+        exc._recompile_chain = run
+    except AttributeError:  # (an exception type without a __dict__)
+        pass
+
+
 def annotate(exc, chain):
     """Add to ``exc`` a note naming the ``chain`` of frames (root first) that led to the failing one."""
     entries = []

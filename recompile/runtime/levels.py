@@ -39,6 +39,7 @@ from . import batch as bt
 from . import batch_rules
 from .. import config, intrinsics
 from .control import Branch
+from .frames import annotated_by
 from .units import Deferred, unit_of
 
 
@@ -76,8 +77,6 @@ class TooDeep(Exception):
 
 class NotPlain(Exception):
     """A value or an op a plain level run cannot hold: the run goes on Batch values instead."""
-
-
 
 
 class PlainPieces:
@@ -152,7 +151,7 @@ class LevelRun:
             except NotPlain:
                 plain.refused.add(entry)
             except Exception as exc:
-                if self.effects_ran or getattr(exc, "_recompile_chain", None) is not None:
+                if self.effects_ran or annotated_by(exc) is not None:
                     raise  # (the deferred calls ran: the agenda runs the call again and raises it, as for a Batch run)
                 plain.failures += 1  # (a guard that failed, or an error the Batch run raises again)
                 plain.on = plain.failures < config.PLAIN_FAILURES

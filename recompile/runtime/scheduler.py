@@ -15,7 +15,6 @@ from .. import config
 from .frames import RunStats, annotate, too_deep, unwrap_stop_iteration
 
 
-
 class Frame:
     __slots__ = ("callee", "gen", "parent", "site", "requests", "results", "inbox", "depth")
 
