@@ -719,3 +719,93 @@ def test_cross_entropy_of_many_rows_of_few_classes_is_torchs(classes, reduction,
     assert not taken and got.requires_grad  # (torch's own, which autograd records)
     torch.testing.assert_close(got.detach(), want)
 
+
+
+# ---------------------------------------------------------------------------
+# values no instance differs in: computed once where every instance may share them
+# ---------------------------------------------------------------------------
+
+@pytest.fixture
+def sharing():
+    """``batch_rules.sharing.fresh`` as a run that changes nothing in place sets it; restored after."""
+    saved = br.sharing.fresh
+    br.sharing.fresh = True
+    yield br.sharing
+    br.sharing.fresh = saved
+
+
+@pytest.mark.parametrize("make", [lambda: (slice, (None, 3)), lambda: (range, (2, 5)),
+                                  lambda: (intrinsics.build_tuple, (Ellipsis, slice(1, 2))),
+                                  lambda: (tuple, ((1, slice(2, 3)),))])
+def test_immutable_values_of_shared_arguments_are_made_once(make):
+    fn, args = make()
+    reset_counters()
+    out = br.call(N, fn, args)
+    assert type(out) is not Batch and out == fn(*args) and br.counters.per_instance == {}
+
+
+def test_a_list_of_shared_items_is_one_list_per_instance_that_torch_ops_read_as_one():
+    reset_counters()
+    sizes = br.call(N, intrinsics.build_list, (2, 4))
+    assert type(sizes) is Batch and br.counters.per_instance == {}
+    lists = bt.items_of(br.call(N, intrinsics.build_list, (2, 4)))
+    assert lists == [[2, 4]] * N and len({id(x) for x in lists}) == N  # (each instance its own list)
+    x = rand(N, 6, seed=1)
+    parts = br.call(N, method(Batch(N, tensor=x.clone()), "split"), (sizes, -1))
+    assert br.counters.per_instance == {}
+    check_readers(parts, [tuple(row.split([2, 4], -1)) for row in x], N)
+    appended = br.call(N, getattr, (sizes, "append"))
+    br.call(N, appended, (7,))  # (a list's own method: per instance, each instance's list)
+    assert bt.items_of(sizes) == [[2, 4, 7]] * N and len({id(v) for v in bt.items_of(sizes)}) == N
+
+
+def test_torch_ops_of_shared_values_are_computed_once_in_a_run_that_changes_nothing(sharing):
+    w = rand(3, 2, seed=1)
+    reset_counters()
+    zeros = br.call(N, torch.zeros, (3,))
+    view = br.call(N, w.t, ())
+    linear = br.call(N, nn.Linear(2, 2).double(), (rand(2, seed=2),))
+    assert all(type(v) is torch.Tensor for v in (zeros, view, linear)) and br.counters.per_instance == {}
+    assert torch.equal(view, w.t())
+    sharing.fresh = False  # (a run that may change a value in place: one tensor per instance, as before)
+    assert type(br.call(N, torch.zeros, (3,))) is Batch and sum(br.counters.per_instance.values()) == N
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (torch.randn, (3,), {}),  # draws
+    lambda: (nn.Dropout(0.5), (torch.ones(3),), {}),
+    lambda: (torch.ones(3).add_, (1.0,), {}),  # writes in place
+    lambda: (torch.add, (torch.ones(3), 1.0), {"out": torch.empty(3)}),
+    lambda: (F.relu, (torch.ones(3),), {"inplace": True}),
+    lambda: (torch.ones(3).bernoulli, (), {}),
+    lambda: (lambda t: t * 2, (torch.ones(3),), {}),  # a helper: its effects are its own
+])
+def test_ops_that_draw_write_or_are_not_torchs_still_run_per_instance(make, sharing):
+    fn, args, kwargs = make()
+    assert not br.computes_alike(fn, kwargs)
+    reset_counters()
+    br.call(N, fn, args, kwargs)
+    assert sum(br.counters.per_instance.values()) == N  # (its result: one per instance, or the tensor it wrote)
+
+
+@pytest.mark.parametrize("right", ["matrix", "vector"])
+def test_a_batch_times_a_shared_matrix_is_one_product(right):
+    x = rand(N, 2, 3, seed=1)
+    w = rand(3, 4, seed=2) if right == "matrix" else rand(3, seed=2)
+    for fn in (operator.matmul, torch.matmul):
+        reset_counters()
+        out = br.call(N, fn, (Batch(N, tensor=x.clone()), w))
+        assert br.counters.per_instance == {}
+        check_readers(out, [row @ w for row in x], N)
+    out = br.call(N, operator.matmul, (rand(4, 2, seed=3), Batch(N, tensor=x.clone())))  # (shared @ batch: vmap)
+    check_readers(out, [rand(4, 2, seed=3) @ row for row in x], N)
+
+
+def test_addcmul_addcdiv_and_lerp_batch_elementwise():
+    a, b, c = rand(N, 3, seed=1), rand(N, 3, seed=2), rand(N, 3, seed=3).abs() + 1
+    for fn, kwargs in ((torch.addcmul, {"value": 0.5}), (torch.addcdiv, {"value": 2.0}), (torch.lerp, {})):
+        args = (Batch(N, tensor=a), Batch(N, tensor=b), Batch(N, tensor=c) if fn is not torch.lerp else 0.25)
+        reset_counters()
+        out = br.call(N, fn, args, kwargs)
+        assert br.counters.per_instance == {} and br.BATCH.by_callable[fn] is br.elementwise
+        check_readers(out, [fn(a[k], b[k], c[k] if fn is not torch.lerp else 0.25, **kwargs) for k in range(N)], N)

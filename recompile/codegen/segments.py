@@ -39,7 +39,7 @@ from torch import nn
 
 from .. import config, intrinsics, ir
 from ..ops import facts, syntax
-from ..ops.table import RuleTable, has_hooks
+from ..ops.table import RuleTable, has_hooks, tensor_method
 from ..runtime import batch as bt
 from ..runtime import batch_rules, control, lazy_weights
 from ..runtime.batch import Batch
@@ -58,6 +58,7 @@ _GENERIC_OK_MODULES = tuple(set(batch_rules.BATCH.by_module) - facts.DRAWS)
 # (reading a Plain piece's traced lines: the names they define and read, and the instance count)
 _DEFINES = re.compile(r"^([\w, ]+?) = ")
 _NAMES = re.compile(r"\b[av]\d+\b")
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)  # (tensors as torch's ops take them: no subclass's own overrides)
 _BATCH_N = re.compile(r"\b_n\b")
 
 
@@ -429,6 +430,10 @@ class _Tracer:
             return
         if type(fn) in _PLAIN_MODULES or type(fn) in _GENERIC_OK_MODULES:
             self.emit(f"if not _plain_module({slot.name}, {self.const(type(fn))}): raise _Deopt")
+        elif tensor_method(fn) is not None and type(fn.__self__) in _PLAIN_TENSORS:
+            # (``w.t``: a bound method is made anew at each read; torch's method of a plain tensor, by name)
+            self.emit(f"if type({slot.name}) is not {self.const(type(fn))} or type({slot.name}.__self__) not in "
+                      f"_PLAIN_TENSORS or {slot.name}.__name__ != {fn.__name__!r}: raise _Deopt")
         else:
             self.emit(f"if {slot.name} is not {self.const(fn)}: raise _Deopt")
 
@@ -457,6 +462,9 @@ class _Tracer:
         kwargs = {k: self.load(v) for k, v in op.kwargs}
         if len(op.outputs) != 1 or any(a.kind != "S" for a in (*args, *kwargs.values())):
             raise _Untraceable
+        if name in _SPLITTING:
+            for a in args[:1]:  # (how many pieces: the pieces' count must be this call's)
+                self.guard_equal(a)
         dim_at, every = _METHODS[name]
         texts = [a.name for a in args]
         values = [a.value for a in args]
@@ -481,25 +489,47 @@ class _Tracer:
                 texts[where], values[where] = repr(shifted), shifted
         elif name in ("view", "reshape"):
             shape = values[0] if len(values) == 1 and type(values[0]) in (tuple, list) else values
-            if kwargs or not all(a.fixed for a in args) or not all(type(d) is int for d in shape):
+            if kwargs or not all(type(d) is int for d in shape):
                 raise _Untraceable
+            for a in args:  # (a size computed at run time, ``view(3, H)``: this call's, guarded)
+                self.guard_equal(a)
             name, texts, values = "reshape", [f"({base.name}.shape[0], {', '.join(map(repr, shape))}, )"], \
                 [(base.value.shape[0], *shape)]
         elif args or kwargs:
             raise _Untraceable
         value = getattr(base.value, name)(*values, **kw_values)
-        if type(value) is not torch.Tensor:
-            raise _Untraceable
         out = self.fresh()
         arg_text = ", ".join(texts + [f"{k}={t}" for k, t in kw_texts.items()])
+        if name in _SPLITTING and type(value) is tuple and all(type(v) is torch.Tensor for v in value):
+            self.emit(f"{out} = {base.name}.{name}({arg_text})")
+            self.emit(f"if len({out}) != {len(value)}: raise _Deopt")
+            self.define(op.outputs[0], _Slot("T", out, value, [_Slot("B", f"{out}[{j}]", v)
+                                                                for j, v in enumerate(value)]))
+            return
+        if type(value) is not torch.Tensor:
+            raise _Untraceable
         self.emit(f"{out} = {base.name}.{name}({arg_text})")
         self.define(op.outputs[0], _Slot("B", out, value))
+
+    def guard_equal(self, slot):
+        """A shared value the trace relied on, equal on every call unless a constant of the program."""
+        if not slot.fixed:
+            if not facts.immutable(slot.value) and type(slot.value) is not list:
+                raise _Untraceable
+            self.emit(f"if {slot.name} != {self.const(slot.value)}: raise _Deopt")
 
     def raw_call(self, op, fn, fn_slot, args, kwargs):
         """The slot of ``fn(*args, **kwargs)``: a raw form where one applies, else the batch rule's call."""
         if "inplace" in kwargs or getattr(fn, "inplace", False) is True:
             raise _Untraceable  # (it changes its argument: a run cut short could not be run again)
         if all(s.kind == "S" for s in args) and _shareable(fn):
+            return self.shared_call(fn, fn_slot, args, kwargs)
+        if all(s.kind == "S" for s in args) and (self.plain is not None or batch_rules.sharing.fresh) and \
+                batch_rules.computes_alike(fn, {k: s.value for k, s in kwargs.items()}):
+            # a torch op of shared values, in a run that changes nothing in place: once, shared (a level run
+            # changes nothing in place; a segment checks its run's sharing)
+            if self.plain is None:
+                self.emit("if not _sharing.fresh: raise _Deopt")
             return self.shared_call(fn, fn_slot, args, kwargs)
         form = _form_of(fn)
         if form is not None and all(s.kind == "S" for s in args):
@@ -532,6 +562,8 @@ class _Tracer:
         if self.plain is not None:  # (no Batch values: only where nothing is batched)
             if any(s.kind != "S" for s in (*args, *kwargs.values())):
                 raise _Untraceable
+            if fn is intrinsics.build_list and not kwargs:  # (a list of shared values: torch ops read it)
+                return self.shared_call(fn, fn_slot, args, kwargs)
             if _pure(fn) and type(fn(*[a.value for a in args], **{k: a.value for k, a in kwargs.items()})) \
                     in facts.IMMUTABLE:  # (every instance shares it, as batch_rules._unbatched decides)
                 slot = self.shared_call(fn, fn_slot, args, kwargs)
@@ -682,10 +714,21 @@ _PLAIN_MODULES = (nn.Linear, nn.Embedding)
 
 @TRACE.register(operator.getitem)
 def _getitem_form(tr, fn, fn_slot, args, kwargs):
-    """``x[i]``: a gather from a shared tensor by batched integer indices, one per instance."""
+    """``x[i]``: a gather from a shared tensor by batched integer indices, one per instance; or a batched
+    tensor indexed alike in every instance (ints, slices, None, ``...``: ``z[..., :H]``)."""
     if len(args) != 2 or kwargs:
         return None
     x, i = args
+    if x.kind in ("B", "O") and i.kind == "S" and batch_rules.plain_index(i.value):
+        b = tr.as_b(x)
+        if b is None:
+            return None
+        tr.guard_callable(fn, fn_slot)
+        tr.guard_equal(i)
+        index = (slice(None),) + (i.value if type(i.value) is tuple else (i.value,))
+        name = tr.fresh()
+        tr.emit(f"{name} = {b.name}[{tr.const(index)}]")
+        return _Slot("B", name, b.value[index])
     if x.kind != "S" or type(x.value) is not torch.Tensor:
         return None
     i = tr.as_b(i)
@@ -702,22 +745,37 @@ def _getitem_form(tr, fn, fn_slot, args, kwargs):
 
 @TRACE.register(getattr)
 def _attr_form(tr, fn, fn_slot, args, kwargs):
-    """``x.name`` of a batched tensor, for a method ``_METHODS`` knows: an M slot, for the call that follows."""
-    if len(args) != 2 or kwargs or args[1].kind != "S" or not args[1].fixed or args[1].value not in _METHODS:
+    """``x.name`` of a batched tensor, for a method ``_METHODS`` knows: an M slot, for the call that follows;
+    for an attribute every instance has alike (``x.dtype``) or one of an instance's shape, a shared value."""
+    if len(args) != 2 or kwargs or args[1].kind != "S" or not args[1].fixed:
+        return None
+    name = args[1].value
+    if name not in _METHODS and name not in batch_rules.SHARED_ATTRS and name not in ("shape", "ndim"):
         return None
     x = tr.as_b(args[0])
     if x is None:
         return None
     tr.guard_callable(fn, fn_slot)
-    return _Slot("M", "", (x, args[1].value))
+    if name in _METHODS:
+        return _Slot("M", "", (x, name))
+    out = tr.fresh()
+    if name == "shape":
+        tr.emit(f"{out} = {x.name}.shape[1:]")
+        return _Slot("S", out, x.value.shape[1:])
+    if name == "ndim":
+        tr.emit(f"{out} = {x.name}.dim() - 1")
+        return _Slot("S", out, x.value.dim() - 1)
+    tr.emit(f"{out} = {x.name}.{name}")
+    return _Slot("S", out, getattr(x.value, name))
 
 
 # Tensor methods a trace runs on the batched tensor: name -> (the position of the dim it takes, or None; whether
 # no dim means every dim of the instance), as their batch rules do (``facts.UNARY_METHODS``, ``DIM_METHODS``);
-# not those giving several tensors (chunk, split, unbind, max).
+# chunk, split and unbind give a tuple of batched tensors; not max (values and indices).
+_SPLITTING = ("chunk", "split", "unbind")  # (a tuple of tensors: a T slot of B slots)
 _METHODS = {**{name: (None, False) for name in (*facts.UNARY_METHODS, "view", "reshape")},
             **{name: facts.DIM_METHODS[name] for name in ("sum", "mean", "softmax", "log_softmax", "unsqueeze",
-                                                          "squeeze", "argmax")}}
+                                                          "squeeze", "argmax", *_SPLITTING)}}
 
 
 def _tensors(tr, args):
@@ -736,12 +794,12 @@ def _tensors(tr, args):
             out.append(b)
         elif s.kind == "S" and type(s.value) in facts.NUMBERS:
             out.append(s)
-        elif s.kind == "S" and type(s.value) is torch.Tensor:
+        elif s.kind == "S" and type(s.value) in _PLAIN_TENSORS:
             out.append(s)
         else:
             return None
     for s in out:
-        if s.kind == "S" and type(s.value) is torch.Tensor and (
+        if s.kind == "S" and type(s.value) in _PLAIN_TENSORS and (
                 rank is None or s.value.dim() > rank or s.value.dtype != dtype):
             return None
     if rank is None:
@@ -760,9 +818,9 @@ def _elementwise_form(tr, fn, fn_slot, args, kwargs):
     tr.guard_callable(fn, fn_slot)
     for s in raw:
         if s.kind == "S" and not s.fixed:
-            if type(s.value) is torch.Tensor:
+            if type(s.value) in _PLAIN_TENSORS:
                 tr.guard_shared(s)
-                tr.emit(f"if type({s.name}) is not _Tensor: raise _Deopt")
+                tr.emit(f"if type({s.name}) not in _PLAIN_TENSORS: raise _Deopt")
             else:
                 tr.emit(f"if type({s.name}) is not {type(s.value).__name__}: raise _Deopt")
     fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
@@ -828,11 +886,14 @@ def _dim_arg(args, kwargs, position, default):
 
 @TRACE.register(torch.chunk, torch.split)
 def _split_form(tr, fn, fn_slot, args, kwargs):
-    """torch.chunk / torch.split of a batched tensor along a feature dim: a tuple of batched tensors."""
+    """torch.chunk / torch.split (by a size or a list of sizes) of a batched tensor along a feature dim: a
+    tuple of batched tensors."""
     if not args or set(kwargs) - {"dim"} or len(args) > 3 or any(s.kind != "S" for s in args[1:]):
         return None
     x = tr.as_b(args[0])
-    if x is None or len(args) < 2 or type(args[1].value) is not int:
+    sizes = args[1].value if len(args) > 1 else None
+    if x is None or not (type(sizes) is int or (fn is torch.split and type(sizes) is list
+                                                and all(type(k) is int for k in sizes))):
         return None
     dim = _dim_arg(args, kwargs, 2, _Slot("S", "0", 0, fixed=True))
     if type(dim.value) is not int:
@@ -845,7 +906,7 @@ def _split_form(tr, fn, fn_slot, args, kwargs):
     tr.guard_callable(fn, fn_slot)
     for s in (args[1], dim):
         if not s.fixed:
-            tr.emit(f"if type({s.name}) is not int or {s.name} != {s.value!r}: raise _Deopt")
+            tr.emit(f"if type({s.name}) is not {type(s.value).__name__} or {s.name} != {s.value!r}: raise _Deopt")
     fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
     value = fn(x.value, args[1].value, shifted)
     name = tr.fresh()
@@ -883,6 +944,23 @@ def _join_form(tr, fn, fn_slot, args, kwargs):
     name = tr.fresh()
     tr.emit(f"{name} = {fn_name}([{', '.join(p.name for p in parts)}], dim={shifted})")
     return _Slot("B", name, value)
+
+
+@TRACE.register(operator.matmul, torch.matmul)
+def _matmul_form(tr, fn, fn_slot, args, kwargs):
+    """``x @ w``: a batched x (instance rank 1 or more) times a shared vector or matrix (``batch_rules.matmul``)."""
+    if len(args) != 2 or kwargs or args[1].kind != "S" or type(args[1].value) not in _PLAIN_TENSORS \
+            or args[1].value.dim() not in (1, 2):
+        return None
+    x, w = tr.as_b(args[0]), args[1]
+    if x is None or x.value.dim() < 2:
+        return None
+    tr.guard_callable(fn, fn_slot)
+    tr.guard_shared(w)
+    tr.emit(f"if type({w.name}) not in _PLAIN_TENSORS: raise _Deopt")
+    name = tr.fresh()
+    tr.emit(f"{name} = {x.name} @ {w.name}")
+    return _Slot("B", name, x.value @ w.value)
 
 
 @TRACE.register(intrinsics.build_tuple, intrinsics.build_list)
@@ -969,4 +1047,4 @@ _HELPERS = {"_Batch": Batch, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor"
             "_LazyWeight": lazy_weights.LazyWeight, "_lazy_linear": lazy_weights.linear, "_module": _module,
             "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules.index_rows,
             "_call": batch_rules.call, "_item": batch_rules.item, "_fused": batch_rules.fused,
-            "_unpack": control.unpack, "__builtins__": __builtins__}
+            "_unpack": control.unpack, "_sharing": batch_rules.sharing, "_PLAIN_TENSORS": _PLAIN_TENSORS, "__builtins__": __builtins__}

@@ -143,12 +143,20 @@ ELEMENTWISE = FUSIBLE | {
     operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
     torch.where, torch.clamp, torch.lt, torch.gt, torch.eq, torch.logical_not, torch.logical_and,
     F.elu, F.leaky_relu, F.dropout, torch.floor, torch.ceil, torch.round, torch.sign,
+    torch.addcmul, torch.addcdiv, torch.lerp,
 }
 # Module types whose call acts elementwise.
 ELEMENTWISE_MODULES = (nn.Sigmoid, nn.Tanh, nn.ReLU, nn.GELU, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Softplus,
                        nn.Dropout)
-# Calls that draw random numbers: run twice they are not the same as run once.
-DRAWS = frozenset({F.dropout, nn.Dropout})
+# Calls that draw random numbers: run twice they are not the same as run once. (Tensor methods that draw
+# change their tensor in place: ``uniform_``, ``bernoulli_``.)
+DRAWS = frozenset({
+    F.dropout, nn.Dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+    F.rrelu, F.gumbel_softmax, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
+    nn.RReLU, torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson,
+})
+DRAWING_METHODS = frozenset({"bernoulli", "multinomial"})
 # Tensor methods of no argument that keep the shape: a batch's tensor runs them whole.
 UNARY_METHODS = ("sigmoid", "tanh", "relu", "exp", "log", "sqrt", "abs", "neg", "clone", "detach", "float",
                  "double", "long", "contiguous")
@@ -166,9 +174,18 @@ LAZY_FLOW = LAZY | {intrinsics.build_tuple}
 # -- values
 
 NUMBERS = (int, float, bool)  # Python's numbers, by exact type
-# Values no call can change: every instance may share one.
-IMMUTABLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+# Values no call can change: every instance may share one (a tuple too, when its items are: ``immutable``).
+IMMUTABLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size, slice, range,
+             frozenset, type(Ellipsis))
 INTEGER_INDEX = (torch.long, torch.int, torch.int16, torch.int8, torch.uint8)  # dtypes of integer indices
+
+
+def immutable(value):
+    """Whether no call can change ``value``: an IMMUTABLE value, or a tuple of them (``(..., slice(0, 4))``)."""
+    kind = type(value)
+    if kind is tuple:
+        return all(immutable(v) for v in value)
+    return kind in IMMUTABLE
 
 
 def among(fn, fact):

@@ -125,10 +125,11 @@ def run(target, args, n=1, pool=None):
     batches), on the calling thread or with the workers of ``pool``. Returns (result, RunStats)."""
     started = time.perf_counter()
     stats = RunStats()
-    counters = batch_rules.counters
+    counters, sharing = batch_rules.counters, batch_rules.sharing
     saved, counters.per_instance = counters.per_instance, {}
+    mutates = getattr(target, "may_mutate", True)
+    saved_sharing, sharing.fresh = sharing.fresh, not mutates
     try:
-        mutates = getattr(target, "may_mutate", True)
         run = _Run.of(stats, pool, args, mutates)
         unit = unit_of(target)
         levels = getattr(unit, "levels", None)
@@ -142,6 +143,7 @@ def run(target, args, n=1, pool=None):
         result = run.go(unit, args, n)
     finally:
         stats.per_instance, counters.per_instance = counters.per_instance, saved
+        sharing.fresh = saved_sharing
         stats.total_s = time.perf_counter() - started
     return result, stats
 
@@ -269,9 +271,12 @@ class _Run:
         modes = ThreadState()
         stream = torch.cuda.current_stream(self.device) if self.device is not None else None
 
+        share = batch_rules.sharing.fresh
+
         def task(i, worker):
-            counters = batch_rules.counters
+            counters, sharing = batch_rules.counters, batch_rules.sharing
             saved, counters.per_instance = counters.per_instance, {}
+            saved_sharing, sharing.fresh = sharing.fresh, share  # (this run's, on the worker's thread too)
             on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             try:
                 with modes.applied(), on_stream:
@@ -280,7 +285,7 @@ class _Run:
             except BaseException as exc:  # (setting the thread up failed): the frame's step fails with it
                 outcomes[i] = (_FAILED, exc, counters.per_instance)
             finally:
-                counters.per_instance = saved
+                counters.per_instance, sharing.fresh = saved, saved_sharing
                 with lock:
                     left[0] -= 1
                     if left[0] == 0:

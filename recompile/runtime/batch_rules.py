@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import operator
 import threading
+import types
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ from torch import nn
 
 from .. import intrinsics
 from ..ops import facts
-from ..ops.table import RuleTable, has_hooks
+from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method
 from . import batch as bt
 from .batch import Batch
 
@@ -43,6 +44,18 @@ class Counters(threading.local):
 
 
 counters = Counters()
+
+
+class Sharing(threading.local):
+    """Per-thread: whether the run going on changes nothing in place (``passes.effects``). Then the result
+    of a torch op none of whose inputs differ between instances is computed once and shared by them all,
+    as ``torch.func.vmap`` computes an unmapped value once: nothing can change one instance's copy."""
+
+    def __init__(self):
+        self.fresh = False
+
+
+sharing = Sharing()
 
 
 def _name(fn):
@@ -191,13 +204,18 @@ def fused(n, kernel, args):
 
 
 def _unbatched(n, fn, args, kwargs):
-    """No argument differs between instances: run once if every instance may share the result."""
+    """No argument differs between instances: run once if every instance may share the result (a read, an
+    immutable value, or in a run that changes nothing in place a torch op that draws nothing). A list of
+    shared items is kept as them (a struct): each instance gets its own list only where it needs one, and a
+    torch op reads them as one shared list (``_vmapped_or_per_instance``)."""
+    if fn is intrinsics.build_list and not kwargs:
+        return bt.from_struct(list, list(args), n)
     first = fn(*args, **kwargs) if kwargs else fn(*args)
     try:
-        shared = fn in _SHAREABLE or (fn in _PURE and type(first) in _IMMUTABLE)
+        shared = fn in _SHAREABLE or (fn in _PURE and facts.immutable(first))
     except TypeError:  # unhashable callable
         shared = False
-    if shared:
+    if shared or (sharing.fresh and computes_alike(fn, kwargs)):
         return first
     # a side effect, a random draw or a fresh object (a tensor, a list) per instance, as n runs would make
     _count(fn, n)
@@ -238,6 +256,25 @@ def _count(fn, n):
 
 # -- torch.func.vmap for torch ops without a rule here
 
+def computes_alike(fn, kwargs):
+    """Whether ``fn`` run again on the same values gives an equal, fresh result and changes nothing: a torch
+    function, a method of a tensor or a module of a kind batch rules know (not one that draws random numbers
+    or writes in place). What changes it in place afterwards is for the caller to rule out (``sharing``)."""
+    if kwargs and ("out" in kwargs or kwargs.get("inplace")):
+        return False
+    kind = type(fn)
+    if kind is BOUND_BUILTIN or kind is types.MethodType:
+        name = tensor_method(fn)
+        if name is not None:
+            return not name.endswith("_") and name not in facts.DRAWING_METHODS
+    if isinstance(fn, nn.Module):
+        return kind in BATCH.by_module and kind not in facts.DRAWS and not has_hooks(fn) and \
+            not getattr(fn, "inplace", False)
+    module = getattr(fn, "__module__", None)
+    return (isinstance(module, str) and module.startswith("torch") and not module.startswith("torch.utils")
+            and not facts.among(fn, facts.DRAWS) and not getattr(fn, "__name__", "_").endswith("_"))
+
+
 def _is_torch_op(fn, method):
     if method is not None:
         return True
@@ -247,7 +284,28 @@ def _is_torch_op(fn, method):
     return isinstance(module, str) and (module.startswith("torch") and not module.startswith("torch.utils"))
 
 
+def _shared_structs(values):
+    """``values`` with each list or tuple of shared items, held as a struct (``_unbatched``), made the one
+    list or tuple every instance has; None if there is none."""
+    out, found = list(values), False
+    for i, v in enumerate(out):
+        if type(v) is Batch and v.struct is not None and v.owner is None and \
+                not any(type(p) is Batch for p in v.struct[1]):
+            out[i], found = v.struct[0](v.struct[1]), True
+    return out if found else None
+
+
 def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
+    if _is_torch_op(fn, method):  # (a torch op neither keeps nor changes a list it is given: one may do)
+        plain = _shared_structs(args)
+        plain_kwargs = _shared_structs(kwargs.values()) if kwargs else None
+        if plain is not None or plain_kwargs is not None:
+            args = tuple(plain) if plain is not None else args
+            if plain_kwargs is not None:
+                kwargs = dict(zip(kwargs, plain_kwargs))
+            if method is not None:
+                return call(n, Batch(n, method=(args[0], method)), args[1:], kwargs)
+            return call(n, fn, args, kwargs)
     if _is_torch_op(fn, method) and not (method or "").endswith("_"):
         out = _vmapped(n, fn, args, kwargs or {}, method)
         if out is not NotImplemented:
@@ -485,7 +543,7 @@ def gather(n, fn, args, kwargs):
         if x.struct is not None and x.owner is None and type(index) is int:
             return x.struct[1][index]
         t = x.tensor if x.owner == "tensor" else bt.tensor_of(x) if x.items is None else None
-        if t is None or not _plain_index(index):
+        if t is None or not plain_index(index):
             return NotImplemented
         return bt.from_tensor(t[(slice(None),) + (index if type(index) is tuple else (index,))])
     return NotImplemented
@@ -503,10 +561,10 @@ def index_rows(x, i):
     return x[i]
 
 
-def _plain_index(index):
+def plain_index(index):
     """An index that selects the same way in every instance: ints, slices, None, Ellipsis (not tensors)."""
     if type(index) is tuple:
-        return all(_plain_index(i) for i in index)
+        return all(plain_index(i) for i in index)
     return type(index) in (int, slice, type(None)) or index is Ellipsis
 
 
@@ -523,7 +581,7 @@ def attribute(n, fn, args, kwargs):
         return NotImplemented
     if x.owner == "tensor" or (x.items is None and x.struct is None and bt.tensor_of(x) is not None):
         t = x.tensor
-        if name in _SHARED_ATTRS:
+        if name in SHARED_ATTRS:
             return getattr(t, name)
         if name == "shape":
             return t.shape[1:]
@@ -534,7 +592,8 @@ def attribute(n, fn, args, kwargs):
     return NotImplemented
 
 
-_SHARED_ATTRS = {"dtype", "device", "is_cuda", "requires_grad", "layout", "is_floating_point"}
+# attributes of a batched tensor that are every instance's too
+SHARED_ATTRS = {"dtype", "device", "is_cuda", "requires_grad", "layout", "is_floating_point"}
 
 
 @BATCH.register("size")
@@ -649,8 +708,15 @@ def _row_losses(fn, x, target):
     return fn(x, target, reduction="none")
 
 
-@BATCH.register(operator.matmul)
-def via_vmap(n, fn, args, kwargs):
+@BATCH.register(operator.matmul, torch.matmul)
+def matmul(n, fn, args, kwargs):
+    """``x @ w`` of a batched x (instance rank 1 or more) and a shared vector or matrix w: one product, the
+    instance dim one more leading dim of x; anything else through vmap."""
+    if len(args) == 2 and not kwargs and type(args[0]) is Batch and type(args[1]) is not Batch \
+            and isinstance(args[1], torch.Tensor) and args[1].dim() in (1, 2):
+        x = bt.tensor_of(args[0])
+        if x is not None and x.dim() > 1:
+            return bt.from_tensor(fn(x, args[1]))
     return _vmapped(n, fn, args, kwargs, None)
 
 
