@@ -23,6 +23,11 @@ TREE_SUMS = True  # (read when a level program is built; off: late elements alwa
 PLAIN_LEVELS = True  # level runs on plain tensors where they can; off: always on Batch values
 PLAIN_FAILURES = 8  # failed plain runs (a guard, an error) after which a program runs on Batch values only
 
+# An op run once per instance in a batched run (``runtime.batch_rules``): "warn" once per program point (the
+# user's file and line, the op, why, what to write instead), "error" (raise ``recompile.PerInstanceError``:
+# for tests that a model batches whole), or "allow" (count it in ``stats["per_instance"]`` only).
+PER_INSTANCE = "warn"
+
 # Segments (``codegen.segments``): straight runs of batched ops traced into plain tensor code. Read when
 # batched code is generated; off: every op goes through its batch rule.
 SEGMENTS = True

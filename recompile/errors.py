@@ -14,6 +14,14 @@ class RecompileError(Exception):
     """Base class of recompile's own errors."""
 
 
+class PerInstanceWarning(UserWarning):
+    """An op of a batched run ran once per instance, not once for the group (``config.PER_INSTANCE``)."""
+
+
+class PerInstanceError(RecompileError):
+    """An op of a batched run would run once per instance, and ``config.PER_INSTANCE`` is "error"."""
+
+
 class CompileError(RecompileError):
     """The function uses Python that recompile cannot compile.
 

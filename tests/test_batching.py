@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import warnings
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ from torch import nn
 
 import recompile
 from bound_globals import bound_globals  # tests/ is on sys.path under pytest
+from recompile import config
 from recompile.data import Forest, Tree, Vocab, load_sst, sample_dir
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -1921,3 +1923,44 @@ def test_changes_in_place_across_splits_and_shared_calls_match_eager(name):
     g_e, = torch.autograd.grad((want * want).sum(), x_e)
     g_b, = torch.autograd.grad((got * got).sum(), x_b)
     assert_close(g_b, g_e, GRAD_TOL)
+
+
+# ---------------------------------------------------------------------------
+# per-instance runs are never silent
+# ---------------------------------------------------------------------------
+
+def scaled_by_item(x):
+    s = x.sum().item()  # a Python value per instance
+    return x * s
+
+
+def test_an_op_run_once_per_instance_warns_once_with_the_users_line_why_and_what_instead(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "warn")
+    f = recompile.function(scaled_by_item)
+    x = torch.arange(6.0).reshape(3, 2)
+    line = scaled_by_item.__code__.co_firstlineno + 1
+    with pytest.warns(recompile.PerInstanceWarning) as caught:
+        out = recompile.vmap(f)(x)
+    assert torch.equal(out, torch.stack([scaled_by_item(r) for r in x]))
+    [w] = [w for w in caught if issubclass(w.category, recompile.PerInstanceWarning)]
+    text = str(w.message)
+    assert (w.filename, w.lineno) == (__file__, line), (w.filename, w.lineno)
+    assert f"test_batching.py:{line}" in text and "Tensor.item" in text and "3 instances" in text
+    assert "a Python value of each instance's tensor" in text and "torch.where" in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", recompile.PerInstanceWarning)
+        recompile.vmap(f)(x)  # (once per program point: no second warning)
+
+
+def test_per_instance_runs_can_be_refused_or_allowed(monkeypatch):
+    f = recompile.function(scaled_by_item)
+    x = torch.arange(6.0).reshape(3, 2)
+    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+    with pytest.raises(recompile.PerInstanceError, match="Tensor.item runs once per instance") as info:
+        recompile.vmap(f)(x)
+    assert "recompile call chain" in "".join(getattr(info.value, "__notes__", []))
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        recompile.vmap(f)(x)
+    assert f.stats["per_instance"]["Tensor.item"] == 3

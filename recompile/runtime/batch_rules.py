@@ -13,14 +13,18 @@ where neither applies the op runs per instance and is counted.
 from __future__ import annotations
 
 import operator
+import os
+import sys
 import threading
 import types
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import intrinsics
+from .. import config, intrinsics
+from ..errors import PerInstanceError, PerInstanceWarning
 from ..ops import facts
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method
 from . import batch as bt
@@ -218,16 +222,16 @@ def _unbatched(n, fn, args, kwargs):
     if shared or (sharing.fresh and computes_alike(fn, kwargs)):
         return first
     # a side effect, a random draw or a fresh object (a tensor, a list) per instance, as n runs would make
-    _count(fn, n)
+    _count(fn, n, _FRESH if sharing.fresh else _FRESH_CHANGED)
     results = [first] + [fn(*args, **kwargs) if kwargs else fn(*args) for _ in range(n - 1)]
     if all(r is first for r in results):  # (None from a helper run for its effect)
         return first
     return bt.from_items(results)
 
 
-def per_instance(n, fn, args, kwargs=None):
+def per_instance(n, fn, args, kwargs=None, why=None):
     """The op run once per instance; the results batched."""
-    _count(fn, n)
+    _count(fn, n, why or _reason(fn))
     kwargs = kwargs or {}
     results = []
     for k in range(n):
@@ -245,13 +249,69 @@ def per_instance_or_once(n, thunk, values):
     """A call whose arguments are unpacked (``f(*xs, **kw)``), run per instance on ``values``."""
     if n == 1:
         return thunk(*values)
-    _count(thunk, n)
+    _count(thunk, n, _UNPACKED)
     return bt.from_items([thunk(*[bt.instance(v, k) for v in values]) for k in range(n)])
 
 
-def _count(fn, n):
+def _count(fn, n, why):
     name = _name(fn)
     counters.per_instance[name] = counters.per_instance.get(name, 0) + n
+    if config.PER_INSTANCE != "allow":
+        _fell_back(name, n, why)
+
+
+# Why an op ran once per instance, and what to write instead: (why, instead).
+_FRESH = ("no instance differs in its arguments, but each gets a result of its own (a fresh object, a random "
+          "draw or a side effect)", "if it has none of these, compute it once outside the compiled function")
+_FRESH_CHANGED = ("no instance differs in its arguments, but the program changes values in place, so each "
+                  "instance gets a fresh result of its own", "change a copy (y = x + 1, not x += 1) so that the "
+                  "program changes nothing in place")
+_UNPACKED = ("its arguments are unpacked (*args, **kwargs) and may differ per instance",
+             "pass the arguments one by one")
+_CHOSEN = ("each instance calls its own callable (one chosen by the data)",
+           "choose with if/elif, so that each branch batches, or index a stacked parameter")
+_PYTHON_VALUE = ("it makes a Python value of each instance's tensor", "keep it a tensor: torch.where(c, a, b) for "
+                 "an if on it, a tensor index for an int")
+_PYTHON = ("it is Python code of per-instance values", "compile it with @recompile.function, or write it "
+           "with torch ops")
+_UNVMAPPABLE = ("torch.func.vmap cannot batch it here (a shape that depends on the values, or a call into "
+                "Python)", "write it with ops whose result's shape does not depend on the values")
+_WRITES = ("it changes each instance's tensor in place", "write it out of place (y = x.add(1), not x.add_(1))")
+_PYTHON_VALUES = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy", int, float, bool}
+
+
+def _reason(fn):
+    if type(fn) is Batch:
+        if fn.method is None:
+            return _CHOSEN
+        name = fn.method[1]
+        return _PYTHON_VALUE if name in _PYTHON_VALUES else _WRITES if name.endswith("_") else _UNVMAPPABLE
+    if facts.among(fn, _PYTHON_VALUES) or getattr(fn, "__name__", None) in _PYTHON_VALUES:
+        return _PYTHON_VALUE
+    return _UNVMAPPABLE if _is_torch_op(fn, None) else _PYTHON
+
+
+_warned = set()  # (file, line, op) already warned of
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # recompile/
+
+
+def _fell_back(name, n, why):
+    """Warn of (or, with ``config.PER_INSTANCE == "error"``, refuse) an op run once per instance, at the
+    user's line: the first frame outside recompile (generated code runs under the user's file and line)."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith(_HERE)
+                                 or frame.f_code.co_filename.startswith("<recompile")):
+        frame = frame.f_back
+    filename, line = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("<unknown>", 0)
+    reason, instead = why
+    message = (f"recompile: {name} runs once per instance at {os.path.basename(filename)}:{line} ({n} "
+               f"instances): {reason}; {instead}")
+    if config.PER_INSTANCE == "error":
+        raise PerInstanceError(message + ' (config.PER_INSTANCE is "error")')
+    key = (filename, line, name)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn_explicit(message, PerInstanceWarning, filename, line)
 
 
 # -- torch.func.vmap for torch ops without a rule here
