@@ -253,10 +253,11 @@ def check_hand_batched(model, trees):
     torch.testing.assert_close(got_grads, want_grads, rtol=1e-9, atol=1e-9)
 
 
-def check_per_tree(model, trees, encode_forest):
+def check_per_tree(model, trees, encode_forest, eager_cls=None):
     """Raise unless ``encode_forest(model copy, forest)`` gives, per tree, eager's root h, c and loss,
-    and the minibatch loss eager's parameter gradients (float64)."""
-    eager = eager_twin(TreeLSTM)(model.embed.num_embeddings).double()
+    and the minibatch loss eager's parameter gradients (float64); ``eager_cls``: the eager model (by
+    default, the eager twin of TreeLSTM)."""
+    eager = (eager_cls or eager_twin(TreeLSTM))(model.embed.num_embeddings).double()
     eager.load_state_dict(model.state_dict())
     twin = copy.deepcopy(model).double()
     want = [eager.encode(tree, tree.root) for tree in trees]

@@ -11,6 +11,7 @@ from recompile.data import sample_dir  # noqa: E402
 
 import bench_batching  # noqa: E402
 import bench_fusion  # noqa: E402
+import bench_idioms  # noqa: E402
 import bench_threads  # noqa: E402
 import bench_tree_lstm as bench  # noqa: E402
 
@@ -38,6 +39,15 @@ def test_batching_benchmark_runs(capsys):
         assert float(row[8][:-1]) == pytest.approx(float(row[7]) / float(row[3]), rel=0.02, abs=0.01)
         assert float(row[9][:-1]) == pytest.approx(float(row[4]) / float(row[7]), rel=0.02, abs=0.01)
     assert "recompile failed" not in out
+
+
+def test_idioms_benchmark_checks_and_times_every_spelling(capsys):
+    bench_idioms.main(["--trees", "8", "--batch", "4", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert out.count("matches eager") == len(bench_idioms.SPELLINGS)  # (main raises before the table otherwise)
+    assert out.count("per-instance ops: none") == len(bench_idioms.SPELLINGS)
+    rows = [line for line in out.splitlines() if line.rstrip().endswith("x") and " 4 " in line]
+    assert len(rows) == 2 * len(bench_idioms.SPELLINGS)  # each spelling, inference and training
 
 
 def test_batching_benchmark_times_its_runs_in_turns():
