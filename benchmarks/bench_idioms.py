@@ -1,4 +1,4 @@
-"""The same Tree-LSTM spelled as users write it, each against hand-batched PyTorch, in one process.
+"""The same tree models spelled as users write them, each against hand-batched PyTorch, in one process.
 
     python benchmarks/bench_idioms.py [--data DIR] [--trees N] [--batch 25 256] [--repeats R]
 
@@ -9,7 +9,9 @@ slices by a module constant and ``torch.addcmul``; ``view(...).unbind(0)``; the 
 loss, and the parameter gradients) and its per-instance ops are counted (``stats["per_instance"]``, which
 should be empty). Each is timed through ``recompile.vmap(model.encode, in_dims=(None, 0))`` over minibatches
 of SST trees, beside ``bench_batching.hand_batched`` (TensorFlow Fold's height batching, written by hand) on
-the same parameters, the runs taking turns; the table gives trees/s and recompile / hand-batched.
+the same parameters, the runs taking turns; the table gives trees/s and recompile / hand-batched. The RNTN
+of ``examples/rntn.py`` (its bilinear form with ``torch.einsum`` on the shared tensor V) and the same form
+written ``F.linear(x, V.view(...)).view(...) @ x`` go the same way, beside an RNTN batched by hand by height.
 """
 
 import argparse
@@ -18,12 +20,13 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-from bench_batching import (check_per_tree, chunks, eager_twin, hand_batched, recompile_batched,  # noqa: E402
-                            throughputs)
+from bench_batching import chunks, eager_twin, gradients, hand_batched, level_plan, throughputs  # noqa: E402
+from rntn import RNTN  # noqa: E402
 from tree_lstm import TreeLSTM  # noqa: E402
 
 import recompile  # noqa: E402
@@ -111,18 +114,74 @@ class WeightsMatmul(TreeLSTM):
         return h, c, loss
 
 
+class RNTNLinear(RNTN):
+    @recompile.function
+    def encode(self, tree, i):
+        """The RNTN's bilinear form as a Linear of V viewed as a matrix, then a product with x."""
+        if tree.is_leaf[i]:
+            h = torch.tanh(self.leaf(self.embed(tree.words[i])))
+            loss = 0.0
+        else:
+            hl, loss_l = self.encode(tree, tree.left[i])
+            hr, loss_r = self.encode(tree, tree.right[i])
+            x = torch.cat([hl, hr], dim=-1)
+            d, two_d = self.V.shape[0], self.V.shape[1]
+            bilinear = F.linear(x, self.V.view(d * two_d, two_d)).view(d, two_d) @ x
+            h = torch.tanh(bilinear + self.W(x))
+            loss = loss_l + loss_r
+        loss = loss + self.node_loss(h, tree.labels[i])
+        return h, loss
+
+
+def hand_batched_rntn(model, forest):
+    """Summed loss over every node of ``forest`` under RNTN ``model``, one batch per height (as
+    ``bench_batching.hand_batched`` batches the Tree-LSTM)."""
+    plan = level_plan(forest)
+    hidden = model.out.in_features
+
+    def by_reader(x, k):
+        counts = plan.uses[k]
+        readers = [p for p, n in enumerate(counts) if n]
+        return dict(zip(readers, torch.split(x, [counts[p] for p in readers])))
+
+    h = torch.tanh(model.leaf(model.embed(plan.leaf_words)))
+    hs, blocks = [h], [by_reader(h, 0)]
+    for level, children in enumerate(plan.children, 1):
+        parts = [b[level] for b in blocks if level in b]
+        x = (torch.cat(parts) if len(parts) > 1 else parts[0]).index_select(0, children).view(-1, 2 * hidden)
+        h = torch.tanh(torch.einsum("bi,kij,bj->bk", x, model.V, x) + model.W(x))
+        hs.append(h)
+        blocks.append(by_reader(h, level))
+    return F.cross_entropy(model.out(torch.cat(hs)), plan.labels, reduction="sum")
+
+
 SPELLINGS = {"chunk (the example)": TreeLSTM, "split by sizes": SplitSizes, "slices, addcmul": SlicesAddcmul,
              "view, unbind": UnbindView, "x @ W.t() + b": WeightsMatmul}
+RNTN_SPELLINGS = {"RNTN einsum (example)": RNTN, "RNTN linear of V.view": RNTNLinear}
 
 
 def check(cls, base, trees):
-    """Raise unless ``cls`` gives eager's per-tree values and gradients; its per-instance op counts."""
-    model = cls(base.embed.num_embeddings)
+    """Raise unless ``cls``, over a forest through recompile.vmap, gives its eager twin's per-tree values
+    and parameter gradients (float64); returns its per-instance op counts."""
+    eager = eager_twin(cls)(base.embed.num_embeddings).double()
+    eager.load_state_dict(base.state_dict())
+    model = cls(base.embed.num_embeddings).double()
     model.load_state_dict(base.state_dict())
     cls.encode.stats.reset()
-    check_per_tree(model, trees, lambda twin, forest: recompile.vmap(twin.encode, in_dims=(None, 0))(
-        forest, forest.roots), eager_cls=eager_twin(cls))
+    want = [eager.encode(tree, tree.root) for tree in trees]
+    want_grads = gradients(eager, sum(w[-1] for w in want))
+    forest = Forest.from_trees(trees)
+    got = recompile.vmap(model.encode, in_dims=(None, 0))(forest, forest.roots)
+    for value, wanted in zip(got, zip(*want)):
+        torch.testing.assert_close(value, torch.stack(wanted).detach(), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(gradients(model, got[-1].sum()), want_grads, rtol=1e-7, atol=1e-9)
     return dict(cls.encode.stats.get("per_instance", {}))
+
+
+def recompile_loss(model):
+    """forest -> minibatch loss through ``recompile.vmap`` (the loss is the last of what encode returns)."""
+    encode = recompile.vmap(model.encode, in_dims=(None, 0))
+    return lambda forest: encode(forest, forest.roots)[-1].sum()
 
 
 def main(argv=None):
@@ -137,30 +196,35 @@ def main(argv=None):
     data = args.data or sample_dir()
     sst = load_sst(data, splits=("train",))
     trees = sst.train[: args.trees]
-    torch.manual_seed(0)
-    base = TreeLSTM(len(sst.vocab))
-    print(f"Tree-LSTM (embed 300, hidden {H}) spelled {len(SPELLINGS)} ways, {len(trees)} SST trees from {data}, "
-          f"{args.threads} torch thread(s)")
-    for name, cls in SPELLINGS.items():
-        counts = check(cls, base, trees[:8])
-        print(f"  {name:22} matches eager (float64: h, c, loss, gradients); per-instance ops: {counts or 'none'}")
     forests = {size: [Forest.from_trees(chunk) for chunk in chunks(trees, size)] for size in args.batch}
-    models = {name: cls(len(sst.vocab)) for name, cls in SPELLINGS.items()}
-    for model in models.values():
-        model.load_state_dict(base.state_dict())
-    hand = copy.deepcopy(base)
-    print(f"{'':22} {'mode':>9} {'batch':>5} {'hand trees/s':>13} {'recompile trees/s':>18} {'rec/hand':>9}")
-    for mode, train in (("inference", False), ("training", True)):
-        for size in args.batch:
-            runs = {"hand": (lambda forest: hand_batched(hand, forest), hand, forests[size])}
-            runs.update({name: (recompile_batched(m), m, forests[size]) for name, m in models.items()})
-            best = throughputs(runs, train, args.repeats)
-            for name in SPELLINGS:
-                rec = best[name]
-                if isinstance(rec, Exception):
-                    print(f"{name:22} {mode:>9} {size:5d} {best['hand']:13.1f} {type(rec).__name__:>18} {'-':>9}")
-                    continue
-                print(f"{name:22} {mode:>9} {size:5d} {best['hand']:13.1f} {rec:18.1f} {rec / best['hand']:8.2f}x")
+    print(f"{len(trees)} SST trees from {data}, {args.threads} torch thread(s); each spelling checked against "
+          "eager (float64: every value returned per tree, and the parameter gradients) before it is timed")
+    for family, spellings, hand_loss in (("Tree-LSTM (embed 300, hidden 150)", SPELLINGS, hand_batched),
+                                         ("RNTN (embed 300, hidden 50)", RNTN_SPELLINGS, hand_batched_rntn)):
+        torch.manual_seed(0)
+        base = next(iter(spellings.values()))(len(sst.vocab))
+        print(family)
+        for name, cls in spellings.items():
+            counts = check(cls, base, trees[:8])
+            print(f"  {name:22} matches eager; per-instance ops: {counts or 'none'}")
+        models = {name: cls(len(sst.vocab)) for name, cls in spellings.items()}
+        for model in models.values():
+            model.load_state_dict(base.state_dict())
+        hand = copy.deepcopy(base)
+        print(f"{'':22} {'mode':>9} {'batch':>5} {'hand trees/s':>13} {'recompile trees/s':>18} {'rec/hand':>9}")
+        for mode, train in (("inference", False), ("training", True)):
+            for size in args.batch:
+                runs = {"hand": (lambda forest, hand=hand: hand_loss(hand, forest), hand, forests[size])}
+                runs.update({name: (recompile_loss(m), m, forests[size]) for name, m in models.items()})
+                best = throughputs(runs, train, args.repeats)
+                for name in spellings:
+                    rec = best[name]
+                    if isinstance(rec, Exception):
+                        print(f"{name:22} {mode:>9} {size:5d} {best['hand']:13.1f} {type(rec).__name__:>18} "
+                              f"{'-':>9}")
+                        continue
+                    print(f"{name:22} {mode:>9} {size:5d} {best['hand']:13.1f} {rec:18.1f} "
+                          f"{rec / best['hand']:8.2f}x")
 
 
 if __name__ == "__main__":

@@ -130,6 +130,13 @@ def lst(*parts):
     return bt.from_struct(list, list(parts), N)
 
 
+def tup(*parts):
+    return bt.from_struct(tuple, list(parts), N)
+
+
+LSTM_CELL, GRU_CELL, RNN_CELL = (cell(3, 5).double() for cell in (nn.LSTMCell, nn.GRUCell, nn.RNNCell))
+
+
 OPS = {
     # elementwise, with broadcasting between per-instance ranks and shared operands
     "add_same_rank": lambda w: (operator.add, (w(rand(N, 3, seed=1)), w(rand(N, 3, seed=2))), {}),
@@ -227,6 +234,20 @@ OPS = {
     "torch_logsumexp_dim": lambda w: (torch.logsumexp, (w(rand(N, 2, 4, seed=1)), 1), {}),
     "torch_norm_dim": lambda w: (torch.norm, (w(rand(N, 2, 4, seed=1)), 2, 0), {}),
     "torch_log_softmax_dim": lambda w: (torch.log_softmax, (w(rand(N, 2, 4, seed=1)), 0), {}),
+    # recurrent cells: an instance's input a vector or a matrix of rows; its state batched, shared or none
+    "lstm_cell": lambda w: (LSTM_CELL, (w(rand(N, 3, seed=1)), tup(w(rand(N, 5, seed=2)), w(rand(N, 5, seed=3)))),
+                            {}),
+    "lstm_cell_rows_shared_state": lambda w: (LSTM_CELL, (w(rand(N, 2, 3, seed=1)),
+                                                          (rand(2, 5, seed=2), rand(2, 5, seed=3))), {}),
+    "gru_cell_no_state": lambda w: (GRU_CELL, (w(rand(N, 3, seed=1)),), {}),
+    "rnn_cell_hx_keyword": lambda w: (RNN_CELL, (w(rand(N, 3, seed=1)),), {"hx": w(rand(N, 5, seed=2))}),
+    # einsum: batched operands get a subscript of their own, shared ones stay as they are
+    "einsum_bilinear_shared_tensor": lambda w: (torch.einsum, ("i,kij,j->k", w(rand(N, 3, seed=1)),
+                                                              rand(2, 3, 3, seed=2), w(rand(N, 3, seed=3))), {}),
+    "einsum_implicit_output": lambda w: (torch.einsum, ("ij,jk", w(rand(N, 2, 3, seed=1)), rand(3, 4, seed=2)), {}),
+    "einsum_ellipsis_list": lambda w: (torch.einsum, ("...j,j->...", lst(w(rand(N, 2, 3, seed=1)), rand(3, seed=2))),
+                                       {}),
+    "einsum_scalar_result": lambda w: (torch.einsum, ("i,i->", w(rand(N, 3, seed=1)), w(rand(N, 3, seed=2))), {}),
 }
 
 # losses: (C,) and (B, C) per-instance inputs, every reduction
@@ -799,6 +820,16 @@ def test_a_batch_times_a_shared_matrix_is_one_product(right):
         check_readers(out, [row @ w for row in x], N)
     out = br.call(N, operator.matmul, (rand(4, 2, seed=3), Batch(N, tensor=x.clone())))  # (shared @ batch: vmap)
     check_readers(out, [rand(4, 2, seed=3) @ row for row in x], N)
+
+
+@pytest.mark.parametrize("ranks", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_batched_vectors_and_matrices_times_each_other_are_one_product(ranks):
+    shapes = {(1, 1): ((3,), (3,)), (2, 1): ((2, 3), (3,)), (1, 2): ((3,), (3, 4)), (2, 2): ((2, 3), (3, 4))}[ranks]
+    x, y = rand(N, *shapes[0], seed=1), rand(N, *shapes[1], seed=2)
+    reset_counters()
+    out = br.call(N, operator.matmul, (Batch(N, tensor=x.clone()), Batch(N, tensor=y.clone())))
+    assert br.counters.per_instance == {}
+    check_readers(out, [x[k] @ y[k] for k in range(N)], N)
 
 
 def test_addcmul_addcdiv_and_lerp_batch_elementwise():

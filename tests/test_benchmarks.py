@@ -44,10 +44,11 @@ def test_batching_benchmark_runs(capsys):
 def test_idioms_benchmark_checks_and_times_every_spelling(capsys):
     bench_idioms.main(["--trees", "8", "--batch", "4", "--repeats", "1"])
     out = capsys.readouterr().out
-    assert out.count("matches eager") == len(bench_idioms.SPELLINGS)  # (main raises before the table otherwise)
-    assert out.count("per-instance ops: none") == len(bench_idioms.SPELLINGS)
+    spellings = len(bench_idioms.SPELLINGS) + len(bench_idioms.RNTN_SPELLINGS)
+    assert out.count("matches eager") == spellings  # (main raises before the table otherwise)
+    assert out.count("per-instance ops: none") == spellings
     rows = [line for line in out.splitlines() if line.rstrip().endswith("x") and " 4 " in line]
-    assert len(rows) == 2 * len(bench_idioms.SPELLINGS)  # each spelling, inference and training
+    assert len(rows) == 2 * spellings  # each spelling, inference and training
 
 
 def test_batching_benchmark_times_its_runs_in_turns():

@@ -121,20 +121,25 @@ AFTER = {
 
 # what facts gained after the move, on purpose: old name -> (names added, names removed)
 _ADDCMUL = (torch.addcmul, torch.addcdiv, torch.lerp)  # elementwise, with options (value=, weight=)
+_CELLS = (nn.RNNCell, nn.LSTMCell, nn.GRUCell)  # a batch of rows for the cell (batch_rules.recurrent_cell)
 GROWN = {
     # a slice, a range, a frozenset and ``...`` are values no call can change: every instance shares one
     "batch_rules._IMMUTABLE": (_names(slice, range, frozenset, type(Ellipsis)), set()),
     "batch_rules._ELEMENTWISE": (_names(*_ADDCMUL), set()),
-    # ``x @ w`` of a batched x and a shared matrix is one product (batch_rules.matmul), else vmap as before
+    # ``x @ w`` of a batched x and a shared matrix, or of two batches, is one product (batch_rules.matmul), else
+    # vmap as before; einsum gives batched operands a subscript of their own (a shared V is not copied)
     "batch_rules.RULES": (_entries([*((f, batch_rules.elementwise) for f in _ADDCMUL),
-                                    (operator.matmul, batch_rules.matmul), (torch.matmul, batch_rules.matmul)]),
+                                    (operator.matmul, batch_rules.matmul), (torch.matmul, batch_rules.matmul),
+                                    (torch.einsum, batch_rules.einsum)]),
                           {"_operator.matmul -> recompile:via_vmap"}),
-    "segments._GENERIC_OK": (_names(*_ADDCMUL, torch.matmul), set()),
+    "batch_rules.MODULE_RULES": (_entries((m, batch_rules.recurrent_cell) for m in _CELLS), set()),
+    "segments._GENERIC_OK": (_names(*_ADDCMUL, torch.matmul, torch.einsum), set()),
+    "segments._GENERIC_OK_MODULES": (_names(*_CELLS), set()),
     # chunk, split and unbind of a batched tensor traced into a tuple of batched tensors
     "segments._METHODS": ({"'chunk' -> (1, False)", "'split' -> (1, False)", "'unbind' -> (0, False)"}, set()),
     "segments._FORMS": (_entries([*((f, segments._elementwise_form) for f in _ADDCMUL),
-                                  (operator.matmul, segments._matmul_form), (torch.matmul, segments._matmul_form)]),
-                        set()),
+                                  (operator.matmul, segments._matmul_form), (torch.matmul, segments._matmul_form),
+                                  (torch.einsum, segments._einsum_form)]), set()),
 }
 
 

@@ -948,12 +948,23 @@ def _join_form(tr, fn, fn_slot, args, kwargs):
 
 @TRACE.register(operator.matmul, torch.matmul)
 def _matmul_form(tr, fn, fn_slot, args, kwargs):
-    """``x @ w``: a batched x (instance rank 1 or more) times a shared vector or matrix (``batch_rules.matmul``)."""
-    if len(args) != 2 or kwargs or args[1].kind != "S" or type(args[1].value) not in _PLAIN_TENSORS \
-            or args[1].value.dim() not in (1, 2):
+    """``x @ w``: a batched x (instance rank 1 or more) times a shared vector or matrix, or batched vectors
+    and matrices times each other (``batch_rules.matmul``)."""
+    if len(args) != 2 or kwargs:
         return None
-    x, w = tr.as_b(args[0]), args[1]
+    x = tr.as_b(args[0])
     if x is None or x.value.dim() < 2:
+        return None
+    if args[1].kind in ("B", "O"):
+        y = tr.as_b(args[1])
+        if y is None or x.value.dim() not in (2, 3) or y.value.dim() not in (2, 3):
+            return None
+        tr.guard_callable(fn, fn_slot)
+        name = tr.fresh()
+        tr.emit(f"{name} = _batched_product({x.name}, {y.name})")
+        return _Slot("B", name, batch_rules.batched_product(x.value, y.value))
+    w = args[1]
+    if w.kind != "S" or type(w.value) not in _PLAIN_TENSORS or w.value.dim() not in (1, 2):
         return None
     tr.guard_callable(fn, fn_slot)
     tr.guard_shared(w)
@@ -961,6 +972,35 @@ def _matmul_form(tr, fn, fn_slot, args, kwargs):
     name = tr.fresh()
     tr.emit(f"{name} = {x.name} @ {w.name}")
     return _Slot("B", name, x.value @ w.value)
+
+
+@TRACE.register(torch.einsum)
+def _einsum_form(tr, fn, fn_slot, args, kwargs):
+    """``torch.einsum(equation, *operands)`` of batched and shared tensors (``batch_rules.einsum``)."""
+    if kwargs or len(args) < 2 or args[0].kind != "S" or type(args[0].value) is not str:
+        return None
+    operands = args[1:]
+    if len(operands) == 1 and operands[0].kind == "T":
+        operands = operands[0].items
+    raw = []
+    for s in operands:
+        b = tr.as_b(s) if s.kind in ("B", "O") else None
+        if b is None and not (s.kind == "S" and type(s.value) in _PLAIN_TENSORS):
+            return None
+        raw.append(b if b is not None else s)
+    equation = batch_rules.batched_equation(args[0].value, [s.kind == "B" for s in raw])
+    if equation is None:
+        return None
+    tr.guard_callable(fn, fn_slot)
+    tr.guard_equal(args[0])
+    for s in raw:
+        if s.kind == "S":
+            tr.guard_shared(s)
+            tr.emit(f"if type({s.name}) not in _PLAIN_TENSORS: raise _Deopt")
+    fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
+    name = tr.fresh()
+    tr.emit(f"{name} = {fn_name}({equation!r}, {', '.join(s.name for s in raw)})")
+    return _Slot("B", name, fn(equation, *[s.value for s in raw]))
 
 
 @TRACE.register(intrinsics.build_tuple, intrinsics.build_list)
@@ -1047,4 +1087,4 @@ _HELPERS = {"_Batch": Batch, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor"
             "_LazyWeight": lazy_weights.LazyWeight, "_lazy_linear": lazy_weights.linear, "_module": _module,
             "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules.index_rows,
             "_call": batch_rules.call, "_item": batch_rules.item, "_fused": batch_rules.fused,
-            "_unpack": control.unpack, "_sharing": batch_rules.sharing, "_PLAIN_TENSORS": _PLAIN_TENSORS, "__builtins__": __builtins__}
+            "_unpack": control.unpack, "_sharing": batch_rules.sharing, "_batched_product": batch_rules.batched_product, "_PLAIN_TENSORS": _PLAIN_TENSORS, "__builtins__": __builtins__}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import operator
 import os
+import string
 import sys
 import threading
 import types
@@ -771,13 +772,28 @@ def _row_losses(fn, x, target):
 @BATCH.register(operator.matmul, torch.matmul)
 def matmul(n, fn, args, kwargs):
     """``x @ w`` of a batched x (instance rank 1 or more) and a shared vector or matrix w: one product, the
-    instance dim one more leading dim of x; anything else through vmap."""
-    if len(args) == 2 and not kwargs and type(args[0]) is Batch and type(args[1]) is not Batch \
-            and isinstance(args[1], torch.Tensor) and args[1].dim() in (1, 2):
-        x = bt.tensor_of(args[0])
+    instance dim one more leading dim of x; of two batched vectors or matrices, one batched product
+    (``batched_product``); anything else through vmap."""
+    if len(args) == 2 and not kwargs and type(args[0]) is Batch:
+        x, w = bt.tensor_of(args[0]), args[1]
         if x is not None and x.dim() > 1:
-            return bt.from_tensor(fn(x, args[1]))
+            if type(w) is not Batch and isinstance(w, torch.Tensor) and w.dim() in (1, 2):
+                return bt.from_tensor(fn(x, w))
+            y = bt.tensor_of(w) if type(w) is Batch else None
+            if y is not None and y.dim() in (2, 3) and x.dim() in (2, 3):
+                return bt.from_tensor(batched_product(x, y))
     return _vmapped(n, fn, args, kwargs, None)
+
+
+def batched_product(x, y):
+    """Instance k's ``x[k] @ y[k]`` for every k, of instance vectors or matrices (dim 0 the instance)."""
+    if x.dim() == 2 and y.dim() == 2:
+        return (x * y).sum(-1)
+    if y.dim() == 2:
+        return (x @ y.unsqueeze(-1)).squeeze(-1)
+    if x.dim() == 2:
+        return (x.unsqueeze(1) @ y).squeeze(1)
+    return x @ y
 
 
 _ANY_RANK = {F.embedding}
@@ -793,6 +809,82 @@ def _module_over_last_dims(n, module, args, kwargs):
         # (what Linear.forward runs, without Module.__call__'s dispatch: call() checked for hooks)
         return over_last_dims(n, F.linear, (args[0], module.weight, module.bias), kwargs)
     return over_last_dims(n, module, args, kwargs)
+
+
+@BATCH.register(nn.RNNCell, nn.LSTMCell, nn.GRUCell)
+def recurrent_cell(n, cell, args, kwargs):
+    """An RNN, LSTM or GRU cell on batched inputs: the instances' rows (an instance's input a vector, or a
+    matrix of rows) are one batch of rows for the cell; a shared state is every instance's."""
+    if len(args) > 2 or (kwargs and set(kwargs) != {"hx"}) or not args or type(args[0]) is not Batch:
+        return NotImplemented
+    x = bt.tensor_of(args[0])
+    if x is None or x.dim() not in (2, 3):
+        return NotImplemented
+    rows = x.shape[:-1]  # (n,) or (n, B)
+    hx = args[1] if len(args) > 1 else kwargs.get("hx")
+    states = None
+    if hx is not None:
+        parts = list(hx.struct[1]) if type(hx) is Batch and hx.struct is not None and hx.owner is None else \
+            list(hx) if type(hx) is tuple else [hx]
+        if (type(cell) is nn.LSTMCell) != (len(parts) == 2):
+            return NotImplemented
+        states = []
+        for part in parts:
+            t = bt.tensor_of(part) if type(part) is Batch else part
+            if not isinstance(t, torch.Tensor):
+                return NotImplemented
+            if type(part) is not Batch:
+                t = t.expand(*rows, *t.shape[-1:]) if t.dim() == x.dim() - 1 else None
+            if t is None or t.shape[:-1] != rows:
+                return NotImplemented
+            states.append(t.reshape(-1, t.shape[-1]))
+    flat = x.reshape(-1, x.shape[-1])
+    out = cell(flat) if states is None else cell(flat, tuple(states) if len(states) == 2 else states[0])
+    if type(out) is tuple:
+        return bt.from_struct(tuple, [bt.from_tensor(o.reshape(*rows, o.shape[-1])) for o in out], n)
+    return bt.from_tensor(out.reshape(*rows, out.shape[-1]))
+
+
+@BATCH.register(torch.einsum)
+def einsum(n, fn, args, kwargs):
+    """``torch.einsum(equation, *operands)`` with batched and shared operands: the batched ones get a
+    subscript of their own, first, and so does the result; shared ones are used as they are (vmap would
+    copy a shared tensor for every instance)."""
+    if kwargs or len(args) < 2 or type(args[0]) is not str:
+        return NotImplemented
+    operands = args[1:]
+    if len(operands) == 1 and type(operands[0]) in (list, tuple):
+        operands = operands[0]
+    if len(operands) == 1 and type(operands[0]) is Batch and operands[0].struct is not None:
+        operands = operands[0].struct[1]
+    equation = batched_equation(args[0], [type(o) is Batch for o in operands])
+    if equation is None:
+        return NotImplemented
+    tensors = []
+    for operand in operands:
+        t = bt.tensor_of(operand) if type(operand) is Batch else operand
+        if not isinstance(t, torch.Tensor):
+            return NotImplemented
+        tensors.append(t)
+    return bt.from_tensor(fn(equation, *tensors))
+
+
+def batched_equation(equation, batched):
+    """The einsum ``equation`` of operands each batched or not (``batched``): a subscript of its own, first,
+    for the batched operands and the result; None where none is batched or the equation is not of this form."""
+    equation = equation.replace(" ", "")
+    lhs, arrow, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(batched) or not any(batched):
+        return None
+    if not arrow:  # (implicit output: the subscripts seen once, in order, after any ellipsis)
+        letters = [ch for ch in lhs if ch.isalpha()]
+        rhs = ("..." if "..." in lhs else "") + "".join(sorted(ch for ch in set(letters) if letters.count(ch) == 1))
+    free = [ch for ch in string.ascii_letters if ch not in equation]
+    if not free:
+        return None
+    b = free[0]
+    return ",".join(b + t if is_batched else t for t, is_batched in zip(terms, batched)) + f"->{b}{rhs}"
 
 
 BATCH.register(torch.chunk, torch.split)(_dim_rule(2, default=0))
