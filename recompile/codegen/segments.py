@@ -1087,4 +1087,5 @@ _HELPERS = {"_Batch": Batch, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor"
             "_LazyWeight": lazy_weights.LazyWeight, "_lazy_linear": lazy_weights.linear, "_module": _module,
             "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules.index_rows,
             "_call": batch_rules.call, "_item": batch_rules.item, "_fused": batch_rules.fused,
-            "_unpack": control.unpack, "_sharing": batch_rules.sharing, "_batched_product": batch_rules.batched_product, "_PLAIN_TENSORS": _PLAIN_TENSORS, "__builtins__": __builtins__}
+            "_unpack": control.unpack, "_sharing": batch_rules.sharing, "_batched_product": batch_rules.batched_product,
+            "_PLAIN_TENSORS": _PLAIN_TENSORS, "__builtins__": __builtins__}
