@@ -135,3 +135,72 @@ def test_each_spelling_batches_as_the_example_does(fn):
     assert cls.encode.stats.get("per_instance", {}) == {}
     levels = cls.encode.callee(cls).batched_unit.levels
     assert levels.runs == 2 and levels.plain.runs == 2, (levels.runs, levels.plain.runs, levels.plain.refused)
+
+
+# -- what is computed once stays right: each a case where sharing one value would be wrong
+
+
+def bump(z):  # an undecorated helper that changes its argument in place
+    z += 1
+    return z
+
+
+def zeros_bumped(x):
+    z = torch.zeros(3, dtype=x.dtype)
+    return x + bump(z)
+
+
+class TwoLinears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 3).double()
+
+    def count(self, x):
+        return x * len(list(self.parameters()))  # (a generator per instance: each consumes its own)
+
+
+def draws(x, w):
+    return x + torch.dropout(w, 0.5, True) + torch.distributions.Normal(0.0, 1.0).sample((3,)).double()
+
+
+SHAPE = [2, 3]
+
+
+def view_by_list(x):
+    return (x * 2).view(SHAPE).sum(-1)
+
+
+def index_by(x, i):
+    return (x * 2)[i] + 1
+
+
+def test_a_helper_changing_a_value_computed_once_changes_its_instances_copy():
+    x = torch.arange(4.0, dtype=torch.float64).unsqueeze(1).expand(4, 3).clone()
+    got = recompile.vmap(recompile.function(zeros_bumped))(x)
+    torch.testing.assert_close(got, torch.stack([zeros_bumped(r) for r in x]))
+
+
+def test_a_method_of_a_module_and_random_draws_run_for_each_instance():
+    m = TwoLinears()
+    m.count = recompile.function(TwoLinears.count).__get__(m)
+    x = torch.ones(4, 3, dtype=torch.float64)
+    torch.testing.assert_close(recompile.vmap(m.count)(x), x * 4)
+    out = recompile.vmap(recompile.function(draws), in_dims=(0, None))(torch.zeros(4, 3, dtype=torch.float64),
+                                                                       torch.ones(3))
+    assert len({tuple(row.tolist()) for row in out}) == 4  # (each instance its own draws)
+
+
+def test_a_trace_relying_on_a_list_or_an_index_checks_it_on_every_call():
+    f = recompile.function(view_by_list)
+    x = torch.arange(24.0, dtype=torch.float64).view(4, 6)
+    for _ in range(2):
+        torch.testing.assert_close(recompile.vmap(f)(x), torch.stack([view_by_list(r) for r in x]))
+    SHAPE[:] = [3, 2]  # (the very list the trace read, changed in place)
+    try:
+        torch.testing.assert_close(recompile.vmap(f)(x), torch.stack([view_by_list(r) for r in x]))
+    finally:
+        SHAPE[:] = [2, 3]
+    g = recompile.vmap(recompile.function(index_by), in_dims=(0, None))
+    x = torch.arange(30.0, dtype=torch.float64).view(5, 6)
+    for i in (1, 1, True, 2, slice(1, 3), (Ellipsis, 1)):  # (True after 1: equal, but not the same index)
+        torch.testing.assert_close(g(x, i), torch.stack([index_by(r, i) for r in x]))

@@ -512,11 +512,15 @@ class _Tracer:
         self.define(op.outputs[0], _Slot("B", out, value))
 
     def guard_equal(self, slot):
-        """A shared value the trace relied on, equal on every call unless a constant of the program."""
+        """A shared value the trace relied on, the same on every call (its type too, ``1`` is not ``True``)
+        unless a constant of the program; a list is compared with a copy of it as traced."""
         if not slot.fixed:
-            if not facts.immutable(slot.value) and type(slot.value) is not list:
+            value = slot.value
+            if type(value) is list and all(facts.immutable(v) for v in value):
+                value = _Traced(value)
+            elif not facts.immutable(value):
                 raise _Untraceable
-            self.emit(f"if {slot.name} != {self.const(slot.value)}: raise _Deopt")
+            self.emit(f"if not _same({slot.name}, {self.const(value)}): raise _Deopt")
 
     def raw_call(self, op, fn, fn_slot, args, kwargs):
         """The slot of ``fn(*args, **kwargs)``: a raw form where one applies, else the batch rule's call."""
@@ -530,7 +534,12 @@ class _Tracer:
             # changes nothing in place; a segment checks its run's sharing)
             if self.plain is None:
                 self.emit("if not _sharing.fresh: raise _Deopt")
-            return self.shared_call(fn, fn_slot, args, kwargs)
+            slot = self.shared_call(fn, fn_slot, args, kwargs)
+            if not batch_rules.shareable_result(slot.value):
+                raise _Untraceable  # (a result each instance must have its own of: the batch rule's)
+            if self.plain is None and not facts.immutable(slot.value):
+                self.emit(f"_mark_fresh({slot.name})")  # (so that Python code run per instance copies it)
+            return slot
         form = _form_of(fn)
         if form is not None and all(s.kind == "S" for s in args):
             form = None  # (nothing batched: the batch rule decides whether every instance may share it)
@@ -1076,6 +1085,24 @@ def _module(m, x):
     return m(x)
 
 
+class _Traced(tuple):
+    """A list as a trace saw it: a copy (the list itself may change later), compared as a list."""
+
+
+def _same(a, b):
+    """Whether ``a`` is what the trace saw, ``b``: the same types and values, through tuples, lists and slices."""
+    kind = type(b)
+    if kind is _Traced:
+        return type(a) is list and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if type(a) is not kind:
+        return False
+    if kind is tuple:
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if kind is slice:
+        return _same(a.start, b.start) and _same(a.stop, b.stop) and _same(a.step, b.step)
+    return a == b
+
+
 def _struct(kind, parts, n):
     if all(type(p) is not Batch for p in parts):
         return kind(parts)
@@ -1088,4 +1115,5 @@ _HELPERS = {"_Batch": Batch, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor"
             "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules.index_rows,
             "_call": batch_rules.call, "_item": batch_rules.item, "_fused": batch_rules.fused,
             "_unpack": control.unpack, "_sharing": batch_rules.sharing, "_batched_product": batch_rules.batched_product,
+            "_mark_fresh": batch_rules.mark_fresh, "_same": _same,
             "_PLAIN_TENSORS": _PLAIN_TENSORS, "__builtins__": __builtins__}

@@ -19,6 +19,7 @@ import sys
 import threading
 import types
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -215,12 +216,23 @@ def _unbatched(n, fn, args, kwargs):
     torch op reads them as one shared list (``_vmapped_or_per_instance``)."""
     if fn is intrinsics.build_list and not kwargs:
         return bt.from_struct(list, list(args), n)
-    first = fn(*args, **kwargs) if kwargs else fn(*args)
     try:
-        shared = fn in _SHAREABLE or (fn in _PURE and facts.immutable(first))
+        reads = fn in _SHAREABLE
+        known = reads or fn in _PURE or (sharing.fresh and computes_alike(fn, kwargs))
     except TypeError:  # unhashable callable
-        shared = False
-    if shared or (sharing.fresh and computes_alike(fn, kwargs)):
+        reads = known = False
+    if not known and _fresh and _derived_from_fresh((*args, *(kwargs.values() if kwargs else ()))):
+        # Python code of a tensor computed once for every instance: each instance its own copy (``_own``)
+        _count(fn, n, _FRESH if sharing.fresh else _FRESH_CHANGED)
+        results = [fn(*[_own(a) for a in args], **{k: _own(v) for k, v in (kwargs or {}).items()})
+                   for _ in range(n)]
+        return results[0] if all(r is results[0] for r in results) else bt.from_items(results)
+    first = fn(*args, **kwargs) if kwargs else fn(*args)
+    if reads or (known and (facts.immutable(first) or (sharing.fresh and shareable_result(first)))):
+        if reads and _fresh and isinstance(first, torch.Tensor) and _derived_from_fresh(args):
+            mark_fresh(first)  # (a view of a tensor computed once: the same memory)
+        elif not reads and not facts.immutable(first):
+            mark_fresh(first)
         return first
     # a side effect, a random draw or a fresh object (a tensor, a list) per instance, as n runs would make
     _count(fn, n, _FRESH if sharing.fresh else _FRESH_CHANGED)
@@ -237,8 +249,8 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     results = []
     for k in range(n):
         f = bt.instance(fn, k)
-        a = [bt.instance(x, k) for x in args]
-        kw = {key: bt.instance(v, k) for key, v in kwargs.items()}
+        a = [_own(bt.instance(x, k)) for x in args]
+        kw = {key: _own(bt.instance(v, k)) for key, v in kwargs.items()}
         results.append(f(*a, **kw))
     for x in (*args, *kwargs.values(), fn.method[0] if type(fn) is Batch and fn.method else None):
         if type(x) is Batch and x.owner == "items":
@@ -251,7 +263,7 @@ def per_instance_or_once(n, thunk, values):
     if n == 1:
         return thunk(*values)
     _count(thunk, n, _UNPACKED)
-    return bt.from_items([thunk(*[bt.instance(v, k) for v in values]) for k in range(n)])
+    return bt.from_items([thunk(*[_own(bt.instance(v, k)) for v in values]) for k in range(n)])
 
 
 def _count(fn, n, why):
@@ -293,7 +305,7 @@ def _reason(fn):
 
 
 _warned = set()  # (file, line, op) already warned of
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # recompile/
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # recompile/
 
 
 def _fell_back(name, n, why):
@@ -321,19 +333,74 @@ def computes_alike(fn, kwargs):
     """Whether ``fn`` run again on the same values gives an equal, fresh result and changes nothing: a torch
     function, a method of a tensor or a module of a kind batch rules know (not one that draws random numbers
     or writes in place). What changes it in place afterwards is for the caller to rule out (``sharing``)."""
-    if kwargs and ("out" in kwargs or kwargs.get("inplace")):
+    if kwargs and ("out" in kwargs or kwargs.get("inplace") or kwargs.get("training")):
         return False
     kind = type(fn)
     if kind is BOUND_BUILTIN or kind is types.MethodType:
         name = tensor_method(fn)
         if name is not None:
             return not name.endswith("_") and name not in facts.DRAWING_METHODS
+        owner = getattr(fn, "__self__", None)
+        if not (owner is None or isinstance(owner, (type, types.ModuleType))):
+            return False  # (a method of an object: a module's parameters(), a distribution's sample())
     if isinstance(fn, nn.Module):
         return kind in BATCH.by_module and kind not in facts.DRAWS and not has_hooks(fn) and \
             not getattr(fn, "inplace", False)
-    module = getattr(fn, "__module__", None)
-    return (isinstance(module, str) and module.startswith("torch") and not module.startswith("torch.utils")
-            and not facts.among(fn, facts.DRAWS) and not getattr(fn, "__name__", "_").endswith("_"))
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__name__", None)
+    return (isinstance(module, str) and (module == "torch" or module.startswith("torch."))
+            and not module.startswith(("torch.utils", "torch.distributions")) and isinstance(name, str)
+            and not name.endswith("_") and not any(word in name for word in _STATEFUL_NAMES)
+            and not facts.among(fn, facts.DRAWS))
+
+
+# (torch functions whose names say they draw or keep state: not computed once for all instances)
+_STATEFUL_NAMES = ("rand", "dropout", "bernoulli", "multinomial", "normal", "poisson", "binomial", "rrelu",
+                   "batch_norm", "instance_norm", "sample", "seed", "manual", "set_", "empty")
+
+
+def shareable_result(value):
+    """A result every instance may hold as one object: a tensor, a value no call changes, a tuple of them."""
+    if type(value) is tuple:
+        return all(shareable_result(v) for v in value)
+    return isinstance(value, torch.Tensor) or facts.immutable(value)
+
+
+# Tensors computed once for every instance of a run because it changes nothing in place (``sharing``), and what
+# is read from them: each instance still gets its own copy where Python code not known to leave them unchanged
+# (an undecorated helper) runs for it (``_own``).
+_fresh = {}  # id -> weak reference (tensors compare elementwise: no WeakSet of them)
+
+
+def _is_fresh(value):
+    ref = _fresh.get(id(value))
+    return ref is not None and ref() is value
+
+
+def mark_fresh(value):
+    """Note a shared result of a torch op computed once (``sharing``): a tensor, or the tensors of a tuple."""
+    if isinstance(value, torch.Tensor):
+        key = id(value)
+        if not _is_fresh(value):
+            _fresh[key] = weakref.ref(value, lambda ref, key=key: _fresh.get(key) is ref and _fresh.pop(key))
+    elif type(value) is tuple:
+        for v in value:
+            mark_fresh(v)
+    return value
+
+
+def _derived_from_fresh(args):
+    for a in args:
+        if isinstance(a, torch.Tensor) and _is_fresh(a):
+            return True
+    return False
+
+
+def _own(value):
+    """``value`` as one instance gets it for Python code run for it alone: a copy of a tensor computed once
+    for every instance (``mark_fresh``), so that a change in place stays that instance's."""
+    if _fresh and isinstance(value, torch.Tensor) and _is_fresh(value):
+        return value.clone()
+    return value
 
 
 def _is_torch_op(fn, method):
