@@ -48,7 +48,7 @@ class SplitSizes(TreeLSTM):
             hr, cr, loss_r = self.encode(tree, tree.right[i])
             gates, forget = self.node(torch.cat([hl, hr], dim=-1)).split([3 * hidden, 2 * hidden], -1)
             ig, og, u = gates.split(hidden, dim=-1)
-            fl, fr = forget.split([hidden, hidden], -1)
+            fl, fr = torch.split(forget, [hidden, hidden], -1)
             c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cl + torch.sigmoid(fr) * cr
             loss = loss_l + loss_r
         h = torch.sigmoid(og) * torch.tanh(c)

@@ -139,7 +139,8 @@ GROWN = {
     "segments._METHODS": ({"'chunk' -> (1, False)", "'split' -> (1, False)", "'unbind' -> (0, False)"}, set()),
     "segments._FORMS": (_entries([*((f, segments._elementwise_form) for f in _ADDCMUL),
                                   (operator.matmul, segments._matmul_form), (torch.matmul, segments._matmul_form),
-                                  (torch.einsum, segments._einsum_form)]), set()),
+                                  (torch.einsum, segments._einsum_form), (F.linear, segments._linear_form)]),
+                        set()),
 }
 
 

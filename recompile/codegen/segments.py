@@ -620,6 +620,14 @@ class _Tracer:
             for v, s in zip(op.outputs, slot.items):
                 self.define(v, s)
             return
+        if slot.kind == "S" and type(slot.value) in (tuple, list, torch.Size) and len(slot.value) == k:
+            # a shared tuple (``d, h = V.shape[0], V.shape[1]``): its items, shared (a wrong length raises as
+            # Python does, and the op-by-op code raises it again from the user's line)
+            names = [self.fresh() for _ in range(k)]
+            self.emit(f"{', '.join(names)}{',' if k == 1 else ''} = {slot.name}")
+            for v, name, item in zip(op.outputs, names, slot.value):
+                self.define(v, _Slot("S", name, item))
+            return
         if slot.kind == "S" or self.plain is not None:
             raise _Untraceable  # (a shared value unpacked: leave it to the op-by-op code)
         value = control.unpack(self.n, self.wrapped_value(slot), k)
@@ -981,6 +989,29 @@ def _matmul_form(tr, fn, fn_slot, args, kwargs):
     name = tr.fresh()
     tr.emit(f"{name} = {x.name} @ {w.name}")
     return _Slot("B", name, x.value @ w.value)
+
+
+@TRACE.register(F.linear)
+def _linear_form(tr, fn, fn_slot, args, kwargs):
+    """``F.linear(x, w, b)`` of a batched x (instance rank 1 or more) and a shared weight and bias."""
+    if kwargs or len(args) not in (2, 3) or any(s.kind != "S" for s in args[1:]):
+        return None
+    x, w = tr.as_b(args[0]), args[1]
+    b = args[2] if len(args) == 3 else None
+    if x is None or x.value.dim() < 2 or type(w.value) not in _PLAIN_TENSORS or w.value.dim() != 2 or not (
+            b is None or b.value is None or type(b.value) in _PLAIN_TENSORS):
+        return None
+    tr.guard_callable(fn, fn_slot)
+    for s in (w, b):
+        if s is not None and s.value is not None:
+            tr.guard_shared(s)
+            tr.emit(f"if type({s.name}) not in _PLAIN_TENSORS: raise _Deopt")
+        elif s is not None and not s.fixed:
+            tr.emit(f"if {s.name} is not None: raise _Deopt")
+    fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
+    name = tr.fresh()
+    tr.emit(f"{name} = {fn_name}({', '.join(s.name for s in (x, w, b) if s is not None)})")
+    return _Slot("B", name, fn(x.value, w.value, None if b is None else b.value))
 
 
 @TRACE.register(torch.einsum)

@@ -506,6 +506,8 @@ def _tensor_args(n, args, like=None):
     out = []
     for a in args:
         if type(a) is Batch:
+            if a.struct is not None and a.owner is None:
+                return None  # (a list's items: no tensor, and reading it as one would give each instance its list)
             t = bt.tensor_of(a) if like is None else bt.tensor_like(a, like)
             if t is None:
                 return None
@@ -925,14 +927,9 @@ def einsum(n, fn, args, kwargs):
     if len(operands) == 1 and type(operands[0]) is Batch and operands[0].struct is not None:
         operands = operands[0].struct[1]
     equation = batched_equation(args[0], [type(o) is Batch for o in operands])
-    if equation is None:
+    tensors = _tensor_args(n, operands)
+    if equation is None or tensors is None or not all(isinstance(t, torch.Tensor) for t in tensors):
         return NotImplemented
-    tensors = []
-    for operand in operands:
-        t = bt.tensor_of(operand) if type(operand) is Batch else operand
-        if not isinstance(t, torch.Tensor):
-            return NotImplemented
-        tensors.append(t)
     return bt.from_tensor(fn(equation, *tensors))
 
 
