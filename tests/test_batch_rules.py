@@ -840,3 +840,12 @@ def test_addcmul_addcdiv_and_lerp_batch_elementwise():
         out = br.call(N, fn, args, kwargs)
         assert br.counters.per_instance == {} and br.BATCH.by_callable[fn] is br.elementwise
         check_readers(out, [fn(a[k], b[k], c[k] if fn is not torch.lerp else 0.25, **kwargs) for k in range(N)], N)
+
+
+def test_isinstance_of_a_batch_is_one_answer_where_every_instance_agrees():
+    reset_counters()
+    assert br.call(N, isinstance, (Batch(N, tensor=rand(N, 3)), torch.Tensor)) is True
+    assert br.call(N, isinstance, (tup(Batch(N, tensor=rand(N, 3)), 1.0), tuple)) is True
+    assert br.call(N, isinstance, (lst(Batch(N, tensor=rand(N, 3))), (tuple, int))) is False
+    mixed = br.call(N, isinstance, (bt.from_items([1, 2.0, 3, "4"]), int))
+    assert bt.items_of(mixed) == [True, False, True, False] and br.counters.per_instance == {}

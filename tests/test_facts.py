@@ -130,10 +130,11 @@ GROWN = {
     # vmap as before; einsum gives batched operands a subscript of their own (a shared V is not copied)
     "batch_rules.RULES": (_entries([*((f, batch_rules.elementwise) for f in _ADDCMUL),
                                     (operator.matmul, batch_rules.matmul), (torch.matmul, batch_rules.matmul),
-                                    (torch.einsum, batch_rules.einsum)]),
+                                    (torch.einsum, batch_rules.einsum), (isinstance, batch_rules.instance_of)]),
                           {"_operator.matmul -> recompile:via_vmap"}),
     "batch_rules.MODULE_RULES": (_entries((m, batch_rules.recurrent_cell) for m in _CELLS), set()),
-    "segments._GENERIC_OK": (_names(*_ADDCMUL, torch.matmul, torch.einsum), set()),
+    "segments._GENERIC_OK": (_names(*_ADDCMUL, torch.matmul, torch.einsum, isinstance), set()),
+    "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS), set()),
     # chunk, split and unbind of a batched tensor traced into a tuple of batched tensors
     "segments._METHODS": ({"'chunk' -> (1, False)", "'split' -> (1, False)", "'unbind' -> (0, False)"}, set()),

@@ -130,3 +130,66 @@ def test_a_trace_relying_on_a_list_or_an_index_checks_it_on_every_call():
     x = torch.arange(30.0, dtype=torch.float64).view(5, 6)
     for i in (1, 1, True, 2, slice(1, 3), (Ellipsis, 1)):  # (True after 1: equal, but not the same index)
         torch.testing.assert_close(g(x, i), torch.stack([index_by(r, i) for r in x]))
+
+
+class CellTree(torch.nn.Module):
+    """A binary tree model written with a recurrent cell: a node's cell reads its children's summed state."""
+
+    def __init__(self, cell):
+        super().__init__()
+        self.embed = torch.nn.Embedding(len(WORDS) + 1, 5)
+        self.proj = torch.nn.Linear(8, 5)
+        self.cell = cell(5, 4)
+        self.out = torch.nn.Linear(4, 5)
+
+    def node_loss(self, h, label):
+        return torch.nn.functional.cross_entropy(self.out(h), label)
+
+
+def lstm_cell_tree(self, tree, i):
+    if tree.is_leaf[i]:
+        h, c = self.cell(self.embed(tree.words[i]))
+        loss = 0.0
+    else:
+        hl, cl, loss_l = self.encode(tree, tree.left[i])
+        hr, cr, loss_r = self.encode(tree, tree.right[i])
+        h, c = self.cell(self.proj(torch.cat([hl, hr], dim=-1)), (hl + hr, cl + cr))
+        loss = loss_l + loss_r
+    return h, c, loss + self.node_loss(h, tree.labels[i])
+
+
+def gru_cell_tree(self, tree, i):
+    if tree.is_leaf[i]:
+        h = self.cell(self.embed(tree.words[i]))
+        loss = 0.0
+    else:
+        hl, _, loss_l = self.encode(tree, tree.left[i])
+        hr, _, loss_r = self.encode(tree, tree.right[i])
+        h = self.cell(self.proj(torch.cat([hl, hr], dim=-1)), hl + hr)
+        loss = loss_l + loss_r
+    return h, h, loss + self.node_loss(h, tree.labels[i])
+
+
+@pytest.mark.parametrize("cell", [torch.nn.LSTMCell, torch.nn.GRUCell, torch.nn.RNNCell])
+def test_a_tree_of_recurrent_cells_runs_as_a_plain_level_program(cell):
+    torch.manual_seed(0)
+    encode = lstm_cell_tree if cell is torch.nn.LSTMCell else gru_cell_tree
+    cls = type(f"Tree{cell.__name__}", (CellTree,), {"encode": recompile.function(encode),
+                                                     "node_loss": recompile.function(CellTree.node_loss)})
+    model = cls(cell).double()
+    plain = type("Eager", (CellTree,), {"encode": encode})(cell).double()
+    plain.load_state_dict(model.state_dict())
+    forest = Forest.from_trees(trees())
+    for _ in range(2):
+        model.zero_grad()
+        h, c, loss = recompile.vmap(model.encode, in_dims=(None, 0))(forest, forest.roots)
+        (h.sum() + c.sum() + loss.sum()).backward()
+        want = [plain.encode(t, t.root) for t in trees()]
+        plain.zero_grad()
+        sum(w[0].sum() + w[1].sum() + w[2] for w in want).backward()
+        for got, k in zip((h, c, loss), range(3)):
+            torch.testing.assert_close(got, torch.stack([w[k] for w in want]).detach())
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert cls.encode.stats.get("per_instance", {}) == {}
+    assert cls.encode.callee(cls).batched_unit.levels.plain.runs >= 2

@@ -858,6 +858,42 @@ def _elementwise_form(tr, fn, fn_slot, args, kwargs):
 _INFIX = {fn: syntax.SYMBOL[fn] for fn in (operator.add, operator.sub, operator.mul, operator.truediv)}
 
 
+_CELLS = (nn.RNNCell, nn.LSTMCell, nn.GRUCell)
+
+
+@TRACE.register(*_CELLS)
+def _cell_form(tr, fn, fn_slot, args, kwargs):
+    """An RNN, LSTM or GRU cell with no hooks on a batched input of vectors, its state batched or none
+    (``batch_rules.recurrent_cell``): one batch of rows; an LSTM's (h, c) a tuple of batched tensors."""
+    if kwargs or len(args) not in (1, 2) or not _plain_module(fn, type(fn)):
+        return None
+    x = tr.as_b(args[0])
+    if x is None or x.value.dim() != 2:
+        return None
+    states = []
+    if len(args) == 2:
+        hx = args[1]
+        parts = hx.items if hx.kind == "T" else [hx]
+        if (type(fn) is nn.LSTMCell) != (len(parts) == 2):
+            return None
+        for part in parts:
+            s = tr.as_b(part)
+            if s is None or s.value.dim() != 2:
+                return None
+            states.append(s)
+    tr.guard_callable(fn, fn_slot)
+    fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
+    state_text = "" if not states else ", " + (f"({states[0].name}, {states[1].name})" if len(states) == 2
+                                               else states[0].name)
+    value = fn(x.value, *(() if not states else ((states[0].value, states[1].value),) if len(states) == 2
+                          else (states[0].value,)))
+    name = tr.fresh()
+    tr.emit(f"{name} = _module({fn_name}, {x.name}{state_text})")
+    if type(value) is tuple:
+        return _Slot("T", name, value, [_Slot("B", f"{name}[{j}]", v) for j, v in enumerate(value)])
+    return _Slot("B", name, value)
+
+
 @TRACE.register(*_PLAIN_MODULES)
 def _module_form(tr, fn, fn_slot, args, kwargs):
     """A Linear or Embedding module with no hooks on a batched input (rank ≥ 1 for Linear)."""
@@ -1112,8 +1148,8 @@ def _plain_module(m, kind):
     return type(m) is kind and not has_hooks(m) and "forward" not in m.__dict__
 
 
-def _module(m, x):
-    return m(x)
+def _module(m, *args):
+    return m(*args)
 
 
 class _Traced(tuple):

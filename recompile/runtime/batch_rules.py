@@ -914,6 +914,22 @@ def recurrent_cell(n, cell, args, kwargs):
     return bt.from_tensor(out.reshape(*rows, out.shape[-1]))
 
 
+@BATCH.register(isinstance)
+def instance_of(n, fn, args, kwargs):
+    """``isinstance(x, cls)`` of a batched x: the rows of a tensor are tensors, the instances of a tuple or
+    list built in the program are tuples or lists; other forms instance by instance (one bool where all
+    agree)."""
+    if kwargs or len(args) != 2 or type(args[1]) is Batch or type(args[0]) is not Batch:
+        return NotImplemented
+    x, cls = args
+    if x.owner == "tensor":
+        return issubclass(torch.Tensor, cls)
+    if x.struct is not None and x.owner is None:
+        return issubclass(x.struct[0], cls)
+    found = [isinstance(v, cls) for v in bt.items_of(x)]
+    return found[0] if all(f is found[0] for f in found) else bt.from_items(found)
+
+
 @BATCH.register(torch.einsum)
 def einsum(n, fn, args, kwargs):
     """``torch.einsum(equation, *operands)`` with batched and shared operands: the batched ones get a
