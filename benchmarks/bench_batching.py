@@ -127,28 +127,30 @@ def level_plan(forest):
     return LevelPlan(forest.words[levels[0]], sizes, uses.tolist(), children, forest.labels[order])
 
 
+def by_reader(plan, x, k):
+    """Level k's output ``x``, cut into {parent height: block of rows} (views)."""
+    counts = plan.uses[k]
+    readers = [p for p, n in enumerate(counts) if n]
+    return dict(zip(readers, torch.split(x, [counts[p] for p in readers])))
+
+
+def inputs(blocks, p):
+    """Level p's inputs: the blocks of every lower level read by p, in level order."""
+    parts = [b[p] for b in blocks if p in b]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 def hand_batched(model, forest):
     """Summed loss over every node of ``forest`` under TreeLSTM ``model``, one batch per height."""
     plan = level_plan(forest)
     hidden = model.out.in_features
-
-    def by_reader(x, k):
-        """Level k's output, cut into {parent height: block of rows} (views)."""
-        counts = plan.uses[k]
-        readers = [p for p, n in enumerate(counts) if n]
-        return dict(zip(readers, torch.split(x, [counts[p] for p in readers])))
-
-    def inputs(blocks, p):
-        """Level p's inputs: the blocks of every lower level read by p, in level order."""
-        parts = [b[p] for b in blocks if p in b]
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     # Height 0: every leaf of the minibatch at once.
     ig, og, u = torch.chunk(model.leaf(model.embed(plan.leaf_words)), 3, dim=-1)
     c = torch.sigmoid(ig) * torch.tanh(u)
     h = torch.sigmoid(og) * torch.tanh(c)
     hs = [h]
-    h_blocks, c_blocks = [by_reader(h, 0)], [by_reader(c, 0)]
+    h_blocks, c_blocks = [by_reader(plan, h, 0)], [by_reader(plan, c, 0)]
     for level, children in enumerate(plan.children, 1):
         n = plan.sizes[level]
         # children holds (left, right) pairs, so n x [hl | hr] is a view of the gathered rows
@@ -160,8 +162,8 @@ def hand_batched(model, forest):
         c = ig * torch.tanh(gates[:, 2 * hidden:3 * hidden]) + (forget * clr).sum(1)
         h = og * torch.tanh(c)
         hs.append(h)
-        h_blocks.append(by_reader(h, level))
-        c_blocks.append(by_reader(c, level))
+        h_blocks.append(by_reader(plan, h, level))
+        c_blocks.append(by_reader(plan, c, level))
     return F.cross_entropy(model.out(torch.cat(hs)), plan.labels, reduction="sum")
 
 
@@ -241,13 +243,14 @@ def gradients(model, loss):
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def check_hand_batched(model, trees):
-    """Raise unless hand_batched gives eager's loss and parameter gradients (float64)."""
-    eager = eager_twin(TreeLSTM)(model.embed.num_embeddings).double()
+def check_hand_batched(model, trees, hand=None):
+    """Raise unless ``hand`` (by default hand_batched) gives the eager twin's loss and parameter gradients
+    (float64)."""
+    eager = eager_twin(type(model))(model.embed.num_embeddings).double()
     eager.load_state_dict(model.state_dict())
     want = eager_loss(eager, trees)
     want_grads = gradients(eager, want)
-    got = hand_batched(eager, Forest.from_trees(trees))
+    got = (hand or hand_batched)(eager, Forest.from_trees(trees))
     got_grads = gradients(eager, got)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(got_grads, want_grads, rtol=1e-9, atol=1e-9)
@@ -333,19 +336,30 @@ def chunks(items, size):
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(description):
+    """The options every SST benchmark takes: --data, --trees, --batch, --threads, --repeats."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None, help="SST directory (default: the shipped sample)")
-    p.add_argument("--trees", type=int, default=512, help="trees timed (hand-batched and recompile)")
-    p.add_argument("--eager-trees", type=int, default=100, help="of those, the first M are timed eagerly")
+    p.add_argument("--trees", type=int, default=512, help="trees timed")
     p.add_argument("--batch", type=int, nargs="+", default=[25, 256], help="minibatch sizes")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--repeats", type=int, default=3, help="timed passes; the best counts")
-    args = p.parse_args(argv)
+    return p
+
+
+def sst_trees(args):
+    """(the data directory, SST, its first --trees train trees), with --threads torch threads set."""
     torch.set_num_threads(args.threads)
     data = args.data or sample_dir()
     sst = load_sst(data, splits=("train",))
-    trees = sst.train[: args.trees]
+    return data, sst, sst.train[: args.trees]
+
+
+def main(argv=None):
+    p = arguments(__doc__)
+    p.add_argument("--eager-trees", type=int, default=100, help="of those, the first M are timed eagerly")
+    args = p.parse_args(argv)
+    data, sst, trees = sst_trees(args)
     eager_trees = trees[: args.eager_trees]
 
     torch.manual_seed(0)

@@ -14,7 +14,6 @@ of ``examples/rntn.py`` (its bilinear form with ``torch.einsum`` on the shared t
 written ``F.linear(x, V.view(...)).view(...) @ x`` go the same way, beside an RNTN batched by hand by height.
 """
 
-import argparse
 import copy
 import os
 import sys
@@ -25,12 +24,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-from bench_batching import chunks, eager_twin, gradients, hand_batched, level_plan, throughputs  # noqa: E402
+from bench_batching import (arguments, by_reader, check_hand_batched, chunks, eager_twin, gradients,  # noqa: E402
+                            hand_batched, inputs, level_plan, sst_trees, throughputs)
 from rntn import RNTN  # noqa: E402
 from tree_lstm import TreeLSTM  # noqa: E402
 
 import recompile  # noqa: E402
-from recompile.data import Forest, load_sst, sample_dir  # noqa: E402
+from recompile.data import Forest  # noqa: E402
 
 H = 150  # the hidden size, as a module constant (the slices spelling)
 
@@ -138,20 +138,13 @@ def hand_batched_rntn(model, forest):
     ``bench_batching.hand_batched`` batches the Tree-LSTM)."""
     plan = level_plan(forest)
     hidden = model.out.in_features
-
-    def by_reader(x, k):
-        counts = plan.uses[k]
-        readers = [p for p, n in enumerate(counts) if n]
-        return dict(zip(readers, torch.split(x, [counts[p] for p in readers])))
-
     h = torch.tanh(model.leaf(model.embed(plan.leaf_words)))
-    hs, blocks = [h], [by_reader(h, 0)]
+    hs, blocks = [h], [by_reader(plan, h, 0)]
     for level, children in enumerate(plan.children, 1):
-        parts = [b[level] for b in blocks if level in b]
-        x = (torch.cat(parts) if len(parts) > 1 else parts[0]).index_select(0, children).view(-1, 2 * hidden)
+        x = inputs(blocks, level).index_select(0, children).view(-1, 2 * hidden)
         h = torch.tanh(torch.einsum("bi,kij,bj->bk", x, model.V, x) + model.W(x))
         hs.append(h)
-        blocks.append(by_reader(h, level))
+        blocks.append(by_reader(plan, h, level))
     return F.cross_entropy(model.out(torch.cat(hs)), plan.labels, reduction="sum")
 
 
@@ -185,17 +178,8 @@ def recompile_loss(model):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=None, help="SST directory (default: the shipped sample)")
-    p.add_argument("--trees", type=int, default=512, help="trees timed")
-    p.add_argument("--batch", type=int, nargs="+", default=[25, 256], help="minibatch sizes")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--repeats", type=int, default=3, help="timed passes; the best counts")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    data = args.data or sample_dir()
-    sst = load_sst(data, splits=("train",))
-    trees = sst.train[: args.trees]
+    args = arguments(__doc__).parse_args(argv)
+    data, sst, trees = sst_trees(args)
     forests = {size: [Forest.from_trees(chunk) for chunk in chunks(trees, size)] for size in args.batch}
     print(f"{len(trees)} SST trees from {data}, {args.threads} torch thread(s); each spelling checked against "
           "eager (float64: every value returned per tree, and the parameter gradients) before it is timed")
@@ -204,6 +188,8 @@ def main(argv=None):
         torch.manual_seed(0)
         base = next(iter(spellings.values()))(len(sst.vocab))
         print(family)
+        check_hand_batched(base, trees[:8], hand_loss)
+        print(f"  {'hand-batched':22} matches eager (float64: the loss and its gradients)")
         for name, cls in spellings.items():
             counts = check(cls, base, trees[:8])
             print(f"  {name:22} matches eager; per-instance ops: {counts or 'none'}")

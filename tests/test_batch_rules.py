@@ -23,6 +23,7 @@ from torch import nn
 
 from recompile.runtime import batch as bt
 from recompile.runtime import batch_rules as br
+from recompile.runtime.sharing import state as sharing_state
 from recompile import intrinsics
 from recompile.runtime.batch import Batch
 
@@ -748,11 +749,11 @@ def test_cross_entropy_of_many_rows_of_few_classes_is_torchs(classes, reduction,
 
 @pytest.fixture
 def sharing():
-    """``batch_rules.sharing.fresh`` as a run that changes nothing in place sets it; restored after."""
-    saved = br.sharing.fresh
-    br.sharing.fresh = True
-    yield br.sharing
-    br.sharing.fresh = saved
+    """``runtime.sharing.state.fresh`` as a run that changes nothing in place sets it; restored after."""
+    saved = sharing_state.fresh
+    sharing_state.fresh = True
+    yield sharing_state
+    sharing_state.fresh = saved
 
 
 @pytest.mark.parametrize("make", [lambda: (slice, (None, 3)), lambda: (range, (2, 5)),

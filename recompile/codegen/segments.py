@@ -41,7 +41,7 @@ from .. import config, intrinsics, ir
 from ..ops import facts, syntax
 from ..ops.table import RuleTable, has_hooks, tensor_method
 from ..runtime import batch as bt
-from ..runtime import batch_rules, control, lazy_weights
+from ..runtime import batch_rules, control, lazy_weights, sharing
 from ..runtime.batch import Batch
 from ..runtime.frames import annotated_by
 from ..runtime.levels import NotPlain
@@ -528,14 +528,14 @@ class _Tracer:
             raise _Untraceable  # (it changes its argument: a run cut short could not be run again)
         if all(s.kind == "S" for s in args) and _shareable(fn):
             return self.shared_call(fn, fn_slot, args, kwargs)
-        if all(s.kind == "S" for s in args) and (self.plain is not None or batch_rules.sharing.fresh) and \
+        if all(s.kind == "S" for s in args) and (self.plain is not None or sharing.state.fresh) and \
                 batch_rules.computes_alike(fn, {k: s.value for k, s in kwargs.items()}):
             # a torch op of shared values, in a run that changes nothing in place: once, shared (a level run
             # changes nothing in place; a segment checks its run's sharing)
             if self.plain is None:
                 self.emit("if not _sharing.fresh: raise _Deopt")
             slot = self.shared_call(fn, fn_slot, args, kwargs)
-            if not batch_rules.shareable_result(slot.value):
+            if not sharing.shareable_result(slot.value):
                 raise _Untraceable  # (a result each instance must have its own of: the batch rule's)
             if self.plain is None and not facts.immutable(slot.value):
                 self.emit(f"_mark_fresh({slot.name})")  # (so that Python code run per instance copies it)
@@ -1181,6 +1181,6 @@ _HELPERS = {"_Batch": Batch, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor"
             "_LazyWeight": lazy_weights.LazyWeight, "_lazy_linear": lazy_weights.linear, "_module": _module,
             "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules.index_rows,
             "_call": batch_rules.call, "_item": batch_rules.item, "_fused": batch_rules.fused,
-            "_unpack": control.unpack, "_sharing": batch_rules.sharing, "_batched_product": batch_rules.batched_product,
-            "_mark_fresh": batch_rules.mark_fresh, "_same": _same,
+            "_unpack": control.unpack, "_sharing": sharing.state, "_batched_product": batch_rules.batched_product,
+            "_mark_fresh": sharing.mark_fresh, "_same": _same,
             "_PLAIN_TENSORS": _PLAIN_TENSORS, "__builtins__": __builtins__}

@@ -34,6 +34,14 @@ def tensor_method(fn):
     return None
 
 
+def torch_callable(fn):
+    """Whether ``fn`` is torch's: a module, or a callable of one of torch's modules (not torch.utils)."""
+    if isinstance(fn, nn.Module):
+        return True
+    module = getattr(fn, "__module__", None) or ""
+    return isinstance(module, str) and (module.startswith("torch") and not module.startswith("torch.utils"))
+
+
 def has_hooks(module, backward=False):
     """Whether a hook (the module's own or a global one) may change what ``module`` computes (forward
     hooks; with ``backward``, backward hooks too)."""

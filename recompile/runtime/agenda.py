@@ -46,7 +46,7 @@ from functools import partial
 import torch
 
 from . import batch as bt
-from . import batch_rules, streams
+from . import batch_rules, sharing, streams
 from .. import config
 from .frames import RunStats, annotate, annotated_by, mark_annotated, too_deep, unwrap_stop_iteration
 from .units import Deferred, unit_of
@@ -125,10 +125,10 @@ def run(target, args, n=1, pool=None):
     batches), on the calling thread or with the workers of ``pool``. Returns (result, RunStats)."""
     started = time.perf_counter()
     stats = RunStats()
-    counters, sharing = batch_rules.counters, batch_rules.sharing
+    counters = batch_rules.counters
     saved, counters.per_instance = counters.per_instance, {}
     mutates = getattr(target, "may_mutate", True)
-    saved_sharing, sharing.fresh = sharing.fresh, not mutates
+    saved_sharing, sharing.state.fresh = sharing.state.fresh, not mutates
     try:
         run = _Run.of(stats, pool, args, mutates)
         unit = unit_of(target)
@@ -143,7 +143,7 @@ def run(target, args, n=1, pool=None):
         result = run.go(unit, args, n)
     finally:
         stats.per_instance, counters.per_instance = counters.per_instance, saved
-        sharing.fresh = saved_sharing
+        sharing.state.fresh = saved_sharing
         stats.total_s = time.perf_counter() - started
     return result, stats
 
@@ -271,12 +271,12 @@ class _Run:
         modes = ThreadState()
         stream = torch.cuda.current_stream(self.device) if self.device is not None else None
 
-        share = batch_rules.sharing.fresh
+        share = sharing.state.fresh
 
         def task(i, worker):
-            counters, sharing = batch_rules.counters, batch_rules.sharing
+            counters, state = batch_rules.counters, sharing.state
             saved, counters.per_instance = counters.per_instance, {}
-            saved_sharing, sharing.fresh = sharing.fresh, share  # (this run's, on the worker's thread too)
+            saved_sharing, state.fresh = state.fresh, share  # (this run's, on the worker's thread too)
             on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             try:
                 with modes.applied(), on_stream:
@@ -285,7 +285,7 @@ class _Run:
             except BaseException as exc:  # (setting the thread up failed): the frame's step fails with it
                 outcomes[i] = (_FAILED, exc, counters.per_instance)
             finally:
-                counters.per_instance, sharing.fresh = saved, saved_sharing
+                counters.per_instance, state.fresh = saved, saved_sharing
                 with lock:
                     left[0] -= 1
                     if left[0] == 0:

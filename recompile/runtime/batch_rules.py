@@ -7,29 +7,27 @@ tensor op with dim 0 the instance — the hand-written rules below for the ops
 models are made of (elementwise, linear and embedding, cat/stack/chunk,
 indexing with batched indices as a gather, reductions, softmax, losses), then
 torch.func.vmap for any other torch function, Tensor method or module — and
-where neither applies the op runs per instance and is counted.
+where neither applies the op runs per instance, is counted and warned of
+(``runtime.fallbacks``). What every instance may share, and each instance's own
+copies, is ``runtime.sharing``'s to say.
 """
 
 from __future__ import annotations
 
 import operator
-import os
 import string
-import sys
 import threading
 import types
-import warnings
-import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import config, intrinsics
-from ..errors import PerInstanceError, PerInstanceWarning
 from ..ops import facts
-from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method
+from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
+from . import fallbacks, sharing
 from .batch import Batch
 
 # Batch rules, filed as the gradient rules are (``ops.table``): ``rule(n, fn, args, kwargs)`` for a callable
@@ -50,18 +48,6 @@ class Counters(threading.local):
 
 
 counters = Counters()
-
-
-class Sharing(threading.local):
-    """Per-thread: whether the run going on changes nothing in place (``passes.effects``). Then the result
-    of a torch op none of whose inputs differ between instances is computed once and shared by them all,
-    as ``torch.func.vmap`` computes an unmapped value once: nothing can change one instance's copy."""
-
-    def __init__(self):
-        self.fresh = False
-
-
-sharing = Sharing()
 
 
 def _name(fn):
@@ -218,24 +204,25 @@ def _unbatched(n, fn, args, kwargs):
         return bt.from_struct(list, list(args), n)
     try:
         reads = fn in _SHAREABLE
-        known = reads or fn in _PURE or (sharing.fresh and computes_alike(fn, kwargs))
+        known = reads or fn in _PURE or (sharing.state.fresh and computes_alike(fn, kwargs))
     except TypeError:  # unhashable callable
         reads = known = False
-    if not known and _fresh and _derived_from_fresh((*args, *(kwargs.values() if kwargs else ()))):
-        # Python code of a tensor computed once for every instance: each instance its own copy (``_own``)
-        _count(fn, n, _FRESH if sharing.fresh else _FRESH_CHANGED)
-        results = [fn(*[_own(a) for a in args], **{k: _own(v) for k, v in (kwargs or {}).items()})
-                   for _ in range(n)]
+    if not known and sharing.any_fresh((*args, *(kwargs.values() if kwargs else ()))):
+        # Python code of a tensor computed once for every instance: each instance its own copy (``own``)
+        _count(fn, n, fallbacks.FRESH if sharing.state.fresh else fallbacks.FRESH_CHANGED)
+        own = sharing.own
+        results = [fn(*[own(a) for a in args], **{k: own(v) for k, v in (kwargs or {}).items()}) for _ in range(n)]
         return results[0] if all(r is results[0] for r in results) else bt.from_items(results)
     first = fn(*args, **kwargs) if kwargs else fn(*args)
-    if reads or (known and (facts.immutable(first) or (sharing.fresh and shareable_result(first)))):
-        if reads and _fresh and isinstance(first, torch.Tensor) and _derived_from_fresh(args):
-            mark_fresh(first)  # (a view of a tensor computed once: the same memory)
+    shared = known and (facts.immutable(first) or (sharing.state.fresh and sharing.shareable_result(first)))
+    if reads or shared:
+        if reads and isinstance(first, torch.Tensor) and sharing.any_fresh(args):
+            sharing.mark_fresh(first)  # (a view of a tensor computed once: the same memory)
         elif not reads and not facts.immutable(first):
-            mark_fresh(first)
+            sharing.mark_fresh(first)
         return first
     # a side effect, a random draw or a fresh object (a tensor, a list) per instance, as n runs would make
-    _count(fn, n, _FRESH if sharing.fresh else _FRESH_CHANGED)
+    _count(fn, n, fallbacks.FRESH if sharing.state.fresh else fallbacks.FRESH_CHANGED)
     results = [first] + [fn(*args, **kwargs) if kwargs else fn(*args) for _ in range(n - 1)]
     if all(r is first for r in results):  # (None from a helper run for its effect)
         return first
@@ -244,13 +231,13 @@ def _unbatched(n, fn, args, kwargs):
 
 def per_instance(n, fn, args, kwargs=None, why=None):
     """The op run once per instance; the results batched."""
-    _count(fn, n, why or _reason(fn))
+    _count(fn, n, why or fallbacks.reason(fn))
     kwargs = kwargs or {}
     results = []
     for k in range(n):
         f = bt.instance(fn, k)
-        a = [_own(bt.instance(x, k)) for x in args]
-        kw = {key: _own(bt.instance(v, k)) for key, v in kwargs.items()}
+        a = [sharing.own(bt.instance(x, k)) for x in args]
+        kw = {key: sharing.own(bt.instance(v, k)) for key, v in kwargs.items()}
         results.append(f(*a, **kw))
     for x in (*args, *kwargs.values(), fn.method[0] if type(fn) is Batch and fn.method else None):
         if type(x) is Batch and x.owner == "items":
@@ -262,69 +249,15 @@ def per_instance_or_once(n, thunk, values):
     """A call whose arguments are unpacked (``f(*xs, **kw)``), run per instance on ``values``."""
     if n == 1:
         return thunk(*values)
-    _count(thunk, n, _UNPACKED)
-    return bt.from_items([thunk(*[_own(bt.instance(v, k)) for v in values]) for k in range(n)])
+    _count(thunk, n, fallbacks.UNPACKED)
+    return bt.from_items([thunk(*[sharing.own(bt.instance(v, k)) for v in values]) for k in range(n)])
 
 
 def _count(fn, n, why):
     name = _name(fn)
     counters.per_instance[name] = counters.per_instance.get(name, 0) + n
     if config.PER_INSTANCE != "allow":
-        _fell_back(name, n, why)
-
-
-# Why an op ran once per instance, and what to write instead: (why, instead).
-_FRESH = ("no instance differs in its arguments, but each gets a result of its own (a fresh object, a random "
-          "draw or a side effect)", "if it has none of these, compute it once outside the compiled function")
-_FRESH_CHANGED = ("no instance differs in its arguments, but the program changes values in place, so each "
-                  "instance gets a fresh result of its own", "change a copy (y = x + 1, not x += 1) so that the "
-                  "program changes nothing in place")
-_UNPACKED = ("its arguments are unpacked (*args, **kwargs) and may differ per instance",
-             "pass the arguments one by one")
-_CHOSEN = ("each instance calls its own callable (one chosen by the data)",
-           "choose with if/elif, so that each branch batches, or index a stacked parameter")
-_PYTHON_VALUE = ("it makes a Python value of each instance's tensor", "keep it a tensor: torch.where(c, a, b) for "
-                 "an if on it, a tensor index for an int")
-_PYTHON = ("it is Python code of per-instance values", "compile it with @recompile.function, or write it "
-           "with torch ops")
-_UNVMAPPABLE = ("torch.func.vmap cannot batch it here (a shape that depends on the values, or a call into "
-                "Python)", "write it with ops whose result's shape does not depend on the values")
-_WRITES = ("it changes each instance's tensor in place", "write it out of place (y = x.add(1), not x.add_(1))")
-_PYTHON_VALUES = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy", int, float, bool}
-
-
-def _reason(fn):
-    if type(fn) is Batch:
-        if fn.method is None:
-            return _CHOSEN
-        name = fn.method[1]
-        return _PYTHON_VALUE if name in _PYTHON_VALUES else _WRITES if name.endswith("_") else _UNVMAPPABLE
-    if facts.among(fn, _PYTHON_VALUES) or getattr(fn, "__name__", None) in _PYTHON_VALUES:
-        return _PYTHON_VALUE
-    return _UNVMAPPABLE if _is_torch_op(fn, None) else _PYTHON
-
-
-_warned = set()  # (file, line, op) already warned of
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # recompile/
-
-
-def _fell_back(name, n, why):
-    """Warn of (or, with ``config.PER_INSTANCE == "error"``, refuse) an op run once per instance, at the
-    user's line: the first frame outside recompile (generated code runs under the user's file and line)."""
-    frame = sys._getframe(2)
-    while frame is not None and (frame.f_code.co_filename.startswith(_HERE)
-                                 or frame.f_code.co_filename.startswith("<recompile")):
-        frame = frame.f_back
-    filename, line = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("<unknown>", 0)
-    reason, instead = why
-    message = (f"recompile: {name} runs once per instance at {os.path.basename(filename)}:{line} ({n} "
-               f"instances): {reason}; {instead}")
-    if config.PER_INSTANCE == "error":
-        raise PerInstanceError(message + ' (config.PER_INSTANCE is "error")')
-    key = (filename, line, name)
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn_explicit(message, PerInstanceWarning, filename, line)
+        fallbacks.fell_back(name, n, why)
 
 
 # -- torch.func.vmap for torch ops without a rule here
@@ -332,7 +265,7 @@ def _fell_back(name, n, why):
 def computes_alike(fn, kwargs):
     """Whether ``fn`` run again on the same values gives an equal, fresh result and changes nothing: a torch
     function, a method of a tensor or a module of a kind batch rules know (not one that draws random numbers
-    or writes in place). What changes it in place afterwards is for the caller to rule out (``sharing``)."""
+    or writes in place). What changes it in place afterwards is for the caller to rule out (``runtime.sharing``)."""
     if kwargs and ("out" in kwargs or kwargs.get("inplace") or kwargs.get("training")):
         return False
     kind = type(fn)
@@ -358,60 +291,6 @@ _STATEFUL_NAMES = ("rand", "dropout", "bernoulli", "multinomial", "normal", "poi
                    "batch_norm", "instance_norm", "sample", "seed", "manual", "set_", "empty")
 
 
-def shareable_result(value):
-    """A result every instance may hold as one object: a tensor, a value no call changes, a tuple of them."""
-    if type(value) is tuple:
-        return all(shareable_result(v) for v in value)
-    return isinstance(value, torch.Tensor) or facts.immutable(value)
-
-
-# Tensors computed once for every instance of a run because it changes nothing in place (``sharing``), and what
-# is read from them: each instance still gets its own copy where Python code not known to leave them unchanged
-# (an undecorated helper) runs for it (``_own``).
-_fresh = {}  # id -> weak reference (tensors compare elementwise: no WeakSet of them)
-
-
-def _is_fresh(value):
-    ref = _fresh.get(id(value))
-    return ref is not None and ref() is value
-
-
-def mark_fresh(value):
-    """Note a shared result of a torch op computed once (``sharing``): a tensor, or the tensors of a tuple."""
-    if isinstance(value, torch.Tensor):
-        key = id(value)
-        if not _is_fresh(value):
-            _fresh[key] = weakref.ref(value, lambda ref, key=key: _fresh.get(key) is ref and _fresh.pop(key))
-    elif type(value) is tuple:
-        for v in value:
-            mark_fresh(v)
-    return value
-
-
-def _derived_from_fresh(args):
-    for a in args:
-        if isinstance(a, torch.Tensor) and _is_fresh(a):
-            return True
-    return False
-
-
-def _own(value):
-    """``value`` as one instance gets it for Python code run for it alone: a copy of a tensor computed once
-    for every instance (``mark_fresh``), so that a change in place stays that instance's."""
-    if _fresh and isinstance(value, torch.Tensor) and _is_fresh(value):
-        return value.clone()
-    return value
-
-
-def _is_torch_op(fn, method):
-    if method is not None:
-        return True
-    if isinstance(fn, nn.Module):
-        return True
-    module = getattr(fn, "__module__", None) or ""
-    return isinstance(module, str) and (module.startswith("torch") and not module.startswith("torch.utils"))
-
-
 def _shared_structs(values):
     """``values`` with each list or tuple of shared items, held as a struct (``_unbatched``), made the one
     list or tuple every instance has; None if there is none."""
@@ -424,7 +303,8 @@ def _shared_structs(values):
 
 
 def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
-    if _is_torch_op(fn, method):  # (a torch op neither keeps nor changes a list it is given: one may do)
+    torch_op = method is not None or torch_callable(fn)
+    if torch_op:  # (a torch op neither keeps nor changes a list it is given: one may do)
         plain = _shared_structs(args)
         plain_kwargs = _shared_structs(kwargs.values()) if kwargs else None
         if plain is not None or plain_kwargs is not None:
@@ -434,7 +314,7 @@ def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
             if method is not None:
                 return call(n, Batch(n, method=(args[0], method)), args[1:], kwargs)
             return call(n, fn, args, kwargs)
-    if _is_torch_op(fn, method) and not (method or "").endswith("_"):
+    if torch_op and not (method or "").endswith("_"):
         out = _vmapped(n, fn, args, kwargs or {}, method)
         if out is not NotImplemented:
             return out

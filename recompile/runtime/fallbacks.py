@@ -1,0 +1,73 @@
+"""An op of a batched run that runs once per instance is never silent.
+
+``batch_rules`` runs an op once per instance where no rule and no vmap batches it; ``fell_back`` then warns
+once per program point (``recompile.PerInstanceWarning``), with the user's file and line (generated code runs
+under them), the op, why it ran so, and what to write instead; with ``config.PER_INSTANCE`` "error" it raises
+``recompile.PerInstanceError``, with "allow" it stays silent (the run's stats count it either way).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+from .. import config
+from ..errors import PerInstanceError, PerInstanceWarning
+from ..ops import facts
+from ..ops.table import torch_callable
+from .batch import Batch
+
+# Why an op ran once per instance, and what to write instead: (why, instead).
+FRESH = ("no instance differs in its arguments, but each gets a result of its own (a fresh object, a random "
+         "draw or a side effect)", "if it has none of these, compute it once outside the compiled function")
+FRESH_CHANGED = ("no instance differs in its arguments, but the program changes values in place, so each "
+                 "instance gets a fresh result of its own", "change a copy (y = x + 1, not x += 1) so that the "
+                 "program changes nothing in place")
+UNPACKED = ("its arguments are unpacked (*args, **kwargs) and may differ per instance",
+            "pass the arguments one by one")
+CHOSEN = ("each instance calls its own callable (one chosen by the data)",
+          "choose with if/elif, so that each branch batches, or index a stacked parameter")
+PYTHON_VALUE = ("it makes a Python value of each instance's tensor", "keep it a tensor: torch.where(c, a, b) for "
+                "an if on it, a tensor index for an int")
+PYTHON = ("it is Python code of per-instance values", "compile it with @recompile.function, or write it "
+          "with torch ops")
+UNVMAPPABLE = ("torch.func.vmap cannot batch it here (a shape that depends on the values, or a call into "
+               "Python)", "write it with ops whose result's shape does not depend on the values")
+WRITES = ("it changes each instance's tensor in place", "write it out of place (y = x.add(1), not x.add_(1))")
+PYTHON_VALUES = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy", int, float, bool}
+
+
+def reason(fn):
+    """Why ``fn`` (a callable, or a Batch of them or of a tensor's method) ran once per instance."""
+    if type(fn) is Batch:
+        if fn.method is None:
+            return CHOSEN
+        name = fn.method[1]
+        return PYTHON_VALUE if name in PYTHON_VALUES else WRITES if name.endswith("_") else UNVMAPPABLE
+    if facts.among(fn, PYTHON_VALUES) or getattr(fn, "__name__", None) in PYTHON_VALUES:
+        return PYTHON_VALUE
+    return UNVMAPPABLE if torch_callable(fn) else PYTHON
+
+
+_warned = set()  # (file, line, op) already warned of
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # recompile/
+
+
+def fell_back(name, n, why):
+    """Warn of (or, with ``config.PER_INSTANCE == "error"``, refuse) an op run once per instance, at the
+    user's line: the first frame outside recompile (generated code runs under the user's file and line)."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith(_HERE)
+                                 or frame.f_code.co_filename.startswith("<recompile")):
+        frame = frame.f_back
+    filename, line = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("<unknown>", 0)
+    reason, instead = why
+    message = (f"recompile: {name} runs once per instance at {os.path.basename(filename)}:{line} ({n} "
+               f"instances): {reason}; {instead}")
+    if config.PER_INSTANCE == "error":
+        raise PerInstanceError(message + ' (config.PER_INSTANCE is "error")')
+    key = (filename, line, name)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn_explicit(message, PerInstanceWarning, filename, line)

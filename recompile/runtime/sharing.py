@@ -1,0 +1,72 @@
+"""What the instances of a batched run may share: values computed once, and each instance's own copies.
+
+In a run that changes nothing in place (``passes.effects``: the called function and all it invokes), the
+result of a torch op none of whose inputs differ between instances is computed once and shared by them all
+(``batch_rules.computes_alike``), as ``torch.func.vmap`` computes an unmapped value once. Such tensors are
+noted (``mark_fresh``), and Python code run for one instance alone (an undecorated helper, which may change
+what it is given) gets a copy of its own (``own``), so that a change it makes stays that instance's.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from ..ops import facts
+
+
+class State(threading.local):
+    """Per thread: ``fresh``, whether the run going on changes nothing in place (set by ``runtime.agenda``)."""
+
+    def __init__(self):
+        self.fresh = False
+
+
+state = State()
+
+
+def shareable_result(value):
+    """A result every instance may hold as one object: a tensor, a value no call changes, a tuple of them."""
+    if type(value) is tuple:
+        return all(shareable_result(v) for v in value)
+    return isinstance(value, torch.Tensor) or facts.immutable(value)
+
+
+_fresh = {}  # id -> weak reference of each tensor computed once (tensors compare elementwise: no WeakSet)
+
+
+def _is_fresh(value):
+    ref = _fresh.get(id(value))
+    return ref is not None and ref() is value
+
+
+def mark_fresh(value):
+    """Note a shared result of a torch op computed once: a tensor, or the tensors of a tuple."""
+    if isinstance(value, torch.Tensor):
+        key = id(value)
+        if not _is_fresh(value):
+            _fresh[key] = weakref.ref(value, lambda ref, key=key: _fresh.get(key) is ref and _fresh.pop(key))
+    elif type(value) is tuple:
+        for v in value:
+            mark_fresh(v)
+    return value
+
+
+def any_fresh(values):
+    """Whether one of ``values`` is a tensor computed once for every instance."""
+    if not _fresh:
+        return False
+    for a in values:
+        if isinstance(a, torch.Tensor) and _is_fresh(a):
+            return True
+    return False
+
+
+def own(value):
+    """``value`` as one instance gets it for Python code run for it alone: a copy of a tensor computed once
+    for every instance (``mark_fresh``), so that a change in place stays that instance's."""
+    if _fresh and isinstance(value, torch.Tensor) and _is_fresh(value):
+        return value.clone()
+    return value
