@@ -17,7 +17,7 @@ from recompile.codegen import emit, segments
 from recompile.ops import facts, syntax
 from recompile.autodiff import backprop, factors as deferred, rules as grad_rules
 from recompile.runtime import batch as bt
-from recompile.runtime import batch_rules
+from recompile.runtime import batch_rules, ranges
 
 convert = importlib.import_module("recompile.frontend.convert")
 
@@ -130,12 +130,17 @@ GROWN = {
     # vmap as before; einsum gives batched operands a subscript of their own (a shared V is not copied)
     "batch_rules.RULES": (_entries([*((f, batch_rules.elementwise) for f in _ADDCMUL),
                                     (operator.matmul, batch_rules.matmul), (torch.matmul, batch_rules.matmul),
-                                    (torch.einsum, batch_rules.einsum), (isinstance, batch_rules.instance_of)]),
+                                    (torch.einsum, batch_rules.einsum), (isinstance, batch_rules.instance_of),
+                                    # ``for t in range(n)`` with n per instance: a batch of ranges (runtime.ranges)
+                                    (range, ranges.build), (intrinsics.as_sequence, ranges.as_sequence),
+                                    (intrinsics.has_index, ranges.has_index), (operator.not_, batch_rules.negation)]),
                           {"_operator.matmul -> recompile:via_vmap"}),
     "batch_rules.MODULE_RULES": (_entries((m, batch_rules.recurrent_cell) for m in _CELLS), set()),
-    "segments._GENERIC_OK": (_names(*_ADDCMUL, torch.matmul, torch.einsum, isinstance), set()),
+    "segments._GENERIC_OK": (_names(*_ADDCMUL, torch.matmul, torch.einsum, isinstance, range), set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS), set()),
+    # ``type(x)`` of a shared x is read once for every instance (the class is the same object)
+    "batch_rules._SHAREABLE": (_names(type), set()),
     # chunk, split and unbind of a batched tensor traced into a tuple of batched tensors
     "segments._METHODS": ({"'chunk' -> (1, False)", "'split' -> (1, False)", "'unbind' -> (0, False)"}, set()),
     "segments._FORMS": (_entries([*((f, segments._elementwise_form) for f in _ADDCMUL),

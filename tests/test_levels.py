@@ -91,6 +91,50 @@ def test_a_top_down_model_whose_tree_its_computed_states_decide():
     assert_same(got, want)
     assert_same(got, (outs.detach(), {k: p.grad.clone() for k, p in eager.named_parameters()}))
     assert prog.fallbacks == 0 and prog.runs >= 1
+    # the ``and`` is a Cond of a predicate every instance of a depth shares: each branch a trace of the piece,
+    # and the run stays on plain tensors (the leaves' ``depth``, which they do not read, differs between depths)
+    assert prog.plain.runs >= 1 and prog.plain.failures == 0 and (False, True, False) not in prog.plain.refused
+    assert max(len(t) for piece in prog.plain.pieces() for t in piece.traces.values()) >= 2
+
+
+def grow(self, h, depth):
+    """The top-down model with ``or`` and a per-instance operand first: its Cond splits by instance."""
+    p = torch.sigmoid(self.gate(h)).squeeze(-1)
+    if not (p <= 0.5 or depth >= 3):
+        return torch.tanh(self.merge(torch.cat([self.grow(self.l(h), depth + 1), self.grow(self.r(h), depth + 1)])))
+    return torch.tanh(self.leaf(h)) * p
+
+
+def grow_depth_first(self, h, depth):
+    """The same with the operand every instance of a depth shares first, and no ``not`` (whose Python bool
+    per instance a plain tensor cannot hold): a plain level run."""
+    p = torch.sigmoid(self.gate(h)).squeeze(-1)
+    if depth >= 3 or p <= 0.5:
+        return torch.tanh(self.leaf(h)) * p
+    return torch.tanh(self.merge(torch.cat([self.grow(self.l(h), depth + 1), self.grow(self.r(h), depth + 1)])))
+
+
+@pytest.mark.parametrize("fn", [grow, grow_depth_first], ids=lambda f: f.__name__)
+def test_or_and_not_in_a_top_down_predicate_give_eagers_values_and_gradients(fn):
+    eager, _, _, starts = topdown_models()
+    plain_cls = type("Plain", (type(eager),), {"grow": fn})
+    compiled_cls = type("Compiled", (type(eager),), {"grow": recompile.function(fn)})
+    plain, model = plain_cls().double(), compiled_cls().double()
+    plain.load_state_dict(eager.state_dict())
+    model.load_state_dict(eager.state_dict())
+    for _ in range(2):  # (the second call runs the traced pieces)
+        model.zero_grad()
+        out = recompile.vmap(model.grow, in_dims=(0, None))(starts, 0)
+        out.sum().backward()
+    plain.zero_grad()
+    want = torch.stack([plain.grow(h, 0) for h in starts])
+    want.sum().backward()
+    torch.testing.assert_close(out, want)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert compiled_cls.grow.stats["per_instance"] == {}
+    if fn is grow_depth_first:
+        assert program(compiled_cls.grow, compiled_cls).plain.runs >= 1
 
 
 def walk(xs, i):
@@ -597,15 +641,28 @@ def test_what_a_plain_run_cannot_hold_runs_on_batch_values():
     assert any(prog.plain.post.refused)
 
 
-def test_a_failed_guard_runs_that_call_on_batch_values_and_the_next_traces_again():
+def test_a_failed_guard_traces_the_piece_again_for_what_holds_now():
     compiled = recompile.function(walk)
     prog = program(compiled)
     starts = torch.tensor([0, 3, 4])
-    for dtype, runs, failures in ((torch.float64, 1, 0), (torch.float32, 1, 1), (torch.float32, 2, 1)):
+    for dtype, runs in ((torch.float64, 1), (torch.float32, 2), (torch.float32, 3), (torch.float64, 4)):
         xs = torch.randn(5, 3, dtype=dtype)
         got = recompile.vmap(compiled, in_dims=(None, 0))(xs, starts)
         torch.testing.assert_close(got, torch.stack([walk(xs, int(i)) for i in starts]))
-        assert (prog.plain.runs, prog.plain.failures) == (runs, failures)
+        assert (prog.plain.runs, prog.plain.failures) == (runs, 0)
+    assert max(len(p.sources) for p in prog.plain.pieces()) == 2  # (one trace per dtype, where it matters)
+
+
+def test_a_failed_guard_with_no_trace_left_runs_that_call_on_batch_values_and_the_next_traces_again():
+    compiled = recompile.function(walk)
+    prog = program(compiled)
+    starts = torch.tensor([0, 3, 4])
+    with switched(config, 1, "SEGMENT_TRACES"):
+        for dtype, runs, failures in ((torch.float64, 1, 0), (torch.float32, 1, 1), (torch.float32, 2, 1)):
+            xs = torch.randn(5, 3, dtype=dtype)
+            got = recompile.vmap(compiled, in_dims=(None, 0))(xs, starts)
+            torch.testing.assert_close(got, torch.stack([walk(xs, int(i)) for i in starts]))
+            assert (prog.plain.runs, prog.plain.failures) == (runs, failures)
     assert prog.plain.on
 
 
@@ -667,7 +724,7 @@ def test_a_plain_piece_holds_its_fused_ops_members():
     assert fused  # (the node's and the leaf's cell updates, and post's ``sigmoid(og) * tanh(c)``)
     for piece in fused:
         entries = {id(k.entry) for k in piece.kernels.values()}
-        for _, body, _, _ in piece.traces.values():
+        for _, body, _, _ in (e for traces in piece.traces.values() for e in traces):
             assert not entries & {id(v) for v in body.__globals__.values()}, piece.name
         source = "\n".join(piece.sources)
         assert " * " in source and "_mul" not in source, source

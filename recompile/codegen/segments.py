@@ -46,6 +46,8 @@ from ..runtime.batch import Batch
 from ..runtime.frames import annotated_by
 from ..runtime.levels import NotPlain
 
+# a lowered ``for``'s: it draws the next item of an iterator
+_ITERATION = {intrinsics.as_sequence, intrinsics.has_index}
 # ops a trace may run through their batch rule, inside the raw function: they change nothing and draw nothing,
 # so a run cut short by a failed guard may run them again (not builtins such as max or tuple, which would
 # consume an iterator twice)
@@ -53,7 +55,7 @@ _OPERATORS = {f for f in facts.PURE if getattr(f, "__module__", None) in ("_oper
 _GENERIC_OK = (_OPERATORS | facts.LAZY
                | {getattr, intrinsics.build_tuple, intrinsics.build_list, intrinsics.unpack, intrinsics.check_bound,
                   intrinsics.read_global, intrinsics.read_cell}
-               | set(batch_rules.BATCH.by_callable) - set(facts.IN_PLACE) - facts.DRAWS)
+               | set(batch_rules.BATCH.by_callable) - set(facts.IN_PLACE) - facts.DRAWS - _ITERATION)
 _GENERIC_OK_MODULES = tuple(set(batch_rules.BATCH.by_module) - facts.DRAWS)
 # (reading a Plain piece's traced lines: the names they define and read, and the instance count)
 _DEFINES = re.compile(r"^([\w, ]+?) = ")
@@ -160,9 +162,15 @@ class Plain:
         self.inputs = inputs
         self.outputs = outputs  # ir.Values or Consts
         self.kernels = kernels
-        self.traces = {}  # input kinds -> (prep, body, output kinds, positions of the shared inputs)
+        # input kinds -> its traces [(prep, body, output kinds, positions of the shared inputs)]: more than one
+        # where a Cond of shared predicate took another branch (``_Tracer.cond``)
+        self.traces = {}
         self.sources = []
         self.refused = set()  # input kinds it has no plain form for
+        read = {id(v) for op in ops for v in op.operands()} | {id(v) for v in outputs}
+        # positions of the inputs no op reads (a leaf branch's ``depth``): requests joined for the piece may
+        # differ there without being made rows
+        self.unread = frozenset(k for k, v in enumerate(inputs) if id(v) not in read)
 
     def __repr__(self):
         return f"<plain piece {self.name}>"
@@ -170,28 +178,40 @@ class Plain:
     def __call__(self, n, kinds, args, prepared=None):
         """(outputs, their kinds) of the piece on ``args``. ``prepared`` (a dict a level run keeps for its
         duration, in which pure code changes no attribute or global) holds what ``prep`` gave for the shared
-        inputs of the last call, reused while they are the same objects."""
-        entry = self.traces.get(kinds)
-        if entry is None:
-            if kinds in self.refused:
-                raise NotPlain(self.name)
-            return self._trace(n, kinds, args)
-        prep, body, out_kinds, shared = entry
-        mine = prepared.get(self) if prepared is not None else None
-        if mine is not None and mine[0] is entry:
-            for i, x in zip(shared, mine[1]):
+        inputs of the last call, reused while they are the same objects. A trace whose guard fails gives way
+        to the next; where none holds, a new one is traced (the piece is pure: what ran is dropped)."""
+        entries = self.traces.get(kinds, ())
+        for k, entry in enumerate(entries):
+            try:
+                out = self._run(entry, n, args, prepared)
+            except Deopt:
+                if len(entries) >= config.SEGMENT_TRACES:
+                    raise
+                continue
+            if k:  # (the trace that held goes first next time: a run's depths mostly take the same branch)
+                self.traces[kinds] = [entry] + [e for e in entries if e is not entry]
+            return out, entry[2]
+        if kinds in self.refused:
+            raise NotPlain(self.name)
+        return self._trace(n, kinds, args)
+
+    def _run(self, entry, n, args, prepared):
+        prep, body, _, shared = entry
+        mine = prepared.get(prep) if prepared is not None else None  # (per trace: a run may use two)
+        if mine is not None:
+            for i, x in zip(shared, mine[0]):
                 if args[i] is not x:
                     break
             else:
-                return body(n, mine[2], *args), out_kinds
+                return body(n, mine[1], *args)
         values = [args[i] for i in shared]
-        mine = (entry, values, prep(*values))
+        mine = (values, prep(*values))
         if prepared is not None:
-            prepared[self] = mine
-        return body(n, mine[2], *args), out_kinds
+            prepared[prep] = mine
+        return body(n, mine[1], *args)
 
     def _trace(self, n, kinds, args):
-        if len(self.traces) >= config.SEGMENT_TRACES:
+        if sum(map(len, self.traces.values())) >= config.SEGMENT_TRACES:
             raise NotPlain(self.name)
         tracer = _Tracer(self, n, args, plain=kinds)
         try:
@@ -202,7 +222,8 @@ class Plain:
         exec(compile(source, f"<recompile plain piece {self.name}>", "exec"), namespace)
         self.sources.append(source)
         shared = [i for i, k in enumerate(kinds) if k == "S"]
-        self.traces[kinds] = (namespace["prep"], namespace["body"], tracer.out_kinds, shared)
+        entry = (namespace["prep"], namespace["body"], tracer.out_kinds, shared)
+        self.traces[kinds] = self.traces.get(kinds, []) + [entry]  # (a new list: a run may be iterating it)
         return tracer.result, tracer.out_kinds
 
 
@@ -395,7 +416,30 @@ class _Tracer:
             return self.fused(op)
         if isinstance(op, ir.Call):
             return self.call(op)
+        if isinstance(op, ir.Cond):
+            return self.cond(op)
         raise _Untraceable
+
+    def cond(self, op):
+        """A Cond whose predicate every instance shares (``depth < MAX_DEPTH and p > 0.5``, the ``and`` at one
+        depth): the branch this call takes, inline, behind a guard that the predicate's truth is the traced
+        one (the other branch is another trace of the piece, made when a call takes it)."""
+        pred = self.load(op.pred)
+        if pred.kind != "S":
+            raise _Untraceable
+        try:
+            truth = bool(pred.value)
+        except Exception:  # (the op-by-op run raises it from the user's line)
+            raise _Untraceable from None
+        if not pred.fixed:
+            self.emit(f"if bool({pred.name}) is not {truth}: raise _Deopt")
+        branch = op.then_sg if truth else op.else_sg
+        for param, arg in zip(branch.inputs, op.args):
+            self.define(param, self.load(arg))
+        for inner in branch.ops:
+            self.op(inner)
+        for out, result in zip(op.outputs, branch.outputs):
+            self.define(out, self.load(result))
 
     def capture(self, op):
         if op.source_kind == "attr":
@@ -796,8 +840,9 @@ _METHODS = {**{name: (None, False) for name in (*facts.UNARY_METHODS, "view", "r
 
 
 def _tensors(tr, args):
-    """(raw slots, rank, dtype) of elementwise arguments: batched ones of one rank and dtype, shared
-    numbers, shared tensors of no larger rank and the same dtype; None if they are not all so."""
+    """(raw slots, rank, dtype) of elementwise arguments: batched ones of one dtype, shared numbers, shared
+    tensors of the same dtype; None if they are not all so. Each instance's shapes broadcast from the right,
+    so a batched tensor of a lower instance rank than the others gets its ones after the instance dim."""
     out, rank, dtype = [], None, None
     for s in args:
         if s.kind in ("O", "B"):
@@ -805,9 +850,9 @@ def _tensors(tr, args):
             if b is None:
                 return None
             r = b.value.dim() - 1
-            if (rank is not None and r != rank) or (dtype is not None and b.value.dtype != dtype):
+            if dtype is not None and b.value.dtype != dtype:
                 return None
-            rank, dtype = r, b.value.dtype
+            rank, dtype = max(r, -1 if rank is None else rank), b.value.dtype
             out.append(b)
         elif s.kind == "S" and type(s.value) in facts.NUMBERS:
             out.append(s)
@@ -815,12 +860,19 @@ def _tensors(tr, args):
             out.append(s)
         else:
             return None
-    for s in out:
-        if s.kind == "S" and type(s.value) in _PLAIN_TENSORS and (
-                rank is None or s.value.dim() > rank or s.value.dtype != dtype):
-            return None
     if rank is None:
         return None
+    for s in out:
+        if s.kind == "S" and type(s.value) in _PLAIN_TENSORS:
+            if s.value.dtype != dtype:
+                return None
+            rank = max(rank, s.value.dim())
+    for j, s in enumerate(out):
+        missing = rank + 1 - s.value.dim() if s.kind == "B" else 0
+        if missing:
+            name = tr.fresh()
+            tr.emit(f"{name} = {s.name}[:{', None' * missing}]")
+            out[j] = _Slot("B", name, s.value[(slice(None),) + (None,) * missing])
     return out, rank, dtype
 
 

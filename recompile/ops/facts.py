@@ -50,7 +50,7 @@ def pure(fn):
 # of what exists (an attribute, an item, a global) and immutable builds.
 SHAREABLE = frozenset({
     getattr, operator.getitem, intrinsics.unpack, intrinsics.build_tuple, intrinsics.check_bound,
-    intrinsics.read_global, intrinsics.read_cell, intrinsics.finds_in_class, isinstance, len,
+    intrinsics.read_global, intrinsics.read_cell, intrinsics.finds_in_class, isinstance, len, type,
 })
 
 # Calls that change their arguments in place (``passes.effects``: a compiled call that may run one keeps

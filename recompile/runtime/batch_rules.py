@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import config, intrinsics
-from ..ops import facts
+from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
-from . import fallbacks, sharing
+from . import fallbacks, ranges, sharing
 from .batch import Batch
 
 # Batch rules, filed as the gradient rules are (``ops.table``): ``rule(n, fn, args, kwargs)`` for a callable
@@ -36,6 +36,7 @@ from .batch import Batch
 BATCH = RuleTable("batch")
 # (the facts the hot paths test on every op, as names of this module: one global lookup each)
 _IN_PLACE = frozenset(facts.IN_PLACE)
+_AUGMENTED = frozenset(syntax.AUGMENTED)  # (``n += 1`` of an immutable n changes nothing: it is ``n + 1``)
 _NUMBERS, _LAZY = facts.NUMBERS, facts.LAZY
 _SHAREABLE, _PURE, _IMMUTABLE = facts.SHAREABLE, facts.PURE, facts.IMMUTABLE
 
@@ -204,7 +205,8 @@ def _unbatched(n, fn, args, kwargs):
         return bt.from_struct(list, list(args), n)
     try:
         reads = fn in _SHAREABLE
-        known = reads or fn in _PURE or (sharing.state.fresh and computes_alike(fn, kwargs))
+        known = reads or fn in _PURE or (fn in _AUGMENTED and facts.immutable(args[0])) or \
+            (sharing.state.fresh and computes_alike(fn, kwargs))
     except TypeError:  # unhashable callable
         reads = known = False
     if not known and sharing.any_fresh((*args, *(kwargs.values() if kwargs else ()))):
@@ -550,6 +552,10 @@ def gather(n, fn, args, kwargs):
             return NotImplemented  # a mask or an index per instance that is itself a tensor of indices
         return bt.from_tensor(index_rows(x, i))
     if type(x) is Batch and type(index) is not Batch:
+        if x.items is not None and type(index) is int:
+            out = ranges.item(x, index)
+            if out is not NotImplemented:
+                return out
         if x.struct is not None and x.owner is None and type(index) is int:
             return x.struct[1][index]
         t = x.tensor if x.owner == "tensor" else bt.tensor_of(x) if x.items is None else None
@@ -576,6 +582,11 @@ def plain_index(index):
     if type(index) is tuple:
         return all(plain_index(i) for i in index)
     return type(index) in (int, slice, type(None)) or index is Ellipsis
+
+
+BATCH.register(range)(ranges.build)
+BATCH.register(intrinsics.as_sequence)(ranges.as_sequence)
+BATCH.register(intrinsics.has_index)(ranges.has_index)
 
 
 @BATCH.register(intrinsics.build_tuple, intrinsics.build_list)
@@ -808,6 +819,20 @@ def instance_of(n, fn, args, kwargs):
         return issubclass(x.struct[0], cls)
     found = [isinstance(v, cls) for v in bt.items_of(x)]
     return found[0] if all(f is found[0] for f in found) else bt.from_items(found)
+
+
+@BATCH.register(operator.not_)
+def negation(n, fn, args, kwargs):
+    """``not x`` of a batch (a loop's break flag, joined from the instances that broke and those that did not):
+    each instance's bool, from one host read where x holds one number per instance."""
+    (x,) = args
+    t = bt.tensor_of(x) if x.items is None else None
+    if t is not None and t.numel() == n:
+        return bt.from_items((t.reshape(n) == 0).tolist())
+    items = bt.items_of(x)
+    if not all(type(v) is bool for v in items):
+        return NotImplemented
+    return bt.from_items([not v for v in items])
 
 
 @BATCH.register(torch.einsum)

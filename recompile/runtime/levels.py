@@ -137,7 +137,7 @@ class LevelRun:
         self.pending = {}  # deferred unit -> [(cell, args, count, site)]
         self.collected = None  # with a late split: the requests of the ``post`` running (``collect``)
         self.effects_ran = False  # (a plain run) the deferred calls ran: it is not run again on Batch values
-        self.prepared = {}  # (a plain run) per piece, what its ``prep`` gave (``segments.Plain.__call__``)
+        self.prepared = {}  # (a plain run) per trace of a piece, what its ``prep`` gave (``segments.Plain.__call__``)
 
     def go(self, args, n):
         plain = self.p.plain
@@ -392,7 +392,7 @@ class LevelRun:
                 break
             if 2 * len(levels) > config.MAX_DEPTH:
                 raise TooDeep()
-            values, kinds = _plain_concat(children)
+            values, kinds = _plain_concat(children, pre.unread)
             count = sum(c for _, _, c in children)
         stats = self.agenda.stats
         stats.frames += frames
@@ -404,7 +404,7 @@ class LevelRun:
         """Leaf branch ``which`` once for its ``requests`` of every depth: per request, its rows of the
         branch's outputs that ``up`` gives too, and their kinds. (Its traced code: only pure ops, so that a
         plain run given up and run again on Batch values runs no effect twice.)"""
-        values, kinds = _plain_concat(requests)
+        values, kinds = _plain_concat(requests, self.p.plain.leaves[which].unread)
         counts = [c for _, _, c in requests]
         total = sum(counts)
         self.note(self.p.units[which], total)
@@ -692,15 +692,17 @@ def _same_rows(rows):
     return True
 
 
-def _plain_concat(parts):
-    """Arguments [(values, kinds, count)] of several requests as one batch: (values, kinds)."""
+def _plain_concat(parts, unread=frozenset()):
+    """Arguments [(values, kinds, count)] of several requests as one batch: (values, kinds). At the positions
+    ``unread`` (which the piece they go to does not read) the first request's value stands for all."""
     if len(parts) == 1:
         return parts[0][0], parts[0][1]
     if len(parts) == 2 and parts[0][1] == parts[1][1]:  # (a node's two calls, their arguments alike)
         values = _concat_alike(parts[0][0], parts[1][0], parts[0][1])
         if values is not None:
             return values, parts[0][1]
-    out = [_plain_column([(p[0][j], p[1][j], p[2]) for p in parts]) for j in range(len(parts[0][0]))]
+    out = [(parts[0][0][j], parts[0][1][j]) if j in unread else _plain_column([(p[0][j], p[1][j], p[2]) for p in parts])
+           for j in range(len(parts[0][0]))]
     return tuple(v for v, _ in out), tuple(k for _, k in out)
 
 

@@ -1,0 +1,97 @@
+"""A ``for`` over ranges that differ per instance (``for t in range(n)``), batched.
+
+A lowered ``for`` (frontend.canonicalize) reads ``as_sequence(range(n))``, then ``has_index(seq, i)`` and
+``seq[i]`` with a counter i that every instance shares. A batch of ranges keeps its instances' lengths,
+so the test costs a comparison per instance only in the steps where some instances end and others go
+on, and the item is one int every instance shares while the ranges start and step alike: the body then
+sees the same ``t`` in every instance, as in the ``while t < n`` form, and ``x[t]`` stays one op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import batch as bt
+from .batch import Batch
+
+
+class Ranges(list):
+    """Each instance's ``range`` (a Batch's items), with what the loop's test and item read."""
+
+    __slots__ = ("lengths", "shortest", "longest", "start", "step")
+
+    def __init__(self, ranges):
+        super().__init__(ranges)
+        self.lengths = [len(r) for r in ranges]
+        self.shortest, self.longest = min(self.lengths), max(self.lengths)
+        first = ranges[0]
+        alike = all(r.start == first.start and r.step == first.step for r in ranges)
+        # (None where the instances differ: then an item differs per instance too)
+        self.start, self.step = (first.start, first.step) if alike else (None, None)
+
+
+def of(value):
+    """The Ranges of Batch ``value`` when each of its instances is a range, else None. (A sub-batch taken
+    when instances leave a loop holds a plain list of the same ranges: it is read again once.)"""
+    items = value.items
+    if items is None or value.thunk is not None:
+        return None
+    if type(items) is Ranges:
+        return items
+    if not all(type(r) is range for r in items):
+        return None
+    try:
+        value.items = Ranges(items)
+    except OverflowError:  # a length beyond sys.maxsize: each instance's own range answers
+        return None
+    return value.items
+
+
+def _ints(n, value):
+    """Each instance's value of a range argument (ints for an integer tensor, one host read)."""
+    if type(value) is not Batch:
+        return [value] * n
+    t = bt.tensor_of(value)
+    if t is not None and t.dim() == 1 and not (t.is_floating_point() or t.is_complex()):
+        return t.tolist()
+    return bt.items_of(value)
+
+
+def build(n, fn, args, kwargs):
+    """``range(*args)`` where an argument differs per instance: a batch of ranges."""
+    if kwargs or not args:
+        return NotImplemented
+    try:
+        ranges = [range(*row) for row in zip(*[_ints(n, a) for a in args])]
+    except (TypeError, ValueError):
+        return NotImplemented  # each instance raises its own error, as Python would
+    value = bt.from_items(ranges)
+    return value if of(value) is not None else NotImplemented
+
+
+def as_sequence(n, fn, args, kwargs):
+    """What a ``for`` over a batch of ranges iterates: the ranges as they are."""
+    (seq,) = args
+    return seq if type(seq) is Batch and of(seq) is not None else NotImplemented
+
+
+def has_index(n, fn, args, kwargs):
+    """Whether each instance's range has an item at the shared position i."""
+    seq, i = args
+    ranges = of(seq) if type(seq) is Batch and type(i) is int and i >= 0 else None
+    if ranges is None:
+        return NotImplemented
+    if i < ranges.shortest:
+        return True
+    if i >= ranges.longest:
+        return False
+    return bt.from_tensor(torch.tensor([i < length for length in ranges.lengths]))
+
+
+def item(seq, i):
+    """``seq[i]`` of a batch of ranges at the shared position i: one shared int where every range starts
+    and steps alike and has an item there; NotImplemented otherwise (each instance then indexes its own)."""
+    ranges = of(seq)
+    if ranges is None or ranges.start is None or not 0 <= i < ranges.shortest:
+        return NotImplemented
+    return ranges.start + i * ranges.step
