@@ -10,6 +10,7 @@ import types
 import torch
 
 from . import config, ir
+from .codegen.instances import note_text, read as instance_notes
 from .passes.fusion import BACKENDS, DEFAULT_BACKEND
 from .passes.pipeline import FINAL, GRAD, STAGES
 from .program import Function
@@ -270,11 +271,21 @@ class CompiledFunction(Function):
                 subgraphs[handle.ir_name] = handle.subgraph(stage)
         return ir.Program(entry.forward.ir_name if stage == GRAD else entry.ir_name, subgraphs)
 
-    def dump(self, stage=FINAL, format="text", owner=None):
-        """The IR after ``stage`` as text (``format="text"``) or Graphviz DOT (``format="dot"``)."""
+    def dump(self, stage=FINAL, format="text", owner=None, instances=None):
+        """The IR after ``stage`` as text (``format="text"``) or Graphviz DOT (``format="dot"``).
+
+        ``instances`` (text only): the names of the parameters every instance of a batch shares (``("self",)``,
+        or ``("self", "tree")`` for a forest given with ``in_dims=None``); each op is then marked with how
+        batched code runs it for a group: once, batched, per instance (with why), or by type (a callable read
+        from a value the function is given: batched where its type has a rule or vmap takes it)."""
         program = self.program(stage, owner)
         if format == "text":
-            return program.to_text()
+            if instances is None:
+                return program.to_text()
+            notes = instance_notes(program, tuple(instances))
+            return program.to_text({op: note_text(*how) for op, how in notes.items()})
+        if instances is not None:
+            raise ValueError("instances= marks the text dump's ops; DOT has no place for it")
         if format == "dot":
             return program.to_dot()
         raise ValueError(f"unknown format {format!r}; use 'text' or 'dot'")

@@ -67,13 +67,22 @@ def main(argv=None):
     dump.add_argument("--stage", choices=STAGES, default=FINAL, help="the pass after which to print the IR")
     dump.add_argument("--format", choices=("text", "dot"), default="text", help="text, or Graphviz DOT")
     dump.add_argument("--source", action="store_true", help="print the generated Python source instead of the IR")
+    dump.add_argument("--instances", action="store_true",
+                      help="mark each op with how batched code runs it for a group of instances: once, batched, "
+                           "per instance (with why), or by type")
+    dump.add_argument("--shared", nargs="+", default=["self"], metavar="PARAM",
+                      help="with --instances: the parameters every instance shares (default: self; add the "
+                           "tree of a forest given with in_dims=None)")
     args = parser.parse_args(argv)
     try:
         fn, owner = resolve(args.target)
         if args.source:
             sys.stdout.write(fn.source(owner=owner))
         else:
-            sys.stdout.write(fn.dump(stage=args.stage, format=args.format, owner=owner))
+            instances = args.shared if args.instances else None
+            if instances is not None and args.format != "text":
+                parser.error("--instances marks the text dump; it has no DOT form")
+            sys.stdout.write(fn.dump(stage=args.stage, format=args.format, owner=owner, instances=instances))
     except CompileError as exc:
         print(f"recompile dump: {exc}", file=sys.stderr)
         return 1

@@ -324,8 +324,8 @@ class Program:
         for sg in self.subgraphs.values():
             yield from sg.walk()
 
-    def to_text(self):
-        return format_program(self)
+    def to_text(self, notes=None):
+        return format_program(self, notes)
 
     def to_dot(self):
         return format_dot(self)
@@ -351,13 +351,13 @@ class _Printed:
         return "%" + name
 
 
-def _loc_suffix(loc):
-    if loc is None:
-        return ""
-    return f"  # {os.path.basename(loc.filename)}:{loc.lineno}"
+def _loc_suffix(loc, note=None):
+    place = "" if loc is None else f"{os.path.basename(loc.filename)}:{loc.lineno}"
+    text = " ".join(t for t in (f"[{note}]" if note else "", place) if t)
+    return f"  # {text}" if text else ""
 
 
-def _format_op(op, nm):
+def _format_op(op, nm, note=None):
     outs = ", ".join(nm(v) for v in op.outputs)
     lhs = f"{outs} = " if outs else ""
     if isinstance(op, Call):
@@ -384,28 +384,30 @@ def _format_op(op, nm):
         text = f"capture {src} {op.name!r}{base}"
     else:
         text = op.kind
-    return lhs + text + _loc_suffix(op.loc)
+    return lhs + text + _loc_suffix(op.loc, note)
 
 
-def format_subgraph(sg, nm=None):
+def format_subgraph(sg, nm=None, notes=None):
+    """``sg`` as text, and the SubGraphs nested in it; ``notes`` ({op: text}) are shown beside their ops."""
     nm = nm or _Printed()
+    notes = notes or {}
     lines = [f"subgraph @{sg.name}({', '.join(nm(v) for v in sg.inputs)}):{_loc_suffix(sg.loc)}"]
     for op in sg.ops:
-        lines.append("  " + _format_op(op, nm))
+        lines.append("  " + _format_op(op, nm, notes.get(op)))
     lines.append(f"  return {', '.join(nm(v) for v in sg.outputs)}")
     text = "\n".join(lines)
     nested = [op.body for op in sg.ops if isinstance(op, Fused)]
     nested += [s for op in sg.ops for s in op.subgraphs()]
     for s in nested:
-        text += "\n\n" + format_subgraph(s, nm)
+        text += "\n\n" + format_subgraph(s, nm, notes)
     return text
 
 
-def format_program(program):
+def format_program(program, notes=None):
     nm = _Printed()
     parts = [f"# program, entry @{program.entry}"]
     for sg in program.subgraphs.values():
-        parts.append(format_subgraph(sg, nm))
+        parts.append(format_subgraph(sg, nm, notes))
     return "\n\n".join(parts) + "\n"
 
 

@@ -366,27 +366,16 @@ def test_vmap_in_dims_one():
 # 3. top-down, dynamic structure (Jeong et al. Table 3): the tree is generated at run time
 # ---------------------------------------------------------------------------
 
-MAX_DEPTH = 5
+# the top-down model of the idiom suite (benchmarks/bench_sequences.py), small
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from bench_sequences import MAX_DEPTH, TopDown  # noqa: E402
+
+expand = TopDown.expand
 
 
-class TopDownParams(nn.Module):
+class TopDownParams(TopDown):
     def __init__(self, hidden=6):
-        super().__init__()
-        self.gate = nn.Linear(hidden, 1)
-        self.l = nn.Linear(hidden, hidden)
-        self.r = nn.Linear(hidden, hidden)
-        self.merge = nn.Linear(2 * hidden, hidden)
-        self.leaf = nn.Linear(hidden, hidden)
-
-
-def expand(self, h, depth):
-    """Grows a node while its gate is open: the recursion depth and shape follow the computed states."""
-    p = torch.sigmoid(self.gate(h)).squeeze(-1)
-    if depth < MAX_DEPTH and p > 0.5:
-        left = self.expand(torch.tanh(self.l(h)), depth + 1)
-        right = self.expand(torch.tanh(self.r(h)), depth + 1)
-        return torch.tanh(self.merge(torch.cat([left, right], -1))) * p
-    return torch.tanh(self.leaf(h)) * (1 - p)
+        super().__init__(hidden)
 
 
 def count_nodes(self, h, depth):

@@ -12,6 +12,7 @@ from recompile.data import sample_dir  # noqa: E402
 import bench_batching  # noqa: E402
 import bench_fusion  # noqa: E402
 import bench_idioms  # noqa: E402
+import bench_sequences  # noqa: E402
 import bench_threads  # noqa: E402
 import bench_tree_lstm as bench  # noqa: E402
 
@@ -50,6 +51,14 @@ def test_idioms_benchmark_checks_and_times_every_spelling(capsys):
     assert out.count("per-instance ops: none") == spellings
     rows = [line for line in out.splitlines() if line.rstrip().endswith("x") and " 4 " in line]
     assert len(rows) == 2 * spellings  # each spelling, inference and training
+
+
+def test_sequences_benchmark_checks_and_times_the_var_length_lstm_and_the_top_down_model(capsys):
+    bench_sequences.main(["--trees", "8", "--batch", "4", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert out.count("matches eager; per-instance ops: none") == 3  # (main raises before a table otherwise)
+    rows = [line for line in out.splitlines() if line.rstrip().endswith("x") and " 4 " in line]
+    assert len(rows) == 2 * 3  # the two LSTM spellings and the top-down model, inference and training
 
 
 def test_batching_benchmark_times_its_runs_in_turns():

@@ -1,0 +1,274 @@
+"""A variable-length LSTM and a top-down tree generator as users write them, each against hand-batched PyTorch.
+
+    python benchmarks/bench_sequences.py [--data DIR] [--trees N] [--batch 25 256] [--repeats R]
+
+The idiom suite's models that are not bottom-up trees (``bench_idioms.py`` has those):
+
+- A sentence classifier: an ``nn.LSTMCell`` run over each SST sentence's words, the last state classified
+  (embedding 300, hidden 150, 5 classes, one cross-entropy per sentence). Written two ways, ``for t in
+  range(n)`` and ``while t < n``, over padded word rows and per-sentence lengths through
+  ``recompile.vmap``; against the same parameters in one ``nn.LSTM`` over the packed minibatch
+  (``pack_padded_sequence``), the way a PyTorch user batches sentences of different lengths by hand.
+- A top-down model that grows a tree from a start state while ``depth < MAX_DEPTH and p > 0.5`` (its gate
+  ``p`` computed from the state): per-instance trees of different shapes decided at run time. Against the
+  same model batched by hand depth by depth (the instances that expand gathered, their children's states
+  computed at once, the results scattered back on the way up).
+
+Each is checked against its eager twin (float64: per-instance values and the parameter gradients) and its
+per-instance ops counted (``stats["per_instance"]``, which should be empty) before it is timed. Throughput
+is sentences (or start states) per second, best of --repeats, the runs taking turns; training is
+forward, backward and an SGD step per minibatch.
+"""
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_batching import arguments, chunks, gradients, sst_trees, throughputs  # noqa: E402
+
+import recompile  # noqa: E402
+
+# -- the sentence LSTM
+
+
+class SentenceLSTM(nn.Module):
+    def __init__(self, vocab_size, embed=300, hidden=150, classes=5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, embed)
+        self.cell = nn.LSTMCell(embed, hidden)
+        self.out = nn.Linear(hidden, classes)
+
+    def classify(self, words, n, label):
+        """Cross-entropy of the sentence ``words[:n]`` (``for t in range(n)``)."""
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        for t in range(n):
+            h, c = self.cell(self.embed(words[t]), (h, c))
+        return F.cross_entropy(self.out(h), label)
+
+
+class SentenceLSTMWhile(SentenceLSTM):
+    def classify(self, words, n, label):
+        """The same loop as ``while t < n``."""
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        t = 0
+        while t < n:
+            h, c = self.cell(self.embed(words[t]), (h, c))
+            t = t + 1
+        return F.cross_entropy(self.out(h), label)
+
+
+def compiled(cls):
+    return type(cls.__name__ + "Compiled", (cls,), {"classify": recompile.function(cls.classify)})
+
+
+class Sentences:
+    """A minibatch of sentences: word ids padded to the longest (rows), lengths, labels."""
+
+    def __init__(self, sentences, labels):
+        self.lengths = torch.tensor([len(s) for s in sentences])
+        self.words = torch.zeros(len(sentences), int(self.lengths.max()), dtype=torch.long)
+        for k, s in enumerate(sentences):
+            self.words[k, :len(s)] = torch.tensor(s)
+        self.labels = torch.tensor(labels)
+
+    def __len__(self):
+        return len(self.labels)
+
+
+def sentence_of(tree):
+    """A tree's words in sentence order (its leaves, post-order), and its root's label."""
+    leaves = tree.is_leaf.nonzero().view(-1)
+    return tree.words[leaves].tolist(), int(tree.labels[tree.root])
+
+
+def packed_lstm(model):
+    """An ``nn.LSTM`` holding ``model.cell``'s very parameters."""
+    lstm = nn.LSTM(model.cell.input_size, model.cell.hidden_size, batch_first=True)
+    for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+        setattr(lstm, name + "_l0", getattr(model.cell, name))
+    return lstm.to(model.out.weight.dtype)
+
+
+def hand_batched_sentences(model, lstm, batch):
+    """The minibatch's summed loss by hand: one ``nn.LSTM`` over the packed sentences."""
+    packed = nn.utils.rnn.pack_padded_sequence(model.embed(batch.words), batch.lengths, batch_first=True,
+                                               enforce_sorted=False)
+    _, (h, _) = lstm(packed)
+    return F.cross_entropy(model.out(h[0]), batch.labels, reduction="sum")
+
+
+def recompile_sentences(model):
+    classify = recompile.vmap(model.classify, in_dims=(0, 0, 0))
+    return lambda batch: classify(batch.words, batch.lengths, batch.labels).sum()
+
+
+def check_sentences(cls, base, batch):
+    """Raise unless ``cls`` through recompile.vmap and the packed nn.LSTM give eager's per-sentence losses and
+    parameter gradients (float64); returns the per-instance op counts."""
+    eager = cls(base.embed.num_embeddings).double()
+    eager.load_state_dict(base.state_dict())
+    model = compiled(cls)(base.embed.num_embeddings).double()
+    model.load_state_dict(base.state_dict())
+    want = torch.stack([eager.classify(batch.words[k], int(batch.lengths[k]), batch.labels[k])
+                        for k in range(len(batch))])
+    want_grads = gradients(eager, want.sum())
+    got = recompile.vmap(model.classify, in_dims=(0, 0, 0))(batch.words, batch.lengths, batch.labels)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(gradients(model, got.sum()), want_grads, rtol=1e-7, atol=1e-9)
+    hand = hand_batched_sentences(eager, packed_lstm(eager), batch)
+    torch.testing.assert_close(hand, want.sum().detach(), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(gradients(eager, hand), want_grads, rtol=1e-7, atol=1e-9)
+    return dict(type(model).classify.stats.get("per_instance", {}))
+
+
+# -- the top-down model
+
+MAX_DEPTH = 5
+
+
+class TopDown(nn.Module):
+    def __init__(self, hidden=150):
+        super().__init__()
+        self.gate = nn.Linear(hidden, 1)
+        self.l = nn.Linear(hidden, hidden)
+        self.r = nn.Linear(hidden, hidden)
+        self.merge = nn.Linear(2 * hidden, hidden)
+        self.leaf = nn.Linear(hidden, hidden)
+
+    def expand(self, h, depth):
+        """Grows a node while its gate is open: the tree's shape follows the computed states."""
+        p = torch.sigmoid(self.gate(h)).squeeze(-1)
+        if depth < MAX_DEPTH and p > 0.5:
+            left = self.expand(torch.tanh(self.l(h)), depth + 1)
+            right = self.expand(torch.tanh(self.r(h)), depth + 1)
+            return torch.tanh(self.merge(torch.cat([left, right], -1))) * p
+        return torch.tanh(self.leaf(h)) * (1 - p)
+
+
+class TopDownCompiled(TopDown):
+    expand = recompile.function(TopDown.expand)
+
+
+def hand_batched_top_down(model, h, depth=0):
+    """``expand`` of every row of ``h`` by hand: the rows that expand, gathered, go down one depth at once."""
+    p = torch.sigmoid(model.gate(h)).squeeze(-1)
+    out = torch.tanh(model.leaf(h)) * (1 - p).unsqueeze(-1)
+    if depth >= MAX_DEPTH:
+        return out
+    grow = (p > 0.5).nonzero().view(-1)
+    if not len(grow):
+        return out
+    x = h.index_select(0, grow)
+    children = hand_batched_top_down(model, torch.tanh(torch.cat([model.l(x), model.r(x)])), depth + 1)
+    k = len(grow)
+    merged = torch.tanh(model.merge(torch.cat([children[:k], children[k:]], -1))) * p[grow].unsqueeze(-1)
+    return out.index_copy(0, grow, merged)
+
+
+def check_top_down(base, starts):
+    eager = TopDown(base.leaf.in_features).double()
+    eager.load_state_dict(base.state_dict())
+    model = TopDownCompiled(base.leaf.in_features).double()
+    model.load_state_dict(base.state_dict())
+    starts = starts.double()
+    want = torch.stack([eager.expand(h, 0) for h in starts])
+    want_grads = gradients(eager, want.sum())
+    got = recompile.vmap(model.expand, in_dims=(0, None))(starts, 0)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(gradients(model, got.sum()), want_grads, rtol=1e-7, atol=1e-9)
+    hand = hand_batched_top_down(eager, starts)
+    torch.testing.assert_close(hand, want.detach(), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(gradients(eager, hand.sum()), want_grads, rtol=1e-7, atol=1e-9)
+    return dict(TopDownCompiled.expand.stats.get("per_instance", {}))
+
+
+def top_down_model(hidden):
+    """A TopDown whose gate opens for about two thirds of the states (trees of every size up to the limit)."""
+    torch.manual_seed(0)
+    model = TopDown(hidden)
+    with torch.no_grad():
+        model.gate.bias.fill_(0.6)
+    return model
+
+
+# -- the table
+
+
+def table(rows, unit):
+    print(f"{'':24} {'mode':>9} {'batch':>5} {'hand ' + unit:>15} {'recompile ' + unit:>20} {'rec/hand':>9}")
+    for name, mode, size, hand, rec in rows:
+        ratio = f"{rec / hand:8.2f}x" if not isinstance(rec, Exception) else f"{'-':>9}"
+        rec_text = f"{rec:20.1f}" if not isinstance(rec, Exception) else f"{type(rec).__name__:>20}"
+        print(f"{name:24} {mode:>9} {size:5d} {hand:15.1f} {rec_text} {ratio}")
+
+
+def time_family(spellings, hand_run, batches_by_size, repeats):
+    """[(name, mode, size, hand/s, recompile/s)] of {name: model} against ``hand_run``."""
+    rows = []
+    for mode, train in (("inference", False), ("training", True)):
+        for size, batches in batches_by_size.items():
+            runs = {"hand": hand_run(batches)}
+            runs.update({name: (loss, model, batches) for name, (loss, model) in spellings.items()})
+            best = throughputs(runs, train, repeats)
+            rows += [(name, mode, size, best["hand"], best[name]) for name in spellings]
+    return rows
+
+
+def main(argv=None):
+    args = arguments(__doc__).parse_args(argv)
+    data, sst, trees = sst_trees(args)
+    vocab = len(sst.vocab)
+    sentences = [sentence_of(t) for t in trees]
+    print(f"{len(sentences)} SST sentences from {data}, {args.threads} torch thread(s); each model checked "
+          "against eager (float64: per-instance values and parameter gradients) before it is timed")
+
+    torch.manual_seed(0)
+    base = SentenceLSTM(vocab)
+    check_batch = Sentences(*zip(*sentences[:8]))
+    for cls in (SentenceLSTM, SentenceLSTMWhile):
+        counts = check_sentences(cls, base, check_batch)
+        print(f"  {cls.classify.__doc__.split(chr(10))[0]:60} matches eager; per-instance ops: {counts or 'none'}")
+    batches = {size: [Sentences(*zip(*chunk)) for chunk in chunks(sentences, size)] for size in args.batch}
+    hand = SentenceLSTM(vocab)
+    hand.load_state_dict(base.state_dict())
+    lstm = packed_lstm(hand)
+    spellings = {}
+    for name, cls in (("LSTMCell, for range(n)", SentenceLSTM), ("LSTMCell, while t < n", SentenceLSTMWhile)):
+        model = compiled(cls)(vocab)
+        model.load_state_dict(base.state_dict())
+        spellings[name] = (recompile_sentences(model), model)
+    print("Variable-length LSTM (embed 300, hidden 150) against one packed nn.LSTM")
+    table(time_family(spellings, lambda b: (lambda batch: hand_batched_sentences(hand, lstm, batch), hand, b),
+                      batches, args.repeats), "sent/s")
+
+    hidden = 150
+    base = top_down_model(hidden)
+    starts = 2 * torch.randn(len(trees), hidden, generator=torch.Generator().manual_seed(1))
+    counts = check_top_down(base, starts[:32])
+    print(f"Top-down model (hidden {hidden}, depth < {MAX_DEPTH} and p > 0.5) matches eager; "
+          f"per-instance ops: {counts or 'none'}")
+    model = TopDownCompiled(hidden)
+    model.load_state_dict(base.state_dict())
+    expand = recompile.vmap(model.expand, in_dims=(0, None))
+    hand = copy_of(base)
+    batches = {size: chunks(starts, size) for size in args.batch}
+    table(time_family({"top-down, and": (lambda h: expand(h, 0).sum(), model)},
+                      lambda b: (lambda h: hand_batched_top_down(hand, h).sum(), hand, b), batches, args.repeats),
+          "starts/s")
+
+
+def copy_of(model):
+    twin = type(model)(model.leaf.in_features)
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+if __name__ == "__main__":
+    main()
