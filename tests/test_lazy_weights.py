@@ -24,7 +24,7 @@ def products(lazy_on, xs, weight, bias):
 
 
 def gates(t):
-    """The names of the weight gates in the autograd graph of ``t``."""
+    """The weights of the weight gates in the autograd graph of ``t``, one for each gate."""
     seen, found, todo = set(), [], [t.grad_fn]
     while todo:
         node = todo.pop()
@@ -32,7 +32,7 @@ def gates(t):
             continue
         seen.add(node)
         if "WeightGate" in node.name():
-            found.append(node.name())
+            found.append(node.next_functions[0][0].variable)
         todo.extend(n for n, _ in node.next_functions)
     return found
 
@@ -79,8 +79,9 @@ def test_without_grad_or_with_many_rows_a_product_is_plain_linear():
 
 
 def test_a_level_runs_linears_share_one_gate_per_weight_and_train_as_eager():
-    """The Tree-LSTM's node and leaf products of a plain level run: one gate per weight (none with deferral
-    off), and the same values and parameter gradients either way."""
+    """The Tree-LSTM's node and leaf products of a plain level run, and its node losses' (run once for every
+    depth): one gate per weight (none with deferral off; the embedding's lookups keep theirs), and the same
+    values and parameter gradients either way."""
     torch.manual_seed(0)
     model = TreeLSTM(len(WORDS) + 1, embed=5, hidden=4).double()
     forest = Forest.from_trees(trees())
@@ -99,7 +100,8 @@ def test_a_level_runs_linears_share_one_gate_per_weight_and_train_as_eager():
     found, values, grads = run()
     with switched(lazy_weights, -1, "FEW_ROWS"):
         off, want_values, want_grads = run()
-    assert sorted(found) == ["_WeightGateBackward"] * 2 and off == []
+    weights = [model.embed.weight, model.leaf.weight, model.node.weight, model.out.weight]
+    assert sorted(map(id, found)) == sorted(map(id, weights)) and off == [model.embed.weight]
     for a, b in zip(values, want_values):
         torch.testing.assert_close(a, b)
     assert grads.keys() == want_grads.keys()
@@ -188,3 +190,50 @@ def test_a_run_with_grad_after_one_without_trains_as_eager():
     torch.testing.assert_close(loss.detach(), torch.stack([s[2] for s in want]).detach())
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class Reader(torch.nn.Module):
+    """An embedding looked up at every step of a loop, as a sentence model reads its words."""
+
+    def __init__(self, padding_idx=None):
+        super().__init__()
+        self.embed = torch.nn.Embedding(7, 3, padding_idx=padding_idx)
+        self.mix = torch.nn.Linear(3, 3)
+
+    def read(self, words, n):
+        h = torch.zeros(3, dtype=self.mix.weight.dtype)
+        for t in range(n):
+            h = torch.tanh(self.mix(h) + self.embed(words[t]))
+        return h
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0])
+def test_a_loops_lookups_share_one_gate_and_give_eagers_gradients(padding_idx):
+    """Each step's lookup keeps its indices and gradient, and one gate per table and run adds them up (an
+    embedding with options, ``padding_idx``, is torch's own); second derivatives too."""
+    torch.manual_seed(0)
+    eager = Reader(padding_idx).double()
+    model = type("Compiled", (Reader,), {"read": recompile.function(Reader.read)})(padding_idx).double()
+    model.load_state_dict(eager.state_dict())
+    words = torch.tensor([[1, 2, 0, 3, 4], [5, 0, 6, 1, 2], [3, 3, 3, 0, 0]])
+    n = torch.tensor([5, 2, 3])
+    got = recompile.vmap(model.read, in_dims=(0, 0))(words, n)
+    found = gates(got.sum())
+    want = torch.stack([eager.read(words[k], int(n[k])) for k in range(3)])
+    torch.testing.assert_close(got, want)
+    assert any(w is model.embed.weight for w in found) == (padding_idx is None)
+    for m, out in ((model, got), (eager, want)):  # (a gradient of the gradient: the gate's backward records)
+        g, = torch.autograd.grad((out ** 2).sum(), m.embed.weight, create_graph=True)
+        m.zero_grad()
+        (g ** 2).sum().backward()
+    torch.testing.assert_close(model.embed.weight.grad, eager.embed.weight.grad)
+    torch.testing.assert_close(model.mix.weight.grad, eager.mix.weight.grad)
+
+
+def test_a_table_changed_in_place_before_the_backward_is_refused_as_torch_refuses_it():
+    table = torch.randn(5, 3, requires_grad=True)
+    out = lazy_weights.embedding(torch.tensor([1, 2]), table, lazy_weights.LazyEmbedding())
+    with torch.no_grad():
+        table.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

@@ -954,29 +954,25 @@ def _module_form(tr, fn, fn_slot, args, kwargs):
     x = tr.as_b(args[0])
     if x is None:
         return None
+    # (as its line computes it: a weight's gradient formed once per backward for the run's products)
     if type(fn) is nn.Linear:
         if x.value.dim() < 2:
             return None
-        value = F.linear(x.value, fn.weight, fn.bias) if tr.plain is None else \
-            lazy_weights.linear(x.value, fn.weight, fn.bias, lazy_weights.LazyWeight())  # (as its line computes it)
+        value = lazy_weights.linear(x.value, fn.weight, fn.bias, lazy_weights.of_run(fn.weight))
     else:
         if x.value.dtype not in facts.INTEGER_INDEX:
             return None
-        value = fn(x.value)
+        value = lazy_weights.lookup(fn, x.value)
     tr.guard_callable(fn, fn_slot)
     fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
     name = tr.fresh()
     if type(fn) is nn.Linear:  # (its parameters read on lines of their own: a plain piece reads them once a run)
-        weight, bias = tr.fresh(), tr.fresh()
+        weight, bias, lazy = tr.fresh(), tr.fresh(), tr.fresh()
         tr.emit(f"{weight}, {bias} = {fn_name}.weight, {fn_name}.bias")
-        if tr.plain is not None:  # (a level run's piece: its weight's gradient formed once per backward)
-            lazy = tr.fresh()
-            tr.emit(f"{lazy} = _LazyWeight()")
-            tr.emit(f"{name} = _lazy_linear({x.name}, {weight}, {bias}, {lazy})")
-        else:
-            tr.emit(f"{name} = _F_linear({x.name}, {weight}, {bias})")
+        tr.emit(f"{lazy} = _of_run({weight})")
+        tr.emit(f"{name} = _lazy_linear({x.name}, {weight}, {bias}, {lazy})")
     else:
-        tr.emit(f"{name} = _module({fn_name}, {x.name})")
+        tr.emit(f"{name} = _lookup({fn_name}, {x.name})")
     return _Slot("B", name, value)
 
 
@@ -1229,8 +1225,9 @@ def _struct(kind, parts, n):
 
 
 _HELPERS = {"_Batch": Batch, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor": _tensor,
-            "_shared_tensor": _shared_tensor, "_plain_module": _plain_module, "_F_linear": F.linear,
-            "_LazyWeight": lazy_weights.LazyWeight, "_lazy_linear": lazy_weights.linear, "_module": _module,
+            "_shared_tensor": _shared_tensor, "_plain_module": _plain_module,
+            "_of_run": lazy_weights.of_run, "_lazy_linear": lazy_weights.linear, "_lookup": lazy_weights.lookup,
+            "_module": _module,
             "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules.index_rows,
             "_call": batch_rules.call, "_item": batch_rules.item, "_fused": batch_rules.fused,
             "_unpack": control.unpack, "_sharing": sharing.state, "_batched_product": batch_rules.batched_product,

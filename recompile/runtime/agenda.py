@@ -46,7 +46,7 @@ from functools import partial
 import torch
 
 from . import batch as bt
-from . import batch_rules, sharing, streams
+from . import batch_rules, lazy_weights, sharing, streams
 from .. import config
 from .frames import RunStats, annotate, annotated_by, mark_annotated, too_deep, unwrap_stop_iteration
 from .units import Deferred, unit_of
@@ -129,6 +129,7 @@ def run(target, args, n=1, pool=None):
     saved, counters.per_instance = counters.per_instance, {}
     mutates = getattr(target, "may_mutate", True)
     saved_sharing, sharing.state.fresh = sharing.state.fresh, not mutates
+    saved_weights, lazy_weights.runs.weights = lazy_weights.runs.weights, {}
     try:
         run = _Run.of(stats, pool, args, mutates)
         unit = unit_of(target)
@@ -144,6 +145,7 @@ def run(target, args, n=1, pool=None):
     finally:
         stats.per_instance, counters.per_instance = counters.per_instance, saved
         sharing.state.fresh = saved_sharing
+        lazy_weights.runs.weights = saved_weights
         stats.total_s = time.perf_counter() - started
     return result, stats
 
@@ -271,12 +273,13 @@ class _Run:
         modes = ThreadState()
         stream = torch.cuda.current_stream(self.device) if self.device is not None else None
 
-        share = sharing.state.fresh
+        share, weights = sharing.state.fresh, lazy_weights.runs.weights
 
         def task(i, worker):
-            counters, state = batch_rules.counters, sharing.state
+            counters, state, runs = batch_rules.counters, sharing.state, lazy_weights.runs
             saved, counters.per_instance = counters.per_instance, {}
             saved_sharing, state.fresh = state.fresh, share  # (this run's, on the worker's thread too)
+            saved_weights, runs.weights = runs.weights, weights
             on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             try:
                 with modes.applied(), on_stream:
@@ -285,7 +288,7 @@ class _Run:
             except BaseException as exc:  # (setting the thread up failed): the frame's step fails with it
                 outcomes[i] = (_FAILED, exc, counters.per_instance)
             finally:
-                counters.per_instance, state.fresh = saved, saved_sharing
+                counters.per_instance, state.fresh, runs.weights = saved, saved_sharing, saved_weights
                 with lock:
                     left[0] -= 1
                     if left[0] == 0:

@@ -27,7 +27,7 @@ from .. import config, intrinsics
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
-from . import fallbacks, ranges, sharing
+from . import fallbacks, lazy_weights, ranges, sharing
 from .batch import Batch
 
 # Batch rules, filed as the gradient rules are (``ops.table``): ``rule(n, fn, args, kwargs)`` for a callable
@@ -764,7 +764,10 @@ def _module_over_last_dims(n, module, args, kwargs):
     kind = type(module)
     if kind is nn.Embedding and len(args) == 1 and not kwargs and type(args[0]) is Batch:
         i = bt.tensor_of(args[0])
-        return NotImplemented if i is None else bt.from_tensor(module(i))
+        if i is None:
+            return NotImplemented
+        # (what Embedding.forward runs, its gradient deferred to the run's gate: call() checked for hooks)
+        return bt.from_tensor(module(i) if "forward" in module.__dict__ else lazy_weights.lookup(module, i))
     if kind is nn.Linear and len(args) == 1 and not kwargs and "forward" not in module.__dict__:
         # (what Linear.forward runs, without Module.__call__'s dispatch: call() checked for hooks)
         return over_last_dims(n, F.linear, (args[0], module.weight, module.bias), kwargs)

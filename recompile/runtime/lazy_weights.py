@@ -1,15 +1,18 @@
-"""A Linear weight's gradient formed once per backward for all the rows a level run multiplied it by.
+"""A weight's gradient formed once per backward for all the rows a run multiplied it by (or looked up in it).
 
 A level run's piece (``codegen.segments.Plain``) multiplies a few rows by the
-same weight at every depth. Recorded op by op, torch's backward forms that
-weight's gradient at every depth (``g_d^T x_d``, a full out x in matrix from a
-few rows) and adds them up one by one. Here each product is recorded as a
-``_DeferredLinear`` whose backward gives the rows' and the bias' gradients at
-once but only keeps ``(g_d, x_d)``; one ``_WeightGate`` per weight and run,
-which every product reads, runs after all of them (autograd runs a node once
-every node reading its output has run) and forms the weight's gradient as one
-matrix product over all the kept rows (Cavs' lazy batching). Both backwards
-are themselves differentiable, so ``create_graph=True`` still works.
+same weight at every depth, and a loop's body at every step. Recorded op by op,
+torch's backward forms that weight's gradient at every depth (``g_d^T x_d``, a
+full out x in matrix from a few rows) and adds them up one by one. Here each
+product is recorded as a ``_DeferredLinear`` whose backward gives the rows' and
+the bias' gradients at once but only keeps ``(g_d, x_d)``; one ``_WeightGate``
+per weight and run (``of_run``), which every product reads, runs after all of
+them (autograd runs a node once every node reading its output has run) and
+forms the weight's gradient as one matrix product over all the kept rows (Cavs'
+lazy batching). An embedding lookup's own gradient is a whole table, mostly
+zeros: a ``_DeferredEmbedding`` keeps its indices and output gradient, and its
+table's gate adds them into one table once. Both backwards are themselves
+differentiable, so ``create_graph=True`` still works.
 
 Such a product of a few rows also runs faster with the weight laid out
 transposed (in x out, contiguous) than as ``nn.Linear`` keeps it (out x in,
@@ -33,7 +36,7 @@ import torch.nn.functional as F
 
 
 class LazyWeight:
-    """One weight's products of one level run: the gate they all read, and the rows kept for it."""
+    """One weight's products of one run: the gate they all read, and the rows kept for it."""
 
     __slots__ = ("weight", "gate", "kept", "flipped")
 
@@ -57,16 +60,43 @@ class LazyWeight:
             return torch.addmm(bias, x, flipped[2])        # and adds the bias before rounding to half floats)
         return x.mm(flipped[2]).add_(bias)  # (2-4% faster than ``addmm``, which first copies the bias into every row)
 
-    def rows(self):
-        """The kept rows of the backward pass running."""
-        return self.kept.setdefault(torch._C._current_graph_task_id(), ([], []))
+    def keep(self, g, x):
+        """Keep a product's output gradient and input rows (a lookup's indices) for the backward pass running."""
+        grads, inputs = self.kept.setdefault(torch._C._current_graph_task_id(), ([], []))
+        grads.append(g)
+        inputs.append(x)
 
     def linear(self, x, weight, bias):
         """``F.linear(x, weight, bias)`` for a 2-d ``x``, its weight gradient deferred to the gate."""
+        return _DeferredLinear.apply(x, self.gate_of(weight), bias, self)
+
+    def gate_of(self, weight):
         if self.gate is None or self.weight is not weight:
             self.weight = weight
             self.gate = _WeightGate.apply(weight, self)
-        return _DeferredLinear.apply(x, self.gate, bias, self)
+        return self.gate
+
+    def weight_grad(self, grads, inputs):
+        """The weight's gradient from the kept rows: output gradients and inputs, row for row."""
+        g = grads[0] if len(grads) == 1 else torch.cat(grads)
+        x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+        return g.t().mm(x)
+
+
+class LazyEmbedding(LazyWeight):
+    """One embedding table's lookups of one run: each lookup keeps its indices and output gradient, and the
+    gate adds them into one table-sized gradient (a lookup's own gradient is a full table, mostly zeros)."""
+
+    __slots__ = ()
+
+    def lookup(self, indices, weight):
+        return _DeferredEmbedding.apply(indices, self.gate_of(weight), self)
+
+    def weight_grad(self, grads, inputs):
+        width = self.weight.shape[1]
+        g = torch.cat([x.reshape(-1, width) for x in grads])
+        i = torch.cat([i.reshape(-1) for i in inputs])
+        return self.weight.new_zeros(self.weight.shape, dtype=g.dtype).index_add_(0, i, g)
 
 
 class _WeightGate(torch.autograd.Function):
@@ -82,9 +112,7 @@ class _WeightGate(torch.autograd.Function):
         grads, inputs = ctx.lazy.kept.pop(torch._C._current_graph_task_id(), ((), ()))
         if not grads:
             return None, None
-        g = grads[0] if len(grads) == 1 else torch.cat(grads)
-        x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
-        return g.t().mm(x), None
+        return ctx.lazy.weight_grad(grads, inputs), None
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -99,12 +127,24 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
-        grads, inputs = ctx.lazy.rows()
-        grads.append(g)
-        inputs.append(x)
+        ctx.lazy.keep(g, x)
         grad_x = g.mm(weight) if ctx.needs_input_grad[0] else None
         grad_bias = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None, grad_bias, None
+
+
+class _DeferredEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, indices, gate, lazy):
+        ctx.save_for_backward(indices, lazy.weight)  # (the weight: changed in place before the backward, refused)
+        ctx.lazy = lazy
+        return F.embedding(indices, lazy.weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        indices, _ = ctx.saved_tensors
+        ctx.lazy.keep(g, indices)
+        return None, None, None
 
 
 # Up to this many rows a product's own weight gradient (a full out x in matrix, added to the others) costs
@@ -128,6 +168,47 @@ def linear(x, weight, bias, lazy):
         if x.shape[0] <= FEW_ROWS and weight.requires_grad:
             return lazy.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def embedding(indices, weight, lazy):
+    """An embedding lookup with no options: its table's gradient deferred to the run's gate where autograd
+    records it, ``F.embedding`` otherwise."""
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return lazy.lookup(indices, weight)
+    return F.embedding(indices, weight)
+
+
+def lookup(module, indices):
+    """``module(indices)`` of an ``nn.Embedding`` (no hooks, its own forward): with no options, its table's
+    gradient deferred to the gate of the run going on."""
+    if module.padding_idx is None and module.max_norm is None and not module.scale_grad_by_freq and \
+            not module.sparse:
+        return embedding(indices, module.weight, of_run(module.weight, LazyEmbedding))
+    return module(indices)
+
+
+class _Runs(threading.local):
+    """Per thread: the lazy weights of the batched run going on (``weights``: (id of the weight, kind) ->
+    LazyWeight), or None outside one (set by ``runtime.agenda``)."""
+
+    def __init__(self):
+        self.weights = None
+
+
+runs = _Runs()
+
+
+def of_run(weight, kind=LazyWeight):
+    """The ``kind`` of lazy weight the run going on keeps for ``weight`` (one gate for all its products in
+    the run: a loop's steps, a level run's depths), or a new one outside a run."""
+    weights = runs.weights
+    if weights is None:
+        return kind()
+    key = (id(weight), kind)
+    found = weights.get(key)
+    if found is None or (found.weight is not None and found.weight is not weight):  # (an id used again)
+        found = weights[key] = kind()
+    return found
 
 
 _buffers = threading.local()  # .pool: id(weight) -> the buffer its transposed copies are made in
