@@ -237,3 +237,40 @@ def test_a_table_changed_in_place_before_the_backward_is_refused_as_torch_refuse
         table.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+def _cells():
+    yield torch.nn.LSTMCell(5, 4)
+    yield torch.nn.GRUCell(5, 4)
+    yield torch.nn.RNNCell(5, 4)
+    yield torch.nn.RNNCell(5, 4, nonlinearity="relu")
+
+
+@pytest.mark.parametrize("module", list(_cells()), ids=lambda m: f"{type(m).__name__}-{getattr(m, 'nonlinearity', '')}")
+@pytest.mark.parametrize("with_state", [False, True])
+def test_a_cell_written_out_gives_torchs_values_and_gradients(module, with_state):
+    """``lazy_weights.cell``: the cell as torch computes it, its products' weight gradients by gates; first
+    and second derivatives as torch's."""
+    torch.manual_seed(0)
+    module = module.double()
+    x = torch.randn(7, 5, dtype=F64, requires_grad=True)
+    state = None
+    if with_state:
+        h = torch.randn(7, 4, dtype=F64, requires_grad=True)
+        state = (h, torch.randn(7, 4, dtype=F64)) if isinstance(module, torch.nn.LSTMCell) else h
+    args = (x,) if state is None else (x, state)
+    want, got = module(*args), lazy_weights.cell(module, *args)
+    want, got = (w if type(w) is tuple else (w,) for w in (want, got))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert len(gates(sum(g.sum() for g in got))) == 2
+    inputs = [x, module.weight_ih, module.weight_hh, module.bias_ih, module.bias_hh]
+
+    def derivatives(outs):
+        grads = torch.autograd.grad(sum((o ** 2).sum() for o in outs), inputs, create_graph=True)
+        module.zero_grad()
+        sum((g ** 2).sum() for g in grads).backward()
+        return [g.detach() for g in grads], [p.grad.clone() for p in module.parameters()]
+
+    for a, b in zip(derivatives(got), derivatives(want)):
+        torch.testing.assert_close(a, b)

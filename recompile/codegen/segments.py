@@ -937,10 +937,10 @@ def _cell_form(tr, fn, fn_slot, args, kwargs):
     fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
     state_text = "" if not states else ", " + (f"({states[0].name}, {states[1].name})" if len(states) == 2
                                                else states[0].name)
-    value = fn(x.value, *(() if not states else ((states[0].value, states[1].value),) if len(states) == 2
-                          else (states[0].value,)))
+    value = lazy_weights.cell(fn, x.value, *(() if not states else ((states[0].value, states[1].value),)
+                                             if len(states) == 2 else (states[0].value,)))
     name = tr.fresh()
-    tr.emit(f"{name} = _module({fn_name}, {x.name}{state_text})")
+    tr.emit(f"{name} = _cell({fn_name}, {x.name}{state_text})")
     if type(value) is tuple:
         return _Slot("T", name, value, [_Slot("B", f"{name}[{j}]", v) for j, v in enumerate(value)])
     return _Slot("B", name, value)
@@ -1227,6 +1227,7 @@ def _struct(kind, parts, n):
 _HELPERS = {"_Batch": Batch, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor": _tensor,
             "_shared_tensor": _shared_tensor, "_plain_module": _plain_module,
             "_of_run": lazy_weights.of_run, "_lazy_linear": lazy_weights.linear, "_lookup": lazy_weights.lookup,
+            "_cell": lazy_weights.cell,
             "_module": _module,
             "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules.index_rows,
             "_call": batch_rules.call, "_item": batch_rules.item, "_fused": batch_rules.fused,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import operator
 import string
 import threading
+from functools import partial
 import types
 
 import torch
@@ -802,7 +803,8 @@ def recurrent_cell(n, cell, args, kwargs):
                 return NotImplemented
             states.append(t.reshape(-1, t.shape[-1]))
     flat = x.reshape(-1, x.shape[-1])
-    out = cell(flat) if states is None else cell(flat, tuple(states) if len(states) == 2 else states[0])
+    run = cell if "forward" in cell.__dict__ else partial(lazy_weights.cell, cell)  # (call() checked for hooks)
+    out = run(flat) if states is None else run(flat, tuple(states) if len(states) == 2 else states[0])
     if type(out) is tuple:
         return bt.from_struct(tuple, [bt.from_tensor(o.reshape(*rows, o.shape[-1])) for o in out], n)
     return bt.from_tensor(out.reshape(*rows, out.shape[-1]))

@@ -33,6 +33,7 @@ import weakref
 import numpy
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 class LazyWeight:
@@ -185,6 +186,34 @@ def lookup(module, indices):
             not module.sparse:
         return embedding(indices, module.weight, of_run(module.weight, LazyEmbedding))
     return module(indices)
+
+
+def cell(module, x, state=None):
+    """``module(x, state)`` of an ``nn.RNNCell``, ``LSTMCell`` or ``GRUCell`` (no hooks, its own forward) on a
+    matrix of rows: where autograd records its two products and they are of few rows, written out as torch's
+    cells compute them, the products' weight gradients deferred to the run's gates (a loop's steps form each
+    once); the module's own call otherwise (without grad the written-out cell measured no faster)."""
+    grad = torch.is_grad_enabled() and module.weight_ih.requires_grad
+    if not grad or x.dim() != 2 or x.shape[0] > FEW_ROWS or not module.bias:
+        return module(x) if state is None else module(x, state)
+    kind = type(module)
+    if state is None:
+        zeros = x.new_zeros(x.shape[0], module.hidden_size)
+        state = (zeros, zeros) if kind is nn.LSTMCell else zeros
+    h = state[0] if kind is nn.LSTMCell else state
+    gx = linear(x, module.weight_ih, module.bias_ih, of_run(module.weight_ih))
+    gh = linear(h, module.weight_hh, module.bias_hh, of_run(module.weight_hh))
+    if kind is nn.LSTMCell:
+        i, f, g, o = (gx + gh).chunk(4, 1)
+        c = torch.sigmoid(f) * state[1] + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+    if kind is nn.GRUCell:
+        xr, xz, xn = gx.chunk(3, 1)
+        hr, hz, hn = gh.chunk(3, 1)
+        z = torch.sigmoid(xz + hz)
+        n = torch.tanh(xn + torch.sigmoid(xr + hr) * hn)
+        return n + z * (h - n)  # ((1 - z) n + z h, as torch writes it)
+    return torch.tanh(gx + gh) if module.nonlinearity == "tanh" else torch.relu(gx + gh)
 
 
 class _Runs(threading.local):
