@@ -50,3 +50,15 @@ def test_the_cli_marks_the_example(capsys):
     found = marks(capsys.readouterr().out)
     assert found and not [op for op, mark in found if mark.startswith("per instance")]
     assert ("%v = call getitem(%is_leaf, %i)", "batched") in found
+
+
+def noisy(x):
+    noise = torch.randn(3)  # (a draw: each instance its own)
+    print("step")  # (an effect: each instance's)
+    return x + noise
+
+
+def test_a_draw_or_an_effect_of_shared_values_is_marked_per_instance():
+    how = dict((op.split(" = ")[-1], mark) for op, mark in marks(recompile.function(noisy).dump(instances=())))
+    assert how["call %randn(3)"].startswith("per instance: no instance differs in its arguments")
+    assert how["call %print('step')"].startswith("per instance")

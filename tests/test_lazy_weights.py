@@ -3,6 +3,8 @@ pieces keep their rows, and one gate per weight and run forms the weight's gradi
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -274,3 +276,33 @@ def test_a_cell_written_out_gives_torchs_values_and_gradients(module, with_state
 
     for a, b in zip(derivatives(got), derivatives(want)):
         torch.testing.assert_close(a, b)
+
+
+def test_under_autocast_products_and_cells_are_torchs_own():
+    """Autocast runs a product in a lower precision; a deferred backward would mix the dtypes, so there the
+    product, and a cell, are torch's own (values, dtypes and gradients as torch gives them)."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(3, 4, requires_grad=True), torch.randn(3, requires_grad=True)
+    x = torch.randn(2, 4)
+    cell = torch.nn.LSTMCell(4, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = lazy_weights.linear(x, weight, bias, lazy_weights.LazyWeight())
+        want = F.linear(x, weight, bias)
+        got_h, got_c = lazy_weights.cell(cell, x)
+        want_h, want_c = cell(x)
+    assert got.dtype == want.dtype == torch.bfloat16 and got_h.dtype == want_h.dtype and got_c.dtype == want_c.dtype
+    torch.testing.assert_close(got, want)
+    g = torch.autograd.grad(got.float().sum() + got_h.float().sum(), [weight, cell.weight_ih])
+    w = torch.autograd.grad(want.float().sum() + want_h.float().sum(), [weight, cell.weight_ih])
+    for a, b in zip(g, w):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_cell_given_a_state_it_cannot_take_raises_as_torch_does():
+    cell = torch.nn.LSTMCell(4, 3)
+    x = torch.randn(2, 4)
+    bad = (torch.randn(2, 3), torch.randn(2, 1))
+    with pytest.raises(RuntimeError) as want:
+        cell(x, bad)
+    with pytest.raises(RuntimeError, match=re.escape(str(want.value).splitlines()[0])):
+        lazy_weights.cell(cell, x, bad)

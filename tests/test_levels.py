@@ -97,6 +97,17 @@ def test_a_top_down_model_whose_tree_its_computed_states_decide():
     assert max(len(t) for piece in prog.plain.pieces() for t in piece.traces.values()) >= 2
 
 
+def test_every_trace_of_a_piece_is_tried_before_its_call_gives_up_plain_tensors():
+    """With as many traces as a piece may make (one per branch of its ``and``), a depth that takes the second
+    branch runs it: no call of the top-down model leaves the plain run."""
+    eager, batched, _, starts = topdown_models()
+    prog = program(BatchedTopDown.expand, BatchedTopDown)
+    with switched(config, 2, "SEGMENT_TRACES"):
+        for _ in range(3):
+            recompile.vmap(batched.expand, in_dims=(0, None))(starts, 0)
+    assert prog.plain.failures == 0 and prog.plain.runs >= 3
+
+
 def grow(self, h, depth):
     """The top-down model with ``or`` and a per-instance operand first: its Cond splits by instance."""
     p = torch.sigmoid(self.gate(h)).squeeze(-1)

@@ -5,7 +5,8 @@ named shared: ``self``, the tree of a forest that ``vmap`` passes with ``in_dims
 a branch or loop that joins instances' values, or a recursive call. Each op is then one of
 
 - ``once``: nothing it reads differs between instances; it runs once for all of them (``runtime.sharing``
-  gives each instance its own copy only where the program needs one);
+  gives each instance its own copy only where the program needs one; a torch op runs so where the program
+  changes nothing in place, else per instance, and warns);
 - ``batched``: one op for the group, by the callable's batch rule, or ``torch.func.vmap`` for a torch op
   with none; a call, branch or loop of the group is one too;
 - ``per instance``: a callable known to have neither (Python code of per-instance values, a Python value
@@ -14,8 +15,9 @@ a branch or loop that joins instances' values, or a recursive call. Each op is t
   run batches by its type: a module or tensor method with a rule or vmap is batched, anything else runs
   per instance (and warns).
 
-The reading is static: a run may do better (a tensor computed once, ops of a traced piece) but not worse,
-except where ``by type`` finds no rule.
+The reading is static: a run may do better (a tensor computed once, ops of a traced piece), and worse only
+where ``by type`` finds no rule or a program that changes values in place runs a torch op of shared values
+once per instance (each run's warnings and ``stats["per_instance"]`` say so).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import builtins
 
 from .. import intrinsics, ir
+from ..ops import facts
 from ..ops.table import torch_callable
 from ..runtime import fallbacks
 from ..runtime.batch_rules import BATCH
@@ -135,16 +138,27 @@ def read(program, shared=("self",)):
 
 
 def _how(reading, op):
-    if not any(reading.differs(a) for a in op.operands()):
-        return ONCE, None
+    varies = any(reading.differs(a) for a in op.operands())
     if not isinstance(op, ir.Call):
-        return BATCHED, None
+        return (BATCHED if varies else ONCE), None
     fn = reading.value(op.fn)
     if fn is _UNKNOWN:
         return BY_TYPE, None
+    if not varies:
+        return _once(fn)
     if _batches(fn):
         return BATCHED, None
     why, instead = fallbacks.reason(fn)
+    return PER_INSTANCE, f"{why}; {instead}"
+
+
+def _once(fn):
+    """An op of shared values: once, unless each instance must get its own result (a random draw, a Python
+    call with effects or a fresh object: ``batch_rules._unbatched``)."""
+    known = facts.among(fn, facts.PURE) or facts.among(fn, facts.SHAREABLE) or torch_callable(fn)
+    if known and not facts.among(fn, facts.DRAWS):
+        return ONCE, None
+    why, instead = fallbacks.FRESH
     return PER_INSTANCE, f"{why}; {instead}"
 
 

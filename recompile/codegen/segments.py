@@ -185,8 +185,8 @@ class Plain:
             try:
                 out = self._run(entry, n, args, prepared)
             except Deopt:
-                if len(entries) >= config.SEGMENT_TRACES:
-                    raise
+                if k == len(entries) - 1 and len(entries) >= config.SEGMENT_TRACES:
+                    raise  # (no trace held, and no more may be made)
                 continue
             if k:  # (the trace that held goes first next time: a run's depths mostly take the same branch)
                 self.traces[kinds] = [entry] + [e for e in entries if e is not entry]
@@ -471,6 +471,8 @@ class _Tracer:
 
     def guard_callable(self, fn, slot):
         if slot is None:
+            if type(fn) in _PLAIN_MODULES or type(fn) in _GENERIC_OK_MODULES:  # (a hook added later, too)
+                self.emit(f"if not _plain_module({self.const(fn)}, {self.const(type(fn))}): raise _Deopt")
             return
         if type(fn) in _PLAIN_MODULES or type(fn) in _GENERIC_OK_MODULES:
             self.emit(f"if not _plain_module({slot.name}, {self.const(type(fn))}): raise _Deopt")

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.table import has_hooks
+
 
 class LazyWeight:
     """One weight's products of one run: the gate they all read, and the rows kept for it."""
@@ -166,15 +168,16 @@ def linear(x, weight, bias, lazy):
     if x.dim() == 2:
         if not torch.is_grad_enabled():
             return lazy.product(x, weight, bias)
-        if x.shape[0] <= FEW_ROWS and weight.requires_grad:
-            return lazy.linear(x, weight, bias)
+        if x.shape[0] <= FEW_ROWS and weight.requires_grad and not torch.is_autocast_enabled(x.device.type):
+            return lazy.linear(x, weight, bias)  # (not under autocast: its backward would mix the dtypes)
     return F.linear(x, weight, bias)
 
 
 def embedding(indices, weight, lazy):
     """An embedding lookup with no options: its table's gradient deferred to the run's gate where autograd
     records it, ``F.embedding`` otherwise."""
-    if torch.is_grad_enabled() and weight.requires_grad:
+    if torch.is_grad_enabled() and weight.requires_grad and not (
+            weight.is_cuda and torch.are_deterministic_algorithms_enabled()):  # (index_add_ on CUDA: atomics)
         return lazy.lookup(indices, weight)
     return F.embedding(indices, weight)
 
@@ -183,7 +186,7 @@ def lookup(module, indices):
     """``module(indices)`` of an ``nn.Embedding`` (no hooks, its own forward): with no options, its table's
     gradient deferred to the gate of the run going on."""
     if module.padding_idx is None and module.max_norm is None and not module.scale_grad_by_freq and \
-            not module.sparse:
+            not module.sparse and not has_hooks(module):
         return embedding(indices, module.weight, of_run(module.weight, LazyEmbedding))
     return module(indices)
 
@@ -193,10 +196,9 @@ def cell(module, x, state=None):
     matrix of rows: where autograd records its two products and they are of few rows, written out as torch's
     cells compute them, the products' weight gradients deferred to the run's gates (a loop's steps form each
     once); the module's own call otherwise (without grad the written-out cell measured no faster)."""
-    grad = torch.is_grad_enabled() and module.weight_ih.requires_grad
-    if not grad or x.dim() != 2 or x.shape[0] > FEW_ROWS or not module.bias:
-        return module(x) if state is None else module(x, state)
     kind = type(module)
+    if not _writes_out(module, kind, x, state):
+        return module(x) if state is None else module(x, state)
     if state is None:
         zeros = x.new_zeros(x.shape[0], module.hidden_size)
         state = (zeros, zeros) if kind is nn.LSTMCell else zeros
@@ -214,6 +216,24 @@ def cell(module, x, state=None):
         n = torch.tanh(xn + torch.sigmoid(xr + hr) * hn)
         return n + z * (h - n)  # ((1 - z) n + z h, as torch writes it)
     return torch.tanh(gx + gh) if module.nonlinearity == "tanh" else torch.relu(gx + gh)
+
+
+def _writes_out(module, kind, x, state):
+    """Whether ``cell`` writes the cell out: with grad, few rows, a bias, no autocast, and inputs the module
+    would take as they are (anything else goes to it, to run or refuse as torch does)."""
+    if not (torch.is_grad_enabled() and module.weight_ih.requires_grad and x.dim() == 2 and x.shape[0] <= FEW_ROWS
+            and module.bias and not torch.is_autocast_enabled(x.device.type) and not has_hooks(module)
+            and x.shape[1] == module.input_size and x.dtype == module.weight_ih.dtype):
+        return False
+    if kind is nn.RNNCell and module.nonlinearity not in ("tanh", "relu"):
+        return False
+    if state is None:
+        return True
+    parts = state if kind is nn.LSTMCell else (state,)
+    if kind is nn.LSTMCell and (type(state) is not tuple or len(state) != 2):
+        return False
+    return all(isinstance(p, torch.Tensor) and p.shape == (x.shape[0], module.hidden_size) and p.dtype == x.dtype
+               for p in parts)
 
 
 class _Runs(threading.local):
