@@ -18,6 +18,10 @@ minibatch loss) before it is timed:
 Throughput is trees (sentences, start states) per second, best of --repeats; training is forward, backward
 and an SGD step per minibatch (DyNet's SimpleSGDTrainer, torch.optim.SGD), inference the forward alone.
 DyNet runs on one thread; torch is set to --threads (1 by default).
+
+DyNet updates only the rows of a lookup table that the minibatch read; torch's default ``nn.Embedding`` has a
+dense gradient, so each step zeroes, fills and updates the whole table (18k x 300 on the full SST). With
+``--sparse`` the PyTorch models' tables are ``nn.Embedding(..., sparse=True)``, torch's way to the same update.
 """
 
 import os
@@ -25,6 +29,7 @@ import sys
 import time
 
 import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -38,13 +43,23 @@ from tree_rnn import TreeRNN  # noqa: E402
 
 from recompile.data import Forest  # noqa: E402
 
-try:
-    import dynet_config
+dy = None  # the dynet module, once main() has set it up (``load_dynet``)
 
-    dynet_config.set(autobatch=1, mem=4096, random_seed=1)  # (autobatching needs its memory up front)
-    import dynet as dy
-except ImportError:
-    dy = None
+
+def load_dynet(mem):
+    """Import DyNet with autobatching and ``mem`` MB of memory (autobatching needs it up front); False where it
+    is not installed."""
+    global dy
+    if dy is None:
+        try:
+            import dynet_config
+
+            dynet_config.set(autobatch=1, mem=mem, random_seed=1)
+            import dynet
+        except ImportError:
+            return False
+        dy = dynet
+    return True
 
 LR = 1e-4  # (a small step, as bench_batching's: speed does not depend on it)
 
@@ -180,13 +195,23 @@ def checked(name, torch_loss, params, loss_of, items):
     print(f"  {name:26} DyNet matches eager PyTorch (the minibatch loss {want:.4f})")
 
 
-def tree_families(sst, trees):
+def sparse_table(model):
+    """``model`` with its embedding table's gradient sparse (the same weights)."""
+    old = model.embed
+    model.embed = nn.Embedding(old.num_embeddings, old.embedding_dim, sparse=True)
+    model.embed.weight = old.weight
+    return model
+
+
+def tree_families(sst, trees, sparse):
     """(name, model, DyNet params, node function) of the three tree models."""
     torch.manual_seed(0)
     out = []
     for name, cls, make, node in (("Tree-LSTM", TreeLSTM, Params, lstm_node), ("Tree-RNN", TreeRNN, Params, rnn_node),
                                   ("RNTN", RNTN, RNTNParams, rntn_node)):
         model = cls(len(sst.vocab))
+        if sparse:
+            sparse_table(model)
         params = make(model)
         eager = eager_twin(cls)(len(sst.vocab))
         eager.load_state_dict(model.state_dict())
@@ -198,14 +223,18 @@ def tree_families(sst, trees):
 
 
 def main(argv=None):
-    args = arguments(__doc__).parse_args(argv)
-    if dy is None:
+    parser = arguments(__doc__)
+    parser.add_argument("--sparse", action="store_true", help="the PyTorch models' embeddings sparse=True")
+    parser.add_argument("--dynet-mem", type=int, default=4096, help="MB DyNet allocates up front")
+    args = parser.parse_args(argv)
+    if not load_dynet(args.dynet_mem):
         print("DyNet is not installed (pip install dyNET38): nothing to compare with")
         return
     data, sst, trees = sst_trees(args)
-    print(f"{len(trees)} SST trees from {data}, torch on {args.threads} thread(s), DyNet autobatch=1")
+    print(f"{len(trees)} SST trees from {data}, torch on {args.threads} thread(s), DyNet autobatch=1, "
+          f"PyTorch embeddings {'sparse' if args.sparse else 'dense'}")
     rows = []
-    for name, model, params, node in tree_families(sst, trees):
+    for name, model, params, node in tree_families(sst, trees, args.sparse):
         forests = {size: [Forest.from_trees(c) for c in chunks(trees, size)] for size in args.batch}
         lists = {size: [[tree_lists(t) for t in c] for c in chunks(trees, size)] for size in args.batch}
         rows += timed(name, model, recompile_loss(model), forests, params,
@@ -213,6 +242,8 @@ def main(argv=None):
 
     sentences = [seq.sentence_of(t) for t in trees]
     model = seq.compiled(seq.SentenceLSTM)(len(sst.vocab))
+    if args.sparse:
+        sparse_table(model)
     params = Params(model)
     check = seq.Sentences(*zip(*sentences[:8]))
     with torch.no_grad():

@@ -10,6 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from recompile.data import sample_dir  # noqa: E402
 
 import bench_batching  # noqa: E402
+import bench_dynet  # noqa: E402
 import bench_fusion  # noqa: E402
 import bench_idioms  # noqa: E402
 import bench_sequences  # noqa: E402
@@ -59,6 +60,16 @@ def test_sequences_benchmark_checks_and_times_the_var_length_lstm_and_the_top_do
     assert out.count("matches eager; per-instance ops: none") == 3  # (main raises before a table otherwise)
     rows = [line for line in out.splitlines() if line.rstrip().endswith("x") and " 4 " in line]
     assert len(rows) == 2 * 3  # the two LSTM spellings and the top-down model, inference and training
+
+
+def test_dynet_benchmark_checks_and_times_every_model_or_says_dynet_is_missing(capsys):
+    bench_dynet.main(["--trees", "8", "--batch", "4", "--repeats", "1", "--dynet-mem", "256", "--sparse"])
+    out = capsys.readouterr().out
+    if "DyNet is not installed" in out:
+        return
+    assert out.count("DyNet matches eager PyTorch") == 5  # (main raises before the table otherwise)
+    rows = [line for line in out.splitlines() if line.rstrip().endswith("x") and " 4 " in line]
+    assert len(rows) == 2 * 5
 
 
 def test_batching_benchmark_times_its_runs_in_turns():
