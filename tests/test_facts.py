@@ -133,7 +133,8 @@ GROWN = {
                                     (torch.einsum, batch_rules.einsum), (isinstance, batch_rules.instance_of),
                                     # ``for t in range(n)`` with n per instance: a batch of ranges (runtime.ranges)
                                     (range, ranges.build), (intrinsics.as_sequence, ranges.as_sequence),
-                                    (intrinsics.has_index, ranges.has_index), (operator.not_, batch_rules.negation)]),
+                                    (intrinsics.has_index, ranges.has_index), (operator.not_, batch_rules.negation),
+                                    (sum, batch_rules.python_sum)]),
                           {"_operator.matmul -> recompile:via_vmap"}),
     "batch_rules.MODULE_RULES": (_entries((m, batch_rules.recurrent_cell) for m in _CELLS), set()),
     "segments._GENERIC_OK": (_names(*_ADDCMUL, torch.matmul, torch.einsum, isinstance, range), set()),

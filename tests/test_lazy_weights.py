@@ -39,6 +39,17 @@ def gates(t):
     return found
 
 
+def node_names(t):
+    """The names of the nodes in the autograd graph of ``t``."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+    return {node.name() for node in seen}
+
+
 def test_deferred_weight_gradients_equal_torchs_and_are_differentiable_again():
     torch.manual_seed(0)
     weight = torch.randn(4, 3, dtype=F64, requires_grad=True)
@@ -224,6 +235,8 @@ def test_a_loops_lookups_share_one_gate_and_give_eagers_gradients(padding_idx):
     want = torch.stack([eager.read(words[k], int(n[k])) for k in range(3)])
     torch.testing.assert_close(got, want)
     assert any(w is model.embed.weight for w in found) == (padding_idx is None)
+    # (the last two steps run one instance alone: its lookups share the gate too)
+    assert ("EmbeddingBackward0" in node_names(got.sum())) == (padding_idx is not None)
     for m, out in ((model, got), (eager, want)):  # (a gradient of the gradient: the gate's backward records)
         g, = torch.autograd.grad((out ** 2).sum(), m.embed.weight, create_graph=True)
         m.zero_grad()

@@ -5,7 +5,9 @@ of ``test_segments``' trees, runs over a forest through ``recompile.vmap``: ever
 parameter gradients equal eager PyTorch's per tree (float64), no op runs once per instance
 (``stats["per_instance"]`` is empty), and the recursion runs as a plain level program (no Batch values
 between its pieces), as the spelling of the example does. Then cases where computing a value once for
-every instance would be wrong, each checked against eager.
+every instance would be wrong, each checked against eager; recurrent cells in a tree; and idioms beyond the
+benchmark's models (views, fields of what an op returns, ``sum`` of a list, mixed dtypes, ...), each batched
+with no op once per instance and each instance's values and dtypes.
 """
 
 import os
@@ -15,8 +17,9 @@ import pytest
 import torch
 
 import recompile
+from recompile import config
 from recompile.data import Forest
-from test_segments import WORDS, assert_same, trees
+from test_segments import WORDS, assert_same, switched, trees
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
@@ -193,3 +196,109 @@ def test_a_tree_of_recurrent_cells_runs_as_a_plain_level_program(cell):
             torch.testing.assert_close(p.grad, q.grad, msg=name)
     assert cls.encode.stats.get("per_instance", {}) == {}
     assert cls.encode.callee(cls).batched_unit.levels.plain.runs >= 2
+
+
+# -- idioms beyond the benchmark's models: each op of a vector per instance batches (no op once per instance),
+# with each instance's values and dtypes
+
+H = 4
+_g = torch.Generator().manual_seed(3)
+W = torch.randn(H, H, generator=_g, dtype=torch.float64)
+B = torch.randn(H, generator=_g, dtype=torch.float64)
+NORM = torch.nn.LayerNorm(H).double()
+
+
+def idiom_stack_sum(x, k):
+    return torch.stack([x, x * 2]).sum(0)
+
+
+def idiom_where(x, k):
+    return torch.where(x > 0, x, x * 0.1)
+
+
+def idiom_like(x, k):
+    return torch.zeros_like(x) + x.new_zeros(H) + x.new_ones(x.shape)
+
+
+def idiom_views(x, k):
+    return x.unsqueeze(0).squeeze(0).view(-1).reshape(2, 2).t().transpose(0, 1).permute(1, 0).flatten()
+
+
+def idiom_softmax(x, k):
+    return torch.nn.functional.softmax(x, dim=-1) + torch.nn.functional.log_softmax(x, -1)
+
+
+def idiom_fields(x, k):
+    return x.max(dim=-1).values + x.argmax(-1) + x.max(-1)[1] + torch.sort(x).values + torch.topk(x, 2).values.sum()
+
+
+def idiom_addmm(x, k):
+    return torch.addmm(B, x.unsqueeze(0), W).squeeze(0)
+
+
+def idiom_indexing(x, k):
+    return x[..., None].squeeze(-1) + x[None, :][0] + x[1:3].sum() + x[-1]
+
+
+def idiom_norms(x, k):
+    return torch.nn.functional.gelu(NORM(x)) + torch.nn.functional.layer_norm(x, (H,))
+
+
+def idiom_bmm(x, k):
+    return torch.bmm(x.view(1, 2, 2), W[:2, :2].unsqueeze(0)).view(-1)
+
+
+def idiom_reductions(x, k):
+    return torch.cat([x[:2], x[2:]]) * x.norm() + x.mean() - x.std() + x.cumsum(0)
+
+
+def idiom_chain(x, k):
+    return torch.tanh(x @ W + B).clamp(-0.5, 0.5).pow(2).sqrt()
+
+
+def idiom_pad(x, k):
+    return torch.nn.functional.pad(x, (1, 1))[1:-1] + torch.nn.functional.normalize(x, dim=-1)
+
+
+def idiom_select(x, k):
+    return x.narrow(0, 1, 2).sum() + x.index_select(0, torch.tensor([0, 2])).sum() + x.gather(0, torch.tensor([1]))
+
+
+def idiom_python_sum(x, k):
+    hs = [x, x * 2, x * 3]
+    return sum(hs) + torch.stack(hs).mean(0) + sum(hs, x)
+
+
+def idiom_einsum_outer(x, k):
+    return torch.einsum("i,ij->j", x, W) + x.outer(x).sum(0)
+
+
+def idiom_repeat(x, k):
+    return x.expand(2, H).sum(0) + x.repeat(2)[:H] + x.flip(0) + x.roll(1)
+
+
+def idiom_masks(x, k):
+    return x.masked_fill(x > 0, 0.0) + x.abs().log1p() + torch.nn.functional.cosine_similarity(x, x * 2, dim=0)
+
+
+def idiom_mixed_dtypes(x, k):
+    return (x.max(-1).values + k, x.sum() * k.double(), (x > 0) + k, k / 2 + x[0], x[0].float() * x,
+            x.float()[0] * x.double())
+
+
+IDIOMS = [v for name, v in dict(globals()).items() if name.startswith("idiom_")]
+
+
+@pytest.mark.parametrize("fn", IDIOMS, ids=lambda f: f.__name__[len("idiom_"):])
+def test_each_idiom_batches_with_each_instances_values_and_dtypes(fn):
+    xs = torch.randn(5, H, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ks = torch.tensor([1, 2, 3, 4, 5])
+    compiled = recompile.function(fn)
+    with switched(config, "error", "PER_INSTANCE"):
+        got = recompile.vmap(compiled, in_dims=(0, 0))(xs, ks)
+    want = [fn(x, k) for x, k in zip(xs, ks)]
+    got, want = (got, tuple(torch.stack(v) for v in zip(*want))) if type(want[0]) is tuple \
+        else ((got,), (torch.stack(want),))
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b)

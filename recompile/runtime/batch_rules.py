@@ -67,6 +67,9 @@ def _name(fn):
 def call(n, fn, args, kwargs=None):
     """``fn(*args, **kwargs)`` for n instances."""
     if n == 1:
+        if type(fn) is nn.Embedding and not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor and \
+                "forward" not in fn.__dict__:  # (one instance left in a loop: its lookups share the run's gate)
+            return lazy_weights.lookup(fn, args[0])
         return fn(*args, **kwargs) if kwargs else fn(*args)
     kind = type(fn)
     if kind is Batch:
@@ -432,8 +435,12 @@ def elementwise(n, fn, args, kwargs):
     if values is None:
         return NotImplemented
     if len({v.dtype for v in values if type(v) is torch.Tensor}) > 1:
-        # mixed dtypes promote by each instance's rank (a 0-d tensor gives way): leave it to vmap
-        return NotImplemented
+        # mixed dtypes promote by each instance's rank (a 0-d tensor gives way): two operands meet in the dtype
+        # one instance's would (torch computes a binary op so), anything else is left to vmap
+        if len(values) != 2:
+            return NotImplemented
+        common = torch.result_type(*[v[0] if type(a) is Batch else v for a, v in zip(args, values)])
+        values = [v.to(common) if type(v) is torch.Tensor else v for v in values]
     ranks = [v.dim() - 1 if type(a) is Batch else (v.dim() if type(v) is torch.Tensor else 0)
              for a, v in zip(args, values)]
     top = max(ranks)
@@ -611,7 +618,27 @@ def attribute(n, fn, args, kwargs):
             return t.dim() - 1
         if callable(getattr(torch.Tensor, name, None)):
             return Batch(x.n, method=(x, name))
+    if x.struct is not None and x.owner is None:  # (a field of what an op returned: ``x.max(-1).values``)
+        kind, parts = x.struct
+        fields = getattr(kind, "_fields", None) or getattr(kind, "__match_args__", ())
+        if name in fields:
+            return parts[fields.index(name)]
     return NotImplemented
+
+
+@BATCH.register(sum)
+def python_sum(n, fn, args, kwargs):
+    """``sum(xs)`` (or ``sum(xs, start)``) of a list or tuple the program built: its items added in order, a
+    batched ``+`` each, as Python adds them."""
+    if (kwargs and set(kwargs) != {"start"}) or not 1 <= len(args) + len(kwargs) <= 2:
+        return NotImplemented
+    xs = args[0]
+    if type(xs) is not Batch or xs.struct is None or xs.owner is not None:
+        return NotImplemented
+    total = args[1] if len(args) > 1 else kwargs.get("start", 0)
+    for item in xs.struct[1]:
+        total = call(n, operator.add, (total, item))
+    return total
 
 
 # attributes of a batched tensor that are every instance's too
