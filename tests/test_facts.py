@@ -121,14 +121,20 @@ AFTER = {
 
 # what facts gained after the move, on purpose: old name -> (names added, names removed)
 _ADDCMUL = (torch.addcmul, torch.addcdiv, torch.lerp)  # elementwise, with options (value=, weight=)
+# elementwise too: ``&``, ``|``, ``^``, ``~``, ``//``, ``%`` and torch's comparisons, bitwise and remainders
+_TORCH_BITWISE = (torch.le, torch.ge, torch.ne, torch.logical_or, torch.logical_xor, torch.bitwise_and,
+                  torch.bitwise_or, torch.bitwise_xor, torch.bitwise_not, torch.remainder, torch.fmod,
+                  torch.floor_divide, torch.trunc, torch.isnan, torch.isinf, torch.isfinite)
+_BITWISE = (operator.and_, operator.or_, operator.xor, operator.invert, operator.floordiv, operator.mod,
+            *_TORCH_BITWISE)
 _CELLS = (nn.RNNCell, nn.LSTMCell, nn.GRUCell)  # a batch of rows for the cell (batch_rules.recurrent_cell)
 GROWN = {
     # a slice, a range, a frozenset and ``...`` are values no call can change: every instance shares one
     "batch_rules._IMMUTABLE": (_names(slice, range, frozenset, type(Ellipsis)), set()),
-    "batch_rules._ELEMENTWISE": (_names(*_ADDCMUL), set()),
+    "batch_rules._ELEMENTWISE": (_names(*_ADDCMUL, *_BITWISE), set()),
     # ``x @ w`` of a batched x and a shared matrix, or of two batches, is one product (batch_rules.matmul), else
     # vmap as before; einsum gives batched operands a subscript of their own (a shared V is not copied)
-    "batch_rules.RULES": (_entries([*((f, batch_rules.elementwise) for f in _ADDCMUL),
+    "batch_rules.RULES": (_entries([*((f, batch_rules.elementwise) for f in _ADDCMUL + _BITWISE),
                                     (operator.matmul, batch_rules.matmul), (torch.matmul, batch_rules.matmul),
                                     (torch.einsum, batch_rules.einsum), (isinstance, batch_rules.instance_of),
                                     # ``for t in range(n)`` with n per instance: a batch of ranges (runtime.ranges)
@@ -137,14 +143,15 @@ GROWN = {
                                     (sum, batch_rules.python_sum)]),
                           {"_operator.matmul -> recompile:via_vmap"}),
     "batch_rules.MODULE_RULES": (_entries((m, batch_rules.recurrent_cell) for m in _CELLS), set()),
-    "segments._GENERIC_OK": (_names(*_ADDCMUL, torch.matmul, torch.einsum, isinstance, range), set()),
+    "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range),
+                             set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS), set()),
     # ``type(x)`` of a shared x is read once for every instance (the class is the same object)
     "batch_rules._SHAREABLE": (_names(type), set()),
     # chunk, split and unbind of a batched tensor traced into a tuple of batched tensors
     "segments._METHODS": ({"'chunk' -> (1, False)", "'split' -> (1, False)", "'unbind' -> (0, False)"}, set()),
-    "segments._FORMS": (_entries([*((f, segments._elementwise_form) for f in _ADDCMUL),
+    "segments._FORMS": (_entries([*((f, segments._elementwise_form) for f in _ADDCMUL + _BITWISE),
                                   (operator.matmul, segments._matmul_form), (torch.matmul, segments._matmul_form),
                                   (torch.einsum, segments._einsum_form), (F.linear, segments._linear_form)]),
                         set()),

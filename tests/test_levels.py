@@ -125,7 +125,15 @@ def grow_depth_first(self, h, depth):
     return torch.tanh(self.merge(torch.cat([self.grow(self.l(h), depth + 1), self.grow(self.r(h), depth + 1)])))
 
 
-@pytest.mark.parametrize("fn", [grow, grow_depth_first], ids=lambda f: f.__name__)
+def grow_bitwise(self, h, depth):
+    """The same with ``&`` of the shared test and the gate's: one batched ``&``, a plain level run."""
+    p = torch.sigmoid(self.gate(h)).squeeze(-1)
+    if (depth < 3) & (p > 0.5):
+        return torch.tanh(self.merge(torch.cat([self.grow(self.l(h), depth + 1), self.grow(self.r(h), depth + 1)])))
+    return torch.tanh(self.leaf(h)) * p
+
+
+@pytest.mark.parametrize("fn", [grow, grow_depth_first, grow_bitwise], ids=lambda f: f.__name__)
 def test_or_and_not_in_a_top_down_predicate_give_eagers_values_and_gradients(fn):
     eager, _, _, starts = topdown_models()
     plain_cls = type("Plain", (type(eager),), {"grow": fn})
@@ -144,7 +152,7 @@ def test_or_and_not_in_a_top_down_predicate_give_eagers_values_and_gradients(fn)
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
     assert compiled_cls.grow.stats["per_instance"] == {}
-    if fn is grow_depth_first:
+    if fn is not grow:
         assert program(compiled_cls.grow, compiled_cls).plain.runs >= 1
 
 

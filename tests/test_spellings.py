@@ -286,6 +286,11 @@ def idiom_mixed_dtypes(x, k):
             x.float()[0] * x.double())
 
 
+def idiom_bitwise(x, k):
+    m = (x > 0) & (x < 1) | ~(x > 2)
+    return m.float() + x % 0.5 + x // 0.3 + k % 2 + ((x > 0) ^ (x < 0.5)) + torch.logical_or(x > 1, x < -1)
+
+
 IDIOMS = [v for name, v in dict(globals()).items() if name.startswith("idiom_")]
 
 

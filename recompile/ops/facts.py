@@ -144,6 +144,11 @@ ELEMENTWISE = FUSIBLE | {
     torch.where, torch.clamp, torch.lt, torch.gt, torch.eq, torch.logical_not, torch.logical_and,
     F.elu, F.leaky_relu, F.dropout, torch.floor, torch.ceil, torch.round, torch.sign,
     torch.addcmul, torch.addcdiv, torch.lerp,
+    # ``&``, ``|``, ``^``, ``~``, ``//``, ``%`` (of tensors: a Python value per instance stays per instance)
+    operator.and_, operator.or_, operator.xor, operator.invert, operator.floordiv, operator.mod,
+    torch.le, torch.ge, torch.ne, torch.logical_or, torch.logical_xor, torch.bitwise_and, torch.bitwise_or,
+    torch.bitwise_xor, torch.bitwise_not, torch.remainder, torch.fmod, torch.floor_divide, torch.trunc,
+    torch.isnan, torch.isinf, torch.isfinite,
 }
 # Module types whose call acts elementwise.
 ELEMENTWISE_MODULES = (nn.Sigmoid, nn.Tanh, nn.ReLU, nn.GELU, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Softplus,
