@@ -11,7 +11,9 @@ should be empty). Each is timed through ``recompile.vmap(model.encode, in_dims=(
 of SST trees, beside ``bench_batching.hand_batched`` (TensorFlow Fold's height batching, written by hand) on
 the same parameters, the runs taking turns; the table gives trees/s and recompile / hand-batched. The RNTN
 of ``examples/rntn.py`` (its bilinear form with ``torch.einsum`` on the shared tensor V) and the same form
-written ``F.linear(x, V.view(...)).view(...) @ x`` go the same way, beside an RNTN batched by hand by height.
+written ``F.linear(x, V.view(...)).view(...) @ x`` go the same way, beside an RNTN batched by hand by height,
+and so does the Tree-LSTM written with modules (an ``nn.LSTMCell`` over the projected children, their summed
+state its state), beside the same model batched by hand.
 """
 
 import copy
@@ -20,6 +22,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -27,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from bench_batching import (arguments, by_reader, check_hand_batched, chunks, eager_twin, gradients,  # noqa: E402
                             hand_batched, inputs, level_plan, sst_trees, throughputs)
 from rntn import RNTN  # noqa: E402
+from sst_runner import SentimentModel  # noqa: E402
 from tree_lstm import TreeLSTM  # noqa: E402
 
 import recompile  # noqa: E402
@@ -148,9 +152,52 @@ def hand_batched_rntn(model, forest):
     return F.cross_entropy(model.out(torch.cat(hs)), plan.labels, reduction="sum")
 
 
+class CellTreeLSTM(SentimentModel):
+    """The Tree-LSTM written with modules: an ``nn.LSTMCell`` reads the projection of the children's states,
+    their summed (h, c) its state; a leaf runs the cell from a zero state."""
+
+    def __init__(self, vocab_size, embed=300, hidden=150, classes=5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, embed)
+        self.proj = nn.Linear(2 * hidden, embed)
+        self.cell = nn.LSTMCell(embed, hidden)
+        self.out = nn.Linear(hidden, classes)
+
+    @recompile.function
+    def encode(self, tree, i):
+        if tree.is_leaf[i]:
+            h, c = self.cell(self.embed(tree.words[i]))
+            loss = 0.0
+        else:
+            hl, cl, loss_l = self.encode(tree, tree.left[i])
+            hr, cr, loss_r = self.encode(tree, tree.right[i])
+            h, c = self.cell(self.proj(torch.cat([hl, hr], dim=-1)), (hl + hr, cl + cr))
+            loss = loss_l + loss_r
+        loss = loss + self.node_loss(h, tree.labels[i])
+        return h, c, loss
+
+
+def hand_batched_cells(model, forest):
+    """Summed loss over every node of ``forest`` under CellTreeLSTM ``model``, one batch per height."""
+    plan = level_plan(forest)
+    hidden = model.out.in_features
+    h, c = model.cell(model.embed(plan.leaf_words))
+    hs, h_blocks, c_blocks = [h], [by_reader(plan, h, 0)], [by_reader(plan, c, 0)]
+    for level, children in enumerate(plan.children, 1):
+        n = plan.sizes[level]
+        hlr = inputs(h_blocks, level).index_select(0, children).view(n, 2, hidden)
+        clr = inputs(c_blocks, level).index_select(0, children).view(n, 2, hidden)
+        h, c = model.cell(model.proj(hlr.view(n, 2 * hidden)), (hlr.sum(1), clr.sum(1)))
+        hs.append(h)
+        h_blocks.append(by_reader(plan, h, level))
+        c_blocks.append(by_reader(plan, c, level))
+    return F.cross_entropy(model.out(torch.cat(hs)), plan.labels, reduction="sum")
+
+
 SPELLINGS = {"chunk (the example)": TreeLSTM, "split by sizes": SplitSizes, "slices, addcmul": SlicesAddcmul,
              "view, unbind": UnbindView, "x @ W.t() + b": WeightsMatmul}
 RNTN_SPELLINGS = {"RNTN einsum (example)": RNTN, "RNTN linear of V.view": RNTNLinear}
+CELL_SPELLINGS = {"nn.LSTMCell": CellTreeLSTM}
 
 
 def check(cls, base, trees):
@@ -184,7 +231,9 @@ def main(argv=None):
     print(f"{len(trees)} SST trees from {data}, {args.threads} torch thread(s); each spelling checked against "
           "eager (float64: every value returned per tree, and the parameter gradients) before it is timed")
     for family, spellings, hand_loss in (("Tree-LSTM (embed 300, hidden 150)", SPELLINGS, hand_batched),
-                                         ("RNTN (embed 300, hidden 50)", RNTN_SPELLINGS, hand_batched_rntn)):
+                                         ("RNTN (embed 300, hidden 50)", RNTN_SPELLINGS, hand_batched_rntn),
+                                         ("Tree-LSTM of module cells (embed 300, hidden 150)", CELL_SPELLINGS,
+                                          hand_batched_cells)):
         torch.manual_seed(0)
         base = next(iter(spellings.values()))(len(sst.vocab))
         print(family)
