@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import recompile
 from recompile.autodiff import backprop as bp
 from recompile.autodiff.factors import Outer, Rows, form
 
@@ -235,3 +236,80 @@ def test_in_place_module_on_a_view_is_refused_clearly():
 
     with pytest.raises(NotImplementedError, match="ReLU\\(inplace=True\\) on a view"):
         recompile.function(relu_module_on_a_view, mode="sequential")(torch.randn(2, 3, dtype=F64, requires_grad=True))
+
+
+# -- end to end: the fallback's inputs, and augmented assignment to a number, in every mode against eager
+
+
+def mul(a, b):
+    return a * b
+
+
+def helper_of_list(xs):
+    return xs[0] * xs[1] + xs[0]
+
+
+def square(a):
+    return mul(a, a)  # (an undecorated helper given the call's input twice)
+
+
+def square_by_alias(a):
+    b = a
+    return mul(a, b)
+
+
+def square_in_list(a):
+    return helper_of_list([a, a])
+
+
+def square_by_keyword(a):
+    return mul(a, b=a)
+
+
+def summed(x):
+    r = 0.0
+    for v in x:
+        r += v
+    return r
+
+
+def multiplied(x):
+    r = 1.0
+    for v in x:
+        r *= v
+    return r
+
+
+def mixed_assignments(x):
+    r = 2
+    r -= x[0]
+    s = 3.0
+    s /= x[1]
+    t = 2.0
+    t **= x[2]
+    u = 1.5
+    u += x[0] * x[1]
+    return r + s + t + u
+
+
+def assigned_once(x):
+    r = 0.0
+    r += x[0]
+    return r
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
+@pytest.mark.parametrize("fn, x", [
+    (square, 1.5), (square_by_alias, 1.5), (square_in_list, 1.5), (square_by_keyword, 1.5),
+    (summed, [1.0, 2.0, 3.0]), (multiplied, [1.0, 2.0, 3.0]), (mixed_assignments, [0.5, 2.0, 1.5]),
+    (assigned_once, [1.0, 2.0]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_gradients_of_helpers_given_a_tensor_twice_and_of_numbers_updated_by_tensors_are_eagers(fn, x, mode):
+    want_x = torch.tensor(x, dtype=F64, requires_grad=True)
+    want = fn(want_x)
+    want.backward()
+    got_x = torch.tensor(x, dtype=F64, requires_grad=True)
+    got = recompile.function(fn, mode=mode)(got_x)
+    got.backward()
+    torch.testing.assert_close(got, want.detach())
+    torch.testing.assert_close(got_x.grad, want_x.grad)

@@ -22,7 +22,7 @@ import types
 import torch
 from torch import nn
 
-from ..ops import facts
+from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN
 from .factors import DEFERRED, form
 from .rules import Rule, lookup
@@ -179,6 +179,8 @@ def note_all(ctx, *values):
         note(ctx, v)
     return values
 
+
+_BINARY_OF = {row.in_place: row.fn for row in syntax.BINARY}  # ``a += b`` -> ``a + b``
 
 # (the facts every forward call tests, as names of this module: one global lookup each)
 _NO_GRADIENT, _NO_GRADIENT_METHODS, _CONTAINERS = facts.NO_GRADIENT, facts.NO_GRADIENT_METHODS, facts.CONTAINERS
@@ -377,8 +379,12 @@ class InPlace:
 
 
 def in_place(ctx, op, a, b):
-    """``a op= b``: for a tensor, in place with what its gradient needs; else Python's own."""
+    """``a op= b``: for a tensor, in place with what its gradient needs; for a number and a tensor, the new
+    tensor ``a op b`` (what Python makes of it: a number has no in-place form), with its rule; else Python's
+    own."""
     if not isinstance(a, _Tensor):
+        if type(a) in facts.NUMBERS and isinstance(b, _Tensor):
+            return call_forward(ctx, _BINARY_OF[op], a, b)
         return op(a, b), None
     _check_in_place(a, "an augmented assignment")
     if op in (operator.itruediv, operator.ipow) and b is a:
@@ -569,14 +575,15 @@ class Recorded:
         inputs = [c for _, c in copies.values()]
         targets = [x for x, _ in copies.values()]
         stop = set()
+        own = {id(c) for c in inputs}
         for a in (*args, *kwargs.values()):
             for t in tensors_in(a):
-                if external(t):
+                if external(t) and id(t) not in own:  # (given twice, ``mul(a, a)``: one input, its gradient once)
+                    own.add(id(t))
                     inputs.append(t)
                     targets.append(t)
                     if t.grad_fn is not None:
                         stop.add(t.grad_fn)
-        own = {id(c) for c in inputs}
         for leaf in _leaves(outputs, stop):
             if id(leaf) not in own:
                 own.add(id(leaf))
