@@ -2641,3 +2641,50 @@ def test_frontend_dict_and_setattr_calls_pass_gradients_through(fn, mode):
     (want,) = torch.autograd.grad(fn(x0).sum(), x0)
     torch.testing.assert_close(y, fn(x0))
     torch.testing.assert_close(g, want)
+
+
+# -- an in-place change inside a branch or a loop body, of a value an earlier op's gradient reads
+
+
+def changed_in_branch(x, d):
+    y = torch.sigmoid(x)
+    if d:
+        y *= 2.0
+    return y.sum()
+
+
+def changed_in_loop(x, n):
+    y = torch.sigmoid(x)
+    for _ in range(n):
+        y *= 2.0
+    return y.sum()
+
+
+def changed_but_not_read(x, d):
+    y = x * 2
+    z = torch.sigmoid(x)
+    w = z * 1
+    if d:
+        y += 1
+        w *= 2
+    return (y + z + w).sum()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
+@pytest.mark.parametrize("fn, arg, raises", [
+    (changed_in_branch, True, True), (changed_in_branch, False, False), (changed_in_loop, 2, True),
+    (changed_in_loop, 0, False), (changed_but_not_read, True, False)], ids=lambda v: getattr(v, "__name__", str(v)))
+def test_a_change_in_a_branch_or_loop_to_a_value_a_gradient_reads_is_refused_as_eager_refuses_it(fn, arg, raises,
+                                                                                                 mode):
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    compiled = recompile.function(fn, mode=mode)
+    if raises:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            fn(x, arg).backward()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            compiled(x, arg).backward()
+        return
+    fn(x, arg).backward()
+    want, x.grad = x.grad, None
+    compiled(x, arg).backward()
+    torch.testing.assert_close(x.grad, want)

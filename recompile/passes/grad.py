@@ -348,17 +348,29 @@ def _changed_later(ops, outputs=(), inputs=()):
     guarded = {}
     for k, op in enumerate(ops):
         target = _in_place_target(op)
-        if target is None:
+        if target is not None:
+            targets = [target]
+        elif isinstance(op, (ir.Cond, ir.While)) and _changes_inside(op):
+            # (``if d: y *= 2`` after ``y = torch.sigmoid(x)``: what a branch or a loop body may change is
+            # any value it is given)
+            targets = [v for v in op.operands() if isinstance(v, ir.Value)]
+        else:
             continue
-        for earlier in ops[:k]:  # (x.div_(y) makes x too: its receiver is its result)
-            if target in earlier.operands() or target in earlier.outputs or target is _in_place_target(earlier):
-                guarded.setdefault(earlier, []).append(target)
+        for target in targets:
+            for earlier in ops[:k]:  # (x.div_(y) makes x too: its receiver is its result)
+                if target in earlier.operands() or target in earlier.outputs or target is _in_place_target(earlier):
+                    guarded.setdefault(earlier, []).append(target)
     outside = _returned_values(outputs) | set(inputs)
     for op in ops if outside else ():
         for v in (*op.operands(), *op.outputs):
             if v in outside and v not in guarded.get(op, ()):
                 guarded.setdefault(op, []).append(v)
     return guarded
+
+
+def _changes_inside(op):
+    """Whether a Cond's branches or a While's condition or body hold an op that changes a value in place."""
+    return any(_in_place_target(inner) is not None for sg in op.subgraphs() for s in sg.walk() for inner in s.ops)
 
 
 def _read_after_a_change(ops, outputs=(), inputs=(), may_mutate=lambda invoke: True):
