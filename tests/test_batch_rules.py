@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import recompile
 from recompile.runtime import batch as bt
 from recompile.runtime import batch_rules as br
 from recompile.runtime.sharing import state as sharing_state
@@ -850,3 +851,23 @@ def test_isinstance_of_a_batch_is_one_answer_where_every_instance_agrees():
     assert br.call(N, isinstance, (lst(Batch(N, tensor=rand(N, 3))), (tuple, int))) is False
     mixed = br.call(N, isinstance, (bt.from_items([1, 2.0, 3, "4"]), int))
     assert bt.items_of(mixed) == [True, False, True, False] and br.counters.per_instance == {}
+
+
+
+def full_extremes(x):
+    return x.max() + x.min() * 2 + torch.max(x) * 3 + torch.min(x) * 4 + x.amax()
+
+
+@pytest.mark.parametrize("rows", [
+    [[1.0, 3.0, 3.0], [2.0, 2.0, 2.0], [0.0, 5.0, 1.0]],  # (instances of vectors: ties in two of them)
+    [[[1.0, 3.0], [3.0, 0.0]], [[2.0, 2.0], [2.0, 2.0]]],  # (of matrices)
+    [1.0, 2.0, 2.0],  # (of 0-d tensors)
+])
+def test_a_full_max_or_min_splits_its_gradient_among_ties_as_torch_does(rows):
+    """``x.max()`` over every dim sends each tied maximum an equal share (``max(dim)`` all to the first)."""
+    xs = torch.tensor(rows, dtype=torch.float64, requires_grad=True)
+    want = torch.stack([full_extremes(x) for x in xs])
+    want_grad, = torch.autograd.grad(want.sum(), xs)
+    got = recompile.vmap(recompile.function(full_extremes))(xs)
+    torch.testing.assert_close(got, want.detach())
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], want_grad)

@@ -140,8 +140,15 @@ GROWN = {
                                     # ``for t in range(n)`` with n per instance: a batch of ranges (runtime.ranges)
                                     (range, ranges.build), (intrinsics.as_sequence, ranges.as_sequence),
                                     (intrinsics.has_index, ranges.has_index), (operator.not_, batch_rules.negation),
-                                    (sum, batch_rules.python_sum)]),
-                          {"_operator.matmul -> recompile:via_vmap"}),
+                                    (sum, batch_rules.python_sum),
+                                    # a full max or min as amax or amin (ties share the gradient, as torch's)
+                                    (torch.max, batch_rules.extreme), (torch.min, batch_rules.extreme)]),
+                          {"_operator.matmul -> recompile:via_vmap",
+                           "torch._VariableFunctionsClass.max -> recompile:_dim_rule.<locals>.rule",
+                           "torch._VariableFunctionsClass.min -> recompile:_dim_rule.<locals>.rule"}),
+    "batch_rules.METHOD_RULES": ({"'max' -> recompile:_extreme_method.<locals>.rule",
+                                  "'min' -> recompile:_extreme_method.<locals>.rule"},
+                                 {"'max' -> recompile:method_dim.<locals>.rule"}),
     "batch_rules.MODULE_RULES": (_entries((m, batch_rules.recurrent_cell) for m in _CELLS), set()),
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range),
                              set()),

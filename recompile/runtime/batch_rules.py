@@ -907,9 +907,45 @@ def batched_equation(equation, batched):
 BATCH.register(torch.chunk, torch.split)(_dim_rule(2, default=0))
 BATCH.register(torch.unbind)(_dim_rule(1, default=0))
 BATCH.register(torch.softmax, F.softmax, F.log_softmax, torch.log_softmax, torch.unsqueeze, torch.squeeze,
-               torch.max, torch.min, torch.argmax, torch.logsumexp)(_dim_rule(1))
+               torch.argmax, torch.logsumexp)(_dim_rule(1))
+_BY_DIM = _dim_rule(1)
+
+
+@BATCH.register(torch.max, torch.min)
+def extreme(n, fn, args, kwargs):
+    """``torch.max(x)`` / ``torch.min(x)`` of a batched x: over every dim of each instance, as ``amax``/``amin``,
+    whose gradient is torch's for the full reduction (split evenly among ties, where ``max(dim)`` gives all
+    to the first); with a dim (or two tensors) by the dim rule."""
+    if len(args) == 1 and not kwargs and type(args[0]) is Batch:
+        t = bt.tensor_of(args[0])
+        if t is not None:
+            return bt.from_tensor(_extreme_of(t, fn is torch.max))
+    return _BY_DIM(n, fn, args, kwargs)
+
+
+def _extreme_of(t, largest):
+    if t.dim() == 1:  # (each instance's 0-d tensor is its own maximum)
+        return t.clone()
+    dims = tuple(range(1, t.dim()))
+    return t.amax(dim=dims) if largest else t.amin(dim=dims)
+
+
+def _extreme_method(largest):
+    """``x.max()`` / ``x.min()`` of a batched tensor (see ``extreme``); with a dim, ``method_dim``'s rule."""
+    by_dim = method_dim("max" if largest else "min", 0)
+
+    def rule(n, x, args, kwargs):
+        if not args and not kwargs:
+            t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
+            if t is not None:
+                return bt.from_tensor(_extreme_of(t, largest))
+        return by_dim(n, x, args, kwargs)
+
+    return rule
 BATCH.register(torch.norm)(_dim_rule(2))
 for _method in facts.UNARY_METHODS:
     BATCH.register(_method)(unary_method(_method))
 for _method, (_position, _every) in facts.DIM_METHODS.items():
     BATCH.register(_method)(method_dim(_method, _position, _every))
+BATCH.register("max")(_extreme_method(True))
+BATCH.register("min")(_extreme_method(False))
