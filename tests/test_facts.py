@@ -38,6 +38,15 @@ def _metadata():
                                 ("module", grad_rules.GRAD.by_module)) for k, r in table.items()}
 
 
+def _metadata_of(vjps, reads_inputs):
+    """The rule_metadata entries of the rules of ``vjps``, as they read with ``reads_inputs``."""
+    return set(listing({f"{describe(k)} {kind}": (r.reads_out, reads_inputs, tuple(r.read_for_others))
+                        for kind, table in (("function", grad_rules.GRAD.by_callable),
+                                            ("method", grad_rules.GRAD.by_method),
+                                            ("module", grad_rules.GRAD.by_module))
+                        for k, r in table.items() if r.vjp in vjps}))
+
+
 def _names(*items):
     return {describe(x) for x in items}
 
@@ -119,6 +128,12 @@ AFTER = {
 }
 
 
+# vjps that read their result, not their input (tanh, sigmoid, exp, relu, ..., softmax): an input changed in
+# place after the op leaves their gradient right, as eager's
+_RESULT_READERS = {grad_rules.GRAD.by_callable[f].vjp for f in (
+    torch.exp, torch.exp2, torch.expm1, torch.sqrt, torch.rsqrt, torch.reciprocal, torch.tan, torch.tanh,
+    torch.sigmoid, torch.relu, torch.softmax, torch.log_softmax)}
+
 # what facts gained after the move, on purpose: old name -> (names added, names removed)
 _ADDCMUL = (torch.addcmul, torch.addcdiv, torch.lerp)  # elementwise, with options (value=, weight=)
 # elementwise too: ``&``, ``|``, ``^``, ``~``, ``//``, ``%`` and torch's comparisons, bitwise and remainders
@@ -154,6 +169,8 @@ GROWN = {
                              set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS), set()),
+    "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS), set()),
+    "grad_rules.rule_metadata": (_metadata_of(_RESULT_READERS, False), _metadata_of(_RESULT_READERS, True)),
     # ``type(x)`` of a shared x is read once for every instance (the class is the same object)
     "batch_rules._SHAREABLE": (_names(type), set()),
     # chunk, split and unbind of a batched tensor traced into a tuple of batched tensors

@@ -80,7 +80,7 @@ def _loads(fn, name):
         isinstance(c, types.CodeType) and name in c.co_freevars for c in code.co_consts)
 
 
-# vjps that use only the shapes of their inputs, filled in below
+# vjps that read no value of their inputs (only their shapes, or where their cotangents go), filled in below
 SHAPE_ONLY = set()
 
 
@@ -435,9 +435,11 @@ def _unary(name, derivative):
 
 
 for _name, (_derivative, _reads_result) in _UNARY.items():
-    rule(*_forms(_name), *(_forms(_name + "_") if _reads_result else ()),
-         *_UNARY_ALIASES.get(_name, ()))(_unary(_name, _derivative))
-del _name, _derivative, _reads_result
+    _vjp = rule(*_forms(_name), *(_forms(_name + "_") if _reads_result else ()),
+                *_UNARY_ALIASES.get(_name, ()))(_unary(_name, _derivative))
+    if _reads_result:  # (its input is only where the cotangent goes: changing it in place afterwards is fine)
+        SHAPE_ONLY.add(_vjp)
+del _name, _derivative, _reads_result, _vjp
 
 
 def _unary_rule(name):
@@ -1027,7 +1029,7 @@ _module(nn.BCEWithLogitsLoss, _bce_with_logits, F.binary_cross_entropy_with_logi
 
 
 SHAPE_ONLY.update({_add, _sub, _neg, _pos, _sum, _mean, _cat, _stack, _split, _unbind, _reshaped, _transpose,
-                   _permute, _expand, _narrow, _select, _getitem, _rows})
+                   _permute, _expand, _narrow, _select, _getitem, _rows, _softmax, _log_softmax})
 # (the positions of a function's arguments: a method rule's receiver is not among a call's arguments)
 READ_FOR_OTHERS = {_mul: (0, 1), _div: (0,)}  # x / y: x is read for y's gradient only; y for both
 for _table in (GRAD.by_callable, GRAD.by_method, GRAD.by_module):
