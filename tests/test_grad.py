@@ -2719,3 +2719,31 @@ def test_an_input_changed_after_an_op_that_reads_only_its_result_keeps_eagers_gr
         changed_after_log(x).backward()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         recompile.function(changed_after_log, mode=mode)(x).backward()
+
+
+TABLE = torch.zeros(3, 2, dtype=torch.float64)
+
+
+def bump_a_row(i):
+    x = TABLE[i]  # (a view of a tensor nobody differentiates)
+    x += 1.0
+    return x * 2
+
+
+def bump_a_row_of_a_result(x):
+    h = x * 2
+    row = h[0]
+    row *= 2  # (changes h, whose gradient the program needs)
+    return h.sum()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+def test_a_view_changed_in_place_is_refused_only_where_a_gradient_comes_through_it(mode):
+    TABLE.zero_()
+    want = bump_a_row(1)
+    TABLE.zero_()
+    torch.testing.assert_close(recompile.function(bump_a_row, mode=mode)(1), want)
+    torch.testing.assert_close(TABLE, torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]], dtype=torch.float64))
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="on a view of another tensor"):
+        recompile.function(bump_a_row_of_a_result, mode=mode)(x).backward()

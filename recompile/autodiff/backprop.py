@@ -320,10 +320,12 @@ def _in_place(ctx, fn, args, kwargs):
     return fn(*args, **kwargs), None
 
 
-def _check_in_place(target, what):
-    """Refuse, as torch would or where the cotangents by tensor could not follow, an in-place change."""
+def _check_in_place(target, what, defer=False):
+    """Refuse, as torch would or where the cotangents by tensor could not follow, an in-place change. With
+    ``defer``, the refusal of a change to a view is returned instead, for the gradient to raise if one comes
+    through the change (none may: ``x = V[i]; x += 1`` of a tensor nobody differentiates)."""
     if not (target.is_floating_point() or target.is_complex()):
-        return
+        return None
     if external(target):
         if target.is_leaf:
             raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
@@ -331,27 +333,34 @@ def _check_in_place(target, what):
             f"recompile cannot differentiate {what} on a tensor from outside the compiled call that requires "
             "grad; use an out-of-place operation")
     if target._is_view():
-        raise NotImplementedError(
+        refusal = NotImplementedError(
             f"recompile cannot differentiate {what} on a view of another tensor (row = h[0]; row *= 2, or "
             "h[i] += x): the change reaches the tensor viewed. Write it out of place (h = h * 2, or build "
             "the rows in a list and torch.stack them), or run it under torch.no_grad()")
+        if not defer:
+            raise refusal
+        return refusal
+    return None
 
 
 class InPlace:
     """``a op= b`` on a tensor, done in place as in Python, with the old ``a`` where its gradient needs it
     (a later in-place change to ``a`` must not reach the gradient: it reads ``before``, never ``a``)."""
 
-    __slots__ = ("op", "target", "other", "before", "other_version")
+    __slots__ = ("op", "target", "other", "before", "other_version", "refusal")
 
-    def __init__(self, op, target, other, before):
+    def __init__(self, op, target, other, before, refusal=None):
         self.op = op
         self.target = target
         self.other = other
         self.before = before
         self.other_version = version(other)  # (b's value is read by a's gradient, as torch reads it)
+        self.refusal = refusal  # (a change to a view: refused once a gradient comes through it)
 
     def backward(self, ctx):
         g = ctx.pop(self.target)
+        if self.refusal is not None and (g is not None or ctx.peek(self.target._base) is not None):
+            raise self.refusal  # (a gradient comes through the view, or through the tensor it changed)
         if g is None:
             return
         a, b, op = self.target, self.other, self.op
@@ -386,7 +395,7 @@ def in_place(ctx, op, a, b):
         if type(a) in facts.NUMBERS and isinstance(b, _Tensor):
             return call_forward(ctx, _BINARY_OF[op], a, b)
         return op(a, b), None
-    _check_in_place(a, "an augmented assignment")
+    refusal = _check_in_place(a, "an augmented assignment", defer=True)
     if op in (operator.itruediv, operator.ipow) and b is a:
         raise NotImplementedError("recompile cannot differentiate x /= x or x **= x in place; write it out of place")
     before = a.clone() if op is operator.ipow or (op in (operator.imul, operator.itruediv)
@@ -394,7 +403,7 @@ def in_place(ctx, op, a, b):
     out = op(a, b)
     if out is not a:  # not done in place after all (an integer tensor divided): like a @ b
         return out, None
-    return out, InPlace(op, a, b, before)
+    return out, InPlace(op, a, b, before, refusal)
 
 
 def set_item(obj, index, value):
