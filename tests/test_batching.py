@@ -23,6 +23,7 @@ Layout
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import sys
@@ -1953,3 +1954,29 @@ def test_per_instance_runs_can_be_refused_or_allowed(monkeypatch):
         warnings.simplefilter("error")
         recompile.vmap(f)(x)
     assert f.stats["per_instance"]["Tensor.item"] == 3
+
+
+# -- namedtuples in and out of recompile.vmap, as torch.func.vmap takes and gives them
+
+State = collections.namedtuple("State", "h c")
+
+
+def step_state(s, x):
+    h = torch.tanh(s.h + x)
+    return State(h, s.c + h * 2)
+
+
+def test_vmap_takes_and_gives_namedtuples_with_eagers_values_and_gradients(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+    g = torch.Generator().manual_seed(0)
+    s = State(torch.randn(4, 3, generator=g, dtype=F64, requires_grad=True), torch.randn(4, 3, generator=g, dtype=F64))
+    x = torch.randn(4, 3, generator=g, dtype=F64)
+    compiled = recompile.function(step_state)
+    got = recompile.vmap(compiled)(s, x)
+    want = torch.func.vmap(step_state)(s, x)
+    assert type(got) is State
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    got_grad, = torch.autograd.grad(got.c.sum(), s.h)
+    want_grad, = torch.autograd.grad(want.c.sum(), s.h)
+    torch.testing.assert_close(got_grad, want_grad)

@@ -1222,7 +1222,7 @@ def _same(a, b):
 
 def _struct(kind, parts, n):
     if all(type(p) is not Batch for p in parts):
-        return kind(parts)
+        return bt.build(kind, parts)
     return bt.from_struct(kind, parts, n)
 
 

@@ -64,6 +64,11 @@ def from_struct(kind, parts, n):
     return Batch(n, struct=(kind, parts))
 
 
+def build(kind, items):
+    """A struct's value of ``kind`` (tuple, list, a namedtuple, torch's return types) from its ``items``."""
+    return kind._make(items) if hasattr(kind, "_make") else kind(items)
+
+
 # -- lazy batches
 
 
@@ -201,7 +206,8 @@ def items_of(b):
         elif b.struct is not None:
             kind, parts = b.struct
             columns = [items_of(p) if type(p) is Batch else [p] * b.n for p in parts]
-            b.items = [kind(list(row)) for row in zip(*columns)] if columns else [kind() for _ in range(b.n)]
+            b.items = [build(kind, list(row)) for row in zip(*columns)] if columns else \
+                [build(kind, []) for _ in range(b.n)]
             if not issubclass(kind, tuple):
                 # each instance now has its own list, which the program may change: from here on the
                 # items are the truth
@@ -371,7 +377,7 @@ def part(value, start, count):
         if value.struct is not None:
             kind, parts = value.struct
             if count == 1:
-                return kind([part(p, start, 1) for p in parts])
+                return build(kind, [part(p, start, 1) for p in parts])
             return from_struct(kind, [part(p, start, count) for p in parts], count)
         t = tensor_of(value)
     if t is not None:
@@ -397,7 +403,7 @@ def cut(value, counts, split=True):
         if value.struct is not None and value.items is None:  # (a tuple: settle made a list's items)
             kind, parts = value.struct
             rows = zip(*[cut(p, counts, split) for p in parts])
-            return [kind(row) if c == 1 else from_struct(kind, list(row), c) for row, c in zip(rows, counts)]
+            return [build(kind, row) if c == 1 else from_struct(kind, list(row), c) for row, c in zip(rows, counts)]
     out, start = [], 0
     for c in counts:
         out.append(part(value, start, c))
@@ -528,18 +534,18 @@ def stack_output(value, n):
         ready(value)
         if value.struct is not None and value.owner is None:
             kind, parts = value.struct
-            return kind([stack_output(p, n) for p in parts])
+            return build(kind, [stack_output(p, n) for p in parts])
         t = tensor_of(value)
         if t is not None:
             return t
         items = items_of(value)
-        if all(type(x) in (tuple, list) for x in items) and len({(type(x), len(x)) for x in items}) == 1:
+        if all(isinstance(x, (tuple, list)) for x in items) and len({(type(x), len(x)) for x in items}) == 1:
             kind = type(items[0])
-            return kind(stack_output(from_items([x[j] for x in items]), n) for j in range(len(items[0])))
+            return build(kind, [stack_output(from_items([x[j] for x in items]), n) for j in range(len(items[0]))])
         raise ValueError("recompile.vmap: the function must return tensors (or tuples or lists of tensors) "
                          f"of one shape and dtype for every instance; got {sorted({type(x).__name__ for x in items})}")
     if type(value) is torch.Tensor:
         return value.unsqueeze(0).expand(n, *value.shape)
-    if type(value) in (tuple, list):
-        return type(value)(stack_output(v, n) for v in value)
+    if isinstance(value, (tuple, list)):
+        return build(type(value), [stack_output(v, n) for v in value])
     raise ValueError(f"recompile.vmap: the function must return tensors, got {type(value).__name__}")

@@ -101,6 +101,9 @@ def call(n, fn, args, kwargs=None):
                 bt.ready(a)
     if rule is None and isinstance(fn, nn.Module) and not has_hooks(fn):
         rule = BATCH.by_module.get(type(fn))
+    if rule is None and type(fn) is type and fn.__bases__ == (tuple,) and hasattr(fn, "_make") and not kwargs \
+            and len(args) == len(fn._fields):  # (a namedtuple of batched fields: its instances' are its fields')
+        return bt.from_struct(fn, list(args), n)
     if rule is not None:
         out = rule(n, fn, args, kwargs or {})
         if out is not NotImplemented:
@@ -304,7 +307,7 @@ def _shared_structs(values):
     for i, v in enumerate(out):
         if type(v) is Batch and v.struct is not None and v.owner is None and \
                 not any(type(p) is Batch for p in v.struct[1]):
-            out[i], found = v.struct[0](v.struct[1]), True
+            out[i], found = bt.build(*v.struct), True
     return out if found else None
 
 
