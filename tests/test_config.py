@@ -84,3 +84,20 @@ def test_switching_level_programs_off_is_seen_by_the_next_call(monkeypatch):
     assert float(f(left, right, 0)) == 7 and program.runs == runs  # (the agenda ran it)
     monkeypatch.setattr(config, "LEVELS", True)
     assert float(f(left, right, 0)) == 7 and program.runs == runs + 1
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched", "vmap"])
+def test_a_cycle_in_a_trees_indices_ends_in_recursion_error_in_every_mode(mode, monkeypatch):
+    """Node 3's left child is node 2, whose left child is node 3: plain Python raises RecursionError; so does
+    every mode, at the depth limit (whose default a cycle reaches in seconds: see config.MAX_DEPTH)."""
+    assert config.MAX_DEPTH <= 200_000
+    monkeypatch.setattr(config, "MAX_DEPTH", 2000)
+    left, right, value = torch.tensor([-1, -1, 3, 2]), torch.tensor([-1, -1, 1, 1]), torch.arange(4.0)
+    with pytest.raises(RecursionError):
+        tree_sum(left, right, value, 3)
+    f = recompile.function(tree_sum, mode="batched" if mode == "vmap" else mode)
+    with pytest.raises(RecursionError, match=r"exceeded \(2000\)"):
+        if mode == "vmap":
+            recompile.vmap(f, in_dims=(None, None, None, 0))(left, right, value, torch.tensor([3, 2]))
+        else:
+            f(left, right, value, 3)
