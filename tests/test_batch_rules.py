@@ -871,3 +871,26 @@ def test_a_full_max_or_min_splits_its_gradient_among_ties_as_torch_does(rows):
     got = recompile.vmap(recompile.function(full_extremes))(xs)
     torch.testing.assert_close(got, want.detach())
     torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], want_grad)
+
+
+def bool_minus(x, k):
+    return (x > 0) - k
+
+
+def masked_sum(x, i):
+    return x[i].sum()  # (a uint8 index is a mask to torch: i = 0 selects nothing)
+
+
+def test_what_torch_refuses_for_one_instance_each_instance_refuses():
+    xs, ks = torch.randn(3, 4), torch.tensor([1, 2, 3])
+    with pytest.raises(RuntimeError) as eager:
+        bool_minus(xs[0], ks[0])
+    with pytest.raises(RuntimeError, match=str(eager.value).split(".")[0]):
+        recompile.vmap(recompile.function(bool_minus), in_dims=(0, 0))(xs, ks)
+
+
+def test_a_uint8_index_is_a_mask_as_torch_reads_it():
+    x = torch.randn(3, 4, dtype=torch.float64)
+    i = torch.tensor([1, 0, 2], dtype=torch.uint8)
+    got = recompile.vmap(recompile.function(masked_sum), in_dims=(None, 0))(x, i)
+    torch.testing.assert_close(got, torch.stack([masked_sum(x, k) for k in i]))

@@ -170,6 +170,7 @@ GROWN = {
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS), set()),
     "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS), set()),
+    "batch_rules.INTEGER_INDEX": (set(), {"torch.uint8"}),  # (torch reads a uint8 index as a mask)
     "grad_rules.rule_metadata": (_metadata_of(_RESULT_READERS, False), _metadata_of(_RESULT_READERS, True)),
     # ``type(x)`` of a shared x is read once for every instance (the class is the same object)
     "batch_rules._SHAREABLE": (_names(type), set()),

@@ -182,7 +182,8 @@ NUMBERS = (int, float, bool)  # Python's numbers, by exact type
 # Values no call can change: every instance may share one (a tuple too, when its items are: ``immutable``).
 IMMUTABLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size, slice, range,
              frozenset, type(Ellipsis))
-INTEGER_INDEX = (torch.long, torch.int, torch.int16, torch.int8, torch.uint8)  # dtypes of integer indices
+# dtypes of integer indices (not uint8: torch reads a uint8 index as a mask)
+INTEGER_INDEX = (torch.long, torch.int, torch.int16, torch.int8)
 
 
 def immutable(value):

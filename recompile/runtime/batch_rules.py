@@ -442,7 +442,12 @@ def elementwise(n, fn, args, kwargs):
         # one instance's would (torch computes a binary op so), anything else is left to vmap
         if len(values) != 2:
             return NotImplemented
-        common = torch.result_type(*[v[0] if type(a) is Batch else v for a, v in zip(args, values)])
+        one = [v[0] if type(a) is Batch else v for a, v in zip(args, values)]
+        try:
+            fn(*one, **kwargs)  # (what one instance's op refuses, ``bool_tensor - k``, each instance raises)
+        except Exception:
+            return NotImplemented
+        common = torch.result_type(*one)
         values = [v.to(common) if type(v) is torch.Tensor else v for v in values]
     ranks = [v.dim() - 1 if type(a) is Batch else (v.dim() if type(v) is torch.Tensor else 0)
              for a, v in zip(args, values)]
