@@ -2696,7 +2696,7 @@ def test_a_change_in_a_branch_or_loop_to_a_value_a_gradient_reads_is_refused_as_
 def changed_after_tanh(x):
     z = x * 1.0
     y = torch.tanh(z) + torch.sigmoid(z) + torch.exp(z) + torch.relu(z) + F.relu(z) + torch.sqrt(torch.exp(z))
-    s = torch.softmax(z, -1) + torch.log_softmax(z, -1)
+    s = torch.softmax(z, -1) + torch.log_softmax(z, -1) + torch.where(z > 0, z, z * 2)
     z += 1.0
     return (y + s).sum()
 
@@ -2706,6 +2706,16 @@ def changed_after_log(x):
     y = torch.log(z)  # (its gradient reads z)
     z += 1.0
     return y.sum()
+
+
+def condition_changed_after_where(x):
+    c = (x > 0).double()
+    y = torch.where(c > 0.5, x, x * 2)
+    c += 1.0  # (where's gradient reads its condition: c > 0.5 is a tensor of its own, so this is fine)
+    z = x * 1.0
+    w = torch.where(z > 0, x, z)
+    z += 1.0  # (z is the other argument: only its shape is read)
+    return (y + w).sum()
 
 
 @pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
@@ -2719,6 +2729,11 @@ def test_an_input_changed_after_an_op_that_reads_only_its_result_keeps_eagers_gr
         changed_after_log(x).backward()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         recompile.function(changed_after_log, mode=mode)(x).backward()
+    x.grad = None
+    condition_changed_after_where(x).backward()
+    want, x.grad = x.grad, None
+    recompile.function(condition_changed_after_where, mode=mode)(x).backward()
+    torch.testing.assert_close(x.grad, want)
 
 
 TABLE = torch.zeros(3, 2, dtype=torch.float64)

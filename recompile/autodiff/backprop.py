@@ -432,6 +432,9 @@ def check_version(ctx, out, t, expected, where, how, is_result, *args):
         return  # its gradient needs no value (x + y), or it is autograd's to check (a recorded call)
     if not is_result and how.read_for_others and not _read_for_a_gradient(t, args, kwargs, how.read_for_others):
         return  # (x * 0.5: only the other arguments' gradients would read x)
+    if not is_result and how.reads_only is not None and args and not kwargs and \
+            not any(a is t for k, a in enumerate(args) if k in how.reads_only):
+        return  # (torch.where(c, x, y) with x changed: only c's value is read)
     raise RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
         f"a tensor of shape {tuple(t.shape)} used at {where} was changed in place afterwards")

@@ -52,7 +52,7 @@ class Rule:
     changing one matters only when another needs a gradient (``x * 0.5``).
     """
 
-    __slots__ = ("name", "vjp", "method", "reads_out", "reads_inputs", "read_for_others")
+    __slots__ = ("name", "vjp", "method", "reads_out", "reads_inputs", "read_for_others", "reads_only")
 
     def __init__(self, name, vjp, method=False):
         self.name = name
@@ -61,6 +61,7 @@ class Rule:
         self.reads_out = _loads(vjp, "out")
         self.reads_inputs = vjp not in SHAPE_ONLY
         self.read_for_others = ()
+        self.reads_only = None  # positions of the only arguments whose values the vjp reads (None: any)
 
     def __call__(self, fn, g, out, args, kwargs):
         if self.method:
@@ -1032,7 +1033,9 @@ SHAPE_ONLY.update({_add, _sub, _neg, _pos, _sum, _mean, _cat, _stack, _split, _u
                    _permute, _expand, _narrow, _select, _getitem, _rows, _softmax, _log_softmax})
 # (the positions of a function's arguments: a method rule's receiver is not among a call's arguments)
 READ_FOR_OTHERS = {_mul: (0, 1), _div: (0,)}  # x / y: x is read for y's gradient only; y for both
+READS_ONLY = {_where: (0,)}  # torch.where(c, x, y) reads c, and only the shapes of x and y
 for _table in (GRAD.by_callable, GRAD.by_method, GRAD.by_module):
     for _r in _table.values():
         _r.reads_inputs = _r.vjp not in SHAPE_ONLY
         _r.read_for_others = () if _r.method else READ_FOR_OTHERS.get(_r.vjp, ())
+        _r.reads_only = None if _r.method else READS_ONLY.get(_r.vjp)
