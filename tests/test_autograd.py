@@ -106,11 +106,15 @@ def test_nothing_requires_grad_gives_a_plain_result():
     assert f.stats["backwards"] == 0
 
 
-def test_second_backward_is_refused_clearly():
+def test_retain_graph_keeps_a_calls_saved_values_and_a_backward_after_the_last_is_refused_clearly():
     torch.manual_seed(0)
     m = Cell()
     out = m.encode(LEFT, RIGHT, torch.randn(7, 4, dtype=F64), 0).sum()
     out.backward(retain_graph=True)
+    first = {k: p.grad.clone() for k, p in m.named_parameters()}
+    out.backward()  # (the second, as eager code would: every gradient twice)
+    for k, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * first[k])
     with pytest.raises(RuntimeError, match="second time"):
         out.backward()
 
@@ -133,3 +137,15 @@ def test_gradients_accumulate_across_calls_like_pytorch():
     once = x.grad.clone()
     m.encode(LEFT, RIGHT, x, 0).sum().backward()
     torch.testing.assert_close(x.grad, 2 * once)
+
+
+def test_gradcheck_passes_through_a_compiled_call():
+    @recompile.function(mode="sequential")
+    def f(x, n):
+        h = x * 0
+        for t in range(n):
+            h = torch.tanh(h + x[t])
+        return h
+
+    x = torch.randn(4, 3, dtype=F64, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    assert torch.autograd.gradcheck(lambda x: f(x, 4), (x,))

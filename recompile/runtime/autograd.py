@@ -50,9 +50,9 @@ class CompiledCall(torch.autograd.Function):
         if state is None:
             raise RuntimeError(
                 "recompile: trying to backward through a compiled call a second time; its saved values were "
-                "freed after the first backward (retain_graph is not supported for compiled calls)")
-        if all(g is not None for g in grads):
-            fctx.state = None  # the saved values go as soon as the gradient has used them
+                "freed after the first backward (pass retain_graph=True to the backward before, as for torch)")
+        if all(g is not None for g in grads) and not torch._C._autograd._get_current_graph_task_keep_graph():
+            fctx.state = None  # the saved values go as soon as the gradient has used them (retain_graph keeps them)
         # (else an output not differentiated yet may be later, as in torch: out[0].backward(), out[1].backward())
         ctx = state.ctx
         for t, g in zip(state.results, grads):
