@@ -1,7 +1,7 @@
 """Binary Tree-LSTM (Tai et al. 2015, constituency variant) on SST, written as a plain recursive method.
 
     python examples/tree_lstm.py            # the small SST sample shipped with recompile
-    python examples/tree_lstm.py --data ../shared/data/sst --epochs 3
+    python examples/tree_lstm.py --data DIR --epochs 3   # DIR: the full treebank's train/dev/test.txt
 """
 
 import torch
