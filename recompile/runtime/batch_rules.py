@@ -17,7 +17,6 @@ from __future__ import annotations
 import operator
 import string
 import threading
-from functools import partial
 import types
 
 import torch
@@ -67,8 +66,8 @@ def _name(fn):
 def call(n, fn, args, kwargs=None):
     """``fn(*args, **kwargs)`` for n instances."""
     if n == 1:
-        if type(fn) is nn.Embedding and not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor and \
-                "forward" not in fn.__dict__:  # (one instance left in a loop: its lookups share the run's gate)
+        if type(fn) is nn.Embedding and not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
+            # (one instance left in a loop: its lookups share the run's gate)
             return lazy_weights.lookup(fn, args[0])
         return fn(*args, **kwargs) if kwargs else fn(*args)
     kind = type(fn)
@@ -802,8 +801,8 @@ def _module_over_last_dims(n, module, args, kwargs):
         i = bt.tensor_of(args[0])
         if i is None:
             return NotImplemented
-        # (what Embedding.forward runs, its gradient deferred to the run's gate: call() checked for hooks)
-        return bt.from_tensor(module(i) if "forward" in module.__dict__ else lazy_weights.lookup(module, i))
+        # (what Embedding.forward runs, its gradient deferred to the run's gate where ``lookup`` may)
+        return bt.from_tensor(lazy_weights.lookup(module, i))
     if kind is nn.Linear and len(args) == 1 and not kwargs and "forward" not in module.__dict__:
         # (what Linear.forward runs, without Module.__call__'s dispatch: call() checked for hooks)
         return over_last_dims(n, F.linear, (args[0], module.weight, module.bias), kwargs)
@@ -838,8 +837,7 @@ def recurrent_cell(n, cell, args, kwargs):
                 return NotImplemented
             states.append(t.reshape(-1, t.shape[-1]))
     flat = x.reshape(-1, x.shape[-1])
-    run = cell if "forward" in cell.__dict__ else partial(lazy_weights.cell, cell)  # (call() checked for hooks)
-    out = run(flat) if states is None else run(flat, tuple(states) if len(states) == 2 else states[0])
+    out = lazy_weights.cell(cell, flat, None if states is None else tuple(states) if len(states) == 2 else states[0])
     if type(out) is tuple:
         return bt.from_struct(tuple, [bt.from_tensor(o.reshape(*rows, o.shape[-1])) for o in out], n)
     return bt.from_tensor(out.reshape(*rows, out.shape[-1]))

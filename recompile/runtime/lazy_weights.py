@@ -183,17 +183,16 @@ def embedding(indices, weight, lazy):
 
 
 def lookup(module, indices):
-    """``module(indices)`` of an ``nn.Embedding`` (no hooks, its own forward): with no options, its table's
+    """``module(indices)`` of an ``nn.Embedding``: with no options, hooks or forward of its own, its table's
     gradient deferred to the gate of the run going on."""
     if module.padding_idx is None and module.max_norm is None and not module.scale_grad_by_freq and \
-            not module.sparse and not has_hooks(module):
+            not module.sparse and _own_call(module):
         return embedding(indices, module.weight, of_run(module.weight, LazyEmbedding))
     return module(indices)
 
 
 def cell(module, x, state=None):
-    """``module(x, state)`` of an ``nn.RNNCell``, ``LSTMCell`` or ``GRUCell`` (no hooks, its own forward) on a
-    matrix of rows: where autograd records its two products and they are of few rows, written out as torch's
+    """``module(x, state)`` of an ``nn.RNNCell``, ``LSTMCell`` or ``GRUCell`` on a matrix of rows: where autograd records its two products and they are of few rows, written out as torch's
     cells compute them, the products' weight gradients deferred to the run's gates (a loop's steps form each
     once); the module's own call otherwise (without grad the written-out cell measured no faster)."""
     kind = type(module)
@@ -218,11 +217,16 @@ def cell(module, x, state=None):
     return torch.tanh(gx + gh) if module.nonlinearity == "tanh" else torch.relu(gx + gh)
 
 
+def _own_call(module):
+    """Whether calling ``module`` runs its class's forward and nothing else (no hooks, no forward of its own)."""
+    return not has_hooks(module) and "forward" not in module.__dict__
+
+
 def _writes_out(module, kind, x, state):
     """Whether ``cell`` writes the cell out: with grad, few rows, a bias, no autocast, and inputs the module
     would take as they are (anything else goes to it, to run or refuse as torch does)."""
     if not (torch.is_grad_enabled() and module.weight_ih.requires_grad and x.dim() == 2 and x.shape[0] <= FEW_ROWS
-            and module.bias and not torch.is_autocast_enabled(x.device.type) and not has_hooks(module)
+            and module.bias and not torch.is_autocast_enabled(x.device.type) and _own_call(module)
             and x.shape[1] == module.input_size and x.dtype == module.weight_ih.dtype):
         return False
     if kind is nn.RNNCell and module.nonlinearity not in ("tanh", "relu"):

@@ -18,11 +18,12 @@ from .batch import Batch
 class Ranges(list):
     """Each instance's ``range`` (a Batch's items), with what the loop's test and item read."""
 
-    __slots__ = ("lengths", "shortest", "longest", "start", "step")
+    __slots__ = ("lengths", "counts", "shortest", "longest", "start", "step")
 
     def __init__(self, ranges):
         super().__init__(ranges)
         self.lengths = [len(r) for r in ranges]
+        self.counts = torch.tensor(self.lengths)  # (the test of a step where some instances end: one comparison)
         self.shortest, self.longest = min(self.lengths), max(self.lengths)
         first = ranges[0]
         alike = all(r.start == first.start and r.step == first.step for r in ranges)
@@ -42,7 +43,7 @@ def of(value):
         return None
     try:
         value.items = Ranges(items)
-    except OverflowError:  # a length beyond sys.maxsize: each instance's own range answers
+    except (OverflowError, RuntimeError):  # a length beyond sys.maxsize (or int64): each instance's own range
         return None
     return value.items
 
@@ -85,7 +86,7 @@ def has_index(n, fn, args, kwargs):
         return True
     if i >= ranges.longest:
         return False
-    return bt.from_tensor(torch.tensor([i < length for length in ranges.lengths]))
+    return bt.from_tensor(ranges.counts > i)
 
 
 def item(seq, i):
