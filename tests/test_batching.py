@@ -1239,6 +1239,36 @@ def test_inplace_updates_seen_through_aliases(fn, arity):
         assert_close(got, want)
 
 
+def subtract_into(d, a, b):
+    if d:
+        b -= a
+    return a * 1
+
+
+def aliased_in_one_branch(s, x, y):
+    if s > 0:
+        return subtract_into(True, x, x)  # a and b one tensor: b -= a zeroes a too
+    return subtract_into(True, x, y)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_requests_that_alias_differently_are_not_merged(grad):
+    """The calls of both branches reach one pending group of ``subtract_into``. Arguments are gathered per
+    name, so merging ``(x, x)`` with ``(x, y)`` would give ``b -= a`` a copy of ``a``: they run apart."""
+    x = torch.tensor([[1., 2], [3, 4], [5, 6]], dtype=F64)
+    y, s = torch.ones(3, 2, dtype=F64), torch.tensor([1, -1, 1])
+    xs = [x[k].clone().requires_grad_(grad) for k in range(3)]
+    want = torch.stack([aliased_in_one_branch(s[k], xs[k] * 1, y[k].clone()) for k in range(3)])
+    with bound_globals(G, {"subtract_into": recompile.function(subtract_into)}):
+        xb = x.clone().requires_grad_(grad)
+        got = recompile.vmap(recompile.function(aliased_in_one_branch))(s, xb * 1, y.clone())
+    assert_close(got, want)
+    if grad:
+        w = torch.arange(6, dtype=F64).view(3, 2)
+        assert_close(torch.autograd.grad((got * w).sum(), xb)[0],
+                     torch.stack(torch.autograd.grad((want * w).sum(), xs)))
+
+
 @pytest.mark.parametrize("fn", [inplace_iadd, inplace_method], ids=lambda f: f.__name__)
 def test_inplace_updates_with_grad(fn):
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0), dtype=F64)

@@ -346,6 +346,8 @@ class _Run:
 
     def launch(self, unit):
         requests = self.pending.pop(unit)
+        if self.copy_back and len(requests) > 1:
+            requests = self.same_aliasing(unit, requests)
         for r in requests:
             if type(r[1]) is Deferred:
                 r[1].check_arguments(r[4])
@@ -382,6 +384,16 @@ class _Run:
         frame.args = args  # run by its first step, as any frame
         self.live.add(frame)
         self.ready.append(frame)
+
+    def same_aliasing(self, unit, requests):
+        """The requests of ``requests`` that give one tensor under the same names as the first does; the rest
+        wait for a later launch. Arguments are gathered per name, so a frame serving requests that alias
+        differently (``f(x, x)`` merged with ``f(x, y)``) would give ``b -= a`` a copy of ``a`` to change."""
+        first = _aliasing(requests[0][2])
+        alike = [r for r in requests if _aliasing(r[2]) == first]
+        if len(alike) < len(requests):
+            self.pending[unit] = [r for r in requests if _aliasing(r[2]) != first]
+        return alike
 
     def deliver(self, frame, result):
         if not frame.sources:
@@ -464,6 +476,13 @@ class _Run:
             if f.gen is not None and not f.gen.gi_running:  # (the running one ends with the error)
                 f.gen.close()
         self.live.clear()
+
+
+def _aliasing(args):
+    """For each argument, the first position giving the same tensor (its own position where none does)."""
+    first = {}
+    return tuple(first.setdefault(id(a), j) if type(a) is torch.Tensor or type(a) is bt.Batch else j
+                 for j, a in enumerate(args))
 
 
 def _gather_once(gathered, parts):
