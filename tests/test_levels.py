@@ -333,7 +333,7 @@ def test_what_does_not_qualify_runs_on_the_agenda(fn):
     torch.testing.assert_close(got, want)
 
 
-def test_an_error_is_raised_by_the_agenda_with_its_chain_of_calls():
+def test_an_error_is_raised_once_with_the_chain_the_agenda_names():
     def deep(xs, i):
         if i <= 0:
             return xs[i + 100]  # out of range: at the bottom of every chain
@@ -350,6 +350,43 @@ def test_an_error_is_raised_by_the_agenda_with_its_chain_of_calls():
     assert errors[0] == errors[1]
     assert "recompile call chain" in "".join(errors[0][1])
     assert program(compiled).fallbacks == 1
+
+
+_flaky_calls = []
+
+
+def flaky_leaf(x):
+    """Raises on its first call only, as a timeout a signal handler raises would."""
+    _flaky_calls.append(x)
+    if len(_flaky_calls) == 1:
+        raise TimeoutError("one-shot")
+    return x
+
+
+def sum_with_flaky_leaves(left, right, value, i):
+    if left[i] < 0:
+        return flaky_leaf(value[i])
+    return sum_with_flaky_leaves(left, right, value, left[i]) + sum_with_flaky_leaves(left, right, value, right[i])
+
+
+@pytest.mark.parametrize("vmapped", [False, True])
+def test_an_error_that_does_not_happen_twice_is_raised(vmapped):
+    """The level run raises what failed, as it failed: it does not run the call again (which would lose a
+    one-shot error, return a value, and run every effect before it twice)."""
+    left, right, value = torch.tensor([1, -1, 3, -1, -1]), torch.tensor([2, -1, 4, -1, -1]), torch.arange(5.0)
+    f = recompile.function(sum_with_flaky_leaves)
+    _flaky_calls.clear()
+    with pytest.raises(TimeoutError, match="one-shot") as info:
+        if vmapped:
+            recompile.vmap(f, in_dims=(None, None, None, 0))(left, right, value, torch.tensor([0, 2]))
+        else:
+            f(left, right, value, 0)
+    assert len(_flaky_calls) == 1
+    notes = [n for n in getattr(info.value, "__notes__", []) if "recompile call chain" in n]
+    assert len(notes) == 1 and re.fullmatch(r"  sum_with_flaky_leaves(#\d+)?\.if\d+\.then \(test_levels\.py:\d+\)",
+                                            notes[0].splitlines()[-1]), notes
+    assert program(f).fallbacks == 1 and program(f).runs == 0
+    assert float(f(left, right, value, 0)) == 8.0  # (it raised once: the next call runs)
 
 
 def test_an_overriding_subclass_sends_its_calls_to_the_agenda():

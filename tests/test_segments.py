@@ -20,6 +20,7 @@ import recompile
 from bound_globals import bound_globals
 from test_batching import lstm_encode  # the Tree-LSTM node of the batching tests
 from recompile import config
+from recompile.codegen import segments
 from recompile.data import Forest, Tree, Vocab
 
 G = globals()
@@ -362,3 +363,22 @@ def test_a_deferred_call_that_fails_when_a_trace_reads_it_raises_its_own_error()
         with pytest.raises(RuntimeError, match="cannot be multiplied") as info:
             recompile.vmap(f)(torch.randn(4, 3, 4))
     assert "internal error" not in str(info.value)
+
+
+def test_an_error_of_a_traced_run_is_never_lost():
+    """A raw function's error is raised by the op-by-op code from the user's line, or, where it does not
+    happen again there (a one-shot fault), as the raw function raised it: never a value instead."""
+    ran = []
+
+    def op_by_op_fine(n, x):
+        ran.append(x)
+        return x
+
+    def op_by_op_raises(n, x):
+        raise IndexError("from the user's line")
+
+    with pytest.raises(TimeoutError, match="one-shot"):
+        segments._raised_again(TimeoutError("one-shot"), op_by_op_fine, 2, (7,))
+    assert ran == [7]
+    with pytest.raises(IndexError, match="user's line"):
+        segments._raised_again(TimeoutError("one-shot"), op_by_op_raises, 2, (7,))

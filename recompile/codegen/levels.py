@@ -116,7 +116,7 @@ def emit_pieces(emitter_class, module, emission, batch_plan, shape):
         units = [emission.units[b] for b in cond.subgraphs()]
         branches = [None if info is None else rt_levels.Descent(
                         namespace[info[0]], namespace[info[1]], info[3], [inv.target for inv in br.invokes],
-                        namespace[info[2]] if info[2] else None)
+                        namespace[info[2]] if info[2] else None, [inv.loc for inv in br.invokes])
                     for info, br in zip(branch_info, shape.branches)]
         late = None
         if split is not None:
@@ -126,6 +126,7 @@ def emit_pieces(emitter_class, module, emission, batch_plan, shape):
                                       units, branches, len(cond.args), len(cond.outputs), late)
         prog.segments = list(em.segments.values())  # (the pieces' raw segments: tests, inspection)
         prog.plain = plain
+        prog.site = cond.loc
         return prog
 
     return em, build
@@ -146,6 +147,15 @@ def _halves(em, name, sg, ops, split, inputs, outputs, late_inputs, at_late, col
     return early, late
 
 
+def _fused_within(ops):
+    """The fused ops of ``ops`` and of the SubGraphs nested in them."""
+    for op in ops:
+        if isinstance(op, ir.Fused):
+            yield op
+        for sg in op.subgraphs():
+            yield from (inner for s in sg.walk() for inner in s.ops if isinstance(inner, ir.Fused))
+
+
 def _plain_pieces(em, shape):
     """The pieces again as ``segments.Plain`` (run on plain tensors by ``runtime.levels``), or None: where the
     function has no late split and ``post`` calls nothing, or its late elements are tree sums (``post``
@@ -159,9 +169,9 @@ def _plain_pieces(em, shape):
         return None
 
     def piece(name, ops, inputs, outputs):
-        # (a leaf branch's fused ops were emitted with its SubGraph's function: their kernels are made here)
-        kernels = {op: em.kernels[op] if op in em.kernels else em.fused_kernel(op)
-                   for op in ops if isinstance(op, ir.Fused)}
+        # (a leaf branch's fused ops were emitted with its SubGraph's function, and those of a Cond's branches
+        # with theirs (a trace runs the branch taken inline): their kernels are made here)
+        kernels = {op: em.kernels[op] if op in em.kernels else em.fused_kernel(op) for op in _fused_within(ops)}
         return segments.Plain(name, ops, inputs, outputs, kernels)
 
     base = em.emission.fn_name[sg]
@@ -195,4 +205,4 @@ def _plain_pieces(em, shape):
         ops = [op for op in br.up if op not in split.unpacks[k] and not split.is_late(op)]
         ups.append(piece(f"{base}_lv_up{k}", ops, up_live + _early_inputs(split, k), [br.sg.outputs[j] for j in early]))
     return rt_levels.PlainPieces(pre, downs, ups, leaves, post, early,
-                                 [(inv.target, len(inv.args)) for inv in deferred])
+                                 [(inv.target, len(inv.args), inv.loc) for inv in deferred])

@@ -44,7 +44,7 @@ from ..runtime import batch as bt
 from ..runtime import batch_rules, control, lazy_weights, sharing
 from ..runtime.batch import Batch
 from ..runtime.frames import annotated_by
-from ..runtime.levels import NotPlain
+from ..runtime.levels import Deopt, NotPlain
 
 # a lowered ``for``'s, and ``sum``: they draw the items of an iterator
 _ITERATION = {intrinsics.as_sequence, intrinsics.has_index, sum}
@@ -64,8 +64,17 @@ _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)  # (tensors as torch's ops take th
 _BATCH_N = re.compile(r"\b_n\b")
 
 
-class Deopt(Exception):
-    """A guard of a raw segment failed: the facts its trace relied on do not hold for this call."""
+def _arguments(args, kwargs):
+    """The argument list of a traced call: slots ``args`` by position, then ``kwargs`` by name."""
+    return ", ".join([s.name for s in args] + [f"{k}={s.name}" for k, s in kwargs.items()])
+
+
+def _raised_again(exc, run, n, args):
+    """``exc`` that a traced run raised, raised by ``run`` (the op-by-op code of the same pure ops) from the
+    user's line; or, where it does not happen again there (a one-shot fault: a signal's timeout), as it
+    was: an error is never lost."""
+    run(n, *args)
+    raise exc
 
 
 class Segment:
@@ -101,10 +110,13 @@ class Segment:
                     counters.per_instance = {}
                     try:
                         out = raw(n, *args)
-                    except Exception as exc:  # a guard, or an error the op-by-op run raises from the user's line
+                    except Deopt:  # (a guard: the facts this trace relied on do not hold for this call)
+                        continue
+                    except Exception as exc:
                         if annotated_by(exc) is not None:
                             raise  # (a deferred call it read failed: that call ran, and its error names its chain)
-                        continue
+                        counters.per_instance = saved
+                        return _raised_again(exc, self.generic, n, args)
                     self.hits += 1
                     _add_counts(saved, counters.per_instance)
                     return out
@@ -219,6 +231,10 @@ class Plain:
         except _Untraceable:
             self.refused.add(kinds)
             raise NotPlain(self.name) from None
+        except Exception as exc:  # (the program's error, or the tracer's: the run on Batch values tells)
+            if annotated_by(exc) is not None:
+                raise
+            raise Deopt(self.name) from exc
         exec(compile(source, f"<recompile plain piece {self.name}>", "exec"), namespace)
         self.sources.append(source)
         shared = [i for i, k in enumerate(kinds) if k == "S"]
@@ -601,8 +617,7 @@ class _Tracer:
         fn_name = fn_slot.name if fn_slot is not None else self.const(fn)
         value = fn(*[s.value for s in args], **{k: s.value for k, s in kwargs.items()})
         name = self.fresh()
-        kw_text = "".join(f", {k}={s.name}" for k, s in kwargs.items())
-        self.emit(f"{name} = {fn_name}({', '.join(s.name for s in args)}{kw_text})")
+        self.emit(f"{name} = {fn_name}({_arguments(args, kwargs)})")
         return _Slot("S", name, value)
 
     def generic(self, op, fn, fn_slot, args, kwargs):
@@ -904,8 +919,7 @@ def _elementwise_form(tr, fn, fn_slot, args, kwargs):
     if infix is not None:  # (``operator.mul(a, b)`` is ``a * b``: written so, it is one call less)
         tr.emit(f"{name} = {raw[0].name} {infix} {raw[1].name}")
         return _Slot("B", name, value)
-    kw_text = "".join(f", {k}={s.name}" for k, s in kwargs.items())
-    tr.emit(f"{name} = {fn_name}({', '.join(s.name for s in raw)}{kw_text})")
+    tr.emit(f"{name} = {fn_name}({_arguments(raw, kwargs)})")
     return _Slot("B", name, value)
 
 

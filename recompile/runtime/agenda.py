@@ -19,7 +19,7 @@ the chain of calls that led to it, as in sequential mode.
 
 A function with a level program (``codegen.levels``: its call tree known from
 its arguments) runs this same schedule by ``runtime.levels`` instead, without
-frames; an error there has the call run again here, for its chain of calls.
+frames; an error there names the chain of calls these frames would have.
 
 A request the frame does not need before it returns (``deferrable``, from
 ``passes.batching``: the per-node loss of a tree model) is answered at once
@@ -120,9 +120,10 @@ def _independent(pending):
     return chosen
 
 
-def run(target, args, n=1, pool=None):
+def run(target, args, n=1, pool=None, parent=None, site=None):
     """Run compiled function ``target`` (a Callee) for ``n`` instances on ``args`` (plain values or
-    batches), on the calling thread or with the workers of ``pool``. Returns (result, RunStats)."""
+    batches), on the calling thread or with the workers of ``pool``. Returns (result, RunStats). A call of a
+    level run's (``nested``) names the frames above it in errors: ``parent``, and its call's ``site``."""
     started = time.perf_counter()
     stats = RunStats()
     counters = batch_rules.counters
@@ -135,13 +136,8 @@ def run(target, args, n=1, pool=None):
         unit = unit_of(target)
         levels = getattr(unit, "levels", None)
         if run.defer and levels is not None and config.LEVELS and levels.applies():
-            try:
-                return levels.run(run, args, n), stats
-            except Exception:  # (run again by the agenda, which raises it with its chain of calls)
-                stats = RunStats()
-                counters.per_instance = {}
-                run = _Run.of(stats, pool, args, mutates)
-        result = run.go(unit, args, n)
+            return levels.run(run, args, n), stats  # (an error there comes with its chain of calls)
+        result = run.go(unit, args, n, parent, site)
     finally:
         stats.per_instance, counters.per_instance = counters.per_instance, saved
         sharing.state.fresh = saved_sharing
@@ -175,9 +171,10 @@ class _Run:
         return run
 
     @staticmethod
-    def nested(target, args, n):
-        """A call of its own for ``n`` instances (a level run's callee that yields): (result, RunStats)."""
-        return run(target, args, n)
+    def nested(target, args, n, parent=None, site=None):
+        """A call of its own for ``n`` instances (a level run's callee that yields), below the level run's frame
+        ``parent`` at ``site``: (result, RunStats)."""
+        return run(target, args, n, None, parent, site)
 
     def record(self, unit, n):
         entry = self.stats.batches.get(unit.name)
@@ -187,19 +184,19 @@ class _Run:
             entry[0] += 1
             entry[1] += n
 
-    def go(self, unit, args, n):
+    def go(self, unit, args, n, parent=None, site=None):
         self.record(unit, n)
         self.stats.frames = 1
+        root = BatchFrame(unit, None, n, (), 0, site, parent)
         if not unit.is_generator:
             t = time.perf_counter()
             try:
                 return unit.fn(n, *args)
             except BaseException as exc:
-                annotate(exc, [BatchFrame(unit, None, n, (), 0, None, None)])
+                self.annotate(exc, root)
                 raise
             finally:
                 self.stats.compute_s += time.perf_counter() - t
-        root = BatchFrame(unit, None, n, (), 0, None, None)
         self.outcome = None
         self.start(root, args)
         del args

@@ -21,9 +21,9 @@ This is the agenda's own schedule for such a function (``runtime.agenda``),
 without frames, generators or choosing: the run records the same executions
 per program point (with a late split, fewer runs of a deferred call where the
 agenda reads its lazy result early, in a fused op). An error stops the level
-run; the agenda then runs the call again, which raises it with the chain of
-calls that led there (the function changes nothing in place, so running it
-again is safe).
+run and is raised as it is, once, with the chain of calls that led there as
+the agenda names it: per depth the function and the branch its first call
+came through (``_Link``), down to the piece that failed. Nothing runs twice.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from . import batch as bt
 from . import batch_rules
 from .. import config, intrinsics
 from .control import Branch
-from .frames import annotated_by
+from .frames import annotate, annotated_by, mark_annotated, too_deep
 from .units import Deferred, unit_of
 
 
@@ -50,10 +50,11 @@ class Descent:
     """An invoking branch's pieces: ``down``, ``up`` (and ``up_late`` with a late split), and per invoke its
     argument count and target."""
 
-    __slots__ = ("down", "up", "arities", "targets", "up_late")
+    __slots__ = ("down", "up", "arities", "targets", "up_late", "sites")
 
-    def __init__(self, down, up, arities, targets, up_late=None):
+    def __init__(self, down, up, arities, targets, up_late=None, sites=None):
         self.down, self.up, self.arities, self.targets, self.up_late = down, up, arities, targets, up_late
+        self.sites = sites  # per invoke its source location (for error chains)
 
 
 class Late:
@@ -71,8 +72,31 @@ class Late:
         self.early_outputs = [j for j in range(k) if j not in outputs]
 
 
+class _Link:
+    """A frame of a level run's call chain, as ``frames.annotate`` reads the agenda's: the unit (``callee``),
+    the ``site`` of the call that made it, and its ``parent`` link (None at the root)."""
+
+    __slots__ = ("callee", "site", "parent")
+
+    def __init__(self, callee, site, parent):
+        self.callee, self.site, self.parent = callee, site, parent
+
+
+def _chain(link):
+    chain = []
+    while link is not None:
+        chain.append(link)
+        link = link.parent
+    return chain[::-1]
+
+
 class TooDeep(Exception):
     """The call tree is deeper than the agenda allows: its run raises the RecursionError."""
+
+
+class Deopt(Exception):
+    """A guard of a raw segment (``codegen.segments``) failed: the facts its trace relied on do not hold for
+    this call."""
 
 
 class NotPlain(Exception):
@@ -83,13 +107,13 @@ class PlainPieces:
     """A level program's pieces as ``segments.Plain``, run on plain tensors: ``pre``, per branch ``down`` and
     ``up`` (None for a leaf branch) or ``leaves`` (a leaf branch's), and ``post``; ``early``, the positions
     among the cond's outputs of those ``up`` gives (all of them, or with a late split the ones that are not
-    late); ``deferred``, per deferred call of ``post`` its target and argument count (whose arguments
-    ``post`` hands on after the elements)."""
+    late); ``deferred``, per deferred call of ``post`` its target, argument count (whose arguments
+    ``post`` hands on after the elements) and source location."""
 
     def __init__(self, pre, down, up, leaves, post, early, deferred):
         self.pre, self.down, self.up, self.post, self.early, self.deferred = pre, down, up, post, early, deferred
         self.leaves = leaves  # per branch: a leaf branch's own ops (None for an invoking branch)
-        self.nargs = sum(a for _, a in deferred)
+        self.nargs = sum(a for _, a, _ in deferred)
         self.refused = set()  # which arguments were batched, in calls a plain run could not hold: not tried again
         self.on = True
         self.failures = 0
@@ -110,6 +134,7 @@ class LevelProgram:
         self.fallbacks = 0
         self.summed = 0  # level runs whose late elements were tree sums (``LevelRun.tree_sums``)
         self.plain = None  # PlainPieces, or None
+        self.site = None  # the cond's source location (for error chains)
 
     def applies(self):
         """Whether every invoke still reaches this very function (a method overridden in a subclass
@@ -134,12 +159,68 @@ class LevelRun:
     def __init__(self, program, agenda_run):
         self.p = program
         self.agenda = agenda_run
-        self.pending = {}  # deferred unit -> [(cell, args, count, site)]
+        self.pending = {}  # deferred unit -> [(cell, args, count, site, the depth that made it)]
         self.collected = None  # with a late split: the requests of the ``post`` running (``collect``)
-        self.effects_ran = False  # (a plain run) the deferred calls ran: it is not run again on Batch values
         self.prepared = {}  # (a plain run) per trace of a piece, what its ``prep`` gave (``segments.Plain.__call__``)
+        # where the run is, for an error's chain: per depth the function's link, and (depth, the branch
+        # running or None for the function's own pieces, a deferred call's (unit, site) or None)
+        self.links = []
+        self.where = (0, None, None)
+        self.first_leaf = {}  # branch -> the depth of its first leaf request
+        self.called = False  # a callee ran (``run_group``, ``defer``): a failed plain run is not run again
 
     def go(self, args, n):
+        try:
+            return self.go_levels(args, n)
+        except TooDeep:
+            exc = too_deep()
+        except Exception as exc:
+            self.annotate(exc)
+            raise
+        self.annotate(exc)
+        raise exc
+
+    def annotate(self, exc):
+        """Name on ``exc`` the chain of calls to where the run failed (``where``), once. (An error a compiled
+        function called from plain code raised names its own chain, and gets this one too, as in the agenda.)"""
+        if annotated_by(exc) is not self.agenda.token:
+            annotate(exc, _chain(self.link()))
+            mark_annotated(exc, self.agenda.token)
+
+    def nested(self, target, args, n, site):
+        """A callee that yields, run by the agenda below this run's frame at ``where``; its error names the
+        whole chain, and is this run's."""
+        self.called = True
+        try:
+            result, stats = self.agenda.nested(target, args, n, self.link().parent, site)
+        except Exception as exc:
+            mark_annotated(exc, self.agenda.token)
+            raise
+        self.merge(stats)
+        return result
+
+    def link(self):
+        """The link of the frame running at ``where``: the function's at that depth, or its branch's, or the
+        deferred call's."""
+        depth, which, deferred = self.where
+        link = self.links[min(depth, len(self.links) - 1)] if self.links else _Link(self.p.unit, None, None)
+        if which is not None:
+            link = _Link(self.p.units[which], self.p.site, link)
+        if deferred is not None:
+            link = _Link(deferred[0], deferred[1], link)
+        return link
+
+    def deeper(self, first):
+        """The link of the next depth's function, made at the start of each depth: its parent is the branch
+        of the first invoking side (``first``) at the depth above, whose first call made it."""
+        if not self.links:
+            self.links.append(_Link(self.p.unit, None, None))
+            return
+        d = self.p.branches[first]
+        self.links.append(_Link(self.p.unit, d.sites[0] if d.sites else None,
+                                _Link(self.p.units[first], self.p.site, self.links[-1])))
+
+    def go_levels(self, args, n):
         plain = self.p.plain
         entry = None if plain is None else tuple(type(a) is bt.Batch for a in args)  # (it decides every kinds)
         if plain is not None and plain.on and config.PLAIN_LEVELS and entry not in plain.refused:
@@ -150,14 +231,26 @@ class LevelRun:
                 return result
             except NotPlain:
                 plain.refused.add(entry)
-            except Exception as exc:
-                if self.effects_ran or annotated_by(exc) is not None:
-                    raise  # (the deferred calls ran: the agenda runs the call again and raises it, as for a Batch run)
-                plain.failures += 1  # (a guard that failed, or an error the Batch run raises again)
+            except Deopt:  # (a guard that failed: what the traces relied on does not hold for this call)
+                plain.failures += 1
                 plain.on = plain.failures < config.PLAIN_FAILURES
                 for piece in plain.pieces():  # (the next call traces them again, for what holds then)
                     piece.traces.clear()
+            except Exception as exc:
+                if annotated_by(exc) is self.agenda.token or self.called:
+                    raise  # (a callee ran, with its effects: the error is raised as it is, with its chain)
+                # the program's own error, in pure traced code: the run on Batch values raises it from the
+                # user's line; where it does not happen again (a one-shot fault), it is raised as it was
+                self.annotate(exc)
+                self.restore(saved)
+                self.links, self.first_leaf = [], {}
+                self.go_batches(args, n)
+                raise exc
             self.restore(saved)
+            self.links, self.first_leaf = [], {}
+        return self.go_batches(args, n)
+
+    def go_batches(self, args, n):
         levels, leaf_results = self.descend(args, n)
         result = self.ascend(levels, leaf_results) if self.p.late is None else self.ascend_split(levels, leaf_results)
         while self.pending:
@@ -173,20 +266,26 @@ class LevelRun:
         p, record, stats = self.p, self.agenda.record, self.agenda.stats
         ncargs = 1 + p.nargs
         levels, leaves = [], [[] for _ in p.units]
-        count = n
+        count, first = n, None
         while True:
+            self.deeper(first)
+            self.where = (len(levels), None, None)
             record(p.unit, count)
             stats.frames += 1
             out = self.timed(p.pre, count, args)
             branch = Branch(count, out[0], out[1:ncargs])
-            sides, children = [], []
+            sides, children, first = [], [], None
             for which, side_args, positions in branch.sides:
                 c = len(positions)
                 d = p.branches[which]
                 if d is None:
                     leaves[which].append((side_args, c))
+                    self.first_leaf.setdefault(which, len(levels))
                     sides.append((which, c, len(leaves[which]) - 1))
                     continue
+                if first is None:
+                    first = which
+                self.where = (len(levels), which, None)
                 record(p.units[which], c)
                 stats.frames += 1
                 o = self.timed(d.down, c, side_args)
@@ -203,9 +302,14 @@ class LevelRun:
             count = sum(c for _, c in children)
             args = bt.concat_args(children)
         stats.max_depth = max(stats.max_depth, 2 * (len(levels) - 1))  # (the deepest call's frame, as the agenda's)
-        leaf_results = [self.run_group(p.units[which], requests) if requests else None
-                        for which, requests in enumerate(leaves)]
+        leaf_results = [self.run_leaves(which, requests) for which, requests in enumerate(leaves)]
         return levels, leaf_results
+
+    def run_leaves(self, which, requests):
+        if not requests:
+            return None
+        self.where = (self.first_leaf[which], which, None)
+        return self.run_group(self.p.units[which], requests)
 
     def ascend(self, levels, leaf_results):
         """Up, deepest first: ``up`` per invoking side, the join, ``post``; the top depth's result."""
@@ -220,9 +324,11 @@ class LevelRun:
                 if d is None:
                     results.append(leaf_results[which][data])
                     continue
+                self.where = (at, which, None)
                 got = self.timed(d.up, c, (*data, *[next(below) for _ in d.arities]))
                 results.append(got[0] if p.k == 1 else got)
             joined = branch.join(results, p.k)
+            self.where = (at, None, None)
             out = self.timed(p.post, count, (*live, *((joined,) if p.k == 1 else joined or ())))
             result = out[0] if arity == 1 else out
             if at:
@@ -246,16 +352,18 @@ class LevelRun:
                     results.append(tuple(got[j] for j in late.early_outputs))
                     handed.append(tuple(got[j] for j in late.outputs))
                     continue
+                self.where = (at, which, None)
                 got = self.timed(d.up, c, (*data, *[x for _ in d.arities for x in next(below)]))
                 results.append(got[:k_early])
                 handed.append(got[k_early:])
             self.collected = [None] * late.ndeferred
+            self.where = (at, None, None)
             out = self.timed(p.post, count, (*live, *_join(branch, results, k_early)))
             early = out[:len(late.early)]
             kept.append((at, handed, out[len(late.early):], self.collected))
             if at:
                 below = iter(_rows(early, levels[at - 1][4]))
-        ran = self.run_collected([requests for _, _, _, requests in kept])
+        ran = self.run_collected([requests for _, _, _, requests in kept], [at for at, _, _, _ in kept])
         lates = None
         if late.sums is not None:
             lates = self.tree_sums(levels[0][0], [at for at, _, _, _ in kept], ran,
@@ -275,8 +383,10 @@ class LevelRun:
             results = []
             for (which, c, _), data in zip(sides, handed):
                 d = p.branches[which]
+                self.where = (at, which, None)
                 results.append(data if d is None else
                                self.timed(d.up_late, c, (*data, *[x for _ in d.arities for x in next(below)])))
+            self.where = (at, None, None)
             lates = self.timed(late.post_late, count, (*post_live, *_join(branch, results, k_late), *answered))
             if at:
                 below = iter(_rows(lates, levels[at - 1][4]))
@@ -327,7 +437,8 @@ class LevelRun:
 
     # -- plain runs: every batched value a plain tensor (dim 0 the instance, one row too) and each piece's
     # traced code (``segments.Plain``) run on them; the cond's split and join, gathering and cutting rows are
-    # index ops. Anything they cannot hold raises, and the run goes on Batch values instead.
+    # index ops. What they cannot hold raises NotPlain, a guard that fails Deopt, and the run goes on Batch
+    # values instead; any other error is the program's own, raised as it is.
 
     def go_plain(self, args, n):
         p = self.p
@@ -361,22 +472,28 @@ class LevelRun:
         record, clock = self.agenda.record, time.perf_counter
         ncargs = 1 + p.nargs
         levels, leaves = [], [[] for _ in units]
-        count, frames, compute = n, 0, 0.0
+        count, frames, compute, first = n, 0, 0.0, None
         while True:
+            self.deeper(first)
+            self.where = (len(levels), None, None)
             record(unit, count)
             frames += 1
             t = clock()
             out, ok = pre(count, kinds, values, prepared)
             compute += clock() - t
             cargs, ckinds = out[1:ncargs], ok[1:ncargs]
-            sides, children = [], []
+            sides, children, first = [], [], None
             for which, index, c in _plain_split(count, out[0], ok[0]):
                 side = cargs if index is None else _plain_take(cargs, ckinds, index)
                 d = branches[which]
                 if d is None:
                     leaves[which].append((side, ckinds, c))
+                    self.first_leaf.setdefault(which, len(levels))
                     sides.append((which, index, c, len(leaves[which]) - 1))
                     continue
+                if first is None:
+                    first = which
+                self.where = (len(levels), which, None)
                 record(units[which], c)
                 frames += 1
                 t = clock()
@@ -404,6 +521,7 @@ class LevelRun:
         """Leaf branch ``which`` once for its ``requests`` of every depth: per request, its rows of the
         branch's outputs that ``up`` gives too, and their kinds. (Its traced code: only pure ops, so that a
         plain run given up and run again on Batch values runs no effect twice.)"""
+        self.where = (self.first_leaf[which], which, None)
         values, kinds = _plain_concat(requests, self.p.plain.leaves[which].unread)
         counts = [c for _, _, c in requests]
         total = sum(counts)
@@ -429,11 +547,13 @@ class LevelRun:
                 for _ in d.arities:
                     v, k = next(below)
                     ins, kinds = ins + v, kinds + k
+                self.where = (at, which, None)
                 t = clock()
                 got, got_kinds = ups[which](c, kinds, ins, prepared)
                 compute += clock() - t
                 parts.append((index, c, got, got_kinds))
             joined, joined_kinds = _plain_join(parts)
+            self.where = (at, None, None)
             t = clock()
             out, ok = post(count, live_kinds + joined_kinds, live + joined, prepared)
             compute += clock() - t
@@ -452,7 +572,7 @@ class LevelRun:
         groups = {}
         for d, (_, (values, kinds, count)) in enumerate(deferred):
             at = 0
-            for j, (target, nargs) in enumerate(plain.deferred):
+            for j, (target, nargs, _) in enumerate(plain.deferred):
                 entry = (d, j, values[at:at + nargs], kinds[at:at + nargs], count)
                 groups.setdefault(unit_of(target), (target, []))[1].append(entry)
                 at += nargs
@@ -461,9 +581,13 @@ class LevelRun:
             values, kinds = _plain_concat([(v, k, c) for _, _, v, k, c in entries])
             args = tuple(bt.from_tensor(_ordinary(v)) if k == "B" else _ordinary(v) for v, k in zip(values, kinds))
             gathered.append((unit, target, entries, args, sum(c for *_, c in entries)))
-        self.effects_ran = True  # (what fails from here on is not run again on Batch values: the calls' effects)
-        return [([(d, j, c) for d, j, _, _, c in entries], self.run_group(unit, [(args, total)], target, cut=False),
-                 unit.arity > 1) for unit, target, entries, args, total in gathered]
+        ran = []
+        for unit, target, entries, args, total in gathered:
+            d, j = entries[0][:2]
+            self.where = (deferred[d][0], None, (unit, plain.deferred[j][2]))
+            ran.append(([(d, j, c) for d, j, _, _, c in entries], self.run_group(unit, [(args, total)], target,
+                                                                                  cut=False), unit.arity > 1))
+        return ran
 
     def sums_by_depth(self, levels, deferred, ran):
         """The tree sums of a plain run where ``tree_sums`` cannot add them at once (results that are not
@@ -530,13 +654,17 @@ class LevelRun:
         counts = [c for _, c in requests]
         total = sum(counts)
         args = bt.concat_args(requests)
+        self.called = True
         if unit.is_generator:
-            result, stats = self.agenda.nested(target, args, total)
-            self.merge(stats)
+            result = self.nested(target, args, total, self.link().site)
         else:
             self.agenda.record(unit, total)
             self.agenda.stats.frames += 1
-            result = self.timed(unit.fn, total, args)
+            try:
+                result = self.timed(unit.fn, total, args)
+            except Exception as exc:  # (named here: code that reads a deferred result lets a named error through)
+                self.annotate(exc)
+                raise
         if not cut:
             return result
         return bt.cut_result(result, counts, unit.arity > 1) if len(requests) > 1 else [result]
@@ -549,12 +677,12 @@ class LevelRun:
                 bt.ready_all(a)
             if deferrable and count > 1 and not unit.is_generator:
                 cell = Deferred(self, unit, args)
-                self.pending.setdefault(unit, []).append((cell, args, count, site))
+                self.pending.setdefault(unit, []).append((cell, args, count, site, self.where[0]))
                 results.append(bt.Batch(count, thunk=cell))
                 continue
-            value, stats = self.agenda.nested(target, args, count)
-            self.merge(stats)
-            results.append(value)
+            self.where = (*self.where[:2], (unit, site))
+            results.append(self.nested(target, args, count, site))
+            self.where = (*self.where[:2], None)
         return tuple(results)
 
     def collect(self, requests, at):
@@ -566,15 +694,18 @@ class LevelRun:
             self.collected[j] = request
         return (None,) * len(requests)
 
-    def run_collected(self, depths):
-        """Run the requests collected at every depth, each unit's once: per unit, its entries [(depth, position
-        among that depth's requests, count)], its result (not cut) and whether it has several outputs."""
+    def run_collected(self, depths, depth_of):
+        """Run the requests collected at every depth (``depth_of`` each its level), each unit's once: per unit,
+        its entries [(depth, position among that depth's requests, count)], its result (not cut) and whether it
+        has several outputs."""
         groups = {}
         for d, requests in enumerate(depths):
             for j, request in enumerate(requests):
                 groups.setdefault(unit_of(request[0]), []).append((d, j, request))
         ran = []
         for unit, entries in groups.items():
+            d, _, request = entries[0]
+            self.where = (depth_of[d], None, (unit, request[3]))
             value = self.run_group(unit, [(request[1], request[2]) for _, _, request in entries], entries[0][2][0],
                                    cut=False)
             ran.append(([(d, j, request[2]) for d, j, request in entries], value, unit.arity > 1))
@@ -599,10 +730,11 @@ class LevelRun:
 
     def run_deferred_group(self, unit):
         requests = self.pending.pop(unit)
-        for cell, _, _, site in requests:
+        for cell, _, _, site, _ in requests:
             cell.check_arguments(site)
-        results = self.run_group(unit, [(args, count) for _, args, count, _ in requests])
-        for (cell, _, _, _), value in zip(requests, results):
+        self.where = (requests[0][4], None, (unit, requests[0][3]))
+        results = self.run_group(unit, [(args, count) for _, args, count, _, _ in requests])
+        for (cell, _, _, _, _), value in zip(requests, results):
             cell.value, cell.done = value, True
 
 
