@@ -231,6 +231,8 @@ class LevelRun:
                 return result
             except NotPlain:
                 plain.refused.add(entry)
+            except TooDeep:
+                raise  # (as deep on Batch values)
             except Deopt:  # (a guard that failed: what the traces relied on does not hold for this call)
                 plain.failures += 1
                 plain.on = plain.failures < config.PLAIN_FAILURES
