@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end (speed itself is measured by running them, not here)."""
 
 import os
+import re
 import sys
 
 import pytest
@@ -13,6 +14,7 @@ import bench_batching  # noqa: E402
 import bench_dynet  # noqa: E402
 import bench_fusion  # noqa: E402
 import bench_idioms  # noqa: E402
+import bench_memory  # noqa: E402
 import bench_sequences  # noqa: E402
 import bench_threads  # noqa: E402
 import bench_tree_lstm as bench  # noqa: E402
@@ -70,6 +72,15 @@ def test_dynet_benchmark_checks_and_times_every_model_or_says_dynet_is_missing(c
     assert out.count("DyNet matches eager PyTorch") == 5  # (main raises before the table otherwise)
     rows = [line for line in out.splitlines() if line.rstrip().endswith("x") and " 4 " in line]
     assert len(rows) == 2 * 5
+
+
+def test_memory_benchmark_checks_gradients_and_measures_each_mode_in_a_process_of_its_own(capsys):
+    bench_memory.main(["--lengths", "300", "--modes", "sequential"])
+    out = capsys.readouterr().out
+    assert "every mode's gradient matches eager (sequential)" in out  # (main raises before the table otherwise)
+    (row,) = [line for line in out.splitlines() if line.startswith("    300")]
+    cells = re.findall(r"(\d+\.\d) \( *(\d+\.\d)x\) +(\d+\.\d\d)s", row)  # MB (ratio) seconds, per mode
+    assert len(cells) == 2 and cells[0][1] == "1.0"  # eager, and sequential
 
 
 def test_batching_benchmark_times_its_runs_in_turns():

@@ -564,7 +564,7 @@ for index in (1, -1, slice(1, 3), (slice(None), 2), (Ellipsis, None, 1), (0, sli
               rows3, [0, 0, 2], x > 0, torch.tensor([True, False, True]), [True, False, True],
               (rows3, torch.tensor([1, 1, 3])), (torch.tensor([[0], [2]]), [1, 1, 3]), torch.tensor(1),
               (slice(None), idx), (idx[:2], slice(1, 3)), (Ellipsis, rows3), torch.tensor(True), [[0, 1], [2, 2]],
-              [rows3, slice(None)]):
+              [rows3, slice(None)], torch.tensor([-1, 0, -3]), torch.tensor(-2), rows3.int()):
     case(operator.getitem, x, index)
 case(operator.getitem, b3, (0, slice(None), idx))
 case(operator.getitem, b3, (idx[:2] % 2, 1, idx[:2]))
@@ -714,6 +714,18 @@ def test_detach_passes_no_gradient():
 def test_getitem_of_a_list_is_the_item_itself():
     items = [r(2), r(3)]
     assert list(lookup(operator.getitem)(operator.getitem, torch.ones(3), items[1], (items, 1), {})) == []
+
+
+@pytest.mark.parametrize("index", [2, -1, torch.tensor(1), torch.tensor([0, 2, 0])], ids=str)
+def test_rows_read_give_rows_not_a_table_sized_cotangent(index):
+    """``x[t]`` read at every step of a loop: each read's cotangent is its rows, and the gradient of ``x`` is
+    formed once (a dense cotangent per read made a backward's memory grow with the length squared)."""
+    t = r(4, 3)
+    out = t[index]
+    (part,) = lookup(operator.getitem)(operator.getitem, torch.ones_like(out), out, (t, index), {})
+    assert part[0] is t and isinstance(part[1], DEFERRED)
+    want = torch.zeros_like(t).index_put_((torch.as_tensor(index),), torch.ones_like(out), accumulate=True)
+    torch.testing.assert_close(form([part[1]]), want)
 
 
 def test_silu_in_place_is_refused():

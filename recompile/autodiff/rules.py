@@ -838,6 +838,9 @@ def _detach(fn, g, out, input):
 def _getitem(fn, g, out, obj, index):
     if not is_tensor(obj):
         return ()  # a list or tuple item is the object itself: its cotangent is already its own
+    rows = _rows_read(obj, index)
+    if rows is not None:  # (x[t] in a loop: kept as rows, one gradient formed at the end, not one per read)
+        return ((obj, Rows(rows, g, tuple(obj.shape))),)
     parts = index if type(index) is tuple else (index,)
     advanced = [_advanced(p) for p in parts]
     grad = g.new_zeros(obj.shape)
@@ -849,6 +852,19 @@ def _getitem(fn, g, out, obj, index):
     else:  # advanced indices among slices, ints, None: where the result's dims go is numpy's business
         return _autograd(operator.getitem, g, (obj, index))
     return ((obj, grad),)
+
+
+def _rows_read(obj, index):
+    """The rows of dim 0 that ``obj[index]`` reads, as a LongTensor (negative indices counted from the end),
+    where ``index`` is an int or an integer tensor alone; None for any other index."""
+    if obj.dim() == 0:
+        return None
+    if type(index) is int:
+        return torch.tensor([index % obj.shape[0]], device=obj.device)
+    if is_tensor(index) and not index.dtype.is_floating_point and index.dtype not in (torch.bool, torch.uint8) \
+            and not index.is_complex():
+        return index.to(device=obj.device, dtype=torch.long) % obj.shape[0]
+    return None
 
 
 def _advanced(part):
