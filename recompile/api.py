@@ -194,7 +194,8 @@ class CompiledFunction(Function):
         else:
             runner = scheduler.run
         if torch.is_grad_enabled():
-            result, run_stats = autograd.run(callee, bound, self.stats, runner)
+            replay = functools.partial(_replayed, callee, bound)
+            result, run_stats = autograd.run(callee, bound, self.stats, runner, replay)
         else:
             result, run_stats = runner(callee, bound)
         self.stats.record_run(run_stats)
@@ -322,3 +323,8 @@ def function(fn=None, **options):
     if fn is None:
         return lambda f: CompiledFunction(f, **options)
     return CompiledFunction(fn, **options)
+
+
+def _replayed(callee, args):
+    """A call run again on the batched runtime, which torch.autograd records (``runtime.autograd``)."""
+    return agenda.run(callee, args, 1)[0]

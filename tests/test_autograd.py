@@ -119,14 +119,64 @@ def test_retain_graph_keeps_a_calls_saved_values_and_a_backward_after_the_last_i
         out.backward()
 
 
-def test_higher_order_gradients_are_refused_clearly():
+def tree_energy(left, right, x, w, i):
+    if left[i] < 0:
+        return torch.tanh(x[i] @ w)
+    return torch.sigmoid(tree_energy(left, right, x, w, left[i]) * tree_energy(left, right, x, w, right[i]))
+
+
+def dropped(x):
+    return (torch.nn.functional.dropout(x, 0.5, training=True) * x).exp().sum()
+
+
+@pytest.mark.filterwarnings("ignore:recompile. a differentiable backward")
+@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+def test_higher_order_gradients_match_eager(mode):
+    """create_graph=True runs the call again where torch.autograd records it: double backward, gradgradcheck
+    and torch.func.grad give eager's values (a random draw as the forward drew it)."""
+    f = recompile.function(tree_energy, mode=mode)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(7, 3, generator=g, dtype=F64), torch.randn(3, dtype=F64, generator=g)
+    args = (LEFT, RIGHT)
+
+    def second(fn, x, w):
+        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        gx, gw = torch.autograd.grad(fn(*args, x, w, 0), (x, w), create_graph=True)
+        return torch.autograd.grad((gx ** 2).sum() + gw.sum(), (x, w))
+
+    for got, want in zip(second(f, x, w), second(tree_energy, x, w)):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.func.grad(lambda w: f(*args, x, w, 0))(w),
+                               torch.func.grad(lambda w: tree_energy(*args, x, w, 0))(w))
+    assert torch.autograd.gradgradcheck(lambda w: f(*args, x, w, 0), (w.clone().requires_grad_(),))
+    d = recompile.function(dropped, mode=mode)
+    xd = x.clone().requires_grad_()
+    torch.manual_seed(1)
+    (got,) = torch.autograd.grad(torch.autograd.grad(d(xd), xd, create_graph=True)[0].sum(), xd)
+    torch.manual_seed(1)
+    (want,) = torch.autograd.grad(torch.autograd.grad(dropped(xd), xd, create_graph=True)[0].sum(), xd)
+    torch.testing.assert_close(got, want)
+
+
+def test_a_differentiable_backward_warns_once_that_the_call_runs_again(monkeypatch):
+    monkeypatch.setattr(autograd, "_warned_replay", set())  # (another test may have warned of this function)
+    f = recompile.function(tree_energy, mode="sequential")
+    x, w = torch.ones(7, 3, dtype=F64), torch.ones(3, dtype=F64, requires_grad=True)
+    with pytest.warns(UserWarning, match="runs the call again on the batched runtime") as seen:
+        for _ in range(2):
+            torch.autograd.grad(f(LEFT, RIGHT, x, w, 0), w, create_graph=True)
+    assert len([m for m in seen if "runs the call again" in str(m.message)]) == 1
+
+
+def test_a_differentiable_backward_of_a_call_that_changes_values_in_place_is_refused_clearly():
     @recompile.function(mode="sequential")
-    def f(x):
-        return (x * x).sum()
+    def f(x, buf):
+        buf += 1.0
+        return (x * buf).sum()
 
     x = torch.ones(3, dtype=F64, requires_grad=True)
-    with pytest.raises(RuntimeError, match="higher-order"):
-        torch.autograd.grad(f(x), x, create_graph=True)
+    with pytest.raises(RuntimeError, match='changes values in place.*mode="batched"'):
+        torch.autograd.grad(f(x, torch.zeros(3, dtype=F64)), x, create_graph=True)
 
 
 def test_gradients_accumulate_across_calls_like_pytorch():
@@ -149,3 +199,27 @@ def test_gradcheck_passes_through_a_compiled_call():
 
     x = torch.randn(4, 3, dtype=F64, requires_grad=True, generator=torch.Generator().manual_seed(0))
     assert torch.autograd.gradcheck(lambda x: f(x, 4), (x,))
+
+
+class Projection(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2).double()
+
+    @recompile.function(mode="sequential")
+    def forward(self, x):
+        return torch.tanh(self.lin(x)).sum()
+
+
+def test_the_gradient_goes_to_the_weight_the_forward_used():
+    """A module's weight reassigned between the forward and the backward (as torch.func.functional_call
+    does): the gradient goes to the weight the call used, as in eager code."""
+    m = Projection()
+    used = m.lin.weight
+    x = torch.ones(4, 3, dtype=F64)
+    out = m(x)
+    m.lin.weight = nn.Parameter(used.detach().clone())
+    out.backward()
+    want = torch.autograd.grad(torch.tanh(torch.nn.functional.linear(x, used, m.lin.bias)).sum(), used)[0]
+    torch.testing.assert_close(used.grad, want)
+    assert m.lin.weight.grad is None

@@ -48,6 +48,31 @@ def test_compiled_equals_eager(model_cls, sst):
     assert type(compiled).encode.stats["builds"] == 1
 
 
+# the composition weight of each model: what every internal node of a tree reads
+COMPOSITION = {TreeRNN: "compose.weight", RNTN: "V", TreeLSTM: "node.weight"}
+
+
+@pytest.mark.filterwarnings("ignore:recompile. a differentiable backward")
+@pytest.mark.parametrize("mode", ["batched", "sequential", "threaded"])
+@pytest.mark.parametrize("model_cls", MODELS, ids=lambda c: c.__name__)
+def test_gradcheck_and_gradgradcheck_pass_in_every_mode(model_cls, mode, sst):
+    """torch.autograd's own checks of first and second derivatives, through the recursion of a tree, for the
+    weight every internal node reads (float64, a tiny model)."""
+    cls = type(f"{mode}{model_cls.__name__}", (model_cls,),
+               {"encode": __import__("recompile").function(model_cls.encode.python, mode=mode)})
+    torch.manual_seed(0)
+    model = cls(len(sst.vocab), embed=3, hidden=2).double()
+    tree = next(t for t in sst.train if 3 <= len(t.words) <= 4)
+    name = COMPOSITION[model_cls]
+
+    def loss(weight):
+        return torch.func.functional_call(model, {name: weight}, (tree,))[0]
+
+    weight = dict(model.named_parameters())[name].detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(loss, (weight,), fast_mode=True)
+    assert torch.autograd.gradgradcheck(loss, (weight,), fast_mode=True)
+
+
 @pytest.mark.parametrize("model_cls", MODELS, ids=lambda c: c.__name__)
 def test_training_lowers_the_loss(model_cls, capsys):
     history = main(model_cls, "test", ["--limit", "40", "--epochs", "3", "--embed", "32", "--hidden", "24",

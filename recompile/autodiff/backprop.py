@@ -25,7 +25,7 @@ from torch import nn
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN
 from .factors import DEFERRED, form
-from .rules import Rule, lookup
+from .rules import Rule, lookup, seen
 
 _Tensor = torch.Tensor
 
@@ -245,7 +245,7 @@ def call_forward(ctx, fn, *args, **kwargs):
             if isinstance(target, _Tensor):
                 _check_in_place(target, fn.__name__)
         out = fn(*args, **kwargs)
-        return out, Applied(rule, fn, out, args, kwargs)
+        return out, Applied(rule, seen(fn, rule) if isinstance(fn, nn.Module) else fn, out, args, kwargs)
     try:
         iterating = fn in _ITERATING
     except TypeError:

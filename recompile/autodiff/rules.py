@@ -50,9 +50,11 @@ class Rule:
     ``read_for_others``: positions of arguments whose value only the other
     arguments' gradients read (``x * y`` reads x for y's gradient), so that
     changing one matters only when another needs a gradient (``x * 0.5``).
+    ``attrs``: of a module's rule, the attributes (its parameters, its options)
+    it reads of the module, taken as the forward saw them (``seen``).
     """
 
-    __slots__ = ("name", "vjp", "method", "reads_out", "reads_inputs", "read_for_others", "reads_only")
+    __slots__ = ("name", "vjp", "method", "reads_out", "reads_inputs", "read_for_others", "reads_only", "attrs")
 
     def __init__(self, name, vjp, method=False):
         self.name = name
@@ -62,6 +64,7 @@ class Rule:
         self.reads_inputs = vjp not in SHAPE_ONLY
         self.read_for_others = ()
         self.reads_only = None  # positions of the only arguments whose values the vjp reads (None: any)
+        self.attrs = getattr(vjp, "attrs", ())  # a module rule's: the attributes it reads of the module
 
     def __call__(self, fn, g, out, args, kwargs):
         if self.method:
@@ -1019,7 +1022,14 @@ def _module(module_type, vjp, functional, *attrs):
         return vjp(functional, g, out, *args, **kwargs, **{a: getattr(module, a) for a in attrs})
 
     module_vjp.__name__ = module_vjp.__qualname__ = f"_{module_type.__name__}"
+    module_vjp.attrs = attrs
     rule(module_type)(module_vjp)
+
+
+def seen(module, rule):
+    """What ``rule`` reads of ``module``, as it is now (the forward's call): a weight swapped or reassigned
+    before the backward (``torch.func.functional_call``) is not the one the call used."""
+    return types.SimpleNamespace(**{a: getattr(module, a) for a in rule.attrs}) if rule.attrs else module
 
 
 _module(nn.Linear, _linear, F.linear, "weight", "bias")

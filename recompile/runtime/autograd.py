@@ -8,10 +8,17 @@ whose inputs are those tensors. Its backward runs the derived gradient
 program on the sequential scheduler and hands torch the gradients of the inputs,
 so ``loss.backward()`` fills ``.grad``, gradients accumulate as usual and
 ``torch.autograd.grad`` works too.
+
+A backward that must itself be differentiable (``create_graph=True``: double
+backward, ``torch.func.grad``) cannot use the derived program, whose saved
+values torch did not record. It runs the call again on the batched runtime,
+which torch.autograd records, from the random state the forward started
+with, and differentiates that (as ``torch.utils.checkpoint`` recomputes).
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -24,29 +31,34 @@ live_contexts = weakref.WeakSet()
 
 
 class _State:
-    __slots__ = ("handle", "ctx", "record", "results", "stats")
+    __slots__ = ("handle", "ctx", "record", "results", "stats", "replay", "rng", "positions")
 
-    def __init__(self, handle, ctx, record, results, stats):
+    def __init__(self, handle, ctx, record, results, stats, replay=None, rng=None, positions=None):
         self.handle = handle
         self.ctx = ctx
         self.record = record
         self.results = results
         self.stats = stats
+        self.replay = replay  # () -> the call's result, run again where torch.autograd records it
+        self.rng = rng  # the random state the forward started with
+        self.positions = positions  # where ``results`` are among the result's tensors (``tensors_in``)
 
 
 class CompiledCall(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, state, *sources):
-        fctx.state = state
-        fctx.set_materialize_grads(False)
+    def forward(state, *sources):
         return tuple(t.detach() for t in state.results)
 
     @staticmethod
+    def setup_context(fctx, inputs, output):  # (apart from forward: what torch.func's transforms ask)
+        fctx.state = inputs[0]
+        fctx.set_materialize_grads(False)
+
+    @staticmethod
     def backward(fctx, *grads):
-        if torch.is_grad_enabled():  # create_graph=True
-            raise RuntimeError("recompile: higher-order gradients (create_graph=True) through a compiled call "
-                               "are not supported; the derived gradient program is not itself differentiated")
         state = fctx.state
+        if torch.is_grad_enabled() and state is not None:  # create_graph=True
+            return (None, *_recorded_grads(state, grads))
         if state is None:
             raise RuntimeError(
                 "recompile: trying to backward through a compiled call a second time; its saved values were "
@@ -69,15 +81,18 @@ class CompiledCall(torch.autograd.Function):
         return (None, *out)
 
 
-def run(callee, args, stats, runner=scheduler.run):
+def run(callee, args, stats, runner=scheduler.run, replay=None):
     """Run compiled function ``callee`` on bound ``args`` with gradients: (result, RunStats).
 
-    ``runner(handle, args)`` runs the forward: the sequential scheduler, or the threaded one.
+    ``runner(handle, args)`` runs the forward: the sequential scheduler, or the threaded one. ``replay()``
+    runs the call again where torch.autograd records it (the batched runtime), for a backward with
+    ``create_graph=True``.
     """
     ctx = GradContext()
     live_contexts.add(ctx)
     for a in args:
         ctx.note_tree(a)
+    rng = _random_state() if replay is not None else None
     with torch.no_grad():
         pair, run_stats = runner(callee.forward, (ctx, *args))
     result, record = pair
@@ -85,14 +100,66 @@ def run(callee, args, stats, runner=scheduler.run):
     if not ctx.sources:
         return result, run_stats
     # the program's own floating-point tensors; one from outside (an argument returned) stays itself
-    results = list({id(t): t for t in tensors_in(result)
-                    if (t.is_floating_point() or t.is_complex()) and not external(t)}.values())
-    if not results:
+    found, positions = list(tensors_in(result)), {}
+    for k, t in enumerate(found):
+        if (t.is_floating_point() or t.is_complex()) and not external(t):
+            positions.setdefault(id(t), k)
+    if not positions:
         return result, run_stats
-    outs = CompiledCall.apply(_State(callee, ctx, record, results, stats), *ctx.sources.values())
+    results = [found[k] for k in positions.values()]
+    state = _State(callee, ctx, record, results, stats, replay, rng, list(positions.values()))
+    outs = CompiledCall.apply(state, *ctx.sources.values())
     if not isinstance(outs, tuple):
         outs = (outs,)
     return _replace(result, dict(zip(map(id, results), outs))), run_stats
+
+
+_warned_replay = set()
+
+
+def _recorded_grads(state, grads):
+    """The gradients of the call's sources as a differentiable function of them and of ``grads``: the call run
+    again from its forward's random state, recorded by torch.autograd, and differentiated with
+    ``create_graph``."""
+    name = state.handle.qualname
+    if state.replay is None or getattr(state.handle, "may_mutate", True):
+        raise RuntimeError(
+            f"recompile: a differentiable backward (create_graph=True, torch.func.grad) through {name}, which "
+            "changes values in place, is not supported in sequential and threaded mode (running it again would "
+            "not start from the same values); compile it with mode=\"batched\"")
+    if name not in _warned_replay:
+        _warned_replay.add(name)
+        code = state.handle.function.python.__code__  # (at the function's def: the backward has no user line)
+        warnings.warn_explicit(
+            f"recompile: a differentiable backward (create_graph=True, torch.func.grad) through {name} runs the "
+            "call again on the batched runtime, which torch.autograd records; Python effects in it run twice. "
+            "Compile it with mode=\"batched\" to record it once", UserWarning, code.co_filename, code.co_firstlineno)
+    with torch.random.fork_rng(devices=state.rng[1].keys()):
+        _set_random_state(state.rng)
+        with torch.enable_grad():
+            result = state.replay()
+    found = list(tensors_in(result))
+    outs = [found[k] for k in state.positions]
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    sources = list(state.ctx.sources.values())
+    if not pairs:
+        return [None] * len(sources)
+    return torch.autograd.grad([o for o, _ in pairs], sources, [g for _, g in pairs], create_graph=True,
+                               allow_unused=True)
+
+
+def _random_state():
+    """The CPU generator's state and, per CUDA device already in use, its own."""
+    cuda = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = {d: torch.cuda.get_rng_state(d) for d in range(torch.cuda.device_count())}
+    return torch.get_rng_state(), cuda
+
+
+def _set_random_state(rng):
+    torch.set_rng_state(rng[0])
+    for d, s in rng[1].items():
+        torch.cuda.set_rng_state(s, d)
 
 
 def _replace(value, new, depth=0):
