@@ -8,9 +8,10 @@ for every public name.
 How a page's code runs (the convention to follow when writing docs):
 
 - The ```python blocks of one page run in order, in one namespace, like the cells of a notebook: a block may
-  use what an earlier block of the same page defined. Each page starts afresh: a new module of its own,
-  ``torch.manual_seed(0)``, an empty temporary directory as the working directory, and ``recompile.config``
-  restored afterwards (a page may change a knob for what follows on that page).
+  use what an earlier block of the same page defined. Each page runs in a process of its own, as a user's
+  script would (forked from one that imported torch and recompile once), with ``torch.manual_seed(0)`` and
+  an empty temporary directory as the working directory. (A process of its own: the names in generated code
+  and in ``f.stats["batches"]`` depend on what the process compiled before.)
 - Each block is written to a file of its own in that directory (named after the page and the block's first
   line, such as ``README.md-57.py``), after blank lines, so that its lines keep their numbers in the page: a
   traceback's ``line 60`` is line 60 of the page. recompile reads a function's source from its file, as it
@@ -37,9 +38,11 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tokenize
+import traceback
 import types
 
 import pytest
@@ -125,38 +128,112 @@ class CheckedPrint:
                 f"{page}, line {line}: print wrote\n{text.rstrip()}\nwhere the page says\n{expected}")
 
 
-@contextlib.contextmanager
-def config_kept():
-    saved = {name: getattr(config, name) for name in dir(config) if name.isupper()}
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(config, name, value)
-
-
-@pytest.mark.parametrize("page", PAGES, ids=page_id)
-def test_the_python_of_each_page_runs_and_prints_what_it_says(page, tmp_path, monkeypatch):
-    code = [(line, source) for language, line, source in blocks(page) if language == "python"]
-    if not code:
-        pytest.skip("no python blocks")
+def run_page(page, workdir):
+    """Run the python blocks of ``page`` as the module docstring says, in ``workdir`` (in a process of its own)."""
     name = "docs_" + re.sub(r"\W", "_", page_id(page))
     module = types.ModuleType(name)
     checked = CheckedPrint()
     module.print = checked
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(sys.modules, name, module)
+    sys.modules[name] = module
+    os.chdir(workdir)
     torch.manual_seed(0)
-    with config_kept():
-        for line, source in code:
-            path = str(tmp_path / f"{page.name}-{line}.py")
-            padded = "\n" * (line - 1) + source
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(padded)
-            checked.expected.update({(path, k): v for k, v in expectations(padded, path).items()})
-            exec(compile(padded, path, "exec"), module.__dict__)
-    never = sorted({line for (_, line), text in checked.expected.items()} - {line for _, line in checked.seen})
+    for language, line, source in blocks(page):
+        if language != "python":
+            continue
+        path = os.path.join(workdir, f"{page.name}-{line}.py")
+        padded = "\n" * (line - 1) + source
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(padded)
+        checked.expected.update({(path, k): v for k, v in expectations(padded, path).items()})
+        exec(compile(padded, path, "exec"), module.__dict__)
+    never = sorted({line for _, line in checked.expected} - {line for _, line in checked.seen})
     assert not never, f"{page_id(page)}: prints with an expected output that never ran, lines {never}"
+
+
+def run_job(job, workdir):
+    """A page's python (``("page", path)``) or a ``recompile dump`` command (``("dump", args)``); raises or
+    returns an exit status."""
+    kind, what = job
+    if kind == "page":
+        run_page(pathlib.Path(what), workdir)
+        return 0
+    os.chdir(ROOT)
+    try:
+        return cli.main(what)
+    except SystemExit as exc:
+        return exc.code
+
+
+def serve(jobs, outdir):
+    """Run each job in a process of its own, forked from this one (which imported torch and recompile once),
+    its output in ``outdir/K``; print the exit statuses as JSON. A process of its own, as a user's script or
+    command has: what a process compiled before changes the names in generated code and in ``stats``."""
+    statuses = []
+    for k, job in enumerate(jobs):
+        workdir = os.path.join(outdir, f"{k}.d")
+        os.mkdir(workdir)
+        pid = os.fork() if hasattr(os, "fork") else None
+        if pid == 0 or pid is None:
+            saved = os.dup(1), os.dup(2)
+            with open(os.path.join(outdir, str(k)), "w", encoding="utf-8") as out:
+                os.dup2(out.fileno(), 1)
+                os.dup2(out.fileno(), 2)
+                try:
+                    code = run_job(job, workdir) or 0
+                except BaseException:
+                    traceback.print_exc()
+                    code = 1
+                sys.stdout.flush()
+                sys.stderr.flush()
+            if pid == 0:
+                os._exit(code)
+            os.dup2(saved[0], 1)  # (no fork: the caller runs one job per process)
+            os.dup2(saved[1], 2)
+            statuses.append(code)
+            continue
+        statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    print(json.dumps(statuses))
+
+
+def dump_blocks():
+    """(command, the lines shown) of each ```text block that shows ``$ recompile dump ...``."""
+    for page in PAGES:
+        for language, line, source in blocks(page):
+            first = source.split("\n", 1)[0]
+            if language == "text" and first.startswith("$ recompile dump "):
+                yield pytest.param(first[2:], source.split("\n")[1:], id=f"{page_id(page)}:{line}")
+
+
+CODE_PAGES = [page for page in PAGES if any(language == "python" for language, _, _ in blocks(page))]
+DUMPS = list(dump_blocks())
+JOBS = [("page", str(page)) for page in CODE_PAGES] + [("dump", shlex.split(p.values[0])[1:]) for p in DUMPS]
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    """Every job run once: {job index: (exit status, output)}."""
+    outdir = tmp_path_factory.mktemp("docs")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    driver = "import json, sys, test_docs; test_docs.serve(json.loads(sys.argv[1]), sys.argv[2])"
+    batches = [JOBS] if hasattr(os, "fork") else [[job] for job in JOBS]
+    statuses = []
+    for batch in batches:
+        done = subprocess.run([sys.executable, "-c", driver, json.dumps(batch), str(outdir)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        statuses += json.loads(done.stdout.strip().split("\n")[-1])
+        if len(batches) > 1:  # (each batch wrote its one output as 0)
+            os.replace(outdir / "0", outdir / f"out{len(statuses) - 1}")
+            shutil.rmtree(outdir / "0.d")
+    name = (lambda k: f"out{k}") if len(batches) > 1 else str
+    return {k: (status, (outdir / name(k)).read_text(encoding="utf-8")) for k, status in enumerate(statuses)}
+
+
+@pytest.mark.parametrize("page", CODE_PAGES, ids=page_id)
+def test_the_python_of_each_page_runs_and_prints_what_it_says(page, ran):
+    status, output = ran[JOBS.index(("page", str(page)))]
+    assert status == 0, f"{page_id(page)}:\n{output}"
 
 
 def test_the_expectation_convention():
@@ -169,70 +246,11 @@ def test_the_expectation_convention():
     assert expectations(source, "t.py") == {2: "1", 3: "1", 4: "1"}
 
 
-# -- recompile dump, as the pages show it
-
-
-def dump_blocks():
-    for page in PAGES:
-        for language, line, source in blocks(page):
-            first = source.split("\n", 1)[0]
-            if language == "text" and first.startswith("$ recompile dump "):
-                yield pytest.param(first[2:], source.split("\n")[1:], id=f"{page_id(page)}:{line}")
-
-
-DUMPS = list(dump_blocks())
-
-
-# Runs each command in a process of its own, as a user would (the names in the generated code depend on what
-# the process compiled before), forked from one that imported recompile (and torch) once.
-DRIVER = """
-import json, os, sys
-from recompile import cli
-outputs = []
-for k, args in enumerate(json.loads(sys.argv[1])):
-    path = os.path.join(sys.argv[2], str(k))
-    pid = os.fork()
-    if pid == 0:
-        with open(path, "w") as out:
-            os.dup2(out.fileno(), 1)
-            os.dup2(out.fileno(), 2)
-            try:
-                code = cli.main(args)
-            except SystemExit as exc:
-                code = exc.code
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code or 0)
-    status = os.waitpid(pid, 0)[1]
-    with open(path) as f:
-        outputs.append((os.waitstatus_to_exitcode(status), f.read()))
-print(json.dumps(outputs))
-"""
-
-
-@pytest.fixture(scope="module")
-def dumped(tmp_path_factory):
-    """{command: its output}."""
-    commands = [p.values[0] for p in DUMPS]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    args = [shlex.split(c)[1:] for c in commands]
-    if hasattr(os, "fork"):
-        run = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(args), str(tmp_path_factory.mktemp("dumps"))],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr
-        outputs = json.loads(run.stdout)
-    else:
-        runs = [subprocess.run([sys.executable, "-m", "recompile", *a], cwd=ROOT, env=env, capture_output=True,
-                               text=True, timeout=300) for a in args]
-        outputs = [(r.returncode, r.stdout + r.stderr) for r in runs]
-    for command, (code, out) in zip(commands, outputs):
-        assert code == 0, f"`{command}` failed:\n{out}"
-    return {command: out for command, (code, out) in zip(commands, outputs)}
-
-
 @pytest.mark.parametrize("command, shown", DUMPS)
-def test_each_dump_shown_is_what_the_command_prints(command, shown, dumped):
-    out = dumped[command].split("\n")
+def test_each_dump_shown_is_what_the_command_prints(command, shown, ran):
+    status, output = ran[JOBS.index(("dump", shlex.split(command)[1:]))]
+    assert status == 0, f"`{command}` failed:\n{output}"
+    out = output.split("\n")
     at = 0
     for line in (s for s in shown if s.strip() and s.strip() != "..."):
         while at < len(out) and out[at].rstrip() != line.rstrip():
