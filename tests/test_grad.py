@@ -1611,7 +1611,7 @@ def test_first_order_gradient_still_works_after_a_higher_order_one():
     assert (g - w).abs().max().item() <= TOL
 
 
-@pytest.mark.xfail(strict=True, reason="All floating-point results of a compiled call come out of its one autograd node: one that depends on no input requiring grad still reports requires_grad (its gradient is zero); README, Limits")
+@pytest.mark.xfail(strict=True, reason="All floating-point results of a compiled call come out of its one autograd node: one that depends on no input requiring grad still reports requires_grad (its gradient is zero); docs/gradients.md, Limits")
 def test_output_requires_grad_flags_match_eager():
     """A result that depends on no tensor requiring grad does not require grad, as in eager
     (so that, e.g., ``.numpy()`` works on it)."""
@@ -1625,7 +1625,7 @@ def test_output_requires_grad_flags_match_eager():
     got.numpy()
 
 
-@pytest.mark.xfail(strict=True, reason="All floating-point results of a compiled call come out of its one autograd node (README, Limits)")
+@pytest.mark.xfail(strict=True, reason="All floating-point results of a compiled call come out of its one autograd node (docs/gradients.md, Limits)")
 def test_output_requires_grad_flags_match_eager_per_result():
     """Of two results, only the one computed from a tensor that requires grad requires grad."""
     f = sequential(two_heads)
@@ -2014,7 +2014,7 @@ def test_object_tree_with_states_set_by_the_program_matches_eager():
         assert (got - want).abs().max().item() <= TOL
 
 
-@pytest.mark.xfail(strict=True, reason="Tensors the program stores into its arguments are not outputs of its autograd node (README, Limits)")
+@pytest.mark.xfail(strict=True, reason="Tensors the program stores into its arguments are not outputs of its autograd node (docs/gradients.md, Limits)")
 def test_states_stored_on_argument_objects_carry_gradients_like_eager():
     """``node.state = h`` inside the program, read by the caller afterwards (as eager code may do)."""
     f_enc = sequential(object_tree_encode)
@@ -2041,7 +2041,7 @@ def append_states(xs, out):
     return h
 
 
-@pytest.mark.xfail(strict=True, reason="Tensors the program stores into its arguments are not outputs of its autograd node (README, Limits)")
+@pytest.mark.xfail(strict=True, reason="Tensors the program stores into its arguments are not outputs of its autograd node (docs/gradients.md, Limits)")
 def test_tensors_appended_to_an_argument_list_carry_gradients_like_eager():
     f = sequential(append_states)
     results = []
