@@ -157,7 +157,7 @@ class CompiledFunction(Function):
             raise ValueError(f"unknown fusion {fusion!r}; use True, False or one of: {', '.join(BACKENDS)}")
         self.mode = mode
         # worker threads: threaded mode uses what the machine offers unless told; batched mode runs its
-        # groups on the calling thread unless told (see README, "Threads")
+        # groups on the calling thread unless told (see docs/threads.md, "Batched mode with threads")
         self.threads = threads if threads is not None else (pool.default_threads() if mode == "threaded" else 1)
         self._max_live_frames = max_live_frames
         functools.update_wrapper(self, fn)

@@ -27,7 +27,7 @@ from .. import ir
 from ..ops import facts
 from .effects import build_time_value
 BACKENDS = ("python", "compile")
-DEFAULT_BACKEND = "python"  # see the README's fusion section for the measurement behind it
+DEFAULT_BACKEND = "python"  # see docs/fusion.md, "Which backend", for the measurement behind it
 
 
 def resolve(operand):

@@ -506,7 +506,7 @@ def _give_back(given, counts):
     """Copy what a frame changed in place in its gathered arguments back into each request's own value, as
     eager code changes the caller's tensor; only where it changed, so that a request whose rows it did not
     change keeps the version of its tensor (autograd may have saved it). A value that all instances of a
-    request share is left as it was: its instances' rows may differ (README, Limits)."""
+    request share is left as it was: its instances' rows may differ (docs/batching.md, Limits)."""
     for a, version, values in given:
         if version is not None and a.tensor._version == version:
             continue
