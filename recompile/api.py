@@ -178,6 +178,8 @@ class CompiledFunction(Function):
     # -- calling
 
     def __call__(self, *args, **kwargs):
+        if config.DISABLED:  # (recompile.disable(): the plain function, whose recursion comes back here)
+            return self.python(*args, **kwargs)
         # a method called through its class (Class.method(obj, ...)) runs the program of obj's class
         owner = type(args[0]) if self._owner is not None and args and isinstance(args[0], self._owner) else None
         return self._run(owner, args, kwargs)

@@ -6,11 +6,19 @@ thresholds a kernel choice rests on (``runtime.lazy_weights.SMALL_ROWS``, ``code
 ``COMPILE_MIN_ELEMENTS``) stay beside the measurements that chose them.
 """
 
+import os
+
+# -- debugging
+
+# Every compiled function called as the plain Python function it was made from, recursion included, and
+# ``recompile.vmap`` as a loop over instances (``recompile.disable()``; set to 1 by ``RECOMPILE_DISABLE=1``).
+DISABLED = os.environ.get("RECOMPILE_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
+
 # -- limits
 
 # Compiled recursion is not bounded by the interpreter's limit, but a runaway one (a cycle in a tree's child
 # indices) should end with RecursionError, as in Python, in seconds rather than take all memory: at this
-# depth a cycle ends in about 6 s (sequential) to 25 s (batched) on a 2-core CPU, under 1.5 GB.
+# depth a cycle ends in about 6 s (sequential and batched) on a 2-core CPU, under 1.5 GB.
 MAX_DEPTH = 200_000
 CHAIN_SHOWN = 12  # calls shown at each end of a long call chain in an error's note
 MAX_LIVE_FRAMES = 4096  # threaded mode's default bound on the frames of one call started and not returned

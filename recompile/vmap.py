@@ -13,6 +13,7 @@ import types
 
 import torch
 
+from . import config
 from .api import CompiledFunction
 from .runtime import batch as bt
 
@@ -46,6 +47,9 @@ def vmap(fn, in_dims=0, out_dims=0):
         all_args = (*bound_self, *values)
         owner = type(bound_self[0]) if bound_self else None
         cf.bind(*all_args)  # Python's own TypeError for a wrong call
+        if config.DISABLED:  # (recompile.disable(): one plain call per instance)
+            return _move(_stacked([cf.python(*bound_self, *[_instance(a, d, k) for a, d in zip(args, dims)])
+                                   for k in range(n)]), out_dims)
         out = bt.stack_output(cf.run_batched(all_args, n, owner), n)
         return _move(out, out_dims)
 
@@ -69,6 +73,27 @@ def _instances(arg, dim, sizes, position):
         return type(arg)(parts) if n == 1 else bt.from_struct(type(arg), parts, n)
     raise ValueError(f"recompile.vmap: argument {position} with in_dim {dim} must be a tensor or a tuple or list "
                      f"of tensors, got {type(arg).__name__}")
+
+
+def _instance(arg, dim, k):
+    """Instance ``k`` of argument ``arg`` batched along ``dim`` (None: shared)."""
+    if dim is None:
+        return arg
+    if isinstance(arg, torch.Tensor):
+        return arg.select(dim, k)
+    return type(arg)(_instance(a, dim, k) for a in arg)
+
+
+def _stacked(results):
+    """Per-instance results stacked along dim 0, structures item by item, as ``vmap`` returns them."""
+    first = results[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(results)
+    if isinstance(first, (tuple, list)):
+        items = [_stacked([r[j] for r in results]) for j in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+    raise ValueError(f"recompile.vmap: each instance must return tensors (or tuples or lists of them); got "
+                     f"{type(first).__name__}")
 
 
 def _move(out, dim):

@@ -6,7 +6,7 @@ reads another's private names. The floors, highest first (a module may import it
 lower floor):
 
     cli, vmap  ->  api  ->  program  ->  codegen  ->  passes, runtime  ->  frontend, autodiff
-    ->  ir, ops  ->  intrinsics, naming, errors, config, data
+    ->  ir, ops  ->  intrinsics, naming, errors, config, data, debugging
 
 ``recompile/__init__.py`` (the public names) and ``__main__.py`` stand above them all.
 """
@@ -18,7 +18,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "recompile"
 FLOORS = [
-    {"intrinsics", "naming", "errors", "config", "data"},
+    {"intrinsics", "naming", "errors", "config", "data", "debugging"},
     {"ir", "ops"},
     {"frontend", "autodiff"},
     {"passes", "runtime"},
