@@ -9,7 +9,7 @@ import types
 
 import torch
 
-from . import config, ir, pickling
+from . import config, dynamo, ir, pickling
 from .codegen.instances import note_text, read as instance_notes
 from .passes.fusion import BACKENDS, DEFAULT_BACKEND
 from .passes.pipeline import FINAL, GRAD, STAGES
@@ -180,6 +180,7 @@ class CompiledFunction(Function):
 
     # -- calling
 
+    @dynamo.opaque  # under torch.compile: a graph break, not a trace of the runtime
     def __call__(self, *args, **kwargs):
         # a method called through its class (Class.method(obj, ...)) runs the program of obj's class
         owner = type(args[0]) if self._owner is not None and args and isinstance(args[0], self._owner) else None

@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from . import scheduler
+from ..dynamo import opaque
 from ..autodiff.backprop import GradContext, external, plain_object, tensors_in
 
 # contexts still alive (their saved values with them): what the memory test watches
@@ -42,6 +43,7 @@ class CompiledCall(torch.autograd.Function):
         return tuple(t.detach() for t in state.results)
 
     @staticmethod
+    @opaque  # under torch.compile: run as without it, not traced
     def backward(fctx, *grads):
         if torch.is_grad_enabled():  # create_graph=True
             raise RuntimeError("recompile: higher-order gradients (create_graph=True) through a compiled call "
