@@ -252,7 +252,7 @@ class CompiledFunction(Function):
         return self
 
     def __reduce__(self):
-        return pickling.reduce(self)
+        return pickling.reduce(self, self._owner, self._options)
 
     # -- inspecting
 

@@ -16,9 +16,10 @@ import sys
 
 import torch
 
-_entries = []  # the functions marked @opaque, in their places: (module or class, attribute name, function)
+_entries = []  # the functions marked @opaque (each found in its place by its qualname)
 _disabled = {}  # function -> the same, run with dynamo off
 _in_place = False  # whether the disabled copies stand where the entries were
+_copies = set()  # the disabled copies put in place
 
 
 def opaque(fn):
@@ -39,7 +40,7 @@ def is_opaque(obj):
     """Whether ``obj`` (a function, or a staticmethod of one) is an entry point marked @opaque, or its
     disabled copy in its place."""
     fn = obj.__func__ if isinstance(obj, staticmethod) else obj
-    return getattr(fn, "__wrapped__", None) in _entries or getattr(fn, "_torchdynamo_orig_callable", None) in _entries
+    return fn in _copies or getattr(fn, "__wrapped__", None) in _entries
 
 
 def _with_dynamo_off(fn):
@@ -60,6 +61,7 @@ def _put_in_place():
     for fn in list(_entries):
         owner, name = _owner_of(fn)
         off = torch.compiler.disable(fn, recursive=True)
+        _copies.add(off)
         setattr(owner, name, staticmethod(off) if isinstance(vars(owner)[name], staticmethod) else off)
     _in_place = True
 
