@@ -87,6 +87,7 @@ def test_torch_compile_step_equals_plain_and_does_not_trace_the_runtime(fresh_dy
 
 
 @pytest.mark.slow  # (inductor compiles C++: about 10 s)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # (torch's own)
 def test_torch_compile_default_backend(fresh_dynamo):
     check_compiled_step(DynTree, "forward_many", "inductor")
 
