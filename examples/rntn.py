@@ -2,7 +2,7 @@
 
     h = tanh([hl; hr]^T V [hl; hr] + W [hl; hr] + b)
 
-    python examples/rntn.py [--data DIR] [--epochs N] [--dump]
+    python examples/rntn.py [--data DIR] [--epochs N] [--checkpoint PATH [--resume]] [--curve PNG] [--dump]
 """
 
 import torch

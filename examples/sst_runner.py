@@ -1,14 +1,21 @@
-"""Shared driver of the SST examples: data, training loop, progress, dev accuracy, --dump.
+"""Shared driver of the SST examples: data, training loop, progress, dev accuracy, checkpoints, curve, --dump.
 
 Each example file defines its model (the interesting part: a plain recursive
 method compiled with ``@recompile.function``) and calls ``main(Model)``.
 A model's ``forward(tree)`` returns (summed loss over the tree's nodes,
 root logits).
+
+A progress bar (trees/s, loss) needs tqdm and the training curve matplotlib:
+``pip install -e ".[examples]"``. Without them, each epoch still ends with its
+log line.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import logging
+import os
 import random
 import sys
 import time
@@ -19,6 +26,13 @@ from torch import nn
 
 import recompile
 from recompile.data import Forest, load_sst, sample_dir
+
+try:
+    from tqdm import tqdm
+except ImportError:  # an optional extra: the per-epoch log line is printed all the same
+    tqdm = None
+
+log = logging.getLogger("sst_runner")
 
 
 class SentimentModel(nn.Module):
@@ -43,29 +57,31 @@ class SentimentModel(nn.Module):
 
 
 def parse_args(description, argv=None):
-    p = argparse.ArgumentParser(description=description)
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None,
                    help="directory with train.txt/dev.txt/test.txt (default: the small sample shipped with recompile)")
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=2, help="train until this many epochs are done (with --resume: "
+                                                         "in all, the checkpoint's counted)")
     p.add_argument("--limit", type=int, default=None, help="use at most this many training trees")
     p.add_argument("--embed", type=int, default=300)
     p.add_argument("--hidden", type=int, default=150)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--batch", type=int, default=25, help="trees per training step (one batched run)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the order of the trees")
+    p.add_argument("--checkpoint", metavar="PATH", help="save the model, optimizer and random state here after "
+                                                        "each epoch")
+    p.add_argument("--resume", action="store_true", help="start from --checkpoint where it exists: the run goes on "
+                                                         "as if it had not stopped")
+    p.add_argument("--curve", metavar="PATH", help="draw the training curve (loss, dev accuracy per epoch) to this "
+                                                   "PNG (needs matplotlib)")
     p.add_argument("--dump", action="store_true", help="print the IR of the compiled encoder before training")
     p.add_argument("--source", action="store_true", help="print the generated Python source before training")
-    return p.parse_args(argv)
-
-
-def progress(done, total, started, loss, width=30, stream=sys.stderr):
-    frac = done / max(total, 1)
-    bar = "#" * int(frac * width)
-    rate = done / max(time.perf_counter() - started, 1e-9)
-    stream.write(f"\r  [{bar:<{width}}] {done}/{total}  {rate:6.1f} trees/s  loss/node {loss:.4f}")
-    if done == total:
-        stream.write("\n")
-    stream.flush()
+    args = p.parse_args(argv)
+    if args.resume and not args.checkpoint:
+        p.error("--resume needs --checkpoint PATH")
+    if args.curve and importlib.util.find_spec("matplotlib") is None:  # said now, not after the training
+        p.error('--curve needs matplotlib: pip install matplotlib (or pip install -e ".[examples]")')
+    return args
 
 
 def accuracy(model, trees, batch=256):
@@ -78,15 +94,61 @@ def accuracy(model, trees, batch=256):
     return correct / max(len(trees), 1)
 
 
+def save_checkpoint(path, model, opt, history):
+    """Everything a resumed run needs to go on as this one would: weights, optimizer, history, random state."""
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "history": history,
+             "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a run stopped while saving leaves the last checkpoint whole
+
+
+def load_checkpoint(path, model, opt):
+    state = torch.load(path, weights_only=False)  # (the random states are Python objects)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+    return state["history"]
+
+
+def draw_curve(path, history, title):
+    import matplotlib
+    matplotlib.use("Agg")  # a file, no window
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    epochs = range(1, len(history) + 1)
+    fig, loss_ax = plt.subplots(figsize=(6, 4))
+    loss_ax.plot(epochs, [loss for loss, _ in history], "o-", color="tab:blue")
+    loss_ax.set_xlabel("epoch")
+    loss_ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    loss_ax.set_ylabel("train loss / node", color="tab:blue")
+    acc_ax = loss_ax.twinx()
+    acc_ax.plot(epochs, [acc for _, acc in history], "s--", color="tab:orange")
+    acc_ax.set_ylabel("dev root accuracy", color="tab:orange")
+    loss_ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _log_to_stdout():
+    # the example's own lines, on this run's stdout (INFO, whatever the root logger is set to)
+    log.handlers[:] = [logging.StreamHandler(sys.stdout)]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def main(model_cls, description, argv=None):
     args = parse_args(description, argv)
+    _log_to_stdout()
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     data_dir = args.data or sample_dir()
     sst = load_sst(data_dir)
     train = sst.train[: args.limit] if args.limit else sst.train
-    print(f"{model_cls.__name__}: {len(train)} train / {len(sst.dev)} dev trees from {data_dir}, "
-          f"vocabulary {len(sst.vocab)}")
+    log.info("%s: %d train / %d dev trees from %s, vocabulary %d", model_cls.__name__, len(train), len(sst.dev),
+             data_dir, len(sst.vocab))
     model = model_cls(len(sst.vocab), embed=args.embed, hidden=args.hidden)
     if args.dump:
         print(recompile.dump(type(model).encode, stage="capture"))
@@ -94,11 +156,15 @@ def main(model_cls, description, argv=None):
         print(type(model).encode.source())
     opt = torch.optim.Adagrad(model.parameters(), lr=args.lr)
     history = []
-    for epoch in range(1, args.epochs + 1):
+    if args.resume and os.path.exists(args.checkpoint):
+        history = load_checkpoint(args.checkpoint, model, opt)
+        log.info("resumed from %s after epoch %d", args.checkpoint, len(history))
+    for epoch in range(len(history) + 1, args.epochs + 1):
         order = list(range(len(train)))
         random.shuffle(order)
         total_loss, total_nodes, started = 0.0, 0, time.perf_counter()
-        print(f"epoch {epoch}")
+        # (tqdm draws on a terminal only: a log file gets the epoch's line alone)
+        bar = tqdm(total=len(order), desc=f"epoch {epoch}", unit="tree", leave=False, disable=None) if tqdm else None
         for start in range(0, len(order), args.batch):
             forest = Forest.from_trees([train[k] for k in order[start:start + args.batch]])
             losses, _ = model.forward_many(forest)
@@ -108,9 +174,20 @@ def main(model_cls, description, argv=None):
             opt.step()
             total_loss += loss.item()
             total_nodes += forest.num_nodes
-            progress(start + forest.num_trees, len(order), started, total_loss / total_nodes)
+            if bar is not None:
+                bar.set_postfix({"loss/node": f"{total_loss / total_nodes:.4f}"}, refresh=False)
+                bar.update(forest.num_trees)
+        if bar is not None:
+            bar.close()
+        seconds = time.perf_counter() - started
         dev_acc = accuracy(model, sst.dev)
         history.append((total_loss / total_nodes, dev_acc))
-        print(f"  train loss/node {total_loss / total_nodes:.4f}   dev root accuracy {dev_acc:.3f}")
-    print(f"build count of {model_cls.__name__}.encode: {type(model).encode.stats['builds']}")
+        log.info("epoch %d  train loss/node %.4f  dev root accuracy %.3f  %.1f trees/s  %.1f s", epoch,
+                 total_loss / total_nodes, dev_acc, len(order) / seconds, seconds)
+        if args.checkpoint:
+            save_checkpoint(args.checkpoint, model, opt, history)
+    if args.curve:
+        draw_curve(args.curve, history, f"{model_cls.__name__} on {os.path.basename(os.path.normpath(data_dir))}")
+        log.info("training curve: %s", args.curve)
+    log.info("build count of %s.encode: %d", model_cls.__name__, type(model).encode.stats["builds"])
     return history

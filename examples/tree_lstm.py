@@ -2,6 +2,8 @@
 
     python examples/tree_lstm.py            # the small SST sample shipped with recompile
     python examples/tree_lstm.py --data DIR --epochs 3   # DIR: the full treebank's train/dev/test.txt
+    python examples/tree_lstm.py --epochs 5 --checkpoint run.pt --resume --curve curve.png
+        # saved after each epoch; run again, it goes on where it stopped; the curve needs matplotlib
 """
 
 import torch

@@ -1,6 +1,6 @@
 """Recursive neural network (Socher et al. 2011) on SST, written as a plain recursive method.
 
-    python examples/tree_rnn.py [--data DIR] [--epochs N] [--dump]
+    python examples/tree_rnn.py [--data DIR] [--epochs N] [--checkpoint PATH [--resume]] [--curve PNG] [--dump]
 """
 
 import torch

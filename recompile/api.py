@@ -9,7 +9,7 @@ import types
 
 import torch
 
-from . import config, ir
+from . import config, dynamo, ir, pickling
 from .codegen.instances import note_text, read as instance_notes
 from .passes.fusion import BACKENDS, DEFAULT_BACKEND
 from .passes.pipeline import FINAL, GRAD, STAGES
@@ -156,6 +156,9 @@ class CompiledFunction(Function):
         elif fusion not in BACKENDS:
             raise ValueError(f"unknown fusion {fusion!r}; use True, False or one of: {', '.join(BACKENDS)}")
         self.mode = mode
+        self._options = {"mode": mode, "fusion": fusion, "threads": threads}  # as given: what a rebuild is given
+        if max_live_frames is not _MAX_LIVE_FRAMES:
+            self._options["max_live_frames"] = max_live_frames
         # worker threads: threaded mode uses what the machine offers unless told; batched mode runs its
         # groups on the calling thread unless told (see docs/threads.md, "Batched mode with threads")
         self.threads = threads if threads is not None else (pool.default_threads() if mode == "threaded" else 1)
@@ -177,6 +180,7 @@ class CompiledFunction(Function):
 
     # -- calling
 
+    @dynamo.opaque  # under torch.compile: a graph break, not a trace of the runtime
     def __call__(self, *args, **kwargs):
         if config.DISABLED:  # (recompile.disable(): the plain function, whose recursion comes back here)
             return self.python(*args, **kwargs)
@@ -251,7 +255,7 @@ class CompiledFunction(Function):
         return self
 
     def __reduce__(self):
-        return self.__qualname__
+        return pickling.reduce(self, self._owner, self._options)
 
     # -- inspecting
 

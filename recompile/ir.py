@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from typing import Protocol
 
 from .intrinsics import Marker
@@ -419,55 +420,94 @@ def _dot_escape(text):
     return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\l")  # \l: a left-aligned line
 
 
+def _wrapped(line, width=100):
+    """``line`` cut after commas into lines of about ``width`` characters, the later ones indented: a long tuple
+    of saved values would otherwise set the width of the whole drawing."""
+    parts, current = [], ""
+    for piece in re.split(r"(?<=, )", line):
+        if current and len(current) + len(piece) > width:
+            parts.append(current.rstrip())
+            current = "    "
+        current += piece
+    return parts + [current]
+
+
 def format_dot(program):
-    """Graphviz DOT: one cluster per SubGraph, data edges inside, dashed edges to callees."""
+    """Graphviz DOT: one cluster per SubGraph, data edges inside, dashed edges to callees.
+
+    Laid out to be read top to bottom: each cluster's nodes are held in program order, one column, and the
+    clusters are stacked in the order of the text dump; the dashed call edges do not move anything (a recursive
+    call points back up). Side by side, a small model's clusters and their parallel chains ran thousands of
+    points wide.
+    """
     nm = _Printed()
-    lines = ["digraph recompile {", "  compound=true;", "  node [shape=box, fontname=monospace, fontsize=10];"]
+    lines = ["digraph recompile {", "  rankdir=TB;", "  compound=true;",
+             "  node [shape=box, fontname=monospace, fontsize=10];"]
     node_ids = {}
     entry_node = {}
     counter = itertools.count()
+    cluster_of = {}  # node id -> its SubGraph's name
 
-    def node(label, shape="box"):
+    def node(sg, label, shape="box"):
         nid = f"n{next(counter)}"
-        lines.append(f'    {nid} [label="{_dot_escape(label)}", shape={shape}];')
+        cluster_of[nid] = sg.name
+        label = "\n".join(part for line in label.split("\n") for part in _wrapped(line))
+        text = _dot_escape(label) + ("\\l" if "\n" in label else "")  # every line left-aligned, the last too
+        lines.append(f'    {nid} [label="{text}", shape={shape}];')
         return nid
 
+    def data_edge(src, dst):
+        # a branch reading its parent's value (before capture) crosses clusters: such an edge moves nothing
+        within = cluster_of[src] == cluster_of[dst]
+        return f"  {src} -> {dst};" if within else f"  {src} -> {dst} [constraint=false];"
+
     later_edges = []
+    order_edges = []  # invisible: what holds the column and the stack
+    last_node = None
     all_sgs = list(program.all_subgraphs())
     for sg in all_sgs:
         lines.append(f'  subgraph "cluster_{_dot_escape(sg.name)}" {{')
         lines.append(f'    label="{_dot_escape(sg.name)}";')
-        entry = node(f"inputs({', '.join(nm(v) for v in sg.inputs)})", shape="ellipse")
+        entry = node(sg, f"inputs({', '.join(nm(v) for v in sg.inputs)})", shape="ellipse")
         entry_node[sg.name] = entry
+        if last_node is not None:
+            order_edges.append(f"  {last_node} -> {entry} [style=invis];")
+        column = [entry]
         for v in sg.inputs:
             node_ids[v] = entry
         for op in sg.ops:
             label = _format_op(op, nm)
             if isinstance(op, Fused):  # one node: the members listed in it
                 label += "".join("\n  " + _format_op(m, nm) for m in op.body.ops)
-            nid = node(label)
+            nid = node(sg, label)
+            column.append(nid)
             for v in op.outputs:
                 node_ids[v] = nid
             for operand in op.operands():
                 if isinstance(operand, Value) and operand in node_ids:
-                    later_edges.append(f"  {node_ids[operand]} -> {nid};")
+                    later_edges.append(data_edge(node_ids[operand], nid))
             if isinstance(op, Invoke):
                 later_edges.append(("call", nid, op.callee))
             for s in op.subgraphs():
                 later_edges.append(("call", nid, s.name))
-        out = node(f"return {', '.join(nm(v) for v in sg.outputs)}", shape="ellipse")
+        out = node(sg, f"return {', '.join(nm(v) for v in sg.outputs)}", shape="ellipse")
+        column.append(out)
         for v in sg.outputs:
             if isinstance(v, Value) and v in node_ids:
-                later_edges.append(f"  {node_ids[v]} -> {out};")
+                later_edges.append(data_edge(node_ids[v], out))
         lines.append("  }")
+        order_edges += [f"  {a} -> {b} [style=invis, weight=10];" for a, b in zip(column, column[1:])]
+        last_node = out
     later_edges = list(dict.fromkeys(later_edges))  # an op reading one value twice draws one edge
     for e in later_edges:
         if isinstance(e, tuple):
             _, src, callee = e
             if callee in entry_node:
-                lines.append(f'  {src} -> {entry_node[callee]} [style=dashed, lhead="cluster_{_dot_escape(callee)}"];')
+                lines.append(f'  {src} -> {entry_node[callee]} [style=dashed, constraint=false, '
+                             f'lhead="cluster_{_dot_escape(callee)}"];')
         else:
             lines.append(e)
+    lines += order_edges
     lines.append("}")
     return "\n".join(lines) + "\n"
 

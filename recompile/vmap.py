@@ -15,6 +15,7 @@ import torch
 
 from . import config
 from .api import CompiledFunction
+from .dynamo import opaque
 from .runtime import batch as bt
 
 
@@ -32,28 +33,33 @@ def vmap(fn, in_dims=0, out_dims=0):
         raise TypeError("recompile.vmap: out_dims must be an int")
 
     def batched(*args):
-        dims = in_dims if isinstance(in_dims, (tuple, list)) else (in_dims,) * len(args)
-        if len(dims) != len(args):
-            raise ValueError(f"recompile.vmap: in_dims has {len(dims)} entries for {len(args)} positional arguments")
-        sizes = set()
-        values = [_instances(a, d, sizes, i) for i, (a, d) in enumerate(zip(args, dims))]
-        if not sizes:
-            raise ValueError("recompile.vmap: at least one argument must be batched (an in_dims entry not None)")
-        if len(sizes) > 1:
-            raise ValueError(f"recompile.vmap: batched arguments disagree on the batch size: {sorted(sizes)}")
-        n = sizes.pop()
-        if n == 0:
-            raise ValueError("recompile.vmap: the batch has no instances (batched arguments of size 0)")
-        all_args = (*bound_self, *values)
-        owner = type(bound_self[0]) if bound_self else None
-        cf.bind(*all_args)  # Python's own TypeError for a wrong call
-        if config.DISABLED:  # (recompile.disable(): one plain call per instance)
-            return _move(_stacked([cf.python(*bound_self, *[_instance(a, d, k) for a, d in zip(args, dims)])
-                                   for k in range(n)]), out_dims)
-        out = bt.stack_output(cf.run_batched(all_args, n, owner), n)
-        return _move(out, out_dims)
+        return _run(cf, bound_self, in_dims, out_dims, args)
 
     return batched
+
+
+@opaque  # under torch.compile: a graph break, not a trace of the runtime
+def _run(cf, bound_self, in_dims, out_dims, args):
+    dims = in_dims if isinstance(in_dims, (tuple, list)) else (in_dims,) * len(args)
+    if len(dims) != len(args):
+        raise ValueError(f"recompile.vmap: in_dims has {len(dims)} entries for {len(args)} positional arguments")
+    sizes = set()
+    values = [_instances(a, d, sizes, i) for i, (a, d) in enumerate(zip(args, dims))]
+    if not sizes:
+        raise ValueError("recompile.vmap: at least one argument must be batched (an in_dims entry not None)")
+    if len(sizes) > 1:
+        raise ValueError(f"recompile.vmap: batched arguments disagree on the batch size: {sorted(sizes)}")
+    n = sizes.pop()
+    if n == 0:
+        raise ValueError("recompile.vmap: the batch has no instances (batched arguments of size 0)")
+    all_args = (*bound_self, *values)
+    owner = type(bound_self[0]) if bound_self else None
+    cf.bind(*all_args)  # Python's own TypeError for a wrong call
+    if config.DISABLED:  # (recompile.disable(): one plain call per instance)
+        return _move(_stacked([cf.python(*bound_self, *[_instance(a, d, k) for a, d in zip(args, dims)])
+                               for k in range(n)]), out_dims)
+    out = bt.stack_output(cf.run_batched(all_args, n, owner), n)
+    return _move(out, out_dims)
 
 
 def _instances(arg, dim, sizes, position):

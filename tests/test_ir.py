@@ -210,25 +210,31 @@ def test_program_to_text_matches_dump():
 _QUOTED = r'"(?:[^"\\]|\\.)*"'
 _DOT_LINE = [
     ("open", re.compile(r"digraph recompile \{")),
+    ("attr", re.compile(r"  rankdir=TB;")),
     ("attr", re.compile(r"  compound=true;")),
     ("attr", re.compile(r"  node \[shape=box, fontname=monospace, fontsize=10\];")),
     ("cluster", re.compile(rf"  subgraph ({_QUOTED}) \{{")),
     ("label", re.compile(rf"    label={_QUOTED};")),
     ("node", re.compile(rf"    (n\d+) \[label={_QUOTED}, shape=(box|ellipse)\];")),
     ("edge", re.compile(r"  (n\d+) -> (n\d+);")),
-    ("dashed", re.compile(rf"  (n\d+) -> (n\d+) \[style=dashed, lhead=({_QUOTED})\];")),
+    ("across", re.compile(r"  (n\d+) -> (n\d+) \[constraint=false\];")),
+    ("dashed", re.compile(rf"  (n\d+) -> (n\d+) \[style=dashed, constraint=false, lhead=({_QUOTED})\];")),
+    ("order", re.compile(r"  (n\d+) -> (n\d+) \[style=invis(, weight=10)?\];")),
     ("close", re.compile(r"(  )?\}")),
 ]
 
 
-def parse_dot(text):
-    """Check every line against the grammar the printer uses; return clusters, nodes, edges."""
+def parse_dot_layout(text):
+    """Check every line against the grammar the printer uses; return clusters, nodes, edges.
+
+    Data edges are ``edges`` (within a cluster) and ``across`` (a branch reading its parent's value: they move
+    nothing); ``order`` holds the invisible edges of the layout, (from, to, within one cluster)."""
     lines = text.splitlines()
     assert lines[0] == "digraph recompile {"
     assert lines[-1] == "}" and text.endswith("}\n")
     clusters = {}  # name -> [node ids]
     labels = {}
-    edges, dashed = [], []
+    edges, dashed, across, order = [], [], [], []
     current = None
     depth = 0
     for line in lines:
@@ -256,12 +262,21 @@ def parse_dot(text):
             labels[m.group(1)] = line.split('label="', 1)[1].rsplit('", shape=', 1)[0]
         elif kind == "edge":
             edges.append((m.group(1), m.group(2)))
+        elif kind == "across":
+            across.append((m.group(1), m.group(2)))
         elif kind == "dashed":
             dashed.append((m.group(1), m.group(2), m.group(3)[1:-1]))
+        elif kind == "order":
+            order.append((m.group(1), m.group(2), m.group(3) is not None))
     assert depth == 0
-    for a, b in edges + [(a, b) for a, b, _ in dashed]:
+    for a, b in edges + across + [(a, b) for a, b, _ in dashed] + [(a, b) for a, b, _ in order]:
         assert a in labels and b in labels, (a, b)
-    return clusters, labels, edges, dashed
+    return clusters, labels, edges, dashed, across, order
+
+
+def parse_dot(text):
+    """(clusters, labels, edges, dashed): what the drawing says, the layout's edges left out."""
+    return parse_dot_layout(text)[:4]
 
 
 @pytest.mark.parametrize("stage", recompile.STAGES)
@@ -317,6 +332,43 @@ def test_dot_escapes_quotes_and_backslashes():
     parse_dot(text)  # every label is one well-formed quoted string
     assert '\\"hi\\"' in text
     assert f("x") == ir_quotes("x")
+
+
+@pytest.mark.parametrize("stage", recompile.STAGES)
+def test_dot_layout_is_one_column_per_cluster_stacked_top_to_bottom(stage):
+    text = ir_tree_count.dump(stage=stage, format="dot")
+    assert "  rankdir=TB;" in text.splitlines()
+    clusters, labels, edges, dashed, across, order = parse_dot_layout(text)
+    cluster_of = {n: c for c, ids in clusters.items() for n in ids}
+    columns = list(clusters.values())
+    # within a cluster, each node is held under the one before it, in program order
+    within = {(a, b) for a, b, weighted in order if weighted}
+    assert within == {(a, b) for ids in columns for a, b in zip(ids, ids[1:])}
+    # each cluster's return is held above the next cluster's inputs: the stack follows the text dump
+    between = [(a, b) for a, b, weighted in order if not weighted]
+    assert between == [(ids[-1], nxt[0]) for ids, nxt in zip(columns, columns[1:])]
+    # call edges and a branch's reads of its parent's values are drawn, but move nothing (recursion points up)
+    assert dashed and all("[style=dashed, constraint=false, lhead=" in line
+                          for line in text.splitlines() if "style=dashed" in line)
+    assert all(cluster_of[a] == cluster_of[b] for a, b in edges)
+    assert all(cluster_of[a] != cluster_of[b] for a, b in across)
+    if stage == "frontend":  # branches read the function's %left, %right, %i directly before capture
+        assert across
+
+
+def test_dot_long_label_is_wrapped_left_aligned():
+    # the grad stage's record of saved values is one long tuple: unwrapped, it set the width of the drawing
+    text = ir_tree_count.dump(stage="grad", format="dot")
+    dumped = [line.strip() for line in ir_tree_count.dump(stage="grad").splitlines()]
+    labels = parse_dot(text)[1]
+    wrapped = [label for label in labels.values() if "\\l" in label and " fused[" not in label]
+    assert any(label.count("\\l") > 2 for label in wrapped)
+    for label in wrapped:
+        lines = label.split("\\l")
+        assert lines[-1] == ""  # ends with \l: the last line is left-aligned as well
+        assert all(len(line) <= 110 for line in lines)
+        assert all(line.startswith("    ") for line in lines[1:-1])
+        assert "".join(line.strip() + (" " if line.endswith(",") else "") for line in lines) in dumped
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` is not installed")

@@ -6,7 +6,7 @@ reads another's private names. The floors, highest first (a module may import it
 lower floor):
 
     cli, vmap  ->  api  ->  program  ->  codegen  ->  passes, runtime  ->  frontend, autodiff
-    ->  ir, ops, debugging  ->  intrinsics, naming, errors, config, data
+    ->  ir, ops, graphviz, debugging  ->  intrinsics, naming, errors, config, data, dynamo, pickling
 
 ``recompile/__init__.py`` (the public names) and ``__main__.py`` stand above them all.
 """
@@ -18,8 +18,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "recompile"
 FLOORS = [
-    {"intrinsics", "naming", "errors", "config", "data"},
-    {"ir", "ops", "debugging"},
+    {"intrinsics", "naming", "errors", "config", "data", "dynamo", "pickling"},
+    {"ir", "ops", "graphviz", "debugging"},
     {"frontend", "autodiff"},
     {"passes", "runtime"},
     {"codegen"},

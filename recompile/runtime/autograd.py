@@ -24,6 +24,7 @@ import weakref
 import torch
 
 from . import scheduler
+from ..dynamo import opaque
 from ..autodiff.backprop import GradContext, external, plain_object, tensors_in
 
 # contexts still alive (their saved values with them): what the memory test watches
@@ -55,6 +56,7 @@ class CompiledCall(torch.autograd.Function):
         fctx.set_materialize_grads(False)
 
     @staticmethod
+    @opaque  # under torch.compile: run as without it, not traced
     def backward(fctx, *grads):
         state = fctx.state
         if torch.is_grad_enabled() and state is not None:  # create_graph=True

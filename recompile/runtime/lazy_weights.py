@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..dynamo import opaque
 from ..ops.table import has_hooks
 
 
@@ -109,6 +110,7 @@ class _WeightGate(torch.autograd.Function):
         return weight.new_zeros(())
 
     @staticmethod
+    @opaque  # under torch.compile: run as without it, not traced
     def backward(ctx, _):
         # (a pass that did not reach the gate, autograd.grad of other inputs, leaves its rows behind: each
         # pass keeps its own)
@@ -128,6 +130,7 @@ class _DeferredLinear(torch.autograd.Function):
         return lazy.product(x, lazy.weight, bias)
 
     @staticmethod
+    @opaque  # under torch.compile: run as without it, not traced
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         ctx.lazy.keep(g, x)
@@ -144,6 +147,7 @@ class _DeferredEmbedding(torch.autograd.Function):
         return F.embedding(indices, lazy.weight)
 
     @staticmethod
+    @opaque  # under torch.compile: run as without it, not traced
     def backward(ctx, g):
         indices, _ = ctx.saved_tensors
         ctx.lazy.keep(g, indices)
