@@ -18,6 +18,10 @@ class PerInstanceWarning(UserWarning):
     """An op of a batched run ran once per instance, not once for the group (``config.PER_INSTANCE``)."""
 
 
+class GradFallbackWarning(UserWarning):
+    """An op without a gradient rule was recorded for torch.autograd in a sequential or threaded call."""
+
+
 class PerInstanceError(RecompileError):
     """An op of a batched run would run once per instance, and ``config.PER_INSTANCE`` is "error"."""
 

@@ -313,3 +313,24 @@ def test_gradients_of_helpers_given_a_tensor_twice_and_of_numbers_updated_by_ten
     got.backward()
     torch.testing.assert_close(got, want.detach())
     torch.testing.assert_close(got_x.grad, want_x.grad)
+
+
+def softsign_helper(x):  # undecorated, without a gradient rule
+    return x / (1 + x.abs())
+
+
+def calls_a_helper_without_a_rule(x):
+    return softsign_helper(x).sum()  # MARK: the user's line the warning names
+
+
+def test_a_call_without_a_gradient_rule_warns_once_at_the_users_line():
+    f = recompile.function(calls_a_helper_without_a_rule, mode="sequential")
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    with pytest.warns(recompile.GradFallbackWarning, match="softsign_helper at test_backprop.py:") as seen:
+        for _ in range(2):
+            f(x).backward()
+    (warning,) = [w for w in seen if w.category is recompile.GradFallbackWarning]
+    assert "MARK" in open(warning.filename).read().splitlines()[warning.lineno - 1]
+    assert 'mode="batched"' in str(warning.message)
+    torch.testing.assert_close(x.grad, 2 * torch.autograd.grad(calls_a_helper_without_a_rule(x), x)[0])
+    assert f.stats["grad_fallbacks"] == {"softsign_helper": 2}

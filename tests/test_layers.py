@@ -6,7 +6,8 @@ reads another's private names. The floors, highest first (a module may import it
 lower floor):
 
     cli, vmap  ->  api  ->  program  ->  codegen  ->  passes, runtime  ->  frontend, autodiff
-    ->  ir, ops, graphviz, debugging  ->  intrinsics, naming, errors, config, data, dynamo, pickling
+    ->  ir, ops, graphviz, debugging  ->  intrinsics, naming, errors, config, data, dynamo, pickling,
+    diagnostics
 
 ``recompile/__init__.py`` (the public names) and ``__main__.py`` stand above them all.
 """
@@ -18,7 +19,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "recompile"
 FLOORS = [
-    {"intrinsics", "naming", "errors", "config", "data", "dynamo", "pickling"},
+    {"intrinsics", "naming", "errors", "config", "data", "dynamo", "pickling", "diagnostics"},
     {"ir", "ops", "graphviz", "debugging"},
     {"frontend", "autodiff"},
     {"passes", "runtime"},

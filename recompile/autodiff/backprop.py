@@ -16,12 +16,15 @@ always one from outside; that is how sources are recognised.
 from __future__ import annotations
 
 import operator
+import os
 import threading
 import types
 
 import torch
 from torch import nn
 
+from ..diagnostics import user_line, warn_once
+from ..errors import GradFallbackWarning
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN
 from .factors import DEFERRED, form
@@ -605,6 +608,12 @@ class Recorded:
         name = _name(fn)
         with ctx.lock:
             ctx.fallbacks[name] = ctx.fallbacks.get(name, 0) + 1
+        filename, line = where = user_line()
+        warn_once(where, name, f"recompile: {name} at {os.path.basename(filename)}:{line} has no gradient rule: "
+                  "torch.autograd records it on the spot, op by op (slower than a rule, and its backward runs "
+                  "apart from the derived program); write it with ops that have rules (docs/gradients.md), or "
+                  "compile the function with mode=\"batched\", where torch.autograd records every op",
+                  GradFallbackWarning)
         return result, Recorded(outputs, results, inputs, targets)
 
     def backward(self, ctx):

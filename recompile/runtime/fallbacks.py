@@ -9,10 +9,9 @@ under them), the op, why it ran so, and what to write instead; with ``config.PER
 from __future__ import annotations
 
 import os
-import sys
-import warnings
 
 from .. import config
+from ..diagnostics import user_line, warn_once
 from ..errors import PerInstanceError, PerInstanceWarning
 from ..ops import facts
 from ..ops.table import torch_callable
@@ -50,24 +49,15 @@ def reason(fn):
     return UNVMAPPABLE if torch_callable(fn) else PYTHON
 
 
-_warned = set()  # (file, line, op) already warned of
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # recompile/
 
 
 def fell_back(name, n, why):
     """Warn of (or, with ``config.PER_INSTANCE == "error"``, refuse) an op run once per instance, at the
-    user's line: the first frame outside recompile (generated code runs under the user's file and line)."""
-    frame = sys._getframe(2)
-    while frame is not None and (frame.f_code.co_filename.startswith(_HERE)
-                                 or frame.f_code.co_filename.startswith("<recompile")):
-        frame = frame.f_back
-    filename, line = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("<unknown>", 0)
+    user's line."""
+    filename, line = where = user_line(3)
     reason, instead = why
     message = (f"recompile: {name} runs once per instance at {os.path.basename(filename)}:{line} ({n} "
                f"instances): {reason}; {instead}")
     if config.PER_INSTANCE == "error":
         raise PerInstanceError(message + ' (config.PER_INSTANCE is "error")')
-    key = (filename, line, name)
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn_explicit(message, PerInstanceWarning, filename, line)
+    warn_once(where, name, message, PerInstanceWarning)
