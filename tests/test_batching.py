@@ -2010,3 +2010,24 @@ def test_vmap_takes_and_gives_namedtuples_with_eagers_values_and_gradients(monke
     got_grad, = torch.autograd.grad(got.c.sum(), s.h)
     want_grad, = torch.autograd.grad(want.c.sum(), s.h)
     torch.testing.assert_close(got_grad, want_grad)
+
+
+def changed_in_some_branches(x, s):
+    y = torch.sigmoid(x)  # saves its result
+    if s > 0:
+        y += 1.0  # only these instances change it; their gradient does not go through y
+        return x.sum()
+    return y.sum()
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="one version counter per tensor: the copy back of the "
+                   "changed rows moves the group's, and sigmoid's backward raises for every instance "
+                   "(docs/batching.md, Limits)")
+def test_a_change_in_place_in_some_branches_of_a_saved_value_keeps_eagers_gradient():
+    x = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(0))
+    s = torch.tensor([1, -1, 1, -1])
+    xe = x.clone().requires_grad_()
+    want = torch.autograd.grad(torch.stack([changed_in_some_branches(xe[k], s[k]) for k in range(4)]).sum(), xe)[0]
+    xb = x.clone().requires_grad_()
+    got = recompile.vmap(recompile.function(changed_in_some_branches))(xb, s)
+    assert_close(torch.autograd.grad(got.sum(), xb)[0], want)
