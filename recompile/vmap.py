@@ -106,5 +106,9 @@ def _move(out, dim):
     if dim is None or dim == 0:
         return out
     if isinstance(out, torch.Tensor):
+        if not -out.dim() <= dim < out.dim():
+            raise ValueError(f"recompile.vmap: out_dims={dim} is out of range for a result of {out.dim() - 1} dims "
+                             f"per instance (the stacked result has {out.dim()})")
         return out.movedim(0, dim)
-    return type(out)([_move(o, dim) for o in out])
+    items = [_move(o, dim) for o in out]
+    return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)

@@ -1050,6 +1050,8 @@ def test_vmap_misuse_errors():
         recompile.vmap(cf, in_dims=("0", None))(x, 2.0)
     with pytest.raises(TypeError, match="out_dims must be an int"):
         recompile.vmap(cf, out_dims=(0,))
+    with pytest.raises(ValueError, match="out_dims=2 is out of range for a result of 1 dims per instance"):
+        recompile.vmap(cf, in_dims=(0, None), out_dims=2)(x, 2.0)
     with pytest.raises(TypeError):  # Python's own message for a wrong call
         recompile.vmap(cf, in_dims=(0, None, None))(x, 2.0, 3.0)
     # the function still works

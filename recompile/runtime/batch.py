@@ -527,6 +527,14 @@ def _gather_pieces(b, lists, flatten):
     return out
 
 
+def _kinds(items):
+    """What per-instance results were, for an error: tensors by shape and dtype, other values by type."""
+    kinds = {f"Tensor{tuple(x.shape)} {str(x.dtype).replace('torch.', '')}" if isinstance(x, torch.Tensor)
+             else type(x).__name__ for x in items}
+    shown = sorted(kinds)
+    return ", ".join(shown[:6]) + (f" and {len(shown) - 6} more" if len(shown) > 6 else "")
+
+
 def stack_output(value, n):
     """A batched result as torch.func.vmap returns it: tensors stacked along dim 0, a tuple or list of
     them as a tuple or list of stacked tensors."""
@@ -543,7 +551,7 @@ def stack_output(value, n):
             kind = type(items[0])
             return build(kind, [stack_output(from_items([x[j] for x in items]), n) for j in range(len(items[0]))])
         raise ValueError("recompile.vmap: the function must return tensors (or tuples or lists of tensors) "
-                         f"of one shape and dtype for every instance; got {sorted({type(x).__name__ for x in items})}")
+                         f"of one shape and dtype for every instance; got {_kinds(items)}")
     if type(value) is torch.Tensor:
         return value.unsqueeze(0).expand(n, *value.shape)
     if isinstance(value, (tuple, list)):

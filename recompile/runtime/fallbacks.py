@@ -8,12 +8,13 @@ under them), the op, why it ran so, and what to write instead; with ``config.PER
 
 from __future__ import annotations
 
+import operator
 import os
 
 from .. import config
 from ..diagnostics import user_line, warn_once
 from ..errors import PerInstanceError, PerInstanceWarning
-from ..ops import facts
+from ..ops import facts, syntax
 from ..ops.table import torch_callable
 from .batch import Batch
 
@@ -46,6 +47,10 @@ def reason(fn):
         return PYTHON_VALUE if name in PYTHON_VALUES else WRITES if name.endswith("_") else UNVMAPPABLE
     if facts.among(fn, PYTHON_VALUES) or getattr(fn, "__name__", None) in PYTHON_VALUES:
         return PYTHON_VALUE
+    if facts.among(fn, syntax.AUGMENTED):  # (``y += x`` on each instance's own tensor)
+        return WRITES
+    if fn is slice or fn is operator.getitem:  # (``x[:k]`` with a per-instance k: a shape of each instance's own)
+        return UNVMAPPABLE
     return UNVMAPPABLE if torch_callable(fn) else PYTHON
 
 
