@@ -8,7 +8,6 @@ under them), the op, why it ran so, and what to write instead; with ``config.PER
 
 from __future__ import annotations
 
-import operator
 import os
 
 from .. import config
@@ -49,7 +48,7 @@ def reason(fn):
         return PYTHON_VALUE
     if facts.among(fn, syntax.AUGMENTED):  # (``y += x`` on each instance's own tensor)
         return WRITES
-    if fn is slice or fn is operator.getitem:  # (``x[:k]`` with a per-instance k: a shape of each instance's own)
+    if fn is slice:  # (``x[:k]`` with a per-instance k: a shape of each instance's own)
         return UNVMAPPABLE
     return UNVMAPPABLE if torch_callable(fn) else PYTHON
 
