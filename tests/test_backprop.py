@@ -334,3 +334,44 @@ def test_a_call_without_a_gradient_rule_warns_once_at_the_users_line():
     assert 'mode="batched"' in str(warning.message)
     torch.testing.assert_close(x.grad, 2 * torch.autograd.grad(calls_a_helper_without_a_rule(x), x)[0])
     assert f.stats["grad_fallbacks"] == {"softsign_helper": 2}
+
+
+class Holder:
+    def __init__(self, v):
+        self.v = v
+
+
+def scale_from_dict(d, t):
+    d["seen"] = True  # (a change the caller sees, as in eager code)
+    return d["a"] * t
+
+
+def scale_from_object(b, t):
+    return b.v * t
+
+
+def helper_given_a_dict(x):
+    d = {"a": x * 2}
+    y = scale_from_dict(d, x)
+    return y.sum() + d["a"].sum() * float(d["seen"])
+
+
+def helper_given_an_object(x):
+    return scale_from_object(Holder({"k": [x * 2]}["k"][0]), x).sum()
+
+
+def helper_given_nested(x):
+    return scale_from_dict({"a": Holder(x * 3).v}, x * x).sum()
+
+
+@pytest.mark.filterwarnings("ignore::recompile.GradFallbackWarning")
+@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+@pytest.mark.parametrize("fn", [helper_given_a_dict, helper_given_an_object, helper_given_nested],
+                         ids=lambda f: f.__name__)
+def test_a_helper_reads_the_programs_tensors_inside_dicts_and_objects_for_the_gradient(fn, mode):
+    """Tensors of the program's own inside a dict or an object given to a helper without a rule are recorded
+    too (they were constants there: the gradient missed their part)."""
+    x = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(fn(x), x)[0]
+    got = torch.autograd.grad(recompile.function(fn, mode=mode)(x), x)[0]
+    torch.testing.assert_close(got, want)

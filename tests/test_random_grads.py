@@ -978,12 +978,6 @@ KNOWN_BUGS = {
         "inplace_unary", ("batched", "vmap"),
         "v.tanh_() (sigmoid_, relu_) run once per instance on a batched value: the backward raises that "
         "the op's saved result was changed in place"),
-    "in_place_hazards_method": (
-        "inplace_hazard_method", ("sequential", "threaded"),
-        "a tensor read by a method call (v.max(), v.sin(), v.mul(w), v -= v.max()) and then changed in place, "
-        "or any saved tensor changed by an in-place unary method (m = v @ w; v.sigmoid_(), or "
-        "v = torch.tanh(u); v.relu_()): sequential mode does not check it and computes a wrong gradient (NaN, "
-        "or from the changed value) where eager refuses the backward"),
 }
 
 # Known bugs that only values every instance of a vmap shares meet: a program with the feature is compared
@@ -1402,13 +1396,10 @@ def kb_sigmoid_after_a_product_read_it(x):
 @pytest.mark.parametrize("fn", [kb_max_then_changed, kb_sin_then_changed, kb_mul_then_changed, kb_shifted_by_its_max,
                                 kb_relu_of_a_saved_result, kb_tanh_of_a_saved_result,
                                 kb_sigmoid_after_a_product_read_it])
-@pytest.mark.xfail(strict=True, reason=(
-    "known: KNOWN_BUGS['in_place_hazards_method']: a tensor read by a method call (v.max(), v.sin(), v.mul(w)) and "
-    "then changed in place is not checked: the backward reads the changed value (a NaN or wrong gradient) "
-    "where eager raises; torch.max(v) / torch.sin(v) / torch.mul(v, w) are checked. Likewise a result that "
-    "tanh, softmax ... saved, or a tensor a product saved, changed by v.relu_() / v.tanh_() / v.sigmoid_() "
-    "(v += 1 is refused)"))
-def test_known_change_after_a_method_call_read_the_tensor_is_refused_like_eager(fn, mode):
+def test_a_change_after_a_method_call_read_the_tensor_is_refused_like_eager(fn, mode):
+    """A tensor read by a method call (``v.max()``, ``v.sin()``, ``v.mul(w)``) and then changed in place, and a
+    saved tensor changed by an in-place method without arguments (``v.relu_()``): the backward raises, as
+    eager's does (it used to read the changed value: a NaN or a wrong gradient)."""
     args = [_leaf([1.0, 3.0, 2.0])] + ([_leaf([0.5, 2.0, -1.0])] if fn is kb_mul_then_changed else [])
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _grads(fn, *args)  # eager

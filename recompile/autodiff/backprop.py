@@ -428,7 +428,9 @@ def check_version(ctx, out, t, expected, where, how, is_result, *args):
         return
     kwargs = ()
     if type(how) is Applied:
-        how, out, args, kwargs = how.rule, how.out, how.args, how.kwargs
+        # (a method's rule reads the tensor it is bound to as its first argument: ``v.mul(w)`` is mul(v, w))
+        args = (how.fn.__self__, *how.args) if how.rule.method else how.args
+        how, out, kwargs = how.rule, how.out, how.kwargs
     if not ctx.reaches(out):
         return  # no cotangent comes back through the op (its result is unused): its gradient reads nothing
     if type(how) is not Rule or not (how.reads_out if is_result else how.reads_inputs):
@@ -530,8 +532,9 @@ class Recorded:
     @staticmethod
     def forward(ctx, fn, args, kwargs):
         copies = {}  # id(original) -> detached copy that records
+        swapped = []  # (dict or object, key, original, copy): what a dict or an object holds, during the call
 
-        def detach(x):
+        def detach(x, depth=0):
             if isinstance(x, _Tensor):
                 if external(x) or not (x.is_floating_point() or x.is_complex()):
                     return x
@@ -541,18 +544,42 @@ class Recorded:
                     copies[id(x)] = (x, c)
                     return c
                 return c[1]
+            if depth >= 8:
+                return x
             if type(x) in (tuple, list):  # a copy only when it holds tensors to record (cat, sum of a list)
-                items = [detach(v) for v in x]
+                items = [detach(v, depth + 1) for v in x]
                 return type(x)(items) if any(a is not b for a, b in zip(items, x)) else x
+            # a dict or an object of the user's is the caller's own (the helper may change it): its tensors are
+            # swapped for their copies in place during the call, then put back
+            if type(x) is dict:
+                for k, v in list(x.items()):
+                    c = detach(v, depth + 1)
+                    if c is not v:
+                        x[k] = c
+                        swapped.append((x, k, v, c))
+            elif plain_object(x):
+                for k, v in list(vars(x).items()):
+                    c = detach(v, depth + 1)
+                    if c is not v:
+                        setattr(x, k, c)
+                        swapped.append((x, k, v, c))
             return x
 
         if type(fn) is BOUND_BUILTIN and isinstance(fn.__self__, _Tensor):  # x.f(...): x is an input too
             args = (fn.__self__, *args)
             fn = getattr(type(fn.__self__), fn.__name__)
-        call_args = [detach(a) for a in args]
-        call_kwargs = {k: detach(v) for k, v in kwargs.items()}
-        with torch.enable_grad():
-            out = fn(*call_args, **call_kwargs)
+        try:
+            call_args = [detach(a) for a in args]
+            call_kwargs = {k: detach(v) for k, v in kwargs.items()}
+            with torch.enable_grad():
+                out = fn(*call_args, **call_kwargs)
+        finally:
+            for holder, k, original, copy in reversed(swapped):  # (unless the call put something else there)
+                if type(holder) is dict:
+                    if holder.get(k) is copy:
+                        holder[k] = original
+                elif getattr(holder, k, None) is copy:
+                    setattr(holder, k, original)
         back = {id(c): x for x, c in copies.values()}
         outputs, results = [], []
 

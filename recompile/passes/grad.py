@@ -358,14 +358,29 @@ def _changed_later(ops, outputs=(), inputs=()):
             continue
         for target in targets:
             for earlier in ops[:k]:  # (x.div_(y) makes x too: its receiver is its result)
-                if target in earlier.operands() or target in earlier.outputs or target is _in_place_target(earlier):
+                if target in _reads(earlier) or target in earlier.outputs or target is _in_place_target(earlier):
                     guarded.setdefault(earlier, []).append(target)
     outside = _returned_values(outputs) | set(inputs)
     for op in ops if outside else ():
-        for v in (*op.operands(), *op.outputs):
+        for v in (*_reads(op), *op.outputs):
             if v in outside and v not in guarded.get(op, ()):
                 guarded.setdefault(op, []).append(v)
     return guarded
+
+
+def _reads(op):
+    """The values ``op`` reads: its operands and, for a method call (``v.sin()``, ``v.mul(w)``), the tensor it is
+    bound to, which its gradient may read as it reads an argument."""
+    receiver = _receiver(op)
+    return op.operands() if receiver is None else [*op.operands(), receiver]
+
+
+def _receiver(op):
+    """The Value a method call is bound to (``%m = call %sin()`` after ``%sin = getattr(%v, 'sin')``), or None."""
+    if isinstance(op, ir.Call) and isinstance(op.fn, ir.Value) and isinstance(op.fn.op, ir.Call) \
+            and _const_fn(op.fn.op) is getattr and isinstance(op.fn.op.args[0], ir.Value):
+        return op.fn.op.args[0]
+    return None
 
 
 def _changes_inside(op):
@@ -438,15 +453,15 @@ def _returned_values(outputs):
 
 
 def _in_place_target(op):
-    """The Value a Call changes in place (``x += y``, ``x[i] = v``, ``x.add_(y)``), or None."""
-    if not isinstance(op, ir.Call) or not op.args:
+    """The Value a Call changes in place (``x += y``, ``x[i] = v``, ``x.add_(y)``, ``x.relu_()``), or None."""
+    if not isinstance(op, ir.Call):
         return None
-    out = effects.out_target(op)
+    out = effects.out_target(op) if op.args else None
     if out is not None:  # torch.mul(a, b, out=c)
         return out if isinstance(out, ir.Value) else None
     fn = _const_fn(op)
-    if fn in facts.IN_PLACE or fn is operator.setitem or any(
-            k == "inplace" and isinstance(v, ir.Const) and v.value is True for k, v in op.kwargs):
+    if op.args and (fn in facts.IN_PLACE or fn is operator.setitem or any(
+            k == "inplace" and isinstance(v, ir.Const) and v.value is True for k, v in op.kwargs)):
         target = op.args[0]  # (F.relu(x, inplace=True) too)
     elif isinstance(op.fn, ir.Value) and isinstance(op.fn.op, ir.Call) and _const_fn(op.fn.op) is getattr:
         name = op.fn.op.args[1]
