@@ -84,29 +84,6 @@ def uses_lambda(x):
     return f(y)
 
 
-def one_branch_variable(x):
-    if x.sum() > 0:
-        maybe_defined = x * 2
-    out = x + 1
-    return out + maybe_defined  # ERR
-
-
-def loop_body_variable(xs):
-    total = 0
-    for v in xs:
-        body_only = v * 2
-        total = total + v
-    return total + body_only  # ERR
-
-
-def while_body_variable(n):
-    i = 0
-    while i < n:
-        inside_while = i * 3
-        i += 1
-    return inside_while  # ERR
-
-
 # ----- runtime errors deep inside recursion ---------------------------------
 
 def rec_boom(n, fail_at):

@@ -156,6 +156,8 @@ GROWN = {
                                     (range, ranges.build), (intrinsics.as_sequence, ranges.as_sequence),
                                     (intrinsics.has_index, ranges.has_index), (operator.not_, batch_rules.negation),
                                     (sum, batch_rules.python_sum),
+                                    # a variable some paths leave unbound: checked on the batch as it is
+                                    (intrinsics.check_bound, batch_rules.bound_check),
                                     # a full max or min as amax or amin (ties share the gradient, as torch's)
                                     (torch.max, batch_rules.extreme), (torch.min, batch_rules.extreme)]),
                           {"_operator.matmul -> recompile:via_vmap",

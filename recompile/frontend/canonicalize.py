@@ -39,11 +39,6 @@ def is_guard(node):
     return getattr(node, "_guard", False)
 
 
-def for_targets(node):
-    """The targets of the ``for`` loops a ``while`` node was lowered from (they keep their last value)."""
-    return getattr(node, "_for_targets", ())
-
-
 def name(ident, store=False, at=None):
     node = gast.Name(id=ident, ctx=gast.Store() if store else gast.Load(), annotation=None, type_comment=None)
     return located(node, at) if at is not None else node
@@ -210,17 +205,15 @@ class Canonicalizer:
             done = self._flag(f".exhausted{self.counter}")
             stop = located(gast.If(test=not_(s.test, s.test), body=[assign(done, const(True, s), s),
                                                                   located(gast.Break(), s.test)], orelse=[]), s.test)
-            bound = [n.target.id for n in gast.walk(s.test) if isinstance(n, gast.NamedExpr)]
             breaks = _breaks_out(s.body)  # (before the body is canonical: its breaks become flags)
-            # like a for target, what the test binds is bound after the loop (the test ran at least once)
-            loop = self._loop(s, const(True, s), [stop] + s.body, [], prelude=[], header=[], for_targets=bound)
+            loop = self._loop(s, const(True, s), [stop] + s.body, [], prelude=[], header=[])
             if not s.orelse:
                 return loop
             if not breaks:  # without a break of its own, the loop only ends by its test
                 return loop + self.block(s.orelse)
             orelse = located(gast.If(test=name(done, at=s), body=self.block(s.orelse), orelse=[]), s)
             return [assign(done, const(False, s), s)] + loop + [orelse]
-        return self._loop(s, s.test, s.body, s.orelse, prelude=[], header=[], for_targets=())
+        return self._loop(s, s.test, s.body, s.orelse, prelude=[], header=[])
 
     def stmt_For(self, s):
         self.counter += 1
@@ -232,10 +225,9 @@ class Canonicalizer:
         item = located(gast.Subscript(value=name(seq, at=s), slice=name(idx, at=s), ctx=gast.Load()), s.target)
         bind = located(gast.Assign(targets=[s.target], value=item, type_comment=None), s.target)
         step = assign(idx, located(gast.BinOp(left=name(idx, at=s), op=gast.Add(), right=const(1, s)), s), s)
-        targets = [n.id for n in gast.walk(s.target) if isinstance(n, gast.Name)]
-        return self._loop(s, test, s.body, s.orelse, prelude, [bind, step], targets)
+        return self._loop(s, test, s.body, s.orelse, prelude, [bind, step])
 
-    def _loop(self, s, test, body, orelse, prelude, header, for_targets):
+    def _loop(self, s, test, body, orelse, prelude, header):
         self.counter += 1
         loop = _Loop(self.counter, self._flag)
         self.loops.append(loop)
@@ -254,7 +246,6 @@ class Canonicalizer:
         if loop.uses_cont:
             header = header + [assign(loop.cont, const(False, s), s)]
         node = located(gast.While(test=and_(conds, s), body=header + new_body, orelse=[]), s)
-        node._for_targets = tuple(for_targets)  # (``for_targets``)
         out = list(prelude)
         if loop.uses_brk:
             out.append(assign(loop.brk, const(False, s), s))

@@ -7,11 +7,10 @@ becomes a ``While`` op; a call of a compiled function becomes an ``Invoke``.
 Branch and loop SubGraphs read the values of their enclosing SubGraph freely
 here; the capture pass makes those reads explicit inputs.
 
-Variables are tracked in an environment of bindings, each DEF (bound),
-MAYBE (bound on every path that can reach a read, or UNDEFINED — checked when
-read), POISON (unbound after an if on some path: reading it is a CompileError)
-or LOOPLOCAL (bound only inside a loop body: reading it after the loop is a
-CompileError, but a later branch that binds it too makes it MAYBE).
+Variables are tracked in an environment of bindings, each DEF (bound on every
+path) or MAYBE (its value is UNDEFINED on the paths that did not bind it: a read
+checks it and raises UnboundLocalError there, as Python does). A local with no
+binding at all is unbound on every path.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from ..naming import Namer
 from ..ops import syntax
 from . import canonicalize as canon
 
-DEF, MAYBE, POISON, LOOPLOCAL = "def", "maybe", "poison", "looplocal"
+DEF, MAYBE = "def", "maybe"
 
 BINOPS = syntax.by_node(syntax.BINARY, gast)
 INPLACE = syntax.by_node(syntax.BINARY, gast, in_place=True)
@@ -39,12 +38,11 @@ INTERNAL = {canon.AS_SEQUENCE: intrinsics.as_sequence, canon.HAS_INDEX: intrinsi
 
 
 class Binding:
-    __slots__ = ("value", "state", "reason")
+    __slots__ = ("value", "state")
 
-    def __init__(self, value, state=DEF, reason=None):
+    def __init__(self, value, state=DEF):
         self.value = value
         self.state = state
-        self.reason = reason
 
 
 def _stored_names(nodes):
@@ -141,13 +139,12 @@ class Converter:
         if b is not None:
             if b.state == DEF:
                 return b.value
-            if b.state == MAYBE:
-                value = self.call(node, intrinsics.check_bound, [b.value, ir.Const(ident)], hint=ident)
-                self.env[ident] = Binding(value)
-                return value
-            raise self.loc(node).error(b.reason, "variable")  # POISON, LOOPLOCAL
-        if ident in self.locals:
-            raise self.loc(node).error(f"local variable '{ident}' is used before it is assigned", "variable")
+            value = self.call(node, intrinsics.check_bound, [b.value, ir.Const(ident)], hint=ident)
+            self.env[ident] = Binding(value)
+            return value
+        if ident in self.locals:  # bound on no path that reaches here: raises when (if ever) it runs
+            return self.call(node, intrinsics.check_bound, [ir.Const(intrinsics.UNDEFINED), ir.Const(ident)],
+                             hint=ident)
         return self.emit(ir.Capture(self.loc(node), self.mangle(ident))).output
 
     def store(self, target, value):
@@ -251,75 +248,39 @@ class Converter:
             sides = [(env.get(name), jumped) for env, jumped in branches]
             if before is not None and all(b is before for b, _ in sides):
                 continue  # not changed on either path
-            state = self._merge(name, sides, s)
-            if state == POISON:
-                self.env[name] = Binding(None, POISON, f"variable '{name}' is assigned only in one branch of the "
-                                                       f"if at line {s.lineno} and used after it; assign it before "
-                                                       f"the if or in both branches")
-            elif state is not None:
+            state = self._merge(sides)
+            if state is not None:
                 outs.append(name)
                 states.append(state)
         for sg, (env, _) in zip(sgs, branches):
             sg.outputs = [self._value_of(env.get(n)) for n in outs]
         op = self.emit(ir.Cond(self.loc(s), pred, sgs[0], sgs[1], [], len(outs), outs))
         for name, value, state in zip(outs, op.outputs, states):
-            self.env[name] = Binding(value, state, self._loop_reason(name, branches))
+            self.env[name] = Binding(value, state)
 
     @staticmethod
-    def _merge(name, sides, node):
-        """State of ``name`` after a branch point whose sides end with these (binding, jumped) pairs.
-
-        None: bound on no side (leave it). A side that jumped does not count: code after the branch
-        point is not reached from it.
+    def _merge(sides):
+        """State of a name after a branch point whose sides end with these (binding, jumped) pairs:
+        DEF where every side bound it, MAYBE where some may not have, None where none did.
         """
-        kinds = []
-        for b, jumped in sides:
-            if b is not None and b.state in (DEF, MAYBE):
-                kinds.append(b.state)  # bound: its value is good whether or not the side jumped
-            elif jumped:
-                kinds.append("jump")
-            else:
-                kinds.append("none" if b is None or b.state == POISON else b.state)
-        if "none" in kinds:
-            return POISON
-        real = [k for k in kinds if k != "jump"]
-        if not real:
-            return None if all(b is None or b.state == POISON for b, _ in sides) else MAYBE
-        if all(k == LOOPLOCAL for k in real):
-            return LOOPLOCAL
-        if all(k == DEF for k in real) and "jump" not in kinds:
-            return DEF
-        return MAYBE
-
-    @staticmethod
-    def _loop_reason(name, branches):
-        for env, _ in branches:
-            b = env.get(name)
-            if b is not None and b.state == LOOPLOCAL:
-                return b.reason
-        return None
+        if all(b is None for b, _ in sides):
+            return None
+        return DEF if all(b is not None and b.state == DEF for b, _ in sides) else MAYBE
 
     @staticmethod
     def _value_of(binding):
-        if binding is None or binding.state == POISON:
-            return ir.Const(intrinsics.UNDEFINED)
-        return binding.value
+        return ir.Const(intrinsics.UNDEFINED) if binding is None else binding.value
 
     def stmt_While(self, s):
-        # loop variables, of this loop or of loops inside it, keep their last value after it
-        for_targets = {n for node in gast.walk(s) for n in canon.for_targets(node)}
         # every name the body binds is carried: a value from an earlier iteration may be read
         # (checked when read, like the first iteration of a name bound only in the body)
         carried = [n for n in _stored_names(s.body) if n in self.locals]
         init, init_states = [], []
         for n in carried:
             b = self.env.get(n)
-            if b is not None and b.state in (DEF, MAYBE):
+            if b is not None:
                 init.append(b.value)
                 init_states.append(b.state)
-            elif b is not None and b.state == LOOPLOCAL:
-                init.append(b.value)
-                init_states.append(MAYBE)
             else:
                 init.append(ir.Const(intrinsics.UNDEFINED))
                 init_states.append(MAYBE)
@@ -345,14 +306,10 @@ class Converter:
         for n, v, st0 in zip(carried, op.outputs, init_states):
             end = body_env.get(n)
             before = self.env.get(n)
-            if before is not None and before.state in (DEF, MAYBE):
-                state = DEF if (st0 == DEF and end is not None and end.state == DEF) else MAYBE
-                self.env[n] = Binding(v, state)
-            elif n in for_targets:
-                self.env[n] = Binding(v, MAYBE)  # the loop variable keeps its last value (unbound if no pass)
-            else:
-                self.env[n] = Binding(v, LOOPLOCAL, f"variable '{n}' is assigned only inside the loop body at line "
-                                                    f"{s.lineno} and used after the loop; assign it before the loop")
+            # bound after the loop where it was before and every pass keeps it bound; a name bound only in
+            # the body (a for target too) keeps its last value, unbound if the body never ran
+            state = DEF if (before is not None and st0 == DEF and end is not None and end.state == DEF) else MAYBE
+            self.env[n] = Binding(v, state)
 
     # -- expressions
 
@@ -540,11 +497,7 @@ class Converter:
         saved = {n: self.env.get(n) for n in scoped}
         saved_locals = set(self.locals)
         self.locals |= set(scoped)
-        self.block(stmts)
-        for n in _stored_names(node.elt) + [n for g in node.generators for c in g.ifs for n in _stored_names(c)]:
-            b = self.env.get(n)
-            if b is not None and b.state == LOOPLOCAL:  # `[last := x for x in xs]`: bound if xs was not empty
-                self.env[n] = Binding(b.value, MAYBE)
+        self.block(stmts)  # a walrus inside (`[last := x for x in xs]`) is bound after it if xs was not empty
         result = self.load(acc, node)
         self.locals = saved_locals
         for n, b in saved.items():  # comprehension variables do not leak, as in Python 3

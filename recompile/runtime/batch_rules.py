@@ -604,6 +604,27 @@ BATCH.register(intrinsics.as_sequence)(ranges.as_sequence)
 BATCH.register(intrinsics.has_index)(ranges.has_index)
 
 
+@BATCH.register(intrinsics.check_bound)
+def bound_check(n, fn, args, kwargs):
+    """A read of a variable that some paths may leave unbound: UnboundLocalError if any instance's value is
+    UNDEFINED, else the batch as it is (no instance is read by itself)."""
+    if kwargs or len(args) != 2 or type(args[1]) is not str:
+        return NotImplemented
+    if _holds_undefined(args[0]):
+        intrinsics.check_bound(intrinsics.UNDEFINED, args[1])
+    return args[0]
+
+
+def _holds_undefined(value):
+    if value is intrinsics.UNDEFINED:
+        return True
+    if type(value) is not Batch or value.thunk is not None:  # (a lazy value is a call's result: bound)
+        return False
+    if value.pieces is not None:
+        return any(_holds_undefined(v) for v, _ in value.pieces[0])
+    return value.owner == "items" and any(x is intrinsics.UNDEFINED for x in value.items)
+
+
 @BATCH.register(intrinsics.build_tuple, intrinsics.build_list)
 def _build_rule(n, fn, args, kwargs):
     return bt.from_struct(tuple if fn is intrinsics.build_tuple else list, list(args), n)

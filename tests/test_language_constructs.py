@@ -1,0 +1,234 @@
+"""Python as people write it: constructs that compile as Python runs them.
+
+Each program is an ordinary, undecorated function. It runs plain, and compiled in sequential, threaded and
+batched mode (and under ``recompile.vmap`` where instances may take different paths): the same values of the
+same Python types, or the same exception (type and message), and the same float64 gradients where the program
+is differentiable.
+
+Layout
+  1. helpers
+  2. variables bound on some paths only
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import recompile
+from bound_globals import bound_globals  # tests/ is on sys.path under pytest
+
+F64 = torch.float64
+MODES = ["sequential", "threaded", "batched"]
+G = globals()
+
+
+# ---------------------------------------------------------------------------
+# 1. helpers
+# ---------------------------------------------------------------------------
+
+def outcome(fn, args):
+    """("ok", value) or ("raise", exception type, message), on a deep copy of ``args``."""
+    args = copy.deepcopy(args)
+    try:
+        return ("ok", fn(*args))
+    except Exception as exc:  # noqa: BLE001 - type and message are what is compared
+        return ("raise", type(exc), str(exc))
+
+
+def assert_same(got, want, path="result"):
+    """Equal values and identical Python types, recursively."""
+    assert type(got) is type(want), f"{path}: {type(got).__name__} {got!r} != {type(want).__name__} {want!r}"
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{path}: {got} != {want}"
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12, equal_nan=True), f"{path}: {got} != {want}"
+    elif isinstance(want, (tuple, list)):
+        assert len(got) == len(want), f"{path}: {got!r} != {want!r}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{path}[{i}]")
+    elif isinstance(want, dict):
+        assert list(got) == list(want), f"{path}: {got!r} != {want!r}"
+        for k in want:
+            assert_same(got[k], want[k], f"{path}[{k!r}]")
+    else:
+        assert got == want, f"{path}: {got!r} != {want!r}"
+
+
+def assert_outcome(got, want):
+    assert got[0] == want[0], f"compiled: {got}, plain: {want}"
+    if want[0] == "ok":
+        assert_same(got[1], want[1])
+    else:
+        assert got[1:] == want[1:], f"compiled raised {got[1:]}, plain raised {want[1:]}"
+
+
+def compiled(fn, mode, rec=()):
+    """``fn`` compiled in ``mode``, and the globals ``rec`` (names of plain functions, for recursion)
+    compiled alike, to be bound while the compiled side runs."""
+    installed = {name: recompile.function(mode=mode)(G[name]) for name in rec}
+    return installed.get(fn.__name__) or recompile.function(mode=mode)(fn), installed
+
+
+def check(fn, *cases, rec=()):
+    """Plain vs compiled in every mode, on each tuple of arguments in ``cases``."""
+    for mode in MODES:
+        f, installed = compiled(fn, mode, rec)
+        with bound_globals(G, installed):
+            for args in cases:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+                    assert_outcome(outcome(f, args), outcome(fn, args))
+
+
+def check_vmap(fn, in_dims, *args, rec=()):
+    """``recompile.vmap`` vs the plain function on each instance, results stacked; where an instance raises,
+    the batched run raises the same. Runs must not fall back to per-instance ops."""
+    n = next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
+    plain = []
+    for k in range(n):
+        one = outcome(fn, tuple(a if d is None else a.select(d, k) for a, d in zip(args, in_dims)))
+        if one[0] == "raise":
+            want = one
+            break
+        plain.append(one[1])
+    else:
+        want = ("ok", torch.stack(plain))
+    f, installed = compiled(fn, "batched", rec)
+    with bound_globals(G, installed), warnings.catch_warnings():
+        warnings.simplefilter("error", recompile.PerInstanceWarning)
+        assert_outcome(outcome(recompile.vmap(f, in_dims=in_dims), args), want)
+
+
+def check_grad(fn, *args):
+    """Float64 gradients of ``fn(*args).sum()`` for the tensor arguments, plain vs every mode."""
+    def grads(f):
+        leaves = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
+        out = f(*leaves)
+        return torch.autograd.grad(out.sum(), [a for a in leaves if isinstance(a, torch.Tensor)])
+
+    want = grads(fn)
+    for mode in MODES:
+        for g, w in zip(grads(recompile.function(mode=mode)(fn)), want):
+            assert torch.allclose(g, w, rtol=1e-12, atol=1e-12), (mode, g, w)
+
+
+def T(*vals):
+    return torch.tensor(vals, dtype=F64)
+
+
+POS, NEG = T(1.0, 2.0), T(-1.0, -3.0)
+ROWS = T([1.0, 2.0], [-1.0, -3.0], [0.5, 0.25])  # one row per instance: positive, negative, positive
+
+
+# ---------------------------------------------------------------------------
+# 2. variables bound on some paths only: UnboundLocalError where a path that did not bind one reads it
+# ---------------------------------------------------------------------------
+
+def bound_in_one_branch(x):
+    if x.sum() > 0:
+        y = x * 2
+    return y
+
+
+def bound_in_one_branch_read_on_the_other(x):
+    if x.sum() > 0:
+        y = x * 2
+    else:
+        z = x - 1
+    if x.sum() > 0:
+        return y
+    return z
+
+
+def bound_in_elif(n):
+    if n > 2:
+        kind = "big"
+    elif n > 0:
+        kind = "small"
+    return kind
+
+
+def bound_in_for_body(n):
+    for i in range(n):
+        last = i * 10
+    return last
+
+
+def bound_in_while_body(x):
+    while x.sum() > 0:
+        before = x
+        x = x - 1
+    return before
+
+
+def read_before_bound(flag):
+    if flag:
+        return late  # noqa: F821 - bound below, unbound here: UnboundLocalError as in Python
+    late = 1
+    return late
+
+
+def bound_then_rebound_in_a_branch(x):
+    if x.sum() > 0:
+        y = x
+    if x.sum() > 1:
+        y = x * 3
+    return y
+
+
+def bound_by_break(xs, target):
+    for x in xs:
+        if x == target:
+            found = x
+            break
+    return found
+
+
+def bound_in_one_branch_unread(n):
+    if n > 0:
+        unused = n  # noqa: F841 - bound on one path and never read: no error on any path
+    return n + 1
+
+
+@pytest.mark.parametrize("fn,cases", [
+    (bound_in_one_branch, [(POS,), (NEG,)]),
+    (bound_in_one_branch_read_on_the_other, [(POS,), (NEG,)]),
+    (bound_in_elif, [(3,), (1,), (0,)]),
+    (bound_in_for_body, [(3,), (0,)]),
+    (bound_in_while_body, [(POS,), (NEG,)]),
+    (read_before_bound, [(True,), (False,)]),
+    (bound_then_rebound_in_a_branch, [(POS,), (T(0.25, 0.25),), (NEG,)]),
+    (bound_by_break, [([1, 2, 3], 2), ([1, 2, 3], 5)]),
+    (bound_in_one_branch_unread, [(1,), (0,)]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_variables_bound_on_some_paths(fn, cases):
+    check(fn, *cases)
+
+
+def count_down_bound_at_the_leaf(x, n):
+    if n == 0:
+        if x.sum() > 0:
+            leaf = x * 2
+        return leaf
+    return count_down_bound_at_the_leaf(x, n - 1) + 1
+
+
+def test_variables_bound_on_some_paths_batched():
+    # only the instances that take the path that leaves y unbound raise; when none does, nothing raises
+    check_vmap(bound_in_one_branch, (0,), ROWS)
+    check_vmap(bound_in_one_branch, (0,), ROWS.abs())
+    check_vmap(bound_in_while_body, (0,), ROWS)
+    check_vmap(bound_in_while_body, (0,), ROWS.abs())
+    check_vmap(count_down_bound_at_the_leaf, (0, 0), ROWS.abs(), torch.tensor([0, 2, 1]),
+               rec=("count_down_bound_at_the_leaf",))
+    check_vmap(count_down_bound_at_the_leaf, (0, 0), ROWS, torch.tensor([0, 2, 1]),
+               rec=("count_down_bound_at_the_leaf",))
+    check(count_down_bound_at_the_leaf, (POS, 2), (NEG, 2), rec=("count_down_bound_at_the_leaf",))
+
+
+def test_variables_bound_on_some_paths_gradients():
+    check_grad(bound_in_one_branch, POS)
+    check_grad(bound_in_while_body, T(2.0, 0.5))
