@@ -102,6 +102,21 @@ def has_index(seq, i):
     return i < len(seq)
 
 
+def unpack_starred(value, before, after):
+    """``a, *rest, z = value``: value's items as a tuple whose element ``before`` is the list of the items
+    between the first ``before`` and the last ``after``, ready to unpack."""
+    try:
+        items = list(value)
+    except TypeError:
+        if getattr(type(value), "__iter__", None) is None and getattr(type(value), "__getitem__", None) is None:
+            raise TypeError(f"cannot unpack non-iterable {type(value).__name__} object") from None
+        raise
+    if len(items) < before + after:
+        raise ValueError(f"not enough values to unpack (expected at least {before + after}, got {len(items)})")
+    end = len(items) - after
+    return (*items[:before], items[before:end], *items[end:])
+
+
 def build_tuple(*items):
     return items
 

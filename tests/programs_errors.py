@@ -62,22 +62,6 @@ def make_uses_nonlocal():
     return uses_nonlocal
 
 
-def uses_del(x):
-    y = x + 1
-    del y  # ERR
-    return x
-
-
-def star_callee(a, b):
-    return a + b
-
-
-def uses_star_args(xs):
-    total = xs[0]
-    total = star_callee(*xs)  # ERR
-    return total
-
-
 def uses_lambda(x):
     y = x
     f = lambda v: v + 1  # ERR

@@ -158,6 +158,8 @@ GROWN = {
                                     (sum, batch_rules.python_sum),
                                     # a variable some paths leave unbound: checked on the batch as it is
                                     (intrinsics.check_bound, batch_rules.bound_check),
+                                    # ``a, *rest = xs`` of a batched tuple or tensor: taken apart as it is
+                                    (intrinsics.unpack_starred, batch_rules.starred_unpack),
                                     # a full max or min as amax or amin (ties share the gradient, as torch's)
                                     (torch.max, batch_rules.extreme), (torch.min, batch_rules.extreme)]),
                           {"_operator.matmul -> recompile:via_vmap",

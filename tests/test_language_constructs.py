@@ -8,6 +8,7 @@ is differentiable.
 Layout
   1. helpers
   2. variables bound on some paths only
+  3. del, set and dict comprehensions, starred targets, *args and **kwargs in calls of compiled functions
 """
 
 from __future__ import annotations
@@ -232,3 +233,169 @@ def test_variables_bound_on_some_paths_batched():
 def test_variables_bound_on_some_paths_gradients():
     check_grad(bound_in_one_branch, POS)
     check_grad(bound_in_while_body, T(2.0, 0.5))
+
+
+# ---------------------------------------------------------------------------
+# 3. del, set and dict comprehensions, starred targets, *args and **kwargs in compiled calls
+# ---------------------------------------------------------------------------
+
+def del_then_read(x, again):
+    y = x * 2
+    z = y + 1
+    del y
+    if again:
+        y = x
+    return z + y
+
+
+def del_unbound(flag):
+    if flag:
+        v = 1
+    del v
+    return flag
+
+
+def del_in_loop(xs):
+    last = None
+    for x in xs:
+        last = x
+        if x > 1:
+            del last
+    return last
+
+
+def del_items_and_attributes(xs, d):
+    del xs[0], d["a"]
+    del xs[-1:]
+    box = Box(1)
+    box.extra = 2
+    del box.extra
+    return xs, d, hasattr(box, "extra")
+
+
+def del_missing_key(d):
+    del d["missing"]
+    return d
+
+
+class Box:
+    def __init__(self, v):
+        self.v = v
+
+
+def set_and_dict_comprehensions(xs):
+    squares = {x * x for x in xs if x != 0}
+    index = {x: i for i, x in enumerate(xs)}
+    nested = {(i, j): i * j for i in range(len(xs)) for j in range(i)}
+    return sorted(squares), index, nested
+
+
+def comprehension_names_do_not_leak(xs):
+    x = "outer"
+    s = {x for x in xs}
+    d = {x: x for x in xs}
+    return x, len(s), len(d)
+
+
+def dict_comprehension_of_tensors(x):
+    parts = {k: x * k for k in range(3)}
+    return parts[2] + parts[1]
+
+
+def starred_targets(xs):
+    a, *rest = xs
+    *init, z = xs
+    p, *mid, q = xs
+    [u, *v] = xs
+    return a, rest, init, z, p, mid, q, u, v
+
+
+def starred_too_short(xs):
+    a, b, *rest = xs
+    return a, b, rest
+
+
+def starred_non_iterable(n):
+    a, *rest = n
+    return a
+
+
+def starred_in_for(pairs):
+    out = []
+    for first, *others in pairs:
+        out.append(first + sum(others))
+    return out
+
+
+def starred_tensor_rows(m):
+    top, *others = m
+    return top + others[-1], len(others)
+
+
+def callee_abc(a, b, c=10, *more, d=100, **options):
+    return a + b + c + sum(more) + d + sum(options.values())
+
+
+def calls_compiled_unpacked(xs, kw):
+    return callee_abc(*xs), callee_abc(*xs, **kw), callee_abc(1, *xs[1:], d=3), callee_abc(**{"a": 1, "b": 2})
+
+
+def calls_compiled_unpacked_wrongly(xs):
+    return callee_abc(*xs)
+
+
+def recursive_unpacked(args):
+    n, acc = args
+    if n == 0:
+        return acc
+    return recursive_unpacked(*[(n - 1, acc + n)])
+
+
+@pytest.mark.parametrize("fn,cases", [
+    (del_then_read, [(POS, True), (POS, False)]),
+    (del_unbound, [(True,), (False,)]),
+    (del_in_loop, [([1, 0],), ([0, 2],), ([],)]),
+    (del_items_and_attributes, [([1, 2, 3, 4], {"a": 1, "b": 2})]),
+    (del_missing_key, [({"a": 1},)]),
+    (set_and_dict_comprehensions, [([3, 0, -3, 2],), ([],)]),
+    (comprehension_names_do_not_leak, [([1, 2, 2],)]),
+    (dict_comprehension_of_tensors, [(POS,)]),
+    (starred_targets, [([1, 2, 3, 4],), ((1, 2),), ("abc",)]),
+    (starred_too_short, [([1],), ([1, 2],)]),
+    (starred_non_iterable, [(5,)]),
+    (starred_in_for, [([(1, 2, 3), (4,)],)]),
+    (starred_tensor_rows, [(ROWS,)]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_del_comprehensions_and_starred_targets(fn, cases):
+    check(fn, *cases)
+
+
+def test_star_args_in_calls_of_compiled_functions():
+    check(calls_compiled_unpacked, ([1, 2], {"d": 0, "e": 5}), ([1, 2, 3, 4], {"z": 1}), rec=("callee_abc",))
+    check(calls_compiled_unpacked_wrongly, ([1],), ([],), rec=("callee_abc",))
+    check(recursive_unpacked, ((3, 0),), rec=("recursive_unpacked",))
+
+
+def starred_split(x):
+    first, *rest = x.chunk(3, -1)
+    return first + rest[0] * rest[1]
+
+
+def del_after_use(x):
+    y = x.sin()
+    out = y * 2
+    del y
+    return out
+
+
+def test_starred_and_del_batched_and_gradients():
+    check_vmap(starred_split, (0,), torch.randn(4, 6, dtype=F64))
+    check_vmap(starred_tensor_rows_first, (0,), torch.randn(4, 3, 2, dtype=F64))
+    check_vmap(del_after_use, (0,), ROWS)
+    check_grad(starred_split, torch.randn(6, dtype=F64))
+    check_grad(del_after_use, POS)
+
+
+def starred_tensor_rows_first(m):
+    top, *others = m
+    return top + others[-1]

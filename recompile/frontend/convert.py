@@ -33,8 +33,9 @@ BINOPS = syntax.by_node(syntax.BINARY, gast)
 INPLACE = syntax.by_node(syntax.BINARY, gast, in_place=True)
 UNARY = syntax.by_node(syntax.UNARY, gast)
 COMPARE = syntax.by_node(syntax.COMPARE, gast)
+_SET = ".set"  # (a set comprehension's empty set, whatever the user calls set)
 INTERNAL = {canon.AS_SEQUENCE: intrinsics.as_sequence, canon.HAS_INDEX: intrinsics.has_index,
-            canon.ASSERTION_ERROR: AssertionError}
+            canon.ASSERTION_ERROR: AssertionError, _SET: set}
 
 
 class Binding:
@@ -46,7 +47,8 @@ class Binding:
 
 
 def _stored_names(nodes):
-    """Names a list of statements (or one node) binds, in first-binding order, comprehension targets excluded."""
+    """Names a list of statements (or one node) binds or deletes, in first-binding order, comprehension targets
+    excluded."""
     if not isinstance(nodes, list):
         nodes = [nodes]
     skip = set()
@@ -56,10 +58,16 @@ def _stored_names(nodes):
             if isinstance(node, gast.comprehension):
                 skip.update(id(n) for n in gast.walk(node.target))
         for node in gast.walk(root):
-            if (isinstance(node, gast.Name) and isinstance(node.ctx, (gast.Store, gast.Param))
+            if (isinstance(node, gast.Name) and isinstance(node.ctx, (gast.Store, gast.Param, gast.Del))
                     and id(node) not in skip and node.id not in names):
                 names.append(node.id)
     return names
+
+
+def _method_call(obj, method, args, at):
+    """The statement ``obj.method(*args)`` at ``at``'s position."""
+    func = canon.located(gast.Attribute(value=canon.name(obj, at=at), attr=method, ctx=gast.Load()), at)
+    return canon.located(gast.Expr(value=canon.located(gast.Call(func=func, args=args, keywords=[]), at)), at)
 
 
 class Converter:
@@ -154,10 +162,14 @@ class Converter:
             self.env[target.id] = Binding(value)
         elif isinstance(target, (gast.Tuple, gast.List)):
             n = len(target.elts)
+            starred = [i for i, elt in enumerate(target.elts) if isinstance(elt, gast.Starred)]
+            if starred:  # `a, *rest, z = xs`: the middle becomes a list, then all unpack as usual
+                value = self.call(target, intrinsics.unpack_starred, [value, ir.Const(starred[0]),
+                                                                      ir.Const(n - starred[0] - 1)])
             outs = self.call(target, intrinsics.unpack, [value, ir.Const(n)], n_outputs=n)
             outs = [outs] if n == 1 else outs
             for elt, v in zip(target.elts, outs):
-                self.store(elt, v)
+                self.store(elt.value if isinstance(elt, gast.Starred) else elt, v)
         elif isinstance(target, gast.Attribute):
             obj = self.expr(target.value)
             self.call(target, setattr, [obj, ir.Const(self.mangle(target.attr)), value], n_outputs=0)
@@ -208,6 +220,26 @@ class Converter:
             self.call(s, operator.setitem, [obj, idx, new], n_outputs=0)
         else:
             raise self.loc(t).error("unsupported augmented assignment target", "assignment")
+
+    def stmt_Delete(self, s):
+        for t in s.targets:
+            self.delete(t)
+
+    def delete(self, target):
+        if isinstance(target, gast.Name):
+            self.load(target.id, target)  # deleting an unbound name raises as reading it does
+            self.env.pop(target.id, None)  # unbound from here on
+        elif isinstance(target, (gast.Tuple, gast.List)):
+            for elt in target.elts:
+                self.delete(elt)
+        elif isinstance(target, gast.Attribute):
+            obj = self.expr(target.value)
+            self.call(target, delattr, [obj, ir.Const(self.mangle(target.attr))], n_outputs=0)
+        elif isinstance(target, gast.Subscript):
+            obj = self.expr(target.value)
+            self.call(target, operator.delitem, [obj, self.expr(target.slice)], n_outputs=0)
+        else:
+            raise self.loc(target).error(f"cannot delete {type(target).__name__}", "del")
 
     def stmt_Expr(self, s):
         self.expr(s.value)
@@ -477,17 +509,33 @@ class Converter:
         return chain(self.expr(node.left), 0)
 
     def expr_ListComp(self, node):
+        return self._comprehension(node, "list", gast.List(elts=[], ctx=gast.Load()),
+                                   lambda acc: _method_call(acc, "append", [node.elt], node))
+
+    def expr_SetComp(self, node):
+        return self._comprehension(node, "set", gast.Call(func=canon.name(_SET, at=node), args=[], keywords=[]),
+                                   lambda acc: _method_call(acc, "add", [node.elt], node))
+
+    def expr_DictComp(self, node):
+        def put(acc):  # the key is evaluated before the value, as in Python 3.8+
+            target = gast.Subscript(value=canon.name(acc, at=node), slice=node.key, ctx=gast.Store())
+            return canon.located(gast.Assign(targets=[canon.located(target, node)], value=node.value,
+                                             type_comment=None), node)
+
+        return self._comprehension(node, "dict", gast.Dict(keys=[], values=[]), put)
+
+    def _comprehension(self, node, kind, empty, add):
+        """A comprehension lowered to a loop that adds to an accumulator (``add(acc)``, a statement),
+        converted in place: its targets do not leak, a walrus inside binds in the function."""
         self.comprehensions += 1
-        acc = f".listcomp{self.comprehensions}"
-        append = gast.Attribute(value=canon.name(acc, at=node), attr="append", ctx=gast.Load())
-        body = canon.located(gast.Expr(value=canon.located(gast.Call(func=canon.located(append, node), args=[node.elt],
-                                                                keywords=[]), node)), node)
+        acc = f".{kind}comp{self.comprehensions}"
+        body = add(acc)
         for gen in reversed(node.generators):
             for cond in reversed(gen.ifs):
                 body = canon.located(gast.If(test=cond, body=[body], orelse=[]), cond)
             body = canon.located(gast.For(target=gen.target, iter=gen.iter, body=[body], orelse=[],
                                        type_comment=None), node)
-        stmts = [canon.assign(acc, canon.located(gast.List(elts=[], ctx=gast.Load()), node), node), body]
+        stmts = [canon.assign(acc, canon.located(empty, node), node), body]
         lowering = canon.Canonicalizer()
         lowering.counter = 100000 * self.comprehensions  # keep its synthetic names apart from the function's
         stmts = lowering.block(stmts)
@@ -513,7 +561,8 @@ class Converter:
         resolved = self._compiled_callee(node.func)
         if resolved is not None:
             handle, prefix = resolved
-            self._refuse_star_args(node)
+            if self._has_star_args(node):
+                return self._invoke_unpacked(node, handle, prefix)
             if self._binds(node, handle, len(prefix)):
                 args, kwargs = self._call_args(node)
                 return self._invoke(node, handle, prefix + args, kwargs)
@@ -615,15 +664,17 @@ class Converter:
     def _has_star_args(node):
         return any(isinstance(a, gast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords)
 
-    def _refuse_star_args(self, node):
-        for a in node.args:
-            if isinstance(a, gast.Starred):
-                raise self.loc(a).error("star-args (*args) in a call of a compiled function are not supported; "
-                                        "pass the arguments one by one", "star-args")
-        for k in node.keywords:
-            if k.arg is None:
-                raise self.loc(k).error("**kwargs in a call of a compiled function are not supported; "
-                                        "pass keyword arguments one by one", "star-args")
+    def _invoke_unpacked(self, node, handle, prefix):
+        """``f(*args, **kwargs)`` of a compiled f: the arguments are bound to f's parameters when the call
+        runs (by f's binder, which raises Python's own TypeError for a wrong call), then invoked."""
+        args, star = self._elements(node.args)
+        kwargs = [(k.arg, self.expr(k.value)) for k in node.keywords]
+        n = len(handle.signature.parameters)
+        values = self.call(node, handle.function.bind, prefix + args, kwargs, [len(prefix) + i for i in star],
+                           n_outputs=n)
+        values = [values] if n == 1 else list(values)
+        hint = getattr(node.func, "attr", None) or getattr(node.func, "id", "")
+        return self.emit(ir.Invoke(self.loc(node), handle.ir_name, handle, values, (hint,))).output
 
     @staticmethod
     def _binds(node, handle, n_prefix):

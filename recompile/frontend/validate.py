@@ -21,7 +21,6 @@ _REFUSED = {
     gast.Global: ("global", "a global statement is not supported in a compiled function; "
                             "read globals freely, or return the new value"),
     gast.Nonlocal: ("nonlocal", "a nonlocal statement is not supported in a compiled function"),
-    gast.Delete: ("del", "a del statement is not supported in a compiled function"),
     gast.Lambda: ("lambda", "lambda is not supported in a compiled function; define the function outside"),
     gast.FunctionDef: ("def", "a nested function definition is not supported in a compiled function; "
                               "define it outside"),
@@ -31,8 +30,6 @@ _REFUSED = {
                                 "import at module level"),
     gast.GeneratorExp: ("generator expression", "a generator expression is not supported in a compiled "
                                                  "function; use a list comprehension"),
-    gast.SetComp: ("set comprehension", "a set comprehension is not supported in a compiled function"),
-    gast.DictComp: ("dict comprehension", "a dict comprehension is not supported in a compiled function"),
 }
 for _name in ("TryStar", "Match", "TypeAlias"):
     if hasattr(gast, _name):
@@ -56,11 +53,6 @@ def validate(parsed):
             raise parsed.loc(node).error(f"{node.func.id}() reads the calling frame's variables, which a compiled "
                                          f"function does not have; pass what it needs explicitly",
                                          node.func.id + "()")
-        if isinstance(node, (gast.Tuple, gast.List)) and isinstance(node.ctx, gast.Store):
-            for elt in node.elts:
-                if isinstance(elt, gast.Starred):
-                    raise parsed.loc(elt).error("starred assignment targets (a, *b = ...) are not supported "
-                                                "in a compiled function", "starred assignment")
 
 
 def _walk_in_order(node):

@@ -625,6 +625,26 @@ def _holds_undefined(value):
     return value.owner == "items" and any(x is intrinsics.UNDEFINED for x in value.items)
 
 
+@BATCH.register(intrinsics.unpack_starred)
+def starred_unpack(n, fn, args, kwargs):
+    """``a, *rest = xs`` of a batched tuple of known length, or of a batched tensor's rows: taken apart
+    as it is, the middle a batch of lists."""
+    if kwargs or len(args) != 3 or type(args[0]) is not Batch:
+        return NotImplemented
+    value, before, after = args
+    bt.ready(value)
+    if value.struct is not None and value.owner is None:
+        parts = list(value.struct[1])
+    elif value.owner == "tensor" and value.tensor.dim() > 1:
+        parts = [bt.from_tensor(t) for t in value.tensor.unbind(1)]
+    else:
+        return NotImplemented
+    if len(parts) < before + after:
+        intrinsics.unpack_starred(parts, before, after)  # (its ValueError)
+    end = len(parts) - after
+    return bt.from_struct(tuple, [*parts[:before], bt.from_struct(list, parts[before:end], n), *parts[end:]], n)
+
+
 @BATCH.register(intrinsics.build_tuple, intrinsics.build_list)
 def _build_rule(n, fn, args, kwargs):
     return bt.from_struct(tuple if fn is intrinsics.build_tuple else list, list(args), n)
