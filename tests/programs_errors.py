@@ -8,8 +8,6 @@ errors mark their recursive call site with ``# CALLSITE``.
 
 import torch
 
-COUNTER = 0
-
 
 def uses_try(x):
     y = x
@@ -43,29 +41,6 @@ def uses_yield(x):
 
 async def uses_async(x):  # ERR
     return x + 1
-
-
-def uses_global(x):
-    global COUNTER  # ERR
-    COUNTER += 1
-    return x + COUNTER
-
-
-def make_uses_nonlocal():
-    n = 0
-
-    def uses_nonlocal(x):
-        nonlocal n  # ERR
-        n += 1
-        return x + n
-
-    return uses_nonlocal
-
-
-def uses_lambda(x):
-    y = x
-    f = lambda v: v + 1  # ERR
-    return f(y)
 
 
 # ----- runtime errors deep inside recursion ---------------------------------

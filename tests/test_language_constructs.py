@@ -9,11 +9,13 @@ Layout
   1. helpers
   2. variables bound on some paths only
   3. del, set and dict comprehensions, starred targets, *args and **kwargs in calls of compiled functions
+  4. lambda, nested def, closures, nonlocal, global, generator expressions
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 
 import pytest
@@ -84,9 +86,9 @@ def check(fn, *cases, rec=()):
                     assert_outcome(outcome(f, args), outcome(fn, args))
 
 
-def check_vmap(fn, in_dims, *args, rec=()):
+def check_vmap(fn, in_dims, *args, rec=(), per_instance=False):
     """``recompile.vmap`` vs the plain function on each instance, results stacked; where an instance raises,
-    the batched run raises the same. Runs must not fall back to per-instance ops."""
+    the batched run raises the same. Unless ``per_instance``, no op may run once per instance."""
     n = next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
     plain = []
     for k in range(n):
@@ -99,7 +101,8 @@ def check_vmap(fn, in_dims, *args, rec=()):
         want = ("ok", torch.stack(plain))
     f, installed = compiled(fn, "batched", rec)
     with bound_globals(G, installed), warnings.catch_warnings():
-        warnings.simplefilter("error", recompile.PerInstanceWarning)
+        if not per_instance:
+            warnings.simplefilter("error", recompile.PerInstanceWarning)
         assert_outcome(outcome(recompile.vmap(f, in_dims=in_dims), args), want)
 
 
@@ -399,3 +402,248 @@ def test_starred_and_del_batched_and_gradients():
 def starred_tensor_rows_first(m):
     top, *others = m
     return top + others[-1]
+
+
+# ---------------------------------------------------------------------------
+# 4. lambda, nested def, closures, nonlocal, global, generator expressions
+# ---------------------------------------------------------------------------
+
+COUNTER = 0
+
+
+def lambda_sort_key(pairs):
+    return sorted(pairs, key=lambda t: t[0]), max(pairs, key=lambda t: (t[1], -t[0]))
+
+
+def lambda_defaults_and_kwonly(x):
+    scale = 3
+    f = lambda v, k=scale * 2, *, m=1: v * k + m  # noqa: E731 - the construct under test
+    scale = 100
+    return f(x), f(x, 1), f(x, m=5), scale
+
+
+def closures_bind_late(n):
+    fs = []
+    for i in range(n):
+        fs.append(lambda: i * 10)
+    gs = [lambda: j for j in range(n)]
+    return [f() for f in fs], [g() for g in gs]
+
+
+def closure_sees_later_assignment(x):
+    def show():
+        return label + str(x)
+
+    label = "a"
+    first = show()
+    label = "b"
+    return first, show()
+
+
+def closure_reads_unbound(flag):
+    def read():
+        return value
+
+    if flag:
+        value = 1
+    return read()
+
+
+def nonlocal_counter(n):
+    count = 0
+
+    def bump(k=1):
+        nonlocal count
+        count += k
+        return count
+
+    for _ in range(n):
+        bump()
+    return bump(k=10), count
+
+
+def nested_recursion(n):
+    def fact(k):
+        return 1 if k <= 1 else k * fact(k - 1)
+
+    return fact(n)
+
+
+def decorate_times_ten(fn):
+    def wrapper(*args):
+        return fn(*args) * 10
+
+    return wrapper
+
+
+def nested_decorated_with_annotations(x):
+    @decorate_times_ten
+    def add(y: int, z: float = x) -> float:
+        return y + z
+
+    def plain(a: list, *rest, b: "text" = 0, **kw) -> None:
+        pass
+
+    return add(1), add.__name__, plain.__annotations__, plain.__kwdefaults__, plain.__qualname__
+
+
+def nested_raises(x):
+    def check(v):
+        if v < 0:
+            raise ValueError(f"negative: {v}")
+        return v
+
+    return check(x)
+
+
+def global_statement(v):
+    global COUNTER
+    COUNTER += v
+    before = COUNTER
+    del COUNTER
+    try_again = "COUNTER" in globals()
+    COUNTER = before * 2
+    return before, try_again, COUNTER
+
+
+def global_deleted_twice():
+    global COUNTER
+    del COUNTER
+    del COUNTER
+
+
+def make_nonlocal_user():
+    total = [0]
+    step = 1
+
+    def add(v):
+        nonlocal step
+        step = step + v
+        total[0] += step
+        return step, total[0]
+
+    return add
+
+
+def generator_expressions(xs):
+    return (sum(x * x for x in xs), any(x > 2 for x in xs), tuple(x for x in xs if x % 2),
+            sorted((x for x in xs), reverse=True), sum(x * y for x in xs for y in xs if x < y))
+
+
+def generator_is_lazy(xs):
+    seen = []
+
+    def note(v):
+        seen.append(v)
+        return v
+
+    found = any(note(x) > 1 for x in xs)
+    first = next(i for i in itertools.count() if i * i > 10)
+    gen = (note(x) for x in xs)
+    before = list(seen)
+    next(gen)
+    return found, first, before, seen
+
+
+def generator_first_iterable_is_read_at_once(n):
+    return (x for x in n)
+
+
+def generator_variables_do_not_leak(xs):
+    x = "outer"
+    total = sum(x for x in xs)
+    return x, total
+
+
+class Scaler:
+    def __init__(self, k):
+        self.k = k
+
+    def helper(self, v):
+        return v * self.k
+
+    def scaled_sorted(self, xs):
+        return sorted(xs, key=lambda t: -self.helper(t)), [self.helper(t) for t in xs]
+
+
+def scaled_sorted(xs):
+    return Scaler(2).scaled_sorted(xs)
+
+
+@pytest.mark.parametrize("fn,cases", [
+    (lambda_sort_key, [([(2, "a"), (1, "b"), (3, "a")],)]),
+    (lambda_defaults_and_kwonly, [(2,)]),
+    (closures_bind_late, [(3,), (0,)]),
+    (closure_sees_later_assignment, [(1,)]),
+    (closure_reads_unbound, [(True,), (False,)]),
+    (nonlocal_counter, [(3,)]),
+    (nested_recursion, [(5,)]),
+    (nested_decorated_with_annotations, [(2.5,)]),
+    (nested_raises, [(1,), (-1,)]),
+    (generator_expressions, [([1, 2, 3, 4],), ([],)]),
+    (generator_is_lazy, [([0, 5, 1],)]),
+    (generator_first_iterable_is_read_at_once, [(3,)]),
+    (generator_variables_do_not_leak, [([1, 2],)]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_nested_scopes(fn, cases):
+    check(fn, *cases)
+
+
+def test_nested_scopes_in_a_method():
+    for mode in MODES:
+        scaler = Scaler(3)
+        compiled = recompile.function(mode=mode)(Scaler.scaled_sorted)
+        assert compiled(scaler, [1, 3, 2]) == Scaler.scaled_sorted(scaler, [1, 3, 2])
+
+
+def test_global_and_nonlocal_statements():
+    global COUNTER
+    for mode in MODES:
+        COUNTER = 1
+        want = outcome(global_statement, (2,))
+        COUNTER = 1
+        assert_outcome(outcome(recompile.function(mode=mode)(global_statement), (2,)), want)
+        want = outcome(global_deleted_twice, ())
+        COUNTER = 1
+        assert_outcome(outcome(recompile.function(mode=mode)(global_deleted_twice), ()), want)
+        # a compiled function that is itself a closure writes its enclosing function's variable
+        plain = make_nonlocal_user()
+        compiled = recompile.function(mode=mode)(make_nonlocal_user())
+        assert [compiled(2), compiled(3)] == [plain(2), plain(3)]
+    COUNTER = 0
+
+
+def closure_of_a_tensor(x):
+    s = x * 2
+    g = lambda t: t * s  # noqa: E731
+    return g(x)
+
+
+def nonlocal_accumulates(x):
+    acc = x
+
+    def times(t):
+        nonlocal acc
+        acc = acc * t
+
+    times(x)
+    times(x.sin())
+    return acc
+
+
+def generator_sum(x):
+    hs = [x * 2, x.sin()]
+    return sum(h * h for h in hs)
+
+
+def lambda_of_a_parameter(x):
+    g = lambda t: t * x  # noqa: E731
+    return g(x) + x
+
+
+def test_nested_scopes_batched_and_gradients():
+    # a nested function runs once per instance in a batched run, and says so
+    for fn in (closure_of_a_tensor, nonlocal_accumulates, generator_sum, lambda_of_a_parameter):
+        with pytest.warns(recompile.PerInstanceWarning, match="nested function, lambda or generator"):
+            check_vmap(fn, (0,), ROWS, per_instance=True)
+        check_grad(fn, T(1.5, -0.5))

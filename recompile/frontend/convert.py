@@ -26,6 +26,7 @@ from .. import intrinsics
 from ..naming import Namer
 from ..ops import syntax
 from . import canonicalize as canon
+from . import closures
 
 DEF, MAYBE = "def", "maybe"
 
@@ -54,13 +55,15 @@ def _stored_names(nodes):
     skip = set()
     names = []
     for root in nodes:
-        for node in gast.walk(root):
+        for node in closures.walk_scope(root):
             if isinstance(node, gast.comprehension):
                 skip.update(id(n) for n in gast.walk(node.target))
-        for node in gast.walk(root):
+        for node in closures.walk_scope(root):
             if (isinstance(node, gast.Name) and isinstance(node.ctx, (gast.Store, gast.Param, gast.Del))
                     and id(node) not in skip and node.id not in names):
                 names.append(node.id)
+            elif isinstance(node, gast.FunctionDef) and node.name not in names:
+                names.append(node.name)
     return names
 
 
@@ -92,7 +95,8 @@ class Converter:
 
     def convert(self):
         fdef = canon.canonicalize(copy.deepcopy(self.p.node))
-        self.locals = set(_stored_names(fdef)) | set(self.p.params)
+        self.declared = closures.declarations(fdef.body)  # global and nonlocal names
+        self.locals = (set(_stored_names(fdef.body)) | set(self.p.params)) - set(self.declared)
         self.self_name = self.p.params[0] if (self.owner is not None and self.p.params) else None
         inputs = [ir.Value(p) for p in self.p.params]
         if self.self_name is not None:
@@ -100,8 +104,28 @@ class Converter:
         sg = ir.SubGraph(self.name, inputs, self.p.loc(fdef), "function")
         self.sg = sg
         self.env = {p: Binding(v) for p, v in zip(self.p.params, inputs)}
+        self._prepare_cells(fdef)
         self.block(fdef.body)
         return sg
+
+    def _prepare_cells(self, fdef):
+        """Python's code for each nested scope, and a cell for each variable one of them uses (``closures``).
+        A parameter that nothing rebinds keeps its value: the scope gets a cell of that value; any other
+        such variable lives in its cell, read and written there by the function too."""
+        self.scope_codes, self.cells, self.fixed_cells, self.captured = {}, {}, {}, set()
+        visible = (self.locals | set(self.p.freevars)) - set(self.declared)
+        for node, around in closures.nested_scopes(fdef.body):
+            code = closures.scope_code(node, visible | around, self.p.fn)
+            self.scope_codes[id(node)] = code
+            self.captured.update(code.co_freevars)
+        rebound = set(_stored_names(fdef.body)) | closures.written_from_inside(fdef.body)
+        for name in sorted(self.captured & self.locals):
+            if name in self.env and name not in rebound:
+                self.fixed_cells[name] = self.call(fdef, intrinsics.fixed_cell, [self.env[name].value], hint=name)
+                continue
+            cell = self.cells[name] = self.call(fdef, intrinsics.new_cell, [], hint=name)
+            if name in self.env:  # a parameter: its value moves into the cell
+                self.call(fdef, intrinsics.set_cell, [cell, self.env.pop(name).value], n_outputs=0)
 
     # -- helpers
 
@@ -143,6 +167,8 @@ class Converter:
     def load(self, ident, node):
         if ident in INTERNAL:
             return ir.Const(INTERNAL[ident])
+        if ident in self.cells:
+            return self.call(node, intrinsics.read_local_cell, [self.cells[ident], ir.Const(ident)], hint=ident)
         b = self.env.get(ident)
         if b is not None:
             if b.state == DEF:
@@ -159,7 +185,16 @@ class Converter:
         if isinstance(target, gast.Name):
             if isinstance(value, ir.Value) and not value.hint:
                 value.hint = target.id.lstrip(".")
-            self.env[target.id] = Binding(value)
+            if target.id in self.cells:
+                self.call(target, intrinsics.set_cell, [self.cells[target.id], value], n_outputs=0)
+            elif self.declared.get(target.id) == "global":
+                self.call(target, intrinsics.write_global, [ir.Const(self.p.globals), ir.Const(self.mangle(target.id)),
+                                                            value], n_outputs=0)
+            elif self.declared.get(target.id) == "nonlocal":
+                cell = ir.Const(self.p.freevars[self.mangle(target.id)])
+                self.call(target, intrinsics.set_cell, [cell, value], n_outputs=0)
+            else:
+                self.env[target.id] = Binding(value)
         elif isinstance(target, (gast.Tuple, gast.List)):
             n = len(target.elts)
             starred = [i for i, elt in enumerate(target.elts) if isinstance(elt, gast.Starred)]
@@ -227,8 +262,19 @@ class Converter:
 
     def delete(self, target):
         if isinstance(target, gast.Name):
-            self.load(target.id, target)  # deleting an unbound name raises as reading it does
-            self.env.pop(target.id, None)  # unbound from here on
+            ident = target.id
+            if ident in self.cells:
+                self.call(target, intrinsics.delete_cell, [self.cells[ident], ir.Const(ident), ir.Const(False)],
+                          n_outputs=0)
+            elif self.declared.get(ident) == "global":
+                self.call(target, intrinsics.delete_global, [ir.Const(self.p.globals), ir.Const(self.mangle(ident))],
+                          n_outputs=0)
+            elif self.declared.get(ident) == "nonlocal":
+                cell = ir.Const(self.p.freevars[self.mangle(ident)])
+                self.call(target, intrinsics.delete_cell, [cell, ir.Const(ident), ir.Const(True)], n_outputs=0)
+            else:
+                self.load(ident, target)  # deleting an unbound name raises as reading it does
+                self.env.pop(ident, None)  # unbound from here on
         elif isinstance(target, (gast.Tuple, gast.List)):
             for elt in target.elts:
                 self.delete(elt)
@@ -240,6 +286,20 @@ class Converter:
             self.call(target, operator.delitem, [obj, self.expr(target.slice)], n_outputs=0)
         else:
             raise self.loc(target).error(f"cannot delete {type(target).__name__}", "del")
+
+    def stmt_Global(self, s):
+        pass  # (``self.declared``)
+
+    def stmt_Nonlocal(self, s):
+        pass
+
+    def stmt_FunctionDef(self, s):
+        """A nested def: its decorators, then the function object, decorated, bound to its name."""
+        decorators = [self.expr(d) for d in s.decorator_list]
+        fn = self._function(s)
+        for d in reversed(decorators):
+            fn = self.call(s, d, [fn], hint=s.name)
+        self.store(canon.name(s.name, store=True, at=s), fn)
 
     def stmt_Expr(self, s):
         self.expr(s.value)
@@ -265,7 +325,7 @@ class Converter:
             self.block(s.body if s.test.value else s.orelse)
             return
         pred = self.test(s.test)
-        assigned = [n for n in _stored_names(s.body + s.orelse) if n in self.locals]
+        assigned = [n for n in _stored_names(s.body + s.orelse) if n in self.locals and n not in self.cells]
         branches = []
         sgs = self.new_subgraphs("if", s, ("then", "else"))
         for sg, body in zip(sgs, (s.body, s.orelse)):
@@ -306,7 +366,7 @@ class Converter:
     def stmt_While(self, s):
         # every name the body binds is carried: a value from an earlier iteration may be read
         # (checked when read, like the first iteration of a name bound only in the body)
-        carried = [n for n in _stored_names(s.body) if n in self.locals]
+        carried = [n for n in _stored_names(s.body) if n in self.locals and n not in self.cells]
         init, init_states = [], []
         for n in carried:
             b = self.env.get(n)
@@ -543,17 +603,75 @@ class Converter:
         scoped = [n for gen in node.generators for n in _stored_names(gen.target)]
         scoped += [n for n in _stored_names(stmts) if n.startswith(".")]
         saved = {n: self.env.get(n) for n in scoped}
-        saved_locals = set(self.locals)
+        saved_locals, saved_cells = set(self.locals), dict(self.cells)
         self.locals |= set(scoped)
+        for n in scoped:  # a target a nested scope inside uses gets a cell of this comprehension's own
+            if n in self.captured:
+                self.cells[n] = self.call(node, intrinsics.new_cell, [], hint=n)
+            else:
+                self.cells.pop(n, None)
         self.block(stmts)  # a walrus inside (`[last := x for x in xs]`) is bound after it if xs was not empty
         result = self.load(acc, node)
-        self.locals = saved_locals
+        self.locals, self.cells = saved_locals, saved_cells
         for n, b in saved.items():  # comprehension variables do not leak, as in Python 3
             if b is None:
                 self.env.pop(n, None)
             else:
                 self.env[n] = b
         return result
+
+    # nested scopes: plain Python functions sharing the cells of the variables they use (``closures``)
+
+    def expr_Lambda(self, node):
+        return self._function(node)
+
+    def expr_GeneratorExp(self, node):
+        # the first iterable is evaluated here, and iterated, as Python does before the generator runs
+        first = self.call(node, iter, [self.expr(node.generators[0].iter)])
+        return self.call(node, self._function(node), [first], hint="genexpr")
+
+    def _function(self, node):
+        """The function object of a nested scope, made as Python's MAKE_FUNCTION makes it: defaults, then
+        keyword-only defaults, then annotations, are evaluated here."""
+        code = self.scope_codes[id(node)]
+        defaults = kwdefaults = annotations = ir.Const(None)
+        if not isinstance(node, gast.GeneratorExp):
+            args = node.args
+            if args.defaults:
+                defaults = self.call(node, intrinsics.build_tuple, [self.expr(d) for d in args.defaults])
+            kw = [(a.id, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+            if kw:
+                kwdefaults = self.call(node, intrinsics.build_dict,
+                                       [x for name, d in kw for x in (ir.Const(name), self.expr(d))])
+            if isinstance(node, gast.FunctionDef):
+                annotations = self._annotations(node)
+        cells = [self._cell_for(name, node) for name in code.co_freevars]
+        return self.call(node, intrinsics.make_function,
+                         [ir.Const(code), ir.Const(self.p.globals), defaults, kwdefaults, annotations, *cells],
+                         hint=code.co_name)
+
+    def _annotations(self, node):
+        args = node.args
+        every = args.posonlyargs + args.args + [args.vararg] * bool(args.vararg) + args.kwonlyargs + \
+            [args.kwarg] * bool(args.kwarg)
+        pairs = [(a.id, a.annotation) for a in every if a.annotation is not None]
+        pairs += [("return", node.returns)] if node.returns is not None else []
+        if not pairs:
+            return ir.Const(None)
+        as_text = closures.postponed_annotations(self.p.fn)
+        items = [x for name, a in pairs
+                 for x in (ir.Const(name), ir.Const(closures.annotation_text(a)) if as_text else self.expr(a))]
+        return self.call(node, intrinsics.build_dict, items)
+
+    def _cell_for(self, name, node):
+        if name in self.cells:
+            return self.cells[name]
+        if name in self.fixed_cells:
+            return self.fixed_cells[name]
+        if name in self.p.freevars:
+            return ir.Const(self.p.freevars[name])
+        raise self.loc(node).error(f"the variable '{name}' that this nested function uses is not found in the "
+                                   f"enclosing function", "closure")
 
     # calls
 

@@ -27,7 +27,7 @@ from .. import config, intrinsics
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
-from . import fallbacks, lazy_weights, ranges, sharing
+from . import cells, fallbacks, lazy_weights, ranges, sharing
 from .batch import Batch
 
 # Batch rules, filed as the gradient rules are (``ops.table``): ``rule(n, fn, args, kwargs)`` for a callable
@@ -209,6 +209,8 @@ def _unbatched(n, fn, args, kwargs):
     torch op reads them as one shared list (``_vmapped_or_per_instance``)."""
     if fn is intrinsics.build_list and not kwargs:
         return bt.from_struct(list, list(args), n)
+    if fn is intrinsics.new_cell:  # (a variable of each instance's own, which a nested function uses)
+        return cells.new_cells(n)
     try:
         reads = fn in _SHAREABLE
         known = reads or fn in _PURE or (fn in _AUGMENTED and facts.immutable(args[0])) or \
@@ -602,6 +604,11 @@ def plain_index(index):
 BATCH.register(range)(ranges.build)
 BATCH.register(intrinsics.as_sequence)(ranges.as_sequence)
 BATCH.register(intrinsics.has_index)(ranges.has_index)
+BATCH.register(intrinsics.fixed_cell)(cells.fixed_cells)
+BATCH.register(intrinsics.set_cell)(cells.set_cells)
+BATCH.register(intrinsics.read_local_cell)(cells.read_cells)
+BATCH.register(intrinsics.delete_cell)(cells.delete_cells)
+BATCH.register(intrinsics.make_function)(cells.make_functions)
 
 
 @BATCH.register(intrinsics.check_bound)
