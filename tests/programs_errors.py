@@ -6,33 +6,6 @@ line a CompileError must point at.  Recursive functions used for runtime
 errors mark their recursive call site with ``# CALLSITE``.
 """
 
-import torch
-
-
-def uses_try(x):
-    y = x
-    try:  # ERR
-        y = x + 1
-    except ValueError:
-        y = x - 1
-    return y
-
-
-def uses_try_finally(x):
-    y = x
-    try:  # ERR
-        y = x + 1
-    finally:
-        y = y * 2
-    return y
-
-
-def uses_with(x):
-    y = x
-    with torch.no_grad():  # ERR
-        y = x + 1
-    return y
-
 
 def uses_yield(x):
     for i in range(3):
@@ -41,6 +14,19 @@ def uses_yield(x):
 
 async def uses_async(x):  # ERR
     return x + 1
+
+
+def uses_class(x):
+    class Point:  # ERR
+        pass
+
+    return Point(), x
+
+
+def uses_import(x):
+    import math  # ERR
+
+    return math.floor(x)
 
 
 # ----- runtime errors deep inside recursion ---------------------------------

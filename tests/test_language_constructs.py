@@ -647,3 +647,243 @@ def test_nested_scopes_batched_and_gradients():
         with pytest.warns(recompile.PerInstanceWarning, match="nested function, lambda or generator"):
             check_vmap(fn, (0,), ROWS, per_instance=True)
         check_grad(fn, T(1.5, -0.5))
+
+
+# ---------------------------------------------------------------------------
+# 5. with, try, match: run as the Python they are (a nested function sharing the function's variables)
+# ---------------------------------------------------------------------------
+
+class Recorder:
+    """A context manager that logs its enters and exits into ``log`` and suppresses what it is told to."""
+
+    def __init__(self, log, name, suppress=()):
+        self.log, self.name, self.suppress = log, name, suppress
+
+    def __enter__(self):
+        self.log.append(("enter", self.name))
+        return self.name.upper()
+
+    def __exit__(self, kind, exc, tb):
+        self.log.append(("exit", self.name, kind.__name__ if kind else None))
+        return kind is not None and issubclass(kind, self.suppress)
+
+
+def with_every_way_out(n):
+    log = []
+    out = []
+    for i in range(n):
+        with Recorder(log, f"m{i}") as name:
+            if i == 1:
+                continue
+            if i == 3:
+                break
+            out.append(name)
+    with Recorder(log, "a") as a, Recorder(log, "b", suppress=(KeyError,)) as b:
+        {}["missing"]
+    with Recorder(log, "ret"):
+        if n > 2:
+            return log, out, a + b
+        total = len(out)
+    return log, out, total
+
+
+def with_exception_propagates(x):
+    log = []
+    with Recorder(log, "outer"):
+        with Recorder(log, "inner", suppress=(ZeroDivisionError,)):
+            x = x / 0
+        log.append("after inner")
+        raise ValueError(f"bad {x}")
+
+
+def with_binds_for_later(pairs):
+    with Recorder([], "m") as (first, *rest):
+        total = len(rest)
+        del pairs[0]
+    return first, rest, total, pairs
+
+
+def with_grad_modes(x):
+    with torch.no_grad():
+        y = x * 2
+    with torch.enable_grad():
+        z = x * 3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        w = (x.unsqueeze(0) @ x.unsqueeze(1)).dtype
+    return y, y.requires_grad, z, w
+
+
+def try_except_else_finally(xs, i):
+    log = []
+    try:
+        v = xs[i]
+    except IndexError as e:
+        log.append(f"index: {e}")
+        v = -1
+    except (KeyError, TypeError):
+        log.append("key or type")
+        v = -2
+    else:
+        log.append("else")
+    finally:
+        log.append("finally")
+    try:
+        e  # noqa: B018 - unbound after its except clause, as in Python
+        bound = True
+    except NameError:
+        bound = False
+    return v, log, bound
+
+
+def try_returns(x):
+    try:
+        if x > 0:
+            return "try"
+        raise ValueError(x)
+    except ValueError:
+        return "except"
+    finally:
+        if x > 5:
+            return "finally"
+
+
+def try_in_loop(xs):
+    out = []
+    for x in xs:
+        try:
+            if x == 0:
+                continue
+            if x < 0:
+                break
+            out.append(10 // x)
+        finally:
+            out.append("f")
+    return out
+
+
+def try_raise_from(x):
+    try:
+        return {"a": 1}[x]
+    except KeyError as err:
+        raise ValueError(f"no {x}") from err
+
+
+def try_reraise(x):
+    try:
+        return 1 / x
+    except ZeroDivisionError:
+        x = "handled"
+        raise
+
+
+def try_catches_a_compiled_call(n):
+    try:
+        return countdown_fails(n)
+    except RuntimeError as e:
+        return f"caught {e}"
+
+
+def countdown_fails(n):
+    if n == 0:
+        raise RuntimeError("bottom")
+    return countdown_fails(n - 1) + 1
+
+
+def try_star(x):
+    try:
+        raise ExceptionGroup("group", [ValueError(x), TypeError(x)])
+    except* ValueError as eg:
+        got = [str(e) for e in eg.exceptions]
+    except* TypeError:
+        got2 = "type"
+    return got, got2
+
+
+def matching(v):
+    match v:
+        case 0 | 1:
+            return "small"
+        case [x, *rest] if x > 0:
+            return ("seq", x, rest)
+        case {"k": k, **others}:
+            return ("map", k, others)
+        case Recorder(name="m") as r:
+            return ("recorder", r.name)
+        case str() as s:
+            kind = "text"
+        case _:
+            kind = "other"
+    return kind, v
+
+
+@pytest.mark.parametrize("fn,cases", [
+    (with_every_way_out, [(5,), (2,)]),
+    (with_exception_propagates, [(1.0,)]),
+    (with_binds_for_later, [([1, 2],)]),
+    (try_except_else_finally, [([1, 2], 0), ([1, 2], 5), ({"a": 1}, "b"), ({"a": 1}, "a")]),
+    (try_returns, [(1,), (-1,), (9,)]),
+    (try_in_loop, [([1, 0, 2, -1, 3],)]),
+    (try_raise_from, [("a",), ("b",)]),
+    (try_reraise, [(2,), (0,)]),
+    (try_star, [(1,)]),
+    (matching, [(1,), ([3, 4, 5],), ([-3],), ({"k": 1, "j": 2},), (Recorder([], "m"),), ("s",), (2.5,)]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_with_try_match(fn, cases):
+    check(fn, *cases)
+
+
+def test_with_try_match_details():
+    check(with_grad_modes, (T(1.0, 2.0),))
+    check(try_catches_a_compiled_call, (3,), rec=("countdown_fails",))
+    for mode in MODES:  # the cause of ``raise ... from ...`` is kept, and a bare raise re-raises the same
+        with pytest.raises(ValueError) as info:
+            recompile.function(mode=mode)(try_raise_from)("b")
+        assert type(info.value.__cause__) is KeyError
+
+
+def with_no_grad_part(x):
+    with torch.no_grad():
+        scale = x.sum()
+    return x * scale
+
+
+def try_per_instance(x):
+    try:
+        y = x.sqrt() if x.sum() > 0 else x.log()
+        if y.isnan().any():
+            raise ValueError("nan")
+    except ValueError:
+        y = x * 0
+    return y
+
+
+def test_with_try_batched_and_gradients():
+    for fn in (with_no_grad_part, try_per_instance):
+        with pytest.warns(recompile.PerInstanceWarning, match="with, try or match statement"):
+            check_vmap(fn, (0,), ROWS, per_instance=True)
+        check_grad(fn, T(1.5, 0.5))
+
+
+class Described:
+    def describe(self):
+        return "described"
+
+
+class Private(Described):
+    def __init__(self):
+        self.__k = 3
+
+    def run(self, xs):
+        __scale = 2
+        try:
+            out = sorted(xs, key=lambda t: -t * self.__k * __scale)
+        finally:
+            __scale = 5
+        with Recorder([], "m"):
+            name = super().describe()
+        return out, __scale, name
+
+
+def test_private_names_and_super_in_nested_scopes_of_a_method():
+    for mode in MODES:
+        assert recompile.function(mode=mode)(Private.run)(Private(), [1, 3, 2]) == Private().run([1, 3, 2])

@@ -8,6 +8,8 @@ AST -> AST, before conversion to the IR:
   or, when one branch of an ``if`` always jumps, moved into the other branch.
 - ``for target in xs`` becomes an index loop over ``as_sequence(xs)`` while ``has_index(seq, i)``.
 - ``assert`` becomes ``if not test: raise AssertionError(msg)``.
+- ``with``, ``try`` and ``match`` become a call of a nested function holding the statement
+  (``python_blocks``), then a return, break or continue where it says so.
 
 Flag assignments that stand for a jump carry ``_jump = True`` so the converter
 knows that a block ends there. Flags nobody reads are dropped afterwards.
@@ -16,6 +18,8 @@ knows that a block ends there. Flags nobody reads are dropped afterwards.
 from __future__ import annotations
 
 import gast
+
+from . import python_blocks
 
 # Names this pass makes up start with "." so that no Python identifier can clash with them
 # (the gast tree is converted, never compiled, so any string is a valid name here).
@@ -91,7 +95,9 @@ class _Loop:
 
 
 class Canonicalizer:
-    def __init__(self):
+    def __init__(self, declared=None):
+        self.declared = declared or {}  # the function's global and nonlocal names
+        self.first_param = None
         self.loops = []
         self.counter = 0
         self.returns_in_loop = False
@@ -103,6 +109,8 @@ class Canonicalizer:
 
     # -- entry
     def function(self, fdef):
+        first = (fdef.args.posonlyargs + fdef.args.args)[:1]
+        self.first_param = first[0].id if first else None
         body = [s for i, s in enumerate(fdef.body) if not (i == 0 and _is_docstring(s))]
         new_body = self.block(body)
         at = fdef
@@ -196,6 +204,13 @@ class Canonicalizer:
         exc = located(gast.Call(func=name(ASSERTION_ERROR, at=s), args=args, keywords=[]), s)
         raise_ = located(gast.Raise(exc=exc, cause=None), s)
         return [located(gast.If(test=not_(s.test, s), body=[raise_], orelse=[]), s)]
+
+    def stmt_With(self, s):
+        self.counter += 1
+        helper, calls = python_blocks.lower(s, self.counter, self.declared, self.first_param, located)
+        return [helper] + self.block(calls)
+
+    stmt_Try = stmt_TryStar = stmt_Match = stmt_With
 
     def stmt_While(self, s):
         if any(isinstance(n, gast.NamedExpr) for n in gast.walk(s.test)):
@@ -293,5 +308,5 @@ def _drop_unread_flags(body, flags):
     return module.body
 
 
-def canonicalize(fdef):
-    return Canonicalizer().function(fdef)
+def canonicalize(fdef, declared=None):
+    return Canonicalizer(declared).function(fdef)

@@ -91,10 +91,11 @@ def enclosing_parts(node):
     return parts
 
 
-def scope_code(node, outer_names, fn):
+def scope_code(node, outer_names, fn, class_name=None):
     """The code object of nested scope ``node`` of function ``fn``, compiled where ``outer_names`` are the
     enclosing scope's variables (its ``co_freevars`` are the ones it uses) under ``fn``'s ``__future__``
-    imports. Decorators, defaults and annotations are left out: the enclosing scope evaluates them."""
+    imports, in a class ``class_name`` where ``fn`` is a method (for private names). Decorators, defaults and
+    annotations are left out: the enclosing scope evaluates them."""
     filename, qualname = fn.__code__.co_filename, fn.__qualname__
     node = _bare(copy.deepcopy(node))
     stmt = node if isinstance(node, gast.FunctionDef) else gast.Expr(value=node)
@@ -108,12 +109,17 @@ def scope_code(node, outer_names, fn):
     # (the binds take the stand-in's position: fix_missing_locations)
     stand_in.lineno, stand_in.end_lineno = node.lineno, getattr(node, "end_lineno", None) or node.lineno
     stand_in.col_offset = stand_in.end_col_offset = 0
-    module = gast.gast_to_ast(gast.Module(body=[stand_in], type_ignores=[]))
+    top = stand_in
+    if class_name is not None:
+        top = gast.ClassDef(name=class_name, bases=[], keywords=[], body=[stand_in], decorator_list=[],
+                            type_params=[])
+        top.lineno, top.end_lineno, top.col_offset, top.end_col_offset = stand_in.lineno, stand_in.end_lineno, 0, 0
+    module = gast.gast_to_ast(gast.Module(body=[top], type_ignores=[]))
     ast.fix_missing_locations(module)
     code = compile(module, filename, "exec", flags=fn.__code__.co_flags & _FUTURE_FLAGS, dont_inherit=True)
-    (outer,) = [c for c in code.co_consts if hasattr(c, "co_freevars")]
-    (inner,) = [c for c in outer.co_consts if hasattr(c, "co_freevars")]
-    return _requalified(inner, outer.co_qualname, qualname)
+    for _ in range(3 if class_name is not None else 2):  # (module -> [class body ->] stand-in -> scope)
+        outer, (code,) = code, [c for c in code.co_consts if hasattr(c, "co_freevars")]
+    return _requalified(code, outer.co_qualname, qualname)
 
 
 def _bare(node):

@@ -26,7 +26,7 @@ from .. import intrinsics
 from ..naming import Namer
 from ..ops import syntax
 from . import canonicalize as canon
-from . import closures
+from . import closures, python_blocks
 
 DEF, MAYBE = "def", "maybe"
 
@@ -62,8 +62,8 @@ def _stored_names(nodes):
             if (isinstance(node, gast.Name) and isinstance(node.ctx, (gast.Store, gast.Param, gast.Del))
                     and id(node) not in skip and node.id not in names):
                 names.append(node.id)
-            elif isinstance(node, gast.FunctionDef) and node.name not in names:
-                names.append(node.name)
+            elif isinstance(node, gast.FunctionDef):  # (and what a with, try or match statement binds)
+                names.extend(n for n in (node.name, *python_blocks.binds(node)) if n not in names)
     return names
 
 
@@ -94,8 +94,8 @@ class Converter:
     # -- entry
 
     def convert(self):
-        fdef = canon.canonicalize(copy.deepcopy(self.p.node))
-        self.declared = closures.declarations(fdef.body)  # global and nonlocal names
+        self.declared = closures.declarations(self.p.node.body)  # global and nonlocal names
+        fdef = canon.canonicalize(copy.deepcopy(self.p.node), self.declared)
         self.locals = (set(_stored_names(fdef.body)) | set(self.p.params)) - set(self.declared)
         self.self_name = self.p.params[0] if (self.owner is not None and self.p.params) else None
         inputs = [ir.Value(p) for p in self.p.params]
@@ -115,9 +115,9 @@ class Converter:
         self.scope_codes, self.cells, self.fixed_cells, self.captured = {}, {}, {}, set()
         visible = (self.locals | set(self.p.freevars)) - set(self.declared)
         for node, around in closures.nested_scopes(fdef.body):
-            code = closures.scope_code(node, visible | around, self.p.fn)
+            code = closures.scope_code(node, visible | around, self.p.fn, self.p.class_name())
             self.scope_codes[id(node)] = code
-            self.captured.update(code.co_freevars)
+            self.captured.update(self.demangle(n) for n in code.co_freevars)
         rebound = set(_stored_names(fdef.body)) | closures.written_from_inside(fdef.body)
         for name in sorted(self.captured & self.locals):
             if name in self.env and name not in rebound:
@@ -161,6 +161,12 @@ class Converter:
         if cls and attr.startswith("__") and not attr.endswith("__") and cls.strip("_"):
             return f"_{cls.lstrip('_')}{attr}"
         return attr
+
+    def demangle(self, name):
+        """A variable's name as written, from the name Python compiled it under in a method (``_C__x``)."""
+        cls = self.p.class_name()
+        prefix = f"_{cls.lstrip('_')}__" if cls else None
+        return "__" + name[len(prefix):] if prefix and cls.strip("_") and name.startswith(prefix) else name
 
     # -- variables
 
@@ -664,10 +670,12 @@ class Converter:
         return self.call(node, intrinsics.build_dict, items)
 
     def _cell_for(self, name, node):
-        if name in self.cells:
-            return self.cells[name]
-        if name in self.fixed_cells:
-            return self.fixed_cells[name]
+        """The cell for ``name``, a free variable of a nested scope's code (its private names mangled)."""
+        plain = self.demangle(name)
+        if plain in self.cells:
+            return self.cells[plain]
+        if plain in self.fixed_cells:
+            return self.fixed_cells[plain]
         if name in self.p.freevars:
             return ir.Const(self.p.freevars[name])
         raise self.loc(node).error(f"the variable '{name}' that this nested function uses is not found in the "

@@ -12,8 +12,6 @@ from .closures import walk_scope
 
 # node type -> (construct named in the message, why / what to do instead)
 _REFUSED = {
-    gast.Try: ("try", "try/except/finally is not supported in a compiled function"),
-    gast.With: ("with", "a with statement is not supported in a compiled function"),
     gast.AsyncWith: ("async with", "async with is not supported in a compiled function"),
     gast.AsyncFor: ("async for", "async for is not supported in a compiled function"),
     gast.AsyncFunctionDef: ("async def", "async def is not supported in a compiled function"),
@@ -25,7 +23,7 @@ _REFUSED = {
     gast.ImportFrom: ("import", "an import statement is not supported in a compiled function; "
                                 "import at module level"),
 }
-for _name in ("TryStar", "Match", "TypeAlias"):
+for _name in ("TypeAlias",):
     if hasattr(gast, _name):
         _REFUSED[getattr(gast, _name)] = (_name.lower(), f"{_name.lower()} is not supported in a compiled function")
 

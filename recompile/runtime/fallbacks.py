@@ -31,7 +31,8 @@ CHOSEN = ("each instance calls its own callable (one chosen by the data)",
           "choose with if/elif, so that each branch batches, or index a stacked parameter")
 PYTHON_VALUE = ("it makes a Python value of each instance's tensor", "keep it a tensor: torch.where(c, a, b) for "
                 "an if on it, a tensor index for an int")
-NESTED = ("it is a nested function, lambda or generator expression, which runs as Python",
+NESTED = ("it is a nested function, lambda or generator expression, or a with, try or match statement, which "
+          "runs as Python",
           "define it at module level and compile it with @recompile.function, or write it with torch ops")
 PYTHON = ("it is Python code of per-instance values", "compile it with @recompile.function, or write it "
           "with torch ops")
@@ -56,7 +57,8 @@ def reason(fn):
 
 
 def _nested(fn):
-    """Whether ``fn`` is a function defined inside another (a closure, a lambda, a generator expression's)."""
+    """Whether ``fn`` is a function defined inside another (a closure, a lambda, a generator expression's, the
+    one a with, try or match statement runs in)."""
     return isinstance(fn, types.FunctionType) and "<locals>" in fn.__qualname__
 
 
