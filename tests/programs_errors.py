@@ -16,17 +16,9 @@ async def uses_async(x):  # ERR
     return x + 1
 
 
-def uses_class(x):
-    class Point:  # ERR
-        pass
-
-    return Point(), x
-
-
-def uses_import(x):
-    import math  # ERR
-
-    return math.floor(x)
+def uses_locals(x):
+    y = x + 1
+    return locals()  # ERR
 
 
 # ----- runtime errors deep inside recursion ---------------------------------

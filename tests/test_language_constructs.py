@@ -859,7 +859,7 @@ def try_per_instance(x):
 
 def test_with_try_batched_and_gradients():
     for fn in (with_no_grad_part, try_per_instance):
-        with pytest.warns(recompile.PerInstanceWarning, match="with, try or match statement"):
+        with pytest.warns(recompile.PerInstanceWarning, match="with, try, match, class or import statement"):
             check_vmap(fn, (0,), ROWS, per_instance=True)
         check_grad(fn, T(1.5, 0.5))
 
@@ -887,3 +887,42 @@ class Private(Described):
 def test_private_names_and_super_in_nested_scopes_of_a_method():
     for mode in MODES:
         assert recompile.function(mode=mode)(Private.run)(Private(), [1, 3, 2]) == Private().run([1, 3, 2])
+
+
+def class_and_import(x):
+    import math
+    from collections import OrderedDict as OD
+
+    class Point:
+        scale = x
+
+        def norm(self):
+            return math.sqrt(self.scale)
+
+    with Recorder([], "m"):
+        def inside():
+            return 1
+
+    return Point().norm(), type(OD()).__name__, Point.__qualname__, Point.norm.__qualname__, inside.__qualname__
+
+
+def compiled_identity(v):
+    return v
+
+
+def cell_read_between_compiled_calls(n):
+    count = n
+
+    def bump():
+        nonlocal count
+        count += 1
+
+    a = compiled_identity(count)
+    bump()
+    b = compiled_identity(count)
+    return a, b
+
+
+def test_class_and_import_statements_and_cells_between_compiled_calls():
+    check(class_and_import, (4.0,))
+    check(cell_read_between_compiled_calls, (0,), rec=("compiled_identity",))

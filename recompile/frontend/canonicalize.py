@@ -8,7 +8,7 @@ AST -> AST, before conversion to the IR:
   or, when one branch of an ``if`` always jumps, moved into the other branch.
 - ``for target in xs`` becomes an index loop over ``as_sequence(xs)`` while ``has_index(seq, i)``.
 - ``assert`` becomes ``if not test: raise AssertionError(msg)``.
-- ``with``, ``try`` and ``match`` become a call of a nested function holding the statement
+- ``with``, ``try``, ``match``, ``class`` and ``import`` become a call of a nested function holding the statement
   (``python_blocks``), then a return, break or continue where it says so.
 
 Flag assignments that stand for a jump carry ``_jump = True`` so the converter
@@ -210,7 +210,7 @@ class Canonicalizer:
         helper, calls = python_blocks.lower(s, self.counter, self.declared, self.first_param, located)
         return [helper] + self.block(calls)
 
-    stmt_Try = stmt_TryStar = stmt_Match = stmt_With
+    stmt_Try = stmt_TryStar = stmt_Match = stmt_ClassDef = stmt_Import = stmt_ImportFrom = stmt_With
 
     def stmt_While(self, s):
         if any(isinstance(n, gast.NamedExpr) for n in gast.walk(s.test)):

@@ -12,10 +12,12 @@ from __future__ import annotations
 import __future__
 import ast
 import copy
+import inspect
 
 import gast
 
 NESTED = (gast.Lambda, gast.FunctionDef, gast.GeneratorExp)
+_SCOPES = NESTED + (gast.ClassDef,)  # (a class body is a scope of its own too)
 _FUTURE_FLAGS = 0
 for _feature in __future__.all_feature_names:
     _FUTURE_FLAGS |= getattr(__future__, _feature).compiler_flag
@@ -31,7 +33,7 @@ def walk_scope(root):
     while stack:
         node = stack.pop()
         yield node
-        if isinstance(node, NESTED):
+        if isinstance(node, _SCOPES):
             parts = enclosing_parts(node)
             if isinstance(node, gast.GeneratorExp):
                 parts = parts + [n.target for n in gast.walk(node) if isinstance(n, gast.NamedExpr)]
@@ -79,9 +81,11 @@ def nested_scopes(body):
 
 def enclosing_parts(node):
     """The parts of a nested scope that run in the enclosing scope: decorators, defaults, annotations, a
-    generator expression's first iterable."""
+    generator expression's first iterable, a class's bases."""
     if isinstance(node, gast.GeneratorExp):
         return [node.generators[0].iter]
+    if isinstance(node, gast.ClassDef):
+        return list(node.decorator_list) + list(node.bases) + [k.value for k in node.keywords]
     args = node.args
     parts = list(getattr(node, "decorator_list", [])) + list(args.defaults) + [d for d in args.kw_defaults if d]
     if isinstance(node, gast.FunctionDef):
@@ -119,7 +123,14 @@ def scope_code(node, outer_names, fn, class_name=None):
     code = compile(module, filename, "exec", flags=fn.__code__.co_flags & _FUTURE_FLAGS, dont_inherit=True)
     for _ in range(3 if class_name is not None else 2):  # (module -> [class body ->] stand-in -> scope)
         outer, (code,) = code, [c for c in code.co_consts if hasattr(c, "co_freevars")]
-    return _requalified(code, outer.co_qualname, qualname)
+    code = _requalified(code, outer.co_qualname, qualname)
+    if isinstance(node, gast.FunctionDef) and node.name.startswith("<"):
+        # the function a statement runs in (``python_blocks``): what it defines is the enclosing function's
+        inside = f"{code.co_qualname}.<locals>."
+        consts = tuple(_requalified(c, inside, f"{qualname}.<locals>.") if hasattr(c, "co_freevars") else c
+                       for c in code.co_consts)
+        code = code.replace(co_consts=consts)
+    return code
 
 
 def _bare(node):
@@ -143,9 +154,13 @@ def _no_args():
 
 
 def _requalified(code, old, new):
-    """``code`` and the code nested in it with qualnames under ``new`` instead of ``old`` (the stand-in's)."""
-    consts = tuple(_requalified(c, old, new) if hasattr(c, "co_freevars") else c for c in code.co_consts)
+    """``code`` and the code nested in it with qualnames under ``new`` instead of ``old`` (the stand-in's); a
+    class body's ``__qualname__`` (a constant equal to its code's qualname) too."""
     qualname = new + code.co_qualname[len(old):] if code.co_qualname.startswith(old) else code.co_qualname
+    is_class_body = not code.co_flags & inspect.CO_OPTIMIZED
+    consts = tuple(_requalified(c, old, new) if hasattr(c, "co_freevars")
+                   else qualname if is_class_body and type(c) is str and c == code.co_qualname else c
+                   for c in code.co_consts)
     return code.replace(co_consts=consts, co_qualname=qualname)
 
 

@@ -10,7 +10,9 @@ here; the capture pass makes those reads explicit inputs.
 Variables are tracked in an environment of bindings, each DEF (bound on every
 path) or MAYBE (its value is UNDEFINED on the paths that did not bind it: a read
 checks it and raises UnboundLocalError there, as Python does). A local with no
-binding at all is unbound on every path.
+binding at all is unbound on every path. A variable that a nested function,
+lambda or generator expression uses lives in a cell instead (``closures``),
+read and written where the code reads and writes it.
 """
 
 from __future__ import annotations

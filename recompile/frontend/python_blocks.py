@@ -1,6 +1,6 @@
-"""``with``, ``try`` and ``match`` statements, run as the plain Python they are.
+"""``with``, ``try``, ``match``, ``class`` and ``import`` statements, run as the plain Python they are.
 
-Such a statement becomes a nested function ``<with>`` (``<try>``, ``<match>``) that holds it, called where the
+Such a statement becomes a nested function ``<with>`` (``<try>``, ...) that holds it, called where the
 statement stood: a nested scope like any other (``closures``), so Python itself runs ``__enter__`` and
 ``__exit__`` on every way out, its handlers, ``finally`` clauses and patterns. The function declares
 ``nonlocal`` (or ``global``) every variable the statement binds, so that they stay the enclosing function's. A
@@ -14,7 +14,8 @@ import gast
 
 from .closures import walk_scope
 
-KINDS = {gast.With: "with", gast.Try: "try", gast.Match: "match"}
+KINDS = {gast.With: "with", gast.Try: "try", gast.Match: "match", gast.ClassDef: "class", gast.Import: "import",
+         gast.ImportFrom: "import"}
 if hasattr(gast, "TryStar"):
     KINDS[gast.TryStar] = "try"
 FELL_THROUGH, RETURNED, BROKE, CONTINUED = 0, 1, 2, 3
@@ -41,6 +42,10 @@ def bound_by(node):
             found = (n.rest,)
         elif isinstance(n, (gast.FunctionDef, gast.ClassDef)):
             found = (n.name,)
+        elif isinstance(n, gast.Import):
+            found = tuple(a.asname or a.name.partition(".")[0] for a in n.names)
+        elif isinstance(n, gast.ImportFrom):
+            found = tuple(a.asname or a.name for a in n.names)
         names.extend(x for x in found if x not in names)
     return names
 
@@ -52,7 +57,7 @@ def lower(stmt, n, declared, first_param, at):
     kind = KINDS[type(stmt)]
     jumps = set()
     _rewrite([stmt], False, jumps, at)
-    if first_param is not None:
+    if first_param is not None and not isinstance(stmt, gast.ClassDef):
         _explicit_super(stmt, first_param, at)
     names = bound_by(stmt)
     glob = [x for x in names if declared.get(x) == "global"]

@@ -18,10 +18,6 @@ _REFUSED = {
     gast.Await: ("await", "await is not supported in a compiled function"),
     gast.Yield: ("yield", "yield (a generator function) is not supported in a compiled function"),
     gast.YieldFrom: ("yield from", "yield from (a generator function) is not supported in a compiled function"),
-    gast.ClassDef: ("class", "a class definition is not supported in a compiled function"),
-    gast.Import: ("import", "an import statement is not supported in a compiled function; import at module level"),
-    gast.ImportFrom: ("import", "an import statement is not supported in a compiled function; "
-                                "import at module level"),
 }
 for _name in ("TypeAlias",):
     if hasattr(gast, _name):

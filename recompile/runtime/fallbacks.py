@@ -31,9 +31,10 @@ CHOSEN = ("each instance calls its own callable (one chosen by the data)",
           "choose with if/elif, so that each branch batches, or index a stacked parameter")
 PYTHON_VALUE = ("it makes a Python value of each instance's tensor", "keep it a tensor: torch.where(c, a, b) for "
                 "an if on it, a tensor index for an int")
-NESTED = ("it is a nested function, lambda or generator expression, or a with, try or match statement, which "
-          "runs as Python",
-          "define it at module level and compile it with @recompile.function, or write it with torch ops")
+NESTED = ("it is a nested function, lambda or generator expression, or a with, try, match, class or import "
+          "statement, which runs as Python",
+          "move what it computes into a function of its own compiled with @recompile.function, or write it "
+          "with torch ops")
 PYTHON = ("it is Python code of per-instance values", "compile it with @recompile.function, or write it "
           "with torch ops")
 UNVMAPPABLE = ("torch.func.vmap cannot batch it here (a shape that depends on the values, or a call into "
