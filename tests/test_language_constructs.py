@@ -481,7 +481,7 @@ def nested_decorated_with_annotations(x):
     def add(y: int, z: float = x) -> float:
         return y + z
 
-    def plain(a: list, *rest, b: "text" = 0, **kw) -> None:
+    def plain(a: list, *rest, b: "int" = 0, **kw) -> None:
         pass
 
     return add(1), add.__name__, plain.__annotations__, plain.__kwdefaults__, plain.__qualname__
@@ -810,7 +810,7 @@ def matching(v):
         case Recorder(name="m") as r:
             return ("recorder", r.name)
         case str() as s:
-            kind = "text"
+            kind = f"text {s}"
         case _:
             kind = "other"
     return kind, v
@@ -926,3 +926,11 @@ def cell_read_between_compiled_calls(n):
 def test_class_and_import_statements_and_cells_between_compiled_calls():
     check(class_and_import, (4.0,))
     check(cell_read_between_compiled_calls, (0,), rec=("compiled_identity",))
+
+
+def test_instances_dump_marks_a_statement_run_as_python_per_instance():
+    text = recompile.function(with_no_grad_part).dump(instances=())
+    (cell,) = [line for line in text.splitlines() if "new_cell()" in line]
+    (call,) = [line for line in text.splitlines() if "call %<with>()" in line]
+    assert "[batched]" in cell  # (each instance's own cell, made without a warning)
+    assert "[per instance: it is a nested function" in call
