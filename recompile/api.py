@@ -193,6 +193,10 @@ class CompiledFunction(Function):
         if self.mode == "batched":
             return self.run_batched(bound, 1, owner)
         callee = self._ready_callee(owner)
+        if torch.is_grad_enabled() and callee.makes_functions:
+            # a tensor that reaches a nested function through its closure is out of the derived gradient's
+            # sight: one instance on the batched runtime, whose ops torch.autograd records, has its gradient
+            return self.run_batched(bound, 1, owner)
         self.stats.record_start()
         workers = self._pool()
         if self.mode == "threaded" and workers is not None:

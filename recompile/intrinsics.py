@@ -10,6 +10,7 @@ nothing of recompile's.
 from __future__ import annotations
 
 import builtins
+import types
 
 import torch
 
@@ -102,6 +103,21 @@ def has_index(seq, i):
     return i < len(seq)
 
 
+def unpack_starred(value, before, after):
+    """``a, *rest, z = value``: value's items as a tuple whose element ``before`` is the list of the items
+    between the first ``before`` and the last ``after``, ready to unpack."""
+    try:
+        items = list(value)
+    except TypeError:
+        if getattr(type(value), "__iter__", None) is None and getattr(type(value), "__getitem__", None) is None:
+            raise TypeError(f"cannot unpack non-iterable {type(value).__name__} object") from None
+        raise
+    if len(items) < before + after:
+        raise ValueError(f"not enough values to unpack (expected at least {before + after}, got {len(items)})")
+    end = len(items) - after
+    return (*items[:before], items[before:end], *items[end:])
+
+
 def build_tuple(*items):
     return items
 
@@ -172,6 +188,59 @@ def read_cell(cell, name):
     except ValueError:
         raise NameError(f"cannot access free variable '{name}' where it is not associated with a value "
                         "in enclosing scope") from None
+
+
+def new_cell():
+    """The cell of a variable that a nested function, lambda or generator expression uses (empty: unbound)."""
+    return types.CellType()
+
+
+def fixed_cell(value):
+    """The cell of a parameter that a nested scope uses and nothing rebinds."""
+    return types.CellType(value)
+
+
+def set_cell(cell, value):
+    cell.cell_contents = value
+
+
+def read_local_cell(cell, name):
+    try:
+        return cell.cell_contents
+    except ValueError:
+        raise UnboundLocalError(f"cannot access local variable '{name}' where it is not associated with a value") \
+            from None
+
+
+def delete_cell(cell, name, free):
+    """``del name`` of a variable kept in a cell (``free``: the enclosing function's, by ``nonlocal``)."""
+    if free:
+        read_cell(cell, name)
+    else:
+        read_local_cell(cell, name)
+    del cell.cell_contents
+
+
+def write_global(namespace, name, value):
+    namespace[name] = value
+
+
+def delete_global(namespace, name):
+    try:
+        del namespace[name]
+    except KeyError:
+        raise NameError(f"name '{name}' is not defined") from None
+
+
+def make_function(code, namespace, defaults, kwdefaults, annotations, *cells):
+    """A nested function, lambda or generator expression's function, as Python makes it where it is defined:
+    its code, the module's globals, its defaults and the cells of the variables it shares."""
+    fn = types.FunctionType(code, namespace, code.co_name, defaults, cells)
+    if kwdefaults is not None:
+        fn.__kwdefaults__ = kwdefaults
+    if annotations is not None:
+        fn.__annotations__ = annotations
+    return fn
 
 
 def finds_in_class(obj, cls, name):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import threading
 
-from . import ir
+from . import intrinsics, ir
 from .codegen import generate
 from .codegen.batched import generate_batched
 from .frontend import convert, parse_function, validate
@@ -155,6 +155,7 @@ class Callee:
         self._code = None
         self._unit = None
         self._may_mutate = None
+        self._makes_functions = None
         self.ready = False  # this function and every function it may invoke are built
         self.forward = GradHandle(self, 0)
         self.backward = GradHandle(self, 1)
@@ -185,6 +186,16 @@ class Callee:
         if self._may_mutate is None:
             self._may_mutate = program_may_mutate(self, FINAL)
         return self._may_mutate
+
+    @property
+    def makes_functions(self):
+        """Whether this function, or any it may invoke, makes a nested function, lambda or generator
+        expression (``intrinsics.make_function``): a closure the derived gradient programs do not see into."""
+        if self._makes_functions is None:
+            self._makes_functions = any(
+                isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value is intrinsics.make_function
+                for handle in ir.reachable(self, FINAL) for sg in handle.subgraph(FINAL).walk() for op in sg.ops)
+        return self._makes_functions
 
     @property
     def batched_unit(self):

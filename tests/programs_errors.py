@@ -6,35 +6,6 @@ line a CompileError must point at.  Recursive functions used for runtime
 errors mark their recursive call site with ``# CALLSITE``.
 """
 
-import torch
-
-COUNTER = 0
-
-
-def uses_try(x):
-    y = x
-    try:  # ERR
-        y = x + 1
-    except ValueError:
-        y = x - 1
-    return y
-
-
-def uses_try_finally(x):
-    y = x
-    try:  # ERR
-        y = x + 1
-    finally:
-        y = y * 2
-    return y
-
-
-def uses_with(x):
-    y = x
-    with torch.no_grad():  # ERR
-        y = x + 1
-    return y
-
 
 def uses_yield(x):
     for i in range(3):
@@ -45,66 +16,9 @@ async def uses_async(x):  # ERR
     return x + 1
 
 
-def uses_global(x):
-    global COUNTER  # ERR
-    COUNTER += 1
-    return x + COUNTER
-
-
-def make_uses_nonlocal():
-    n = 0
-
-    def uses_nonlocal(x):
-        nonlocal n  # ERR
-        n += 1
-        return x + n
-
-    return uses_nonlocal
-
-
-def uses_del(x):
+def uses_locals(x):
     y = x + 1
-    del y  # ERR
-    return x
-
-
-def star_callee(a, b):
-    return a + b
-
-
-def uses_star_args(xs):
-    total = xs[0]
-    total = star_callee(*xs)  # ERR
-    return total
-
-
-def uses_lambda(x):
-    y = x
-    f = lambda v: v + 1  # ERR
-    return f(y)
-
-
-def one_branch_variable(x):
-    if x.sum() > 0:
-        maybe_defined = x * 2
-    out = x + 1
-    return out + maybe_defined  # ERR
-
-
-def loop_body_variable(xs):
-    total = 0
-    for v in xs:
-        body_only = v * 2
-        total = total + v
-    return total + body_only  # ERR
-
-
-def while_body_variable(n):
-    i = 0
-    while i < n:
-        inside_while = i * 3
-        i += 1
-    return inside_while  # ERR
+    return locals()  # ERR
 
 
 # ----- runtime errors deep inside recursion ---------------------------------

@@ -65,13 +65,9 @@ BAD = '''\
 NOT_A_FUNCTION = 3
 
 
-def cli_with_try(x):
+def cli_with_yield(x):
     y = x + 1
-    try:  # L:try
-        y = y * 2
-    except ValueError:
-        y = 0
-    return y
+    yield y  # L:bad
 '''
 
 BAD_DECORATED = '''\
@@ -79,11 +75,8 @@ import recompile
 
 
 @recompile.function
-def cli_decorated_try(x):
-    try:  # L:try
-        return x
-    finally:
-        pass
+def cli_decorated_yield(x):
+    yield x  # L:bad
 '''
 
 
@@ -305,17 +298,17 @@ def test_bad_stage_is_a_usage_error(dump):
     assert "--stage" in err and "bogus" in err
 
 
-@pytest.mark.parametrize("target, text", [("cli_bad.py:cli_with_try", BAD),
-                                          ("cli_bad_decorated.py:cli_decorated_try", BAD_DECORATED)])
+@pytest.mark.parametrize("target, text", [("cli_bad.py:cli_with_yield", BAD),
+                                          ("cli_bad_decorated.py:cli_decorated_yield", BAD_DECORATED)])
 def test_compile_error_shows_the_line(dump, target, text):
     proc = dump(target)
     err = failed(proc)
     assert proc.stdout == ""
-    lineno = line_of(text, "try")
+    lineno = line_of(text, "bad")
     first = err.splitlines()[0]
-    assert re.fullmatch(rf"recompile dump: \S*cli_bad\w*\.py:{lineno}:5: try/except/finally is not supported.*",
-                        first), first
-    assert "    try:  # L:try" in err  # the source line
+    assert re.fullmatch(rf"recompile dump: \S*cli_bad\w*\.py:{lineno}:5: yield \(a generator function\) is not "
+                        r"supported.*", first), first
+    assert "    yield " in err and "# L:bad" in err  # the source line
     assert err.splitlines()[2] == "    ^"  # and a caret under it
 
 

@@ -17,7 +17,7 @@ from recompile.codegen import emit, segments
 from recompile.ops import facts, syntax
 from recompile.autodiff import backprop, factors as deferred, rules as grad_rules
 from recompile.runtime import batch as bt
-from recompile.runtime import batch_rules, ranges
+from recompile.runtime import batch_rules, cells, ranges
 
 convert = importlib.import_module("recompile.frontend.convert")
 
@@ -143,6 +143,8 @@ _TORCH_BITWISE = (torch.le, torch.ge, torch.ne, torch.logical_or, torch.logical_
 _BITWISE = (operator.and_, operator.or_, operator.xor, operator.invert, operator.floordiv, operator.mod,
             *_TORCH_BITWISE)
 _CELLS = (nn.RNNCell, nn.LSTMCell, nn.GRUCell)  # a batch of rows for the cell (batch_rules.recurrent_cell)
+_CLOSURES = (intrinsics.fixed_cell, intrinsics.set_cell, intrinsics.read_local_cell, intrinsics.delete_cell,
+             intrinsics.make_function)
 GROWN = {
     # a slice, a range, a frozenset and ``...`` are values no call can change: every instance shares one
     "batch_rules._IMMUTABLE": (_names(slice, range, frozenset, type(Ellipsis)), set()),
@@ -156,6 +158,15 @@ GROWN = {
                                     (range, ranges.build), (intrinsics.as_sequence, ranges.as_sequence),
                                     (intrinsics.has_index, ranges.has_index), (operator.not_, batch_rules.negation),
                                     (sum, batch_rules.python_sum),
+                                    # a variable some paths leave unbound: checked on the batch as it is
+                                    (intrinsics.check_bound, batch_rules.bound_check),
+                                    # ``a, *rest = xs`` of a batched tuple or tensor: taken apart as it is
+                                    (intrinsics.unpack_starred, batch_rules.starred_unpack),
+                                    # closure cells, each instance's own, and nested functions made of them
+                                    (intrinsics.fixed_cell, cells.fixed_cells), (intrinsics.set_cell, cells.set_cells),
+                                    (intrinsics.read_local_cell, cells.read_cells),
+                                    (intrinsics.delete_cell, cells.delete_cells),
+                                    (intrinsics.make_function, cells.make_functions),
                                     # a full max or min as amax or amin (ties share the gradient, as torch's)
                                     (torch.max, batch_rules.extreme), (torch.min, batch_rules.extreme)]),
                           {"_operator.matmul -> recompile:via_vmap",
@@ -165,15 +176,22 @@ GROWN = {
                                   "'min' -> recompile:_extreme_method.<locals>.rule"},
                                  {"'max' -> recompile:method_dim.<locals>.rule"}),
     "batch_rules.MODULE_RULES": (_entries((m, batch_rules.recurrent_cell) for m in _CELLS), set()),
-    "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range),
-                             set()),
+    "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range,
+                                    *_CLOSURES), set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS), set()),
     "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS), set()),
     "batch_rules.INTEGER_INDEX": (set(), {"torch.uint8"}),  # (torch reads a uint8 index as a mask)
     "grad_rules.rule_metadata": (_metadata_of(_RESULT_READERS, False), _metadata_of(_RESULT_READERS, True)),
     # ``type(x)`` of a shared x is read once for every instance (the class is the same object)
-    "batch_rules._SHAREABLE": (_names(type), set()),
+    "batch_rules._SHAREABLE": (_names(type, intrinsics.fixed_cell, intrinsics.make_function), set()),
+    # what a nested function, lambda or generator expression needs: cells, writes of globals
+    "effects.MUTATING_CALLS": (_names(intrinsics.set_cell, intrinsics.delete_cell, intrinsics.write_global,
+                                      intrinsics.delete_global), set()),
+    "grad.NO_GRADIENT": (_names(*_CLOSURES, intrinsics.new_cell, intrinsics.write_global, intrinsics.delete_global),
+                         set()),
+    "backprop._NO_GRADIENT": (_names(*_CLOSURES, intrinsics.new_cell, intrinsics.write_global,
+                                     intrinsics.delete_global), set()),
     # chunk, split and unbind of a batched tensor traced into a tuple of batched tensors
     "segments._METHODS": ({"'chunk' -> (1, False)", "'split' -> (1, False)", "'unbind' -> (0, False)"}, set()),
     "segments._FORMS": (_entries([*((f, segments._elementwise_form) for f in _ADDCMUL + _BITWISE),

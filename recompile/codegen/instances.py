@@ -80,7 +80,7 @@ class _Reading:
         else:
             if isinstance(op, ir.Call):
                 self.call(op)
-            if any(self.differs(a) for a in op.operands()):
+            if any(self.differs(a) for a in op.operands()) or _own_per_instance(self.value(op.fn)):
                 self.vary(op.outputs)
 
     def capture(self, op):
@@ -143,13 +143,30 @@ def _how(reading, op):
         return (BATCHED if varies else ONCE), None
     fn = reading.value(op.fn)
     if fn is _UNKNOWN:
+        if _made_here(op.fn):  # a nested function, lambda, or the function a with or try statement runs in
+            why, instead = fallbacks.NESTED
+            return PER_INSTANCE, f"{why}; {instead}"
         return BY_TYPE, None
+    if _own_per_instance(fn):
+        return BATCHED, None
     if not varies:
         return _once(fn)
     if _batches(fn):
         return BATCHED, None
     why, instead = fallbacks.reason(fn)
     return PER_INSTANCE, f"{why}; {instead}"
+
+
+def _made_here(operand):
+    producer = operand.op if isinstance(operand, ir.Value) else None
+    return (isinstance(producer, ir.Call) and isinstance(producer.fn, ir.Const)
+            and producer.fn.value is intrinsics.make_function)
+
+
+def _own_per_instance(fn):
+    """Whether ``fn`` gives each instance an object of its own, read from shared values too: a cell of a
+    variable that a nested function uses (``batch_rules._unbatched``)."""
+    return fn is intrinsics.new_cell
 
 
 def _once(fn):

@@ -8,6 +8,8 @@ AST -> AST, before conversion to the IR:
   or, when one branch of an ``if`` always jumps, moved into the other branch.
 - ``for target in xs`` becomes an index loop over ``as_sequence(xs)`` while ``has_index(seq, i)``.
 - ``assert`` becomes ``if not test: raise AssertionError(msg)``.
+- ``with``, ``try``, ``match``, ``class`` and ``import`` become a call of a nested function holding the statement
+  (``python_blocks``), then a return, break or continue where it says so.
 
 Flag assignments that stand for a jump carry ``_jump = True`` so the converter
 knows that a block ends there. Flags nobody reads are dropped afterwards.
@@ -16,6 +18,8 @@ knows that a block ends there. Flags nobody reads are dropped afterwards.
 from __future__ import annotations
 
 import gast
+
+from . import python_blocks
 
 # Names this pass makes up start with "." so that no Python identifier can clash with them
 # (the gast tree is converted, never compiled, so any string is a valid name here).
@@ -37,11 +41,6 @@ def located(new, old):
 def is_guard(node):
     """Whether ``node`` is an ``if`` canonicalize put after a jump, whose empty else runs only after it."""
     return getattr(node, "_guard", False)
-
-
-def for_targets(node):
-    """The targets of the ``for`` loops a ``while`` node was lowered from (they keep their last value)."""
-    return getattr(node, "_for_targets", ())
 
 
 def name(ident, store=False, at=None):
@@ -96,7 +95,9 @@ class _Loop:
 
 
 class Canonicalizer:
-    def __init__(self):
+    def __init__(self, declared=None):
+        self.declared = declared or {}  # the function's global and nonlocal names
+        self.first_param = None
         self.loops = []
         self.counter = 0
         self.returns_in_loop = False
@@ -108,6 +109,8 @@ class Canonicalizer:
 
     # -- entry
     def function(self, fdef):
+        first = (fdef.args.posonlyargs + fdef.args.args)[:1]
+        self.first_param = first[0].id if first else None
         body = [s for i, s in enumerate(fdef.body) if not (i == 0 and _is_docstring(s))]
         new_body = self.block(body)
         at = fdef
@@ -202,6 +205,13 @@ class Canonicalizer:
         raise_ = located(gast.Raise(exc=exc, cause=None), s)
         return [located(gast.If(test=not_(s.test, s), body=[raise_], orelse=[]), s)]
 
+    def stmt_With(self, s):
+        self.counter += 1
+        helper, calls = python_blocks.lower(s, self.counter, self.declared, self.first_param, located)
+        return [helper] + self.block(calls)
+
+    stmt_Try = stmt_TryStar = stmt_Match = stmt_ClassDef = stmt_Import = stmt_ImportFrom = stmt_With
+
     def stmt_While(self, s):
         if any(isinstance(n, gast.NamedExpr) for n in gast.walk(s.test)):
             # `while (v := f()) ...:` binds v for the body: test at the top of the body instead, and
@@ -210,17 +220,15 @@ class Canonicalizer:
             done = self._flag(f".exhausted{self.counter}")
             stop = located(gast.If(test=not_(s.test, s.test), body=[assign(done, const(True, s), s),
                                                                   located(gast.Break(), s.test)], orelse=[]), s.test)
-            bound = [n.target.id for n in gast.walk(s.test) if isinstance(n, gast.NamedExpr)]
             breaks = _breaks_out(s.body)  # (before the body is canonical: its breaks become flags)
-            # like a for target, what the test binds is bound after the loop (the test ran at least once)
-            loop = self._loop(s, const(True, s), [stop] + s.body, [], prelude=[], header=[], for_targets=bound)
+            loop = self._loop(s, const(True, s), [stop] + s.body, [], prelude=[], header=[])
             if not s.orelse:
                 return loop
             if not breaks:  # without a break of its own, the loop only ends by its test
                 return loop + self.block(s.orelse)
             orelse = located(gast.If(test=name(done, at=s), body=self.block(s.orelse), orelse=[]), s)
             return [assign(done, const(False, s), s)] + loop + [orelse]
-        return self._loop(s, s.test, s.body, s.orelse, prelude=[], header=[], for_targets=())
+        return self._loop(s, s.test, s.body, s.orelse, prelude=[], header=[])
 
     def stmt_For(self, s):
         self.counter += 1
@@ -232,10 +240,9 @@ class Canonicalizer:
         item = located(gast.Subscript(value=name(seq, at=s), slice=name(idx, at=s), ctx=gast.Load()), s.target)
         bind = located(gast.Assign(targets=[s.target], value=item, type_comment=None), s.target)
         step = assign(idx, located(gast.BinOp(left=name(idx, at=s), op=gast.Add(), right=const(1, s)), s), s)
-        targets = [n.id for n in gast.walk(s.target) if isinstance(n, gast.Name)]
-        return self._loop(s, test, s.body, s.orelse, prelude, [bind, step], targets)
+        return self._loop(s, test, s.body, s.orelse, prelude, [bind, step])
 
-    def _loop(self, s, test, body, orelse, prelude, header, for_targets):
+    def _loop(self, s, test, body, orelse, prelude, header):
         self.counter += 1
         loop = _Loop(self.counter, self._flag)
         self.loops.append(loop)
@@ -254,7 +261,6 @@ class Canonicalizer:
         if loop.uses_cont:
             header = header + [assign(loop.cont, const(False, s), s)]
         node = located(gast.While(test=and_(conds, s), body=header + new_body, orelse=[]), s)
-        node._for_targets = tuple(for_targets)  # (``for_targets``)
         out = list(prelude)
         if loop.uses_brk:
             out.append(assign(loop.brk, const(False, s), s))
@@ -302,5 +308,5 @@ def _drop_unread_flags(body, flags):
     return module.body
 
 
-def canonicalize(fdef):
-    return Canonicalizer().function(fdef)
+def canonicalize(fdef, declared=None):
+    return Canonicalizer(declared).function(fdef)

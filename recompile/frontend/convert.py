@@ -7,11 +7,12 @@ becomes a ``While`` op; a call of a compiled function becomes an ``Invoke``.
 Branch and loop SubGraphs read the values of their enclosing SubGraph freely
 here; the capture pass makes those reads explicit inputs.
 
-Variables are tracked in an environment of bindings, each DEF (bound),
-MAYBE (bound on every path that can reach a read, or UNDEFINED — checked when
-read), POISON (unbound after an if on some path: reading it is a CompileError)
-or LOOPLOCAL (bound only inside a loop body: reading it after the loop is a
-CompileError, but a later branch that binds it too makes it MAYBE).
+Variables are tracked in an environment of bindings, each DEF (bound on every
+path) or MAYBE (its value is UNDEFINED on the paths that did not bind it: a read
+checks it and raises UnboundLocalError there, as Python does). A local with no
+binding at all is unbound on every path. A variable that a nested function,
+lambda or generator expression uses lives in a cell instead (``closures``),
+read and written where the code reads and writes it.
 """
 
 from __future__ import annotations
@@ -27,41 +28,51 @@ from .. import intrinsics
 from ..naming import Namer
 from ..ops import syntax
 from . import canonicalize as canon
+from . import closures, python_blocks
 
-DEF, MAYBE, POISON, LOOPLOCAL = "def", "maybe", "poison", "looplocal"
+DEF, MAYBE = "def", "maybe"
 
 BINOPS = syntax.by_node(syntax.BINARY, gast)
 INPLACE = syntax.by_node(syntax.BINARY, gast, in_place=True)
 UNARY = syntax.by_node(syntax.UNARY, gast)
 COMPARE = syntax.by_node(syntax.COMPARE, gast)
+_SET = ".set"  # (a set comprehension's empty set, whatever the user calls set)
 INTERNAL = {canon.AS_SEQUENCE: intrinsics.as_sequence, canon.HAS_INDEX: intrinsics.has_index,
-            canon.ASSERTION_ERROR: AssertionError}
+            canon.ASSERTION_ERROR: AssertionError, _SET: set}
 
 
 class Binding:
-    __slots__ = ("value", "state", "reason")
+    __slots__ = ("value", "state")
 
-    def __init__(self, value, state=DEF, reason=None):
+    def __init__(self, value, state=DEF):
         self.value = value
         self.state = state
-        self.reason = reason
 
 
 def _stored_names(nodes):
-    """Names a list of statements (or one node) binds, in first-binding order, comprehension targets excluded."""
+    """Names a list of statements (or one node) binds or deletes, in first-binding order, comprehension targets
+    excluded."""
     if not isinstance(nodes, list):
         nodes = [nodes]
     skip = set()
     names = []
     for root in nodes:
-        for node in gast.walk(root):
+        for node in closures.walk_scope(root):
             if isinstance(node, gast.comprehension):
                 skip.update(id(n) for n in gast.walk(node.target))
-        for node in gast.walk(root):
-            if (isinstance(node, gast.Name) and isinstance(node.ctx, (gast.Store, gast.Param))
+        for node in closures.walk_scope(root):
+            if (isinstance(node, gast.Name) and isinstance(node.ctx, (gast.Store, gast.Param, gast.Del))
                     and id(node) not in skip and node.id not in names):
                 names.append(node.id)
+            elif isinstance(node, gast.FunctionDef):  # (and what a with, try or match statement binds)
+                names.extend(n for n in (node.name, *python_blocks.binds(node)) if n not in names)
     return names
+
+
+def _method_call(obj, method, args, at):
+    """The statement ``obj.method(*args)`` at ``at``'s position."""
+    func = canon.located(gast.Attribute(value=canon.name(obj, at=at), attr=method, ctx=gast.Load()), at)
+    return canon.located(gast.Expr(value=canon.located(gast.Call(func=func, args=args, keywords=[]), at)), at)
 
 
 class Converter:
@@ -85,8 +96,9 @@ class Converter:
     # -- entry
 
     def convert(self):
-        fdef = canon.canonicalize(copy.deepcopy(self.p.node))
-        self.locals = set(_stored_names(fdef)) | set(self.p.params)
+        self.declared = closures.declarations(self.p.node.body)  # global and nonlocal names
+        fdef = canon.canonicalize(copy.deepcopy(self.p.node), self.declared)
+        self.locals = (set(_stored_names(fdef.body)) | set(self.p.params)) - set(self.declared)
         self.self_name = self.p.params[0] if (self.owner is not None and self.p.params) else None
         inputs = [ir.Value(p) for p in self.p.params]
         if self.self_name is not None:
@@ -94,8 +106,28 @@ class Converter:
         sg = ir.SubGraph(self.name, inputs, self.p.loc(fdef), "function")
         self.sg = sg
         self.env = {p: Binding(v) for p, v in zip(self.p.params, inputs)}
+        self._prepare_cells(fdef)
         self.block(fdef.body)
         return sg
+
+    def _prepare_cells(self, fdef):
+        """Python's code for each nested scope, and a cell for each variable one of them uses (``closures``).
+        A parameter that nothing rebinds keeps its value: the scope gets a cell of that value; any other
+        such variable lives in its cell, read and written there by the function too."""
+        self.scope_codes, self.cells, self.fixed_cells, self.captured = {}, {}, {}, set()
+        visible = (self.locals | set(self.p.freevars)) - set(self.declared)
+        for node, around in closures.nested_scopes(fdef.body):
+            code = closures.scope_code(node, visible | around, self.p.fn, self.p.class_name())
+            self.scope_codes[id(node)] = code
+            self.captured.update(self.demangle(n) for n in code.co_freevars)
+        rebound = set(_stored_names(fdef.body)) | closures.written_from_inside(fdef.body)
+        for name in sorted(self.captured & self.locals):
+            if name in self.env and name not in rebound:
+                self.fixed_cells[name] = self.call(fdef, intrinsics.fixed_cell, [self.env[name].value], hint=name)
+                continue
+            cell = self.cells[name] = self.call(fdef, intrinsics.new_cell, [], hint=name)
+            if name in self.env:  # a parameter: its value moves into the cell
+                self.call(fdef, intrinsics.set_cell, [cell, self.env.pop(name).value], n_outputs=0)
 
     # -- helpers
 
@@ -132,35 +164,55 @@ class Converter:
             return f"_{cls.lstrip('_')}{attr}"
         return attr
 
+    def demangle(self, name):
+        """A variable's name as written, from the name Python compiled it under in a method (``_C__x``)."""
+        cls = self.p.class_name()
+        prefix = f"_{cls.lstrip('_')}__" if cls else None
+        return "__" + name[len(prefix):] if prefix and cls.strip("_") and name.startswith(prefix) else name
+
     # -- variables
 
     def load(self, ident, node):
         if ident in INTERNAL:
             return ir.Const(INTERNAL[ident])
+        if ident in self.cells:
+            return self.call(node, intrinsics.read_local_cell, [self.cells[ident], ir.Const(ident)], hint=ident)
         b = self.env.get(ident)
         if b is not None:
             if b.state == DEF:
                 return b.value
-            if b.state == MAYBE:
-                value = self.call(node, intrinsics.check_bound, [b.value, ir.Const(ident)], hint=ident)
-                self.env[ident] = Binding(value)
-                return value
-            raise self.loc(node).error(b.reason, "variable")  # POISON, LOOPLOCAL
-        if ident in self.locals:
-            raise self.loc(node).error(f"local variable '{ident}' is used before it is assigned", "variable")
+            value = self.call(node, intrinsics.check_bound, [b.value, ir.Const(ident)], hint=ident)
+            self.env[ident] = Binding(value)
+            return value
+        if ident in self.locals:  # bound on no path that reaches here: raises when (if ever) it runs
+            return self.call(node, intrinsics.check_bound, [ir.Const(intrinsics.UNDEFINED), ir.Const(ident)],
+                             hint=ident)
         return self.emit(ir.Capture(self.loc(node), self.mangle(ident))).output
 
     def store(self, target, value):
         if isinstance(target, gast.Name):
             if isinstance(value, ir.Value) and not value.hint:
                 value.hint = target.id.lstrip(".")
-            self.env[target.id] = Binding(value)
+            if target.id in self.cells:
+                self.call(target, intrinsics.set_cell, [self.cells[target.id], value], n_outputs=0)
+            elif self.declared.get(target.id) == "global":
+                self.call(target, intrinsics.write_global, [ir.Const(self.p.globals), ir.Const(self.mangle(target.id)),
+                                                            value], n_outputs=0)
+            elif self.declared.get(target.id) == "nonlocal":
+                cell = ir.Const(self.p.freevars[self.mangle(target.id)])
+                self.call(target, intrinsics.set_cell, [cell, value], n_outputs=0)
+            else:
+                self.env[target.id] = Binding(value)
         elif isinstance(target, (gast.Tuple, gast.List)):
             n = len(target.elts)
+            starred = [i for i, elt in enumerate(target.elts) if isinstance(elt, gast.Starred)]
+            if starred:  # `a, *rest, z = xs`: the middle becomes a list, then all unpack as usual
+                value = self.call(target, intrinsics.unpack_starred, [value, ir.Const(starred[0]),
+                                                                      ir.Const(n - starred[0] - 1)])
             outs = self.call(target, intrinsics.unpack, [value, ir.Const(n)], n_outputs=n)
             outs = [outs] if n == 1 else outs
             for elt, v in zip(target.elts, outs):
-                self.store(elt, v)
+                self.store(elt.value if isinstance(elt, gast.Starred) else elt, v)
         elif isinstance(target, gast.Attribute):
             obj = self.expr(target.value)
             self.call(target, setattr, [obj, ir.Const(self.mangle(target.attr)), value], n_outputs=0)
@@ -212,6 +264,51 @@ class Converter:
         else:
             raise self.loc(t).error("unsupported augmented assignment target", "assignment")
 
+    def stmt_Delete(self, s):
+        for t in s.targets:
+            self.delete(t)
+
+    def delete(self, target):
+        if isinstance(target, gast.Name):
+            ident = target.id
+            if ident in self.cells:
+                self.call(target, intrinsics.delete_cell, [self.cells[ident], ir.Const(ident), ir.Const(False)],
+                          n_outputs=0)
+            elif self.declared.get(ident) == "global":
+                self.call(target, intrinsics.delete_global, [ir.Const(self.p.globals), ir.Const(self.mangle(ident))],
+                          n_outputs=0)
+            elif self.declared.get(ident) == "nonlocal":
+                cell = ir.Const(self.p.freevars[self.mangle(ident)])
+                self.call(target, intrinsics.delete_cell, [cell, ir.Const(ident), ir.Const(True)], n_outputs=0)
+            else:
+                self.load(ident, target)  # deleting an unbound name raises as reading it does
+                self.env.pop(ident, None)  # unbound from here on
+        elif isinstance(target, (gast.Tuple, gast.List)):
+            for elt in target.elts:
+                self.delete(elt)
+        elif isinstance(target, gast.Attribute):
+            obj = self.expr(target.value)
+            self.call(target, delattr, [obj, ir.Const(self.mangle(target.attr))], n_outputs=0)
+        elif isinstance(target, gast.Subscript):
+            obj = self.expr(target.value)
+            self.call(target, operator.delitem, [obj, self.expr(target.slice)], n_outputs=0)
+        else:
+            raise self.loc(target).error(f"cannot delete {type(target).__name__}", "del")
+
+    def stmt_Global(self, s):
+        pass  # (``self.declared``)
+
+    def stmt_Nonlocal(self, s):
+        pass
+
+    def stmt_FunctionDef(self, s):
+        """A nested def: its decorators, then the function object, decorated, bound to its name."""
+        decorators = [self.expr(d) for d in s.decorator_list]
+        fn = self._function(s)
+        for d in reversed(decorators):
+            fn = self.call(s, d, [fn], hint=s.name)
+        self.store(canon.name(s.name, store=True, at=s), fn)
+
     def stmt_Expr(self, s):
         self.expr(s.value)
 
@@ -236,7 +333,7 @@ class Converter:
             self.block(s.body if s.test.value else s.orelse)
             return
         pred = self.test(s.test)
-        assigned = [n for n in _stored_names(s.body + s.orelse) if n in self.locals]
+        assigned = [n for n in _stored_names(s.body + s.orelse) if n in self.locals and n not in self.cells]
         branches = []
         sgs = self.new_subgraphs("if", s, ("then", "else"))
         for sg, body in zip(sgs, (s.body, s.orelse)):
@@ -251,75 +348,39 @@ class Converter:
             sides = [(env.get(name), jumped) for env, jumped in branches]
             if before is not None and all(b is before for b, _ in sides):
                 continue  # not changed on either path
-            state = self._merge(name, sides, s)
-            if state == POISON:
-                self.env[name] = Binding(None, POISON, f"variable '{name}' is assigned only in one branch of the "
-                                                       f"if at line {s.lineno} and used after it; assign it before "
-                                                       f"the if or in both branches")
-            elif state is not None:
+            state = self._merge(sides)
+            if state is not None:
                 outs.append(name)
                 states.append(state)
         for sg, (env, _) in zip(sgs, branches):
             sg.outputs = [self._value_of(env.get(n)) for n in outs]
         op = self.emit(ir.Cond(self.loc(s), pred, sgs[0], sgs[1], [], len(outs), outs))
         for name, value, state in zip(outs, op.outputs, states):
-            self.env[name] = Binding(value, state, self._loop_reason(name, branches))
+            self.env[name] = Binding(value, state)
 
     @staticmethod
-    def _merge(name, sides, node):
-        """State of ``name`` after a branch point whose sides end with these (binding, jumped) pairs.
-
-        None: bound on no side (leave it). A side that jumped does not count: code after the branch
-        point is not reached from it.
+    def _merge(sides):
+        """State of a name after a branch point whose sides end with these (binding, jumped) pairs:
+        DEF where every side bound it, MAYBE where some may not have, None where none did.
         """
-        kinds = []
-        for b, jumped in sides:
-            if b is not None and b.state in (DEF, MAYBE):
-                kinds.append(b.state)  # bound: its value is good whether or not the side jumped
-            elif jumped:
-                kinds.append("jump")
-            else:
-                kinds.append("none" if b is None or b.state == POISON else b.state)
-        if "none" in kinds:
-            return POISON
-        real = [k for k in kinds if k != "jump"]
-        if not real:
-            return None if all(b is None or b.state == POISON for b, _ in sides) else MAYBE
-        if all(k == LOOPLOCAL for k in real):
-            return LOOPLOCAL
-        if all(k == DEF for k in real) and "jump" not in kinds:
-            return DEF
-        return MAYBE
-
-    @staticmethod
-    def _loop_reason(name, branches):
-        for env, _ in branches:
-            b = env.get(name)
-            if b is not None and b.state == LOOPLOCAL:
-                return b.reason
-        return None
+        if all(b is None for b, _ in sides):
+            return None
+        return DEF if all(b is not None and b.state == DEF for b, _ in sides) else MAYBE
 
     @staticmethod
     def _value_of(binding):
-        if binding is None or binding.state == POISON:
-            return ir.Const(intrinsics.UNDEFINED)
-        return binding.value
+        return ir.Const(intrinsics.UNDEFINED) if binding is None else binding.value
 
     def stmt_While(self, s):
-        # loop variables, of this loop or of loops inside it, keep their last value after it
-        for_targets = {n for node in gast.walk(s) for n in canon.for_targets(node)}
         # every name the body binds is carried: a value from an earlier iteration may be read
         # (checked when read, like the first iteration of a name bound only in the body)
-        carried = [n for n in _stored_names(s.body) if n in self.locals]
+        carried = [n for n in _stored_names(s.body) if n in self.locals and n not in self.cells]
         init, init_states = [], []
         for n in carried:
             b = self.env.get(n)
-            if b is not None and b.state in (DEF, MAYBE):
+            if b is not None:
                 init.append(b.value)
                 init_states.append(b.state)
-            elif b is not None and b.state == LOOPLOCAL:
-                init.append(b.value)
-                init_states.append(MAYBE)
             else:
                 init.append(ir.Const(intrinsics.UNDEFINED))
                 init_states.append(MAYBE)
@@ -345,14 +406,10 @@ class Converter:
         for n, v, st0 in zip(carried, op.outputs, init_states):
             end = body_env.get(n)
             before = self.env.get(n)
-            if before is not None and before.state in (DEF, MAYBE):
-                state = DEF if (st0 == DEF and end is not None and end.state == DEF) else MAYBE
-                self.env[n] = Binding(v, state)
-            elif n in for_targets:
-                self.env[n] = Binding(v, MAYBE)  # the loop variable keeps its last value (unbound if no pass)
-            else:
-                self.env[n] = Binding(v, LOOPLOCAL, f"variable '{n}' is assigned only inside the loop body at line "
-                                                    f"{s.lineno} and used after the loop; assign it before the loop")
+            # bound after the loop where it was before and every pass keeps it bound; a name bound only in
+            # the body (a for target too) keeps its last value, unbound if the body never ran
+            state = DEF if (before is not None and st0 == DEF and end is not None and end.state == DEF) else MAYBE
+            self.env[n] = Binding(v, state)
 
     # -- expressions
 
@@ -520,17 +577,33 @@ class Converter:
         return chain(self.expr(node.left), 0)
 
     def expr_ListComp(self, node):
+        return self._comprehension(node, "list", gast.List(elts=[], ctx=gast.Load()),
+                                   lambda acc: _method_call(acc, "append", [node.elt], node))
+
+    def expr_SetComp(self, node):
+        return self._comprehension(node, "set", gast.Call(func=canon.name(_SET, at=node), args=[], keywords=[]),
+                                   lambda acc: _method_call(acc, "add", [node.elt], node))
+
+    def expr_DictComp(self, node):
+        def put(acc):  # the key is evaluated before the value, as in Python 3.8+
+            target = gast.Subscript(value=canon.name(acc, at=node), slice=node.key, ctx=gast.Store())
+            return canon.located(gast.Assign(targets=[canon.located(target, node)], value=node.value,
+                                             type_comment=None), node)
+
+        return self._comprehension(node, "dict", gast.Dict(keys=[], values=[]), put)
+
+    def _comprehension(self, node, kind, empty, add):
+        """A comprehension lowered to a loop that adds to an accumulator (``add(acc)``, a statement),
+        converted in place: its targets do not leak, a walrus inside binds in the function."""
         self.comprehensions += 1
-        acc = f".listcomp{self.comprehensions}"
-        append = gast.Attribute(value=canon.name(acc, at=node), attr="append", ctx=gast.Load())
-        body = canon.located(gast.Expr(value=canon.located(gast.Call(func=canon.located(append, node), args=[node.elt],
-                                                                keywords=[]), node)), node)
+        acc = f".{kind}comp{self.comprehensions}"
+        body = add(acc)
         for gen in reversed(node.generators):
             for cond in reversed(gen.ifs):
                 body = canon.located(gast.If(test=cond, body=[body], orelse=[]), cond)
             body = canon.located(gast.For(target=gen.target, iter=gen.iter, body=[body], orelse=[],
                                        type_comment=None), node)
-        stmts = [canon.assign(acc, canon.located(gast.List(elts=[], ctx=gast.Load()), node), node), body]
+        stmts = [canon.assign(acc, canon.located(empty, node), node), body]
         lowering = canon.Canonicalizer()
         lowering.counter = 100000 * self.comprehensions  # keep its synthetic names apart from the function's
         stmts = lowering.block(stmts)
@@ -538,15 +611,16 @@ class Converter:
         scoped = [n for gen in node.generators for n in _stored_names(gen.target)]
         scoped += [n for n in _stored_names(stmts) if n.startswith(".")]
         saved = {n: self.env.get(n) for n in scoped}
-        saved_locals = set(self.locals)
+        saved_locals, saved_cells = set(self.locals), dict(self.cells)
         self.locals |= set(scoped)
-        self.block(stmts)
-        for n in _stored_names(node.elt) + [n for g in node.generators for c in g.ifs for n in _stored_names(c)]:
-            b = self.env.get(n)
-            if b is not None and b.state == LOOPLOCAL:  # `[last := x for x in xs]`: bound if xs was not empty
-                self.env[n] = Binding(b.value, MAYBE)
+        for n in scoped:  # a target a nested scope inside uses gets a cell of this comprehension's own
+            if n in self.captured:
+                self.cells[n] = self.call(node, intrinsics.new_cell, [], hint=n)
+            else:
+                self.cells.pop(n, None)
+        self.block(stmts)  # a walrus inside (`[last := x for x in xs]`) is bound after it if xs was not empty
         result = self.load(acc, node)
-        self.locals = saved_locals
+        self.locals, self.cells = saved_locals, saved_cells
         for n, b in saved.items():  # comprehension variables do not leak, as in Python 3
             if b is None:
                 self.env.pop(n, None)
@@ -554,13 +628,69 @@ class Converter:
                 self.env[n] = b
         return result
 
+    # nested scopes: plain Python functions sharing the cells of the variables they use (``closures``)
+
+    def expr_Lambda(self, node):
+        return self._function(node)
+
+    def expr_GeneratorExp(self, node):
+        # the first iterable is evaluated here, and iterated, as Python does before the generator runs
+        first = self.call(node, iter, [self.expr(node.generators[0].iter)])
+        return self.call(node, self._function(node), [first], hint="genexpr")
+
+    def _function(self, node):
+        """The function object of a nested scope, made as Python's MAKE_FUNCTION makes it: defaults, then
+        keyword-only defaults, then annotations, are evaluated here."""
+        code = self.scope_codes[id(node)]
+        defaults = kwdefaults = annotations = ir.Const(None)
+        if not isinstance(node, gast.GeneratorExp):
+            args = node.args
+            if args.defaults:
+                defaults = self.call(node, intrinsics.build_tuple, [self.expr(d) for d in args.defaults])
+            kw = [(a.id, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+            if kw:
+                kwdefaults = self.call(node, intrinsics.build_dict,
+                                       [x for name, d in kw for x in (ir.Const(name), self.expr(d))])
+            if isinstance(node, gast.FunctionDef):
+                annotations = self._annotations(node)
+        cells = [self._cell_for(name, node) for name in code.co_freevars]
+        return self.call(node, intrinsics.make_function,
+                         [ir.Const(code), ir.Const(self.p.globals), defaults, kwdefaults, annotations, *cells],
+                         hint=code.co_name)
+
+    def _annotations(self, node):
+        args = node.args
+        every = args.posonlyargs + args.args + [args.vararg] * bool(args.vararg) + args.kwonlyargs + \
+            [args.kwarg] * bool(args.kwarg)
+        pairs = [(a.id, a.annotation) for a in every if a.annotation is not None]
+        pairs += [("return", node.returns)] if node.returns is not None else []
+        if not pairs:
+            return ir.Const(None)
+        as_text = closures.postponed_annotations(self.p.fn)
+        items = [x for name, a in pairs
+                 for x in (ir.Const(name), ir.Const(closures.annotation_text(a)) if as_text else self.expr(a))]
+        return self.call(node, intrinsics.build_dict, items)
+
+    def _cell_for(self, name, node):
+        """The cell for ``name``, a free variable of a nested scope's code (its private names mangled)."""
+        plain = self.demangle(name)
+        if plain in self.cells:
+            return self.cells[plain]
+        if plain in self.fixed_cells:
+            return self.fixed_cells[plain]
+        if name in self.p.freevars:
+            return ir.Const(self.p.freevars[name])
+        raise self.loc(node).error(f"the variable '{name}' that this nested function uses is not found in the "
+                                   f"enclosing function", "closure")
+
     # calls
 
     def expr_Call(self, node):
         resolved = self._compiled_callee(node.func)
         if resolved is not None:
             handle, prefix = resolved
-            self._refuse_star_args(node)
+            if self._has_star_args(node):
+                return self._invoke_unpacked(node, handle, prefix)
             if self._binds(node, handle, len(prefix)):
                 args, kwargs = self._call_args(node)
                 return self._invoke(node, handle, prefix + args, kwargs)
@@ -662,15 +792,17 @@ class Converter:
     def _has_star_args(node):
         return any(isinstance(a, gast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords)
 
-    def _refuse_star_args(self, node):
-        for a in node.args:
-            if isinstance(a, gast.Starred):
-                raise self.loc(a).error("star-args (*args) in a call of a compiled function are not supported; "
-                                        "pass the arguments one by one", "star-args")
-        for k in node.keywords:
-            if k.arg is None:
-                raise self.loc(k).error("**kwargs in a call of a compiled function are not supported; "
-                                        "pass keyword arguments one by one", "star-args")
+    def _invoke_unpacked(self, node, handle, prefix):
+        """``f(*args, **kwargs)`` of a compiled f: the arguments are bound to f's parameters when the call
+        runs (by f's binder, which raises Python's own TypeError for a wrong call), then invoked."""
+        args, star = self._elements(node.args)
+        kwargs = [(k.arg, self.expr(k.value)) for k in node.keywords]
+        n = len(handle.signature.parameters)
+        values = self.call(node, handle.function.bind, prefix + args, kwargs, [len(prefix) + i for i in star],
+                           n_outputs=n)
+        values = [values] if n == 1 else list(values)
+        hint = getattr(node.func, "attr", None) or getattr(node.func, "id", "")
+        return self.emit(ir.Invoke(self.loc(node), handle.ir_name, handle, values, (hint,))).output
 
     @staticmethod
     def _binds(node, handle, n_prefix):

@@ -8,33 +8,18 @@ from __future__ import annotations
 
 import gast
 
+from .closures import walk_scope
+
 # node type -> (construct named in the message, why / what to do instead)
 _REFUSED = {
-    gast.Try: ("try", "try/except/finally is not supported in a compiled function"),
-    gast.With: ("with", "a with statement is not supported in a compiled function"),
     gast.AsyncWith: ("async with", "async with is not supported in a compiled function"),
     gast.AsyncFor: ("async for", "async for is not supported in a compiled function"),
     gast.AsyncFunctionDef: ("async def", "async def is not supported in a compiled function"),
     gast.Await: ("await", "await is not supported in a compiled function"),
     gast.Yield: ("yield", "yield (a generator function) is not supported in a compiled function"),
     gast.YieldFrom: ("yield from", "yield from (a generator function) is not supported in a compiled function"),
-    gast.Global: ("global", "a global statement is not supported in a compiled function; "
-                            "read globals freely, or return the new value"),
-    gast.Nonlocal: ("nonlocal", "a nonlocal statement is not supported in a compiled function"),
-    gast.Delete: ("del", "a del statement is not supported in a compiled function"),
-    gast.Lambda: ("lambda", "lambda is not supported in a compiled function; define the function outside"),
-    gast.FunctionDef: ("def", "a nested function definition is not supported in a compiled function; "
-                              "define it outside"),
-    gast.ClassDef: ("class", "a class definition is not supported in a compiled function"),
-    gast.Import: ("import", "an import statement is not supported in a compiled function; import at module level"),
-    gast.ImportFrom: ("import", "an import statement is not supported in a compiled function; "
-                                "import at module level"),
-    gast.GeneratorExp: ("generator expression", "a generator expression is not supported in a compiled "
-                                                 "function; use a list comprehension"),
-    gast.SetComp: ("set comprehension", "a set comprehension is not supported in a compiled function"),
-    gast.DictComp: ("dict comprehension", "a dict comprehension is not supported in a compiled function"),
 }
-for _name in ("TryStar", "Match", "TypeAlias"):
+for _name in ("TypeAlias",):
     if hasattr(gast, _name):
         _REFUSED[getattr(gast, _name)] = (_name.lower(), f"{_name.lower()} is not supported in a compiled function")
 
@@ -45,8 +30,9 @@ _FRAME_READERS = {"locals": 0, "vars": 0, "dir": 0, "eval": 1, "exec": 1}
 
 def validate(parsed):
     """Raise CompileError at the first construct outside the subset."""
-    # only the body is compiled: decorators and defaults ran, as Python, when the def did
-    for node in (n for stmt in parsed.node.body for n in _walk_in_order(stmt)):
+    # only the body is compiled: decorators and defaults ran, as Python, when the def did; a nested function,
+    # lambda or generator expression in it runs as the plain Python it is (``closures``)
+    for node in (n for stmt in parsed.node.body for n in walk_scope(stmt)):
         refused = _REFUSED.get(type(node))
         if refused:
             construct, message = refused
@@ -56,18 +42,4 @@ def validate(parsed):
             raise parsed.loc(node).error(f"{node.func.id}() reads the calling frame's variables, which a compiled "
                                          f"function does not have; pass what it needs explicitly",
                                          node.func.id + "()")
-        if isinstance(node, (gast.Tuple, gast.List)) and isinstance(node.ctx, gast.Store):
-            for elt in node.elts:
-                if isinstance(elt, gast.Starred):
-                    raise parsed.loc(elt).error("starred assignment targets (a, *b = ...) are not supported "
-                                                "in a compiled function", "starred assignment")
 
-
-def _walk_in_order(node):
-    """Nodes in source order (gast.walk is breadth-first)."""
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        yield n
-        children = list(gast.iter_child_nodes(n))
-        stack.extend(reversed(children))

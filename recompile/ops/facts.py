@@ -47,16 +47,19 @@ def pure(fn):
 
 
 # Calls whose result, given the same arguments, every instance of a batch may share as one object: reads
-# of what exists (an attribute, an item, a global) and immutable builds.
+# of what exists (an attribute, an item, a global), immutable builds, and a nested function or a cell made of
+# values every instance shares.
 SHAREABLE = frozenset({
     getattr, operator.getitem, intrinsics.unpack, intrinsics.build_tuple, intrinsics.check_bound,
     intrinsics.read_global, intrinsics.read_cell, intrinsics.finds_in_class, isinstance, len, type,
+    intrinsics.fixed_cell, intrinsics.make_function,
 })
 
 # Calls that change their arguments in place (``passes.effects``: a compiled call that may run one keeps
 # its place among its group).
 MUTATING = frozenset({
     setattr, delattr, operator.setitem, operator.delitem, next, operator.iconcat, *syntax.AUGMENTED,
+    intrinsics.set_cell, intrinsics.delete_cell, intrinsics.write_global, intrinsics.delete_global,
 })
 # Method names (and module functions named alike) that change their receiver or argument: ``xs.append``,
 # ``heapq.heappush``; any name ending in one ``_`` (``t.add_``) changes it too (``mutating_method``).
@@ -100,7 +103,9 @@ NO_GRADIENT = MOVES | {
     intrinsics.build_tuple, intrinsics.build_list, intrinsics.build_dict, intrinsics.build_set,
     intrinsics.check_bound, intrinsics.has_index, intrinsics.format_value, intrinsics.join_str,
     intrinsics.finds_in_class, intrinsics.not_in, intrinsics.raise_exception, intrinsics.read_global,
-    intrinsics.read_cell, *(row.fn for row in syntax.COMPARE), operator.not_, operator.contains, operator.truth,
+    intrinsics.read_cell, intrinsics.new_cell, intrinsics.fixed_cell, intrinsics.set_cell, intrinsics.read_local_cell,
+    intrinsics.delete_cell, intrinsics.make_function, intrinsics.write_global, intrinsics.delete_global,
+    *(row.fn for row in syntax.COMPARE), operator.not_, operator.contains, operator.truth,
     print, len, isinstance, issubclass, slice, range, str, repr, format, int, float, bool, id, hash, type,
     callable, hasattr, chr, ord, divmod, round, any, all,
 }

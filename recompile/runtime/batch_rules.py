@@ -27,7 +27,7 @@ from .. import config, intrinsics
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
-from . import fallbacks, lazy_weights, ranges, sharing
+from . import cells, fallbacks, lazy_weights, ranges, sharing
 from .batch import Batch
 
 # Batch rules, filed as the gradient rules are (``ops.table``): ``rule(n, fn, args, kwargs)`` for a callable
@@ -209,6 +209,8 @@ def _unbatched(n, fn, args, kwargs):
     torch op reads them as one shared list (``_vmapped_or_per_instance``)."""
     if fn is intrinsics.build_list and not kwargs:
         return bt.from_struct(list, list(args), n)
+    if fn is intrinsics.new_cell:  # (a variable of each instance's own, which a nested function uses)
+        return cells.new_cells(n)
     try:
         reads = fn in _SHAREABLE
         known = reads or fn in _PURE or (fn in _AUGMENTED and facts.immutable(args[0])) or \
@@ -602,6 +604,52 @@ def plain_index(index):
 BATCH.register(range)(ranges.build)
 BATCH.register(intrinsics.as_sequence)(ranges.as_sequence)
 BATCH.register(intrinsics.has_index)(ranges.has_index)
+BATCH.register(intrinsics.fixed_cell)(cells.fixed_cells)
+BATCH.register(intrinsics.set_cell)(cells.set_cells)
+BATCH.register(intrinsics.read_local_cell)(cells.read_cells)
+BATCH.register(intrinsics.delete_cell)(cells.delete_cells)
+BATCH.register(intrinsics.make_function)(cells.make_functions)
+
+
+@BATCH.register(intrinsics.check_bound)
+def bound_check(n, fn, args, kwargs):
+    """A read of a variable that some paths may leave unbound: UnboundLocalError if any instance's value is
+    UNDEFINED, else the batch as it is (no instance is read by itself)."""
+    if kwargs or len(args) != 2 or type(args[1]) is not str:
+        return NotImplemented
+    if _holds_undefined(args[0]):
+        intrinsics.check_bound(intrinsics.UNDEFINED, args[1])
+    return args[0]
+
+
+def _holds_undefined(value):
+    if value is intrinsics.UNDEFINED:
+        return True
+    if type(value) is not Batch or value.thunk is not None:  # (a lazy value is a call's result: bound)
+        return False
+    if value.pieces is not None:
+        return any(_holds_undefined(v) for v, _ in value.pieces[0])
+    return value.owner == "items" and any(x is intrinsics.UNDEFINED for x in value.items)
+
+
+@BATCH.register(intrinsics.unpack_starred)
+def starred_unpack(n, fn, args, kwargs):
+    """``a, *rest = xs`` of a batched tuple of known length, or of a batched tensor's rows: taken apart
+    as it is, the middle a batch of lists."""
+    if kwargs or len(args) != 3 or type(args[0]) is not Batch:
+        return NotImplemented
+    value, before, after = args
+    bt.ready(value)
+    if value.struct is not None and value.owner is None:
+        parts = list(value.struct[1])
+    elif value.owner == "tensor" and value.tensor.dim() > 1:
+        parts = [bt.from_tensor(t) for t in value.tensor.unbind(1)]
+    else:
+        return NotImplemented
+    if len(parts) < before + after:
+        intrinsics.unpack_starred(parts, before, after)  # (its ValueError)
+    end = len(parts) - after
+    return bt.from_struct(tuple, [*parts[:before], bt.from_struct(list, parts[before:end], n), *parts[end:]], n)
 
 
 @BATCH.register(intrinsics.build_tuple, intrinsics.build_list)

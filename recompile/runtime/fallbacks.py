@@ -9,13 +9,14 @@ under them), the op, why it ran so, and what to write instead; with ``config.PER
 from __future__ import annotations
 
 import os
+import types
 
 from .. import config
 from ..diagnostics import user_line, warn_once
 from ..errors import PerInstanceError, PerInstanceWarning
 from ..ops import facts, syntax
 from ..ops.table import torch_callable
-from .batch import Batch
+from .batch import Batch, instance
 
 # Why an op ran once per instance, and what to write instead: (why, instead).
 FRESH = ("no instance differs in its arguments, but each gets a result of its own (a fresh object, a random "
@@ -29,6 +30,10 @@ CHOSEN = ("each instance calls its own callable (one chosen by the data)",
           "choose with if/elif, so that each branch batches, or index a stacked parameter")
 PYTHON_VALUE = ("it makes a Python value of each instance's tensor", "keep it a tensor: torch.where(c, a, b) for "
                 "an if on it, a tensor index for an int")
+NESTED = ("it is a nested function, lambda or generator expression, or a with, try, match, class or import "
+          "statement, which runs as Python",
+          "move what it computes into a function of its own compiled with @recompile.function, or write it "
+          "with torch ops")
 PYTHON = ("it is Python code of per-instance values", "compile it with @recompile.function, or write it "
           "with torch ops")
 UNVMAPPABLE = ("torch.func.vmap cannot batch it here (a shape that depends on the values, or a call into "
@@ -41,7 +46,7 @@ def reason(fn):
     """Why ``fn`` (a callable, or a Batch of them or of a tensor's method) ran once per instance."""
     if type(fn) is Batch:
         if fn.method is None:
-            return CHOSEN
+            return NESTED if _nested(instance(fn, 0)) else CHOSEN
         name = fn.method[1]
         return PYTHON_VALUE if name in PYTHON_VALUES else WRITES if name.endswith("_") else UNVMAPPABLE
     if facts.among(fn, PYTHON_VALUES) or getattr(fn, "__name__", None) in PYTHON_VALUES:
@@ -50,8 +55,15 @@ def reason(fn):
         return WRITES
     if fn is slice:  # (``x[:k]`` with a per-instance k: a shape of each instance's own)
         return UNVMAPPABLE
+    if _nested(fn):
+        return NESTED
     return UNVMAPPABLE if torch_callable(fn) else PYTHON
 
+
+def _nested(fn):
+    """Whether ``fn`` is a function defined inside another (a closure, a lambda, a generator expression's, the
+    one a with, try or match statement runs in)."""
+    return isinstance(fn, types.FunctionType) and "<locals>" in fn.__qualname__
 
 
 

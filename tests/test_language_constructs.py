@@ -1,0 +1,936 @@
+"""Python as people write it: constructs that compile as Python runs them.
+
+Each program is an ordinary, undecorated function. It runs plain, and compiled in sequential, threaded and
+batched mode (and under ``recompile.vmap`` where instances may take different paths): the same values of the
+same Python types, or the same exception (type and message), and the same float64 gradients where the program
+is differentiable.
+
+Layout
+  1. helpers
+  2. variables bound on some paths only
+  3. del, set and dict comprehensions, starred targets, *args and **kwargs in calls of compiled functions
+  4. lambda, nested def, closures, nonlocal, global, generator expressions
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+
+import pytest
+import torch
+
+import recompile
+from bound_globals import bound_globals  # tests/ is on sys.path under pytest
+
+F64 = torch.float64
+MODES = ["sequential", "threaded", "batched"]
+G = globals()
+
+
+# ---------------------------------------------------------------------------
+# 1. helpers
+# ---------------------------------------------------------------------------
+
+def outcome(fn, args):
+    """("ok", value) or ("raise", exception type, message), on a deep copy of ``args``."""
+    args = copy.deepcopy(args)
+    try:
+        return ("ok", fn(*args))
+    except Exception as exc:  # noqa: BLE001 - type and message are what is compared
+        return ("raise", type(exc), str(exc))
+
+
+def assert_same(got, want, path="result"):
+    """Equal values and identical Python types, recursively."""
+    assert type(got) is type(want), f"{path}: {type(got).__name__} {got!r} != {type(want).__name__} {want!r}"
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{path}: {got} != {want}"
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12, equal_nan=True), f"{path}: {got} != {want}"
+    elif isinstance(want, (tuple, list)):
+        assert len(got) == len(want), f"{path}: {got!r} != {want!r}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{path}[{i}]")
+    elif isinstance(want, dict):
+        assert list(got) == list(want), f"{path}: {got!r} != {want!r}"
+        for k in want:
+            assert_same(got[k], want[k], f"{path}[{k!r}]")
+    else:
+        assert got == want, f"{path}: {got!r} != {want!r}"
+
+
+def assert_outcome(got, want):
+    assert got[0] == want[0], f"compiled: {got}, plain: {want}"
+    if want[0] == "ok":
+        assert_same(got[1], want[1])
+    else:
+        assert got[1:] == want[1:], f"compiled raised {got[1:]}, plain raised {want[1:]}"
+
+
+def compiled(fn, mode, rec=()):
+    """``fn`` compiled in ``mode``, and the globals ``rec`` (names of plain functions, for recursion)
+    compiled alike, to be bound while the compiled side runs."""
+    installed = {name: recompile.function(mode=mode)(G[name]) for name in rec}
+    return installed.get(fn.__name__) or recompile.function(mode=mode)(fn), installed
+
+
+def check(fn, *cases, rec=()):
+    """Plain vs compiled in every mode, on each tuple of arguments in ``cases``."""
+    for mode in MODES:
+        f, installed = compiled(fn, mode, rec)
+        with bound_globals(G, installed):
+            for args in cases:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+                    assert_outcome(outcome(f, args), outcome(fn, args))
+
+
+def check_vmap(fn, in_dims, *args, rec=(), per_instance=False):
+    """``recompile.vmap`` vs the plain function on each instance, results stacked; where an instance raises,
+    the batched run raises the same. Unless ``per_instance``, no op may run once per instance."""
+    n = next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
+    plain = []
+    for k in range(n):
+        one = outcome(fn, tuple(a if d is None else a.select(d, k) for a, d in zip(args, in_dims)))
+        if one[0] == "raise":
+            want = one
+            break
+        plain.append(one[1])
+    else:
+        want = ("ok", torch.stack(plain))
+    f, installed = compiled(fn, "batched", rec)
+    with bound_globals(G, installed), warnings.catch_warnings():
+        if not per_instance:
+            warnings.simplefilter("error", recompile.PerInstanceWarning)
+        assert_outcome(outcome(recompile.vmap(f, in_dims=in_dims), args), want)
+
+
+def check_grad(fn, *args):
+    """Float64 gradients of ``fn(*args).sum()`` for the tensor arguments, plain vs every mode."""
+    def grads(f):
+        leaves = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
+        out = f(*leaves)
+        return torch.autograd.grad(out.sum(), [a for a in leaves if isinstance(a, torch.Tensor)])
+
+    want = grads(fn)
+    for mode in MODES:
+        for g, w in zip(grads(recompile.function(mode=mode)(fn)), want):
+            assert torch.allclose(g, w, rtol=1e-12, atol=1e-12), (mode, g, w)
+
+
+def T(*vals):
+    return torch.tensor(vals, dtype=F64)
+
+
+POS, NEG = T(1.0, 2.0), T(-1.0, -3.0)
+ROWS = T([1.0, 2.0], [-1.0, -3.0], [0.5, 0.25])  # one row per instance: positive, negative, positive
+
+
+# ---------------------------------------------------------------------------
+# 2. variables bound on some paths only: UnboundLocalError where a path that did not bind one reads it
+# ---------------------------------------------------------------------------
+
+def bound_in_one_branch(x):
+    if x.sum() > 0:
+        y = x * 2
+    return y
+
+
+def bound_in_one_branch_read_on_the_other(x):
+    if x.sum() > 0:
+        y = x * 2
+    else:
+        z = x - 1
+    if x.sum() > 0:
+        return y
+    return z
+
+
+def bound_in_elif(n):
+    if n > 2:
+        kind = "big"
+    elif n > 0:
+        kind = "small"
+    return kind
+
+
+def bound_in_for_body(n):
+    for i in range(n):
+        last = i * 10
+    return last
+
+
+def bound_in_while_body(x):
+    while x.sum() > 0:
+        before = x
+        x = x - 1
+    return before
+
+
+def read_before_bound(flag):
+    if flag:
+        return late  # noqa: F821 - bound below, unbound here: UnboundLocalError as in Python
+    late = 1
+    return late
+
+
+def bound_then_rebound_in_a_branch(x):
+    if x.sum() > 0:
+        y = x
+    if x.sum() > 1:
+        y = x * 3
+    return y
+
+
+def bound_by_break(xs, target):
+    for x in xs:
+        if x == target:
+            found = x
+            break
+    return found
+
+
+def bound_in_one_branch_unread(n):
+    if n > 0:
+        unused = n  # noqa: F841 - bound on one path and never read: no error on any path
+    return n + 1
+
+
+@pytest.mark.parametrize("fn,cases", [
+    (bound_in_one_branch, [(POS,), (NEG,)]),
+    (bound_in_one_branch_read_on_the_other, [(POS,), (NEG,)]),
+    (bound_in_elif, [(3,), (1,), (0,)]),
+    (bound_in_for_body, [(3,), (0,)]),
+    (bound_in_while_body, [(POS,), (NEG,)]),
+    (read_before_bound, [(True,), (False,)]),
+    (bound_then_rebound_in_a_branch, [(POS,), (T(0.25, 0.25),), (NEG,)]),
+    (bound_by_break, [([1, 2, 3], 2), ([1, 2, 3], 5)]),
+    (bound_in_one_branch_unread, [(1,), (0,)]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_variables_bound_on_some_paths(fn, cases):
+    check(fn, *cases)
+
+
+def count_down_bound_at_the_leaf(x, n):
+    if n == 0:
+        if x.sum() > 0:
+            leaf = x * 2
+        return leaf
+    return count_down_bound_at_the_leaf(x, n - 1) + 1
+
+
+def test_variables_bound_on_some_paths_batched():
+    # only the instances that take the path that leaves y unbound raise; when none does, nothing raises
+    check_vmap(bound_in_one_branch, (0,), ROWS)
+    check_vmap(bound_in_one_branch, (0,), ROWS.abs())
+    check_vmap(bound_in_while_body, (0,), ROWS)
+    check_vmap(bound_in_while_body, (0,), ROWS.abs())
+    check_vmap(count_down_bound_at_the_leaf, (0, 0), ROWS.abs(), torch.tensor([0, 2, 1]),
+               rec=("count_down_bound_at_the_leaf",))
+    check_vmap(count_down_bound_at_the_leaf, (0, 0), ROWS, torch.tensor([0, 2, 1]),
+               rec=("count_down_bound_at_the_leaf",))
+    check(count_down_bound_at_the_leaf, (POS, 2), (NEG, 2), rec=("count_down_bound_at_the_leaf",))
+
+
+def test_variables_bound_on_some_paths_gradients():
+    check_grad(bound_in_one_branch, POS)
+    check_grad(bound_in_while_body, T(2.0, 0.5))
+
+
+# ---------------------------------------------------------------------------
+# 3. del, set and dict comprehensions, starred targets, *args and **kwargs in compiled calls
+# ---------------------------------------------------------------------------
+
+def del_then_read(x, again):
+    y = x * 2
+    z = y + 1
+    del y
+    if again:
+        y = x
+    return z + y
+
+
+def del_unbound(flag):
+    if flag:
+        v = 1
+    del v
+    return flag
+
+
+def del_in_loop(xs):
+    last = None
+    for x in xs:
+        last = x
+        if x > 1:
+            del last
+    return last
+
+
+def del_items_and_attributes(xs, d):
+    del xs[0], d["a"]
+    del xs[-1:]
+    box = Box(1)
+    box.extra = 2
+    del box.extra
+    return xs, d, hasattr(box, "extra")
+
+
+def del_missing_key(d):
+    del d["missing"]
+    return d
+
+
+class Box:
+    def __init__(self, v):
+        self.v = v
+
+
+def set_and_dict_comprehensions(xs):
+    squares = {x * x for x in xs if x != 0}
+    index = {x: i for i, x in enumerate(xs)}
+    nested = {(i, j): i * j for i in range(len(xs)) for j in range(i)}
+    return sorted(squares), index, nested
+
+
+def comprehension_names_do_not_leak(xs):
+    x = "outer"
+    s = {x for x in xs}
+    d = {x: x for x in xs}
+    return x, len(s), len(d)
+
+
+def dict_comprehension_of_tensors(x):
+    parts = {k: x * k for k in range(3)}
+    return parts[2] + parts[1]
+
+
+def starred_targets(xs):
+    a, *rest = xs
+    *init, z = xs
+    p, *mid, q = xs
+    [u, *v] = xs
+    return a, rest, init, z, p, mid, q, u, v
+
+
+def starred_too_short(xs):
+    a, b, *rest = xs
+    return a, b, rest
+
+
+def starred_non_iterable(n):
+    a, *rest = n
+    return a
+
+
+def starred_in_for(pairs):
+    out = []
+    for first, *others in pairs:
+        out.append(first + sum(others))
+    return out
+
+
+def starred_tensor_rows(m):
+    top, *others = m
+    return top + others[-1], len(others)
+
+
+def callee_abc(a, b, c=10, *more, d=100, **options):
+    return a + b + c + sum(more) + d + sum(options.values())
+
+
+def calls_compiled_unpacked(xs, kw):
+    return callee_abc(*xs), callee_abc(*xs, **kw), callee_abc(1, *xs[1:], d=3), callee_abc(**{"a": 1, "b": 2})
+
+
+def calls_compiled_unpacked_wrongly(xs):
+    return callee_abc(*xs)
+
+
+def recursive_unpacked(args):
+    n, acc = args
+    if n == 0:
+        return acc
+    return recursive_unpacked(*[(n - 1, acc + n)])
+
+
+@pytest.mark.parametrize("fn,cases", [
+    (del_then_read, [(POS, True), (POS, False)]),
+    (del_unbound, [(True,), (False,)]),
+    (del_in_loop, [([1, 0],), ([0, 2],), ([],)]),
+    (del_items_and_attributes, [([1, 2, 3, 4], {"a": 1, "b": 2})]),
+    (del_missing_key, [({"a": 1},)]),
+    (set_and_dict_comprehensions, [([3, 0, -3, 2],), ([],)]),
+    (comprehension_names_do_not_leak, [([1, 2, 2],)]),
+    (dict_comprehension_of_tensors, [(POS,)]),
+    (starred_targets, [([1, 2, 3, 4],), ((1, 2),), ("abc",)]),
+    (starred_too_short, [([1],), ([1, 2],)]),
+    (starred_non_iterable, [(5,)]),
+    (starred_in_for, [([(1, 2, 3), (4,)],)]),
+    (starred_tensor_rows, [(ROWS,)]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_del_comprehensions_and_starred_targets(fn, cases):
+    check(fn, *cases)
+
+
+def test_star_args_in_calls_of_compiled_functions():
+    check(calls_compiled_unpacked, ([1, 2], {"d": 0, "e": 5}), ([1, 2, 3, 4], {"z": 1}), rec=("callee_abc",))
+    check(calls_compiled_unpacked_wrongly, ([1],), ([],), rec=("callee_abc",))
+    check(recursive_unpacked, ((3, 0),), rec=("recursive_unpacked",))
+
+
+def starred_split(x):
+    first, *rest = x.chunk(3, -1)
+    return first + rest[0] * rest[1]
+
+
+def del_after_use(x):
+    y = x.sin()
+    out = y * 2
+    del y
+    return out
+
+
+def test_starred_and_del_batched_and_gradients():
+    check_vmap(starred_split, (0,), torch.randn(4, 6, dtype=F64))
+    check_vmap(starred_tensor_rows_first, (0,), torch.randn(4, 3, 2, dtype=F64))
+    check_vmap(del_after_use, (0,), ROWS)
+    check_grad(starred_split, torch.randn(6, dtype=F64))
+    check_grad(del_after_use, POS)
+
+
+def starred_tensor_rows_first(m):
+    top, *others = m
+    return top + others[-1]
+
+
+# ---------------------------------------------------------------------------
+# 4. lambda, nested def, closures, nonlocal, global, generator expressions
+# ---------------------------------------------------------------------------
+
+COUNTER = 0
+
+
+def lambda_sort_key(pairs):
+    return sorted(pairs, key=lambda t: t[0]), max(pairs, key=lambda t: (t[1], -t[0]))
+
+
+def lambda_defaults_and_kwonly(x):
+    scale = 3
+    f = lambda v, k=scale * 2, *, m=1: v * k + m  # noqa: E731 - the construct under test
+    scale = 100
+    return f(x), f(x, 1), f(x, m=5), scale
+
+
+def closures_bind_late(n):
+    fs = []
+    for i in range(n):
+        fs.append(lambda: i * 10)
+    gs = [lambda: j for j in range(n)]
+    return [f() for f in fs], [g() for g in gs]
+
+
+def closure_sees_later_assignment(x):
+    def show():
+        return label + str(x)
+
+    label = "a"
+    first = show()
+    label = "b"
+    return first, show()
+
+
+def closure_reads_unbound(flag):
+    def read():
+        return value
+
+    if flag:
+        value = 1
+    return read()
+
+
+def nonlocal_counter(n):
+    count = 0
+
+    def bump(k=1):
+        nonlocal count
+        count += k
+        return count
+
+    for _ in range(n):
+        bump()
+    return bump(k=10), count
+
+
+def nested_recursion(n):
+    def fact(k):
+        return 1 if k <= 1 else k * fact(k - 1)
+
+    return fact(n)
+
+
+def decorate_times_ten(fn):
+    def wrapper(*args):
+        return fn(*args) * 10
+
+    return wrapper
+
+
+def nested_decorated_with_annotations(x):
+    @decorate_times_ten
+    def add(y: int, z: float = x) -> float:
+        return y + z
+
+    def plain(a: list, *rest, b: "int" = 0, **kw) -> None:
+        pass
+
+    return add(1), add.__name__, plain.__annotations__, plain.__kwdefaults__, plain.__qualname__
+
+
+def nested_raises(x):
+    def check(v):
+        if v < 0:
+            raise ValueError(f"negative: {v}")
+        return v
+
+    return check(x)
+
+
+def global_statement(v):
+    global COUNTER
+    COUNTER += v
+    before = COUNTER
+    del COUNTER
+    try_again = "COUNTER" in globals()
+    COUNTER = before * 2
+    return before, try_again, COUNTER
+
+
+def global_deleted_twice():
+    global COUNTER
+    del COUNTER
+    del COUNTER
+
+
+def make_nonlocal_user():
+    total = [0]
+    step = 1
+
+    def add(v):
+        nonlocal step
+        step = step + v
+        total[0] += step
+        return step, total[0]
+
+    return add
+
+
+def generator_expressions(xs):
+    return (sum(x * x for x in xs), any(x > 2 for x in xs), tuple(x for x in xs if x % 2),
+            sorted((x for x in xs), reverse=True), sum(x * y for x in xs for y in xs if x < y))
+
+
+def generator_is_lazy(xs):
+    seen = []
+
+    def note(v):
+        seen.append(v)
+        return v
+
+    found = any(note(x) > 1 for x in xs)
+    first = next(i for i in itertools.count() if i * i > 10)
+    gen = (note(x) for x in xs)
+    before = list(seen)
+    next(gen)
+    return found, first, before, seen
+
+
+def generator_first_iterable_is_read_at_once(n):
+    return (x for x in n)
+
+
+def generator_variables_do_not_leak(xs):
+    x = "outer"
+    total = sum(x for x in xs)
+    return x, total
+
+
+class Scaler:
+    def __init__(self, k):
+        self.k = k
+
+    def helper(self, v):
+        return v * self.k
+
+    def scaled_sorted(self, xs):
+        return sorted(xs, key=lambda t: -self.helper(t)), [self.helper(t) for t in xs]
+
+
+def scaled_sorted(xs):
+    return Scaler(2).scaled_sorted(xs)
+
+
+@pytest.mark.parametrize("fn,cases", [
+    (lambda_sort_key, [([(2, "a"), (1, "b"), (3, "a")],)]),
+    (lambda_defaults_and_kwonly, [(2,)]),
+    (closures_bind_late, [(3,), (0,)]),
+    (closure_sees_later_assignment, [(1,)]),
+    (closure_reads_unbound, [(True,), (False,)]),
+    (nonlocal_counter, [(3,)]),
+    (nested_recursion, [(5,)]),
+    (nested_decorated_with_annotations, [(2.5,)]),
+    (nested_raises, [(1,), (-1,)]),
+    (generator_expressions, [([1, 2, 3, 4],), ([],)]),
+    (generator_is_lazy, [([0, 5, 1],)]),
+    (generator_first_iterable_is_read_at_once, [(3,)]),
+    (generator_variables_do_not_leak, [([1, 2],)]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_nested_scopes(fn, cases):
+    check(fn, *cases)
+
+
+def test_nested_scopes_in_a_method():
+    for mode in MODES:
+        scaler = Scaler(3)
+        compiled = recompile.function(mode=mode)(Scaler.scaled_sorted)
+        assert compiled(scaler, [1, 3, 2]) == Scaler.scaled_sorted(scaler, [1, 3, 2])
+
+
+def test_global_and_nonlocal_statements():
+    global COUNTER
+    for mode in MODES:
+        COUNTER = 1
+        want = outcome(global_statement, (2,))
+        COUNTER = 1
+        assert_outcome(outcome(recompile.function(mode=mode)(global_statement), (2,)), want)
+        want = outcome(global_deleted_twice, ())
+        COUNTER = 1
+        assert_outcome(outcome(recompile.function(mode=mode)(global_deleted_twice), ()), want)
+        # a compiled function that is itself a closure writes its enclosing function's variable
+        plain = make_nonlocal_user()
+        compiled = recompile.function(mode=mode)(make_nonlocal_user())
+        assert [compiled(2), compiled(3)] == [plain(2), plain(3)]
+    COUNTER = 0
+
+
+def closure_of_a_tensor(x):
+    s = x * 2
+    g = lambda t: t * s  # noqa: E731
+    return g(x)
+
+
+def nonlocal_accumulates(x):
+    acc = x
+
+    def times(t):
+        nonlocal acc
+        acc = acc * t
+
+    times(x)
+    times(x.sin())
+    return acc
+
+
+def generator_sum(x):
+    hs = [x * 2, x.sin()]
+    return sum(h * h for h in hs)
+
+
+def lambda_of_a_parameter(x):
+    g = lambda t: t * x  # noqa: E731
+    return g(x) + x
+
+
+def test_nested_scopes_batched_and_gradients():
+    # a nested function runs once per instance in a batched run, and says so
+    for fn in (closure_of_a_tensor, nonlocal_accumulates, generator_sum, lambda_of_a_parameter):
+        with pytest.warns(recompile.PerInstanceWarning, match="nested function, lambda or generator"):
+            check_vmap(fn, (0,), ROWS, per_instance=True)
+        check_grad(fn, T(1.5, -0.5))
+
+
+# ---------------------------------------------------------------------------
+# 5. with, try, match: run as the Python they are (a nested function sharing the function's variables)
+# ---------------------------------------------------------------------------
+
+class Recorder:
+    """A context manager that logs its enters and exits into ``log`` and suppresses what it is told to."""
+
+    def __init__(self, log, name, suppress=()):
+        self.log, self.name, self.suppress = log, name, suppress
+
+    def __enter__(self):
+        self.log.append(("enter", self.name))
+        return self.name.upper()
+
+    def __exit__(self, kind, exc, tb):
+        self.log.append(("exit", self.name, kind.__name__ if kind else None))
+        return kind is not None and issubclass(kind, self.suppress)
+
+
+def with_every_way_out(n):
+    log = []
+    out = []
+    for i in range(n):
+        with Recorder(log, f"m{i}") as name:
+            if i == 1:
+                continue
+            if i == 3:
+                break
+            out.append(name)
+    with Recorder(log, "a") as a, Recorder(log, "b", suppress=(KeyError,)) as b:
+        {}["missing"]
+    with Recorder(log, "ret"):
+        if n > 2:
+            return log, out, a + b
+        total = len(out)
+    return log, out, total
+
+
+def with_exception_propagates(x):
+    log = []
+    with Recorder(log, "outer"):
+        with Recorder(log, "inner", suppress=(ZeroDivisionError,)):
+            x = x / 0
+        log.append("after inner")
+        raise ValueError(f"bad {x}")
+
+
+def with_binds_for_later(pairs):
+    with Recorder([], "m") as (first, *rest):
+        total = len(rest)
+        del pairs[0]
+    return first, rest, total, pairs
+
+
+def with_grad_modes(x):
+    with torch.no_grad():
+        y = x * 2
+    with torch.enable_grad():
+        z = x * 3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        w = (x.unsqueeze(0) @ x.unsqueeze(1)).dtype
+    return y, y.requires_grad, z, w
+
+
+def try_except_else_finally(xs, i):
+    log = []
+    try:
+        v = xs[i]
+    except IndexError as e:
+        log.append(f"index: {e}")
+        v = -1
+    except (KeyError, TypeError):
+        log.append("key or type")
+        v = -2
+    else:
+        log.append("else")
+    finally:
+        log.append("finally")
+    try:
+        e  # noqa: B018 - unbound after its except clause, as in Python
+        bound = True
+    except NameError:
+        bound = False
+    return v, log, bound
+
+
+def try_returns(x):
+    try:
+        if x > 0:
+            return "try"
+        raise ValueError(x)
+    except ValueError:
+        return "except"
+    finally:
+        if x > 5:
+            return "finally"
+
+
+def try_in_loop(xs):
+    out = []
+    for x in xs:
+        try:
+            if x == 0:
+                continue
+            if x < 0:
+                break
+            out.append(10 // x)
+        finally:
+            out.append("f")
+    return out
+
+
+def try_raise_from(x):
+    try:
+        return {"a": 1}[x]
+    except KeyError as err:
+        raise ValueError(f"no {x}") from err
+
+
+def try_reraise(x):
+    try:
+        return 1 / x
+    except ZeroDivisionError:
+        x = "handled"
+        raise
+
+
+def try_catches_a_compiled_call(n):
+    try:
+        return countdown_fails(n)
+    except RuntimeError as e:
+        return f"caught {e}"
+
+
+def countdown_fails(n):
+    if n == 0:
+        raise RuntimeError("bottom")
+    return countdown_fails(n - 1) + 1
+
+
+def try_star(x):
+    try:
+        raise ExceptionGroup("group", [ValueError(x), TypeError(x)])
+    except* ValueError as eg:
+        got = [str(e) for e in eg.exceptions]
+    except* TypeError:
+        got2 = "type"
+    return got, got2
+
+
+def matching(v):
+    match v:
+        case 0 | 1:
+            return "small"
+        case [x, *rest] if x > 0:
+            return ("seq", x, rest)
+        case {"k": k, **others}:
+            return ("map", k, others)
+        case Recorder(name="m") as r:
+            return ("recorder", r.name)
+        case str() as s:
+            kind = f"text {s}"
+        case _:
+            kind = "other"
+    return kind, v
+
+
+@pytest.mark.parametrize("fn,cases", [
+    (with_every_way_out, [(5,), (2,)]),
+    (with_exception_propagates, [(1.0,)]),
+    (with_binds_for_later, [([1, 2],)]),
+    (try_except_else_finally, [([1, 2], 0), ([1, 2], 5), ({"a": 1}, "b"), ({"a": 1}, "a")]),
+    (try_returns, [(1,), (-1,), (9,)]),
+    (try_in_loop, [([1, 0, 2, -1, 3],)]),
+    (try_raise_from, [("a",), ("b",)]),
+    (try_reraise, [(2,), (0,)]),
+    (try_star, [(1,)]),
+    (matching, [(1,), ([3, 4, 5],), ([-3],), ({"k": 1, "j": 2},), (Recorder([], "m"),), ("s",), (2.5,)]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_with_try_match(fn, cases):
+    check(fn, *cases)
+
+
+def test_with_try_match_details():
+    check(with_grad_modes, (T(1.0, 2.0),))
+    check(try_catches_a_compiled_call, (3,), rec=("countdown_fails",))
+    for mode in MODES:  # the cause of ``raise ... from ...`` is kept, and a bare raise re-raises the same
+        with pytest.raises(ValueError) as info:
+            recompile.function(mode=mode)(try_raise_from)("b")
+        assert type(info.value.__cause__) is KeyError
+
+
+def with_no_grad_part(x):
+    with torch.no_grad():
+        scale = x.sum()
+    return x * scale
+
+
+def try_per_instance(x):
+    try:
+        y = x.sqrt() if x.sum() > 0 else x.log()
+        if y.isnan().any():
+            raise ValueError("nan")
+    except ValueError:
+        y = x * 0
+    return y
+
+
+def test_with_try_batched_and_gradients():
+    for fn in (with_no_grad_part, try_per_instance):
+        with pytest.warns(recompile.PerInstanceWarning, match="with, try, match, class or import statement"):
+            check_vmap(fn, (0,), ROWS, per_instance=True)
+        check_grad(fn, T(1.5, 0.5))
+
+
+class Described:
+    def describe(self):
+        return "described"
+
+
+class Private(Described):
+    def __init__(self):
+        self.__k = 3
+
+    def run(self, xs):
+        __scale = 2
+        try:
+            out = sorted(xs, key=lambda t: -t * self.__k * __scale)
+        finally:
+            __scale = 5
+        with Recorder([], "m"):
+            name = super().describe()
+        return out, __scale, name
+
+
+def test_private_names_and_super_in_nested_scopes_of_a_method():
+    for mode in MODES:
+        assert recompile.function(mode=mode)(Private.run)(Private(), [1, 3, 2]) == Private().run([1, 3, 2])
+
+
+def class_and_import(x):
+    import math
+    from collections import OrderedDict as OD
+
+    class Point:
+        scale = x
+
+        def norm(self):
+            return math.sqrt(self.scale)
+
+    with Recorder([], "m"):
+        def inside():
+            return 1
+
+    return Point().norm(), type(OD()).__name__, Point.__qualname__, Point.norm.__qualname__, inside.__qualname__
+
+
+def compiled_identity(v):
+    return v
+
+
+def cell_read_between_compiled_calls(n):
+    count = n
+
+    def bump():
+        nonlocal count
+        count += 1
+
+    a = compiled_identity(count)
+    bump()
+    b = compiled_identity(count)
+    return a, b
+
+
+def test_class_and_import_statements_and_cells_between_compiled_calls():
+    check(class_and_import, (4.0,))
+    check(cell_read_between_compiled_calls, (0,), rec=("compiled_identity",))
+
+
+def test_instances_dump_marks_a_statement_run_as_python_per_instance():
+    text = recompile.function(with_no_grad_part).dump(instances=())
+    (cell,) = [line for line in text.splitlines() if "new_cell()" in line]
+    (call,) = [line for line in text.splitlines() if "call %<with>()" in line]
+    assert "[batched]" in cell  # (each instance's own cell, made without a warning)
+    assert "[per instance: it is a nested function" in call
