@@ -167,17 +167,19 @@ GROWN = {
                                     (intrinsics.read_local_cell, cells.read_cells),
                                     (intrinsics.delete_cell, cells.delete_cells),
                                     (intrinsics.make_function, cells.make_functions),
-                                    # a full max or min as amax or amin (ties share the gradient, as torch's)
-                                    (torch.max, batch_rules.extreme), (torch.min, batch_rules.extreme)]),
+                                    # a full max, min or median (ties share the gradient, as torch's)
+                                    (torch.max, batch_rules.extreme), (torch.min, batch_rules.extreme),
+                                    (torch.median, batch_rules.extreme)]),
                           {"_operator.matmul -> recompile:via_vmap",
                            "torch._VariableFunctionsClass.max -> recompile:_dim_rule.<locals>.rule",
                            "torch._VariableFunctionsClass.min -> recompile:_dim_rule.<locals>.rule"}),
     "batch_rules.METHOD_RULES": ({"'max' -> recompile:_extreme_method.<locals>.rule",
-                                  "'min' -> recompile:_extreme_method.<locals>.rule"},
+                                  "'min' -> recompile:_extreme_method.<locals>.rule",
+                                  "'median' -> recompile:_extreme_method.<locals>.rule"},
                                  {"'max' -> recompile:method_dim.<locals>.rule"}),
     "batch_rules.MODULE_RULES": (_entries((m, batch_rules.recurrent_cell) for m in _CELLS), set()),
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range,
-                                    *_CLOSURES), set()),
+                                    *_CLOSURES, torch.median), set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS), set()),
     "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS), set()),

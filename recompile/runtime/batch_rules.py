@@ -965,34 +965,46 @@ BATCH.register(torch.softmax, F.softmax, F.log_softmax, torch.log_softmax, torch
 _BY_DIM = _dim_rule(1)
 
 
-@BATCH.register(torch.max, torch.min)
+_WHOLE = {torch.max: "max", torch.min: "min", torch.median: "median"}
+
+
+@BATCH.register(torch.max, torch.min, torch.median)
 def extreme(n, fn, args, kwargs):
-    """``torch.max(x)`` / ``torch.min(x)`` of a batched x: over every dim of each instance, as ``amax``/``amin``,
-    whose gradient is torch's for the full reduction (split evenly among ties, where ``max(dim)`` gives all
+    """``torch.max(x)`` / ``torch.min(x)`` / ``torch.median(x)`` of a batched x: over every element of each
+    instance, with torch's gradient for the full reduction (split evenly among ties, where ``max(dim)`` gives all
     to the first); with a dim (or two tensors) by the dim rule."""
     if len(args) == 1 and not kwargs and type(args[0]) is Batch:
         t = bt.tensor_of(args[0])
         if t is not None:
-            return bt.from_tensor(_extreme_of(t, fn is torch.max))
+            return bt.from_tensor(_whole_of(t, _WHOLE[fn]))
     return _BY_DIM(n, fn, args, kwargs)
 
 
-def _extreme_of(t, largest):
+def _whole_of(t, kind):
+    """Each instance's (row's) max, min or median over all its elements, its gradient shared among ties."""
     if t.dim() == 1:  # (each instance's 0-d tensor is its own maximum)
         return t.clone()
-    dims = tuple(range(1, t.dim()))
-    return t.amax(dim=dims) if largest else t.amin(dim=dims)
+    if kind != "median":
+        dims = tuple(range(1, t.dim()))
+        return t.amax(dim=dims) if kind == "max" else t.amin(dim=dims)
+    flat = t.reshape(t.shape[0], -1)
+    m = flat.median(dim=1).values.detach().unsqueeze(1)
+    tied = flat == m
+    # m itself, plus zeros whose gradient is 1 / (ties) at each tied element, as torch's median() shares it
+    return (m + torch.where(tied, flat - m, torch.zeros((), dtype=flat.dtype, device=flat.device)).sum(
+        1, keepdim=True) / tied.sum(1, keepdim=True)).squeeze(1)
 
 
-def _extreme_method(largest):
-    """``x.max()`` / ``x.min()`` of a batched tensor (see ``extreme``); with a dim, ``method_dim``'s rule."""
-    by_dim = method_dim("max" if largest else "min", 0)
+def _extreme_method(kind):
+    """``x.max()`` / ``x.min()`` / ``x.median()`` of a batched tensor (see ``extreme``); with a dim,
+    ``method_dim``'s rule."""
+    by_dim = method_dim(kind, 0)
 
     def rule(n, x, args, kwargs):
         if not args and not kwargs:
             t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
             if t is not None:
-                return bt.from_tensor(_extreme_of(t, largest))
+                return bt.from_tensor(_whole_of(t, kind))
         return by_dim(n, x, args, kwargs)
 
     return rule
@@ -1001,5 +1013,5 @@ for _method in facts.UNARY_METHODS:
     BATCH.register(_method)(unary_method(_method))
 for _method, (_position, _every) in facts.DIM_METHODS.items():
     BATCH.register(_method)(method_dim(_method, _position, _every))
-BATCH.register("max")(_extreme_method(True))
-BATCH.register("min")(_extreme_method(False))
+for _kind in ("max", "min", "median"):
+    BATCH.register(_kind)(_extreme_method(_kind))
