@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
 
 import recompile
 from recompile.data import Forest, load_sst, sample_dir
@@ -87,10 +88,16 @@ def new_model(mode, vocab_size):
     return MODELS[mode](vocab_size).double()
 
 
-def trees_of(train, step, rank, micro=0, micros=1, world=2):
-    """This rank's trees at ``step`` (its ``micro``-th of ``micros`` micro-batches): rank-major slices of train."""
-    start = ((step * micros + micro) * world + rank) * TREES
-    return train[start:start + TREES]
+def batches(scenario, train, rank, world=2):
+    """This rank's trees: per step, a list per micro-batch (two in ``no_sync``, one elsewhere). Rank-major
+    slices of ``train``, but in ``uneven``: 7 trees, which 2 ranks do not divide, in a DistributedSampler's
+    shuffled order (it repeats a tree so that every rank has as many, and takes as many steps)."""
+    if scenario.startswith("uneven"):
+        order = list(DistributedSampler(train[:7], num_replicas=world, rank=rank, shuffle=True, seed=0))
+        return [[[train[k] for k in order[start:start + TREES]]] for start in range(0, len(order), TREES)]
+    micros = 2 if scenario.startswith("no_sync") else 1
+    return [[train[((step * micros + micro) * world + rank) * TREES:][:TREES] for micro in range(micros)]
+            for step in range(STEPS)]
 
 
 def rare_words(scenario, step, rank):
@@ -107,16 +114,14 @@ def rare_words(scenario, step, rank):
 
 def one_process(scenario, train, vocab_size, world=2):
     """The parameters after training on the union of every rank's trees in one process, as plain PyTorch."""
-    mode = scenario.rsplit("-", 1)[1]
-    micros = 2 if scenario.startswith("no_sync") else 1
-    model = new_model(mode, vocab_size)
+    model = new_model(scenario.rsplit("-", 1)[1], vocab_size)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+    ranks = [batches(scenario, train, r, world) for r in range(world)]
     with recompile.disable():  # (the recursion as plain Python: vmap a loop over the trees)
-        for step in range(STEPS):
-            parts = [(trees_of(train, step, r, m, micros, world), rare_words(scenario, step, r))
-                     for m in range(micros) for r in range(world)]
-            total = sum(len(t) for t, _ in parts)
-            loss = sum(model(Forest.from_trees(t), rare) * len(t) for t, rare in parts) / total
+        for step, steps in enumerate(zip(*ranks)):
+            parts = [(trees, rare_words(scenario, step, r)) for r, micros in enumerate(steps) for trees in micros]
+            total = sum(len(trees) for trees, _ in parts)
+            loss = sum(model(Forest.from_trees(trees), rare) * len(trees) for trees, rare in parts) / total
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -143,9 +148,7 @@ def gated(t, model):
 
 def run_ddp(scenario, train, vocab_size, rank, world):
     """Train through DDP, recording the order in which parameters got their gradients and buckets were reduced."""
-    mode = scenario.rsplit("-", 1)[1]
-    micros = 2 if scenario.startswith("no_sync") else 1
-    model = new_model(mode, vocab_size)
+    model = new_model(scenario.rsplit("-", 1)[1], vocab_size)
     # a bucket per parameter (tiny buckets), so that a reduction started during the backward shows
     ddp = DDP(model, find_unused_parameters=scenario.startswith("unused"), bucket_cap_mb=1e-6)
     events, found = [], {}
@@ -160,14 +163,13 @@ def run_ddp(scenario, train, vocab_size, rank, world):
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     steps = []
     try:
-        for step in range(STEPS):
+        for step, micros in enumerate(batches(scenario, train, rank, world)):
             opt.zero_grad()
-            for micro in range(micros):
+            for micro, trees in enumerate(micros):
                 events.clear()
-                forest = Forest.from_trees(trees_of(train, step, rank, micro, micros, world))
-                syncing = micro == micros - 1
+                syncing = micro == len(micros) - 1
                 with ddp.no_sync() if not syncing else contextlib.nullcontext():
-                    loss = ddp(forest, rare_words(scenario, step, rank)) / micros
+                    loss = ddp(Forest.from_trees(trees), rare_words(scenario, step, rank)) / len(micros)
                     gates = gated(loss, model)
                     loss.backward()
                 steps.append({"step": step, "synced": syncing, "events": list(events), "gates": gates,
@@ -190,8 +192,8 @@ def run_fsdp(scenario, train, vocab_size, rank, world):
     fully_shard(model)
     sharded = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        loss = model(Forest.from_trees(trees_of(train, step, rank, world=world)), rare_words(scenario, step, rank))
+    for step, (trees,) in enumerate(batches(scenario, train, rank, world)):
+        loss = model(Forest.from_trees(trees), rare_words(scenario, step, rank))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -205,8 +207,8 @@ def stop_mid_step(scenario, train, vocab_size, rank, world):
     model = new_model("batched", vocab_size)
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-    for step in range(STEPS):
-        forest = Forest.from_trees(trees_of(train, step, rank, world=world))
+    for step, (trees,) in enumerate(batches(scenario, train, rank, world)):
+        forest = Forest.from_trees(trees)
         if step == 1 and rank == 1 and scenario == "raise":
             forest.words[forest.words >= 0] += vocab_size
         loss = ddp(forest, RARE)

@@ -85,7 +85,8 @@ def train():
     return worker.data()
 
 
-SCENARIOS = [f"{kind}-{mode}" for kind in ("plain", "no_sync", "unused", "fsdp", "undeclared") for mode in MODES]
+KINDS = ["plain", "no_sync", "unused", "uneven", "fsdp", "undeclared"]
+SCENARIOS = [f"{kind}-{mode}" for kind in KINDS for mode in MODES]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def assert_state_equal(got, want):
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-10, msg=k)
 
 
-@pytest.mark.parametrize("kind", ["plain", "no_sync", "unused", "fsdp"])
+@pytest.mark.parametrize("kind", KINDS[:-1])
 @pytest.mark.parametrize("mode", MODES)
 def test_two_ranks_train_as_one_process_on_the_union_of_their_trees(ranks, train, kind, mode):
     scenario = f"{kind}-{mode}"
@@ -186,3 +187,44 @@ def test_a_rank_raising_in_a_compiled_call_shows_its_call_chain_and_ends_the_oth
     assert rc0 != 0 and ended0 - ended1 < 30  # (rank 0 was in its backward's reduction: no hang)
     assert "rank 0: training stopped in raise" in log0 and "peer" in log0
     assert set(found[0]) == set(SCENARIOS)  # (every scenario before it ran to its end)
+
+
+# -- examples/distributed.py
+
+sys.path.insert(0, str(ROOT / "examples"))
+
+import distributed as example  # noqa: E402  (examples/distributed.py)
+
+TINY = ["--limit", "8", "--embed", "8", "--hidden", "6", "--lr", "0.1"]
+
+
+def weights(checkpoint):
+    return torch.load(checkpoint, weights_only=False)["model"]
+
+
+def test_the_example_trains_without_a_launcher_and_goes_on_from_its_checkpoint(tmp_path, capsys):
+    straight, stopped = str(tmp_path / "straight.pt"), str(tmp_path / "stopped.pt")
+    history = example.main(TINY + ["--batch", "4", "--epochs", "2", "--checkpoint", straight])
+    example.main(TINY + ["--batch", "4", "--epochs", "1", "--checkpoint", stopped])
+    assert example.main(TINY + ["--batch", "4", "--epochs", "2", "--checkpoint", stopped, "--resume"]) == history
+    assert_state_equal(weights(stopped), weights(straight))
+    out = capsys.readouterr().out
+    assert "on 1 ranks (gloo)" in out and "resumed from" in out and out.count("dev root accuracy") == 4
+
+
+@pytest.mark.slow
+def test_the_example_under_torchrun_trains_as_one_process_on_the_ranks_trees_and_resumes_on_any_world_size(
+        tmp_path):
+    """2 ranks of 2 trees a step train as one process of 4 trees a step (float32); the checkpoint they write
+    goes on in one process."""
+    ran, straight = str(tmp_path / "ran.pt"), str(tmp_path / "straight.pt")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "examples" / "distributed.py"), *TINY, "--batch", "2", "--epochs", "1",
+                           "--checkpoint", ran], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert "on 2 ranks (gloo)" in done.stdout and done.stdout.count("dev root accuracy") == 1  # (rank 0 logs)
+    example.main(TINY + ["--batch", "4", "--epochs", "2", "--checkpoint", ran, "--resume"])
+    example.main(TINY + ["--batch", "4", "--epochs", "2", "--checkpoint", straight])
+    for k, want in weights(straight).items():
+        torch.testing.assert_close(weights(ran)[k], want, rtol=0, atol=1e-5, msg=k)
