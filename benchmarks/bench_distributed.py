@@ -1,18 +1,19 @@
 """Data-parallel training throughput: the Tree-LSTM of examples/ on 1 process and on 2 (DDP, gloo), 1 thread each.
 
-    python benchmarks/bench_distributed.py [--data DIR] [--batch 25] [--trees 200] [--repeats 3]
+    python benchmarks/bench_distributed.py [--data DIR] [--batch 25] [--trees 200] [--repeats 5]
 
 Every process trains on trees of its own (--trees of them, the first process the first ones, the next the
 next), --batch trees a step in one batched run of the compiled encoder, forward, backward and an SGD step:
 the same model and minibatch per rank, so 2 processes do twice the work of 1 in each step. Printed: trees/s
 of 1 process alone, of 1 process under DDP (world size 1: DDP's own cost), and of 2 processes under DDP (all
 their trees over the slower one's time); the scaling efficiency is the 2 processes' trees/s over twice the
-1 process's. Each process is a fork of this one, with the rendezvous on the loopback address; the runs take
-turns over --repeats rounds, and each takes the best of 2 timed passes over its trees after one pass of
-warm-up.
+1 process's. Trees per CPU-second (the processes' CPU time, all their threads) leave out the time a rank
+waits, for the other or for a core that another process holds.
 
-Before timing, 2 ranks train a float64 copy of the model for 2 steps, which must end with the parameters of
-one process training on the union of their minibatches (1e-10).
+Each process is a fork of this one, with the rendezvous on the loopback address. The runs take turns over
+--repeats rounds, each the best of 2 timed passes over its trees after one pass of warm-up. Before timing, 2
+ranks train a float64 copy of the model for 2 steps, which must end with the parameters of one process
+training on the union of their minibatches (1e-10).
 """
 
 from __future__ import annotations
@@ -123,19 +124,20 @@ def check(trees, vocab_size, args):
 
 
 def time_rank(rank, world, trees, vocab_size, args, ddp):
-    """The best seconds of a pass over this rank's trees, --batch a step (after a pass of warm-up)."""
+    """(wall-clock seconds, CPU seconds of the process) of the pass over this rank's trees, --batch a step, that
+    took the least time (after a pass of warm-up)."""
     net = new_model(vocab_size, args, torch.float32)
     wrapped = DistributedDataParallel(net) if ddp else net
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.01)
     mine = trees[rank * args.trees:(rank + 1) * args.trees]
-    best = float("inf")
+    best = (float("inf"), 0.0)
     for timed in (False, True, True):
         dist.barrier()  # (the ranks start each pass together)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for k in range(0, len(mine), args.batch):
             step(wrapped, opt, mine[k:k + args.batch])
         if timed:
-            best = min(best, time.perf_counter() - start)
+            best = min(best, (time.perf_counter() - start, time.process_time() - cpu))
     return best
 
 
@@ -146,7 +148,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=25, help="trees per process and step")
     p.add_argument("--embed", type=int, default=300)
     p.add_argument("--hidden", type=int, default=150)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # (before any op: the ranks are forks of this process)
     sst = load_sst(args.data or sample_dir(), splits=("train",))
@@ -154,23 +156,32 @@ def main(argv=None):
     if len(trees) < 2 * args.trees:
         p.error(f"--trees {args.trees}: 2 processes need {2 * args.trees} trees, the data has {len(trees)}")
     print(f"Tree-LSTM (embed {args.embed}, hidden {args.hidden}), SST train trees, {args.trees} per process and "
-          f"pass, {args.batch} per process and step; 1 torch thread per process, {os.cpu_count()} CPU cores, gloo; "
-          f"load average {os.getloadavg()[0]:.2f}")  # (processes of others on the cores: 2 ranks need both free)
+          f"pass, {args.batch} per process and step; 1 torch thread per process, gloo")
     diff = check(trees, vocab_size, args)
     if not diff <= 1e-10:
         raise AssertionError(f"2 ranks differ from one process on their union by {diff:.3g}")
     print(f"check: 2 ranks train as one process on the union of their minibatches (float64, max diff {diff:.1e})")
     runs = {"1 process": (1, False), "1 process, DDP": (1, True), "2 processes, DDP": (2, True)}
-    best = dict.fromkeys(runs, 0.0)
+    best, per_cpu, rounds = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0.0), []
+    loads = [os.getloadavg()[0]]
     for _ in range(args.repeats):  # (the runs take turns: a machine's slow spell hits them alike)
+        rates = {}
         for name, (world, ddp) in runs.items():
-            seconds = max(fork_ranks(world, time_rank, trees, vocab_size, args, ddp))
-            best[name] = max(best[name], world * args.trees / seconds)
+            timed = fork_ranks(world, time_rank, trees, vocab_size, args, ddp)
+            rates[name] = world * args.trees / max(wall for wall, _ in timed)
+            best[name] = max(best[name], rates[name])
+            per_cpu[name] = max(per_cpu[name], world * args.trees / sum(cpu for _, cpu in timed))
+        rounds.append(rates["2 processes, DDP"] / (2 * rates["1 process"]))
+    loads.append(os.getloadavg()[0])
     one = best["1 process"]
-    print(f"{'':18} {'trees/s':>9} {'/ 1 process':>12}")
+    print(f"{'':18} {'trees/s':>9} {'/ 1 process':>12} {'trees/CPU-s':>12}")
     for name, rate in best.items():
-        print(f"{name:18} {rate:9.1f} {rate / one:11.2f}x")
-    print(f"scaling efficiency of 2 processes: {best['2 processes, DDP'] / (2 * one):.2f}")
+        print(f"{name:18} {rate:9.1f} {rate / one:11.2f}x {per_cpu[name]:12.1f}")
+    cpu = per_cpu["2 processes, DDP"] / per_cpu["1 process"]
+    print(f"scaling efficiency of 2 processes: {best['2 processes, DDP'] / (2 * one):.2f} (each round's: "
+          f"{min(rounds):.2f}-{max(rounds):.2f}); per CPU-second: {cpu:.2f}")
+    print(f"load average {loads[0]:.2f} before, {loads[1]:.2f} after ({os.cpu_count()} CPU cores; other processes on "
+          "them slow 2 ranks most)")
     return best
 
 

@@ -3,11 +3,12 @@
     python tests/distributed_worker.py OUT SCENARIO...    # with MASTER_ADDR, MASTER_PORT set
 
 starts 2 ranks as forks of itself, once it has imported torch, DDP and FSDP (their imports take seconds), and
-sets the variables torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK). Each scenario trains a small tree model for a few steps on this rank's trees, through DistributedDataParallel
-or FSDP2's ``fully_shard``, and this rank writes what the test checks (parameters, hook events) to
-``OUT/rank{RANK}.pt``; ``raise`` and ``kill`` end the job in the middle of a step. A rank's output goes to
-``OUT/rank{RANK}.log``; when it ends, its exit status and the time go to ``OUT/rank{RANK}.end``. The test trains the same model in one process, eagerly, on the union of the ranks'
-trees, and compares. The models and the data are defined here, for both sides.
+sets the variables torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK). Each scenario trains a small tree model
+for a few steps on the rank's trees, through DistributedDataParallel or FSDP2's ``fully_shard``, and the rank
+writes what the test checks (parameters, hook events) to ``OUT/rank{RANK}.pt``; ``raise`` and ``kill`` end
+the job in the middle of a step. A rank's output goes to ``OUT/rank{RANK}.log``; when it ends, its exit status
+and the time go to ``OUT/rank{RANK}.end``. The test trains the same model in one process, eagerly, on the
+union of the ranks' trees, and compares: the models and the data are defined here, for both sides.
 """
 
 from __future__ import annotations

@@ -159,7 +159,8 @@ def test_distributed_benchmark_checks_and_times_one_and_two_processes():
     assert "check: 2 ranks train as one process on the union of their minibatches" in out
     rows = {line[:18].strip(): line[18:].split() for line in out.splitlines() if line.startswith(("1 ", "2 "))}
     assert list(rows) == ["1 process", "1 process, DDP", "2 processes, DDP"]
-    assert rows["1 process"][1] == "1.00x" and all(float(rate) > 0 for rate, _ in rows.values())
-    efficiency = float(out.split("scaling efficiency of 2 processes: ")[1])
+    assert rows["1 process"][1] == "1.00x"
+    assert all(float(rate) > 0 and ratio.endswith("x") and float(per_cpu) > 0 for rate, ratio, per_cpu in rows.values())
+    efficiency = float(out.split("scaling efficiency of 2 processes: ")[1].split()[0])
     assert efficiency == pytest.approx(float(rows["2 processes, DDP"][0]) / (2 * float(rows["1 process"][0])),
                                        abs=0.01)
