@@ -56,7 +56,8 @@ class SentimentModel(nn.Module):
         return state[-1], self.out(state[0])
 
 
-def parse_args(description, argv=None):
+def parser(description):
+    """The options every SST example takes (an example may add its own before ``parse_args``)."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None,
                    help="directory with train.txt/dev.txt/test.txt (default: the small sample shipped with recompile)")
@@ -76,6 +77,11 @@ def parse_args(description, argv=None):
                                                    "PNG (needs matplotlib)")
     p.add_argument("--dump", action="store_true", help="print the IR of the compiled encoder before training")
     p.add_argument("--source", action="store_true", help="print the generated Python source before training")
+    return p
+
+
+def parse_args(description, argv=None, p=None):
+    p = p or parser(description)
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint:
         p.error("--resume needs --checkpoint PATH")
@@ -84,14 +90,20 @@ def parse_args(description, argv=None):
     return args
 
 
-def accuracy(model, trees, batch=256):
-    correct = 0
+def correct(model, trees, batch=256, device=None):
+    """How many of ``trees`` the model labels right at the root."""
+    right = 0
     with torch.no_grad():
         for k in range(0, len(trees), batch):
             forest = Forest.from_trees(trees[k:k + batch])
+            forest = forest.to(device) if device is not None else forest
             _, logits = model.forward_many(forest)
-            correct += int((logits.argmax(-1) == forest.labels[forest.roots]).sum())
-    return correct / max(len(trees), 1)
+            right += int((logits.argmax(-1) == forest.labels[forest.roots]).sum())
+    return right
+
+
+def accuracy(model, trees, batch=256):
+    return correct(model, trees, batch) / max(len(trees), 1)
 
 
 def save_checkpoint(path, model, opt, history):
@@ -102,8 +114,8 @@ def save_checkpoint(path, model, opt, history):
     os.replace(path + ".tmp", path)  # a run stopped while saving leaves the last checkpoint whole
 
 
-def load_checkpoint(path, model, opt):
-    state = torch.load(path, weights_only=False)  # (the random states are Python objects)
+def load_checkpoint(path, model, opt, map_location=None):
+    state = torch.load(path, weights_only=False, map_location=map_location)  # (the random states are Python objects)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"])

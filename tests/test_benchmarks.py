@@ -2,11 +2,14 @@
 
 import os
 import re
+import subprocess
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+sys.path.insert(0, BENCHMARKS)
 
 from recompile.data import sample_dir  # noqa: E402
 
@@ -142,3 +145,22 @@ def test_threads_benchmark_tree_shapes():
     n = sentence.num_leaves
     assert bench_threads.reshape(sentence, "linear").height == n - 1
     assert bench_threads.reshape(sentence, "balanced").height == (n - 1).bit_length()  # ceil(log2 n)
+
+
+@pytest.mark.slow  # (about 8 s: its processes import torch.distributed and build the model afresh)
+def test_distributed_benchmark_checks_and_times_one_and_two_processes():
+    # (in a process of its own: the benchmark's ranks are forks of the process that runs it)
+    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "bench_distributed.py"), "--trees", "8",
+                           "--batch", "4", "--embed", "8", "--hidden", "6", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "check: 2 ranks train as one process on the union of their minibatches" in out
+    rows = {line[:18].strip(): line[18:].split() for line in out.splitlines() if line.startswith(("1 ", "2 "))}
+    assert list(rows) == ["1 process", "1 process, DDP", "2 processes, DDP"]
+    assert rows["1 process"][1] == "1.00x"
+    assert all(float(rate) > 0 and ratio.endswith("x") and float(per_cpu) > 0 for rate, ratio, per_cpu in rows.values())
+    efficiency = float(out.split("scaling efficiency of 2 processes: ")[1].split()[0])
+    assert efficiency == pytest.approx(float(rows["2 processes, DDP"][0]) / (2 * float(rows["1 process"][0])),
+                                       abs=0.01)

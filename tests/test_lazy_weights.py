@@ -131,7 +131,7 @@ def test_a_weight_changed_in_place_before_the_backward_is_refused_as_torch_refus
         loss.backward()
 
 
-@pytest.mark.parametrize("dtype", [F64, torch.bfloat16])  # (copied by numpy, and by torch: numpy has no bf16)
+@pytest.mark.parametrize("dtype", [F64, torch.bfloat16])
 def test_a_product_of_few_rows_without_grad_is_linears_by_a_transposed_copy_kept_for_the_next_run(dtype):
     torch.manual_seed(0)
     weight, bias = torch.randn(7, 3, dtype=dtype), torch.randn(7, dtype=dtype)
@@ -182,6 +182,26 @@ def test_a_weight_changed_between_runs_even_through_data_is_copied_again(monkeyp
     with torch.no_grad():
         model.node.weight.add_(0.5)
     check()
+
+
+def test_a_run_leaves_its_weights_storage_resizable_as_fsdp_needs_it():
+    """FSDP frees an unsharded parameter between its uses by resizing its storage to 0: the transposed copies a run
+    makes must not mark the weight's storage as fixed (``Tensor.numpy()`` does, for good)."""
+    torch.manual_seed(0)
+    model = TreeLSTM(len(WORDS) + 1, embed=5, hidden=4)
+    forest = Forest.from_trees(trees())
+    encode = recompile.vmap(model.encode, in_dims=(None, 0))
+    with torch.no_grad():
+        before = encode(forest, forest.roots)[0]  # (products without grad: by the transposed copies)
+    encode(forest, forest.roots)[2].sum().backward()
+    assert all(p.untyped_storage().resizable() for p in model.parameters())
+    for p in model.parameters():  # what FSDP does between a backward and the next forward
+        saved = p.detach().clone()
+        p.untyped_storage().resize_(0)
+        p.untyped_storage().resize_(saved.numel() * saved.element_size())
+        p.detach().copy_(saved)
+    with torch.no_grad():
+        torch.testing.assert_close(encode(forest, forest.roots)[0], before)
 
 
 def test_a_run_with_grad_after_one_without_trains_as_eager():

@@ -30,7 +30,6 @@ from __future__ import annotations
 import threading
 import weakref
 
-import numpy
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -288,13 +287,11 @@ def _transposed(weight):
             buffer = torch.empty(shape, dtype=weight.dtype, device=weight.device)
         pool[key] = buffer
         weakref.finalize(weight, pool.pop, key, None)
-    if weight.dtype in _NUMPY_DTYPES and weight.is_cpu and weight.layout is torch.strided:
-        numpy.copyto(buffer.numpy(), weight.detach().numpy().T)  # (numpy's transposing copy: 40% faster)
-    else:
-        with torch.no_grad():
-            buffer.copy_(weight.t())
+    # (not numpy's copy through ``weight.numpy()``, no faster a training step: that marks the weight's storage
+    # not resizable for good, and FSDP frees an unsharded parameter by resizing its storage to 0)
+    with torch.no_grad():
+        buffer.copy_(weight.t())
     return buffer
 
 
-_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 _WIDE = (torch.float32, torch.float64)
