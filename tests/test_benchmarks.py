@@ -48,6 +48,7 @@ def test_batching_benchmark_runs(capsys):
     assert "recompile failed" not in out
 
 
+@pytest.mark.slow  # (about 6 s: every spelling checked in float64)
 def test_idioms_benchmark_checks_and_times_every_spelling(capsys):
     bench_idioms.main(["--trees", "8", "--batch", "4", "--repeats", "1"])
     out = capsys.readouterr().out
@@ -59,6 +60,7 @@ def test_idioms_benchmark_checks_and_times_every_spelling(capsys):
     assert len(rows) == 2 * spellings  # each spelling, inference and training
 
 
+@pytest.mark.slow  # (about 3 s)
 def test_sequences_benchmark_checks_and_times_the_var_length_lstm_and_the_top_down_model(capsys):
     bench_sequences.main(["--trees", "8", "--batch", "4", "--repeats", "1"])
     out = capsys.readouterr().out
@@ -67,6 +69,7 @@ def test_sequences_benchmark_checks_and_times_the_var_length_lstm_and_the_top_do
     assert len(rows) == 2 * 3  # the two LSTM spellings and the top-down model, inference and training
 
 
+@pytest.mark.slow  # (about 3 s with DyNet)
 def test_dynet_benchmark_checks_and_times_every_model_or_says_dynet_is_missing(capsys):
     bench_dynet.main(["--trees", "8", "--batch", "4", "--repeats", "1", "--dynet-mem", "256", "--sparse"])
     out = capsys.readouterr().out
@@ -77,6 +80,7 @@ def test_dynet_benchmark_checks_and_times_every_model_or_says_dynet_is_missing(c
     assert len(rows) == 2 * 5
 
 
+@pytest.mark.slow  # (about 4 s: a process per measure)
 def test_memory_benchmark_checks_gradients_and_measures_each_mode_in_a_process_of_its_own(capsys):
     bench_memory.main(["--lengths", "300", "--modes", "sequential"])
     out = capsys.readouterr().out
@@ -118,6 +122,7 @@ def test_fusion_benchmark_runs(capsys):
         assert abs(float(row[4][:-1]) - float(row[3]) / float(row[2])) < 0.01
 
 
+@pytest.mark.slow  # (about 4 s)
 def test_threads_benchmark_runs(capsys):
     bench_threads.main(["--data", str(sample_dir()), "--quick", "--threads", "1", "2"])
     out = capsys.readouterr().out

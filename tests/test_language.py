@@ -1866,6 +1866,7 @@ def _deep_inputs(kind):
     return nxt, vals, expected
 
 
+@pytest.mark.slow  # (about 3 s each; tests/test_scheduler.py's 100 000-deep recursion runs by default)
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("kind", ["int", "float"])
 def test_recursion_100k_deep_without_raising_recursion_limit(kind, mode):
