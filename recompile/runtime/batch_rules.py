@@ -678,6 +678,11 @@ def attribute(n, fn, args, kwargs):
         fields = getattr(kind, "_fields", None) or getattr(kind, "__match_args__", ())
         if name in fields:
             return parts[fields.index(name)]
+    if x.owner == "items" and name.endswith("_") and not name.endswith("__") \
+            and callable(getattr(torch.Tensor, name, None)) and all(type(v) is torch.Tensor for v in x.items):
+        # (``v.add_(...)`` of each instance's own tensor: run per instance on the Batch, which then forgets a
+        # tensor stacked from its items before the change)
+        return Batch(x.n, method=(x, name))
     return NotImplemented
 
 
