@@ -145,6 +145,12 @@ def build_dict(*items):
     return out
 
 
+def frame_locals(*items):
+    """``locals()`` from alternating names and values: the names bound at that point (UNDEFINED: not bound on
+    the path taken), in the order Python lists them."""
+    return {items[i]: items[i + 1] for i in range(0, len(items), 2) if items[i + 1] is not UNDEFINED}
+
+
 def unpack(value, n):
     """``a, b = value``: generated code unpacks the result; this keeps the op explicit in the IR."""
     return value
@@ -210,6 +216,14 @@ def read_local_cell(cell, name):
     except ValueError:
         raise UnboundLocalError(f"cannot access local variable '{name}' where it is not associated with a value") \
             from None
+
+
+def cell_or_undefined(cell):
+    """A cell's value, or UNDEFINED where it holds none (``locals()`` leaves such a variable out)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return UNDEFINED
 
 
 def delete_cell(cell, name, free):

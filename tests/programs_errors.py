@@ -16,11 +16,6 @@ async def uses_async(x):  # ERR
     return x + 1
 
 
-def uses_locals(x):
-    y = x + 1
-    return locals()  # ERR
-
-
 # ----- runtime errors deep inside recursion ---------------------------------
 
 def rec_boom(n, fail_at):

@@ -934,3 +934,55 @@ def test_instances_dump_marks_a_statement_run_as_python_per_instance():
     (call,) = [line for line in text.splitlines() if "call %<with>()" in line]
     assert "[batched]" in cell  # (each instance's own cell, made without a warning)
     assert "[per instance: it is a nested function" in call
+
+
+# ---------------------------------------------------------------------------
+# frame readers: locals(), vars(), dir(), eval and exec without namespaces
+
+
+def reads_its_locals(x, k):
+    y = x * 2
+    if k > 0:
+        z = y + 1  # noqa: F841 - bound on one path: locals() lists it only there
+    return locals()
+
+
+def reads_vars_and_dir(x):
+    h = x + 1  # noqa: F841
+    return vars()["h"] * 2, dir()
+
+
+def evaluates(x, k):
+    y = x * k
+    return eval("y.sum() + x.sum() * k")
+
+
+def executes(x):
+    out = {}
+    exec("out['v'] = x * 3")
+    return out["v"]
+
+
+def reads_a_cell(x):
+    h = x + 1
+
+    def inner():
+        return h * 2
+    return locals()["h"] + inner()
+
+
+@pytest.mark.filterwarnings("ignore::recompile.GradFallbackWarning")
+@pytest.mark.parametrize("fn, cases", [(reads_its_locals, [(T(1.0, 2.0), 1), (T(1.0, 2.0), 0)]),
+                                       (reads_vars_and_dir, [(T(1.0, 2.0),)]),
+                                       (evaluates, [(T(1.0, 2.0), 3)]), (executes, [(T(1.0, 2.0),)]),
+                                       (reads_a_cell, [(T(1.0, 2.0),)])],
+                         ids=lambda v: getattr(v, "__name__", "cases"))
+def test_frame_readers_see_the_functions_own_variables(fn, cases):
+    """locals(), vars() and dir() list the variables bound on the path taken, in Python's order; eval and exec
+    without namespaces read them and the function's globals."""
+    check(fn, *cases)
+
+
+@pytest.mark.filterwarnings("ignore::recompile.GradFallbackWarning")
+def test_frame_readers_gradients():
+    check_grad(evaluates, T(1.0, -2.0), 3)

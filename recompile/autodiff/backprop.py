@@ -602,8 +602,12 @@ class Recorded:
             if isinstance(x, tuple):
                 items = [settle(v) for v in x]
                 return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)  # namedtuple; topk's
-            if type(x) is dict:
-                return {k: settle(v) for k, v in x.items()}
+            if type(x) is dict:  # (in place, as an object's attributes: it may be the caller's own dict)
+                for k, v in list(x.items()):
+                    r = settle(v)
+                    if r is not v:
+                        x[k] = r
+                return x
             if plain_object(x):  # an object made by the call (Normal(mu, sigma), a user's class)
                 for k, v in list(vars(x).items()):
                     r = settle(v)

@@ -99,6 +99,9 @@ class Converter:
         self.declared = closures.declarations(self.p.node.body)  # global and nonlocal names
         fdef = canon.canonicalize(copy.deepcopy(self.p.node), self.declared)
         self.locals = (set(_stored_names(fdef.body)) | set(self.p.params)) - set(self.declared)
+        # (locals() lists parameters first, then variables in the order they are first bound)
+        self.frame_order = [n for n in dict.fromkeys([*self.p.params, *_stored_names(self.p.node.body)])
+                            if n.isidentifier() and n not in self.declared]
         self.self_name = self.p.params[0] if (self.owner is not None and self.p.params) else None
         inputs = [ir.Value(p) for p in self.p.params]
         if self.self_name is not None:
@@ -705,6 +708,9 @@ class Converter:
             return self.call(node, self.load("super", node), [cls, self.load(self.p.params[0], node)], hint="super")
         if self._is_globals(node):
             return ir.Const(self.p.globals)  # the function's module, not the generated code's
+        reader = self._frame_reader(node)
+        if reader is not None:
+            return reader
         fn = self.expr(node.func)
         args, star = self._elements(node.args)
         kwargs = [(k.arg, self.expr(k.value)) for k in node.keywords]
@@ -715,6 +721,34 @@ class Converter:
         return (isinstance(node.func, gast.Name) and node.func.id == "super" and not node.args
                 and not node.keywords and "super" not in self.locals and "__class__" in self.p.freevars
                 and bool(self.p.params))
+
+    def _frame_reader(self, node):
+        """``locals()``, ``vars()``, ``dir()`` and one-argument ``eval``/``exec`` read the calling frame, which
+        is generated code here: they get the function's own variables (those bound on the path taken), as
+        Python gives them, and eval and exec its globals too. None for any other call."""
+        name = node.func.id if isinstance(node.func, gast.Name) else None
+        arity = {"locals": 0, "vars": 0, "dir": 0, "eval": 1, "exec": 1}.get(name)
+        if (arity is None or len(node.args) != arity or node.keywords or name in self.locals
+                or name in self.p.globals or name in self.p.freevars
+                or any(isinstance(a, gast.Starred) for a in node.args)):
+            return None
+        items = []
+        for ident in self.frame_order:
+            b = self.env.get(ident)
+            if ident in self.cells:
+                value = self.call(node, intrinsics.cell_or_undefined, [self.cells[ident]], hint=ident)
+            elif b is None:
+                continue  # (bound on no path that reaches here)
+            else:
+                value = b.value  # (UNDEFINED where a path left it unbound: frame_locals leaves it out)
+            items += [ir.Const(ident), value]
+        frame = self.call(node, intrinsics.frame_locals, items, hint="locals")
+        if name in ("locals", "vars"):
+            return frame
+        if name == "dir":
+            return self.call(node, ir.Const(sorted), [frame], hint="dir")
+        return self.call(node, ir.Const(eval if name == "eval" else exec),
+                         [self.expr(node.args[0]), ir.Const(self.p.globals), frame], hint=name)
 
     def _is_globals(self, node):
         return (isinstance(node.func, gast.Name) and node.func.id == "globals" and not node.args

@@ -24,9 +24,6 @@ for _name in ("TypeAlias",):
         _REFUSED[getattr(gast, _name)] = (_name.lower(), f"{_name.lower()} is not supported in a compiled function")
 
 
-# builtins that read the caller's frame when called with at most this many arguments
-_FRAME_READERS = {"locals": 0, "vars": 0, "dir": 0, "eval": 1, "exec": 1}
-
 
 def validate(parsed):
     """Raise CompileError at the first construct outside the subset."""
@@ -37,9 +34,4 @@ def validate(parsed):
         if refused:
             construct, message = refused
             raise parsed.loc(node).error(message, construct)
-        if (isinstance(node, gast.Call) and isinstance(node.func, gast.Name) and node.func.id in _FRAME_READERS
-                and len(node.args) + len(node.keywords) <= _FRAME_READERS[node.func.id]):
-            raise parsed.loc(node).error(f"{node.func.id}() reads the calling frame's variables, which a compiled "
-                                         f"function does not have; pass what it needs explicitly",
-                                         node.func.id + "()")
 
