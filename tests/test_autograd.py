@@ -223,3 +223,29 @@ def test_the_gradient_goes_to_the_weight_the_forward_used():
     want = torch.autograd.grad(torch.tanh(torch.nn.functional.linear(x, used, m.lin.bias)).sum(), used)[0]
     torch.testing.assert_close(used.grad, want)
     assert m.lin.weight.grad is None
+
+
+def scaled(x, w):
+    return (x @ w).tanh().sum()
+
+
+@pytest.mark.filterwarnings("ignore:recompile. a differentiable backward")
+def test_a_differentiable_backward_reads_the_sources_the_forward_read():
+    """The replay reads what is there now: a weight changed in place, or a parameter functional_call gave
+    back, would give a wrong gradient; it raises instead."""
+    f = recompile.function(scaled, mode="sequential")
+    x, w = torch.ones(2, 3, dtype=F64), torch.ones(3, dtype=F64, requires_grad=True)
+    y = f(x, w)
+    with torch.no_grad():
+        w.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(y, w, create_graph=True)
+    m = Projection()  # (and a parameter functional_call gave back is the one the call used again)
+    params = {k: (v.detach() * 2).requires_grad_() for k, v in m.named_parameters()}
+    x = torch.randn(4, 3, dtype=F64)
+    out = torch.func.functional_call(m, params, (x,))
+    (g,) = torch.autograd.grad(out, params["lin.weight"], create_graph=True)
+    w = params["lin.weight"].detach().requires_grad_()
+    (want,) = torch.autograd.grad(torch.tanh(torch.nn.functional.linear(x, w, params["lin.bias"])).sum(), w)
+    torch.testing.assert_close(g, want)
+    assert g.requires_grad

@@ -375,3 +375,35 @@ def test_a_helper_reads_the_programs_tensors_inside_dicts_and_objects_for_the_gr
     want = torch.autograd.grad(fn(x), x)[0]
     got = torch.autograd.grad(recompile.function(fn, mode=mode)(x), x)[0]
     torch.testing.assert_close(got, want)
+
+
+def appends_through_a_helper(hs, box):
+    hs.append(hs[-1] * 2)  # (the caller's list: it sees the new item, as in eager code)
+    box["hs"].append(box["hs"][-1] * 3)
+    return hs[-1].sum()
+
+
+def grows_lists_in_a_helper(x):
+    hs, box = [torch.tanh(x)], {"hs": [x * 1.0]}
+    s = appends_through_a_helper(hs, box)
+    return s + hs[-1].sum() * len(hs) + box["hs"][-1].sum() * len(box["hs"])
+
+
+def reads_by_methods_then_changes(x):
+    v = x * 2
+    s = v.mul(3.0)  # (mul reads v only for a gradient of 3.0: none)
+    v.add_(1)
+    m = v.detach()
+    v.relu_()
+    return (s * v).sum() + m.sum()
+
+
+@pytest.mark.filterwarnings("ignore::recompile.GradFallbackWarning")
+@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+@pytest.mark.parametrize("fn", [grows_lists_in_a_helper, reads_by_methods_then_changes], ids=lambda f: f.__name__)
+def test_values_and_gradients_where_eager_computes_them(fn, mode):
+    x = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64, requires_grad=True)
+    want = fn(x)
+    got = recompile.function(fn, mode=mode)(x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(fn(x), x)[0])

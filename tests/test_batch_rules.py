@@ -894,3 +894,25 @@ def test_a_uint8_index_is_a_mask_as_torch_reads_it():
     i = torch.tensor([1, 0, 2], dtype=torch.uint8)
     got = recompile.vmap(recompile.function(masked_sum), in_dims=(None, 0))(x, i)
     torch.testing.assert_close(got, torch.stack([masked_sum(x, k) for k in i]))
+
+
+def median_index(x, lens):
+    return x[lens.median()] * 1.0
+
+
+def test_whole_median_keeps_an_integer_dtype_and_gives_a_nan_its_gradient():
+    x = torch.tensor([[1.0, float("nan"), 2.0], [3.0, 1.0, 2.0]], requires_grad=True)
+    lens = torch.tensor([[0, 2, 1], [1, 1, 2]])
+    want = torch.stack([median_index(x[k], lens[k]) for k in range(2)])
+    got = recompile.vmap(recompile.function(median_index))(x, lens)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    m = recompile.vmap(recompile.function(torch_median_of))(x)
+    (g,) = torch.autograd.grad(m, x, torch.ones_like(m))
+    e = torch.stack([r.median() for r in x])
+    (w,) = torch.autograd.grad(e, x, torch.ones_like(e))
+    torch.testing.assert_close(g, w)
+    assert g[0].tolist() == [0.0, 1.0, 0.0]  # (the NaN median is the NaN element's)
+
+
+def torch_median_of(x):
+    return x.median() * 1.0

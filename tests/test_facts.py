@@ -47,6 +47,15 @@ def _metadata_of(vjps, reads_inputs):
                         for k, r in table.items() if r.vjp in vjps}))
 
 
+def _method_metadata(vjps, others):
+    """The rule_metadata entries of the method rules of ``vjps``, with ``others(rule)`` as read_for_others."""
+    return set(listing({f"{describe(k)} method": (r.reads_out, r.reads_inputs, others(r))
+                        for k, r in grad_rules.GRAD.by_method.items() if r.vjp in vjps}))
+
+
+_READ_FOR_OTHERS = {grad_rules._mul, grad_rules._div}
+
+
 def _names(*items):
     return {describe(x) for x in items}
 
@@ -182,9 +191,13 @@ GROWN = {
                                     *_CLOSURES, torch.median), set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS), set()),
-    "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS), set()),
+    "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS, grad_rules._detach), set()),
     "batch_rules.INTEGER_INDEX": (set(), {"torch.uint8"}),  # (torch reads a uint8 index as a mask)
-    "grad_rules.rule_metadata": (_metadata_of(_RESULT_READERS, False), _metadata_of(_RESULT_READERS, True)),
+    # (result readers and detach read no input; a method's receiver is read for the others as its function's)
+    "grad_rules.rule_metadata": (_metadata_of(_RESULT_READERS | {grad_rules._detach}, False)
+                                 | _method_metadata(_READ_FOR_OTHERS, lambda r: tuple(r.read_for_others)),
+                                 _metadata_of(_RESULT_READERS | {grad_rules._detach}, True)
+                                 | _method_metadata(_READ_FOR_OTHERS, lambda r: ())),
     # ``type(x)`` of a shared x is read once for every instance (the class is the same object)
     "batch_rules._SHAREABLE": (_names(type, intrinsics.fixed_cell, intrinsics.make_function), set()),
     # what a nested function, lambda or generator expression needs: cells, writes of globals

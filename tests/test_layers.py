@@ -33,7 +33,8 @@ TOP = {"recompile", "recompile.__main__"}  # the package's face: above every flo
 # private attributes of torch's (and Python's: a namedtuple's _fields and _make, sys._getframe) read on purpose
 FOREIGN_PRIVATE = {"_fields", "_make", "_getframe", "_C", "_autograd", "_get_current_graph_task_keep_graph", "_base",
                    "_is_view", "_version", "_current_graph_task_id", "_forward_hooks", "_forward_pre_hooks",
-                   "_backward_hooks", "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks"}
+                   "_backward_hooks", "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                   "_parameters"}
 
 
 def _modules():

@@ -47,14 +47,15 @@ class GradContext:
         self.grads = {}  # id -> accumulated gradient of a source
         self.cotangents = {}  # id -> (tensor, cotangent); the tensor keeps its id from being reused
         self.fallbacks = {}  # callable name -> calls recorded for torch.autograd
-        self.modules = set()  # ids of the modules whose parameters are noted
+        self.modules = {}  # id -> a module whose parameters are noted, and (submodule, name, parameter) of each
         self.lock = threading.Lock()
 
     # -- forward
 
 
     def note_module(self, module):
-        self.modules.add(id(module))
+        self.modules[id(module)] = (module, [(m, name, p) for m in module.modules()
+                                             for name, p in m._parameters.items() if p is not None])
         for p in module.parameters():
             if p.requires_grad:
                 self.sources.setdefault(id(p), p)
@@ -546,12 +547,18 @@ class Recorded:
                 return c[1]
             if depth >= 8:
                 return x
-            if type(x) in (tuple, list):  # a copy only when it holds tensors to record (cat, sum of a list)
+            if type(x) is tuple:  # a copy only when it holds tensors to record (cat of a tuple)
                 items = [detach(v, depth + 1) for v in x]
-                return type(x)(items) if any(a is not b for a, b in zip(items, x)) else x
-            # a dict or an object of the user's is the caller's own (the helper may change it): its tensors are
-            # swapped for their copies in place during the call, then put back
-            if type(x) is dict:
+                return tuple(items) if any(a is not b for a, b in zip(items, x)) else x
+            # a list, a dict or an object is the caller's own (the helper may change it: append to it): its
+            # tensors are swapped for their copies in place during the call, then put back
+            if type(x) is list:
+                for k, v in enumerate(x):
+                    c = detach(v, depth + 1)
+                    if c is not v:
+                        x[k] = c
+                        swapped.append((x, k, v, c))
+            elif type(x) is dict and "__builtins__" not in x:  # (not a module's namespace: eval's globals)
                 for k, v in list(x.items()):
                     c = detach(v, depth + 1)
                     if c is not v:
@@ -561,7 +568,10 @@ class Recorded:
                 for k, v in list(vars(x).items()):
                     c = detach(v, depth + 1)
                     if c is not v:
-                        setattr(x, k, c)
+                        try:
+                            setattr(x, k, c)
+                        except (AttributeError, TypeError):  # (a frozen object: its tensor stays a constant)
+                            continue
                         swapped.append((x, k, v, c))
             return x
 
@@ -575,7 +585,11 @@ class Recorded:
                 out = fn(*call_args, **call_kwargs)
         finally:
             for holder, k, original, copy in reversed(swapped):  # (unless the call put something else there)
-                if type(holder) is dict:
+                if type(holder) is list:  # (where the copy is now: the call may have moved the items)
+                    for j, v in enumerate(holder):
+                        if v is copy:
+                            holder[j] = original
+                elif type(holder) is dict:
                     if holder.get(k) is copy:
                         holder[k] = original
                 elif getattr(holder, k, None) is copy:
@@ -597,8 +611,14 @@ class Recorded:
                     return r
                 note(ctx, x)
                 return x
-            if type(x) in (tuple, list):
-                return type(x)(settle(v) for v in x)
+            if type(x) is tuple:
+                return tuple(settle(v) for v in x)
+            if type(x) is list:  # (in place: it may be the caller's own list)
+                for k, v in enumerate(x):
+                    r = settle(v)
+                    if r is not v:
+                        x[k] = r
+                return x
             if isinstance(x, tuple):
                 items = [settle(v) for v in x]
                 return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)  # namedtuple; topk's
@@ -616,6 +636,8 @@ class Recorded:
             return x
 
         result = settle(out)
+        for holder in {id(h): h for h, _, _, _ in swapped}.values():  # (what the call stored in the caller's
+            settle(holder)  # lists, dicts and objects is its result too: ``hs.append(hs[-1] * 2)``)
         if not outputs:
             return result, None
         inputs = [c for _, c in copies.values()]

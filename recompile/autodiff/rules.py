@@ -1056,12 +1056,12 @@ _module(nn.BCEWithLogitsLoss, _bce_with_logits, F.binary_cross_entropy_with_logi
 
 
 SHAPE_ONLY.update({_add, _sub, _neg, _pos, _sum, _mean, _cat, _stack, _split, _unbind, _reshaped, _transpose,
-                   _permute, _expand, _narrow, _select, _getitem, _rows, _softmax, _log_softmax})
-# (the positions of a function's arguments: a method rule's receiver is not among a call's arguments)
+                   _permute, _expand, _narrow, _select, _getitem, _rows, _softmax, _log_softmax, _detach})
+# (the positions of a function's arguments; a method's receiver comes first, as backprop.check_version gives it)
 READ_FOR_OTHERS = {_mul: (0, 1), _div: (0,)}  # x / y: x is read for y's gradient only; y for both
 READS_ONLY = {_where: (0,)}  # torch.where(c, x, y) reads c, and only the shapes of x and y
 for _table in (GRAD.by_callable, GRAD.by_method, GRAD.by_module):
     for _r in _table.values():
         _r.reads_inputs = _r.vjp not in SHAPE_ONLY
-        _r.read_for_others = () if _r.method else READ_FOR_OTHERS.get(_r.vjp, ())
-        _r.reads_only = None if _r.method else READS_ONLY.get(_r.vjp)
+        _r.read_for_others = READ_FOR_OTHERS.get(_r.vjp, ())
+        _r.reads_only = READS_ONLY.get(_r.vjp)

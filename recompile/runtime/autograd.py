@@ -18,6 +18,7 @@ with, and differentiates that (as ``torch.utils.checkpoint`` recomputes).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 
@@ -32,7 +33,7 @@ live_contexts = weakref.WeakSet()
 
 
 class _State:
-    __slots__ = ("handle", "ctx", "record", "results", "stats", "replay", "rng", "positions")
+    __slots__ = ("handle", "ctx", "record", "results", "stats", "replay", "rng", "positions", "versions")
 
     def __init__(self, handle, ctx, record, results, stats, replay=None, rng=None, positions=None):
         self.handle = handle
@@ -43,6 +44,7 @@ class _State:
         self.replay = replay  # () -> the call's result, run again where torch.autograd records it
         self.rng = rng  # the random state the forward started with
         self.positions = positions  # where ``results`` are among the result's tensors (``tensors_in``)
+        self.versions = [t._version for t in ctx.sources.values()]  # (as the forward left them)
 
 
 class CompiledCall(torch.autograd.Function):
@@ -129,6 +131,7 @@ def _recorded_grads(state, grads):
             f"recompile: a differentiable backward (create_graph=True, torch.func.grad) through {name}, which "
             "changes values in place, is not supported in sequential and threaded mode (running it again would "
             "not start from the same values); compile it with mode=\"batched\"")
+    _check_unchanged(state)
     if name not in _warned_replay:
         _warned_replay.add(name)
         code = state.handle.function.python.__code__  # (at the function's def: the backward has no user line)
@@ -136,7 +139,7 @@ def _recorded_grads(state, grads):
             f"recompile: a differentiable backward (create_graph=True, torch.func.grad) through {name} runs the "
             "call again on the batched runtime, which torch.autograd records; Python effects in it run twice. "
             "Compile it with mode=\"batched\" to record it once", UserWarning, code.co_filename, code.co_firstlineno)
-    with torch.random.fork_rng(devices=state.rng[1].keys()):
+    with torch.random.fork_rng(devices=state.rng[1].keys()), _parameters_as_used(state.ctx):
         _set_random_state(state.rng)
         with torch.enable_grad():
             result = state.replay()
@@ -148,6 +151,35 @@ def _recorded_grads(state, grads):
         return [None] * len(sources)
     return torch.autograd.grad([o for o, _ in pairs], sources, [g for _, g in pairs], create_graph=True,
                                allow_unused=True)
+
+
+def _check_unchanged(state):
+    """Refuse to replay a call whose sources were changed in place since its forward (torch's own refusal): the
+    replay would read what is there now, not what the forward read."""
+    for t, version in zip(state.ctx.sources.values(), state.versions):
+        if t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"a tensor of shape {tuple(t.shape)} that {state.handle.qualname} read was changed in place after "
+                "the call (its differentiable backward runs the call again)")
+
+
+@contextlib.contextmanager
+def _parameters_as_used(ctx):
+    """The modules' parameters as the forward used them, for the replay (``torch.func.functional_call`` gave
+    them back when it returned), then as they are now."""
+    swapped = []
+    for _, params in ctx.modules.values():
+        for m, name, p in params:
+            now = m._parameters.get(name)
+            if now is not p:
+                m._parameters[name] = p
+                swapped.append((m, name, now))
+    try:
+        yield
+    finally:
+        for m, name, now in reversed(swapped):
+            m._parameters[name] = now
 
 
 def _random_state():

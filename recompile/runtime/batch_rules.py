@@ -993,8 +993,11 @@ def _whole_of(t, kind):
         dims = tuple(range(1, t.dim()))
         return t.amax(dim=dims) if kind == "max" else t.amin(dim=dims)
     flat = t.reshape(t.shape[0], -1)
-    m = flat.median(dim=1).values.detach().unsqueeze(1)
-    tied = flat == m
+    m = flat.median(dim=1).values
+    if not (flat.is_floating_point() or flat.is_complex()):
+        return m  # (no gradient to share: an integer median stays an integer)
+    m = m.detach().unsqueeze(1)
+    tied = (flat == m) | (flat.isnan() & m.isnan())  # (a NaN median is the NaN element's, as torch's)
     # m itself, plus zeros whose gradient is 1 / (ties) at each tied element, as torch's median() shares it
     return (m + torch.where(tied, flat - m, torch.zeros((), dtype=flat.dtype, device=flat.device)).sum(
         1, keepdim=True) / tied.sum(1, keepdim=True)).squeeze(1)
