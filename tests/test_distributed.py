@@ -21,6 +21,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import distributed_worker as worker  # noqa: E402
 
+# (processes of their own, about 20 s in all: with the slow tests, which CI runs after the default run)
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODES = ["batched", "sequential"]
 TIMEOUT = 90  # seconds a launch may take before its processes are killed and the test fails
