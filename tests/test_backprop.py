@@ -407,3 +407,31 @@ def test_values_and_gradients_where_eager_computes_them(fn, mode):
     got = recompile.function(fn, mode=mode)(x)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(fn(x), x)[0])
+
+
+def item_read_then_changed(x):
+    v = x * 1.0
+    m = v[1] * v[1]  # (v[1] shares v's version: torch saved it for the product's gradient)
+    v += 1.0
+    return m
+
+
+def item_scaled_then_changed(x):
+    v = x * 1.0
+    m = v[1] * 2.0  # (nothing saved for a gradient: eager computes)
+    v += 1.0
+    return m + v.sum()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+def test_an_item_read_before_its_tensor_changed_in_place_is_checked_like_eager(mode):
+    """v[1] * v[1] then v += 1: eager refuses the backward (it gave the changed value's gradient, 6 for 4);
+    v[1] * 2.0 then v += 1: eager computes, and so does the compiled call."""
+    x = torch.tensor([1.0, 2.0, -3.0], dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(item_read_then_changed(x), x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(recompile.function(item_read_then_changed, mode=mode)(x), x)
+    want = torch.autograd.grad(item_scaled_then_changed(x), x)[0]
+    got = torch.autograd.grad(recompile.function(item_scaled_then_changed, mode=mode)(x), x)[0]
+    torch.testing.assert_close(got, want)

@@ -357,9 +357,18 @@ def _changed_later(ops, outputs=(), inputs=()):
         else:
             continue
         for target in targets:
+            # (an item of it, ``v[1]``, shares its version: an op that read the item checks the item)
+            items = [target]
+            for earlier in ops[:k]:
+                if isinstance(earlier, ir.Call) and _const_fn(earlier) is operator.getitem and earlier.args[0] in items:
+                    items.extend(earlier.outputs)
             for earlier in ops[:k]:  # (x.div_(y) makes x too: its receiver is its result)
                 if target in _reads(earlier) or target in earlier.outputs or target is _in_place_target(earlier):
                     guarded.setdefault(earlier, []).append(target)
+                    continue
+                read = [v for v in _reads(earlier) if v in items[1:]]
+                if read:
+                    guarded.setdefault(earlier, []).extend(read)
     outside = _returned_values(outputs) | set(inputs)
     for op in ops if outside else ():
         for v in (*_reads(op), *op.outputs):
