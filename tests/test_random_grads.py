@@ -1164,28 +1164,27 @@ def close(g, w):
     return None if diff <= RTOL else f"max relative difference {diff:.3g}"
 
 
-def tolerated_refusals(gen):
-    """{mode: known refusal} for the modes where a program may refuse what eager computes."""
+def _modes_of(table, gen):
+    """{mode: entry name} for the modes where ``table``'s entries (name -> (feature, modes, why)) apply to the
+    program ``gen`` made; none with RECOMPILE_RANDOM_KNOWN set."""
     if os.environ.get("RECOMPILE_RANDOM_KNOWN"):
         return {}
     out = {}
-    for name, (feature, modes, _) in KNOWN_REFUSALS.items():
+    for name, (feature, modes, _) in table.items():
         if feature in gen.features:
             for mode in modes:
                 out.setdefault(mode, name)
     return out
 
 
+def tolerated_refusals(gen):
+    """{mode: known refusal} for the modes where a program may refuse what eager computes."""
+    return _modes_of(KNOWN_REFUSALS, gen)
+
+
 def skipped_modes(gen):
     """{mode: known bug} for the modes a program is not compared in, by the constructs it has."""
-    if os.environ.get("RECOMPILE_RANDOM_KNOWN"):
-        return {}
-    out = {}
-    for bug, (feature, modes, _) in KNOWN_BUGS.items():
-        if feature in gen.features:
-            for mode in modes:
-                out.setdefault(mode, bug)
-    return out
+    return _modes_of(KNOWN_BUGS, gen)
 
 
 def unshared(gen):
