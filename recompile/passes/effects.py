@@ -11,9 +11,13 @@ Calls of undecorated helpers are taken as not mutating what the caller reads.
 from __future__ import annotations
 
 import builtins
+import operator
 
 from .. import ir
 from ..ops import facts
+
+
+_COUNTING = (operator.iadd, operator.isub)
 
 
 def op_mutates(op):
@@ -51,7 +55,29 @@ def out_target(op):
 def subgraph_may_mutate(sg, may_mutate):
     """Whether running SubGraph ``sg`` (the branches and loops it holds too) may mutate state: an op of its
     own, or an Invoke whose program may (``may_mutate(invoke)``)."""
-    return any(op_mutates(o) or (isinstance(o, ir.Invoke) and may_mutate(o)) for s in sg.walk() for o in s.ops)
+    counting = int_counting(sg)
+    return any((op_mutates(o) and o not in counting) or (isinstance(o, ir.Invoke) and may_mutate(o))
+               for s in sg.walk() for o in s.ops)
+
+
+def int_counting(sg):
+    """The ``+=`` / ``-=`` ops (in ``sg`` and what it holds) of a loop's counter that starts as an int and
+    only moves by int constants (``t = 0; while ...: t += 1``): an int's augmented assignment makes a new
+    int, and changes nothing in place."""
+    found = set()
+    for s in sg.walk():
+        for o in s.ops:
+            if not isinstance(o, ir.While):
+                continue
+            for j, start in enumerate(o.loop_vars):
+                step = o.body_sg.outputs[j]
+                up = step.op if isinstance(step, ir.Value) else None
+                if (isinstance(start, ir.Const) and type(start.value) is int and isinstance(up, ir.Call)
+                        and isinstance(up.fn, ir.Const) and up.fn.value in _COUNTING and len(up.args) == 2
+                        and not up.kwargs and up.args[0] is o.body_sg.inputs[j]
+                        and isinstance(up.args[1], ir.Const) and type(up.args[1].value) is int):
+                    found.add(up)
+    return found
 
 
 def build_time_value(capture):
@@ -69,7 +95,8 @@ def build_time_value(capture):
 
 
 def subgraph_mutates(sg):
-    return any(op_mutates(op) for s in sg.walk() for op in s.ops)
+    counting = int_counting(sg)
+    return any(op_mutates(op) and op not in counting for s in sg.walk() for op in s.ops)
 
 
 def invoke_may_mutate(invoke, stage):
