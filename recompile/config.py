@@ -37,6 +37,10 @@ PLAIN_FAILURES = 8  # failed plain runs (a guard, an error) after which a progra
 # for tests that a model batches whole), or "allow" (count it in ``stats["per_instance"]`` only).
 PER_INSTANCE = "warn"
 
+# A loop stepping an RNN cell over a sequence runs as torch's own RNN over the packed steps
+# (``codegen.recurrent``); off: step by step, as written.
+RECURRENT_LOOPS = True
+
 # Segments (``codegen.segments``): straight runs of batched ops traced into plain tensor code. Read when
 # batched code is generated; off: every op goes through its batch rule.
 SEGMENTS = True

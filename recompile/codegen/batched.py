@@ -19,7 +19,7 @@ from ..passes.effects import subgraph_may_mutate
 from ..passes.levels import level_shape
 from ..runtime import batch_rules, control, levels as rt_levels
 from ..runtime.units import Unit
-from . import emit, levels, segments
+from . import emit, levels, recurrent, segments
 from .loader import Module, locate
 from .plan import plan
 
@@ -32,6 +32,7 @@ class _BatchedEmitter(emit.FunctionEmitter):
         self.extra_defs = []  # the segments' op-by-op functions
         self.segments = {}  # function name -> Segment
         self.live_out = None  # a level piece's outputs (codegen.levels): what its last segment must hand on
+        self.recurrent = []  # codegen.recurrent.RecurrentLoop of each loop run as one RNN where it can
         self.n = "_n"
         self.names.reserve(self.n)
 
@@ -229,7 +230,32 @@ class _BatchedEmitter(emit.FunctionEmitter):
         locate(body, op.loc)
         result = ast.Call(func=ast.Attribute(value=ast.Name(id=loop, ctx=ast.Load()), attr="result", ctx=ast.Load()),
                           args=[], keywords=[])
-        return [start, body] + ([self.results(op.outputs, result, op.loc)] if op.outputs else [])
+        written = [start, body] + ([self.results(op.outputs, result, op.loc)] if op.outputs else [])
+        return self.as_one_rnn(op, written)
+
+    def as_one_rnn(self, op, written):
+        """A loop stepping an RNN cell (``codegen.recurrent``): ``out = loop(_n, vars, invariants)``, and the
+        loop as written where that declines."""
+        found = recurrent.plan(op) if not self.emission.changes and self.current not in self.batch_plan.generators \
+            else None
+        if found is None:
+            return written
+        found.compile(generate_batched)
+        self.recurrent.append(found)
+        out = self.var(ir.Value("_rnn"))
+        call = ast.Call(func=self.helper(found, "rnn_loop"),
+                        args=[self.n_load(), ast.Tuple(elts=[self.load(v) for v in op.loop_vars], ctx=ast.Load()),
+                              ast.Tuple(elts=[self.load(v) for v in op.invariants], ctx=ast.Load())], keywords=[])
+        first = ast.Assign(targets=[ast.Name(id=out, ctx=ast.Store())], value=call)
+        locate(first, op.loc)
+        declined = ast.Compare(left=ast.Name(id=out, ctx=ast.Load()), ops=[ast.Is()],
+                               comparators=[self.helper(NotImplemented, "NotImplemented")])
+        ran = self.results(op.outputs, ast.Name(id=out, ctx=ast.Load()) if len(op.outputs) > 1 else
+                           ast.Subscript(value=ast.Name(id=out, ctx=ast.Load()), slice=ast.Constant(value=0),
+                                         ctx=ast.Load()), op.loc)
+        test = ast.If(test=declined, body=written, orelse=[ran])
+        locate(test, op.loc)
+        return [first, test]
 
     def request(self, op):
         """(unit, args, instance count, site, deferrable): every instance of the frame makes the call;
@@ -330,6 +356,7 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
         emitters.append(level_emitter)  # (compile_functions emits one function per SubGraph, then every extra)
     code = emit.compile_functions(sg, emission, emitters, module)
     code.segments = []
+    code.recurrent = [found for emitter in emitters for found in emitter.recurrent]
     for emitter in emitters:
         for name, seg in emitter.segments.items():
             seg.generic = module.namespace[name]

@@ -639,11 +639,11 @@ class _Tracer:
                 slot = self.shared_call(fn, fn_slot, args, kwargs)
                 self.emit(f"if type({slot.name}) is not {self.const(type(slot.value))}: raise _Deopt")
                 return slot
-            if self.n != 1 or not _generic_ok(fn):
+            if self.n != 1 or not rerunnable(fn):
                 raise _Untraceable
             self.emit("if _n != 1: raise _Deopt")  # (for one instance: its own call)
             return self.shared_call(fn, fn_slot, args, kwargs)
-        if not _generic_ok(fn):
+        if not rerunnable(fn):
             raise _Untraceable
         self.guard_callable(fn, fn_slot)
         fn_name = fn_slot.name if fn_slot is not None else self.const(fn)
@@ -1158,7 +1158,7 @@ def _build_form(tr, fn, fn_slot, args, kwargs):
     return _Slot("T", name, value, list(args))
 
 
-def _generic_ok(fn):
+def rerunnable(fn):
     """Whether ``fn`` changes nothing and draws nothing: a trace may run it by its batch rule."""
     if type(fn) in _GENERIC_OK_MODULES:
         return _plain_module(fn, type(fn))

@@ -425,6 +425,9 @@ def elementwise(n, fn, args, kwargs):
     others by inserting dims after the batch dim."""
     if kwargs and any(type(v) is Batch for v in kwargs.values()) or (fn is torch.where and len(args) == 1):
         return NotImplemented
+    ints = _int_rows(args) if fn in _INT_OPERATORS and not kwargs else None
+    if ints is not None:
+        return bt.from_items([fn(*row) for row in ints])
     if len(args) == 2:  # fast path: two tensors of equal rank, or a tensor and a number
         a, b = args
         ta = a.tensor if type(a) is Batch and a.owner == "tensor" else a if type(a) in _NUMBERS else None
@@ -465,11 +468,34 @@ def elementwise(n, fn, args, kwargs):
     return bt.from_tensor(out)
 
 
+# Python's operators on ints: a batch of per-instance ints (a loop's steps run ahead, ``codegen.recurrent``) stays
+# Python ints, each instance's computed as Python computes it
+_INT_OPERATORS = frozenset({operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
+                            operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
+                            operator.iadd, operator.isub})
+
+
+def _int_rows(args):
+    """Each instance's arguments where every argument is a Python int or a batch of them, else None."""
+    columns = []
+    for a in args:
+        if type(a) is int:
+            columns.append(None)
+        elif type(a) is Batch and a.owner == "items" and a.thunk is None and all(type(v) is int for v in a.items):
+            columns.append(a.items)
+        else:
+            return None
+    n = next((len(c) for c in columns if c is not None), None)
+    if n is None:
+        return None
+    return zip(*[c if c is not None else [a] * n for a, c in zip(args, columns)])
+
+
 @BATCH.register(*facts.IN_PLACE)
 def elementwise_inplace(n, fn, args, kwargs):
     target = args[0]
-    if type(target) is not Batch or target.owner != "tensor":
-        return NotImplemented  # a shared target, or one held as items: per instance
+    if (type(target) is not Batch or target.owner != "tensor") and (kwargs or _int_rows(args) is None):
+        return NotImplemented  # a shared target, or one held as items: per instance (ints: a new int each)
     return elementwise(n, fn, args, kwargs)
 
 
@@ -579,7 +605,24 @@ def gather(n, fn, args, kwargs):
         if t is None or not plain_index(index):
             return NotImplemented
         return bt.from_tensor(t[(slice(None),) + (index if type(index) is tuple else (index,))])
+    if type(x) is Batch and type(index) is Batch or type(x) in (range, tuple) and type(index) is Batch:
+        return _gather_each(n, x, index)
     return NotImplemented
+
+
+def _gather_each(n, x, index):
+    """``x[i]`` where both differ per instance and each i is a Python int (the steps of a loop run ahead,
+    ``codegen.recurrent``): one advanced index of x's rows, or each range's item."""
+    if index.owner != "items" or not all(type(i) is int for i in index.items):
+        return NotImplemented
+    if type(x) is not Batch:  # (a range or tuple every instance shares)
+        return bt.from_items([x[i] for i in index.items])
+    if x.items is not None and x.owner == "items":
+        return ranges.items(x, index.items)
+    t = x.tensor if x.owner == "tensor" else None
+    if t is None or t.dim() < 2:
+        return NotImplemented
+    return bt.from_tensor(t[torch.arange(n, device=t.device), torch.tensor(index.items, device=t.device)])
 
 
 def index_rows(x, i):

@@ -96,3 +96,14 @@ def item(seq, i):
     if ranges is None or ranges.start is None or not 0 <= i < ranges.shortest:
         return NotImplemented
     return ranges.start + i * ranges.step
+
+
+def items(seq, positions):
+    """Each instance's ``seq[i]`` at its own position i (a batch of ranges): their ints, as Python indexes."""
+    found = of(seq)
+    if found is None:
+        return NotImplemented
+    try:
+        return bt.from_items([r[i] for r, i in zip(found, positions)])
+    except IndexError:
+        return NotImplemented  # (each instance raises its own, as Python would)

@@ -1,0 +1,491 @@
+"""A loop that steps an RNN cell over a sequence, run in batched mode as torch's own RNN over the packed steps.
+
+Users write a recurrent model as a loop over each sequence::
+
+    while t < n:                      # or: for t in range(n)
+        h, c = self.cell(self.embed(words[t]), (h, c))
+        t = t + 1
+
+Run as written, every step multiplies a few rows (the instances still in the loop) by the cell's input
+weights, one step after another, and pays the loop's bookkeeping in Python at every step. A hand-batched
+model runs ``nn.LSTM`` over a packed minibatch instead: one product for every word's input, and the steps
+in C++. ``RecurrentLoop`` finds the loops that are exactly this, and runs them so:
+
+- the *inputs* of every step (here ``self.embed(words[t])``: ops that read only the counter and values the
+  loop does not change) are computed once, before the loop, for every (instance, step) the loop will
+  run, as one batch (``chain``), laid out step by step with the longest sequences first: a
+  ``PackedSequence``'s data;
+- the cell's steps run as ``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` over that data, from
+  each instance's state when the loop starts, and each instance's final state is the loop's result.
+
+A loop is taken when, after the step inputs, its body is the cell call alone on its carried state, its
+counter goes up by 1 and its test is ``counter < end`` or a ``for`` over a range. At run time the cell must be
+an ``nn.LSTMCell``, ``nn.GRUCell`` or ``nn.RNNCell`` of its own (no hooks, no forward of its own), every
+callable of the step inputs one that changes nothing and draws no random numbers (as a traced segment's
+generic ops: ``segments.rerunnable``), and every value of the shapes the cell takes. Anything else runs the
+loop as it is written (``control.Loop``): the step inputs are pure, so computing them and dropping them
+changes nothing, and an error they raise is raised by the written loop, at its step, from the user's line.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch import nn
+
+from .. import config, intrinsics, ir
+from ..ops import facts
+from ..ops.table import has_hooks
+from ..runtime import batch as bt
+from ..runtime import ranges
+from ..runtime.batch import Batch
+from . import segments
+
+_STEP_UP = (operator.add, operator.iadd)  # (``t = t + 1`` and ``t += 1`` of an int counter)
+_READS = (getattr, operator.getitem)
+_CELLS = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
+
+
+class RecurrentLoop:
+    """One While of a batched function, found to step a cell over a sequence (``plan``); called with the
+    loop's initial values, it returns the loop's final ones, or NotImplemented where the run does not fit."""
+
+    def __init__(self, op, counter, end, cell_form, chain_sg, reads_sg, var_sources):
+        self.loc = op.loc
+        self.counter = counter  # the counter's position among the loop variables
+        self.end = end  # ("lt", invariant position | Const) or ("range", invariant position)
+        self.cell_form = cell_form  # ("pair", h position, c position) or ("one", state position)
+        self.chain_sg = chain_sg  # (counter, *invariants) -> (step input, *loop variables' chain values)
+        self.reads_sg = reads_sg  # (*invariants) -> (cell, *the step inputs' callables)
+        self.var_sources = var_sources  # per loop variable: "counter", "state", "same" or ("chain", k)
+        # which invariants the step inputs read (the others are not taken for each row)
+        used = {x for o in chain_sg.ops for x in o.operands()}
+        self.used = [v in used for v in chain_sg.inputs[1:]]
+        self.reads = self.chain = None  # their batched functions (``compile``)
+        self.runs = 0  # loops run as one RNN
+        self.declined = 0  # loops run as written
+
+    def __repr__(self):
+        return f"<recurrent loop {self.chain_sg.name}>"
+
+    def compile(self, generate):
+        """Its two functions, batched code made by ``generate`` (``codegen.batched.generate_batched``)."""
+        self.reads = generate(self.reads_sg).functions[self.reads_sg.name]
+        self.chain = generate(self.chain_sg).functions[self.chain_sg.name]
+
+    def __call__(self, n, loop_vars, invariants):
+        out = self._run(n, list(loop_vars), list(invariants)) if config.RECURRENT_LOOPS else NotImplemented
+        if out is NotImplemented:
+            self.declined += 1
+        else:
+            self.runs += 1
+        return out
+
+    def _run(self, n, loop_vars, invariants):
+        callees = _tuple(self.reads(n, *invariants), len(self.reads_sg.outputs))
+        cell = callees[0]
+        if not (type(cell) in _CELLS and not has_hooks(cell) and "forward" not in cell.__dict__):
+            return NotImplemented
+        if not all(type(c) is not Batch and segments.rerunnable(c) for c in callees[1:]):
+            return NotImplemented
+        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+            return NotImplemented
+        starts = _ints(n, loop_vars[self.counter])
+        steps = self._steps(n, starts, invariants)
+        if starts is None or steps is None or sum(steps) == 0:
+            return NotImplemented
+        state = _state(n, self.cell_form, loop_vars, cell)
+        if state is None:
+            return NotImplemented
+        layout = _Layout(steps)
+        counters = [starts[k] + j for k, j in zip(layout.instance, layout.step)]
+        args = [bt.from_items(counters) if layout.rows > 1 else counters[0]]
+        args += [layout.take(v) if used else None for v, used in zip(invariants, self.used)]
+        try:
+            outs = _tuple(self.chain(layout.rows, *args), len(self.chain_sg.outputs))
+        except Exception:  # (the written loop raises it at its step, from the user's line)
+            return NotImplemented
+        x = outs[0]
+        data = bt.tensor_of(x) if type(x) is Batch else x.unsqueeze(0) if type(x) is torch.Tensor else None
+        if data is None or data.dim() != 2 or data.shape != (layout.rows, cell.input_size) \
+                or data.dtype != cell.weight_ih.dtype or data.device != cell.weight_ih.device:
+            return NotImplemented
+        if any(s.dtype != data.dtype or s.device != data.device for s in state):
+            return NotImplemented
+        finals = _run_cell(cell, data, layout, state)
+        return self._results(n, loop_vars, starts, steps, layout, finals, outs[1:])
+
+    def _steps(self, n, starts, invariants):
+        """Each instance's number of steps, or None where the loop's end is not one this runs."""
+        if starts is None:
+            return None
+        kind, where = self.end
+        if kind == "range":
+            seq = invariants[where]
+            lengths = [len(seq)] * n if type(seq) is range else None
+            if type(seq) is Batch:
+                found = ranges.of(seq)
+                lengths = found.lengths if found is not None else None
+            if lengths is None or min(starts) < 0:
+                return None
+            return [max(0, length - s) for length, s in zip(lengths, starts)]
+        ends = _numbers(n, where.value if isinstance(where, ir.Const) else invariants[where])
+        if ends is None:
+            return None
+        steps = []
+        for e, s in zip(ends, starts):
+            if type(e) is float and not math.isfinite(e):
+                return None
+            steps.append(max(0, math.ceil(e - s)))
+        return steps
+
+    def _results(self, n, loop_vars, starts, steps, layout, finals, chained):
+        out = []
+        states = iter(finals)
+        for j, source in enumerate(self.var_sources):
+            if source == "counter":
+                out.append(_per_instance(n, [s + k for s, k in zip(starts, steps)]))
+            elif source == "state" and self.cell_form[0] == "one" and len(finals) == 2:
+                out.append(bt.from_struct(tuple, finals, n) if n > 1 else tuple(finals))  # (an LSTM's (h, c))
+            elif source == "state":
+                out.append(next(states))
+            elif source == "same":
+                out.append(loop_vars[j])
+            else:  # ("chain", k): its value at the instance's last step, or the initial one if it took none
+                value = chained[source[1]]
+                initial = loop_vars[j]
+                out.append(_per_instance(n, [
+                    bt.instance(value, layout.last_row(k)) if layout.rows > 1 and steps[k] else
+                    value if steps[k] else bt.instance(initial, k) for k in range(n)]))
+        return tuple(out)
+
+
+class _Layout:
+    """The (instance, step) rows of a loop's steps as a PackedSequence lays them out: step by step, and within
+    a step the instances by their number of steps, longest first (ties in instance order)."""
+
+    def __init__(self, steps):
+        counts = torch.tensor(steps)
+        self.order = torch.argsort(counts, descending=True, stable=True)
+        longest = int(counts.max())
+        sorted_counts = counts[self.order]
+        grid = torch.arange(longest).unsqueeze(1) < sorted_counts.unsqueeze(0)  # step x instance
+        self.batch_sizes = grid.sum(1)
+        self.instances = int((sorted_counts > 0).sum())  # the instances that take a step
+        self.index = self.order.unsqueeze(0).expand(longest, -1)[grid]
+        self.instance = self.index.tolist()
+        self.step = torch.arange(longest).unsqueeze(1).expand(-1, len(steps))[grid].tolist()
+        self.rows = len(self.instance)
+        self._starts = [0] + torch.cumsum(self.batch_sizes, 0).tolist()
+        self._rank = {k: r for r, k in enumerate(self.order.tolist())}
+        self._steps = steps
+
+    def take(self, value):
+        """An invariant's value for each row: an instance's own value on each of its rows."""
+        if type(value) is not Batch:
+            return value
+        return bt.take(value, self.index, self.instance)
+
+    def last_row(self, k):
+        return self._starts[self._steps[k] - 1] + self._rank[k]
+
+
+def _run_cell(cell, data, layout, state):
+    """The cell stepped over the packed ``data`` from the instances' states ``state`` ((n, hidden) each): the
+    final states, each an (n, hidden) batch."""
+    n = state[0].shape[0]
+    taking = layout.order[:layout.instances]
+    hx = [s.index_select(0, taking).unsqueeze(0) for s in state]
+    weights = [cell.weight_ih, cell.weight_hh] + ([cell.bias_ih, cell.bias_hh] if cell.bias else [])
+    flags = (cell.bias, 1, 0.0, cell.training, False)
+    if type(cell) is nn.LSTMCell:
+        _, h, c = torch.lstm(data, layout.batch_sizes, hx, weights, *flags)
+        ends = [h[0], c[0]]
+    else:
+        run = torch.gru if type(cell) is nn.GRUCell else \
+            torch.rnn_tanh if cell.nonlinearity == "tanh" else torch.rnn_relu
+        _, h = run(data, layout.batch_sizes, hx[0], weights, *flags)
+        ends = [h[0]]
+    if layout.instances == n:
+        back = torch.argsort(layout.order)
+        finals = [e.index_select(0, back) for e in ends]
+    else:  # (instances that take no step keep their state)
+        finals = [s.index_copy(0, taking, e) for s, e in zip(state, ends)]
+    return [bt.from_tensor(f) for f in finals]
+
+
+def _state(n, form, loop_vars, cell):
+    """The cell's state when the loop starts, as (n, hidden) tensors (h, c for an LSTM), or None."""
+    if form[0] == "pair":
+        parts = [loop_vars[form[1]], loop_vars[form[2]]]
+    else:
+        value = loop_vars[form[1]]
+        parts = [value]
+        if type(cell) is nn.LSTMCell:
+            if type(value) is Batch and value.struct is not None and value.owner is None:
+                parts = list(value.struct[1])
+            elif type(value) is tuple:
+                parts = list(value)
+            else:
+                return None
+    if len(parts) != (2 if type(cell) is nn.LSTMCell else 1):
+        return None
+    out = []
+    for p in parts:
+        if type(p) is Batch:
+            t = bt.tensor_of(p)
+            if t is None or t.shape != (n, cell.hidden_size):
+                return None
+        elif type(p) is torch.Tensor and p.shape == (cell.hidden_size,):
+            t = p.unsqueeze(0).expand(n, -1)
+        else:
+            return None
+        out.append(t)
+    return out
+
+
+def _tuple(out, count):
+    return (out,) if count == 1 else out
+
+
+def _ints(n, value):
+    """Each instance's Python int of ``value`` (a counter), or None."""
+    items = bt.items_of(value) if type(value) is Batch else [value] * n
+    return items if all(type(v) is int for v in items) else None
+
+
+def _numbers(n, value):
+    """Each instance's Python number of ``value`` (an int, a float, a tensor of one real number), or None."""
+    if type(value) is Batch:
+        t = bt.tensor_of(value)
+        if t is not None:
+            if t.numel() != n or t.is_complex() or t.dtype is torch.bool:
+                return None
+            return t.reshape(n).tolist()
+        items = bt.items_of(value)
+    else:
+        if type(value) is torch.Tensor:
+            if value.numel() != 1 or value.is_complex() or value.dtype is torch.bool:
+                return None
+            value = value.item()
+        items = [value] * n
+    return items if all(type(v) in (int, float) for v in items) else None
+
+
+def _per_instance(n, values):
+    """One value every instance shares where they are the same int, else a batch of them."""
+    if n == 1:
+        return values[0]
+    first = values[0]
+    if type(first) is int and all(type(v) is int and v == first for v in values):
+        return first
+    return bt.from_items(values)
+
+
+# -- finding the loops
+
+
+def plan(op):
+    """The RecurrentLoop of While ``op``, or None when its body is not a cell stepped over step inputs."""
+    found = _counter_and_end(op)
+    if found is None:
+        return None
+    counter, end = found
+    body = op.body_sg
+    k = len(op.loop_vars)
+    params = body.inputs
+    counter_param, invariant_params = params[counter], params[k:]
+    chain = _chain(body, {counter_param, *invariant_params})
+    step_up = body.outputs[counter].op
+    rest = [o for o in body.ops if o not in chain and o is not step_up]
+    call, cell_form = _cell_call(rest, body, params[:k], counter)
+    if call is None:
+        return None
+    x, cell_value = call.args[0], call.fn
+    if not (isinstance(x, ir.Value) and (x.op in chain or x is counter_param or x in invariant_params)):
+        return None
+    var_sources, chained = [], []
+    state_positions = cell_form[1:]
+    for j, (param, out) in enumerate(zip(params[:k], body.outputs)):
+        if j == counter:
+            var_sources.append("counter")
+        elif j in state_positions:
+            var_sources.append("state")
+        elif out is param:
+            var_sources.append("same")
+        elif isinstance(out, ir.Value) and out.op in chain:
+            var_sources.append(("chain", len(chained)))
+            chained.append(out)
+        else:
+            return None
+    callees = [o.fn for o in chain if isinstance(o, ir.Call) and isinstance(o.fn, ir.Value)]
+    # a method of a step's value (``x.unsqueeze``) is read with it, step by step: by its name, one that changes
+    # nothing; every other callable is read once, before the loop, from what the loop does not change
+    methods = [c for c in callees if _pure_method(c) and counter_param in _params(_needed([c], chain) or ())]
+    callees = [c for c in callees if c not in methods]
+    reads = _needed([cell_value, *callees], chain)
+    if reads is None or any(not _is_read(o) for o in reads) or counter_param in _params(reads):
+        return None
+    steps = _needed([x, *chained], chain)
+    if steps is None:
+        return None
+    name = body.name + ".steps"
+    chain_sg = _subgraph(name, [counter_param, *invariant_params], [o for o in body.ops if o in steps],
+                         [x, *chained], body.loc)
+    reads_sg = _subgraph(name + ".callables", invariant_params, [o for o in body.ops if o in reads],
+                         [cell_value, *callees], body.loc)
+    return RecurrentLoop(op, counter, end, cell_form, chain_sg, reads_sg, var_sources)
+
+
+def _counter_and_end(op):
+    """(the counter's loop-variable position, the end) of a While whose test is ``counter < end`` or a ``for``'s
+    ``has_index(seq, counter)``, and whose body adds 1 to the counter; else None."""
+    cond, body, k = op.cond_sg, op.body_sg, len(op.loop_vars)
+    if len(cond.ops) != 1 or len(cond.outputs) != 1 or cond.outputs[0] is not cond.ops[0].output:
+        return None
+    test = cond.ops[0]
+    if not (isinstance(test, ir.Call) and isinstance(test.fn, ir.Const) and len(test.args) == 2
+            and not test.kwargs and not test.star):
+        return None
+    params = cond.inputs
+    a, b = test.args
+    if test.fn.value is operator.lt and a in params[:k]:
+        counter = params.index(a)
+        if b in params[k:]:
+            end = ("lt", params.index(b) - k)
+        elif isinstance(b, ir.Const) and type(b.value) in (int, float):
+            end = ("lt", b)
+        else:
+            return None
+    elif test.fn.value is intrinsics.has_index and b in params[:k] and a in params[k:]:
+        counter, end = params.index(b), ("range", params.index(a) - k)
+    else:
+        return None
+    step = body.outputs[counter]
+    up = step.op if isinstance(step, ir.Value) else None
+    if not (isinstance(up, ir.Call) and isinstance(up.fn, ir.Const) and up.fn.value in _STEP_UP
+            and len(up.args) == 2 and up.args[0] is body.inputs[counter] and isinstance(up.args[1], ir.Const)
+            and type(up.args[1].value) is int and up.args[1].value == 1 and not up.kwargs):
+        return None
+    return counter, end
+
+
+def _chain(body, given):
+    """The body's ops that read only ``given`` (the counter, the invariants) and what such ops computed, and
+    that may be run ahead of their step: calls without unpacking, captures, fused ops."""
+    known, chain = set(given), set()
+    for o in body.ops:
+        if isinstance(o, ir.Call):
+            ok = not o.star and all(k is not None for k, _ in o.kwargs) and (
+                isinstance(o.fn, ir.Value) or segments.rerunnable(o.fn.value))
+        else:
+            ok = isinstance(o, (ir.Capture, ir.Fused)) and not (isinstance(o, ir.Capture)
+                                                               and o.source_kind == "free")
+        if ok and all(not isinstance(v, ir.Value) or v in known for v in o.operands()):
+            chain.add(o)
+            known.update(o.outputs)
+    return chain
+
+
+def _cell_call(rest, body, state_params, counter):
+    """The cell call among the body's other ops, and its state's form; (None, None) unless those ops are the
+    call alone (``h = cell(x, h)``), or with a built state and its unpacking (``h, c = cell(x, (h, c))``)."""
+    calls = [o for o in rest if isinstance(o, ir.Call) and isinstance(o.fn, ir.Value)]
+    if len(calls) != 1:
+        return None, None
+    call = calls[0]
+    if len(call.args) != 2 or call.kwargs or call.star or len(call.outputs) != 1:
+        return None, None
+    state = call.args[1]
+    outputs = body.outputs
+    if len(rest) == 1 and state in state_params:
+        j = state_params.index(state)
+        if j != counter and outputs[j] is call.output:
+            return call, ("one", j)
+        return None, None
+    if len(rest) != 3:
+        return None, None
+    build = state.op if isinstance(state, ir.Value) else None
+    unpack = next((o for o in rest if o is not call and o is not build), None)
+    if not (isinstance(build, ir.Call) and _const_fn(build) is intrinsics.build_tuple and len(build.args) == 2
+            and all(a in state_params for a in build.args) and isinstance(unpack, ir.Call)
+            and _const_fn(unpack) is intrinsics.unpack and unpack.args[0] is call.output
+            and len(unpack.outputs) == 2):
+        return None, None
+    h, c = (state_params.index(a) for a in build.args)
+    if len({h, c, counter}) != 3 or outputs[h] is not unpack.outputs[0] or outputs[c] is not unpack.outputs[1]:
+        return None, None
+    if any(call.output in [v for v in o.operands()] for o in rest if o is not unpack) or call.output in outputs:
+        return None, None
+    return call, ("pair", h, c)
+
+
+def _const_fn(o):
+    return o.fn.value if isinstance(o.fn, ir.Const) else None
+
+
+def _needed(values, chain):
+    """The chain ops that ``values`` are computed from, or None if one is not computed by the chain (a
+    loop variable) where it is not an invariant given."""
+    found, pending = set(), [v for v in values if isinstance(v, ir.Value)]
+    while pending:
+        v = pending.pop()
+        if v.op is None:
+            continue  # (a parameter: an invariant, the chain's own inputs)
+        if v.op not in chain:
+            return None
+        if v.op not in found:
+            found.add(v.op)
+            pending.extend(x for x in v.op.operands() if isinstance(x, ir.Value))
+    return found
+
+
+def _params(ops):
+    """The parameters ``ops`` read."""
+    return {x for o in ops for x in o.operands() if isinstance(x, ir.Value) and x.op is None}
+
+
+def _pure_method(value):
+    """``x.name`` of a tensor method that changes nothing and draws nothing (``x.unsqueeze``, not ``x.add_``)."""
+    o = value.op
+    if not (isinstance(o, ir.Call) and _const_fn(o) is getattr and isinstance(o.args[1], ir.Const)):
+        return False
+    name = o.args[1].value
+    return (type(name) is str and hasattr(torch.Tensor, name) and not facts.mutating_method(name)
+            and name not in facts.DRAWING_METHODS)
+
+
+def _is_read(o):
+    """A capture or an attribute or item read: run once for the loop, before it, as the callables it calls."""
+    return isinstance(o, ir.Capture) or (isinstance(o, ir.Call) and _const_fn(o) in _READS)
+
+
+def _subgraph(name, inputs, ops, outputs, loc):
+    """A function SubGraph of copies of ``ops`` (program order), reading ``inputs`` (fresh parameters) and
+    returning ``outputs``."""
+    sg = ir.SubGraph(name, [], loc)
+    fresh = {}
+    for v in inputs:
+        fresh[v] = ir.Value(v.hint)
+        sg.inputs.append(fresh[v])
+    for o in ops:
+        c = _copy(o)
+        c.map_operands(lambda x: fresh.get(x, x) if isinstance(x, ir.Value) else x)
+        for old, new in zip(o.outputs, c.outputs):
+            fresh[old] = new
+        sg.ops.append(c)
+    sg.outputs = [fresh.get(v, v) if isinstance(v, ir.Value) else v for v in outputs]
+    return sg
+
+
+def _copy(o):
+    """A copy of op ``o`` with outputs of its own (its operands still the original's, to map)."""
+    c = object.__new__(type(o))
+    c.__dict__.update(o.__dict__)
+    for attr in ("args", "kwargs", "loop_vars", "invariants"):
+        if attr in c.__dict__:
+            c.__dict__[attr] = list(c.__dict__[attr])
+    c.outputs = [ir.Value(v.hint, c) for v in o.outputs]
+    return c

@@ -1,0 +1,251 @@
+"""A loop stepping an RNN cell over each sequence runs as torch's own RNN over the packed steps (codegen/recurrent.py).
+
+Each loop below runs through ``recompile.vmap`` over sequences of different lengths, some of none, and is
+compared with the plain function run per instance (float64: values and parameter gradients); each counts
+whether it ran as one RNN (``RecurrentLoop.runs``) or as written (``declined``), and runs no op once per
+instance. Loops that are not a cell stepped over step inputs, and cells or inputs that do not fit, run as
+written with the same values, and an error of a step's input is raised from the user's line.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import recompile
+from recompile import config
+from recompile.codegen import recurrent
+from recompile.passes.pipeline import FINAL
+
+VOCAB, EMBED, HIDDEN = 11, 3, 4
+
+
+class Model(nn.Module):
+    def __init__(self, cell=nn.LSTMCell, **options):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, EMBED)
+        self.proj = nn.Linear(EMBED, EMBED)
+        self.cell = cell(EMBED, HIDDEN, **options)
+
+
+def lstm_while(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    c = torch.zeros(HIDDEN, dtype=torch.float64)
+    t = 0
+    while t < n:
+        h, c = m.cell(m.embed(words[t]), (h, c))
+        t = t + 1
+    return h + c, h * t
+
+
+def lstm_for(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    c = torch.zeros(HIDDEN, dtype=torch.float64)
+    for t in range(n):
+        h, c = m.cell(torch.tanh(m.proj(m.embed(words[t]))), (h, c))
+    return h * c
+
+
+def lstm_state_tuple(m, words, n, h0):
+    hc = (h0, torch.ones(HIDDEN, dtype=torch.float64))
+    t = 2
+    while t < n:
+        hc = m.cell(m.embed(words[t - 2]) * 2.0, hc)
+        t += 1
+    return hc[0] - hc[1]
+
+
+def cell_while(m, words, n, h0):
+    h = h0
+    t = 0
+    while t < n:
+        h = m.cell(m.embed(words[t]), h)
+        t = t + 1
+    return h
+
+
+def constant_end(m, words, n, h0):
+    h = h0
+    for t in range(3):
+        h = m.cell(m.embed(words[t]), h)
+    return h, h * t
+
+
+def lengths(*ns):
+    return torch.tensor(ns)
+
+
+def sentences(count, longest, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (count, longest), generator=g)
+
+
+def compare(model, fn, args, in_dims, expect_runs=True):
+    """fn through recompile.vmap against fn per instance: values and gradients (float64), and whether its loop
+    ran as one RNN."""
+    compiled = recompile.function(fn)
+    model.zero_grad()
+    got = recompile.vmap(compiled, in_dims=in_dims)(model, *args)
+    flat = got if isinstance(got, tuple) else (got,)
+    sum(v.sum() for v in flat if isinstance(v, torch.Tensor) and v.is_floating_point()).backward()
+    got_grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    count = args[in_dims.index(0) - 1].shape[0]
+    per = [fn(model, *[a[k] if d == 0 else a for a, d in zip(args, in_dims[1:])]) for k in range(count)]
+    per = [p if isinstance(p, tuple) else (p,) for p in per]
+    want = tuple(torch.stack([torch.as_tensor(p[j]) for p in per]) for j in range(len(per[0])))
+    sum(v.sum() for v in want if v.is_floating_point()).backward()
+    want_grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    for g, w in zip(flat, want):
+        torch.testing.assert_close(torch.as_tensor(g).detach(), w.detach(), rtol=1e-9, atol=1e-12)
+    assert got_grads.keys() == want_grads.keys()
+    for k in want_grads:
+        torch.testing.assert_close(got_grads[k], want_grads[k], rtol=1e-9, atol=1e-12)
+    loops = compiled.callee(None).build.batched_code.recurrent
+    assert len(loops) == 1
+    assert (loops[0].runs > 0) is expect_runs, (loops[0].runs, loops[0].declined)
+    return loops[0]
+
+
+@pytest.fixture(autouse=True)
+def every_op_batched(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+
+
+def test_a_while_loop_of_an_lstm_cell_runs_as_one_lstm_with_its_counter_and_sequences_of_no_words():
+    torch.manual_seed(0)
+    model = Model().double()
+    compare(model, lstm_while, (sentences(6, 7), lengths(3, 7, 0, 5, 1, 7)), (None, 0, 0))
+
+
+def test_a_for_over_a_range_with_step_inputs_of_several_ops():
+    torch.manual_seed(1)
+    model = Model().double()
+    compare(model, lstm_for, (sentences(5, 6), lengths(6, 2, 2, 0, 4)), (None, 0, 0))
+
+
+@pytest.mark.parametrize("cell, options", [(nn.GRUCell, {}), (nn.RNNCell, {}),
+                                           (nn.RNNCell, {"nonlinearity": "relu"}), (nn.GRUCell, {"bias": False}),
+                                           (nn.LSTMCell, {"bias": False})])
+def test_each_cell_kind_from_a_state_per_instance(cell, options):
+    torch.manual_seed(2)
+    model = Model(cell, **options).double()
+    if cell is nn.LSTMCell:
+        compare(model, lstm_state_tuple, (sentences(4, 5), lengths(7, 3, 1, 5), torch.randn(4, HIDDEN).double()),
+                (None, 0, 0, 0))
+    else:
+        compare(model, cell_while, (sentences(4, 5), lengths(5, 3, 0, 5), torch.randn(4, HIDDEN).double()),
+                (None, 0, 0, 0))
+
+
+def test_a_range_of_a_constant_length_and_a_shared_start_state():
+    torch.manual_seed(3)
+    model = Model(nn.GRUCell).double()
+    compare(model, constant_end, (sentences(3, 4), lengths(1, 2, 3), torch.randn(HIDDEN).double()),
+            (None, 0, 0, None))
+
+
+def test_a_float_end_counts_steps_as_the_comparison_does():
+    def fractional(m, words, n, h0):
+        h = h0
+        t = 0
+        half = n * 0.5
+        while t < half:
+            h = m.cell(m.embed(words[t]), h)
+            t = t + 1
+        return h
+
+    torch.manual_seed(4)
+    model = Model(nn.RNNCell).double()
+    compare(model, fractional, (sentences(4, 4), lengths(3, 7, 0, 1), torch.randn(HIDDEN).double()),
+            (None, 0, 0, None))
+
+
+def test_switched_off_or_with_a_hook_the_loop_runs_as_written(monkeypatch):
+    torch.manual_seed(5)
+    model = Model().double()
+    args = (sentences(3, 5), lengths(5, 2, 4))
+    monkeypatch.setattr(config, "RECURRENT_LOOPS", False)
+    assert compare(model, lstm_while, args, (None, 0, 0), expect_runs=False).declined > 0
+    monkeypatch.setattr(config, "RECURRENT_LOOPS", True)
+    handle = model.cell.register_forward_hook(lambda mod, inputs, out: (out[0] * 2, out[1]))
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")  # (a module with a hook runs as its instances call it)
+    try:
+        compare(model, lstm_while, args, (None, 0, 0), expect_runs=False)
+    finally:
+        handle.remove()
+
+
+def test_step_inputs_that_draw_random_numbers_run_in_the_written_loop():
+    def dropped(m, words, n):
+        h = torch.zeros(HIDDEN, dtype=torch.float64)
+        c = torch.zeros(HIDDEN, dtype=torch.float64)
+        t = 0
+        while t < n:
+            h, c = m.cell(F.dropout(m.embed(words[t]), 0.0), (h, c))
+            t = t + 1
+        return h
+
+    torch.manual_seed(6)
+    compare(Model().double(), dropped, (sentences(3, 4), lengths(4, 1, 3)), (None, 0, 0), expect_runs=False)
+
+
+def test_a_body_doing_more_than_stepping_the_cell_is_not_taken():
+    def collects(m, words, n):
+        h = torch.zeros(HIDDEN, dtype=torch.float64)
+        total = torch.zeros(HIDDEN, dtype=torch.float64)
+        t = 0
+        while t < n:
+            h = m.cell(m.embed(words[t]), h)
+            total = total + h
+            t = t + 1
+        return total
+
+    compiled = recompile.function(collects)
+    model = Model(nn.GRUCell).double()
+    recompile.vmap(compiled, in_dims=(None, 0, 0))(model, sentences(2, 3), lengths(3, 2))
+    assert compiled.callee(None).build.batched_code.recurrent == []
+
+
+def test_an_error_of_a_step_input_is_raised_at_its_step_from_the_users_line():
+    words = sentences(3, 5)
+    words[1, 3] = VOCAB + 4  # (read at step 3 of the second sentence only)
+    compiled = recompile.function(lstm_while)
+    with pytest.raises(IndexError) as info:
+        recompile.vmap(compiled, in_dims=(None, 0, 0))(Model().double(), words, lengths(5, 5, 2))
+    assert "lstm_while" in "".join(getattr(info.value, "__notes__", [])) + str(info.traceback)
+    loop = compiled.callee(None).build.batched_code.recurrent[0]
+    assert loop.runs == 0 and loop.declined == 1
+
+
+def test_inputs_the_cell_does_not_take_run_as_written_and_raise_as_the_cell_does():
+    model = Model().double()
+    model.cell = nn.LSTMCell(EMBED + 1, HIDDEN).double()
+    compiled = recompile.function(lstm_while)
+    with pytest.raises(RuntimeError):
+        recompile.vmap(compiled, in_dims=(None, 0, 0))(model, sentences(2, 3), lengths(3, 2))
+    assert compiled.callee(None).build.batched_code.recurrent[0].runs == 0
+
+
+def test_one_instance_in_batched_mode_runs_as_one_rnn():
+    torch.manual_seed(7)
+    model = Model().double()
+    compiled = recompile.function(lstm_while, mode="batched")
+    words, n = sentences(1, 6)[0], torch.tensor(6)
+    got = compiled(model, words, n)
+    want = lstm_while(model, words, n)
+    torch.testing.assert_close(got, want)
+    assert compiled.callee(None).build.batched_code.recurrent[0].runs == 1
+
+
+def test_plan_reads_the_loop_the_frontend_writes():
+    def traced(m, words, n):
+        h = torch.zeros(HIDDEN)
+        for t in range(n):
+            h = m.cell(m.embed(words[t]), h)
+        return h
+
+    program = recompile.function(traced).callee(None).subgraph(FINAL)
+    loops = [op for sg in program.walk() for op in sg.ops if type(op).__name__ == "While"]
+    found = recurrent.plan(loops[0])
+    assert found is not None and found.end[0] == "range" and found.cell_form[0] == "one"
