@@ -138,6 +138,26 @@ def test_each_cell_kind_from_a_state_per_instance(cell, options):
                 (None, 0, 0, 0))
 
 
+@pytest.mark.parametrize("cell, options", [(nn.LSTMCell, {}), (nn.GRUCell, {}), (nn.RNNCell, {"nonlinearity": "relu"}),
+                                           (nn.RNNCell, {"bias": False})])
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+def test_without_grad_the_steps_run_as_torchs_own_rnn(cell, options, no_grad):
+    torch.manual_seed(8)
+    model = Model(cell, **options).double()
+    words, n, h0 = sentences(5, 6), lengths(6, 0, 2, 6, 3), torch.randn(5, HIDDEN).double()
+    fn = lstm_while if cell is nn.LSTMCell else cell_while
+    args = (words, n) if cell is nn.LSTMCell else (words, n, h0)
+    compiled = recompile.function(fn)
+    with no_grad():
+        got = recompile.vmap(compiled, in_dims=(None,) + (0,) * len(args))(model, *args)
+        per = [fn(model, *[a[k] for a in args]) for k in range(5)]
+    got = got if isinstance(got, tuple) else (got,)
+    per = [p if isinstance(p, tuple) else (p,) for p in per]
+    for j, g in enumerate(got):
+        torch.testing.assert_close(g, torch.stack([p[j] for p in per]), rtol=1e-9, atol=1e-12)
+    assert compiled.callee(None).build.batched_code.recurrent[0].runs == 1
+
+
 def test_a_range_of_a_constant_length_and_a_shared_start_state():
     torch.manual_seed(3)
     model = Model(nn.GRUCell).double()

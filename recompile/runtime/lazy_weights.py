@@ -195,8 +195,8 @@ def lookup(module, indices):
 
 
 def cell(module, x, state=None):
-    """``module(x, state)`` of an ``nn.RNNCell``, ``LSTMCell`` or ``GRUCell`` on a matrix of rows: where autograd records its two products and they are of few rows, written out as torch's
-    cells compute them, the products' weight gradients deferred to the run's gates (a loop's steps form each
+    """``module(x, state)`` of an ``nn.RNNCell``, ``LSTMCell`` or ``GRUCell`` on a matrix of rows: where autograd
+    records its two products and they are of few rows, written out as torch's cells compute them, the products' weight gradients deferred to the run's gates (a loop's steps form each
     once); the module's own call otherwise (without grad the written-out cell measured no faster)."""
     kind = type(module)
     if not _writes_out(module, kind, x, state):
@@ -204,9 +204,16 @@ def cell(module, x, state=None):
     if state is None:
         zeros = x.new_zeros(x.shape[0], module.hidden_size)
         state = (zeros, zeros) if kind is nn.LSTMCell else zeros
-    h = state[0] if kind is nn.LSTMCell else state
     gx = linear(x, module.weight_ih, module.bias_ih, of_run(module.weight_ih))
-    gh = linear(h, module.weight_hh, module.bias_hh, of_run(module.weight_hh))
+    return step(module, gx, state, of_run(module.weight_hh))
+
+
+def step(module, gx, state, lazy):
+    """One step of cell ``module`` from the input's product ``gx`` (with its bias) and the state, as torch's
+    cells compute it; the state's product's weight gradient deferred to ``lazy``'s gate where its rows are few."""
+    kind = type(module)
+    h = state[0] if kind is nn.LSTMCell else state
+    gh = linear(h, module.weight_hh, module.bias_hh, lazy)
     if kind is nn.LSTMCell:
         i, f, g, o = (gx + gh).chunk(4, 1)
         c = torch.sigmoid(f) * state[1] + torch.sigmoid(i) * torch.tanh(g)
@@ -218,6 +225,29 @@ def cell(module, x, state=None):
         n = torch.tanh(xn + torch.sigmoid(xr + hr) * hn)
         return n + z * (h - n)  # ((1 - z) n + z h, as torch writes it)
     return torch.tanh(gx + gh) if module.nonlinearity == "tanh" else torch.relu(gx + gh)
+
+
+def packed_steps(module, data, batch_sizes, state):
+    """Cell ``module`` stepped over packed rows ``data`` (step j's rows are the first ``batch_sizes[j]``
+    sequences', longest first) from ``state`` (a row per sequence, in that order): each sequence's final state.
+    Every step's input product is one product, cut into the steps' rows by one split (whose backward is one
+    concatenation, where torch's own packed RNN narrows it step by step and adds up a full-size gradient per
+    step), and the state's products share one weight gradient (``step``)."""
+    chunks = F.linear(data, module.weight_ih, module.bias_ih).split(batch_sizes)
+    lazy = of_run(module.weight_hh)
+    pair = type(module) is nn.LSTMCell
+    parts = list(state) if pair else [state]
+    finished = []  # (the rows of the sequences that ended, the last first)
+    for gx, rows in zip(chunks, batch_sizes):
+        if rows < parts[0].shape[0]:
+            finished.append([p[rows:] for p in parts])
+            parts = [p[:rows] for p in parts]
+        out = step(module, gx, tuple(parts) if pair else parts[0], lazy)
+        parts = list(out) if pair else [out]
+    finished.append(parts)
+    ends = [torch.cat([f[k] for f in reversed(finished)]) if len(finished) > 1 else parts[k]
+            for k in range(len(parts))]
+    return tuple(ends) if pair else ends[0]
 
 
 def _own_call(module):
