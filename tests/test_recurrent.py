@@ -15,6 +15,7 @@ from torch import nn
 import recompile
 from recompile import config
 from recompile.codegen import recurrent
+from recompile.runtime import control
 from recompile.passes.pipeline import FINAL
 
 VOCAB, EMBED, HIDDEN = 11, 3, 4
@@ -102,6 +103,9 @@ def compare(model, fn, args, in_dims, expect_runs=True):
     for k in want_grads:
         torch.testing.assert_close(got_grads[k], want_grads[k], rtol=1e-9, atol=1e-12)
     loops = compiled.callee(None).build.batched_code.recurrent
+    if expect_runs is None:  # (not a recurrent loop)
+        assert loops == []
+        return None
     assert len(loops) == 1
     assert (loops[0].runs > 0) is expect_runs, (loops[0].runs, loops[0].declined)
     return loops[0]
@@ -221,10 +225,25 @@ def test_a_body_doing_more_than_stepping_the_cell_is_not_taken():
             t = t + 1
         return total
 
-    compiled = recompile.function(collects)
-    model = Model(nn.GRUCell).double()
-    recompile.vmap(compiled, in_dims=(None, 0, 0))(model, sentences(2, 3), lengths(3, 2))
-    assert compiled.callee(None).build.batched_code.recurrent == []
+    compare(Model(nn.GRUCell).double(), collects, (sentences(2, 3), lengths(3, 2)), (None, 0, 0), expect_runs=None)
+
+
+def test_a_counting_loop_runs_its_instances_longest_first_each_step_keeping_the_first_rows(monkeypatch):
+    def written_out(m, words, n):  # (a cell of the user's own: no module to run as one RNN)
+        h = torch.zeros(HIDDEN, dtype=torch.float64)
+        t = 0
+        while t < n:
+            h = torch.tanh(m.proj(m.embed(words[t])).sum() + h * 0.5)
+            t = t + 1
+        return h * t
+
+    taken = []
+    take_all = control._take_all
+    monkeypatch.setattr(control, "_take_all", lambda *args: taken.append(len(args[1][0])) or take_all(*args))
+    torch.manual_seed(9)
+    compare(Model().double(), written_out, (sentences(6, 7), lengths(2, 7, 0, 5, 2, 6)), (None, 0, 0),
+            expect_runs=None)
+    assert taken == [6]  # (the instances put in order once, as the loop starts; no gather as they leave)
 
 
 def test_an_error_of_a_step_input_is_raised_at_its_step_from_the_users_line():

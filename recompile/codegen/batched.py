@@ -17,7 +17,7 @@ from .. import config, intrinsics, ir
 from ..passes.batching import BatchPlan
 from ..passes.effects import subgraph_may_mutate
 from ..passes.levels import level_shape
-from ..runtime import batch_rules, control, levels as rt_levels
+from ..runtime import batch_rules, control, levels as rt_levels, ranges
 from ..runtime.units import Unit
 from . import emit, levels, recurrent, segments
 from .loader import Module, locate
@@ -224,14 +224,32 @@ class _BatchedEmitter(emit.FunctionEmitter):
             return ast.Call(func=ast.Attribute(value=ast.Name(id=loop, ctx=ast.Load()), attr=name, ctx=ast.Load()),
                             args=[arg], keywords=[])
 
+        ordered = self.ordered(op, loop)
         step = ast.Expr(value=method("step", run(op.body_sg)))
         locate(step, op.loc)
         body = ast.While(test=method("keep", run(op.cond_sg)), body=[step], orelse=[])
         locate(body, op.loc)
         result = ast.Call(func=ast.Attribute(value=ast.Name(id=loop, ctx=ast.Load()), attr="result", ctx=ast.Load()),
                           args=[], keywords=[])
-        written = [start, body] + ([self.results(op.outputs, result, op.loc)] if op.outputs else [])
+        written = [start, *ordered, body] + ([self.results(op.outputs, result, op.loc)] if op.outputs else [])
         return self.as_one_rnn(op, written)
+
+    def ordered(self, op, loop):
+        """``loop.order_by(trip counts)`` for a loop that counts up to an end (``recurrent.counting``): its
+        instances, longest first, leave it from the end, and those that stay are a view of the first rows."""
+        found = recurrent.counting(op) if not self.emission.changes else None
+        if found is None:
+            return []
+        counter, (kind, end) = found
+        starts = ast.Call(func=self.helper(ranges.counter_values, "counter_values"),
+                          args=[self.n_load(), self.load(op.loop_vars[counter])], keywords=[])
+        counts = ast.Call(func=self.helper(ranges.trip_counts, "trip_counts"),
+                          args=[self.n_load(), starts, ast.Constant(value=kind),
+                                self.load(end if isinstance(end, ir.Const) else op.invariants[end])], keywords=[])
+        stmt = ast.Expr(value=ast.Call(func=ast.Attribute(value=ast.Name(id=loop, ctx=ast.Load()), attr="order_by",
+                                                          ctx=ast.Load()), args=[counts], keywords=[]))
+        locate(stmt, op.loc)
+        return [stmt]
 
     def as_one_rnn(self, op, written):
         """A loop stepping an RNN cell (``codegen.recurrent``): ``out = loop(_n, vars, invariants)``, and the

@@ -29,7 +29,6 @@ changes nothing, and an error they raise is raised by the written loop, at its s
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
@@ -39,7 +38,7 @@ from .. import config, intrinsics, ir
 from ..ops import facts
 from ..ops.table import has_hooks
 from ..runtime import batch as bt
-from ..runtime import lazy_weights, ranges
+from ..runtime import batch_rules, lazy_weights, ranges
 from ..runtime.batch import Batch
 from . import segments
 
@@ -52,7 +51,7 @@ class RecurrentLoop:
     """One While of a batched function, found to step a cell over a sequence (``plan``); called with the
     loop's initial values, it returns the loop's final ones, or NotImplemented where the run does not fit."""
 
-    def __init__(self, op, counter, end, cell_form, chain_sg, reads_sg, var_sources):
+    def __init__(self, op, counter, end, cell_form, chain_sg, reads_sg, var_sources, indexed):
         self.loc = op.loc
         self.counter = counter  # the counter's position among the loop variables
         self.end = end  # ("lt", invariant position | Const) or ("range", invariant position)
@@ -61,8 +60,9 @@ class RecurrentLoop:
         self.reads_sg = reads_sg  # (*invariants) -> (cell, *the step inputs' callables)
         self.var_sources = var_sources  # per loop variable: "counter", "state", "same" or ("chain", k)
         # which invariants the step inputs read (the others are not taken for each row)
+        self.indexed = indexed  # the invariant of each ``x[t]`` read for the chain (its last inputs)
         used = {x for o in chain_sg.ops for x in o.operands()}
-        self.used = [v in used for v in chain_sg.inputs[1:]]
+        self.used = [v in used for v in chain_sg.inputs[1:len(chain_sg.inputs) - len(indexed)]]
         self.reads = self.chain = None  # their batched functions (``compile``)
         self.runs = 0  # loops run as one RNN
         self.declined = 0  # loops run as written
@@ -92,9 +92,9 @@ class RecurrentLoop:
             return NotImplemented
         if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
             return NotImplemented
-        starts = _ints(n, loop_vars[self.counter])
-        steps = self._steps(n, starts, invariants)
-        if starts is None or steps is None or sum(steps) == 0:
+        starts = ranges.counter_values(n, loop_vars[self.counter])
+        steps = self.trip_counts(n, starts, invariants)
+        if steps is None or sum(steps) == 0:
             return NotImplemented
         state = _state(n, self.cell_form, loop_vars, cell)
         if state is None:
@@ -103,6 +103,10 @@ class RecurrentLoop:
         counters = [starts[k] + j for k, j in zip(layout.instance, layout.step)]
         args = [bt.from_items(counters) if layout.rows > 1 else counters[0]]
         args += [layout.take(v) if used else None for v, used in zip(invariants, self.used)]
+        try:
+            args += [_items_at(invariants[p], layout, args[0], counters) for p in self.indexed]
+        except Exception:  # (as below)
+            return NotImplemented
         try:
             outs = _tuple(self.chain(layout.rows, *args), len(self.chain_sg.outputs))
         except Exception:  # (the written loop raises it at its step, from the user's line)
@@ -117,29 +121,10 @@ class RecurrentLoop:
         finals = _run_cell(cell, data, layout, state)
         return self._results(n, loop_vars, starts, steps, layout, finals, outs[1:])
 
-    def _steps(self, n, starts, invariants):
-        """Each instance's number of steps, or None where the loop's end is not one this runs."""
-        if starts is None:
-            return None
+    def trip_counts(self, n, starts, invariants):
         kind, where = self.end
-        if kind == "range":
-            seq = invariants[where]
-            lengths = [len(seq)] * n if type(seq) is range else None
-            if type(seq) is Batch:
-                found = ranges.of(seq)
-                lengths = found.lengths if found is not None else None
-            if lengths is None or min(starts) < 0:
-                return None
-            return [max(0, length - s) for length, s in zip(lengths, starts)]
-        ends = _numbers(n, where.value if isinstance(where, ir.Const) else invariants[where])
-        if ends is None:
-            return None
-        steps = []
-        for e, s in zip(ends, starts):
-            if type(e) is float and not math.isfinite(e):
-                return None
-            steps.append(max(0, math.ceil(e - s)))
-        return steps
+        end = where.value if isinstance(where, ir.Const) else invariants[where]
+        return ranges.trip_counts(n, starts, kind, end)
 
     def _results(self, n, loop_vars, starts, steps, layout, finals, chained):
         out = []
@@ -190,6 +175,16 @@ class _Layout:
 
     def last_row(self, k):
         return self._starts[self._steps[k] - 1] + self._rank[k]
+
+
+def _items_at(value, layout, counter, counters):
+    """``value[t]`` for each row's instance and counter t: one advanced index of a tensor's rows, without
+    taking the whole sequence for each row."""
+    t = bt.tensor_of(value) if type(value) is Batch else value if type(value) is torch.Tensor else None
+    if t is None or t.dim() < (2 if type(value) is Batch else 1):
+        return batch_rules.item(layout.rows, layout.take(value), counter)
+    steps = torch.tensor(counters, device=t.device)
+    return bt.from_tensor(t[layout.index.to(t.device), steps] if type(value) is Batch else t[steps])
 
 
 def _run_cell(cell, data, layout, state):
@@ -259,30 +254,6 @@ def _tuple(out, count):
     return (out,) if count == 1 else out
 
 
-def _ints(n, value):
-    """Each instance's Python int of ``value`` (a counter), or None."""
-    items = bt.items_of(value) if type(value) is Batch else [value] * n
-    return items if all(type(v) is int for v in items) else None
-
-
-def _numbers(n, value):
-    """Each instance's Python number of ``value`` (an int, a float, a tensor of one real number), or None."""
-    if type(value) is Batch:
-        t = bt.tensor_of(value)
-        if t is not None:
-            if t.numel() != n or t.is_complex() or t.dtype is torch.bool:
-                return None
-            return t.reshape(n).tolist()
-        items = bt.items_of(value)
-    else:
-        if type(value) is torch.Tensor:
-            if value.numel() != 1 or value.is_complex() or value.dtype is torch.bool:
-                return None
-            value = value.item()
-        items = [value] * n
-    return items if all(type(v) in (int, float) for v in items) else None
-
-
 def _per_instance(n, values):
     """One value every instance shares where they are the same int, else a batch of them."""
     if n == 1:
@@ -298,7 +269,7 @@ def _per_instance(n, values):
 
 def plan(op):
     """The RecurrentLoop of While ``op``, or None when its body is not a cell stepped over step inputs."""
-    found = _counter_and_end(op)
+    found = counting(op)
     if found is None:
         return None
     counter, end = found
@@ -341,14 +312,18 @@ def plan(op):
     if steps is None:
         return None
     name = body.name + ".steps"
-    chain_sg = _subgraph(name, [counter_param, *invariant_params], [o for o in body.ops if o in steps],
-                         [x, *chained], body.loc)
+    # ``x[t]`` of a sequence the loop does not change: each row's item read at once, as the chain's input
+    items = [o for o in body.ops if o in steps and _const_fn(o) is operator.getitem and not o.kwargs
+             and o.args[0] in invariant_params and o.args[1] is counter_param]
+    chain_sg = _subgraph(name, [counter_param, *invariant_params, *(o.output for o in items)],
+                         [o for o in body.ops if o in steps and o not in items], [x, *chained], body.loc)
     reads_sg = _subgraph(name + ".callables", invariant_params, [o for o in body.ops if o in reads],
                          [cell_value, *callees], body.loc)
-    return RecurrentLoop(op, counter, end, cell_form, chain_sg, reads_sg, var_sources)
+    indexed = [invariant_params.index(o.args[0]) for o in items]
+    return RecurrentLoop(op, counter, end, cell_form, chain_sg, reads_sg, var_sources, indexed)
 
 
-def _counter_and_end(op):
+def counting(op):
     """(the counter's loop-variable position, the end) of a While whose test is ``counter < end`` or a ``for``'s
     ``has_index(seq, counter)``, and whose body adds 1 to the counter; else None."""
     cond, body, k = op.cond_sg, op.body_sg, len(op.loop_vars)
@@ -432,7 +407,7 @@ def _cell_call(rest, body, state_params, counter):
 
 
 def _const_fn(o):
-    return o.fn.value if isinstance(o.fn, ir.Const) else None
+    return o.fn.value if isinstance(o, ir.Call) and isinstance(o.fn, ir.Const) else None
 
 
 def _needed(values, chain):

@@ -85,6 +85,18 @@ def _take_all(values, side, copies=None):
     return out
 
 
+def _part_all(values, start, count):
+    """Instances start .. start+count-1 of each of ``values`` (a value given twice is cut once)."""
+    cut = {}
+    out = []
+    for v in values:
+        t = cut.get(id(v))
+        if t is None:
+            t = cut[id(v)] = bt.part(v, start, count)
+        out.append(t)
+    return out
+
+
 def write_back(copies):
     """Copy rows a branch or loop changed in place back into the batch they were taken from, latest copy
     first: eager code changes the one tensor every name of it sees (``z = y; if c: y += 1``), while a side
@@ -189,16 +201,34 @@ class Loop:
             self.done.append((self.carried[:self.k], self.positions))
             return False
         stay, leave = split(self.n, pred)
+        # (the instances that stay are the first ones, as in a loop sorted by its trip counts (``order_by``), and
+        # nothing is changed in place: each value's first rows, a view, with no gather)
+        first = len(stay[0])
+        prefix = self.copies is None and first and leave[0] and stay[0][-1] == first - 1
         if leave[0]:
-            values = self.carried[:self.k] if not stay[0] else _take_all(self.carried[:self.k], leave)
+            values = self.carried[:self.k] if not stay[0] else \
+                _part_all(self.carried[:self.k], first, self.n - first) if prefix else \
+                _take_all(self.carried[:self.k], leave)
             self.done.append((values, [self.positions[k] for k in leave[0]]))
         if not stay[0]:
             return False
         if leave[0]:
-            self.carried = _take_all(self.carried, stay, self.copies)
+            self.carried = _part_all(self.carried, 0, first) if prefix else _take_all(self.carried, stay, self.copies)
             self.positions = [self.positions[k] for k in stay[0]]
-            self.n = len(stay[0])
+            self.n = first
         return True
+
+    def order_by(self, counts):
+        """Put the instances in the order of their trip counts (``counts``, known as the loop starts), the
+        longest first, so that those that stay at each step are the first ones (``keep``). The loop's result is
+        joined by instance, in their order."""
+        if counts is None or self.n < 2 or self.copies is not None:
+            return
+        order = sorted(range(self.n), key=counts.__getitem__, reverse=True)  # (stable: ties keep their order)
+        if order == self.positions:
+            return
+        self.carried = _take_all(self.carried, (order, None))
+        self.positions = [self.positions[k] for k in order]
 
     def step(self, new):
         if self.handed_on is not None:

@@ -196,8 +196,9 @@ def lookup(module, indices):
 
 def cell(module, x, state=None):
     """``module(x, state)`` of an ``nn.RNNCell``, ``LSTMCell`` or ``GRUCell`` on a matrix of rows: where autograd
-    records its two products and they are of few rows, written out as torch's cells compute them, the products' weight gradients deferred to the run's gates (a loop's steps form each
-    once); the module's own call otherwise (without grad the written-out cell measured no faster)."""
+    records its two products and they are of few rows, written out as torch's cells compute them, the products'
+    weight gradients deferred to the run's gates (a loop's steps form each once); the module's own call otherwise
+    (without grad the written-out cell measured no faster)."""
     kind = type(module)
     if not _writes_out(module, kind, x, state):
         return module(x) if state is None else module(x, state)

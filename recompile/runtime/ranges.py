@@ -9,6 +9,8 @@ sees the same ``t`` in every instance, as in the ``while t < n`` form, and ``x[t
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import batch as bt
@@ -107,3 +109,50 @@ def items(seq, positions):
         return bt.from_items([r[i] for r, i in zip(found, positions)])
     except IndexError:
         return NotImplemented  # (each instance raises its own, as Python would)
+
+
+# -- how many steps a counting loop takes
+
+
+def counter_values(n, value):
+    """Each instance's Python int of a loop's counter ``value``, or None."""
+    items = bt.items_of(value) if type(value) is Batch else [value] * n
+    return items if all(type(v) is int for v in items) else None
+
+
+def trip_counts(n, starts, kind, end):
+    """Each instance's number of steps of a loop whose counter goes up by 1 from ``starts`` (``counter_values``)
+    while ``counter < end`` (kind ``"lt"``) or while a ``for`` over the range ``end`` has an item at it
+    (``"range"``), as Python's test would count them; None where that is not known here."""
+    if starts is None:
+        return None
+    if kind == "range":
+        lengths = [len(end)] * n if type(end) is range else None
+        if type(end) is Batch:
+            found = of(end)
+            lengths = found.lengths if found is not None else None
+        if lengths is None or min(starts) < 0:
+            return None
+        return [max(0, length - s) for length, s in zip(lengths, starts)]
+    ends = _numbers(n, end)
+    if ends is None or not all(type(e) is int or math.isfinite(e) for e in ends):
+        return None
+    return [max(0, math.ceil(e - s)) for e, s in zip(ends, starts)]
+
+
+def _numbers(n, value):
+    """Each instance's Python number of ``value`` (an int, a float, a tensor of one real number), or None."""
+    if type(value) is Batch:
+        t = bt.tensor_of(value)
+        if t is not None:
+            if t.numel() != n or t.is_complex() or t.dtype is torch.bool:
+                return None
+            return t.reshape(n).tolist()
+        items = bt.items_of(value)
+    else:
+        if type(value) is torch.Tensor:
+            if value.numel() != 1 or value.is_complex() or value.dtype is torch.bool:
+                return None
+            value = value.item()
+        items = [value] * n
+    return items if all(type(v) in (int, float) for v in items) else None
