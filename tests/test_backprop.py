@@ -435,3 +435,116 @@ def test_an_item_read_before_its_tensor_changed_in_place_is_checked_like_eager(m
     want = torch.autograd.grad(item_scaled_then_changed(x), x)[0]
     got = torch.autograd.grad(recompile.function(item_scaled_then_changed, mode=mode)(x), x)[0]
     torch.testing.assert_close(got, want)
+
+# a view of v read (saved by the product for its gradient, or not: scaled by a number), then v changed in place
+
+def t_read_then_changed(x):
+    v = x * 1.0
+    m = v.t() * v.t()
+    v += 1.0
+    return m.sum()
+
+
+def t_scaled_then_changed(x):
+    v = x * 1.0
+    m = v.t() * 2.0
+    v += 1.0
+    return m.sum() + v.sum()
+
+def T_read_then_changed(x):
+    v = x * 1.0
+    m = v.T * v.T
+    v += 1.0
+    return m.sum()
+
+
+def T_scaled_then_changed(x):
+    v = x * 1.0
+    m = v.T * 2.0
+    v += 1.0
+    return m.sum() + v.sum()
+
+def narrow_read_then_changed(x):
+    v = x * 1.0
+    m = v.narrow(0, 1, 1) * v.narrow(0, 1, 1)
+    v += 1.0
+    return m.sum()
+
+
+def narrow_scaled_then_changed(x):
+    v = x * 1.0
+    m = v.narrow(0, 1, 1) * 2.0
+    v += 1.0
+    return m.sum() + v.sum()
+
+def view_read_then_changed(x):
+    v = x * 1.0
+    m = v.view(6) * v.view(6)
+    v += 1.0
+    return m.sum()
+
+
+def view_scaled_then_changed(x):
+    v = x * 1.0
+    m = v.view(6) * 2.0
+    v += 1.0
+    return m.sum() + v.sum()
+
+def transpose_read_then_changed(x):
+    v = x * 1.0
+    m = torch.transpose(v, 0, 1) * torch.transpose(v, 0, 1)
+    v += 1.0
+    return m.sum()
+
+
+def transpose_scaled_then_changed(x):
+    v = x * 1.0
+    m = torch.transpose(v, 0, 1) * 2.0
+    v += 1.0
+    return m.sum() + v.sum()
+
+def slice_read_then_changed(x):
+    v = x * 1.0
+    m = v[:, 1:] * v[:, 1:]
+    v += 1.0
+    return m.sum()
+
+
+def slice_scaled_then_changed(x):
+    v = x * 1.0
+    m = v[:, 1:] * 2.0
+    v += 1.0
+    return m.sum() + v.sum()
+
+def unsqueeze_of_a_row_read_then_changed(x):
+    v = x * 1.0
+    m = v[0].unsqueeze(0) * v[0].unsqueeze(0)
+    v += 1.0
+    return m.sum()
+
+
+def unsqueeze_of_a_row_scaled_then_changed(x):
+    v = x * 1.0
+    m = v[0].unsqueeze(0) * 2.0
+    v += 1.0
+    return m.sum() + v.sum()
+
+
+VIEWS = {name: (globals()[name + "_read_then_changed"], globals()[name + "_scaled_then_changed"])
+         for name in ['t', 'T', 'narrow', 'view', 'transpose', 'slice', 'unsqueeze_of_a_row']}
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+@pytest.mark.parametrize("view", list(VIEWS))
+def test_a_view_read_before_its_tensor_changed_in_place_is_checked_like_eager(view, mode):
+    """v.t() * v.t() then v += 1: eager refuses the backward, and so does the compiled call (it gave the changed
+    value's gradient); v.t() * 2.0 then v += 1: eager computes, and so does the compiled call."""
+    x = torch.tensor([[1.0, 2.0, -3.0], [0.5, 4.0, 2.0]], dtype=torch.float64, requires_grad=True)
+    read, scaled = VIEWS[view]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(read(x), x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(recompile.function(read, mode=mode)(x), x)
+    want = torch.autograd.grad(scaled(x), x)[0]
+    got = torch.autograd.grad(recompile.function(scaled, mode=mode)(x), x)[0]
+    torch.testing.assert_close(got, want)

@@ -143,6 +143,8 @@ _RESULT_READERS = {grad_rules.GRAD.by_callable[f].vjp for f in (
     torch.exp, torch.exp2, torch.expm1, torch.sqrt, torch.rsqrt, torch.reciprocal, torch.tan, torch.tanh,
     torch.sigmoid, torch.relu, torch.softmax, torch.log_softmax)}
 
+_VIEWS_MOVING_DIMS = {grad_rules._t, grad_rules._swapaxes, grad_rules._movedim, grad_rules._getattr}
+
 # what facts gained after the move, on purpose: old name -> (names added, names removed)
 _ADDCMUL = (torch.addcmul, torch.addcdiv, torch.lerp)  # elementwise, with options (value=, weight=)
 # elementwise too: ``&``, ``|``, ``^``, ``~``, ``//``, ``%`` and torch's comparisons, bitwise and remainders
@@ -191,12 +193,13 @@ GROWN = {
                                     *_CLOSURES, torch.median), set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS), set()),
-    "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS, grad_rules._detach), set()),
+    # (views that move dims read no value of their input either, as ``transpose`` always did)
+    "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS, *_VIEWS_MOVING_DIMS, grad_rules._detach), set()),
     "batch_rules.INTEGER_INDEX": (set(), {"torch.uint8"}),  # (torch reads a uint8 index as a mask)
     # (result readers and detach read no input; a method's receiver is read for the others as its function's)
-    "grad_rules.rule_metadata": (_metadata_of(_RESULT_READERS | {grad_rules._detach}, False)
+    "grad_rules.rule_metadata": (_metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | {grad_rules._detach}, False)
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: tuple(r.read_for_others)),
-                                 _metadata_of(_RESULT_READERS | {grad_rules._detach}, True)
+                                 _metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | {grad_rules._detach}, True)
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: ())),
     # ``type(x)`` of a shared x is read once for every instance (the class is the same object)
     "batch_rules._SHAREABLE": (_names(type, intrinsics.fixed_cell, intrinsics.make_function), set()),

@@ -43,6 +43,8 @@ from __future__ import annotations
 import operator
 import os
 
+import torch
+
 from .. import intrinsics, ir
 from ..ops import facts
 from ..autodiff import backprop as bp
@@ -357,10 +359,12 @@ def _changed_later(ops, outputs=(), inputs=()):
         else:
             continue
         for target in targets:
-            # (an item of it, ``v[1]``, shares its version: an op that read the item checks the item)
+            # (a view of it, ``v[1]``, ``v.t()``, ``v.narrow(0, 1, 2)``, shares its version: an op that read the
+            # view checks the view)
             items = [target]
             for earlier in ops[:k]:
-                if isinstance(earlier, ir.Call) and _const_fn(earlier) is operator.getitem and earlier.args[0] in items:
+                base = _viewed(earlier)
+                if base is not None and base in items:
                     items.extend(earlier.outputs)
             for earlier in ops[:k]:  # (x.div_(y) makes x too: its receiver is its result)
                 if target in _reads(earlier) or target in earlier.outputs or target is _in_place_target(earlier):
@@ -375,6 +379,35 @@ def _changed_later(ops, outputs=(), inputs=()):
             if v in outside and v not in guarded.get(op, ()):
                 guarded.setdefault(op, []).append(v)
     return guarded
+
+
+# Tensor methods (and torch functions of the same name) whose result is always a view of the tensor, sharing
+# its version (not ``reshape`` or ``contiguous``, which copy where they must)
+_VIEW_METHODS = frozenset({"view", "view_as", "t", "transpose", "swapaxes", "permute", "narrow", "select", "squeeze",
+                           "unsqueeze", "expand", "expand_as", "movedim", "moveaxis", "diagonal", "unfold",
+                           "as_strided", "T", "mT", "H", "mH", "real", "imag"})
+_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+_VIEW_FUNCTIONS = frozenset(getattr(torch, name) for name in _VIEW_METHODS if callable(getattr(torch, name, None)))
+
+
+def _viewed(op):
+    """The tensor whose view ``op`` makes (``v[1]``, ``v.t()``, ``v.T``, ``torch.narrow(v, ...)``), or None."""
+    if not isinstance(op, ir.Call):
+        return None
+    fn = _const_fn(op)
+    if fn is operator.getitem or fn in _VIEW_FUNCTIONS:
+        return op.args[0] if op.args else None
+    if fn is getattr and isinstance(op.args[1], ir.Const) and op.args[1].value in _VIEW_ATTRIBUTES:
+        return op.args[0]
+    method = op.fn.op if isinstance(op.fn, ir.Value) else None
+    if (isinstance(method, ir.Call) and _const_fn(method) is getattr and isinstance(method.args[1], ir.Const)
+            and method.args[1].value in _VIEW_METHODS):
+        owner = method.args[0]
+        if isinstance(owner, ir.Value) and isinstance(owner.op, ir.Capture) and \
+                effects.build_time_value(owner.op) is torch:  # (``torch.transpose(v, 0, 1)``: a function of v)
+            return op.args[0] if op.args else None
+        return owner
+    return None
 
 
 def _reads(op):
