@@ -169,6 +169,38 @@ def test_a_range_of_a_constant_length_and_a_shared_start_state():
             (None, 0, 0, None))
 
 
+def reversed_gru(m, words, n, h0):
+    h = h0
+    t = n - 1  # (an integer tensor: each instance's n is)
+    while t >= 0:
+        h = m.cell(m.embed(words[t]), h)
+        t = t - 1
+    return h * (t + 2)
+
+
+def reversed_range(m, words, n, h0):
+    h = h0
+    for t in range(n - 1, -1, -1):
+        h = m.cell(m.embed(words[t]), h)
+    return h
+
+
+def reversed_strictly(m, words, n, h0):
+    h = h0
+    t = n
+    while t > 1:
+        h = m.cell(m.embed(words[t - 1]), h)
+        t = t - 1
+    return h
+
+
+@pytest.mark.parametrize("fn", [reversed_gru, reversed_strictly, reversed_range])
+def test_a_loop_counting_down_runs_its_sequences_backwards_as_one_rnn(fn):
+    torch.manual_seed(10)
+    model = Model(nn.GRUCell).double()
+    compare(model, fn, (sentences(5, 6), lengths(6, 0, 1, 4, 6), torch.randn(5, HIDDEN).double()), (None, 0, 0, 0))
+
+
 def test_a_float_end_counts_steps_as_the_comparison_does():
     def fractional(m, words, n, h0):
         h = h0

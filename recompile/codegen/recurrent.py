@@ -43,6 +43,8 @@ from ..runtime.batch import Batch
 from . import segments
 
 _STEP_UP = (operator.add, operator.iadd)  # (``t = t + 1`` and ``t += 1`` of an int counter)
+_STEP_DOWN = (operator.sub, operator.isub)
+_COMPARISONS = {operator.lt: "lt", operator.gt: "gt", operator.ge: "ge"}
 _READS = (getattr, operator.getitem)
 _CELLS = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
 
@@ -100,8 +102,9 @@ class RecurrentLoop:
         if state is None:
             return NotImplemented
         layout = _Layout(steps)
-        counters = [starts[k] + j for k, j in zip(layout.instance, layout.step)]
-        args = [bt.from_items(counters) if layout.rows > 1 else counters[0]]
+        way = ranges.direction(self.end[0])
+        counters = [starts[k] + way * j for k, j in zip(layout.instance, layout.step)]
+        args = [ranges.counter_like(loop_vars[self.counter], counters)]
         args += [layout.take(v) if used else None for v, used in zip(invariants, self.used)]
         try:
             args += [_items_at(invariants[p], layout, args[0], counters) for p in self.indexed]
@@ -131,7 +134,11 @@ class RecurrentLoop:
         states = iter(finals)
         for j, source in enumerate(self.var_sources):
             if source == "counter":
-                out.append(_per_instance(n, [s + k for s, k in zip(starts, steps)]))
+                way = ranges.direction(self.end[0])
+                ends = [s + way * k for s, k in zip(starts, steps)]
+                start = loop_vars[j]
+                out.append(_per_instance(n, ends) if ranges.counter_dtype(start) is None else
+                           ranges.counter_like(start, ends))
             elif source == "state" and self.cell_form[0] == "one" and len(finals) == 2:
                 out.append(bt.from_struct(tuple, finals, n) if n > 1 else tuple(finals))  # (an LSTM's (h, c))
             elif source == "state":
@@ -325,7 +332,8 @@ def plan(op):
 
 def counting(op):
     """(the counter's loop-variable position, the end) of a While whose test is ``counter < end`` or a ``for``'s
-    ``has_index(seq, counter)``, and whose body adds 1 to the counter; else None."""
+    ``has_index(seq, counter)`` with a body adding 1 to the counter, or ``counter > end`` / ``counter >= end``
+    with a body taking 1 from it; else None."""
     cond, body, k = op.cond_sg, op.body_sg, len(op.loop_vars)
     if len(cond.ops) != 1 or len(cond.outputs) != 1 or cond.outputs[0] is not cond.ops[0].output:
         return None
@@ -335,12 +343,13 @@ def counting(op):
         return None
     params = cond.inputs
     a, b = test.args
-    if test.fn.value is operator.lt and a in params[:k]:
+    kind = _COMPARISONS.get(test.fn.value)
+    if kind is not None and a in params[:k]:
         counter = params.index(a)
         if b in params[k:]:
-            end = ("lt", params.index(b) - k)
+            end = (kind, params.index(b) - k)
         elif isinstance(b, ir.Const) and type(b.value) in (int, float):
-            end = ("lt", b)
+            end = (kind, b)
         else:
             return None
     elif test.fn.value is intrinsics.has_index and b in params[:k] and a in params[k:]:
@@ -349,9 +358,12 @@ def counting(op):
         return None
     step = body.outputs[counter]
     up = step.op if isinstance(step, ir.Value) else None
-    if not (isinstance(up, ir.Call) and isinstance(up.fn, ir.Const) and up.fn.value in _STEP_UP
-            and len(up.args) == 2 and up.args[0] is body.inputs[counter] and isinstance(up.args[1], ir.Const)
-            and type(up.args[1].value) is int and up.args[1].value == 1 and not up.kwargs):
+    if not (isinstance(up, ir.Call) and isinstance(up.fn, ir.Const) and len(up.args) == 2 and not up.kwargs
+            and up.args[0] is body.inputs[counter] and isinstance(up.args[1], ir.Const)
+            and type(up.args[1].value) is int):
+        return None
+    moves = up.args[1].value * (1 if up.fn.value in _STEP_UP else -1 if up.fn.value in _STEP_DOWN else 0)
+    if moves != ranges.direction(end[0]):
         return None
     return counter, end
 

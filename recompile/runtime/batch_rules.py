@@ -613,6 +613,9 @@ def gather(n, fn, args, kwargs):
 def _gather_each(n, x, index):
     """``x[i]`` where both differ per instance and each i is a Python int (the steps of a loop run ahead,
     ``codegen.recurrent``): one advanced index of x's rows, or each range's item."""
+    if index.owner == "tensor" and x.owner == "tensor" and index.tensor.dim() == 1 \
+            and index.tensor.dtype in facts.INTEGER_INDEX and x.tensor.dim() >= 2:  # (integer tensors of one element)
+        return bt.from_tensor(x.tensor[torch.arange(n, device=x.tensor.device), index.tensor.to(x.tensor.device)])
     if index.owner != "items" or not all(type(i) is int for i in index.items):
         return NotImplemented
     if type(x) is not Batch:  # (a range or tuple every instance shares)

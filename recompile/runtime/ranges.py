@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from ..ops import facts
 from . import batch as bt
 from .batch import Batch
 
@@ -115,15 +116,44 @@ def items(seq, positions):
 
 
 def counter_values(n, value):
-    """Each instance's Python int of a loop's counter ``value``, or None."""
+    """Each instance's Python int of a loop's counter ``value`` (an int, or an integer tensor of one element:
+    ``t = n - 1`` of a length ``n``), or None."""
+    if counter_dtype(value) is not None:
+        t = bt.tensor_of(value) if type(value) is Batch else value
+        return t.reshape(-1).tolist() if type(value) is Batch else [int(t)] * n
     items = bt.items_of(value) if type(value) is Batch else [value] * n
     return items if all(type(v) is int for v in items) else None
 
 
+def counter_dtype(value):
+    """The dtype of a counter held as integer tensors of one element each (0-d), or None."""
+    t = bt.tensor_of(value) if type(value) is Batch and value.owner != "items" else \
+        value if type(value) is torch.Tensor else None
+    if t is None or t.dtype not in facts.INTEGER_INDEX or t.dim() != (1 if type(value) is Batch else 0):
+        return None
+    return t.dtype
+
+
+def counter_like(value, counts):
+    """Counter values ``counts`` (ints, one per instance) in the form of counter ``value``: Python ints, or
+    integer tensors of its dtype and device."""
+    dtype = counter_dtype(value)
+    if dtype is None:
+        return counts[0] if len(counts) == 1 else bt.from_items(counts)
+    t = torch.tensor(counts, dtype=dtype, device=(bt.tensor_of(value) if type(value) is Batch else value).device)
+    return bt.from_tensor(t)
+
+
+def direction(kind):
+    """How a counting loop's counter moves (``trip_counts``): up by 1, or down by 1 for ``>`` and ``>=``."""
+    return -1 if kind in ("gt", "ge") else 1
+
+
 def trip_counts(n, starts, kind, end):
-    """Each instance's number of steps of a loop whose counter goes up by 1 from ``starts`` (``counter_values``)
-    while ``counter < end`` (kind ``"lt"``) or while a ``for`` over the range ``end`` has an item at it
-    (``"range"``), as Python's test would count them; None where that is not known here."""
+    """Each instance's number of steps of a loop whose counter goes by 1 from ``starts`` (``counter_values``):
+    up while ``counter < end`` (kind ``"lt"``) or while a ``for`` over the range ``end`` has an item at it
+    (``"range"``), down while ``counter > end`` (``"gt"``) or ``counter >= end`` (``"ge"``), as Python's test
+    would count them; None where that is not known here."""
     if starts is None:
         return None
     if kind == "range":
@@ -137,7 +167,11 @@ def trip_counts(n, starts, kind, end):
     ends = _numbers(n, end)
     if ends is None or not all(type(e) is int or math.isfinite(e) for e in ends):
         return None
-    return [max(0, math.ceil(e - s)) for e, s in zip(ends, starts)]
+    if kind == "lt":
+        return [max(0, math.ceil(e - s)) for e, s in zip(ends, starts)]
+    if kind == "gt":
+        return [max(0, math.ceil(s - e)) for e, s in zip(ends, starts)]
+    return [max(0, math.floor(s - e) + 1) for e, s in zip(ends, starts)]
 
 
 def _numbers(n, value):
