@@ -201,6 +201,72 @@ def test_a_loop_counting_down_runs_its_sequences_backwards_as_one_rnn(fn):
     compare(model, fn, (sentences(5, 6), lengths(6, 0, 1, 4, 6), torch.randn(5, HIDDEN).double()), (None, 0, 0, 0))
 
 
+class Stacked(nn.Module):
+    def __init__(self, first=nn.LSTMCell, second=nn.LSTMCell):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, EMBED)
+        self.low = first(EMBED, HIDDEN)
+        self.high = second(HIDDEN, HIDDEN + 1)
+
+
+def two_lstm_layers(m, words, n):
+    h1 = torch.zeros(HIDDEN, dtype=torch.float64)
+    c1 = torch.zeros(HIDDEN, dtype=torch.float64)
+    h2 = torch.zeros(HIDDEN + 1, dtype=torch.float64)
+    c2 = torch.ones(HIDDEN + 1, dtype=torch.float64)
+    t = 0
+    while t < n:
+        h1, c1 = m.low(m.embed(words[t]), (h1, c1))
+        h2, c2 = m.high(h1, (h2, c2))
+        t = t + 1
+    return h2 * c2, h1 - c1
+
+
+def gru_under_lstm(m, words, n, h0):
+    h1 = h0
+    h2 = torch.zeros(HIDDEN + 1, dtype=torch.float64)
+    c2 = torch.zeros(HIDDEN + 1, dtype=torch.float64)
+    for t in range(n):
+        h1 = m.low(m.embed(words[t]), h1)
+        h2, c2 = m.high(h1, (h2, c2))
+    return h2 + h1.sum()
+
+
+def test_stacked_cells_each_step_over_the_states_of_the_one_below():
+    torch.manual_seed(11)
+    compare(Stacked().double(), two_lstm_layers, (sentences(5, 6), lengths(6, 2, 0, 5, 6)), (None, 0, 0))
+    compare(Stacked(nn.GRUCell).double(), gru_under_lstm,
+            (sentences(4, 5), lengths(1, 5, 3, 0), torch.randn(4, HIDDEN).double()), (None, 0, 0, 0))
+
+
+def test_stacked_cells_without_grad():
+    torch.manual_seed(12)
+    model = Stacked().double()
+    words, n = sentences(5, 6), lengths(6, 2, 0, 5, 6)
+    compiled = recompile.function(two_lstm_layers)
+    with torch.no_grad():
+        got = recompile.vmap(compiled, in_dims=(None, 0, 0))(model, words, n)
+        per = [two_lstm_layers(model, words[k], n[k]) for k in range(5)]
+    for j in range(2):
+        torch.testing.assert_close(got[j], torch.stack([p[j] for p in per]), rtol=1e-9, atol=1e-12)
+    assert compiled.callee(None).build.batched_code.recurrent[0].runs == 1
+
+
+def test_a_cell_reading_the_state_of_the_one_below_from_before_the_step_is_not_stacked():
+    def skewed(m, words, n):
+        h1 = torch.zeros(HIDDEN, dtype=torch.float64)
+        h2 = torch.zeros(HIDDEN + 1, dtype=torch.float64)
+        t = 0
+        while t < n:
+            h2 = m.high(h1, h2)  # (the state below as it was before this step)
+            h1 = m.low(m.embed(words[t]), h1)
+            t = t + 1
+        return h2
+
+    compare(Stacked(nn.GRUCell, nn.GRUCell).double(), skewed, (sentences(3, 4), lengths(4, 1, 3)), (None, 0, 0),
+            expect_runs=None)
+
+
 def test_a_float_end_counts_steps_as_the_comparison_does():
     def fractional(m, words, n, h0):
         h = h0
@@ -319,4 +385,5 @@ def test_plan_reads_the_loop_the_frontend_writes():
     program = recompile.function(traced).callee(None).subgraph(FINAL)
     loops = [op for sg in program.walk() for op in sg.ops if type(op).__name__ == "While"]
     found = recurrent.plan(loops[0])
-    assert found is not None and found.end[0] == "range" and found.cell_form[0] == "one"
+    # (its loop variables: t, the range's position, h)
+    assert found is not None and found.end[0] == "range" and found.layers == [("one", 2)]

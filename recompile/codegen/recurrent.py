@@ -53,14 +53,17 @@ class RecurrentLoop:
     """One While of a batched function, found to step a cell over a sequence (``plan``); called with the
     loop's initial values, it returns the loop's final ones, or NotImplemented where the run does not fit."""
 
-    def __init__(self, op, counter, end, cell_form, chain_sg, reads_sg, var_sources, indexed):
+    def __init__(self, op, counter, end, layers, chain_sg, reads_sg, var_sources, indexed):
         self.loc = op.loc
         self.counter = counter  # the counter's position among the loop variables
-        self.end = end  # ("lt", invariant position | Const) or ("range", invariant position)
-        self.cell_form = cell_form  # ("pair", h position, c position) or ("one", state position)
+        self.end = end  # (kind, invariant position | Const): see ``ranges.trip_counts``
+        # per cell, bottom first (each steps over the one below's states), its state: ("pair", h position,
+        # c position) or ("one", state position)
+        self.layers = layers
         self.chain_sg = chain_sg  # (counter, *invariants) -> (step input, *loop variables' chain values)
-        self.reads_sg = reads_sg  # (*invariants) -> (cell, *the step inputs' callables)
-        self.var_sources = var_sources  # per loop variable: "counter", "state", "same" or ("chain", k)
+        self.reads_sg = reads_sg  # (*invariants) -> (*cells, *the step inputs' callables)
+        # per loop variable: "counter", ("state", layer, part), "same" or ("chain", k)
+        self.var_sources = var_sources
         # which invariants the step inputs read (the others are not taken for each row)
         self.indexed = indexed  # the invariant of each ``x[t]`` read for the chain (its last inputs)
         used = {x for o in chain_sg.ops for x in o.operands()}
@@ -87,10 +90,10 @@ class RecurrentLoop:
 
     def _run(self, n, loop_vars, invariants):
         callees = _tuple(self.reads(n, *invariants), len(self.reads_sg.outputs))
-        cell = callees[0]
-        if not (type(cell) in _CELLS and not has_hooks(cell) and "forward" not in cell.__dict__):
+        cells = callees[:len(self.layers)]
+        if not all(type(c) in _CELLS and not has_hooks(c) and "forward" not in c.__dict__ for c in cells):
             return NotImplemented
-        if not all(type(c) is not Batch and segments.rerunnable(c) for c in callees[1:]):
+        if not all(type(c) is not Batch and segments.rerunnable(c) for c in callees[len(cells):]):
             return NotImplemented
         if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
             return NotImplemented
@@ -98,8 +101,8 @@ class RecurrentLoop:
         steps = self.trip_counts(n, starts, invariants)
         if steps is None or sum(steps) == 0:
             return NotImplemented
-        state = _state(n, self.cell_form, loop_vars, cell)
-        if state is None:
+        states = [_state(n, form, loop_vars, cell) for form, cell in zip(self.layers, cells)]
+        if any(s is None for s in states) or not _stack_fits(cells, self.layers):
             return NotImplemented
         layout = _Layout(steps)
         way = ranges.direction(self.end[0])
@@ -108,20 +111,22 @@ class RecurrentLoop:
         args += [layout.take(v) if used else None for v, used in zip(invariants, self.used)]
         try:
             args += [_items_at(invariants[p], layout, args[0], counters) for p in self.indexed]
-        except Exception:  # (as below)
-            return NotImplemented
-        try:
             outs = _tuple(self.chain(layout.rows, *args), len(self.chain_sg.outputs))
         except Exception:  # (the written loop raises it at its step, from the user's line)
             return NotImplemented
         x = outs[0]
         data = bt.tensor_of(x) if type(x) is Batch else x.unsqueeze(0) if type(x) is torch.Tensor else None
-        if data is None or data.dim() != 2 or data.shape != (layout.rows, cell.input_size) \
-                or data.dtype != cell.weight_ih.dtype or data.device != cell.weight_ih.device:
+        weight = cells[0].weight_ih
+        if data is None or data.dim() != 2 or data.shape != (layout.rows, cells[0].input_size) \
+                or data.dtype != weight.dtype or data.device != weight.device:
             return NotImplemented
-        if any(s.dtype != data.dtype or s.device != data.device for s in state):
+        if any(c.weight_ih.dtype != data.dtype or c.weight_ih.device != data.device for c in cells) or \
+                any(s.dtype != data.dtype or s.device != data.device for state in states for s in state):
             return NotImplemented
-        finals = _run_cell(cell, data, layout, state)
+        finals = []
+        for i, (cell, state) in enumerate(zip(cells, states)):
+            ends, data = _run_cell(cell, data, layout, state, outputs=i + 1 < len(cells))
+            finals.append(ends)
         return self._results(n, loop_vars, starts, steps, layout, finals, outs[1:])
 
     def trip_counts(self, n, starts, invariants):
@@ -131,7 +136,6 @@ class RecurrentLoop:
 
     def _results(self, n, loop_vars, starts, steps, layout, finals, chained):
         out = []
-        states = iter(finals)
         for j, source in enumerate(self.var_sources):
             if source == "counter":
                 way = ranges.direction(self.end[0])
@@ -139,10 +143,14 @@ class RecurrentLoop:
                 start = loop_vars[j]
                 out.append(_per_instance(n, ends) if ranges.counter_dtype(start) is None else
                            ranges.counter_like(start, ends))
-            elif source == "state" and self.cell_form[0] == "one" and len(finals) == 2:
-                out.append(bt.from_struct(tuple, finals, n) if n > 1 else tuple(finals))  # (an LSTM's (h, c))
-            elif source == "state":
-                out.append(next(states))
+            elif source[0] == "state":
+                ends = finals[source[1]]
+                if source[2] is not None:
+                    out.append(ends[source[2]])
+                elif len(ends) == 2:  # (an LSTM's (h, c) as one variable)
+                    out.append(bt.from_struct(tuple, ends, n) if n > 1 else tuple(ends))
+                else:
+                    out.append(ends[0])
             elif source == "same":
                 out.append(loop_vars[j])
             else:  # ("chain", k): its value at the instance's last step, or the initial one if it took none
@@ -194,9 +202,10 @@ def _items_at(value, layout, counter, counters):
     return bt.from_tensor(t[layout.index.to(t.device), steps] if type(value) is Batch else t[steps])
 
 
-def _run_cell(cell, data, layout, state):
+def _run_cell(cell, data, layout, state, outputs=False):
     """The cell stepped over the packed ``data`` from the instances' states ``state`` ((n, hidden) each): the
-    final states, each an (n, hidden) batch."""
+    final states, each an (n, hidden) batch, and with ``outputs`` the packed states of every step (the input
+    of a cell stepped above it), else None."""
     n = state[0].shape[0]
     taking = layout.order[:layout.instances]
     hx = [s.index_select(0, taking) for s in state]
@@ -204,27 +213,36 @@ def _run_cell(cell, data, layout, state):
     if torch.is_grad_enabled() and any(t.requires_grad for t in (data, *hx, *weights)):
         # (torch's packed RNN records a step's input rows as a narrow of every step's: its backward is a full-size
         # gradient per step, which this one does not make: 30% faster a training step of a sentence LSTM)
-        out = lazy_weights.packed_steps(cell, data, layout.batch_sizes.tolist(), tuple(hx) if len(hx) == 2 else hx[0])
+        out, steps = lazy_weights.packed_steps(cell, data, layout.batch_sizes.tolist(),
+                                               tuple(hx) if len(hx) == 2 else hx[0], outputs)
         ends = list(out) if len(hx) == 2 else [out]
     else:
-        ends = _torch_rnn(cell, data, layout.batch_sizes, [s.unsqueeze(0) for s in hx], weights)
+        ends, steps = _torch_rnn(cell, data, layout.batch_sizes, [s.unsqueeze(0) for s in hx], weights)
     if layout.instances == n:
         back = torch.argsort(layout.order)
         finals = [e.index_select(0, back) for e in ends]
     else:  # (instances that take no step keep their state)
         finals = [s.index_copy(0, taking, e) for s, e in zip(state, ends)]
-    return [bt.from_tensor(f) for f in finals]
+    return [bt.from_tensor(f) for f in finals], steps
 
 
 def _torch_rnn(cell, data, batch_sizes, hx, weights):
-    """torch's own packed RNN of ``cell``'s kind: the final states, a row per sequence."""
+    """torch's own packed RNN of ``cell``'s kind: the final states, a row per sequence, and every step's."""
     flags = (cell.bias, 1, 0.0, cell.training, False)
     if type(cell) is nn.LSTMCell:
-        _, h, c = torch.lstm(data, batch_sizes, hx, weights, *flags)
-        return [h[0], c[0]]
+        steps, h, c = torch.lstm(data, batch_sizes, hx, weights, *flags)
+        return [h[0], c[0]], steps
     run = torch.gru if type(cell) is nn.GRUCell else torch.rnn_tanh if cell.nonlinearity == "tanh" else torch.rnn_relu
-    _, h = run(data, batch_sizes, hx[0], weights, *flags)
-    return [h[0]]
+    steps, h = run(data, batch_sizes, hx[0], weights, *flags)
+    return [h[0]], steps
+
+
+def _stack_fits(cells, layers):
+    """Whether each cell above the first takes the one below's state as its input (an LSTM's h alone)."""
+    for below, above, form in zip(cells, cells[1:], layers):
+        if above.input_size != below.hidden_size or (type(below) is nn.LSTMCell and form[0] != "pair"):
+            return False
+    return True
 
 
 def _state(n, form, loop_vars, cell):
@@ -287,19 +305,22 @@ def plan(op):
     chain = _chain(body, {counter_param, *invariant_params})
     step_up = body.outputs[counter].op
     rest = [o for o in body.ops if o not in chain and o is not step_up]
-    call, cell_form = _cell_call(rest, body, params[:k], counter)
-    if call is None:
+    layers = _cell_calls(rest, body, params[:k], counter)
+    if layers is None:
         return None
-    x, cell_value = call.args[0], call.fn
+    x = layers[0][0].args[0]
     if not (isinstance(x, ir.Value) and (x.op in chain or x is counter_param or x in invariant_params)):
         return None
     var_sources, chained = [], []
-    state_positions = cell_form[1:]
+    states = {}  # loop variable -> ("state", layer, h 0 | c 1 | None: the whole state)
+    for i, (_, form) in enumerate(layers):
+        for part, j in enumerate(form[1:]):
+            states[j] = ("state", i, part if form[0] == "pair" else None)
     for j, (param, out) in enumerate(zip(params[:k], body.outputs)):
         if j == counter:
             var_sources.append("counter")
-        elif j in state_positions:
-            var_sources.append("state")
+        elif j in states:
+            var_sources.append(states[j])
         elif out is param:
             var_sources.append("same")
         elif isinstance(out, ir.Value) and out.op in chain:
@@ -312,7 +333,8 @@ def plan(op):
     # nothing; every other callable is read once, before the loop, from what the loop does not change
     methods = [c for c in callees if _pure_method(c) and counter_param in _params(_needed([c], chain) or ())]
     callees = [c for c in callees if c not in methods]
-    reads = _needed([cell_value, *callees], chain)
+    cell_values = [call.fn for call, _ in layers]
+    reads = _needed([*cell_values, *callees], chain)
     if reads is None or any(not _is_read(o) for o in reads) or counter_param in _params(reads):
         return None
     steps = _needed([x, *chained], chain)
@@ -325,9 +347,9 @@ def plan(op):
     chain_sg = _subgraph(name, [counter_param, *invariant_params, *(o.output for o in items)],
                          [o for o in body.ops if o in steps and o not in items], [x, *chained], body.loc)
     reads_sg = _subgraph(name + ".callables", invariant_params, [o for o in body.ops if o in reads],
-                         [cell_value, *callees], body.loc)
+                         [*cell_values, *callees], body.loc)
     indexed = [invariant_params.index(o.args[0]) for o in items]
-    return RecurrentLoop(op, counter, end, cell_form, chain_sg, reads_sg, var_sources, indexed)
+    return RecurrentLoop(op, counter, end, [form for _, form in layers], chain_sg, reads_sg, var_sources, indexed)
 
 
 def counting(op):
@@ -385,37 +407,61 @@ def _chain(body, given):
     return chain
 
 
-def _cell_call(rest, body, state_params, counter):
-    """The cell call among the body's other ops, and its state's form; (None, None) unless those ops are the
-    call alone (``h = cell(x, h)``), or with a built state and its unpacking (``h, c = cell(x, (h, c))``)."""
-    calls = [o for o in rest if isinstance(o, ir.Call) and isinstance(o.fn, ir.Value)]
-    if len(calls) != 1:
-        return None, None
-    call = calls[0]
-    if len(call.args) != 2 or call.kwargs or call.star or len(call.outputs) != 1:
-        return None, None
-    state = call.args[1]
+def _cell_calls(rest, body, state_params, counter):
+    """The cell calls among the body's other ops, bottom first, each with its state's form, or None unless those
+    ops are the calls alone (``h = cell(x, h)``), or with a built state and its unpacking (``h, c = cell(x,
+    (h, c))``), and each call above the first steps over the state the one below made (``h2 = cell2(h1, h2)``)."""
     outputs = body.outputs
-    if len(rest) == 1 and state in state_params:
-        j = state_params.index(state)
-        if j != counter and outputs[j] is call.output:
-            return call, ("one", j)
-        return None, None
-    if len(rest) != 3:
-        return None, None
-    build = state.op if isinstance(state, ir.Value) else None
-    unpack = next((o for o in rest if o is not call and o is not build), None)
-    if not (isinstance(build, ir.Call) and _const_fn(build) is intrinsics.build_tuple and len(build.args) == 2
-            and all(a in state_params for a in build.args) and isinstance(unpack, ir.Call)
-            and _const_fn(unpack) is intrinsics.unpack and unpack.args[0] is call.output
-            and len(unpack.outputs) == 2):
-        return None, None
-    h, c = (state_params.index(a) for a in build.args)
-    if len({h, c, counter}) != 3 or outputs[h] is not unpack.outputs[0] or outputs[c] is not unpack.outputs[1]:
-        return None, None
-    if any(call.output in [v for v in o.operands()] for o in rest if o is not unpack) or call.output in outputs:
-        return None, None
-    return call, ("pair", h, c)
+    calls = [o for o in rest if isinstance(o, ir.Call) and isinstance(o.fn, ir.Value)]
+    layers, accounted, below = [], set(), None
+    for call in calls:
+        if len(call.args) != 2 or call.kwargs or call.star or len(call.outputs) != 1:
+            return None
+        if below is not None and call.args[0] is not below:
+            return None
+        state = call.args[1]
+        if state in state_params:
+            j = state_params.index(state)
+            if j == counter or outputs[j] is not call.output:
+                return None
+            layers.append((call, ("one", j)))
+            accounted.add(call)
+            below = call.output
+            continue
+        build = state.op if isinstance(state, ir.Value) else None
+        unpack = next((o for o in rest if _const_fn(o) is intrinsics.unpack and o.args[0] is call.output), None)
+        if not (isinstance(build, ir.Call) and _const_fn(build) is intrinsics.build_tuple and len(build.args) == 2
+                and all(a in state_params for a in build.args) and unpack is not None and len(unpack.outputs) == 2):
+            return None
+        h, c = (state_params.index(a) for a in build.args)
+        if len({h, c, counter}) != 3 or outputs[h] is not unpack.outputs[0] or outputs[c] is not unpack.outputs[1]:
+            return None
+        layers.append((call, ("pair", h, c)))
+        accounted.update((call, build, unpack))
+        below = unpack.outputs[0]
+    if not layers or accounted != set(rest):
+        return None
+    positions = [j for _, form in layers for j in form[1:]]
+    if len(set(positions)) != len(positions):
+        return None
+    # (what a call makes goes to its own state variables and to the cell above, nowhere else)
+    made = {v for o in accounted for v in o.outputs}
+    for o in accounted:
+        for v in o.operands():
+            if v in made and not (o is v.op or _feeds(o, v, layers)):
+                return None
+    return layers
+
+
+def _feeds(o, v, layers):
+    """Whether op ``o`` reads ``v`` as the layers' plumbing: a call's own built state, its result unpacked, or
+    the state of the cell below as a cell's input."""
+    if _const_fn(o) is intrinsics.unpack:
+        return o.args[0] is v and isinstance(v.op, ir.Call) and any(v is call.output for call, _ in layers)
+    for k, (call, form) in enumerate(layers):
+        if o is call:
+            return v is call.args[1] or (k > 0 and v is call.args[0])
+    return False
 
 
 def _const_fn(o):

@@ -228,9 +228,10 @@ def step(module, gx, state, lazy):
     return torch.tanh(gx + gh) if module.nonlinearity == "tanh" else torch.relu(gx + gh)
 
 
-def packed_steps(module, data, batch_sizes, state):
+def packed_steps(module, data, batch_sizes, state, outputs=False):
     """Cell ``module`` stepped over packed rows ``data`` (step j's rows are the first ``batch_sizes[j]``
-    sequences', longest first) from ``state`` (a row per sequence, in that order): each sequence's final state.
+    sequences', longest first) from ``state`` (a row per sequence, in that order): each sequence's final state,
+    and with ``outputs`` every step's (h), packed as ``data`` is (else None).
     Every step's input product is one product, cut into the steps' rows by one split (whose backward is one
     concatenation, where torch's own packed RNN narrows it step by step and adds up a full-size gradient per
     step), and the state's products share one weight gradient (``step``)."""
@@ -239,16 +240,19 @@ def packed_steps(module, data, batch_sizes, state):
     pair = type(module) is nn.LSTMCell
     parts = list(state) if pair else [state]
     finished = []  # (the rows of the sequences that ended, the last first)
+    made = [] if outputs else None
     for gx, rows in zip(chunks, batch_sizes):
         if rows < parts[0].shape[0]:
             finished.append([p[rows:] for p in parts])
             parts = [p[:rows] for p in parts]
         out = step(module, gx, tuple(parts) if pair else parts[0], lazy)
         parts = list(out) if pair else [out]
+        if outputs:
+            made.append(parts[0])
     finished.append(parts)
     ends = [torch.cat([f[k] for f in reversed(finished)]) if len(finished) > 1 else parts[k]
             for k in range(len(parts))]
-    return tuple(ends) if pair else ends[0]
+    return (tuple(ends) if pair else ends[0]), (torch.cat(made) if outputs else None)
 
 
 def _own_call(module):
