@@ -64,6 +64,27 @@ class SentenceLSTMWhile(SentenceLSTM):
         return F.cross_entropy(self.out(h), label)
 
 
+class TwoLayerLSTM(SentenceLSTM):
+    """Two cells a step, the second over the first's state (a 2-layer LSTM written with cells)."""
+
+    def __init__(self, vocab_size, embed=300, hidden=150, classes=5):
+        super().__init__(vocab_size, embed, hidden, classes)
+        self.cell2 = nn.LSTMCell(hidden, hidden)
+
+    def classify(self, words, n, label):
+        """Two LSTMCell layers, ``while t < n``."""
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        h2 = torch.zeros(self.cell2.hidden_size, dtype=self.out.weight.dtype)
+        c2 = torch.zeros(self.cell2.hidden_size, dtype=self.out.weight.dtype)
+        t = 0
+        while t < n:
+            h, c = self.cell(self.embed(words[t]), (h, c))
+            h2, c2 = self.cell2(h, (h2, c2))
+            t = t + 1
+        return F.cross_entropy(self.out(h2), label)
+
+
 def compiled(cls):
     return type(cls.__name__ + "Compiled", (cls,), {"classify": recompile.function(cls.classify)})
 
@@ -89,10 +110,12 @@ def sentence_of(tree):
 
 
 def packed_lstm(model):
-    """An ``nn.LSTM`` holding ``model.cell``'s very parameters."""
-    lstm = nn.LSTM(model.cell.input_size, model.cell.hidden_size, batch_first=True)
-    for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
-        setattr(lstm, name + "_l0", getattr(model.cell, name))
+    """An ``nn.LSTM`` holding the very parameters of ``model.cell`` (and ``model.cell2``, as its second layer)."""
+    cells = [model.cell] + ([model.cell2] if hasattr(model, "cell2") else [])
+    lstm = nn.LSTM(model.cell.input_size, model.cell.hidden_size, num_layers=len(cells), batch_first=True)
+    for layer, cell in enumerate(cells):
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            setattr(lstm, f"{name}_l{layer}", getattr(cell, name))
     return lstm.to(model.out.weight.dtype)
 
 
@@ -101,7 +124,7 @@ def hand_batched_sentences(model, lstm, batch):
     packed = nn.utils.rnn.pack_padded_sequence(model.embed(batch.words), batch.lengths, batch_first=True,
                                                enforce_sorted=False)
     _, (h, _) = lstm(packed)
-    return F.cross_entropy(model.out(h[0]), batch.labels, reduction="sum")
+    return F.cross_entropy(model.out(h[-1]), batch.labels, reduction="sum")
 
 
 def recompile_sentences(model):
@@ -246,6 +269,20 @@ def main(argv=None):
         spellings[name] = (recompile_sentences(model), model)
     print("Variable-length LSTM (embed 300, hidden 150) against one packed nn.LSTM")
     table(time_family(spellings, lambda b: (lambda batch: hand_batched_sentences(hand, lstm, batch), hand, b),
+                      batches, args.repeats), "sent/s")
+
+    torch.manual_seed(0)
+    base = TwoLayerLSTM(vocab)
+    counts = check_sentences(TwoLayerLSTM, base, check_batch)
+    print(f"  {TwoLayerLSTM.classify.__doc__.split(chr(10))[0]:60} matches eager; per-instance ops: {counts or 'none'}")
+    hand = TwoLayerLSTM(vocab)
+    hand.load_state_dict(base.state_dict())
+    lstm = packed_lstm(hand)
+    model = compiled(TwoLayerLSTM)(vocab)
+    model.load_state_dict(base.state_dict())
+    print("Two layers against one packed 2-layer nn.LSTM")
+    table(time_family({"two LSTMCell layers": (recompile_sentences(model), model)},
+                      lambda b: (lambda batch: hand_batched_sentences(hand, lstm, batch), hand, b),
                       batches, args.repeats), "sent/s")
 
     hidden = 150

@@ -159,6 +159,8 @@ def test_without_grad_the_steps_run_as_torchs_own_rnn(cell, options, no_grad):
     per = [p if isinstance(p, tuple) else (p,) for p in per]
     for j, g in enumerate(got):
         torch.testing.assert_close(g, torch.stack([p[j] for p in per]), rtol=1e-9, atol=1e-12)
+        # (under no_grad the steps ran in inference mode, but what the caller gets is an ordinary tensor)
+        assert g.is_inference() is (no_grad is torch.inference_mode)
     assert compiled.callee(None).build.batched_code.recurrent[0].runs == 1
 
 
