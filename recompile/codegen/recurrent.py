@@ -65,7 +65,9 @@ class RecurrentLoop:
         # per loop variable: "counter", ("state", layer, part), "same" or ("chain", k)
         self.var_sources = var_sources
         # which invariants the step inputs read (the others are not taken for each row)
-        self.indexed = indexed  # the invariant of each ``x[t]`` read for the chain (its last inputs)
+        # per ``x[t]`` read for the chain (its last inputs): the invariant, and what t is: "counter", "range" (the
+        # item of the range the loop runs over), or "item" (the item itself: x is that range)
+        self.indexed = indexed
         used = {x for o in chain_sg.ops for x in o.operands()}
         self.used = [v in used for v in chain_sg.inputs[1:len(chain_sg.inputs) - len(indexed)]]
         self.reads = self.chain = None  # their batched functions (``compile``)
@@ -110,7 +112,11 @@ class RecurrentLoop:
         args = [ranges.counter_like(loop_vars[self.counter], counters)]
         args += [layout.take(v) if used else None for v, used in zip(invariants, self.used)]
         try:
-            args += [_items_at(invariants[p], layout, args[0], counters) for p in self.indexed]
+            items = self.range_items(invariants, layout, counters) if any(b != "counter" for _, b in self.indexed) \
+                else None
+            item = (bt.from_items(items) if len(items) > 1 else items[0]) if items is not None else None
+            args += [item if by == "item" else _items_at(invariants[p], layout, item, items) if by == "range" else
+                     _items_at(invariants[p], layout, args[0], counters) for p, by in self.indexed]
             outs = _tuple(self.chain(layout.rows, *args), len(self.chain_sg.outputs))
         except Exception:  # (the written loop raises it at its step, from the user's line)
             return NotImplemented
@@ -128,6 +134,13 @@ class RecurrentLoop:
             ends, data = _run_cell(cell, data, layout, state, outputs=i + 1 < len(cells))
             finals.append(ends)
         return self._results(n, loop_vars, starts, steps, layout, finals, outs[1:])
+
+    def range_items(self, invariants, layout, counters):
+        """Each row's item ``t = seq[i]`` of a ``for t in range(...)``: its instance's range at its position."""
+        seq = invariants[self.end[1]]
+        each = ranges.of(seq) if type(seq) is Batch else None
+        return [each[k][i] for k, i in zip(layout.instance, counters)] if each is not None else \
+            [seq[i] for i in counters]
 
     def trip_counts(self, n, starts, invariants):
         kind, where = self.end
@@ -352,13 +365,19 @@ def plan(op):
         return None
     name = body.name + ".steps"
     # ``x[t]`` of a sequence the loop does not change: each row's item read at once, as the chain's input
+    # (and ``x[t]`` of the range's item ``t = seq[i]`` in a ``for t in range(...)``: each row's t is known too)
+    seq = invariant_params[end[1]] if end[0] == "range" else None
+    range_items = {o.output for o in steps if _const_fn(o) is operator.getitem and not o.kwargs
+                   and o.args == [seq, counter_param]}
     items = [o for o in body.ops if o in steps and _const_fn(o) is operator.getitem and not o.kwargs
-             and o.args[0] in invariant_params and o.args[1] is counter_param]
+             and o.args[0] in invariant_params and (o.args[1] is counter_param or
+                                                    o.args[1] in range_items and o.args[0] is not seq)]
     chain_sg = _subgraph(name, [counter_param, *invariant_params, *(o.output for o in items)],
                          [o for o in body.ops if o in steps and o not in items], [x, *chained], body.loc)
     reads_sg = _subgraph(name + ".callables", invariant_params, [o for o in body.ops if o in reads],
                          [*cell_values, *callees], body.loc)
-    indexed = [invariant_params.index(o.args[0]) for o in items]
+    indexed = [(invariant_params.index(o.args[0]), "item" if o.output in range_items else
+                "counter" if o.args[1] is counter_param else "range") for o in items]
     return RecurrentLoop(op, counter, end, [form for _, form in layers], chain_sg, reads_sg, var_sources, indexed)
 
 
