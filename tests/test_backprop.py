@@ -1,6 +1,8 @@
 """autodiff.backprop and autodiff.factors: cotangents by tensor, sources, the autograd fallback, lazy parameter grads."""
 
+import dataclasses
 import operator
+import warnings
 
 import pytest
 import torch
@@ -548,3 +550,33 @@ def test_a_view_read_before_its_tensor_changed_in_place_is_checked_like_eager(vi
     want = torch.autograd.grad(scaled(x), x)[0]
     got = torch.autograd.grad(recompile.function(scaled, mode=mode)(x), x)[0]
     torch.testing.assert_close(got, want)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenPair:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def _frozen_helper(p):  # (no gradient rule: recorded as it runs, its tensors swapped in place and back)
+    return (p.a.sin() * p.b).sum()
+
+
+def frozen_pair_to_a_helper(x, y):
+    p = FrozenPair(x * 2.0, y)
+    return _frozen_helper(p) + x.sum()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
+def test_a_frozen_dataclass_of_tensors_made_and_given_to_a_helper_keeps_its_gradients(mode):
+    """Made by a call without a rule and read by another: its fields are set as its own __init__ sets them
+    (a frozen dataclass refuses setattr, which raised), and each keeps its gradient."""
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([1.5, 0.25, -2.0], dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(frozen_pair_to_a_helper(x, y), (x, y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the helper has no rule: it warns so)
+        got = torch.autograd.grad(recompile.function(frozen_pair_to_a_helper, mode=mode)(x, y), (x, y))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

@@ -15,6 +15,7 @@ always one from outside; that is how sources are recognised.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 import threading
@@ -519,6 +520,16 @@ def setitem_backward(ctx, obj, index, value):
 # the fallback: a call with no rule, recorded by torch.autograd
 
 
+def _set_field(obj, name, value):
+    """``obj.name = value``, also where ``obj`` refuses assignment (a frozen dataclass: its own ``__init__``
+    assigns so). The object's tensors are swapped for the recorded copies and back, or for what the call
+    recorded: a field held as a constant would lose its gradient."""
+    try:
+        setattr(obj, name, value)
+    except (AttributeError, TypeError, dataclasses.FrozenInstanceError):
+        object.__setattr__(obj, name, value)
+
+
 class Recorded:
     """A call run with torch.autograd recording, for a callable that has no rule."""
 
@@ -568,10 +579,7 @@ class Recorded:
                 for k, v in list(vars(x).items()):
                     c = detach(v, depth + 1)
                     if c is not v:
-                        try:
-                            setattr(x, k, c)
-                        except (AttributeError, TypeError):  # (a frozen object: its tensor stays a constant)
-                            continue
+                        _set_field(x, k, c)
                         swapped.append((x, k, v, c))
             return x
 
@@ -593,7 +601,7 @@ class Recorded:
                     if holder.get(k) is copy:
                         holder[k] = original
                 elif getattr(holder, k, None) is copy:
-                    setattr(holder, k, original)
+                    _set_field(holder, k, original)
         back = {id(c): x for x, c in copies.values()}
         outputs, results = [], []
 
@@ -632,7 +640,7 @@ class Recorded:
                 for k, v in list(vars(x).items()):
                     r = settle(v)
                     if r is not v:
-                        setattr(x, k, r)
+                        _set_field(x, k, r)
             return x
 
         result = settle(out)
