@@ -269,6 +269,43 @@ def test_a_cell_reading_the_state_of_the_one_below_from_before_the_step_is_not_s
             expect_runs=None)
 
 
+class BothWays(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, EMBED)
+        self.forth = nn.LSTMCell(EMBED, HIDDEN)
+        self.back = nn.GRUCell(EMBED, HIDDEN)
+
+    def read(self, words, n):
+        h = torch.zeros(HIDDEN, dtype=torch.float64)
+        c = torch.zeros(HIDDEN, dtype=torch.float64)
+        for t in range(n):
+            h, c = self.forth(self.embed(words[t]), (h, c))
+        back = torch.zeros(HIDDEN, dtype=torch.float64)
+        t = n - 1
+        while t >= 0:
+            back = self.back(self.embed(words[t]), back)
+            t = t - 1
+        return torch.cat([h, back], -1)
+
+
+def test_a_bidirectional_reader_runs_each_of_its_loops_as_one_rnn():
+    torch.manual_seed(13)
+    model = BothWays().double()
+    compiled = recompile.function(BothWays.read)
+    words, n = sentences(5, 6), lengths(6, 3, 0, 1, 6)
+    got = recompile.vmap(compiled, in_dims=(None, 0, 0))(model, words, n)
+    got.sum().backward()
+    got_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    want = torch.stack([BothWays.read(model, words[k], n[k]) for k in range(5)])
+    want.sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(got_grads[k], p.grad, rtol=1e-9, atol=1e-12)
+    assert [loop.runs for loop in compiled.callee(None).build.batched_code.recurrent] == [1, 1]
+
+
 def test_a_float_end_counts_steps_as_the_comparison_does():
     def fractional(m, words, n, h0):
         h = h0
