@@ -306,6 +306,44 @@ def test_a_bidirectional_reader_runs_each_of_its_loops_as_one_rnn():
     assert [loop.runs for loop in compiled.callee(None).build.batched_code.recurrent] == [1, 1]
 
 
+class RowReader(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.GRUCell(EMBED, HIDDEN)
+
+    def rows(self, xs):
+        h = torch.zeros(HIDDEN, dtype=torch.float64)
+        for x in xs:  # (each instance's rows)
+            h = self.cell(torch.tanh(x), h)
+        return h + x.sum()  # (x: the last row, as after Python's loop)
+
+    def positions(self, xs):
+        h = torch.zeros(HIDDEN, dtype=torch.float64)
+        for t in range(xs.shape[0]):
+            h = self.cell(xs[t], h)
+        return h * t
+
+
+@pytest.mark.parametrize("name", ["rows", "positions"])
+def test_a_for_over_each_instances_rows_runs_as_one_rnn(name):
+    torch.manual_seed(14)
+    compare(RowReader().double(), getattr(RowReader, name), (torch.randn(4, 5, EMBED, dtype=torch.float64),),
+            (None, 0))
+
+
+def test_a_for_over_each_instances_rows_batches_as_the_rows_of_one_tensor():
+    @recompile.function
+    def running_max(xs):
+        best = xs[0]
+        for x in xs:
+            best = torch.maximum(best, x * 2.0)
+        return best
+
+    xs = torch.randn(6, 4, 3)
+    got = recompile.vmap(running_max)(xs)
+    torch.testing.assert_close(got, torch.stack([running_max.python(x) for x in xs]))
+
+
 def test_a_float_end_counts_steps_as_the_comparison_does():
     def fractional(m, words, n, h0):
         h = h0

@@ -112,10 +112,11 @@ class RecurrentLoop:
         args = [ranges.counter_like(loop_vars[self.counter], counters)]
         args += [layout.take(v) if used else None for v, used in zip(invariants, self.used)]
         try:
-            items = self.range_items(invariants, layout, counters) if any(b != "counter" for _, b in self.indexed) \
-                else None
+            items = self.range_items(invariants, layout, counters) if any(
+                b == "range" or b == "item" and not _rows(invariants[p]) for p, b in self.indexed) else None
             item = (bt.from_items(items) if len(items) > 1 else items[0]) if items is not None else None
-            args += [item if by == "item" else _items_at(invariants[p], layout, item, items) if by == "range" else
+            args += [item if by == "item" and not _rows(invariants[p]) else
+                     _items_at(invariants[p], layout, item, items) if by == "range" else
                      _items_at(invariants[p], layout, args[0], counters) for p, by in self.indexed]
             outs = _tuple(self.chain(layout.rows, *args), len(self.chain_sg.outputs))
         except Exception:  # (the written loop raises it at its step, from the user's line)
@@ -168,6 +169,10 @@ class RecurrentLoop:
                 out.append(loop_vars[j])
             else:  # ("chain", k): its value at the instance's last step, or the initial one if it took none
                 value = chained[source[1]]
+                if n > 1 and layout.rows > 1 and all(steps):  # (every instance's last row, at once)
+                    rows = layout.last_rows()
+                    out.append(bt.take(value, torch.tensor(rows), rows))
+                    continue
                 initial = loop_vars[j]
                 out.append(_per_instance(n, [
                     bt.instance(value, layout.last_row(k)) if layout.rows > 1 and steps[k] else
@@ -196,6 +201,7 @@ class _Layout:
         self.index = torch.tensor(instance)
         self.rows = len(instance)
         self._steps, self._order = steps, order
+        self._last = None
 
     def take(self, value):
         """An invariant's value for each row: an instance's own value on each of its rows."""
@@ -205,7 +211,22 @@ class _Layout:
 
     def last_row(self, k):
         """The row of instance k's last step (it takes one)."""
-        return sum(self.sizes[:self._steps[k] - 1]) + self._order.index(k)
+        return self.last_rows()[k]
+
+    def last_rows(self):
+        """Each instance's last row (where it takes a step)."""
+        if self._last is None:
+            starts = [0]
+            for size in self.sizes:
+                starts.append(starts[-1] + size)
+            rank = {k: r for r, k in enumerate(self._order)}
+            self._last = [starts[s - 1] + rank[k] if s else None for k, s in enumerate(self._steps)]
+        return self._last
+
+
+def _rows(seq):
+    """Whether a ``for`` runs over ``seq``'s rows (a tensor's, each instance's), not over a range."""
+    return type(seq) is torch.Tensor or type(seq) is Batch and seq.owner == "tensor"
 
 
 def _items_at(value, layout, counter, counters):

@@ -74,14 +74,19 @@ def build(n, fn, args, kwargs):
 
 
 def as_sequence(n, fn, args, kwargs):
-    """What a ``for`` over a batch of ranges iterates: the ranges as they are."""
+    """What a ``for`` over a batch of ranges iterates: the ranges as they are; over a batch of tensors (each
+    instance's rows: ``for x in xs``), the batched tensor, whose item i is every instance's row i at once."""
     (seq,) = args
+    if type(seq) is Batch and seq.owner == "tensor" and seq.tensor.dim() >= 2 and seq.thunk is None:
+        return seq
     return seq if type(seq) is Batch and of(seq) is not None else NotImplemented
 
 
 def has_index(n, fn, args, kwargs):
-    """Whether each instance's range has an item at the shared position i."""
+    """Whether each instance's range (or tensor) has an item at the shared position i."""
     seq, i = args
+    if type(seq) is Batch and seq.owner == "tensor" and type(i) is int and i >= 0:
+        return i < seq.tensor.shape[1]
     ranges = of(seq) if type(seq) is Batch and type(i) is int and i >= 0 else None
     if ranges is None:
         return NotImplemented
@@ -157,10 +162,11 @@ def trip_counts(n, starts, kind, end):
     if starts is None:
         return None
     if kind == "range":
-        lengths = [len(end)] * n if type(end) is range else None
+        lengths = [len(end)] * n if type(end) is range or (type(end) is torch.Tensor and end.dim()) else None
         if type(end) is Batch:
-            found = of(end)
-            lengths = found.lengths if found is not None else None
+            found = of(end) if end.owner != "tensor" else None
+            lengths = found.lengths if found is not None else \
+                [end.tensor.shape[1]] * n if end.owner == "tensor" and end.tensor.dim() >= 2 else None
         if lengths is None or min(starts) < 0:
             return None
         return [max(0, length - s) for length, s in zip(lengths, starts)]
