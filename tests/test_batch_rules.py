@@ -261,6 +261,8 @@ for _red in ("sum", "mean", "none"):
     OPS[f"nll_loss_BC_{_red}"] = (lambda red: lambda w: (
         F.nll_loss, (w(F.log_softmax(rand(N, 3, 5, seed=1), -1)), w(randint(5, N, 3, seed=2))),
         {"reduction": red}))(_red)
+# len() of a batched tensor: the instances' first dim, one int
+OPS["len"] = lambda w: (len, (w(rand(N, 2, 3, seed=1)),), {})
 # x[i] with an integer tensor i of one element per instance: one index of x's rows (a loop's steps run ahead)
 OPS["batched_tensor_batched_index"] = lambda w: (operator.getitem, (w(rand(N, 3, seed=1)), w(randint(3, N, seed=2))),
                                                  {})
@@ -280,7 +282,6 @@ VMAPPED = {
 PER_INSTANCE = {
     "item": lambda w: (method(w(rand(N, seed=1)), "item"), (), {}),
     "tolist": lambda w: (method(w(rand(N, 3, seed=1)), "tolist"), (), {}),
-    "len": lambda w: (len, (w(rand(N, 2, 3, seed=1)),), {}),
     "float_builtin": lambda w: (float, (w(rand(N, seed=1)),), {}),
     "python_helper": lambda w: (lambda t: t * t.sum(), (w(rand(N, 3, seed=1)),), {}),
 }

@@ -157,6 +157,9 @@ _CELLS = (nn.RNNCell, nn.LSTMCell, nn.GRUCell)  # a batch of rows for the cell (
 _CLOSURES = (intrinsics.fixed_cell, intrinsics.set_cell, intrinsics.read_local_cell, intrinsics.delete_cell,
              intrinsics.make_function)
 GROWN = {
+    # Python's math functions are pure: ``math.sqrt(H)`` of a constant runs once for every instance
+    "semantics.PURE": (_names(*facts.MATH), set()),
+    "plan._MOVABLE": (_names(*facts.MATH), set()),
     # a slice, a range, a frozenset and ``...`` are values no call can change: every instance shares one
     "batch_rules._IMMUTABLE": (_names(slice, range, frozenset, type(Ellipsis)), set()),
     "batch_rules._ELEMENTWISE": (_names(*_ADDCMUL, *_BITWISE), set()),
@@ -180,7 +183,9 @@ GROWN = {
                                     (intrinsics.make_function, cells.make_functions),
                                     # a full max, min or median (ties share the gradient, as torch's)
                                     (torch.max, batch_rules.extreme), (torch.min, batch_rules.extreme),
-                                    (torch.median, batch_rules.extreme)]),
+                                    (torch.median, batch_rules.extreme),
+                                    # len() of a batched tensor: one int the instances share
+                                    (len, batch_rules.length)]),
                           {"_operator.matmul -> recompile:via_vmap",
                            "torch._VariableFunctionsClass.max -> recompile:_dim_rule.<locals>.rule",
                            "torch._VariableFunctionsClass.min -> recompile:_dim_rule.<locals>.rule"}),
@@ -189,7 +194,7 @@ GROWN = {
                                   "'median' -> recompile:_extreme_method.<locals>.rule"},
                                  {"'max' -> recompile:method_dim.<locals>.rule"}),
     "batch_rules.MODULE_RULES": (_entries((m, batch_rules.recurrent_cell) for m in _CELLS), set()),
-    "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range,
+    "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, len,
                                     *_CLOSURES, torch.median), set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS), set()),

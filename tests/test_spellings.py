@@ -10,6 +10,7 @@ benchmark's models (views, fields of what an op returns, ``sum`` of a list, mixe
 with no op once per instance and each instance's values and dtypes.
 """
 
+import math
 import os
 import sys
 
@@ -278,6 +279,14 @@ def idiom_mixed_dtypes(x, k):
 def idiom_bitwise(x, k):
     m = (x > 0) & (x < 1) | ~(x > 2)
     return m.float() + x % 0.5 + x // 0.3 + k % 2 + ((x > 0) ^ (x < 0.5)) + torch.logical_or(x > 1, x < -1)
+
+
+def idiom_sizes_and_constants(x, k):
+    return x * len(x) + x / math.sqrt(H) + x * math.log(H) + x * x.size(-1)
+
+
+def idiom_list_and_tensor_index(x, k):
+    return x[[0, 2]].sum() * x + x[torch.tensor([1, 3])].sum() + W[[0, 1]].sum() * x
 
 
 IDIOMS = [v for name, v in dict(globals()).items() if name.startswith("idiom_")]

@@ -11,6 +11,7 @@ are written (``ops.table``).
 from __future__ import annotations
 
 import collections
+import math
 import operator
 
 import torch
@@ -38,6 +39,12 @@ PURE = _pure_operators() | {
     intrinsics.build_set, intrinsics.unpack, intrinsics.check_bound, intrinsics.as_sequence,
     intrinsics.has_index, intrinsics.format_value, intrinsics.join_str,
 }
+
+
+# Python's math functions: numbers in, a number out (``math.sqrt(H)`` of a constant runs once for every instance)
+MATH = frozenset(getattr(math, name) for name in dir(math)
+                 if not name.startswith("_") and callable(getattr(math, name)))
+PURE |= MATH
 
 
 def pure(fn):

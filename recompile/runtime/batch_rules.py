@@ -584,6 +584,11 @@ def over_last_dims(n, fn, args, kwargs):
 def gather(n, fn, args, kwargs):
     """``x[i]`` with a batched i (a gather), or a batched x with a shared index."""
     x, index = args
+    if type(index) is Batch and index.struct is not None and index.owner is None and index.struct[0] is list \
+            and not any(type(p) is Batch for p in index.struct[1]):
+        index = list(index.struct[1])  # (``x[[0, 2]]``: a list the program built of values every instance shares)
+        if type(x) is not Batch:
+            return _unbatched(n, operator.getitem, (x, index), None)
     if type(x) is not Batch and type(index) is Batch and type(x) is torch.Tensor:
         i = bt.tensor_of(index)
         if i is None:
@@ -602,6 +607,8 @@ def gather(n, fn, args, kwargs):
         if x.struct is not None and x.owner is None and type(index) is int:
             return x.struct[1][index]
         t = x.tensor if x.owner == "tensor" else bt.tensor_of(x) if x.items is None else None
+        if t is not None and t.dim() >= 2 and _one_advanced(index):  # (``x[[0, 2]]``, ``x[idx]``: every instance's)
+            return bt.from_tensor(t[:, index])
         if t is None or not plain_index(index):
             return NotImplemented
         return bt.from_tensor(t[(slice(None),) + (index if type(index) is tuple else (index,))])
@@ -638,6 +645,33 @@ def index_rows(x, i):
         except (IndexError, RuntimeError):
             pass
     return x[i]
+
+
+def _one_advanced(index):
+    """A shared index that picks the same rows in every instance's dim 0: a list of ints, or an integer tensor
+    (alone: with other indices, where numpy's rules put the picked dims may differ once batched)."""
+    if type(index) is list:
+        return bool(index) and all(type(i) is int for i in index)
+    return type(index) is torch.Tensor and index.dim() >= 1 and index.dtype in facts.INTEGER_INDEX
+
+
+@BATCH.register(len)
+def length(n, fn, args, kwargs):
+    """``len(x)`` of a batch: the instances' first dim for a batched tensor (one int they share), a tuple's
+    length for a tuple built in the program, else each instance's own."""
+    if kwargs or len(args) != 1 or type(args[0]) is not Batch:
+        return NotImplemented
+    x = bt.ready(args[0])
+    if x.owner == "tensor":
+        return x.tensor.shape[1] if x.tensor.dim() >= 2 else NotImplemented  # (a 0-d tensor has no len)
+    if x.struct is not None and x.owner is None and issubclass(x.struct[0], tuple):
+        return len(x.struct[1])
+    items = bt.items_of(x)
+    try:
+        found = [len(v) for v in items]
+    except TypeError:
+        return NotImplemented  # (each instance raises its own)
+    return found[0] if all(f == found[0] for f in found) else bt.from_items(found)
 
 
 def plain_index(index):
