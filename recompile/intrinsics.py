@@ -13,6 +13,7 @@ import builtins
 import types
 
 import torch
+from torch import nn
 
 
 class Marker:
@@ -59,7 +60,7 @@ def as_sequence(obj):
 
 
 # exactly these types iterate as their indexing says; subclasses may define __iter__ otherwise
-_INDEXABLE = (list, tuple, range, str)
+_INDEXABLE = (list, tuple, range, str, nn.ModuleList, nn.Sequential)  # (a ModuleList indexes as the list it holds)
 
 
 class DrawnSequence:

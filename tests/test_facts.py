@@ -185,11 +185,15 @@ GROWN = {
                                     (torch.max, batch_rules.extreme), (torch.min, batch_rules.extreme),
                                     (torch.median, batch_rules.extreme),
                                     # len() of a batched tensor: one int the instances share
-                                    (len, batch_rules.length)]),
+                                    (len, batch_rules.length),
+                                    # list() / tuple() of a built tuple or list, or of a batched tensor's rows
+                                    (list, batch_rules.container), (tuple, batch_rules.container)]),
                           {"_operator.matmul -> recompile:via_vmap",
                            "torch._VariableFunctionsClass.max -> recompile:_dim_rule.<locals>.rule",
                            "torch._VariableFunctionsClass.min -> recompile:_dim_rule.<locals>.rule"}),
-    "batch_rules.METHOD_RULES": ({"'max' -> recompile:_extreme_method.<locals>.rule",
+    "batch_rules.METHOD_RULES": ({"'append' -> recompile:appended", "'numel' -> recompile:numel",
+                                  "'nelement' -> recompile:numel",
+                                  "'max' -> recompile:_extreme_method.<locals>.rule",
                                   "'min' -> recompile:_extreme_method.<locals>.rule",
                                   "'median' -> recompile:_extreme_method.<locals>.rule"},
                                  {"'max' -> recompile:method_dim.<locals>.rule"}),

@@ -289,6 +289,31 @@ def idiom_list_and_tensor_index(x, k):
     return x[[0, 2]].sum() * x + x[torch.tensor([1, 3])].sum() + W[[0, 1]].sum() * x
 
 
+LAYERS = torch.nn.ModuleList([torch.nn.Linear(H, H).double() for _ in range(2)])
+
+
+def idiom_module_list(x, k):
+    for layer in LAYERS:
+        x = torch.tanh(layer(x))
+    return x * x.numel() + x.view(2, 2).T.reshape(-1) + x.view(1, 2, 2).mT.reshape(-1)
+
+
+def idiom_built_lists(x, k):
+    hs = [h * 2 for h in (x, x + 1)]  # (a comprehension: appends to a list the program built)
+    ones = [1.0] * H
+    return torch.stack(list(x.split(2)) + list(x.split(2))).sum(0).repeat(2) + torch.cat(hs)[:H] * x.new_tensor(ones)
+
+
+def list_appended_in_a_branch(x, k):
+    hs = [x]
+    if x.sum() > 0:
+        hs.append(x * 2)
+    else:
+        hs.append(x * 3)
+    hs.append(x.view(2, 2).T.reshape(-1) + x.view(1, 2, 2).mT.reshape(-1))
+    return torch.stack(hs).sum(0)
+
+
 IDIOMS = [v for name, v in dict(globals()).items() if name.startswith("idiom_")]
 
 
@@ -305,3 +330,14 @@ def test_each_idiom_batches_with_each_instances_values_and_dtypes(fn):
     for a, b in zip(got, want):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b)
+
+
+def test_a_list_appended_to_in_a_branch_is_each_instances_own_list():
+    """A built list split by a branch becomes each instance's own list (appends to it then run per instance), so
+    what the branch appended is in the list the caller reads after the ``if``."""
+    xs = torch.randn(5, H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ks = torch.tensor([1, 2, 3, 4, 5])
+    compiled = recompile.function(list_appended_in_a_branch)
+    with switched(config, "allow", "PER_INSTANCE"):
+        got = recompile.vmap(compiled, in_dims=(0, 0))(xs, ks)
+    torch.testing.assert_close(got, torch.stack([list_appended_in_a_branch(x, k) for x, k in zip(xs, ks)]))

@@ -46,8 +46,8 @@ from ..runtime.batch import Batch
 from ..runtime.frames import annotated_by
 from ..runtime.levels import Deopt, NotPlain
 
-# a lowered ``for``'s, ``sum`` and starred unpacking: they draw the items of an iterator
-_ITERATION = {intrinsics.as_sequence, intrinsics.has_index, sum, intrinsics.unpack_starred}
+# a lowered ``for``'s, ``sum``, ``list``, ``tuple`` and starred unpacking: they draw the items of an iterator
+_ITERATION = {intrinsics.as_sequence, intrinsics.has_index, sum, intrinsics.unpack_starred, list, tuple}
 # ops a trace may run through their batch rule, inside the raw function: they change nothing and draw nothing,
 # so a run cut short by a failed guard may run them again (not builtins such as max or tuple, which would
 # consume an iterator twice)

@@ -224,7 +224,9 @@ def _unbatched(n, fn, args, kwargs):
         results = [fn(*[own(a) for a in args], **{k: own(v) for k, v in (kwargs or {}).items()}) for _ in range(n)]
         return results[0] if all(r is results[0] for r in results) else bt.from_items(results)
     first = fn(*args, **kwargs) if kwargs else fn(*args)
-    shared = known and (facts.immutable(first) or (sharing.state.fresh and sharing.shareable_result(first)))
+    # (a pure call giving back an argument, ``as_sequence`` of a shared list, makes nothing new: shared as it is)
+    shared = known and (facts.immutable(first) or any(first is a for a in args)
+                        or (sharing.state.fresh and sharing.shareable_result(first)))
     if reads or shared:
         if reads and isinstance(first, torch.Tensor) and sharing.any_fresh(args):
             sharing.mark_fresh(first)  # (a view of a tensor computed once: the same memory)
@@ -428,6 +430,10 @@ def elementwise(n, fn, args, kwargs):
     ints = _int_rows(args) if fn in _INT_OPERATORS and not kwargs else None
     if ints is not None:
         return bt.from_items([fn(*row) for row in ints])
+    if fn in (operator.add, operator.mul) and not kwargs and len(args) == 2:
+        joined = _joined_structs(n, fn, *args)
+        if joined is not NotImplemented:
+            return joined
     if len(args) == 2:  # fast path: two tensors of equal rank, or a tensor and a number
         a, b = args
         ta = a.tensor if type(a) is Batch and a.owner == "tensor" else a if type(a) in _NUMBERS else None
@@ -489,6 +495,42 @@ def _int_rows(args):
     if n is None:
         return None
     return zip(*[c if c is not None else [a] * n for a, c in zip(args, columns)])
+
+
+def _joined_structs(n, fn, a, b):
+    """``xs + ys`` and ``xs * k`` of tuples or lists the program built (``[1.0] * H``, ``[h] + hs``): the
+    elements, batched or shared, concatenated or repeated, as Python does."""
+    def parts(v):
+        if type(v) is Batch and v.struct is not None and v.owner is None and v.thunk is None \
+                and v.struct[0] in (list, tuple):
+            return v.struct[0], list(v.struct[1])
+        if type(v) in (list, tuple):
+            return type(v), list(v)
+        return None, None
+
+    kind_a, parts_a = parts(a)
+    kind_b, parts_b = parts(b)
+    if fn is operator.add and kind_a is not None and kind_a is kind_b:
+        return bt.from_struct(kind_a, parts_a + parts_b, n)
+    if fn is operator.mul and kind_a is not None and type(b) is int:
+        return bt.from_struct(kind_a, parts_a * b, n)
+    if fn is operator.mul and kind_b is not None and type(a) is int:
+        return bt.from_struct(kind_b, a * parts_b, n)
+    return NotImplemented
+
+
+@BATCH.register(list, tuple)
+def container(n, fn, args, kwargs):
+    """``list(xs)`` / ``tuple(xs)`` of a tuple or list the program built (its elements, in a new container of
+    each instance's own), or of a batched tensor (its rows: each row every instance's at once)."""
+    if kwargs or len(args) != 1 or type(args[0]) is not Batch:
+        return NotImplemented
+    xs = bt.ready(args[0])
+    if xs.struct is not None and xs.owner is None and xs.struct[0] in (list, tuple):
+        return bt.from_struct(fn, list(xs.struct[1]), n)
+    if xs.owner == "tensor" and xs.tensor.dim() >= 2:
+        return bt.from_struct(fn, [bt.from_tensor(row) for row in xs.tensor.unbind(1)], n)
+    return NotImplemented
 
 
 @BATCH.register(*facts.IN_PLACE)
@@ -751,8 +793,16 @@ def attribute(n, fn, args, kwargs):
             return t.shape[1:]
         if name == "ndim":
             return t.dim() - 1
+        if name in ("T", "H") and t.dim() <= 3:  # (all of an instance's dims reversed: at most two, as torch allows)
+            flipped = t.permute(0, *reversed(range(1, t.dim())))
+            return bt.from_tensor(flipped.conj() if name == "H" else flipped)
+        if name in ("mT", "mH") and t.dim() >= 3:  # (an instance's last two dims swapped)
+            swapped = t.transpose(-2, -1)
+            return bt.from_tensor(swapped.conj() if name == "mH" else swapped)
         if callable(getattr(torch.Tensor, name, None)):
             return Batch(x.n, method=(x, name))
+    if x.struct is not None and x.owner is None and name == "append" and x.struct[0] is list:
+        return Batch(x.n, method=(x, name))  # (``hs.append(h)`` of a list the program built: see ``appended``)
     if x.struct is not None and x.owner is None:  # (a field of what an op returned: ``x.max(-1).values``)
         kind, parts = x.struct
         fields = getattr(kind, "_fields", None) or getattr(kind, "__match_args__", ())
@@ -799,6 +849,22 @@ def size(n, x, args, kwargs):
 def dim(n, x, args, kwargs):
     t = x.tensor if x.owner == "tensor" else None
     return NotImplemented if t is None else t.dim() - 1
+
+
+@BATCH.register("append")
+def appended(n, xs, args, kwargs):
+    """``xs.append(v)`` of a list the program built, held as its elements (every instance's list as long as
+    the others'): v, batched or shared, becomes its next element, in the list every name of it sees."""
+    if kwargs or len(args) != 1 or xs.struct is None or xs.owner is not None or xs.struct[0] is not list:
+        return NotImplemented
+    xs.struct[1].append(args[0])
+    return None
+
+
+@BATCH.register("numel", "nelement")
+def numel(n, x, args, kwargs):
+    t = x.tensor if x.owner == "tensor" else None
+    return NotImplemented if t is None or args or kwargs else t[0].numel() if t.shape[0] else 0
 
 
 @BATCH.register("view", "reshape")

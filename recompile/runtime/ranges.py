@@ -79,6 +79,8 @@ def as_sequence(n, fn, args, kwargs):
     (seq,) = args
     if type(seq) is Batch and seq.owner == "tensor" and seq.tensor.dim() >= 2 and seq.thunk is None:
         return seq
+    if _built(seq):  # (a tuple or list the program built: its elements, batched or shared, one by one)
+        return seq
     return seq if type(seq) is Batch and of(seq) is not None else NotImplemented
 
 
@@ -87,6 +89,8 @@ def has_index(n, fn, args, kwargs):
     seq, i = args
     if type(seq) is Batch and seq.owner == "tensor" and type(i) is int and i >= 0:
         return i < seq.tensor.shape[1]
+    if _built(seq) and type(i) is int and i >= 0:
+        return i < len(seq.struct[1])
     ranges = of(seq) if type(seq) is Batch and type(i) is int and i >= 0 else None
     if ranges is None:
         return NotImplemented
@@ -95,6 +99,12 @@ def has_index(n, fn, args, kwargs):
     if i >= ranges.longest:
         return False
     return bt.from_tensor(ranges.counts > i)
+
+
+def _built(seq):
+    """A Batch of a tuple or list the program built, held as its elements (``[h * 2 for h in (x, y)]``)."""
+    return type(seq) is Batch and seq.struct is not None and seq.owner is None and seq.thunk is None \
+        and seq.struct[0] in (tuple, list)
 
 
 def item(seq, i):
