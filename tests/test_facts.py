@@ -154,6 +154,7 @@ _TORCH_BITWISE = (torch.le, torch.ge, torch.ne, torch.logical_or, torch.logical_
 _BITWISE = (operator.and_, operator.or_, operator.xor, operator.invert, operator.floordiv, operator.mod,
             *_TORCH_BITWISE)
 _CELLS = (nn.RNNCell, nn.LSTMCell, nn.GRUCell)  # a batch of rows for the cell (batch_rules.recurrent_cell)
+_LAYERS = (nn.RNN, nn.LSTM, nn.GRU)  # every instance's sequences one batch for the module (batch_rules.recurrent_layer)
 _CLOSURES = (intrinsics.fixed_cell, intrinsics.set_cell, intrinsics.read_local_cell, intrinsics.delete_cell,
              intrinsics.make_function)
 GROWN = {
@@ -197,11 +198,12 @@ GROWN = {
                                   "'min' -> recompile:_extreme_method.<locals>.rule",
                                   "'median' -> recompile:_extreme_method.<locals>.rule"},
                                  {"'max' -> recompile:method_dim.<locals>.rule"}),
-    "batch_rules.MODULE_RULES": (_entries((m, batch_rules.recurrent_cell) for m in _CELLS), set()),
+    "batch_rules.MODULE_RULES": (_entries([*((m, batch_rules.recurrent_cell) for m in _CELLS),
+                                           *((m, batch_rules.recurrent_layer) for m in _LAYERS)]), set()),
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, len,
                                     *_CLOSURES, torch.median), set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
-    "segments._GENERIC_OK_MODULES": (_names(*_CELLS), set()),
+    "segments._GENERIC_OK_MODULES": (_names(*_CELLS, *_LAYERS), set()),
     # (views that move dims read no value of their input either, as ``transpose`` always did)
     "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS, *_VIEWS_MOVING_DIMS, grad_rules._detach), set()),
     "batch_rules.INTEGER_INDEX": (set(), {"torch.uint8"}),  # (torch reads a uint8 index as a mask)

@@ -341,3 +341,41 @@ def test_a_list_appended_to_in_a_branch_is_each_instances_own_list():
     with switched(config, "allow", "PER_INSTANCE"):
         got = recompile.vmap(compiled, in_dims=(0, 0))(xs, ks)
     torch.testing.assert_close(got, torch.stack([list_appended_in_a_branch(x, k) for x, k in zip(xs, ks)]))
+
+
+@pytest.mark.parametrize("kind", [torch.nn.GRU, torch.nn.LSTM, torch.nn.RNN])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("shape", ["sequence", "batch of sequences"])
+@pytest.mark.parametrize("start", ["zeros", "given"])
+def test_an_rnn_module_over_each_instances_sequences_is_one_call(kind, batch_first, shape, start):
+    """``nn.GRU`` / ``LSTM`` / ``RNN`` (two layers, both ways) over each instance's sequence (L, D) or batch of
+    them: one call of the module over every instance's sequences, values and gradients as each instance's."""
+    torch.manual_seed(0)
+    module = kind(3, 4, num_layers=2, bidirectional=True, batch_first=batch_first).double()
+    lstm = kind is torch.nn.LSTM
+
+    def read(x, h, c):
+        if start == "zeros":
+            out, ends = module(x)
+        else:
+            out, ends = module(x, (h, c) if lstm else h)
+        last = ends[0] * ends[1] if lstm else ends
+        return out.sum(-1), last
+
+    n, length, rows = 3, 5, 2
+    seq = (n, length, 3) if shape == "sequence" else (n, rows, length, 3) if batch_first else (n, length, rows, 3)
+    state = (n, 4, 4) if shape == "sequence" else (n, 4, rows, 4)
+    g = torch.Generator().manual_seed(1)
+    x, h, c = (torch.randn(*sh, generator=g, dtype=torch.float64, requires_grad=True) for sh in (seq, state, state))
+    compiled = recompile.function(read)
+    with switched(config, "error", "PER_INSTANCE"):
+        got = recompile.vmap(compiled)(x, h, c)
+    want = [read(x[k], h[k], c[k]) for k in range(n)]
+    want = tuple(torch.stack([w[j] for w in want]) for j in range(2))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    grads = torch.autograd.grad(sum(v.sum() for v in got), (x, h, c) if start == "given" else (x,), allow_unused=True)
+    wants = torch.autograd.grad(sum(v.sum() for v in want), (x, h, c) if start == "given" else (x,), allow_unused=True)
+    for a, b in zip(grads, wants):
+        if b is not None:
+            torch.testing.assert_close(a, b)

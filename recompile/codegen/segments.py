@@ -1160,8 +1160,8 @@ def _build_form(tr, fn, fn_slot, args, kwargs):
 
 def rerunnable(fn):
     """Whether ``fn`` changes nothing and draws nothing: a trace may run it by its batch rule."""
-    if type(fn) in _GENERIC_OK_MODULES:
-        return _plain_module(fn, type(fn))
+    if type(fn) in _GENERIC_OK_MODULES:  # (not an RNN with dropout between its layers, training: it draws)
+        return _plain_module(fn, type(fn)) and not (isinstance(fn, nn.RNNBase) and fn.dropout and fn.training)
     return facts.among(fn, _GENERIC_OK)
 
 

@@ -1042,6 +1042,53 @@ def recurrent_cell(n, cell, args, kwargs):
     return bt.from_tensor(out.reshape(*rows, out.shape[-1]))
 
 
+@BATCH.register(nn.RNN, nn.LSTM, nn.GRU)
+def recurrent_layer(n, module, args, kwargs):
+    """An ``nn.RNN``, ``LSTM`` or ``GRU`` over each instance's sequences: the instances' sequences are one batch
+    of sequences for the module (each is run on its own by it), its results cut back per instance. Not with
+    dropout between layers while training (each instance draws its own), nor with packed sequences."""
+    if len(args) > 2 or (kwargs and set(kwargs) != {"hx"}) or not args or type(args[0]) is not Batch \
+            or args[0].owner != "tensor" or "forward" in module.__dict__ or (module.dropout and module.training):
+        return NotImplemented
+    x = args[0].tensor
+    rank = x.dim() - 1  # (an instance's: 2, one unbatched sequence; 3, a batch of them)
+    if rank not in (2, 3) or x.shape[-1] != module.input_size:
+        return NotImplemented
+    first = module.batch_first
+    if rank == 2:  # (n, L, D): the instances are the module's batch
+        flat = x if first else x.transpose(0, 1)
+    else:  # (n, B, L, D) or (n, L, B, D): instances times their batches
+        flat = x.reshape(-1, *x.shape[2:]) if first else x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[3])
+    rows = flat.shape[0] if first else flat.shape[1]
+    hx = args[1] if len(args) > 1 else kwargs.get("hx")
+    lstm = type(module) is nn.LSTM
+    states = None
+    if hx is not None:
+        parts = list(hx.struct[1]) if type(hx) is Batch and hx.struct is not None and hx.owner is None else \
+            list(hx) if type(hx) is tuple else [hx]
+        if len(parts) != (2 if lstm else 1):
+            return NotImplemented
+        states = []
+        for part in parts:  # (an instance's: (layers, H) or (layers, B, H))
+            t = bt.tensor_of(part) if type(part) is Batch else part.unsqueeze(0).expand(n, *part.shape) \
+                if type(part) is torch.Tensor else None
+            if t is None or t.dim() != rank + 1:
+                return NotImplemented
+            states.append(t.transpose(0, 1).reshape(t.shape[1], rows, t.shape[-1]))
+    out, ends = module(flat, None if states is None else tuple(states) if lstm else states[0])
+
+    def per_instance_state(h):  # (layers, rows, H) -> (n, layers, H) or (n, layers, B, H)
+        return bt.from_tensor(h.reshape(h.shape[0], n, *([] if rank == 2 else [-1]), h.shape[-1]).transpose(0, 1))
+
+    if rank == 2:
+        out = out if first else out.transpose(0, 1)
+    else:
+        out = out.reshape(n, -1, *out.shape[1:]) if first else \
+            out.reshape(out.shape[0], n, -1, out.shape[-1]).transpose(0, 1)
+    ends = bt.from_struct(tuple, [per_instance_state(e) for e in ends], n) if lstm else per_instance_state(ends)
+    return bt.from_struct(tuple, [bt.from_tensor(out), ends], n)
+
+
 @BATCH.register(isinstance)
 def instance_of(n, fn, args, kwargs):
     """``isinstance(x, cls)`` of a batched x: the rows of a tensor are tensors, the instances of a tuple or
