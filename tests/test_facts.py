@@ -188,7 +188,9 @@ GROWN = {
                                     # len() of a batched tensor: one int the instances share
                                     (len, batch_rules.length),
                                     # list() / tuple() of a built tuple or list, or of a batched tensor's rows
-                                    (list, batch_rules.container), (tuple, batch_rules.container)]),
+                                    (list, batch_rules.container), (tuple, batch_rules.container),
+                                    # a dict with shared keys, held as its values
+                                    (intrinsics.build_dict, batch_rules.dict_display)]),
                           {"_operator.matmul -> recompile:via_vmap",
                            "torch._VariableFunctionsClass.max -> recompile:_dim_rule.<locals>.rule",
                            "torch._VariableFunctionsClass.min -> recompile:_dim_rule.<locals>.rule"}),
@@ -201,6 +203,7 @@ GROWN = {
     "batch_rules.MODULE_RULES": (_entries([*((m, batch_rules.recurrent_cell) for m in _CELLS),
                                            *((m, batch_rules.recurrent_layer) for m in _LAYERS)]), set()),
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, len,
+                                    intrinsics.build_dict,
                                     *_CLOSURES, torch.median), set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS, *_LAYERS), set()),

@@ -379,3 +379,31 @@ def test_an_rnn_module_over_each_instances_sequences_is_one_call(kind, batch_fir
     for a, b in zip(grads, wants):
         if b is not None:
             torch.testing.assert_close(a, b)
+
+
+def dict_of_states(x, k):
+    d = {"h": torch.tanh(x), "c": x * 2, 1: x.sum()}
+    assert isinstance(d, dict)
+    return {"out": d["h"] * d["c"] + d[1], "h": d["h"]}
+
+
+def dict_changed(x, k):
+    d = {"h": torch.tanh(x)}
+    d["c"] = d["h"] * 2  # (a change: each instance's own dict)
+    return d["c"] + len(d)
+
+
+def test_a_dict_with_shared_keys_is_held_as_its_values_and_vmap_returns_dicts():
+    xs = torch.randn(5, H, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    ks = torch.arange(5)
+    compiled = recompile.function(dict_of_states)
+    with switched(config, "error", "PER_INSTANCE"):
+        got = recompile.vmap(compiled, in_dims=(0, 0))(xs, ks)
+    want = [dict_of_states(x, k) for x, k in zip(xs, ks)]
+    assert type(got) is dict and list(got) == ["out", "h"]
+    for key in got:
+        torch.testing.assert_close(got[key], torch.stack([w[key] for w in want]))
+    changed = recompile.function(dict_changed)
+    with switched(config, "allow", "PER_INSTANCE"):
+        got = recompile.vmap(changed, in_dims=(0, 0))(xs, ks)
+    torch.testing.assert_close(got, torch.stack([dict_changed(x, k) for x, k in zip(xs, ks)]))

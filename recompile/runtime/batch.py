@@ -64,6 +64,28 @@ def from_struct(kind, parts, n):
     return Batch(n, struct=(kind, parts))
 
 
+class Keyed(dict):
+    """The kind of a dict built in the program with keys every instance shares (``{"h": h, "c": c}``), held as a
+    struct of its values: ``_make`` gives each instance's plain dict (``dict_kind``)."""
+
+    keys_ = ()
+
+    @classmethod
+    def _make(cls, values):
+        return dict(zip(cls.keys_, values))
+
+
+_DICT_KINDS = {}
+
+
+def dict_kind(keys):
+    """The Keyed kind of dicts with ``keys``, in order (one class per key tuple, kept)."""
+    kind = _DICT_KINDS.get(keys)
+    if kind is None:
+        kind = _DICT_KINDS[keys] = type("dict", (Keyed,), {"keys_": keys})
+    return kind
+
+
 def build(kind, items):
     """A struct's value of ``kind`` (tuple, list, a namedtuple, torch's return types) from its ``items``."""
     return kind._make(items) if hasattr(kind, "_make") else kind(items)
@@ -225,6 +247,8 @@ def tensor_of(b):
     """Batch ``b`` as one tensor of n rows, or None if its values are not tensors of one shape and dtype."""
     if b.thunk is not None:
         force(b)
+    if b.struct is not None and b.owner is None and issubclass(b.struct[0], Keyed):
+        return None  # (dicts are not tensors: asking must not make each instance's dict)
     if b.tensor is None:
         if b.pieces is not None:
             t = _joined_tensor(b.pieces, None)
@@ -537,7 +561,7 @@ def _kinds(items):
 
 def stack_output(value, n):
     """A batched result as torch.func.vmap returns it: tensors stacked along dim 0, a tuple or list of
-    them as a tuple or list of stacked tensors."""
+    them as a tuple or list of stacked tensors, a dict of them as a dict."""
     if type(value) is Batch:
         ready(value)
         if value.struct is not None and value.owner is None:
@@ -550,7 +574,7 @@ def stack_output(value, n):
         if all(isinstance(x, (tuple, list)) for x in items) and len({(type(x), len(x)) for x in items}) == 1:
             kind = type(items[0])
             return build(kind, [stack_output(from_items([x[j] for x in items]), n) for j in range(len(items[0]))])
-        raise ValueError("recompile.vmap: the function must return tensors (or tuples or lists of tensors) "
+        raise ValueError("recompile.vmap: the function must return tensors (or tuples, lists or dicts of tensors) "
                          f"of one shape and dtype for every instance; got {_kinds(items)}")
     if type(value) is torch.Tensor:
         return value.unsqueeze(0).expand(n, *value.shape)

@@ -519,6 +519,20 @@ def _joined_structs(n, fn, a, b):
     return NotImplemented
 
 
+@BATCH.register(intrinsics.build_dict)
+def dict_display(n, fn, args, kwargs):
+    """``{k: v, ...}`` with keys every instance shares: held as its values (``batch.Keyed``), each instance's
+    own dict made only where it needs one (a change to it, a method)."""
+    if kwargs or len(args) % 2:
+        return NotImplemented
+    found = {}
+    for k, v in zip(args[::2], args[1::2]):
+        if type(k) is Batch or k is intrinsics.MERGE or not facts.immutable(k):
+            return NotImplemented
+        found[k] = v
+    return bt.from_struct(bt.dict_kind(tuple(found)), list(found.values()), n)
+
+
 @BATCH.register(list, tuple)
 def container(n, fn, args, kwargs):
     """``list(xs)`` / ``tuple(xs)`` of a tuple or list the program built (its elements, in a new container of
@@ -646,6 +660,12 @@ def gather(n, fn, args, kwargs):
             out = ranges.item(x, index)
             if out is not NotImplemented:
                 return out
+        if x.struct is not None and x.owner is None and issubclass(x.struct[0], bt.Keyed):
+            keys = x.struct[0].keys_
+            try:
+                return x.struct[1][keys.index(index)] if index in keys else NotImplemented
+            except TypeError:  # (an unhashable key: each instance raises)
+                return NotImplemented
         if x.struct is not None and x.owner is None and type(index) is int:
             return x.struct[1][index]
         t = x.tensor if x.owner == "tensor" else bt.tensor_of(x) if x.items is None else None
