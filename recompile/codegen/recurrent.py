@@ -15,16 +15,20 @@ in C++. ``RecurrentLoop`` finds the loops that are exactly this, and runs them s
   loop does not change) are computed once, before the loop, for every (instance, step) the loop will
   run, as one batch (``chain``), laid out step by step with the longest sequences first: a
   ``PackedSequence``'s data;
-- the cell's steps run as ``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` over that data, from
-  each instance's state when the loop starts, and each instance's final state is the loop's result.
+- the cell's steps run over that data from each instance's state when the loop starts, and each instance's
+  final state is the loop's result: without grad as ``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``;
+  with grad written out over the packed rows (``lazy_weights.packed_steps``), whose backward torch's packed
+  RNN makes far more costly.
 
-A loop is taken when, after the step inputs, its body is the cell call alone on its carried state, its
-counter goes up by 1 and its test is ``counter < end`` or a ``for`` over a range. At run time the cell must be
-an ``nn.LSTMCell``, ``nn.GRUCell`` or ``nn.RNNCell`` of its own (no hooks, no forward of its own), every
-callable of the step inputs one that changes nothing and draws no random numbers (as a traced segment's
-generic ops: ``segments.rerunnable``), and every value of the shapes the cell takes. Anything else runs the
-loop as it is written (``control.Loop``): the step inputs are pure, so computing them and dropping them
-changes nothing, and an error they raise is raised by the written loop, at its step, from the user's line.
+A loop is taken when, after the step inputs, its body is the cell call alone on its carried state (or several
+cells, each stepping over the state the one below just made), its counter moves by 1 and its test is
+``counter < end`` (``counter > end`` or ``>= end`` counting down) or a ``for`` over a range or each instance's
+rows. At run time each cell must be an ``nn.LSTMCell``, ``nn.GRUCell`` or ``nn.RNNCell`` of its own (no hooks,
+no forward of its own), every callable of the step inputs one that changes nothing and draws no random numbers
+(as a traced segment's generic ops: ``segments.rerunnable``), and every value of the shapes the cell takes.
+Anything else runs the loop as it is written (``control.Loop``): the step inputs are pure, so computing them
+and dropping them changes nothing, and an error they raise is raised by the written loop, at its step, from
+the user's line.
 """
 
 from __future__ import annotations
