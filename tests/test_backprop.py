@@ -428,6 +428,7 @@ def item_scaled_then_changed(x):
 
 # a view of v read (saved by the product for its gradient, or not: scaled by a number), then v changed in place
 
+
 def t_read_then_changed(x):
     v = x * 1.0
     m = v.t() * v.t()
@@ -440,6 +441,7 @@ def t_scaled_then_changed(x):
     m = v.t() * 2.0
     v += 1.0
     return m.sum() + v.sum()
+
 
 def T_read_then_changed(x):
     v = x * 1.0
@@ -454,6 +456,7 @@ def T_scaled_then_changed(x):
     v += 1.0
     return m.sum() + v.sum()
 
+
 def narrow_read_then_changed(x):
     v = x * 1.0
     m = v.narrow(0, 1, 1) * v.narrow(0, 1, 1)
@@ -466,6 +469,7 @@ def narrow_scaled_then_changed(x):
     m = v.narrow(0, 1, 1) * 2.0
     v += 1.0
     return m.sum() + v.sum()
+
 
 def view_read_then_changed(x):
     v = x * 1.0
@@ -480,6 +484,7 @@ def view_scaled_then_changed(x):
     v += 1.0
     return m.sum() + v.sum()
 
+
 def transpose_read_then_changed(x):
     v = x * 1.0
     m = torch.transpose(v, 0, 1) * torch.transpose(v, 0, 1)
@@ -493,6 +498,7 @@ def transpose_scaled_then_changed(x):
     v += 1.0
     return m.sum() + v.sum()
 
+
 def slice_read_then_changed(x):
     v = x * 1.0
     m = v[:, 1:] * v[:, 1:]
@@ -505,6 +511,7 @@ def slice_scaled_then_changed(x):
     m = v[:, 1:] * 2.0
     v += 1.0
     return m.sum() + v.sum()
+
 
 def unsqueeze_of_a_row_read_then_changed(x):
     v = x * 1.0
@@ -520,9 +527,40 @@ def unsqueeze_of_a_row_scaled_then_changed(x):
     return m.sum() + v.sum()
 
 
+def reshape_read_then_changed(x):
+    v = x * 1.0
+    m = v.reshape(6) * v.reshape(6)  # (a view: v is contiguous)
+    v += 1.0
+    return m.sum()
+
+
+def reshape_scaled_then_changed(x):
+    v = x * 1.0
+    m = v.reshape(6) * 2.0
+    v += 1.0
+    return m.sum() + v.sum()
+
+
 # (with an item, ``v[1]``: v[1] * v[1] then v += 1 gave the changed value's gradient, 6 for 4)
 VIEWS = {name: (globals()[name + "_read_then_changed"], globals()[name + "_scaled_then_changed"])
-         for name in ["item"] + ['t', 'T', 'narrow', 'view', 'transpose', 'slice', 'unsqueeze_of_a_row']}
+         for name in ["item"] + ['t', 'T', 'narrow', 'view', 'transpose', 'slice', 'unsqueeze_of_a_row', 'reshape']}
+
+
+def reshape_copied_then_changed(x):
+    v = x * 1.0
+    w = v.t().reshape(6)  # (a copy: v.t() is not contiguous)
+    m = w * w
+    v += 1.0
+    return m.sum() + v.sum()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+def test_a_reshape_that_copied_reads_its_own_values_as_eager_does(mode):
+    """v.t().reshape(6) is a copy: changing v afterwards changes nothing it saved, and eager computes."""
+    x = torch.tensor([[1.0, 2.0, -3.0], [0.5, 4.0, 2.0]], dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(reshape_copied_then_changed(x), x)[0]
+    got = torch.autograd.grad(recompile.function(reshape_copied_then_changed, mode=mode)(x), x)[0]
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("mode", ["sequential", "threaded"])
