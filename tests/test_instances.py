@@ -62,3 +62,17 @@ def test_a_draw_or_an_effect_of_shared_values_is_marked_per_instance():
     how = dict((op.split(" = ")[-1], mark) for op, mark in marks(recompile.function(noisy).dump(instances=())))
     assert how["call %randn(3)"].startswith("per instance: no instance differs in its arguments")
     assert how["call %print('step')"].startswith("per instance")
+
+
+def collected(x, flag):
+    hs = [h * 2 for h in (x, x + 1)]  # (appends of per-instance values to a list built empty)
+    kept = []
+    if flag > 0:
+        kept.append(x)  # (in a branch)
+    return hs[0] + kept[0] if kept else hs[0]
+
+
+def test_a_list_a_method_changes_with_per_instance_values_is_batched_after():
+    how = {op.split(" = ")[-1]: mark for op, mark in marks(recompile.function(collected).dump(instances=()))}
+    assert how["call getitem(%listcomp1.3, 0)"] == "batched"
+    assert how["call getitem(%kept.3, 0)"] == "batched"

@@ -82,6 +82,9 @@ class _Reading:
                 self.call(op)
             if any(self.differs(a) for a in op.operands()) or _own_per_instance(self.value(op.fn)):
                 self.vary(op.outputs)
+            receiver = _changed_receiver(op)
+            if receiver is not None and any(self.differs(a) for a in op.args):
+                self.vary([receiver])  # (``hs.append(h)`` of a per-instance h: the list holds it now)
 
     def capture(self, op):
         if op.source_kind == "global" and isinstance(op.source, dict):
@@ -107,6 +110,7 @@ class _Reading:
         for branch in (op.then_sg, op.else_sg):
             self.pass_to(branch.inputs, op.args)
             self.subgraph(branch)
+            self.vary(a for a, p in zip(op.args, branch.inputs) if self.differs(p))  # (what it changed: see op)
         if self.differs(op.pred):
             self.vary(op.outputs)
         for branch in (op.then_sg, op.else_sg):
@@ -119,6 +123,8 @@ class _Reading:
             self.pass_to(sg.inputs, op.body_sg.outputs)  # (what a step gives the next)
             self.subgraph(sg)
         self.vary(o for o, r in zip(op.outputs, op.body_sg.outputs) if self.differs(r))
+        inner = op.body_sg.inputs[len(op.loop_vars):]
+        self.vary(a for a, p in zip(op.invariants, inner) if self.differs(p))  # (what a step changed: see op)
         self.pass_to(op.outputs, op.loop_vars)
         if op.cond_sg.outputs and self.differs(op.cond_sg.outputs[0]):
             self.vary(op.outputs)  # (instances leave at different steps: each its own final values)
@@ -155,6 +161,15 @@ def _how(reading, op):
         return BATCHED, None
     why, instead = fallbacks.reason(fn)
     return PER_INSTANCE, f"{why}; {instead}"
+
+
+def _changed_receiver(op):
+    """The object a method call may change in place (``hs`` of ``hs.append(h)``), or None."""
+    method = op.fn.op if isinstance(op, ir.Call) and isinstance(op.fn, ir.Value) else None
+    if (isinstance(method, ir.Call) and isinstance(method.fn, ir.Const) and method.fn.value is getattr
+            and isinstance(method.args[1], ir.Const) and facts.mutating_method(method.args[1].value)):
+        return method.args[0]
+    return None
 
 
 def _made_here(operand):
