@@ -247,9 +247,9 @@ def tensor_of(b):
     """Batch ``b`` as one tensor of n rows, or None if its values are not tensors of one shape and dtype."""
     if b.thunk is not None:
         force(b)
-    if b.struct is not None and b.owner is None and issubclass(b.struct[0], Keyed):
-        return None  # (dicts are not tensors: asking must not make each instance's dict)
     if b.tensor is None:
+        if b.struct is not None and b.owner is None and issubclass(b.struct[0], Keyed):
+            return None  # (dicts are not tensors: asking must not make each instance's dict)
         if b.pieces is not None:
             t = _joined_tensor(b.pieces, None)
             if t is None:

@@ -427,13 +427,6 @@ def elementwise(n, fn, args, kwargs):
     others by inserting dims after the batch dim."""
     if kwargs and any(type(v) is Batch for v in kwargs.values()) or (fn is torch.where and len(args) == 1):
         return NotImplemented
-    ints = _int_rows(args) if fn in _INT_OPERATORS and not kwargs else None
-    if ints is not None:
-        return bt.from_items([fn(*row) for row in ints])
-    if fn in (operator.add, operator.mul) and not kwargs and len(args) == 2:
-        joined = _joined_structs(n, fn, *args)
-        if joined is not NotImplemented:
-            return joined
     if len(args) == 2:  # fast path: two tensors of equal rank, or a tensor and a number
         a, b = args
         ta = a.tensor if type(a) is Batch and a.owner == "tensor" else a if type(a) in _NUMBERS else None
@@ -443,6 +436,14 @@ def elementwise(n, fn, args, kwargs):
             return bt.from_tensor(fn(ta, tb, **kwargs))
     elif len(args) == 1 and type(args[0]) is Batch and args[0].owner == "tensor":
         return bt.from_tensor(fn(args[0].tensor, **kwargs))
+    # (off the fast path: Python ints per instance, and tuples or lists the program built)
+    ints = _int_rows(args) if fn in _INT_OPERATORS and not kwargs else None
+    if ints is not None:
+        return bt.from_items([fn(*row) for row in ints])
+    if fn in (operator.add, operator.mul) and not kwargs and len(args) == 2:
+        joined = _joined_structs(n, fn, *args)
+        if joined is not NotImplemented:
+            return joined
     like = _dtype_hint(args)
     values = _tensor_args(n, args, like)
     if values is None:
