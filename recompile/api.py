@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import threading
 import types
 
@@ -11,6 +12,8 @@ import torch
 
 from . import config, dynamo, ir, pickling
 from .codegen.instances import note_text, read as instance_notes
+from .diagnostics import warn_once
+from .errors import GradFallbackWarning
 from .passes.fusion import BACKENDS, DEFAULT_BACKEND
 from .passes.pipeline import FINAL, GRAD, STAGES
 from .program import Function
@@ -132,6 +135,19 @@ class Stats(dict):
             self["builds"] = builds
 
 
+def _warn_stored(compiled, op):
+    """Warn once, at the user's line of ``op``, that a call of ``compiled`` stores values where its caller
+    reads them, and so runs with gradients as batched mode runs one instance."""
+    where = (op.loc.filename, op.loc.lineno)
+    warn_once(where, "stores into the caller's objects",
+              f"recompile: {compiled.__qualname__} (mode={compiled.mode!r}) may put a value into an object its "
+              f"caller holds, at {os.path.basename(where[0])}:{where[1]} (an attribute of an argument, a list "
+              "passed in, an argument tensor changed in place, a global): the derived gradient program carries "
+              "gradients only to what a call returns, so with gradients on this call runs as batched mode runs "
+              "one instance, where torch.autograd records each op. Return the values instead to keep the derived "
+              "program", GradFallbackWarning)
+
+
 class CompiledFunction(Function):
     """A function compiled to a recompile program. Call it like the original.
 
@@ -193,9 +209,12 @@ class CompiledFunction(Function):
         if self.mode == "batched":
             return self.run_batched(bound, 1, owner)
         callee = self._ready_callee(owner)
-        if torch.is_grad_enabled() and callee.makes_functions:
-            # a tensor that reaches a nested function through its closure is out of the derived gradient's
-            # sight: one instance on the batched runtime, whose ops torch.autograd records, has its gradient
+        if torch.is_grad_enabled() and (callee.makes_functions or callee.changes_callers is not None):
+            # a tensor that reaches a nested function through its closure, or that the call stores where its
+            # caller reads it, is out of the derived gradient's sight: one instance on the batched runtime,
+            # whose ops torch.autograd records, has its gradient
+            if callee.changes_callers is not None:
+                _warn_stored(self, callee.changes_callers)
             return self.run_batched(bound, 1, owner)
         self.stats.record_start()
         workers = self._pool()

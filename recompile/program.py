@@ -20,6 +20,7 @@ from .frontend import convert, parse_function, validate
 from .naming import Namer
 from .passes.effects import invoke_may_mutate, program_may_mutate
 from .passes.grad import backward_name, derive, forward_name
+from .passes.holding import caller_visible_change
 from .passes.pipeline import FINAL, run_passes
 
 _ir_names = Namer(suffix=lambda k: f"#{k}")
@@ -138,6 +139,9 @@ class FunctionBuild:
         return invoke_may_mutate(invoke, FINAL)
 
 
+_UNREAD = object()  # (a property not yet read: None is one of its values)
+
+
 class Callee:
     """The handle of a compiled function bound to an owner class: what an Invoke names (``ir.Target``).
 
@@ -156,6 +160,7 @@ class Callee:
         self._unit = None
         self._may_mutate = None
         self._makes_functions = None
+        self._changes_callers = _UNREAD
         self.ready = False  # this function and every function it may invoke are built
         self.forward = GradHandle(self, 0)
         self.backward = GradHandle(self, 1)
@@ -196,6 +201,14 @@ class Callee:
                 isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value is intrinsics.make_function
                 for handle in ir.reachable(self, FINAL) for sg in handle.subgraph(FINAL).walk() for op in sg.ops)
         return self._makes_functions
+
+    @property
+    def changes_callers(self):
+        """The first op, in this function or any it may invoke, that may put a value into an object its caller
+        holds (``node.state = h``, ``out.append(h)``, ``buf.add_(h)``: ``passes.holding``), or None."""
+        if self._changes_callers is _UNREAD:
+            self._changes_callers = caller_visible_change(self, FINAL)
+        return self._changes_callers
 
     @property
     def batched_unit(self):

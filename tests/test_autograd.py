@@ -171,12 +171,30 @@ def test_a_differentiable_backward_warns_once_that_the_call_runs_again(monkeypat
 def test_a_differentiable_backward_of_a_call_that_changes_values_in_place_is_refused_clearly():
     @recompile.function(mode="sequential")
     def f(x, buf):
-        buf += 1.0
-        return (x * buf).sum()
+        v = buf * 1.0
+        v += 1.0
+        return (x * v).sum()
 
     x = torch.ones(3, dtype=F64, requires_grad=True)
     with pytest.raises(RuntimeError, match='changes values in place.*mode="batched"'):
         torch.autograd.grad(f(x, torch.zeros(3, dtype=F64)), x, create_graph=True)
+
+
+def test_a_differentiable_backward_of_a_call_that_changes_its_argument_is_eagers():
+    """A call that changes a tensor its caller holds runs, with gradients on, as batched mode runs one
+    instance (its change carries its gradient there): its double backward is eager's."""
+    def bump(x, buf):
+        buf += x
+        return (x * buf).sum()
+
+    f = recompile.function(bump, mode="sequential")
+    got, want = [], []
+    for fn, out in ((f, got), (bump, want)):
+        x = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
+        (g,) = torch.autograd.grad(fn(x, torch.ones(3, dtype=F64)), x, create_graph=True)
+        out.extend([g, *torch.autograd.grad(g.pow(2).sum(), x)])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
 
 
 def test_gradients_accumulate_across_calls_like_pytorch():

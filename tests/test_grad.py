@@ -2014,7 +2014,6 @@ def test_object_tree_with_states_set_by_the_program_matches_eager():
         assert (got - want).abs().max().item() <= TOL
 
 
-@pytest.mark.xfail(strict=True, reason="Tensors the program stores into its arguments are not outputs of its autograd node (docs/gradients.md, Limits)")
 def test_states_stored_on_argument_objects_carry_gradients_like_eager():
     """``node.state = h`` inside the program, read by the caller afterwards (as eager code may do)."""
     f_enc = sequential(object_tree_encode)
@@ -2041,7 +2040,6 @@ def append_states(xs, out):
     return h
 
 
-@pytest.mark.xfail(strict=True, reason="Tensors the program stores into its arguments are not outputs of its autograd node (docs/gradients.md, Limits)")
 def test_tensors_appended_to_an_argument_list_carry_gradients_like_eager():
     f = sequential(append_states)
     results = []
