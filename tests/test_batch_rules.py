@@ -137,6 +137,8 @@ def tup(*parts):
 
 
 LSTM_CELL, GRU_CELL, RNN_CELL = (cell(3, 5).double() for cell in (nn.LSTMCell, nn.GRUCell, nn.RNNCell))
+torch.manual_seed(0)
+SEQUENTIAL = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.LayerNorm(4), nn.Sequential(nn.Linear(4, 2), nn.ReLU())).double()
 
 
 OPS = {
@@ -242,6 +244,8 @@ OPS = {
     "lstm_cell_rows_shared_state": lambda w: (LSTM_CELL, (w(rand(N, 2, 3, seed=1)),
                                                           (rand(2, 5, seed=2), rand(2, 5, seed=3))), {}),
     "gru_cell_no_state": lambda w: (GRU_CELL, (w(rand(N, 3, seed=1)),), {}),
+    # an nn.Sequential: each module by its rule (rows of an instance too)
+    "sequential": lambda w: (SEQUENTIAL, (w(rand(N, 2, 3, seed=1)),), {}),
     "rnn_cell_hx_keyword": lambda w: (RNN_CELL, (w(rand(N, 3, seed=1)),), {"hx": w(rand(N, 5, seed=2))}),
     # einsum: batched operands get a subscript of their own, shared ones stay as they are
     "einsum_bilinear_shared_tensor": lambda w: (torch.einsum, ("i,kij,j->k", w(rand(N, 3, seed=1)),
@@ -918,3 +922,19 @@ def test_whole_median_keeps_an_integer_dtype_and_gives_a_nan_its_gradient():
 
 def torch_median_of(x):
     return x.median() * 1.0
+
+
+def test_a_sequential_is_as_rerunnable_and_alike_as_its_modules():
+    """An nn.Sequential of pure modules may be run again and computed once for shared inputs; one holding a
+    Dropout draws (each instance its own mask), and one with a hook is not the rule's."""
+    from recompile.codegen.segments import rerunnable
+
+    assert rerunnable(SEQUENTIAL) and br.computes_alike(SEQUENTIAL, {})
+    drawing = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5))
+    assert not rerunnable(drawing) and not br.computes_alike(drawing, {})
+    hooked = nn.Sequential(nn.Linear(3, 3)).double()
+    hooked[0].register_forward_hook(lambda m, i, o: o * 2)
+    assert not rerunnable(hooked) and not br.computes_alike(hooked, {})
+    x = rand(N, 3, seed=4)
+    got = br.call(N, hooked, (Batch(N, tensor=x),))
+    assert torch.allclose(bt.tensor_of(got), hooked(x))

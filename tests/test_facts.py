@@ -200,13 +200,15 @@ GROWN = {
                                   "'min' -> recompile:_extreme_method.<locals>.rule",
                                   "'median' -> recompile:_extreme_method.<locals>.rule"},
                                  {"'max' -> recompile:method_dim.<locals>.rule"}),
+    # (an nn.Sequential: each of its modules by its rule)
     "batch_rules.MODULE_RULES": (_entries([*((m, batch_rules.recurrent_cell) for m in _CELLS),
-                                           *((m, batch_rules.recurrent_layer) for m in _LAYERS)]), set()),
+                                           *((m, batch_rules.recurrent_layer) for m in _LAYERS),
+                                           (torch.nn.Sequential, batch_rules.in_sequence)]), set()),
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, len,
                                     intrinsics.build_dict,
                                     *_CLOSURES, torch.median), set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
-    "segments._GENERIC_OK_MODULES": (_names(*_CELLS, *_LAYERS), set()),
+    "segments._GENERIC_OK_MODULES": (_names(*_CELLS, *_LAYERS, torch.nn.Sequential), set()),
     # (views that move dims read no value of their input either, as ``transpose`` always did)
     "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS, *_VIEWS_MOVING_DIMS, grad_rules._detach), set()),
     "batch_rules.INTEGER_INDEX": (set(), {"torch.uint8"}),  # (torch reads a uint8 index as a mask)

@@ -316,7 +316,10 @@ class _Tracer:
             if t is None:
                 return None
             name = self.fresh()
-            self.emit(f"{name} = _tensor({slot.name}, {t.dim()}, {self.const(t.dtype)})")
+            if self.plain is not None:  # (a depth of one instance holds its own values)
+                self.emit(f"{name} = _rows_of(_n, {slot.name}, {t.dim()}, {self.const(t.dtype)})")
+            else:
+                self.emit(f"{name} = _tensor({slot.name}, {t.dim()}, {self.const(t.dtype)})")
             slot.as_b = _Slot("B", name, t)
         return slot.as_b
 
@@ -522,6 +525,16 @@ class _Tracer:
         base, name = method.value
         args = [self.load(a) for a in op.args]
         kwargs = {k: self.load(v) for k, v in op.kwargs}
+        if name not in _METHODS:  # (``_by_method_rule``)
+            if len(op.outputs) != 1:
+                raise _Untraceable
+            value = _by_rule(self.n, _method(self.n, base.value, name), tuple(self.wrapped_value(s) for s in args),
+                             {k: self.wrapped_value(s) for k, s in kwargs.items()})
+            kw_text = ", ".join(f"{k!r}: {self.as_batch(s)}" for k, s in kwargs.items())
+            text = (f"_by_rule(_n, _method(_n, {base.name}, {name!r}), "
+                    f"({''.join(self.as_batch(s) + ', ' for s in args)}), {{{kw_text}}})")
+            slot = self.result(text, value)
+            return self.define(op.outputs[0], self.plain_slot(slot) if self.plain is not None else slot)
         if len(op.outputs) != 1 or any(a.kind != "S" for a in (*args, *kwargs.values())):
             raise _Untraceable
         if name in _SPLITTING:
@@ -629,9 +642,12 @@ class _Tracer:
     def generic_slot(self, op, fn, fn_slot, args, kwargs):
         """``fn`` run by its batch rule (``batch_rules.call``), inside the raw function (a plain piece has no
         batch rule: a call of shared values only, shared where pure, else for one instance)."""
-        if self.plain is not None:  # (no Batch values: only where nothing is batched)
+        if self.plain is not None:
             if any(s.kind != "S" for s in (*args, *kwargs.values())):
-                raise _Untraceable
+                # (an op with no raw form: its batch rule on the batched tensors wrapped, as in a segment)
+                if not rerunnable(fn):
+                    raise _Untraceable
+                return self.plain_slot(self.by_rule(fn, fn_slot, args, kwargs))
             if fn is intrinsics.build_list and not kwargs:  # (a list of shared values: torch ops read it)
                 return self.shared_call(fn, fn_slot, args, kwargs)
             if _pure(fn) and type(fn(*[a.value for a in args], **{k: a.value for k, a in kwargs.items()})) \
@@ -645,11 +661,19 @@ class _Tracer:
             return self.shared_call(fn, fn_slot, args, kwargs)
         if not rerunnable(fn):
             raise _Untraceable
+        return self.by_rule(fn, fn_slot, args, kwargs)
+
+    def by_rule(self, fn, fn_slot, args, kwargs):
+        """``fn`` run by its batch rule (``batch_rules.call``) on the arguments as Batch values."""
         self.guard_callable(fn, fn_slot)
         fn_name = fn_slot.name if fn_slot is not None else self.const(fn)
         arg_text = "".join(self.as_batch(s) + ", " for s in args)
         values = tuple(self.wrapped_value(s) for s in args)
         kw = {k: self.wrapped_value(s) for k, s in kwargs.items()}
+        if self.plain is not None:  # (a plain piece runs depths of one row too)
+            kw_text = ", ".join(f"{k!r}: {self.as_batch(s)}" for k, s in kwargs.items())
+            return self.result(f"_by_rule(_n, {fn_name}, ({arg_text}), {{{kw_text}}})",
+                               _by_rule(self.n, fn, values, kw))
         if fn is operator.getitem and not kwargs and len(args) == 2:
             value = batch_rules.item(self.n, *values)
             text = f"_item(_n, {arg_text})"
@@ -661,6 +685,13 @@ class _Tracer:
             value = batch_rules.call(self.n, fn, values)
             text = f"_call(_n, {fn_name}, ({arg_text}))"
         return self.result(text, value)
+
+    def plain_slot(self, slot):
+        """A batch rule's result in a plain piece: its tensor where it is one (guarded), else the Batch (which
+        a later op may read as a tensor, and which the piece may not return)."""
+        if slot.kind == "O":
+            return self.as_b(slot) or slot
+        return slot
 
     def result(self, text, value):
         """A slot for the batch rule's result ``value`` computed by expression ``text``."""
@@ -828,13 +859,14 @@ def _attr_form(tr, fn, fn_slot, args, kwargs):
     if len(args) != 2 or kwargs or args[1].kind != "S" or not args[1].fixed:
         return None
     name = args[1].value
-    if name not in _METHODS and name not in batch_rules.SHARED_ATTRS and name not in ("shape", "ndim"):
+    if name not in _METHODS and name not in batch_rules.SHARED_ATTRS and name not in ("shape", "ndim") and \
+            not _by_method_rule(name):
         return None
     x = tr.as_b(args[0])
     if x is None:
         return None
     tr.guard_callable(fn, fn_slot)
-    if name in _METHODS:
+    if name in _METHODS or _by_method_rule(name):
         return _Slot("M", "", (x, name))
     out = tr.fresh()
     if name == "shape":
@@ -851,6 +883,14 @@ def _attr_form(tr, fn, fn_slot, args, kwargs):
 # no dim means every dim of the instance), as their batch rules do (``facts.UNARY_METHODS``, ``DIM_METHODS``);
 # chunk, split and unbind give a tuple of batched tensors; not max (values and indices).
 _SPLITTING = ("chunk", "split", "unbind")  # (a tuple of tensors: a T slot of B slots)
+
+
+def _by_method_rule(name):
+    """Whether a tensor method ``name`` with no raw form runs, in a trace, by its batch rule: one that changes
+    nothing and draws nothing (``x.max(0)``, ``x.norm(dim=-1)``)."""
+    return (isinstance(name, str) and name not in _METHODS and not name.startswith("_")
+            and not facts.mutating_method(name) and name not in facts.DRAWING_METHODS
+            and callable(getattr(torch.Tensor, name, None)))
 _METHODS = {**{name: (None, False) for name in (*facts.UNARY_METHODS, "view", "reshape")},
             **{name: facts.DIM_METHODS[name] for name in ("sum", "mean", "softmax", "log_softmax", "unsqueeze",
                                                           "squeeze", "argmax", *_SPLITTING)}}
@@ -1160,6 +1200,8 @@ def _build_form(tr, fn, fn_slot, args, kwargs):
 
 def rerunnable(fn):
     """Whether ``fn`` changes nothing and draws nothing: a trace may run it by its batch rule."""
+    if type(fn) is nn.Sequential:  # (as each of its modules)
+        return _plain_module(fn, nn.Sequential) and all(rerunnable(m) for m in fn)
     if type(fn) in _GENERIC_OK_MODULES:  # (not an RNN with dropout between its layers, training: it draws)
         return _plain_module(fn, type(fn)) and not (isinstance(fn, nn.RNNBase) and fn.dropout and fn.training)
     return facts.among(fn, _GENERIC_OK)
@@ -1200,6 +1242,31 @@ def _tensor(x, rank, dtype):
     if t.dim() != rank or t.dtype != dtype:
         raise Deopt
     return t
+
+
+def _method(n, x, name):
+    """The method ``name`` of the batched tensor ``x``, as the batch rules call it."""
+    return Batch(n, method=(bt.from_tensor(x), name))
+
+
+def _by_rule(n, fn, args, kwargs=None):
+    """``batch_rules.call`` in a trace, where a plain piece's depth may hold one instance: its values are then
+    its own (``bt.from_tensor`` of one row), and the op runs on them as written."""
+    if n == 1:
+        if type(fn) is Batch:  # (``_method``: the instance's own tensor's method)
+            base, name = fn.method
+            fn = getattr(base, name)
+        return fn(*args, **kwargs) if kwargs else fn(*args)
+    return batch_rules.call(n, fn, args, kwargs)
+
+
+def _rows_of(n, x, rank, dtype):
+    """``_tensor`` in a plain piece: of one instance, its own tensor given back its instance dim."""
+    if n == 1 and type(x) is torch.Tensor:
+        if x.dim() != rank - 1 or x.dtype != dtype:
+            raise Deopt
+        return x.unsqueeze(0)
+    return _tensor(x, rank, dtype)
 
 
 def _shared_tensor(x, rank, dtype):
@@ -1245,8 +1312,9 @@ _HELPERS = {"_Batch": Batch, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor"
             "_of_run": lazy_weights.of_run, "_lazy_linear": lazy_weights.linear, "_lookup": lazy_weights.lookup,
             "_cell": lazy_weights.cell,
             "_module": _module,
-            "_wrap": bt.from_tensor, "_struct": _struct, "_rows": batch_rules.index_rows,
-            "_call": batch_rules.call, "_item": batch_rules.item, "_fused": batch_rules.fused,
+            "_wrap": bt.from_tensor, "_struct": _struct, "_method": _method, "_rows": batch_rules.index_rows,
+            "_call": batch_rules.call, "_by_rule": _by_rule, "_rows_of": _rows_of, "_item": batch_rules.item,
+            "_fused": batch_rules.fused,
             "_unpack": control.unpack, "_sharing": sharing.state, "_batched_product": batch_rules.batched_product,
             "_mark_fresh": sharing.mark_fresh, "_same": _same,
             "_PLAIN_TENSORS": _PLAIN_TENSORS, "__builtins__": __builtins__}

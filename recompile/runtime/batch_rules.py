@@ -288,6 +288,8 @@ def computes_alike(fn, kwargs):
         owner = getattr(fn, "__self__", None)
         if not (owner is None or isinstance(owner, (type, types.ModuleType))):
             return False  # (a method of an object: a module's parameters(), a distribution's sample())
+    if kind is nn.Sequential:  # (as alike as each of its modules)
+        return not has_hooks(fn) and all(computes_alike(m, None) for m in fn)
     if isinstance(fn, nn.Module):
         return kind in BATCH.by_module and kind not in facts.DRAWS and not has_hooks(fn) and \
             not getattr(fn, "inplace", False)
@@ -1027,6 +1029,18 @@ def _module_over_last_dims(n, module, args, kwargs):
         # (what Linear.forward runs, without Module.__call__'s dispatch: call() checked for hooks)
         return over_last_dims(n, F.linear, (args[0], module.weight, module.bias), kwargs)
     return over_last_dims(n, module, args, kwargs)
+
+
+@BATCH.register(nn.Sequential)
+def in_sequence(n, seq, args, kwargs):
+    """An ``nn.Sequential`` (with its own forward and no hooks): each of its modules by its rule, on what the
+    one before gave, as its forward runs them."""
+    if kwargs or len(args) != 1 or type(seq) is not nn.Sequential or "forward" in seq.__dict__:
+        return NotImplemented
+    x = args[0]
+    for module in seq:
+        x = call(n, module, (x,))
+    return x
 
 
 @BATCH.register(nn.RNNCell, nn.LSTMCell, nn.GRUCell)
