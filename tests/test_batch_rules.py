@@ -138,7 +138,8 @@ def tup(*parts):
 
 LSTM_CELL, GRU_CELL, RNN_CELL = (cell(3, 5).double() for cell in (nn.LSTMCell, nn.GRUCell, nn.RNNCell))
 torch.manual_seed(0)
-SEQUENTIAL = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.LayerNorm(4), nn.Sequential(nn.Linear(4, 2), nn.ReLU())).double()
+SEQUENTIAL = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.LayerNorm(4),
+                           nn.Sequential(nn.Linear(4, 2), nn.ReLU())).double()
 
 
 OPS = {
