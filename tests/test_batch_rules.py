@@ -939,3 +939,16 @@ def test_a_sequential_is_as_rerunnable_and_alike_as_its_modules():
     x = rand(N, 3, seed=4)
     got = br.call(N, hooked, (Batch(N, tensor=x),))
     assert torch.allclose(bt.tensor_of(got), hooked(x))
+
+
+def test_a_parameter_indexed_by_batched_indices_is_one_gather():
+    """``self.embed.weight[word]`` (an nn.Parameter, not a plain tensor by type) with one index per instance:
+    one gather of rows, its gradient the rows', not one index per instance."""
+    weight = nn.Parameter(rand(6, 3, seed=1))
+    index = torch.tensor([4, 0, 4, 2])
+    reset_counters()
+    out = br.call(N, operator.getitem, (weight, Batch(N, tensor=index)))
+    assert br.counters.per_instance == {}
+    assert torch.equal(bt.tensor_of(out), weight[index])
+    bt.tensor_of(out).sum().backward()
+    assert torch.equal(weight.grad, torch.zeros(6, 3, dtype=F64).index_add_(0, index, torch.ones(N, 3, dtype=F64)))

@@ -188,6 +188,90 @@ def test_a_tree_of_recurrent_cells_runs_as_a_plain_level_program(cell):
     assert cls.encode.callee(cls).batched_unit.levels.plain.runs >= 2
 
 
+class PoolTree(torch.nn.Module):
+    """A Tree-RNN's parameters, for cells written with ops the level pieces have no raw form of."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(len(WORDS) + 1, 5)
+        self.leaf = torch.nn.Linear(5, 4)
+        self.compose = torch.nn.Linear(8, 4)
+        self.mix = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        self.norm = torch.nn.LayerNorm(4)
+        self.out = torch.nn.Linear(4, 5)
+
+    def node_loss(self, h, label):
+        return torch.nn.functional.cross_entropy(self.out(h), label)
+
+
+def pooled_children(self, tree, i):
+    """The children stacked and pooled by ``sum(0)`` and ``max(0).values``."""
+    if tree.is_leaf[i]:
+        h = torch.tanh(self.leaf(self.embed(tree.words[i])))
+        loss = 0.0
+    else:
+        hl, loss_l = self.encode(tree, tree.left[i])
+        hr, loss_r = self.encode(tree, tree.right[i])
+        kids = torch.stack([hl, hr])
+        h = torch.tanh(self.compose(torch.cat([kids.sum(0), kids.max(0).values], -1)))
+        loss = loss_l + loss_r
+    return h, loss + self.node_loss(h, tree.labels[i])
+
+
+def attended_children(self, tree, i):
+    """The children weighted by ``torch.softmax`` over them of their norms."""
+    if tree.is_leaf[i]:
+        h = torch.tanh(self.leaf(self.embed(tree.words[i])))
+        loss = 0.0
+    else:
+        hl, loss_l = self.encode(tree, tree.left[i])
+        hr, loss_r = self.encode(tree, tree.right[i])
+        a = torch.softmax(torch.stack([hl.norm(dim=-1), hr.norm(dim=-1)]), dim=0)
+        h = torch.tanh(self.compose(torch.cat([a[0] * hl + a[1] * hr, hl - hr], dim=-1)))
+        loss = loss_l + loss_r
+    return h, loss + self.node_loss(h, tree.labels[i])
+
+
+def sequential_normed(self, tree, i):
+    """An ``nn.Sequential`` and an ``nn.LayerNorm`` after the composition; the word's row read off the
+    embedding's weight (a Parameter indexed by each leaf's word)."""
+    if tree.is_leaf[i]:
+        h = self.norm(torch.tanh(self.leaf(self.embed.weight[tree.words[i]])))
+        loss = 0.0
+    else:
+        hl, loss_l = self.encode(tree, tree.left[i])
+        hr, loss_r = self.encode(tree, tree.right[i])
+        h = self.norm(self.mix(self.compose(torch.cat([hl, hr], dim=-1))))
+        loss = loss_l + loss_r
+    return h, loss + self.node_loss(h, tree.labels[i])
+
+
+@pytest.mark.parametrize("encode", [pooled_children, attended_children, sequential_normed],
+                         ids=lambda f: f.__name__)
+def test_cells_of_ops_without_a_raw_form_run_as_a_plain_level_program(encode):
+    torch.manual_seed(0)
+    cls = type(f"Tree_{encode.__name__}", (PoolTree,), {"encode": recompile.function(encode),
+                                                        "node_loss": recompile.function(PoolTree.node_loss)})
+    model = cls().double()
+    plain = type("Eager", (PoolTree,), {"encode": encode})().double()
+    plain.load_state_dict(model.state_dict())
+    forest = Forest.from_trees(trees())
+    for _ in range(2):
+        model.zero_grad()
+        h, loss = recompile.vmap(model.encode, in_dims=(None, 0))(forest, forest.roots)
+        (h.pow(2).sum() + loss.sum()).backward()
+        want = [plain.encode(t, t.root) for t in trees()]
+        plain.zero_grad()
+        sum(w[0].pow(2).sum() + w[1] for w in want).backward()
+        for got, k in zip((h, loss), range(2)):
+            torch.testing.assert_close(got, torch.stack([w[k] for w in want]).detach())
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert cls.encode.stats.get("per_instance", {}) == {}
+    levels = cls.encode.callee(cls).batched_unit.levels
+    assert levels.plain.runs >= 2 and not levels.plain.refused, (levels.plain.runs, levels.plain.refused)
+
+
 # -- idioms beyond the benchmark's models: each op of a vector per instance batches (no op once per instance),
 # with each instance's values and dtypes
 

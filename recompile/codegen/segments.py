@@ -310,9 +310,12 @@ class _Tracer:
             return None
         if slot.as_b is None:
             value = slot.value
-            if bt.is_lazy(value):  # (reading it would run a deferred call early: the rule keeps it lazy)
+            if type(value) is not Batch:  # (one instance's own, in a plain piece: ``result``)
+                t = value.unsqueeze(0) if type(value) is torch.Tensor else None
+            elif bt.is_lazy(value):  # (reading it would run a deferred call early: the rule keeps it lazy)
                 return None
-            t = bt.tensor_of(value)
+            else:
+                t = bt.tensor_of(value)
             if t is None:
                 return None
             name = self.fresh()
@@ -697,8 +700,8 @@ class _Tracer:
         """A slot for the batch rule's result ``value`` computed by expression ``text``."""
         name = self.fresh()
         self.emit(f"{name} = {text}")
-        if type(value) is Batch:
-            return _Slot("O", name, value)
+        if type(value) is Batch or (self.plain is not None and self.n == 1 and not facts.immutable(value)):
+            return _Slot("O", name, value)  # (a plain piece's depth of one instance: that instance's own value)
         if type(value) is torch.Tensor or not isinstance(value, (*facts.NUMBERS, str, type(None), torch.dtype)):
             # a plain result that is not an immutable value: whether it is shared or per instance is the
             # rule's decision on each call, which the raw function would not see
@@ -838,14 +841,14 @@ def _getitem_form(tr, fn, fn_slot, args, kwargs):
         name = tr.fresh()
         tr.emit(f"{name} = {b.name}[{tr.const(index)}]")
         return _Slot("B", name, b.value[index])
-    if x.kind != "S" or type(x.value) is not torch.Tensor:
+    if x.kind != "S" or type(x.value) not in _PLAIN_TENSORS:
         return None
     i = tr.as_b(i)
     if i is None or i.value.dtype not in facts.INTEGER_INDEX or i.value.dim() != 1:
         return None
     tr.guard_callable(fn, fn_slot)
     tr.guard_shared(x)
-    tr.emit(f"if type({x.name}) is not _Tensor: raise _Deopt")
+    tr.emit(f"if type({x.name}) not in _PLAIN_TENSORS: raise _Deopt")
     name = tr.fresh()
     value = batch_rules.index_rows(x.value, i.value)
     tr.emit(f"{name} = _rows({x.name}, {i.name})")
