@@ -29,3 +29,34 @@ def test_a_per_instance_slice_is_told_apart_from_python_code():
     assert all("compile it with @recompile.function" not in str(w.message) for w in seen if "slice" in str(w.message))
     # (the results differ in shape: vmap says which)
     assert "Tensor(1,) float32, Tensor(2,) float32, Tensor(3,) float32" in str(info.value)
+
+
+def masked_tree(xs, left, right, i):
+    """A level program whose node piece runs ``h[h > 0]`` (a mask's rows: a shape per instance) by its rule,
+    which runs it once per instance."""
+    if left[i] < 0:
+        return torch.tanh(xs[i])
+    h = torch.tanh(masked_tree(xs, left, right, left[i]) + masked_tree(xs, left, right, right[i]))
+    return h * h[h > 0].sum()  # (the masked line)
+
+
+def test_a_fallback_inside_a_traced_piece_names_the_users_line(monkeypatch):
+    """The warning of an op run once per instance from a traced piece (generated code, whose frames are
+    recompile's own) names the line of the op, not the line that called the compiled function."""
+    import inspect
+
+    from recompile import diagnostics
+
+    monkeypatch.setattr(diagnostics, "_warned", set())
+    f = recompile.function(masked_tree)
+    namespace = dict(masked_tree.__globals__, masked_tree=f)
+    f = recompile.function(type(masked_tree)(masked_tree.__code__, namespace, "masked_tree"))
+    namespace["masked_tree"] = f
+    left, right = torch.tensor([1, 3, -1, -1, -1]), torch.tensor([2, 4, -1, -1, -1])
+    xs = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(recompile.PerInstanceWarning, match="getitem runs once per instance") as seen:
+        for _ in range(2):
+            recompile.vmap(f, in_dims=(None, None, None, 0))(xs, left, right, torch.tensor([0, 1, 0]))
+    lines, start = inspect.getsourcelines(masked_tree)
+    masked = start + next(k for k, line in enumerate(lines) if "(the masked line)" in line)
+    assert {(w.filename, w.lineno) for w in seen if "getitem" in str(w.message)} == {(__file__, masked)}

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import config, intrinsics, ir
+from ..diagnostics import tracing_at
 from ..ops import facts, syntax
 from ..ops.table import RuleTable, has_hooks, tensor_method
 from ..runtime import batch as bt
@@ -152,6 +153,7 @@ class Segment:
             if annotated_by(exc) is not None:
                 raise
             return None
+        namespace["_LINES"] = tracer.user_lines(source)
         code = compile(source, f"<recompile segment {self.name}>", "exec")
         exec(code, namespace)
         self.sources.append(source)
@@ -235,6 +237,7 @@ class Plain:
             if annotated_by(exc) is not None:
                 raise
             raise Deopt(self.name) from exc
+        namespace["_LINES"] = tracer.user_lines(source)
         exec(compile(source, f"<recompile plain piece {self.name}>", "exec"), namespace)
         self.sources.append(source)
         shared = [i for i, k in enumerate(kinds) if k == "S"]
@@ -274,6 +277,8 @@ class _Tracer:
         self.plain = plain  # (a Plain piece's trace) the kinds of its inputs
         self.out_kinds = None
         self.lines = []
+        self.loc = None  # (the op being traced: the user's line of the lines it emits)
+        self.line_locs = {}  # a line's text -> the user's Location of the op that emitted it
         self.namespace = dict(_HELPERS)
         self.env = {}
         self.count = 0
@@ -292,6 +297,18 @@ class _Tracer:
 
     def emit(self, line):
         self.lines.append(line)
+        if self.loc is not None:
+            self.line_locs.setdefault(line, self.loc)
+
+    def user_lines(self, source):
+        """{line of ``source``: (file, line) of the user's op it runs}: what a warning raised from the traced
+        code names (``diagnostics.user_line``), where the frame's own line is the generated source's."""
+        out = {}
+        for k, line in enumerate(source.splitlines(), 1):
+            loc = self.line_locs.get(line.strip())
+            if loc is not None:
+                out[k] = (loc.filename, loc.lineno)
+        return out
 
     def load(self, operand):
         """The slot of an operand: a Value's, or a constant's (shared)."""
@@ -432,6 +449,13 @@ class _Tracer:
         self.env[value] = slot
 
     def op(self, op):
+        self.loc = op.loc
+        if op.loc is None or isinstance(op, ir.Cond):  # (a branch's ops say their own lines)
+            return self.op_here(op)
+        with tracing_at(op.loc.filename, op.loc.lineno):
+            return self.op_here(op)
+
+    def op_here(self, op):
         if isinstance(op, ir.Capture):
             return self.capture(op)
         if isinstance(op, ir.Fused):
