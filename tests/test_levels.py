@@ -987,3 +987,36 @@ def test_ops_without_a_raw_form_run_by_their_rules_in_a_plain_run():
         torch.testing.assert_close(got[2], want[2])
     assert prog.plain.runs == 2 and prog.plain.failures == 0 and not prog.plain.refused, prog.plain
     assert not compiled.stats.get("per_instance")
+
+
+def dropped_walk(xs, i):
+    """A linear recursion handing back its state and the state dropped out (the state goes on undropped)."""
+    if i + 1 >= xs.shape[0]:
+        h = torch.tanh(xs[i])
+    else:
+        below, _ = dropped_walk(xs, i + 1)
+        h = torch.tanh(xs[i] + 0.5 * below)
+    return h, torch.nn.functional.dropout(h, 0.5, True)
+
+
+def test_dropout_of_a_batched_value_runs_in_the_plain_run_with_a_mask_per_instance():
+    """Dropout draws one number per element: in a plain run it draws every instance's at once, each instance
+    its own mask (instances of equal inputs drop differently), and the gradient goes through that mask."""
+    torch.manual_seed(0)
+    compiled = recursion(dropped_walk)
+    prog = program(compiled)
+    xs = torch.randn(4, 64, dtype=torch.float64, requires_grad=True)
+    starts = torch.tensor([0, 0, 0, 1])
+    for _ in range(2):
+        xs.grad = None
+        h, dropped = recompile.vmap(compiled, in_dims=(None, 0))(xs, starts)
+        weights = torch.arange(4, dtype=torch.float64)[:, None]
+        (dropped * weights).sum().backward()
+        mask = (dropped != 0).double()
+        torch.testing.assert_close(dropped, h.detach() * 2 * mask)
+        assert not torch.equal(mask[0], mask[1]) and not torch.equal(mask[1], mask[2])
+        eager = recursion(dropped_walk, compiled=False)
+        want_h = torch.stack([eager(xs, int(s))[0] for s in starts])
+        (want,) = torch.autograd.grad((want_h * 2 * mask * weights).sum(), xs)
+        torch.testing.assert_close(xs.grad, want)
+    assert prog.plain.runs == 2 and not prog.plain.refused, prog.plain

@@ -672,7 +672,7 @@ class _Tracer:
         if self.plain is not None:
             if any(s.kind != "S" for s in (*args, *kwargs.values())):
                 # (an op with no raw form: its batch rule on the batched tensors wrapped, as in a segment)
-                if not rerunnable(fn):
+                if not (rerunnable(fn) or draws_per_element(fn, args)):
                     raise _Untraceable
                 return self.plain_slot(self.by_rule(fn, fn_slot, args, kwargs))
             if fn is intrinsics.build_list and not kwargs:  # (a list of shared values: torch ops read it)
@@ -686,7 +686,7 @@ class _Tracer:
                 raise _Untraceable
             self.emit("if _n != 1: raise _Deopt")  # (for one instance: its own call)
             return self.shared_call(fn, fn_slot, args, kwargs)
-        if not rerunnable(fn):
+        if not (rerunnable(fn) or draws_per_element(fn, args)):
             raise _Untraceable
         return self.by_rule(fn, fn_slot, args, kwargs)
 
@@ -962,7 +962,8 @@ def _tensors(tr, args):
 
 @TRACE.register(*facts.ELEMENTWISE)
 def _elementwise_form(tr, fn, fn_slot, args, kwargs):
-    if fn in facts.DRAWS or fn in facts.IN_PLACE or (fn is torch.where and len(args) == 1):
+    if (fn in facts.DRAWS and not draws_per_element(fn, args)) or fn in facts.IN_PLACE or (
+            fn is torch.where and len(args) == 1):
         return None
     found = _tensors(tr, args)
     if found is None:
@@ -1232,6 +1233,25 @@ def rerunnable(fn):
     if type(fn) in _GENERIC_OK_MODULES:  # (not an RNN with dropout between its layers, training: it draws)
         return _plain_module(fn, type(fn)) and not (isinstance(fn, nn.RNNBase) and fn.dropout and fn.training)
     return facts.among(fn, _GENERIC_OK)
+
+
+# Draws of one number per element of their input: dropout.
+_ELEMENT_DRAWS = frozenset({F.dropout, F.alpha_dropout})
+_ELEMENT_DRAW_MODULES = (nn.Dropout, nn.AlphaDropout)
+
+
+def draws_per_element(fn, args):
+    """Whether ``fn`` on ``args`` (slots) draws one number per element of a batched input (dropout, no hooks,
+    not in place): a batch's tensor draws every instance's at once, each its own, as each instance would. A
+    trace may run it: a run given up and run again draws anew what no instance saw."""
+    if not args or args[0].kind not in ("B", "O"):
+        return False
+    if type(fn) in _ELEMENT_DRAW_MODULES:
+        return _plain_module(fn, type(fn)) and not fn.inplace
+    try:
+        return fn in _ELEMENT_DRAWS
+    except TypeError:  # (an unhashable callable)
+        return False
 
 
 def _pure(fn):
