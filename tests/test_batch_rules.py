@@ -271,6 +271,11 @@ OPS["len"] = lambda w: (len, (w(rand(N, 2, 3, seed=1)),), {})
 # x[i] with an integer tensor i of one element per instance: one index of x's rows (a loop's steps run ahead)
 OPS["batched_tensor_batched_index"] = lambda w: (operator.getitem, (w(rand(N, 3, seed=1)), w(randint(3, N, seed=2))),
                                                  {})
+# a shared tensor's rows by each instance's vector of indices; a shared tensor's method given batched arguments
+OPS["shared_tensor_index_vectors"] = lambda w: (operator.getitem, (rand(6, 3, seed=1), w(randint(6, N, 4, seed=2))),
+                                                {})
+OPS["shared_tensor_method"] = lambda w: (torch.zeros(5, dtype=F64).scatter_add,
+                                         (0, w(randint(5, N, 3, seed=1)), w(rand(N, 3, seed=2))), {})
 OPS["cross_entropy_default_reduction"] = lambda w: (
     F.cross_entropy, (w(rand(N, 3, 5, seed=1)), w(randint(5, N, 3, seed=2))), {})
 

@@ -317,7 +317,8 @@ def _shared_structs(values):
 
 
 def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
-    torch_op = method is not None or torch_callable(fn)
+    bound = tensor_method(fn) if method is None else None  # (``base.scatter_add``: a shared tensor's method)
+    torch_op = method is not None or bound is not None or torch_callable(fn)
     if torch_op:  # (a torch op neither keeps nor changes a list it is given: one may do)
         plain = _shared_structs(args)
         plain_kwargs = _shared_structs(kwargs.values()) if kwargs else None
@@ -328,7 +329,7 @@ def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
             if method is not None:
                 return call(n, Batch(n, method=(args[0], method)), args[1:], kwargs)
             return call(n, fn, args, kwargs)
-    if torch_op and not (method or "").endswith("_"):
+    if torch_op and not (method or bound or "").endswith("_"):
         out = _vmapped(n, fn, args, kwargs or {}, method)
         if out is not NotImplemented:
             return out
@@ -658,8 +659,10 @@ def gather(n, fn, args, kwargs):
             if not all(type(k) is int for k in items):
                 return NotImplemented
             i = torch.tensor(items, device=x.device)
-        elif i.dtype not in facts.INTEGER_INDEX or i.dim() != 1:
-            return NotImplemented  # a mask or an index per instance that is itself a tensor of indices
+        elif i.dtype not in facts.INTEGER_INDEX or i.dim() < 1:
+            return NotImplemented  # a mask per instance
+        if i.dim() > 1:  # (each instance's tensor of indices: ``x[i]`` of all of them is each instance's rows)
+            return bt.from_tensor(x[i])
         return bt.from_tensor(index_rows(x, i))
     if type(x) is Batch and type(index) is not Batch:
         if x.items is not None and type(index) is int:
