@@ -957,3 +957,62 @@ def test_a_parameter_indexed_by_batched_indices_is_one_gather():
     assert torch.equal(bt.tensor_of(out), weight[index])
     bt.tensor_of(out).sum().backward()
     assert torch.equal(weight.grad, torch.zeros(6, 3, dtype=F64).index_add_(0, index, torch.ones(N, 3, dtype=F64)))
+
+
+def _changed_in_place(change, *extra):
+    """(the batched run's result and gradients, per instance's): ``change(y, *extra)`` changes ``y = x * 1``
+    in place, under one batch rule call of the program's op, then ``y * y`` is summed."""
+    x = rand(N, 2, 3, seed=1).requires_grad_()
+    out = []
+    for batched in (True, False):
+        if batched:
+            y = x * 1.0
+            br.counters.per_instance.clear()
+            change(Batch(N, tensor=y), *[Batch(N, tensor=e) if isinstance(e, torch.Tensor) and e.shape[0] == N
+                                         else e for e in extra])
+            assert br.counters.per_instance == {}, dict(br.counters.per_instance)
+        else:  # (each instance its own tensor, as eager code has it)
+            ys = [x[k] * 1.0 for k in range(N)]
+            for k, y in enumerate(ys):
+                change(y, *[e[k] if isinstance(e, torch.Tensor) and e.shape[0] == N else e for e in extra])
+            y = torch.stack(ys)
+        (grad,) = torch.autograd.grad((y * y).sum(), x)
+        out.append((y.detach(), grad))
+    return out
+
+
+# (index, value) of ``y[index] = value``: "value" and "mask" stand for a batched value and a batched mask
+SETITEMS = {"int": (0, 2.0), "slices": ((slice(None), slice(1, None)), -1.0), "ellipsis": ((Ellipsis, 0), 0.5),
+            "shared_value": (1, rand(3, seed=3)), "batched_value": (1, "value"),
+            "lower_rank_value": (slice(None), "value"), "mask": ("mask", 0.0)}
+
+
+@pytest.mark.parametrize("case", list(SETITEMS))
+def test_setitem_of_each_instances_own_tensor_is_one_write(case):
+    extra = {"value": rand(N, 3, seed=2), "mask": rand(N, 2, 3, seed=4) > 0}
+    index, value = (extra.get(a, a) if isinstance(a, str) else a for a in SETITEMS[case])
+    (got, got_grad), (want, want_grad) = _changed_in_place(
+        lambda y, i, v: br.call(N, operator.setitem, (y, i, v)) if type(y) is Batch else operator.setitem(y, i, v),
+        index, value)
+    assert torch.equal(got, want) and torch.allclose(got_grad, want_grad)
+
+
+@pytest.mark.parametrize("name, args", [("clamp_", (-0.5, 0.5)), ("zero_", ()), ("relu_", ()),
+                                        ("masked_fill_", ("mask", 1.0)), ("add_", ("value",)), ("mul_", (2.0,))])
+def test_an_in_place_method_of_each_instances_own_tensor_is_one_call(name, args):
+    extra = {"mask": rand(N, 2, 3, seed=4) > 0, "value": rand(N, 3, seed=2)}
+    batched = [extra.get(a, a) if isinstance(a, str) else a for a in args]
+    (got, got_grad), (want, want_grad) = _changed_in_place(
+        lambda y, *e: br.call(N, Batch(N, method=(y, name)), tuple(e)) if type(y) is Batch else getattr(y, name)(*e),
+        *batched)
+    assert torch.equal(got, want) and torch.allclose(got_grad, want_grad)
+
+
+def test_an_in_place_change_of_rows_that_are_one_shared_value_runs_per_instance():
+    """A batch whose rows are one value expanded (no row its own memory) is changed one instance at a time."""
+    shared = rand(3, seed=1)
+    y = Batch(N, tensor=shared.unsqueeze(0).expand(N, 3))
+    reset_counters()
+    br.call(N, operator.setitem, (y, 0, 5.0))
+    assert br.counters.per_instance
+    reset_counters()

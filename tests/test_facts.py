@@ -190,7 +190,9 @@ GROWN = {
                                     # list() / tuple() of a built tuple or list, or of a batched tensor's rows
                                     (list, batch_rules.container), (tuple, batch_rules.container),
                                     # a dict with shared keys, held as its values
-                                    (intrinsics.build_dict, batch_rules.dict_display)]),
+                                    (intrinsics.build_dict, batch_rules.dict_display),
+                                    # ``y[index] = v`` of each instance's own tensor: one write of the batch's rows
+                                    (operator.setitem, batch_rules.set_item)]),
                           {"_operator.matmul -> recompile:via_vmap",
                            "torch._VariableFunctionsClass.max -> recompile:_dim_rule.<locals>.rule",
                            "torch._VariableFunctionsClass.min -> recompile:_dim_rule.<locals>.rule"}),
@@ -198,7 +200,10 @@ GROWN = {
                                   "'nelement' -> recompile:numel",
                                   "'max' -> recompile:_extreme_method.<locals>.rule",
                                   "'min' -> recompile:_extreme_method.<locals>.rule",
-                                  "'median' -> recompile:_extreme_method.<locals>.rule"},
+                                  "'median' -> recompile:_extreme_method.<locals>.rule",
+                                  # in-place elementwise methods of each instance's own tensor: one on the batch's
+                                  *(f"'{m}' -> recompile:_in_place_method.<locals>.rule"
+                                    for m in batch_rules._ELEMENTWISE_IN_PLACE)},
                                  {"'max' -> recompile:method_dim.<locals>.rule"}),
     # (an nn.Sequential: each of its modules by its rule)
     "batch_rules.MODULE_RULES": (_entries([*((m, batch_rules.recurrent_cell) for m in _CELLS),

@@ -250,3 +250,14 @@ def test_a_call_changing_only_its_own_objects_keeps_the_derived_program():
     assert f.stats["backwards"] > before
     for a, b in zip(got, grads_of(own_list(xs).sum(), xs)):
         torch.testing.assert_close(a, b)
+
+
+def swapped_lists(a, b, d):
+    if d > 0:
+        swapped_lists(b, a, d - 1)  # (fills its own parameters in turn: the reading grows while it reads)
+    b.append(a)
+    return d
+
+
+def test_a_recursion_that_fills_its_parameters_in_turn_is_read_to_the_end():
+    assert line_of(swapped_lists) == first_line_with(swapped_lists, "b.append")

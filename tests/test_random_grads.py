@@ -973,12 +973,7 @@ class ProgramGenerator:
 # Known bugs the generator meets: {name: (the generator's feature, modes not compared, what goes wrong)}.
 # A program with the feature is not compared in those modes (RECOMPILE_RANDOM_KNOWN=1: it is); each bug has
 # a minimized program among the xfail tests below, which will pass once it is fixed.
-KNOWN_BUGS = {
-    "in_place_unary_under_vmap": (
-        "inplace_unary", ("batched", "vmap"),
-        "v.tanh_() (sigmoid_, relu_) run once per instance on a batched value: the backward raises that "
-        "the op's saved result was changed in place"),
-}
+KNOWN_BUGS = {}
 
 # Known bugs that only values every instance of a vmap shares meet: a program with the feature is compared
 # under vmap with every argument batched (in_dims 0), none shared.
@@ -1335,10 +1330,9 @@ def kb_tanh_in_place(y):
     return v
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "known: KNOWN_BUGS['in_place_unary_under_vmap']: v.tanh_() runs once per instance on rows of one batched "
-    "tensor, whose version counter they share: the backward finds tanh's saved result changed"))
-def test_known_in_place_tanh_of_a_batched_value_under_vmap_backpropagates_like_eager():
+def test_in_place_tanh_of_a_batched_value_under_vmap_backpropagates_like_eager():
+    """(Was a known bug: v.tanh_() ran once per instance on rows of one batched tensor, whose version counter
+    they share, and the backward found tanh's saved result changed; it is now one tanh_ of the batch.)"""
     y = _leaf([[0.5, -1.0], [1.0, 2.0]])
     want = _grads(lambda y: torch.stack([kb_tanh_in_place(r) for r in y]), y)
     got = _grads(recompile.vmap(recompile.function(kb_tanh_in_place)), y)

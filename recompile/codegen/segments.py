@@ -56,7 +56,8 @@ _OPERATORS = {f for f in facts.PURE if getattr(f, "__module__", None) in ("_oper
 _GENERIC_OK = (_OPERATORS | facts.LAZY
                | {getattr, intrinsics.build_tuple, intrinsics.build_list, intrinsics.unpack, intrinsics.check_bound,
                   intrinsics.read_global, intrinsics.read_cell}
-               | set(batch_rules.BATCH.by_callable) - set(facts.IN_PLACE) - facts.DRAWS - _ITERATION)
+               | set(batch_rules.BATCH.by_callable) - set(facts.IN_PLACE) - facts.DRAWS - _ITERATION
+               - {operator.setitem})  # (``y[i] = v`` changes y: a trace run again would write twice)
 _GENERIC_OK_MODULES = tuple(set(batch_rules.BATCH.by_module) - facts.DRAWS)
 # (reading a Plain piece's traced lines: the names they define and read, and the instance count)
 _DEFINES = re.compile(r"^([\w, ]+?) = ")

@@ -91,7 +91,7 @@ class _Reading:
             found.add(id(v))
             self.grew = True
             if found is self.holds:  # (a branch's or loop's value filled: so is the outer one it stands for)
-                for o in self.outer.get(id(v), ()):
+                for o in list(self.outer.get(id(v), ())):
                     self.mark(self.holds, o)
                 if id(v) in self.params:
                     self.summary.fills.add(self.params[id(v)])
@@ -151,7 +151,7 @@ class _Reading:
             self.mark(self.held, op.output)
         if callee.returns_holds:
             self.mark(self.holds, op.output)
-        for j in callee.fills:
+        for j in list(callee.fills):  # (a copy: marking may fill this very function's, in a recursion)
             if j < len(op.args):
                 self.mark(self.holds, op.args[j])
 

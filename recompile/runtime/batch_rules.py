@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import config, intrinsics
+from ..dynamo import opaque
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
@@ -551,6 +552,77 @@ def container(n, fn, args, kwargs):
     return NotImplemented
 
 
+def _own_rows(target):
+    """The tensor of a batch whose rows are its instances' own tensors (no row the view of another's), which an
+    in-place change may write whole; else None (items, or a shared value expanded into rows)."""
+    if type(target) is not Batch or target.owner != "tensor":
+        return None
+    t = target.tensor
+    return t if all(stride or size <= 1 for stride, size in zip(t.stride(), t.shape)) else None
+
+
+def _aligned(value, rank):
+    """A batched ``value``'s tensor with dims inserted after the instance dim up to instance rank ``rank`` (an
+    instance's lower-rank value broadcasts from the right), a shared one as it is; None where it has none."""
+    if type(value) is not Batch:
+        return value
+    v = bt.tensor_of(value)
+    if v is None or v.dim() - 1 > rank:
+        return None
+    return v.reshape(v.shape[:1] + (1,) * (rank - v.dim() + 1) + v.shape[1:])
+
+
+@BATCH.register(operator.setitem)
+def set_item(n, fn, args, kwargs):
+    """``y[index] = v`` of each instance's own tensor ``y``: one write of the batch's rows, by an index every
+    instance shares (ints, slices, None, ``...``) or by each instance's mask of its whole shape (``y[m] = 0.0``)."""
+    if kwargs or len(args) != 3:
+        return NotImplemented
+    target, index, value = args
+    t = _own_rows(target)
+    if t is None:
+        return NotImplemented
+    if type(index) is Batch:
+        where = bt.tensor_of(index)
+        if where is None or where.dtype is not torch.bool or where.shape != t.shape or type(value) is Batch:
+            return NotImplemented
+    elif plain_index(index):
+        where = (slice(None),) + (index if type(index) is tuple else (index,))
+    else:
+        return NotImplemented
+    if type(value) is Batch:
+        value = _aligned(value, t[where].dim() - 1)
+        if value is None:
+            return NotImplemented
+    t[where] = value
+    return None
+
+
+def _in_place_method(name):
+    """``y.clamp_(...)``, ``y.masked_fill_(m, v)``, ``y.zero_()`` ... of each instance's own tensor: the method
+    on the batch's tensor, its batched arguments lined up as elementwise ops line them up."""
+
+    def rule(n, base, args, kwargs):
+        t = _own_rows(base)
+        if t is None or any(type(v) is Batch for v in kwargs.values()):
+            return NotImplemented
+        values = [_aligned(a, t.dim() - 1) for a in args]
+        if any(v is None for v in values):
+            return NotImplemented
+        getattr(t, name)(*values, **kwargs)
+        return base
+
+    return rule
+
+
+# In-place tensor methods acting on each element alone (their arguments broadcast within an instance)
+_ELEMENTWISE_IN_PLACE = ("add_", "sub_", "mul_", "div_", "clamp_", "clamp_min_", "clamp_max_", "masked_fill_", "fill_",
+                         "zero_", "copy_", "relu_", "sigmoid_", "tanh_", "exp_", "log_", "neg_", "abs_", "sqrt_",
+                         "pow_", "addcmul_", "addcdiv_", "lerp_")
+for _changing in _ELEMENTWISE_IN_PLACE:
+    BATCH.register(_changing)(_in_place_method(_changing))
+
+
 @BATCH.register(*facts.IN_PLACE)
 def elementwise_inplace(n, fn, args, kwargs):
     target = args[0]
@@ -677,9 +749,13 @@ def gather(n, fn, args, kwargs):
                 return NotImplemented
         if x.struct is not None and x.owner is None and type(index) is int:
             return x.struct[1][index]
+        if x.struct is not None and x.owner is None and type(index) is slice and x.struct[0] in (tuple, list):
+            return bt.from_struct(x.struct[0], x.struct[1][index], n)  # (``pieces[::-1]``)
         t = x.tensor if x.owner == "tensor" else bt.tensor_of(x) if x.items is None else None
         if t is not None and t.dim() >= 2 and _one_advanced(index):  # (``x[[0, 2]]``, ``x[idx]``: every instance's)
             return bt.from_tensor(t[:, index])
+        if t is not None and type(index) is torch.Tensor and index.dtype is torch.bool and 1 <= index.dim() < t.dim():
+            return bt.from_tensor(t[:, index])  # (a mask every instance shares, of its leading dims)
         if t is None or not plain_index(index):
             return NotImplemented
         return bt.from_tensor(t[(slice(None),) + (index if type(index) is tuple else (index,))])
@@ -691,9 +767,13 @@ def gather(n, fn, args, kwargs):
 def _gather_each(n, x, index):
     """``x[i]`` where both differ per instance and each i is a Python int (the steps of a loop run ahead,
     ``codegen.recurrent``): one advanced index of x's rows, or each range's item."""
-    if index.owner == "tensor" and x.owner == "tensor" and index.tensor.dim() == 1 \
-            and index.tensor.dtype in facts.INTEGER_INDEX and x.tensor.dim() >= 2:  # (integer tensors of one element)
-        return bt.from_tensor(x.tensor[torch.arange(n, device=x.tensor.device), index.tensor.to(x.tensor.device)])
+    if index.owner == "tensor" and x.owner == "tensor" and index.tensor.dim() >= 1 \
+            and index.tensor.dtype in facts.INTEGER_INDEX and x.tensor.dim() >= 2:
+        # (each instance's integer tensor, ``x[k]`` of ``v, k = x.sort()`` too: its instance's row number
+        # broadcast against it)
+        i = index.tensor.to(x.tensor.device)
+        rows = torch.arange(n, device=i.device).view(n, *([1] * (i.dim() - 1)))
+        return bt.from_tensor(x.tensor[rows, i])
     if index.owner != "items" or not all(type(i) is int for i in index.items):
         return NotImplemented
     if type(x) is not Batch:  # (a range or tuple every instance shares)
@@ -1227,14 +1307,30 @@ def _whole_of(t, kind):
         dims = tuple(range(1, t.dim()))
         return t.amax(dim=dims) if kind == "max" else t.amin(dim=dims)
     flat = t.reshape(t.shape[0], -1)
-    m = flat.median(dim=1).values
     if not (flat.is_floating_point() or flat.is_complex()):
-        return m  # (no gradient to share: an integer median stays an integer)
-    m = m.detach().unsqueeze(1)
-    tied = (flat == m) | (flat.isnan() & m.isnan())  # (a NaN median is the NaN element's, as torch's)
-    # m itself, plus zeros whose gradient is 1 / (ties) at each tied element, as torch's median() shares it
-    return (m + torch.where(tied, flat - m, torch.zeros((), dtype=flat.dtype, device=flat.device)).sum(
-        1, keepdim=True) / tied.sum(1, keepdim=True)).squeeze(1)
+        return flat.median(dim=1).values  # (no gradient to share: an integer median stays an integer)
+    return _RowMedian.apply(flat)
+
+
+class _RowMedian(torch.autograd.Function):
+    """Each row's median, its gradient shared evenly among the row's tied elements, as torch's ``median()``
+    shares it. It keeps its input and result for the backward, as torch's does: a change of either in place
+    refuses the backward, as eager's refuses it."""
+
+    @staticmethod
+    def forward(ctx, flat):
+        m = flat.median(dim=1).values
+        ctx.save_for_backward(flat, m)
+        return m
+
+    @staticmethod
+    @opaque  # under torch.compile: run as without it, not traced
+    def backward(ctx, grad):
+        flat, m = ctx.saved_tensors
+        m = m.unsqueeze(1)
+        tied = (flat == m) | (flat.isnan() & m.isnan())  # (a NaN median is the NaN element's, as torch's)
+        return torch.where(tied, (grad.unsqueeze(1) / tied.sum(1, keepdim=True)).to(flat.dtype),
+                           torch.zeros((), dtype=flat.dtype, device=flat.device))
 
 
 def _extreme_method(kind):
