@@ -1016,3 +1016,16 @@ def test_an_in_place_change_of_rows_that_are_one_shared_value_runs_per_instance(
     br.call(N, operator.setitem, (y, 0, 5.0))
     assert br.counters.per_instance
     reset_counters()
+
+
+def test_a_write_reading_its_own_target_runs_per_instance_as_eager_refuses_or_allows_it():
+    """``y[1:] = y[:2]`` overlaps within each instance (torch refuses it), which the batch's tensor hides from
+    torch's check; ``y[0] = y[2]`` does not overlap (torch allows it): both run per instance, as eager."""
+    y = Batch(N, tensor=rand(N, 3, seed=1))
+    with pytest.raises(RuntimeError, match="single memory location"):
+        br.call(N, operator.setitem, (y, slice(1, None), br.call(N, operator.getitem, (y, slice(None, 2)))))
+    t = rand(N, 3, seed=1)
+    y = Batch(N, tensor=t.clone())
+    br.call(N, operator.setitem, (y, 0, br.call(N, operator.getitem, (y, 2))))
+    assert torch.equal(y.tensor, torch.stack([t[:, 2], t[:, 1], t[:, 2]], 1))
+    reset_counters()

@@ -561,6 +561,13 @@ def _own_rows(target):
     return t if all(stride or size <= 1 for stride, size in zip(t.stride(), t.shape)) else None
 
 
+def _reads_its_target(t, values):
+    """Whether a tensor among ``values`` shares ``t``'s memory (``y[1:] = y[:2]``): torch refuses an overlap of
+    one instance's tensor that it cannot see in the batch's, so each instance then runs its own."""
+    storage = t.untyped_storage().data_ptr()
+    return any(type(v) is torch.Tensor and v.untyped_storage().data_ptr() == storage for v in values)
+
+
 def _aligned(value, rank):
     """A batched ``value``'s tensor with dims inserted after the instance dim up to instance rank ``rank`` (an
     instance's lower-rank value broadcasts from the right), a shared one as it is; None where it has none."""
@@ -594,6 +601,8 @@ def set_item(n, fn, args, kwargs):
         value = _aligned(value, t[where].dim() - 1)
         if value is None:
             return NotImplemented
+    if _reads_its_target(t, (value,)):
+        return NotImplemented
     t[where] = value
     return None
 
@@ -607,7 +616,7 @@ def _in_place_method(name):
         if t is None or any(type(v) is Batch for v in kwargs.values()):
             return NotImplemented
         values = [_aligned(a, t.dim() - 1) for a in args]
-        if any(v is None for v in values):
+        if any(v is None for v in values) or _reads_its_target(t, (*values, *kwargs.values())):
             return NotImplemented
         getattr(t, name)(*values, **kwargs)
         return base
