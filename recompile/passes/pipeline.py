@@ -8,6 +8,7 @@ from .. import ir
 from .capture import capture
 from .fusion import DEFAULT_BACKEND, fuse
 from .prune import prune
+from .unpack import unpack
 
 
 def passes(fusion=DEFAULT_BACKEND):
@@ -15,6 +16,7 @@ def passes(fusion=DEFAULT_BACKEND):
     return [
         ("capture", capture),
         ("prune", prune),
+        ("unpack", unpack),
         ("fusion", functools.partial(fuse, backend=fusion) if fusion else None),  # None: the stage is unchanged
     ]
 

@@ -1,0 +1,77 @@
+"""A recursive call's tuple read by constant indices is unpacked once, where the call is made.
+
+``left = self.encode(tree, tree.left[i])`` then ``left[0]`` and ``left[1]`` reads the same values as
+``hl, loss_l = self.encode(...)``, where the function returns a tuple of a known length (``return h, loss``,
+its one ``return``). Written with indices, the level analysis (``passes.levels``), which reads a call's
+elements off the unpacking, would not find the tree's recursion; after this pass both spellings are one
+program. Only calls of the function itself are rewritten, and only where nothing but constant indices (of that
+tuple's length) reads the result, in the SubGraph that makes the call.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from .. import intrinsics, ir
+
+
+def unpack(sg, parsed=None):
+    """Apply the pass to a function SubGraph (in place) and return it."""
+    k = _returned_length(sg)
+    if k is None:
+        return sg
+    for s in sg.walk():
+        for at in reversed(range(len(s.ops))):
+            op = s.ops[at]
+            if isinstance(op, ir.Invoke) and op.callee == sg.name:
+                _unpack_at(s, at, op, k)
+    return sg
+
+
+def _returned_length(sg):
+    """The length of the tuple the function returns, where its one output is a ``build_tuple`` of its own."""
+    if len(sg.outputs) != 1 or not isinstance(sg.outputs[0], ir.Value):
+        return None
+    made = sg.outputs[0].op
+    if not (isinstance(made, ir.Call) and isinstance(made.fn, ir.Const) and made.fn.value is intrinsics.build_tuple
+            and not made.kwargs and not made.star and made in sg.ops):
+        return None
+    return len(made.args)
+
+
+def _index(op, result, k):
+    """The element ``op`` reads of ``result`` (``result[j]`` with a constant int j of a k-tuple), or None."""
+    if not (isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value is operator.getitem
+            and not op.kwargs and not op.star and len(op.args) == 2 and op.args[0] is result
+            and isinstance(op.args[1], ir.Const) and type(op.args[1].value) is int):
+        return None
+    j = op.args[1].value
+    return j % k if -k <= j < k else None
+
+
+def _unpack_at(s, at, call, k):
+    """Unpack ``call``'s result (the op at ``at`` of ``s``) where only its constant indices read it."""
+    result = call.output
+    if result in s.outputs:
+        return
+    picks = {}
+    for op in s.ops:
+        if result in op.operands():
+            j = _index(op, result, k)
+            if j is None:
+                return
+            picks[op] = j
+    for inner in s.walk():
+        if inner is not s and (result in inner.outputs or any(result in op.operands() for op in inner.ops)):
+            return
+    hints = [""] * k
+    for op, j in picks.items():
+        hints[j] = hints[j] or op.output.hint
+    unpacking = ir.Call(call.loc, ir.Const(intrinsics.unpack), [result, ir.Const(k)], n_outputs=k, hints=hints)
+    element = {op.output: unpacking.outputs[j] for op, j in picks.items()}
+    s.ops = [op for op in s.ops if op not in picks]
+    s.ops.insert(s.ops.index(call) + 1, unpacking)
+    for inner in s.walk():
+        for op in inner.ops:
+            op.map_operands(lambda v: element.get(v, v) if isinstance(v, ir.Value) else v)
+        inner.outputs = [element.get(v, v) if isinstance(v, ir.Value) else v for v in inner.outputs]

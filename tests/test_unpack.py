@@ -1,0 +1,69 @@
+"""passes/unpack.py: a recursive call's tuple read by constant indices is unpacked once where it is made."""
+
+import torch
+
+import recompile
+from test_levels import forest_of_trees, program, recursion
+
+
+def indexed(xs, left, right, i):
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = h.sum() * 0.0
+    else:
+        lo = indexed(xs, left, right, left[i])
+        hi = indexed(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * lo[0] - 0.25 * hi[-2])
+        loss = lo[1] + hi[1]
+    return h, loss + h.pow(2).sum()
+
+
+def escapes(xs, i):
+    if i + 1 >= xs.shape[0]:
+        return xs[i], xs[i].sum()
+    below = escapes(xs, i + 1)
+    if i == 0:
+        return below  # (the tuple itself is returned: not unpacked)
+    return xs[i] + below[0], below[1]
+
+
+def by_a_variable(xs, i, k):
+    if i + 1 >= xs.shape[0]:
+        return xs[i], xs[i] * 2.0
+    below = by_a_variable(xs, i + 1, k)
+    return xs[i] + below[k], below[1]
+
+
+def ir_of(fn, stage):
+    return recompile.function(fn).dump(stage=stage)
+
+
+def test_a_recursive_calls_indexed_result_is_unpacked_once():
+    before, after = ir_of(indexed, "prune"), ir_of(indexed, "unpack")
+    assert before.count("call getitem(%indexed") == 4 and "unpack(%indexed" not in before
+    assert after.count("call unpack(%indexed") == 2 and "call getitem(%indexed" not in after
+
+
+def test_a_result_read_otherwise_is_left_as_it_is():
+    assert "unpack(" not in ir_of(escapes, "unpack")
+    assert "unpack(" not in ir_of(by_a_variable, "unpack")
+    xs = torch.randn(4, 3, dtype=torch.float64)
+    for fn, args in ((escapes, (xs, 0)), (by_a_variable, (xs, 0, 0))):
+        for got, want in zip(recompile.function(fn)(*args), fn(*args)):
+            torch.testing.assert_close(got, want)
+
+
+def test_the_indexed_spelling_runs_as_a_level_program_with_eagers_values_and_gradients():
+    compiled, eager = recursion(indexed), recursion(indexed, compiled=False)
+    prog = program(compiled)
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=torch.float64, requires_grad=True)
+    want = [eager(xs, left, right, int(r)) for r in roots]
+    (want_grad,) = torch.autograd.grad(sum(h.sum() + loss for h, loss in want), xs)
+    for _ in range(2):
+        h, loss = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+        (grad,) = torch.autograd.grad(h.sum() + loss.sum(), xs)
+        torch.testing.assert_close(h, torch.stack([w[0] for w in want]))
+        torch.testing.assert_close(loss, torch.stack([w[1] for w in want]))
+        torch.testing.assert_close(grad, want_grad)
+    assert prog is not None and prog.plain.runs == 2, prog
