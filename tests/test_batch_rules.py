@@ -1029,3 +1029,25 @@ def test_a_write_reading_its_own_target_runs_per_instance_as_eager_refuses_or_al
     br.call(N, operator.setitem, (y, 0, br.call(N, operator.getitem, (y, 2))))
     assert torch.equal(y.tensor, torch.stack([t[:, 2], t[:, 1], t[:, 2]], 1))
     reset_counters()
+
+
+def test_in_place_changes_whose_value_is_not_the_batchs_run_as_each_instance_runs_them():
+    """``y.fill_(v)`` with each instance's own 0-d v, ``y[mask] = values`` with a shared vector (as many values
+    as each instance's mask picks), ``y.copy_(t)`` with a shared t of a higher rank (eager refuses it): each
+    as eager runs it, instance by instance."""
+    x = rand(N, 4, seed=1)
+    y = Batch(N, tensor=x.clone())
+    br.call(N, Batch(N, method=(y, "fill_")), (Batch(N, tensor=rand(N, seed=2)),))
+    assert torch.equal(y.tensor, rand(N, seed=2)[:, None].expand(N, 4))
+    mask = torch.tensor([[True, False, True, False]] * N)
+    values = torch.tensor([10.0, 20.0], dtype=F64)
+    y = Batch(N, tensor=x.clone())
+    br.call(N, operator.setitem, (y, Batch(N, tensor=mask), values))
+    want = x.clone()
+    for k in range(N):
+        want[k][mask[k]] = values
+    assert torch.equal(bt.tensor_of(y), want)
+    y = Batch(N, tensor=x.clone())
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        br.call(N, Batch(N, method=(y, "copy_")), (rand(N, 4, seed=3),))
+    reset_counters()

@@ -2748,7 +2748,7 @@ def bump_a_row(i):
 
 
 def bump_a_row_of_a_result(x):
-    h = x * 2
+    h = x * 2.0  # (``x * 2`` might repeat a list the caller holds: the call would run as batched mode runs one)
     row = h[0]
     row *= 2  # (changes h, whose gradient the program needs)
     return h.sum()

@@ -109,6 +109,69 @@ def through_concatenation(node):
     return node.x * 1.0
 
 
+def depth(node):
+    return len(node.kids)
+
+
+def popped_off_own_stack(node):
+    stack = [node]
+    total = node.x * 0.0
+    while stack:
+        n = stack.pop()
+        n.state = torch.tanh(n.x @ W)  # (an item of the call's own list: the caller's node)
+        total = total + n.state
+        stack.extend(n.kids)
+    return total
+
+
+def deepest_kid(node):
+    best = max(node.kids, key=depth)  # (max hands back one of its arguments' items)
+    best.state = torch.tanh(best.x @ W)
+    return node.x * 1.0
+
+
+def kids_added_to_own_list(node):
+    out = []
+    out += node.kids
+    for k in out:
+        k.state = torch.tanh(k.x @ W)
+    return node.x * 1.0
+
+
+def kids_repeated(node):
+    for k in node.kids * 1:
+        k.state = torch.tanh(k.x @ W)
+    return node.x * 1.0
+
+
+def kid_in_a_nested_own_list(node):
+    groups = [[]]
+    groups[0].append(node.kids[0])
+    for k in groups[0]:
+        k.state = torch.tanh(k.x @ W)
+    return node.x * 1.0
+
+
+class Scale:
+    """A callable object (unhashable: it defines __eq__)."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def __eq__(self, other):
+        return isinstance(other, Scale) and other.w == self.w
+
+    def __call__(self, x):
+        return x * self.w
+
+
+SCALE = Scale(2.0)
+
+
+def scaled(x):
+    return torch.tanh(SCALE(x))
+
+
 def line_of(fn, *, owner=None):
     """The line of the change ``caller_visible_change`` finds in ``fn``, or None."""
     op = caller_visible_change(recompile.function(fn, mode="sequential")._ready_callee(owner), FINAL)
@@ -126,17 +189,21 @@ def first_line_with(fn, text):
     (encode_storing_states, "node.state ="), (append_to_argument, "out.append"), (write_into_argument, "buf[0]"),
     (add_into_argument, "buf.add_"), (append_to_global, "STORED.append"), (returned_argument_changed, "h += 1.0"),
     (item_of_own_list_changed, "hs[0].add_"), (through_concatenation, "k.state ="),
+    (popped_off_own_stack, "n.state ="), (deepest_kid, "best.state ="), (kids_added_to_own_list, "k.state ="),
+    (kids_repeated, "k.state ="), (kid_in_a_nested_own_list, "groups[0].append"),
 ])
 def test_a_change_the_caller_can_see_is_found_at_its_line(fn, text):
     assert line_of(fn) == first_line_with(fn, text)
 
 
-@pytest.mark.parametrize("fn", [own_list, child_sum, counter, gathers])
+@pytest.mark.parametrize("fn", [own_list, child_sum, counter, gathers, scaled])
 def test_changes_to_the_calls_own_objects_are_not_the_callers(fn):
     assert line_of(fn) is None
 
 
-def test_a_module_of_self_makes_new_values():
+def test_a_module_of_self_may_hand_back_its_argument():
+    """``self.lin(x)`` may be an ``nn.Identity`` (or an eval-mode Dropout) handing ``x`` back: a change of its
+    result counts, where ``x`` is the caller's; a module's result from the call's own values does not."""
     class Cell(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -147,12 +214,18 @@ def test_a_module_of_self_makes_new_values():
             y += 1.0
             return y
 
+        def own(self, x):
+            y = self.lin(x * 2.0)
+            y += 1.0
+            return y
+
         def remembered(self, x):
             y = self.lin(x)
             self.last = y
             return y
 
-    assert line_of(Cell.forward, owner=Cell) is None
+    assert line_of(Cell.forward, owner=Cell) == first_line_with(Cell.forward, "y += 1.0")
+    assert line_of(Cell.own, owner=Cell) is None
     assert line_of(Cell.remembered, owner=Cell) == first_line_with(Cell.remembered, "self.last =")
 
 
@@ -261,3 +334,15 @@ def swapped_lists(a, b, d):
 
 def test_a_recursion_that_fills_its_parameters_in_turn_is_read_to_the_end():
     assert line_of(swapped_lists) == first_line_with(swapped_lists, "b.append")
+
+
+def test_popped_states_carry_eagers_gradient():
+    results = []
+    for fn in (popped_off_own_stack, recompile.function(popped_off_own_stack, mode="sequential")):
+        root, leaves = tree()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", recompile.GradFallbackWarning)
+            r = fn(root)
+        results.append(grads_of(r.sum() + 3.0 * leaves[0].state.sum(), [W, root.x, *(n.x for n in leaves)]))
+    for got, want in zip(*results[::-1]):
+        torch.testing.assert_close(got, want)

@@ -491,3 +491,27 @@ def test_a_dict_with_shared_keys_is_held_as_its_values_and_vmap_returns_dicts():
     with switched(config, "allow", "PER_INSTANCE"):
         got = recompile.vmap(changed, in_dims=(0, 0))(xs, ks)
     torch.testing.assert_close(got, torch.stack([dict_changed(x, k) for x, k in zip(xs, ks)]))
+
+
+class InPlaceInSequence(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seq = torch.nn.Sequential(torch.nn.LeakyReLU(0.1, inplace=True), torch.nn.Linear(4, 4))
+
+    def forward(self, x):
+        z = self.seq(x)
+        return z + sum([z, z])  # (``sum`` of a list: the traced segment stops there, after the Sequential ran)
+
+
+def test_a_sequential_changing_its_input_in_place_is_run_once():
+    """A module that changes its input in place (``inplace=True``) is not run again by a trace that gives up:
+    the caller's tensor is changed once, as eager changes it."""
+    torch.manual_seed(0)
+    model = InPlaceInSequence().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    want_x = x.clone()
+    want = torch.stack([model(want_x[k]) for k in range(3)])
+    got_x = x.clone()
+    got = recompile.vmap(recompile.function(InPlaceInSequence.forward).__get__(model))(got_x)
+    torch.testing.assert_close(got_x, want_x)
+    torch.testing.assert_close(got, want)

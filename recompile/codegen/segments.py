@@ -1229,6 +1229,8 @@ def _build_form(tr, fn, fn_slot, args, kwargs):
 
 def rerunnable(fn):
     """Whether ``fn`` changes nothing and draws nothing: a trace may run it by its batch rule."""
+    if getattr(fn, "inplace", False) is True:  # (a module changing its input: run again, it would change it twice)
+        return False
     if type(fn) is nn.Sequential:  # (as each of its modules)
         return _plain_module(fn, nn.Sequential) and all(rerunnable(m) for m in fn)
     if type(fn) in _GENERIC_OK_MODULES:  # (not an RNN with dropout between its layers, training: it draws)

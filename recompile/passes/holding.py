@@ -29,9 +29,11 @@ from .effects import build_time_value, int_counting, op_mutates, out_target
 _REMOVING = frozenset({"pop", "popleft", "popitem", "remove", "discard", "clear", "sort", "reverse", "rotate",
                        "heappop", "heapify", "shuffle", "next", "zero_grad", "step", "backward", "move_to_end",
                        "delitem", "delattr", "__delitem__"})
+# Changes that hand back an item of their receiver.
+_TAKES_ITEM = frozenset({"pop", "popleft", "popitem", "setdefault", "heappop", "heappushpop", "heapreplace"})
 # Callables whose result may be (part of) an argument: reads, iteration, views.
 _READS = frozenset({getattr, operator.getitem, intrinsics.as_sequence, intrinsics.unpack, intrinsics.unpack_starred,
-                    iter, next, reversed})
+                    iter, next, reversed, builtins.min, builtins.max})  # (``max(node.kids, key=...)``: a kid)
 _VIEW_NAMES = frozenset({"view", "view_as", "t", "transpose", "swapaxes", "swapdims", "permute", "narrow", "select",
                          "squeeze", "unsqueeze", "expand", "expand_as", "movedim", "moveaxis", "diagonal", "unfold",
                          "as_strided", "T", "mT", "H", "mH", "real", "imag", "reshape", "reshape_as", "flatten",
@@ -64,6 +66,8 @@ class _Reading:
         self.sg, self.summary, self.summaries = sg, summary, summaries
         self.held, self.holds = set(), set()
         self.outer = {}  # id of a branch's or loop's input -> the operands it stands for
+        self.read_from = {}  # id of a value read off a container (an item, an attribute) -> that container
+        self.tensors = set()  # ids of values surely tensors (or numbers): a torch op's, arithmetic on one
         self.params = {id(v): j for j, v in enumerate(sg.inputs)}
         self.changes = []  # the ops that change a held value with something put into it
         self.counting = int_counting(sg)  # (``t += 1`` of an int counter makes a new int)
@@ -91,7 +95,7 @@ class _Reading:
             found.add(id(v))
             self.grew = True
             if found is self.holds:  # (a branch's or loop's value filled: so is the outer one it stands for)
-                for o in list(self.outer.get(id(v), ())):
+                for o in list(self.outer.get(id(v), ())) + list(self.read_from.get(id(v), ())):
                     self.mark(self.holds, o)
                 if id(v) in self.params:
                     self.summary.fills.add(self.params[id(v)])
@@ -139,6 +143,10 @@ class _Reading:
                 self.invoke(op)
             elif isinstance(op, ir.Call) and op not in self.counting:
                 self.call(op)
+                if _makes_tensor(op, _callable(op.fn), self.tensors):
+                    self.tensors.update(id(v) for v in op.outputs)
+            elif isinstance(op, ir.Fused):
+                self.tensors.update(id(v) for v in op.outputs)
 
     def invoke(self, op):
         callee = self.summaries.setdefault(op.callee, _Summary())
@@ -159,10 +167,11 @@ class _Reading:
         if op_mutates(op):
             receiver, stored, name = _store(op)
             if receiver is not None:
-                # (``xs.append(node)`` puts the object in; ``h += m`` and ``h.add_(m)`` only its numbers,
-                # ``hs += [node]`` the items of a list the call made)
-                copies = _copies_numbers(op, name)
-                if any(id(v) in self.holds if copies else self.reaches(v) for v in stored if isinstance(v, ir.Value)):
+                # (``xs.append(node)`` and ``xs += node.kids`` put the objects in; ``h.add_(m)`` only numbers,
+                # ``h.add_(hs[0])`` those of an item of a list the call made)
+                copies = _copies_numbers(op, name) or id(receiver) in self.tensors
+                if any(self.reaches(v) for v in stored if isinstance(v, ir.Value) and not (
+                        copies and id(v) not in self.holds)):
                     self.mark(self.holds, receiver)
                 if self.is_held(receiver) and name not in _REMOVING:
                     self.changes.append(op)
@@ -170,39 +179,59 @@ class _Reading:
                 if self.is_held(receiver):
                     self.mark_all(self.held, op.outputs)
                 if isinstance(receiver, ir.Value) and id(receiver) in self.holds:
+                    if name in _TAKES_ITEM:  # (``stack.pop()`` of the call's list: one of its items)
+                        self.mark_all(self.held, op.outputs)
                     self.mark_all(self.holds, op.outputs)
                 return
         fn = _callable(op.fn)
-        if not any(self.reaches(v) for v in [op.fn, *op.args, *(v for _, v in op.kwargs)]):
+        if _among(fn, _READS) and op.args and isinstance(op.args[0], ir.Value):
+            for out in op.outputs:  # (an item of the call's list filled later fills the list: ``groups[0]``)
+                self.read_from.setdefault(id(out), set()).add(op.args[0])
+        # (a module of ``self``, ``self.lin(x)``, is the program's own: what it returns comes of its arguments)
+        callable_read = [] if _of_self(op.fn) else [op.fn]
+        if not any(self.reaches(v) for v in [*callable_read, *op.args, *(v for _, v in op.kwargs)]):
             return
-        if fn in _OPERATORS:
+        if _among(fn, _OPERATORS):
             if self.may_join(fn, op.args):  # (``xs + ys``, ``[node] * 2``: a new list of the same items)
                 self.mark_all(self.holds, op.outputs)
-        elif fn in _BUILDS:
+        elif _among(fn, _BUILDS):
             self.mark_all(self.holds, op.outputs)  # (a new container of the items)
         elif not _makes_new(op, fn):
             self.mark_all(self.held, op.outputs)
 
     def may_join(self, fn, args):
         """Whether operator ``fn`` on ``args`` may make a new container of caller objects: ``xs + ys`` of
-        containers that are or hold them, unless an operand is a float or bool constant (numbers, tensors);
-        ``[node] * 2``, a repeat of a container the call made. Other operators make numbers or tensors."""
-        if any(isinstance(a, ir.Const) and isinstance(a.value, (float, bool)) for a in args):
+        containers that are or hold them, or ``node.kids * 2``, unless an operand is a float or bool constant or
+        surely a tensor (numbers, tensors). Other operators make numbers or tensors."""
+        if any((isinstance(a, ir.Const) and isinstance(a.value, (float, bool))) or id(a) in self.tensors
+               for a in args):
             return False
-        if fn is operator.add:
-            return any(self.reaches(a) for a in args)
-        return fn is operator.mul and any(isinstance(a, ir.Value) and id(a) in self.holds for a in args)
+        return fn in (operator.add, operator.mul) and any(self.reaches(a) for a in args)
 
     def mark_all(self, found, values):
         for v in values:
             self.mark(found, v)
 
 
+def _makes_tensor(op, fn, tensors):
+    """Whether Call ``op`` surely makes a tensor or a number (never a container): a torch function or tensor
+    method, or an operator one of whose operands is surely one or a float."""
+    if _among(fn, _OPERATORS) or _among(fn, syntax.AUGMENTED):
+        return any((isinstance(a, ir.Const) and isinstance(a.value, float)) or id(a) in tensors for a in op.args)
+    if fn is operator.getitem:  # (a tensor's item, row or view is a tensor)
+        return bool(op.args) and id(op.args[0]) in tensors
+    module = getattr(fn, "__module__", None) or ""
+    if fn is not None and module.startswith("torch"):
+        return True
+    owner, name = _method_name(op.fn)  # (a tensor's method, ``h.add_(x)`` too: its result is a tensor)
+    return fn is None and isinstance(name, str) and hasattr(torch.Tensor, name) and id(owner) in tensors
+
+
 def _copies_numbers(op, name):
-    """Whether a mutating Call changes its receiver's numbers, not the objects it holds: an augmented
-    assignment (``h += m``), a tensor's in-place method (``h.add_(m)``), ``out=``, ``inplace=True``."""
-    return (isinstance(op.fn, ir.Const) and op.fn.value in syntax.AUGMENTED) or name in ("out", "inplace") or (
-        isinstance(name, str) and name.endswith("_") and not name.endswith("__"))
+    """Whether a mutating Call changes its receiver's numbers, not the objects it holds: a tensor's in-place
+    method (``h.add_(m)``), ``out=``, ``inplace=True``. (An augmented assignment may be a list's:
+    ``out += node.kids`` puts the kids in.)"""
+    return name in ("out", "inplace") or (isinstance(name, str) and name.endswith("_") and not name.endswith("__"))
 
 
 def _mutable_constant(value):
@@ -228,6 +257,14 @@ def _callable(fn):
             if type(module) is type(torch):
                 return ir.safe_getattr(module, producer.args[1].value)
     return None
+
+
+def _among(fn, callables):
+    """``fn in callables``, False for a callable that cannot be hashed (an instance with ``__call__``)."""
+    try:
+        return fn in callables
+    except TypeError:
+        return False
 
 
 def _of_self(fn):
@@ -257,17 +294,15 @@ def _method_name(fn):
 def _makes_new(op, fn):
     """Whether Call ``op`` surely makes a new value, none of its operands or a part of one: a torch function
     that is not a view, a tensor method that is not one, a builtin of numbers."""
-    if _of_self(op.fn):  # (a module of the model, ``self.cell(x)``: taken to make its result)
-        return True
     if fn is not None:
-        if fn in _READS or fn in _BUILDS:
+        if _among(fn, _READS) or _among(fn, _BUILDS):
             return False
         name = getattr(fn, "__name__", None)
         module = getattr(fn, "__module__", None) or ""
         if module.startswith("torch") and name not in _VIEW_NAMES and not facts.mutating_method(name):
             return True
-        return fn in (len, int, float, bool, str, abs, round, isinstance, hash, id, type, builtins.min, builtins.max,
-                      sum, any, all, intrinsics.has_index)
+        return _among(fn, (len, int, float, bool, str, abs, round, isinstance, hash, id, type, sum, any, all,
+                           intrinsics.has_index))
     owner, name = _method_name(op.fn)
     return (isinstance(name, str) and hasattr(torch.Tensor, name) and name not in _VIEW_NAMES
             and not facts.mutating_method(name))

@@ -570,9 +570,10 @@ def _reads_its_target(t, values):
 
 def _aligned(value, rank):
     """A batched ``value``'s tensor with dims inserted after the instance dim up to instance rank ``rank`` (an
-    instance's lower-rank value broadcasts from the right), a shared one as it is; None where it has none."""
+    instance's lower-rank value broadcasts from the right), a shared one as it is; None where it has none, or
+    where a shared tensor's rank is above ``rank`` (its leading dims would fall on the instances)."""
     if type(value) is not Batch:
-        return value
+        return None if isinstance(value, torch.Tensor) and value.dim() > rank else value
     v = bt.tensor_of(value)
     if v is None or v.dim() - 1 > rank:
         return None
@@ -591,16 +592,16 @@ def set_item(n, fn, args, kwargs):
         return NotImplemented
     if type(index) is Batch:
         where = bt.tensor_of(index)
-        if where is None or where.dtype is not torch.bool or where.shape != t.shape or type(value) is Batch:
+        if where is None or where.dtype is not torch.bool or where.shape != t.shape or type(value) is Batch or (
+                isinstance(value, torch.Tensor) and value.dim()):  # (a mask's elements take one value each)
             return NotImplemented
     elif plain_index(index):
         where = (slice(None),) + (index if type(index) is tuple else (index,))
     else:
         return NotImplemented
-    if type(value) is Batch:
-        value = _aligned(value, t[where].dim() - 1)
-        if value is None:
-            return NotImplemented
+    value = _aligned(value, t[where].dim() - 1)
+    if value is None:
+        return NotImplemented
     if _reads_its_target(t, (value,)):
         return NotImplemented
     t[where] = value
@@ -613,8 +614,9 @@ def _in_place_method(name):
 
     def rule(n, base, args, kwargs):
         t = _own_rows(base)
-        if t is None or any(type(v) is Batch for v in kwargs.values()):
-            return NotImplemented
+        if t is None or any(type(v) is Batch for v in kwargs.values()) or any(
+                type(a) is Batch for a in args[_ONE_VALUE.get(name, len(args)):]):
+            return NotImplemented  # (``y.fill_(v)`` takes one value: each instance's own runs per instance)
         values = [_aligned(a, t.dim() - 1) for a in args]
         if any(v is None for v in values) or _reads_its_target(t, (*values, *kwargs.values())):
             return NotImplemented
@@ -624,6 +626,8 @@ def _in_place_method(name):
     return rule
 
 
+# In-place methods whose arguments from this position on are one value for every element (a 0-d tensor)
+_ONE_VALUE = {"fill_": 0, "masked_fill_": 1}
 # In-place tensor methods acting on each element alone (their arguments broadcast within an instance)
 _ELEMENTWISE_IN_PLACE = ("add_", "sub_", "mul_", "div_", "clamp_", "clamp_min_", "clamp_max_", "masked_fill_", "fill_",
                          "zero_", "copy_", "relu_", "sigmoid_", "tanh_", "exp_", "log_", "neg_", "abs_", "sqrt_",
