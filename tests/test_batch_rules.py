@@ -1051,3 +1051,24 @@ def test_in_place_changes_whose_value_is_not_the_batchs_run_as_each_instance_run
     with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
         br.call(N, Batch(N, method=(y, "copy_")), (rand(N, 4, seed=3),))
     reset_counters()
+
+
+TIE = torch.tensor([1.0, 3.0, 3.0], dtype=F64)
+
+
+def added_to_its_own_item(y):
+    v = y * 1.0
+    v.add_(v[torch.argmax(TIE)])  # (a view of v: torch refuses the overlap)
+    return v
+
+
+def test_an_in_place_change_reading_its_own_target_through_items_or_a_0d_index_is_refused_as_eager():
+    y = rand(N, 3, seed=1)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        added_to_its_own_item(y[0])
+    with pytest.raises(RuntimeError, match="single memory location"):
+        recompile.vmap(recompile.function(added_to_its_own_item))(y)
+    t = Batch(N, tensor=rand(N, 3, seed=2))
+    with pytest.raises(RuntimeError, match="single memory location"):
+        br.call(N, Batch(N, method=(t, "add_")), (br.call(N, operator.getitem, (t, torch.tensor(1))),))
+    reset_counters()

@@ -562,10 +562,15 @@ def _own_rows(target):
 
 
 def _reads_its_target(t, values):
-    """Whether a tensor among ``values`` shares ``t``'s memory (``y[1:] = y[:2]``): torch refuses an overlap of
-    one instance's tensor that it cannot see in the batch's, so each instance then runs its own."""
+    """Whether a tensor among ``values`` (or a Batch's items) shares ``t``'s memory (``y[1:] = y[:2]``): torch
+    refuses an overlap of one instance's tensor that it cannot see in the batch's, so each instance then runs
+    its own."""
     storage = t.untyped_storage().data_ptr()
-    return any(type(v) is torch.Tensor and v.untyped_storage().data_ptr() == storage for v in values)
+    for v in values:
+        parts = (v.tensor,) + tuple(v.items or ()) if type(v) is Batch else (v,)
+        if any(type(p) is torch.Tensor and p.untyped_storage().data_ptr() == storage for p in parts):
+            return True
+    return False
 
 
 def _aligned(value, rank):
@@ -599,10 +604,10 @@ def set_item(n, fn, args, kwargs):
         where = (slice(None),) + (index if type(index) is tuple else (index,))
     else:
         return NotImplemented
+    if _reads_its_target(t, (value,)):
+        return NotImplemented
     value = _aligned(value, t[where].dim() - 1)
     if value is None:
-        return NotImplemented
-    if _reads_its_target(t, (value,)):
         return NotImplemented
     t[where] = value
     return None
@@ -617,8 +622,10 @@ def _in_place_method(name):
         if t is None or any(type(v) is Batch for v in kwargs.values()) or any(
                 type(a) is Batch for a in args[_ONE_VALUE.get(name, len(args)):]):
             return NotImplemented  # (``y.fill_(v)`` takes one value: each instance's own runs per instance)
+        if _reads_its_target(t, (*args, *kwargs.values())):
+            return NotImplemented
         values = [_aligned(a, t.dim() - 1) for a in args]
-        if any(v is None for v in values) or _reads_its_target(t, (*values, *kwargs.values())):
+        if any(v is None for v in values):
             return NotImplemented
         getattr(t, name)(*values, **kwargs)
         return base
@@ -750,6 +757,8 @@ def gather(n, fn, args, kwargs):
             return bt.from_tensor(x[i])
         return bt.from_tensor(index_rows(x, i))
     if type(x) is Batch and type(index) is not Batch:
+        if type(index) is torch.Tensor and index.dim() == 0 and index.dtype in facts.INTEGER_INDEX and index.is_cpu:
+            index = int(index)  # (``x[k]`` of a 0-d integer tensor reads as ``x[int]``: a view, as eager's)
         if x.items is not None and type(index) is int:
             out = ranges.item(x, index)
             if out is not NotImplemented:
