@@ -62,7 +62,7 @@ _GENERIC_OK_MODULES = tuple(set(batch_rules.BATCH.by_module) - facts.DRAWS)
 # (reading a Plain piece's traced lines: the names they define and read, and the instance count)
 _DEFINES = re.compile(r"^([\w, ]+?) = ")
 _NAMES = re.compile(r"\b[av]\d+\b")
-_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)  # (tensors as torch's ops take them: no subclass's own overrides)
+_PLAIN_TENSORS = batch_rules.PLAIN_TENSORS
 _BATCH_N = re.compile(r"\b_n\b")
 
 
@@ -556,12 +556,8 @@ class _Tracer:
         if name not in _METHODS:  # (``_by_method_rule``)
             if len(op.outputs) != 1:
                 raise _Untraceable
-            value = _by_rule(self.n, _method(self.n, base.value, name), tuple(self.wrapped_value(s) for s in args),
-                             {k: self.wrapped_value(s) for k, s in kwargs.items()})
-            kw_text = ", ".join(f"{k!r}: {self.as_batch(s)}" for k, s in kwargs.items())
-            text = (f"_by_rule(_n, _method(_n, {base.name}, {name!r}), "
-                    f"({''.join(self.as_batch(s) + ', ' for s in args)}), {{{kw_text}}})")
-            slot = self.result(text, value)
+            slot = self.rule_call(f"_method(_n, {base.name}, {name!r})", _method(self.n, base.value, name), args,
+                                  kwargs)
             return self.define(op.outputs[0], self.plain_slot(slot) if self.plain is not None else slot)
         if len(op.outputs) != 1 or any(a.kind != "S" for a in (*args, *kwargs.values())):
             raise _Untraceable
@@ -695,13 +691,11 @@ class _Tracer:
         """``fn`` run by its batch rule (``batch_rules.call``) on the arguments as Batch values."""
         self.guard_callable(fn, fn_slot)
         fn_name = fn_slot.name if fn_slot is not None else self.const(fn)
+        if self.plain is not None:  # (a plain piece runs depths of one row too)
+            return self.rule_call(fn_name, fn, args, kwargs)
         arg_text = "".join(self.as_batch(s) + ", " for s in args)
         values = tuple(self.wrapped_value(s) for s in args)
         kw = {k: self.wrapped_value(s) for k, s in kwargs.items()}
-        if self.plain is not None:  # (a plain piece runs depths of one row too)
-            kw_text = ", ".join(f"{k!r}: {self.as_batch(s)}" for k, s in kwargs.items())
-            return self.result(f"_by_rule(_n, {fn_name}, ({arg_text}), {{{kw_text}}})",
-                               _by_rule(self.n, fn, values, kw))
         if fn is operator.getitem and not kwargs and len(args) == 2:
             value = batch_rules.item(self.n, *values)
             text = f"_item(_n, {arg_text})"
@@ -713,6 +707,15 @@ class _Tracer:
             value = batch_rules.call(self.n, fn, values)
             text = f"_call(_n, {fn_name}, ({arg_text}))"
         return self.result(text, value)
+
+    def rule_call(self, fn_text, fn, args, kwargs):
+        """The slot of ``_by_rule(_n, fn, args, kwargs)`` (``fn_text`` its callable in the raw function): the
+        batch rule's call, or at one instance the op on that instance's own values."""
+        kw_text = ", ".join(f"{k!r}: {self.as_batch(s)}" for k, s in kwargs.items())
+        value = _by_rule(self.n, fn, tuple(self.wrapped_value(s) for s in args),
+                         {k: self.wrapped_value(s) for k, s in kwargs.items()})
+        return self.result(f"_by_rule(_n, {fn_text}, ({''.join(self.as_batch(s) + ', ' for s in args)}), "
+                           f"{{{kw_text}}})", value)
 
     def plain_slot(self, slot):
         """A batch rule's result in a plain piece: its tensor where it is one (guarded), else the Batch (which
@@ -1251,10 +1254,7 @@ def draws_per_element(fn, args):
         return False
     if type(fn) in _ELEMENT_DRAW_MODULES:
         return _plain_module(fn, type(fn)) and not fn.inplace
-    try:
-        return fn in _ELEMENT_DRAWS
-    except TypeError:  # (an unhashable callable)
-        return False
+    return facts.among(fn, _ELEMENT_DRAWS)
 
 
 def _pure(fn):

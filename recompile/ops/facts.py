@@ -174,6 +174,12 @@ DRAWS = frozenset({
     torch.randint_like, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson,
 })
 DRAWING_METHODS = frozenset({"bernoulli", "multinomial"})
+# Tensor methods (and torch functions of the same name) whose result is a view of the tensor, sharing its
+# version, or may be (``reshape``, ``flatten``, ``contiguous`` copy where they must)
+VIEW_METHODS = frozenset({"view", "view_as", "t", "transpose", "swapaxes", "permute", "narrow", "select", "squeeze",
+                          "unsqueeze", "expand", "expand_as", "movedim", "moveaxis", "diagonal", "unfold",
+                          "as_strided", "T", "mT", "H", "mH", "real", "imag", "reshape", "reshape_as", "flatten",
+                          "unflatten", "ravel", "contiguous"})
 # Tensor methods of no argument that keep the shape: a batch's tensor runs them whole.
 UNARY_METHODS = ("sigmoid", "tanh", "relu", "exp", "log", "sqrt", "abs", "neg", "clone", "detach", "float",
                  "double", "long", "contiguous")

@@ -381,13 +381,9 @@ def _changed_later(ops, outputs=(), inputs=()):
     return guarded
 
 
-# Tensor methods (and torch functions of the same name) whose result is a view of the tensor, sharing its
-# version, or may be (``reshape``, ``flatten``, ``contiguous`` copy where they must: a copy's version is its own,
-# so the check at run time then finds nothing changed, as eager's does)
-_VIEW_METHODS = frozenset({"view", "view_as", "t", "transpose", "swapaxes", "permute", "narrow", "select", "squeeze",
-                           "unsqueeze", "expand", "expand_as", "movedim", "moveaxis", "diagonal", "unfold",
-                           "as_strided", "T", "mT", "H", "mH", "real", "imag", "reshape", "reshape_as", "flatten",
-                           "unflatten", "ravel", "contiguous"})
+# (a copy that ``reshape``, ``flatten`` or ``contiguous`` made has a version of its own: the check at run time
+# then finds nothing changed, as eager's does)
+_VIEW_METHODS = facts.VIEW_METHODS
 _VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 _VIEW_FUNCTIONS = frozenset(getattr(torch, name) for name in _VIEW_METHODS if callable(getattr(torch, name, None)))
 

@@ -34,12 +34,10 @@ _TAKES_ITEM = frozenset({"pop", "popleft", "popitem", "setdefault", "heappop", "
 # Callables whose result may be (part of) an argument: reads, iteration, views.
 _READS = frozenset({getattr, operator.getitem, intrinsics.as_sequence, intrinsics.unpack, intrinsics.unpack_starred,
                     iter, next, reversed, builtins.min, builtins.max})  # (``max(node.kids, key=...)``: a kid)
-_VIEW_NAMES = frozenset({"view", "view_as", "t", "transpose", "swapaxes", "swapdims", "permute", "narrow", "select",
-                         "squeeze", "unsqueeze", "expand", "expand_as", "movedim", "moveaxis", "diagonal", "unfold",
-                         "as_strided", "T", "mT", "H", "mH", "real", "imag", "reshape", "reshape_as", "flatten",
-                         "unflatten", "ravel", "contiguous", "detach", "numpy", "data", "split", "chunk", "unbind",
-                         "tensor_split", "hsplit", "vsplit", "dsplit", "split_with_sizes", "indices", "values",
-                         "__getitem__", "type_as", "to", "cpu", "cuda", "float", "double", "half", "type"})
+# What may hand back its receiver or a part of it: views, and the methods that split, detach or convert
+_VIEW_NAMES = facts.VIEW_METHODS | {"swapdims", "detach", "numpy", "data", "split", "chunk", "unbind", "tensor_split",
+                                    "hsplit", "vsplit", "dsplit", "split_with_sizes", "indices", "values",
+                                    "__getitem__", "type_as", "to", "cpu", "cuda", "float", "double", "half", "type"}
 _OPERATORS = frozenset(row.fn for row in (*syntax.BINARY, *syntax.UNARY, *syntax.COMPARE))
 # Callables that build a container of their arguments: it holds what they hold.
 _BUILDS = frozenset({intrinsics.build_list, intrinsics.build_tuple, intrinsics.build_set, intrinsics.build_dict,
@@ -184,17 +182,17 @@ class _Reading:
                     self.mark_all(self.holds, op.outputs)
                 return
         fn = _callable(op.fn)
-        if _among(fn, _READS) and op.args and isinstance(op.args[0], ir.Value):
+        if facts.among(fn, _READS) and op.args and isinstance(op.args[0], ir.Value):
             for out in op.outputs:  # (an item of the call's list filled later fills the list: ``groups[0]``)
                 self.read_from.setdefault(id(out), set()).add(op.args[0])
         # (a module of ``self``, ``self.lin(x)``, is the program's own: what it returns comes of its arguments)
         callable_read = [] if _of_self(op.fn) else [op.fn]
         if not any(self.reaches(v) for v in [*callable_read, *op.args, *(v for _, v in op.kwargs)]):
             return
-        if _among(fn, _OPERATORS):
+        if facts.among(fn, _OPERATORS):
             if self.may_join(fn, op.args):  # (``xs + ys``, ``[node] * 2``: a new list of the same items)
                 self.mark_all(self.holds, op.outputs)
-        elif _among(fn, _BUILDS):
+        elif facts.among(fn, _BUILDS):
             self.mark_all(self.holds, op.outputs)  # (a new container of the items)
         elif not _makes_new(op, fn):
             self.mark_all(self.held, op.outputs)
@@ -216,7 +214,7 @@ class _Reading:
 def _makes_tensor(op, fn, tensors):
     """Whether Call ``op`` surely makes a tensor or a number (never a container): a torch function or tensor
     method, or an operator one of whose operands is surely one or a float."""
-    if _among(fn, _OPERATORS) or _among(fn, syntax.AUGMENTED):
+    if facts.among(fn, _OPERATORS) or facts.among(fn, syntax.AUGMENTED):
         return any((isinstance(a, ir.Const) and isinstance(a.value, float)) or id(a) in tensors for a in op.args)
     if fn is operator.getitem:  # (a tensor's item, row or view is a tensor)
         return bool(op.args) and id(op.args[0]) in tensors
@@ -235,10 +233,9 @@ def _copies_numbers(op, name):
 
 
 def _mutable_constant(value):
-    """Whether a constant operand may be an object the caller (or anyone) holds: not a number, string, or
-    callable."""
-    return not (value is None or isinstance(value, (int, float, complex, str, bytes, slice, type(Ellipsis), range))
-                or callable(value))
+    """Whether a constant operand may be an object the caller (or anyone) holds: not an immutable value
+    (``facts.immutable``) nor a callable."""
+    return not facts.immutable(value) and not callable(value)
 
 
 def _callable(fn):
@@ -257,14 +254,6 @@ def _callable(fn):
             if type(module) is type(torch):
                 return ir.safe_getattr(module, producer.args[1].value)
     return None
-
-
-def _among(fn, callables):
-    """``fn in callables``, False for a callable that cannot be hashed (an instance with ``__call__``)."""
-    try:
-        return fn in callables
-    except TypeError:
-        return False
 
 
 def _of_self(fn):
@@ -295,13 +284,13 @@ def _makes_new(op, fn):
     """Whether Call ``op`` surely makes a new value, none of its operands or a part of one: a torch function
     that is not a view, a tensor method that is not one, a builtin of numbers."""
     if fn is not None:
-        if _among(fn, _READS) or _among(fn, _BUILDS):
+        if facts.among(fn, _READS) or facts.among(fn, _BUILDS):
             return False
         name = getattr(fn, "__name__", None)
         module = getattr(fn, "__module__", None) or ""
         if module.startswith("torch") and name not in _VIEW_NAMES and not facts.mutating_method(name):
             return True
-        return _among(fn, (len, int, float, bool, str, abs, round, isinstance, hash, id, type, sum, any, all,
+        return facts.among(fn, (len, int, float, bool, str, abs, round, isinstance, hash, id, type, sum, any, all,
                            intrinsics.has_index))
     owner, name = _method_name(op.fn)
     return (isinstance(name, str) and hasattr(torch.Tensor, name) and name not in _VIEW_NAMES

@@ -732,7 +732,7 @@ def over_last_dims(n, fn, args, kwargs):
     return bt.from_tensor(fn(x, *args[1:], **kwargs))
 
 
-_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)  # (a parameter indexes as its tensor: no override of its own)
+PLAIN_TENSORS = (torch.Tensor, nn.Parameter)  # (tensors as torch's ops take them: no subclass's own overrides)
 
 
 @BATCH.register(operator.getitem)
@@ -744,7 +744,7 @@ def gather(n, fn, args, kwargs):
         index = list(index.struct[1])  # (``x[[0, 2]]``: a list the program built of values every instance shares)
         if type(x) is not Batch:
             return _unbatched(n, operator.getitem, (x, index), None)
-    if type(x) is not Batch and type(index) is Batch and type(x) in _PLAIN_TENSORS:  # (``self.embed.weight[i]``)
+    if type(x) is not Batch and type(index) is Batch and type(x) in PLAIN_TENSORS:  # (``self.embed.weight[i]``)
         i = bt.tensor_of(index)
         if i is None:
             items = bt.items_of(index)
