@@ -1072,3 +1072,28 @@ def test_an_in_place_change_reading_its_own_target_through_items_or_a_0d_index_i
     with pytest.raises(RuntimeError, match="single memory location"):
         br.call(N, Batch(N, method=(t, "add_")), (br.call(N, operator.getitem, (t, torch.tensor(1))),))
     reset_counters()
+
+
+def median_scaled(x):
+    return x.median() * x.sum()
+
+
+def median_changed(x):
+    m = x.median()
+    m.sigmoid_()  # (median's backward reads its result: eager refuses the backward)
+    return m
+
+
+def test_whole_median_shares_the_gradient_among_ties_and_keeps_its_result_as_eager():
+    x = torch.tensor([[1.0, 2.0, 2.0, 0.5], [3.0, -1.0, 0.0, 2.0], [2.0, 2.0, 2.0, 1.0]], dtype=F64,
+                     requires_grad=True)
+    f = recompile.vmap(recompile.function(median_scaled))
+    (got,) = torch.autograd.grad(f(x).sum(), x)
+    (want,) = torch.autograd.grad(torch.stack([median_scaled(r) for r in x]).sum(), x)
+    torch.testing.assert_close(got, want)
+    distinct = torch.tensor([[1.0, 2.5, 2.0, 0.5], [3.0, -1.0, 0.0, 2.0]], dtype=F64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(f, (distinct,))  # (finite differences part ties: none here)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.stack([median_changed(r) for r in x]).sum().backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        recompile.vmap(recompile.function(median_changed))(x).sum().backward()
