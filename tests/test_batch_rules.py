@@ -25,7 +25,7 @@ import recompile
 from recompile.runtime import batch as bt
 from recompile.runtime import batch_rules as br
 from recompile.runtime.sharing import state as sharing_state
-from recompile import intrinsics
+from recompile import config, intrinsics
 from recompile.runtime.batch import Batch
 
 F64 = torch.float64
@@ -278,6 +278,24 @@ OPS["shared_tensor_method"] = lambda w: (torch.zeros(5, dtype=F64).scatter_add,
                                          (0, w(randint(5, N, 3, seed=1)), w(rand(N, 3, seed=2))), {})
 OPS["cross_entropy_default_reduction"] = lambda w: (
     F.cross_entropy, (w(rand(N, 3, 5, seed=1)), w(randint(5, N, 3, seed=2))), {})
+
+# vector norms over each instance's elements or dims (torch.norm, Tensor.norm): one linalg.vector_norm
+OPS["torch_norm"] = lambda w: (torch.norm, (w(rand(N, 2, 4, seed=1)),), {})
+OPS["torch_norm_fro_keywords"] = lambda w: (torch.norm, (), {"input": w(rand(N, 2, 4, seed=1)), "p": "fro",
+                                                             "dim": (0, 1), "keepdim": True})
+OPS["method_norm"] = lambda w: (method(w(rand(N, 2, 4, seed=1)), "norm"), (), {})
+OPS["method_norm_p1_dim"] = lambda w: (method(w(rand(N, 2, 4, seed=1)), "norm"), (1, -1), {})
+OPS["method_norm_inf"] = lambda w: (method(w(rand(N, 3, seed=1)), "norm"), (), {"p": float("inf")})
+OPS["torch_index_select"] = lambda w: (torch.index_select, (w(rand(N, 2, 4, seed=1)), -1, torch.tensor([3, 0, 3])), {})
+OPS["method_index_select"] = lambda w: (method(w(rand(N, 2, 4, seed=1)), "index_select"), (0, torch.tensor([1, 1])),
+                                        {})
+# ops taking a dim of 0-d instances, whose dim 0 or -1 is the instance itself, not the batch's instance dim
+for _name, _args in (("softmax", (-1,)), ("log_softmax", (0,)), ("squeeze", (0,)), ("sum", (-1,)),
+                     ("max", (-1,)), ("argmax", (0,)), ("unsqueeze", (-1,))):
+    OPS[f"method_{_name}_of_0d"] = (lambda name, args: lambda w: (method(w(rand(N, seed=1)), name), args, {}))(
+        _name, _args)
+for _fn in (torch.softmax, torch.logsumexp, torch.unsqueeze):
+    OPS[f"torch_{_fn.__name__}_of_0d"] = (lambda fn: lambda w: (fn, (w(rand(N, seed=1)), -1), {}))(_fn)
 
 # ops with no rule of their own, batched by torch.func.vmap: still no per-instance runs
 VMAPPED = {
@@ -1097,3 +1115,55 @@ def test_whole_median_shares_the_gradient_among_ties_and_keeps_its_result_as_eag
         torch.stack([median_changed(r) for r in x]).sum().backward()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         recompile.vmap(recompile.function(median_changed))(x).sum().backward()
+
+
+def test_index_select_then_a_write_of_its_input_keeps_eagers_backward():
+    """``torch.index_select`` of a batched tensor by a shared index is one index_select of the batch's rows, which
+    keeps (as eager's) only the input's sizes for its backward: writing that input in place afterwards leaves the
+    backward as eager computes it (torch.func.vmap's form keeps the input, and refused)."""
+    index = torch.tensor([2, 0, 2])
+
+    def f(x):
+        v = torch.index_select(x * 1, 0, index)
+        v[1:] = torch.index_select(v, 0, index)[:2]
+        return torch.tanh(v.amax() * v.sum())
+
+    x = rand(N, 3, seed=1).requires_grad_()
+    want = torch.stack([f(row) for row in x])
+    want_grad, = torch.autograd.grad(want.sum(), x)
+    got = recompile.vmap(recompile.function(f))(x)
+    got_grad, = torch.autograd.grad(got.sum(), x)
+    assert torch.allclose(got, want) and torch.allclose(got_grad, want_grad)
+
+
+def _softmax_of_sum(x):
+    return x.sum().softmax(-1)
+
+
+def _logsumexp_of_sum(x):
+    return torch.logsumexp(x.sum(), 0)
+
+
+def _max_of_sum(x):
+    return x.sum().max(-1).values
+
+
+def _unsqueezed_sum(x):
+    return x.sum().unsqueeze(-1) + x
+
+
+@pytest.mark.parametrize("segments", [True, False], ids=["segments", "op_by_op"])
+@pytest.mark.parametrize("f", [_softmax_of_sum, _logsumexp_of_sum, _max_of_sum, _unsqueezed_sum],
+                         ids=lambda f: f.__name__)
+def test_a_dim_of_a_0d_instance_is_its_own_in_a_compiled_program(f, segments):
+    """A dim op of each instance's 0-d tensor, in a compiled program (raw segments, or op by op): the dim is the
+    instance's, never the batch's instance dim (a softmax over the instances was 0.78 off)."""
+    x = rand(N, 3, seed=2)
+    want = torch.stack([f(row) for row in x])
+    saved = config.SEGMENTS
+    config.SEGMENTS = segments
+    try:
+        got = recompile.vmap(recompile.function(f))(x)
+    finally:
+        config.SEGMENTS = saved
+    assert torch.allclose(got, want)

@@ -192,8 +192,13 @@ GROWN = {
                                     # a dict with shared keys, held as its values
                                     (intrinsics.build_dict, batch_rules.dict_display),
                                     # ``y[index] = v`` of each instance's own tensor: one write of the batch's rows
-                                    (operator.setitem, batch_rules.set_item)]),
+                                    (operator.setitem, batch_rules.set_item),
+                                    # an index_select keeping only its input's sizes, as eager's (vmap's kept it)
+                                    (torch.index_select, batch_rules._BY_DIM),
+                                    # a norm over all of each instance's elements too (vmap's was per group)
+                                    (torch.norm, batch_rules.norm)]),
                           {"_operator.matmul -> recompile:via_vmap",
+                           "torch.functional.norm -> recompile:_dim_rule.<locals>.rule",
                            "torch._VariableFunctionsClass.max -> recompile:_dim_rule.<locals>.rule",
                            "torch._VariableFunctionsClass.min -> recompile:_dim_rule.<locals>.rule"}),
     "batch_rules.METHOD_RULES": ({"'append' -> recompile:appended", "'numel' -> recompile:numel",
@@ -201,6 +206,8 @@ GROWN = {
                                   "'max' -> recompile:_extreme_method.<locals>.rule",
                                   "'min' -> recompile:_extreme_method.<locals>.rule",
                                   "'median' -> recompile:_extreme_method.<locals>.rule",
+                                  "'index_select' -> recompile:method_dim.<locals>.rule",
+                                  "'norm' -> recompile:norm_method",
                                   # in-place elementwise methods of each instance's own tensor: one on the batch's
                                   *(f"'{m}' -> recompile:_in_place_method.<locals>.rule"
                                     for m in batch_rules._ELEMENTWISE_IN_PLACE)},
@@ -211,7 +218,7 @@ GROWN = {
                                            (torch.nn.Sequential, batch_rules.in_sequence)]), set()),
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, len,
                                     intrinsics.build_dict,
-                                    *_CLOSURES, torch.median), set()),
+                                    *_CLOSURES, torch.median, torch.index_select), set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS, *_LAYERS, torch.nn.Sequential), set()),
     # (views that move dims read no value of their input either, as ``transpose`` always did)

@@ -571,6 +571,8 @@ class _Tracer:
         kw_values = {k: a.value for k, a in kwargs.items()}
         rank = base.value.dim()
         if dim_at is not None:
+            if not batch_rules.dims_shift(base.value, name):
+                raise _Untraceable
             if "dim" in kwargs:
                 where, dim = "dim", kwargs["dim"]
             elif len(args) > dim_at:

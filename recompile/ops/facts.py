@@ -187,7 +187,8 @@ UNARY_METHODS = ("sigmoid", "tanh", "relu", "exp", "log", "sqrt", "abs", "neg", 
 # means every dim); a batch's tensor runs them with the dim moved past the instance dim.
 DIM_METHODS = {"sum": (0, True), "mean": (0, True), "softmax": (0, False), "log_softmax": (0, False),
                "unsqueeze": (0, False), "squeeze": (0, False), "chunk": (1, False), "split": (1, False),
-               "unbind": (0, False), "max": (0, False), "argmax": (0, False)}
+               "unbind": (0, False), "max": (0, False), "argmax": (0, False),
+               "index_select": (0, False)}
 # Arithmetic that leaves a lazy (deferred) argument lazy: its result is computed when read
 # (``runtime.batch_rules.LazyOp``); with tuple building, what ``passes.batching`` lets a deferred result flow
 # through.

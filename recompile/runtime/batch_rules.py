@@ -659,7 +659,7 @@ def _dim_rule(position, default=None):
         values = _tensor_args(n, args)
         if values is None or any(type(v) is Batch for v in kwargs.values()) or type(args[0]) is not Batch:
             return NotImplemented
-        if any(type(a) is Batch for a in args[1:]):
+        if any(type(a) is Batch for a in args[1:]) or not dims_shift(values[0], fn):
             return NotImplemented
         kwargs = dict(kwargs)
         if "dim" in kwargs:
@@ -673,6 +673,13 @@ def _dim_rule(position, default=None):
         return _wrap(fn(*values, **kwargs), n)
 
     return rule
+
+
+def dims_shift(t, op):
+    """Whether an instance's dim is the batch tensor ``t``'s next one: not where each instance is 0-d, whose
+    dim 0 or -1 is the instance itself (``x.sum().softmax(-1)`` is 1.0; on the batch's tensor it would mix the
+    instances), except for unsqueeze, which adds the dim."""
+    return t.dim() > 1 or op in (torch.unsqueeze, "unsqueeze")
 
 
 def shift_dim(dim):
@@ -1024,7 +1031,7 @@ def method_dim(name, position, default_all=False):
 
     def rule(n, x, args, kwargs):
         t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
-        if t is None or any(type(a) is Batch for a in (*args, *kwargs.values())):
+        if t is None or any(type(a) is Batch for a in (*args, *kwargs.values())) or not dims_shift(t, name):
             return NotImplemented
         args, kwargs = list(args), dict(kwargs)
         if "dim" in kwargs:
@@ -1302,7 +1309,7 @@ def batched_equation(equation, batched):
 BATCH.register(torch.chunk, torch.split)(_dim_rule(2, default=0))
 BATCH.register(torch.unbind)(_dim_rule(1, default=0))
 BATCH.register(torch.softmax, F.softmax, F.log_softmax, torch.log_softmax, torch.unsqueeze, torch.squeeze,
-               torch.argmax, torch.logsumexp)(_dim_rule(1))
+               torch.argmax, torch.logsumexp, torch.index_select)(_dim_rule(1))
 _BY_DIM = _dim_rule(1)
 
 
@@ -1368,7 +1375,55 @@ def _extreme_method(kind):
         return by_dim(n, x, args, kwargs)
 
     return rule
-BATCH.register(torch.norm)(_dim_rule(2))
+
+
+def _norm(x, p, dim, keepdim, dtype, n):
+    """A vector norm of each instance's batched tensor ``x`` (a Batch), over ``dim`` or all its elements:
+    ``torch.linalg.vector_norm`` over the dims past the instance dim, as torch.norm computes it; None where
+    it is no vector norm (a matrix norm by name) or each instance is 0-d."""
+    t = bt.tensor_of(x) if type(x) is Batch else None
+    if t is None or t.dim() < 2 or type(p) is str and p != "fro" or type(p) is bool or type(keepdim) is not bool:
+        return None
+    if p is None or p == "fro":
+        p = 2
+    if type(p) not in (int, float):
+        return None
+    dims = tuple(range(1, t.dim())) if dim is None else shift_dim(dim)
+    return _wrap(torch.linalg.vector_norm(t, p, dims, keepdim, dtype=dtype), n)
+
+
+def _norm_arguments(args, kwargs, names):
+    """``args`` and ``kwargs`` by parameter ``names`` (the values of the ones given), or None for an unknown
+    keyword or too many arguments."""
+    if len(args) > len(names) or any(k not in names for k in kwargs):
+        return None
+    found = dict(zip(names, args))
+    if any(k in found for k in kwargs):
+        return None
+    found.update(kwargs)
+    return found
+
+
+@BATCH.register(torch.norm)
+def norm(n, fn, args, kwargs):
+    """``torch.norm(x, p, dim, keepdim)`` of a batched x (no dim: over each instance's every element)."""
+    found = _norm_arguments(args, kwargs, ("input", "p", "dim", "keepdim", "out", "dtype"))
+    if found is None or found.get("out") is not None or any(type(v) is Batch for v in found.values()
+                                                             if v is not found.get("input")):
+        return NotImplemented
+    out = _norm(found.get("input"), found.get("p", "fro"), found.get("dim"), found.get("keepdim", False),
+                found.get("dtype"), n)
+    return NotImplemented if out is None else out
+
+
+@BATCH.register("norm")
+def norm_method(n, x, args, kwargs):
+    """``x.norm(p, dim, keepdim)`` of a batched x (see ``norm``)."""
+    found = _norm_arguments(args, kwargs, ("p", "dim", "keepdim", "dtype"))
+    if found is None or any(type(v) is Batch for v in found.values()):
+        return NotImplemented
+    out = _norm(x, found.get("p", "fro"), found.get("dim"), found.get("keepdim", False), found.get("dtype"), n)
+    return NotImplemented if out is None else out
 for _method in facts.UNARY_METHODS:
     BATCH.register(_method)(unary_method(_method))
 for _method, (_position, _every) in facts.DIM_METHODS.items():
