@@ -1020,3 +1020,93 @@ def test_dropout_of_a_batched_value_runs_in_the_plain_run_with_a_mask_per_instan
         (want,) = torch.autograd.grad((want_h * 2 * mask * weights).sum(), xs)
         torch.testing.assert_close(xs.grad, want)
     assert prog.plain.runs == 2 and not prog.plain.refused, prog.plain
+
+
+HALF = torch.full((3,), 0.5, dtype=torch.float64)
+
+
+def clipped(xs, left, right, i):
+    """A cell with ``if``s of each node's own predicate (a norm clipped, a nested ``elif``, a branch giving a
+    shared tensor): in a plain run each branch runs on the rows that take it."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = clipped(xs, left, right, left[i])
+        hr, loss_r = clipped(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + hl - 0.5 * hr) * 2.0
+        if h.norm() > 2.0:
+            h = h * (2.0 / h.norm())
+        elif h.sum() < -1.0:
+            h = h.flip(0)
+        if h[0] > 0.9:
+            g = HALF
+        else:
+            g = h * h
+        h = h + g
+        loss = loss_l + loss_r
+    return h, loss + score(h)
+
+
+def test_an_if_of_each_instances_own_predicate_runs_its_branches_on_their_rows_in_a_plain_run():
+    """Each branch of a per-node ``if`` runs on the rows taking it (all, some or none at a depth), the outputs
+    joined back in the rows' order (a shared tensor given its rows); values and gradients as eager's, and as
+    the run on Batch values and the agenda's. Without gradients too."""
+    torch.manual_seed(0)
+    compiled = recursion(clipped)
+    eager = recursion(clipped, compiled=False)
+    prog = program(compiled)
+    left, right, roots = forest_of_trees()
+    xs = (torch.randn(len(left), 3, dtype=torch.float64) * 1.5).requires_grad_()
+
+    def run():
+        xs.grad = None
+        h, loss = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+        (h.sum() + loss.sum()).backward()
+        return (h.detach(), loss.detach()), {"xs": xs.grad.clone()}
+
+    xs.grad = None
+    want = [eager(xs, left, right, int(r)) for r in roots]
+    h, loss = (torch.stack(v) for v in zip(*want))
+    (h.sum() + loss.sum()).backward()
+    eager_run = ((h.detach(), loss.detach()), {"xs": xs.grad.clone()})
+    for _ in range(2):
+        got, batch, agenda = three_ways(run)
+        assert_same(got, eager_run)
+        assert_same(got, batch)
+        assert_same(got, agenda)
+    with torch.no_grad():
+        h, loss = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+    torch.testing.assert_close((h, loss), eager_run[0])
+    assert prog.plain.runs >= 3 and prog.plain.failures == 0 and not prog.plain.refused, prog.plain
+    assert any(piece.conds for piece in prog.plain.pieces())
+
+
+def clipped_number(xs, i):
+    """A branch giving a Python number where the other gives a tensor: each instance's own value, which a plain
+    run cannot hold as rows (the run goes on Batch values); a branch that raises for the rows taking it."""
+    if i + 1 >= xs.shape[0]:
+        return torch.tanh(xs[i])
+    h = torch.tanh(xs[i] + 0.5 * clipped_number(xs, i + 1))
+    if xs[i].sum() > 10.0:
+        raise ValueError("too large")
+    if h.sum() > 0.0:
+        scale = 2.0
+    else:
+        scale = h
+    return h * scale
+
+
+def test_an_if_whose_branches_give_a_number_and_a_tensor_runs_on_batch_values():
+    compiled = recompile.function(clipped_number)
+    prog = program(compiled)
+    torch.manual_seed(1)
+    xs = torch.randn(6, 3, dtype=torch.float64)
+    starts = torch.tensor([0, 2, 4, 5])
+    want = torch.stack([clipped_number(xs, int(i)) for i in starts])
+    for _ in range(2):
+        torch.testing.assert_close(recompile.vmap(compiled, in_dims=(None, 0))(xs, starts), want)
+    assert prog.plain.runs == 0 and prog.plain.refused and prog.fallbacks == 0
+    xs[3] = 20.0
+    with pytest.raises(ValueError, match="too large"):
+        recompile.vmap(compiled, in_dims=(None, 0))(xs, starts)

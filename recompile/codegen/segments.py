@@ -182,6 +182,7 @@ class Plain:
         self.traces = {}
         self.sources = []
         self.refused = set()  # input kinds it has no plain form for
+        self.conds = {}  # its Conds of each instance's own predicate -> RowsCond
         read = {id(v) for op in ops for v in op.operands()} | {id(v) for v in outputs}
         # positions of the inputs no op reads (a leaf branch's ``depth``): requests joined for the piece may
         # differ there without being made rows
@@ -245,6 +246,65 @@ class Plain:
         entry = (namespace["prep"], namespace["body"], tracer.out_kinds, shared)
         self.traces[kinds] = self.traces.get(kinds, []) + [entry]  # (a new list: a run may be iterating it)
         return tracer.result, tracer.out_kinds
+
+
+class RowsCond:
+    """A Cond of each instance's own predicate in a plain piece: each branch a ``Plain`` of its own, run on the
+    rows that take it (all of them, or none, without a gather), the outputs joined back in the rows' order
+    (``cat``, then ``index_select``). A joined output is batched where either branch's is; a shared one then
+    takes its rows only where it is a tensor of the rows' shape and dtype (a Python number is the instance's
+    own value: ``NotPlain``); outputs of other kinds than the trace's, or of another rank or dtype, raise
+    ``Deopt``."""
+
+    def __init__(self, name, op, kernels):
+        self.branches = tuple(Plain(f"{name}.{side}", sg.ops, sg.inputs, sg.outputs, kernels)
+                              for side, sg in (("then", op.then_sg), ("else", op.else_sg)))
+
+    def __call__(self, n, mask, kinds, args, out_kinds):
+        """(outputs, their kinds) for ``n`` rows whose truths are ``mask``; ``out_kinds`` the trace's, or None
+        while tracing."""
+        truth = mask if mask.dtype is torch.bool else mask != 0  # (``bool(t)``: NaN is true)
+        taken = truth.nonzero().view(-1)
+        count = taken.shape[0]
+        if count in (0, n):
+            outs, got = self.branches[count == 0](n, kinds, args)
+            outs = list(outs)
+        else:
+            rest = (~truth).nonzero().view(-1)
+            sides = [branch(len(rows), kinds, [a.index_select(0, rows) if k == "B" else a
+                                               for a, k in zip(args, kinds)])
+                     for branch, rows in zip(self.branches, (taken, rest))]
+            order = torch.cat([taken, rest])
+            back = torch.empty_like(order)
+            back[order] = torch.arange(n, device=order.device)
+            outs, got = [], []
+            for j in range(len(sides[0][0])):
+                parts = [(side[0][j], side[1][j]) for side in sides]
+                outs.append(_joined(parts, (count, n - count), back))
+                got.append("B" if any(k == "B" for _, k in parts) else "S")
+        if out_kinds is not None and tuple(got) != out_kinds:
+            raise Deopt
+        return outs, tuple(got)
+
+
+def _joined(parts, counts, back):
+    """One output of a RowsCond's two branches ``parts`` ((value, kind) of ``counts`` rows each) in the rows'
+    order (``back``)."""
+    if all(k == "S" for _, k in parts):
+        if parts[0][0] is not parts[1][0]:
+            raise NotPlain("a value each branch gives its own of")
+        return parts[0][0]
+    like = next(v for v, k in parts if k == "B")
+    rows = []
+    for (v, k), c in zip(parts, counts):
+        if k == "S":
+            if type(v) not in _PLAIN_TENSORS or v.shape != like.shape[1:]:
+                raise NotPlain("a shared value joined with rows")
+            v = v.expand(c, *v.shape)
+        if v.dtype != like.dtype or v.shape[1:] != like.shape[1:]:
+            raise Deopt
+        rows.append(v)
+    return torch.cat(rows).index_select(0, back)
 
 
 def _add_counts(into, counts):
@@ -470,10 +530,13 @@ class _Tracer:
     def cond(self, op):
         """A Cond whose predicate every instance shares (``depth < MAX_DEPTH and p > 0.5``, the ``and`` at one
         depth): the branch this call takes, inline, behind a guard that the predicate's truth is the traced
-        one (the other branch is another trace of the piece, made when a call takes it)."""
+        one (the other branch is another trace of the piece, made when a call takes it). In a plain piece, a
+        predicate of each instance's own runs each branch on its rows (``RowsCond``)."""
         pred = self.load(op.pred)
         if pred.kind != "S":
-            raise _Untraceable
+            if self.plain is None:
+                raise _Untraceable
+            return self.rows_cond(op, pred)
         try:
             truth = bool(pred.value)
         except Exception:  # (the op-by-op run raises it from the user's line)
@@ -487,6 +550,30 @@ class _Tracer:
             self.op(inner)
         for out, result in zip(op.outputs, branch.outputs):
             self.define(out, self.load(result))
+
+    def rows_cond(self, op, pred):
+        """``if c.norm() > 5.0:`` of each instance's own predicate, in a plain piece: one line calling the
+        Cond's ``RowsCond`` on the rows' truths and the branch arguments (batched ones as tensors of rows)."""
+        mask = self.as_b(pred)
+        if mask is None or mask.value.dim() != 1:
+            raise _Untraceable  # (a truth that is no 0-d tensor per instance: the Batch run raises or decides)
+        slots = [self.as_b(s) if s.kind == "O" else s for s in map(self.load, op.args)]
+        if any(s is None or s.kind not in ("B", "S") for s in slots):
+            raise _Untraceable
+        kinds = tuple(s.kind for s in slots)
+        conds = self.segment.conds
+        if op not in conds:
+            conds[op] = RowsCond(f"{self.segment.name}.{op.then_sg.name}", op, self.segment.kernels)
+        try:
+            values, out_kinds = conds[op](self.n, mask.value, kinds, [s.value for s in slots], None)
+        except NotPlain:
+            raise _Untraceable from None
+        names = [self.fresh() for _ in op.outputs]
+        call = (f"{self.const(conds[op])}(_n, {mask.name}, {kinds!r}, [{', '.join(s.name for s in slots)}], "
+                f"{out_kinds!r})[0]")
+        self.emit(f"{''.join(x + ', ' for x in names)}= {call}" if names else call)
+        for out, name, value, kind in zip(op.outputs, names, values, out_kinds):
+            self.define(out, _Slot(kind, name, value))
 
     def capture(self, op):
         if op.source_kind == "attr":
