@@ -35,7 +35,9 @@ choose differently. The generator knows which values are exact (sums and product
 relu, clamp, max, indexing) and calls a program *fragile* where a tie-sensitive op reads an inexact value;
 a fragile program's batched runs (batched mode and vmap) take inputs drawn from a normal distribution,
 where no two values coincide, while sequential and threaded runs, which compute what eager computes op
-for op, still take the tied inputs.
+for op, still take the tied inputs. Where such a run still disagrees, and eager's own outcome moves beyond the
+tolerance when the inputs move by an ulp or so (a threshold met, then magnified by recursion), the case is
+chaotic and not compared (``chaotic``).
 
 Known bugs: a program with a construct that meets one (``KNOWN_BUGS``) is not compared in the modes it
 affects, and where sequential mode refuses what eager computes (``KNOWN_REFUSALS``) that refusal is
@@ -1165,6 +1167,18 @@ def close(g, w):
     return None if diff <= RTOL else f"max relative difference {diff:.3g}"
 
 
+def chaotic(reference, inputs, want):
+    """Whether eager's outcome on ``inputs`` changes beyond the tolerance when they move by a few ulps: a fragile
+    program with normal inputs may still meet a threshold (a comparison, a break) that an ulp of a batched
+    transcendental decides, and recursion then magnifies the difference; no run can match eager there."""
+    for k in range(3):
+        gen = torch.Generator().manual_seed(k)
+        moved = tuple(t * (1.0 + 4e-16 * torch.randn(t.shape, generator=gen, dtype=F64)) for t in inputs)
+        if compare(reference(moved), want):
+            return True
+    return False
+
+
 def _modes_of(table, gen):
     """{mode: entry name} for the modes where ``table``'s entries (name -> (feature, modes, why)) apply to the
     program ``gen`` made; none with RECOMPILE_RANDOM_KNOWN set."""
@@ -1226,6 +1240,8 @@ def check_seed(seed, folder, modes=MODES + ("vmap",), cases=2):
                 got = single(mods[mode], inputs, d)
                 count(mode, want)
                 bad = compare(got, want, mode in tolerated)
+                if bad and inputs is normal and chaotic(lambda xs: single(mods["eager"], xs, d), inputs, want):
+                    continue
                 if bad:
                     failures.append((mode, case, d, inputs, bad))
             if "vmap" in modes:
@@ -1240,6 +1256,9 @@ def check_seed(seed, folder, modes=MODES + ("vmap",), cases=2):
                 got = batched_compiled(mods["batched"], inputs, shared, d)
                 count("vmap", want)
                 bad = compare(got, want)
+                if bad and gen.fragile and chaotic(lambda xs: batched_eager(mods["eager"], xs, shared, d), inputs,
+                                                   want):
+                    continue
                 if bad:
                     failures.append((f"vmap shared={shared}", case, d, inputs, bad))
     return gen, failures
