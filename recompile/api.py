@@ -17,7 +17,7 @@ from .errors import GradFallbackWarning
 from .passes.fusion import BACKENDS, DEFAULT_BACKEND
 from .passes.pipeline import FINAL, GRAD, STAGES
 from .program import Function
-from .runtime import agenda, autograd, pool, scheduler, threaded
+from .runtime import agenda, autograd, helpers, pool, scheduler, threaded
 
 MODES = ("batched", "sequential", "threaded")
 
@@ -235,11 +235,15 @@ class CompiledFunction(Function):
         first), each a value every instance shares or a ``runtime.batch.Batch`` of one value per instance
         (what ``recompile.vmap`` makes). Returns the result, a Batch where it differs between instances.
         torch.autograd records each batched op once for all its instances: the backward is batched too."""
+        return self._run_batched(args, n, owner)[0]
+
+    def _run_batched(self, args, n, owner):
+        """``run_batched``'s result, and the ops its run ran once per instance (``{name: count}``)."""
         callee = self._ready_callee(owner)
         self.stats.record_start()
         result, run_stats = agenda.run(callee, args, n, pool=self._pool())
         self.stats.record_batched(run_stats)
-        return result
+        return result, run_stats.per_instance
 
     def _ready_callee(self, owner):
         callee = self.callee(owner)
@@ -357,3 +361,20 @@ def function(fn=None, **options):
 def _replayed(callee, args):
     """A call run again on the batched runtime, which torch.autograd records (``runtime.autograd``)."""
     return agenda.run(callee, args, 1)[0]
+
+
+def _compile_helper(fn):
+    """``runtime.helpers``' compiler: an undecorated helper compiled for batched runs, as its signature, a
+    ``kind(owner)`` (built for ``owner``, or its CompileError raised: "pure" where run again it changes and shows
+    nothing twice, "unchanging" where it only changes nothing in place, else None) and a ``run(args, n, owner)``
+    giving its result and the ops it ran once per instance."""
+    cf = CompiledFunction(fn, mode="batched")
+
+    def kind(owner):
+        callee = cf._ready_callee(owner)
+        return "pure" if callee.runs_again_unseen else None if callee.may_mutate else "unchanging"
+
+    return cf.signature, kind, cf._run_batched
+
+
+helpers.compiler = _compile_helper

@@ -36,6 +36,9 @@ PLAIN_FAILURES = 8  # failed plain runs (a guard, an error) after which a progra
 # user's file and line, the op, why, what to write instead), "error" (raise ``recompile.PerInstanceError``:
 # for tests that a model batches whole), or "allow" (count it in ``stats["per_instance"]`` only).
 PER_INSTANCE = "warn"
+# An undecorated function of the user's own code called with per-instance values is compiled and run once for
+# the group (``runtime.helpers``); off: it runs once per instance, as Python.
+COMPILE_HELPERS = True
 
 # A loop stepping an RNN cell over a sequence runs as torch's own RNN over the packed steps
 # (``codegen.recurrent``); off: step by step, as written.

@@ -18,7 +18,7 @@ from .codegen import generate
 from .codegen.batched import generate_batched
 from .frontend import convert, parse_function, validate
 from .naming import Namer
-from .passes.effects import invoke_may_mutate, program_may_mutate
+from .passes.effects import invoke_may_mutate, program_may_mutate, program_runs_again_unseen
 from .passes.grad import backward_name, derive, forward_name
 from .passes.holding import caller_visible_change
 from .passes.pipeline import FINAL, run_passes
@@ -159,6 +159,7 @@ class Callee:
         self._code = None
         self._unit = None
         self._may_mutate = None
+        self._runs_again_unseen = None
         self._makes_functions = None
         self._changes_callers = _UNREAD
         self.ready = False  # this function and every function it may invoke are built
@@ -184,6 +185,13 @@ class Callee:
         if code is None:
             code = self._code = self.build.code
         return code
+
+    @property
+    def runs_again_unseen(self):
+        """Whether this function, run again, changes and shows nothing twice (``passes.effects``)."""
+        if self._runs_again_unseen is None:
+            self._runs_again_unseen = program_runs_again_unseen(self, FINAL)
+        return self._runs_again_unseen
 
     @property
     def may_mutate(self):

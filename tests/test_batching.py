@@ -843,7 +843,8 @@ def test_sst_minibatch_values_and_grads(sst):
 # ---------------------------------------------------------------------------
 
 def plain_helper(v):
-    """An undecorated Python helper: no batch rule, runs per instance."""
+    """An undecorated Python helper: compiled for the group (runtime.helpers), or with COMPILE_HELPERS off run
+    once per instance."""
     return v * v.sum() + v.flip(0)
 
 
@@ -867,7 +868,11 @@ def nonzero_rows(x):
     return idx.sum() + x.sum()
 
 
-def test_python_helper_runs_per_instance_and_is_counted():
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "per_instance"])
+def test_python_helper_is_compiled_for_the_group_or_runs_per_instance_and_is_counted(compiled, monkeypatch):
+    """An undecorated helper of per-instance values is compiled and run once for the instances calling it;
+    with ``config.COMPILE_HELPERS`` off it runs once per instance, counted. Values and gradients as eager's."""
+    monkeypatch.setattr(config, "COMPILE_HELPERS", compiled)
     cf = recompile.function(uses_helper)
     x = torch.tensor([[1., 2, 3], [-1, 2, 0], [2, -1, 1], [0.5, 0.5, 0.5], [-2, 1, 1]], dtype=F64)
     x_b = x.clone().requires_grad_(True)
@@ -879,7 +884,7 @@ def test_python_helper_runs_per_instance_and_is_counted():
     g_e, = torch.autograd.grad(want.sum(), x_e)
     assert_close(g_b, g_e, GRAD_TOL)
     counted = {name: n for name, n in cf.stats["per_instance"].items() if name.endswith("plain_helper")}
-    assert list(counted.values()) == [3]  # the three instances with x[0] > 0
+    assert list(counted.values()) == ([] if compiled else [3])  # (the three instances with x[0] > 0)
     cf.stats.reset()
     cf(x[0])  # one instance: nothing runs "per instance"
     assert cf.stats["per_instance"] == {}

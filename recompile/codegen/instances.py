@@ -27,7 +27,7 @@ import builtins
 from .. import intrinsics, ir
 from ..ops import facts
 from ..ops.table import torch_callable
-from ..runtime import fallbacks
+from ..runtime import fallbacks, helpers
 from ..runtime.batch_rules import BATCH
 
 ONCE, BATCHED, BY_TYPE, PER_INSTANCE = "once", "batched", "by type", "per instance"
@@ -159,6 +159,8 @@ def _how(reading, op):
         return _once(fn)
     if _batches(fn):
         return BATCHED, None
+    if helpers.kind(fn) is not None:
+        return BATCHED, "an undecorated helper, compiled and run once for the group (it changes nothing in place)"
     why, instead = fallbacks.reason(fn)
     return PER_INSTANCE, f"{why}; {instead}"
 

@@ -42,7 +42,7 @@ from ..diagnostics import tracing_at
 from ..ops import facts, syntax
 from ..ops.table import RuleTable, has_hooks, tensor_method
 from ..runtime import batch as bt
-from ..runtime import batch_rules, control, lazy_weights, sharing
+from ..runtime import batch_rules, control, helpers, lazy_weights, sharing
 from ..runtime.batch import Batch
 from ..runtime.frames import annotated_by
 from ..runtime.levels import Deopt, NotPlain
@@ -120,12 +120,12 @@ class Segment:
                         counters.per_instance = saved
                         return _raised_again(exc, self.generic, n, args)
                     self.hits += 1
-                    _add_counts(saved, counters.per_instance)
+                    batch_rules.add_counts(saved, counters.per_instance)
                     return out
                 counters.per_instance = {}
                 traced = self._missed(n, args)
                 if traced is not None:  # (the trace ran the call: its result is this call's)
-                    _add_counts(saved, counters.per_instance)
+                    batch_rules.add_counts(saved, counters.per_instance)
                     return traced[0]
             finally:
                 counters.per_instance = saved
@@ -305,11 +305,6 @@ def _joined(parts, counts, back):
             raise Deopt
         rows.append(v)
     return torch.cat(rows).index_select(0, back)
-
-
-def _add_counts(into, counts):
-    for name, k in counts.items():
-        into[name] = into.get(name, 0) + k
 
 
 class _Untraceable(Exception):
@@ -1327,7 +1322,7 @@ def rerunnable(fn):
         return _plain_module(fn, nn.Sequential) and all(rerunnable(m) for m in fn)
     if type(fn) in _GENERIC_OK_MODULES:  # (not an RNN with dropout between its layers, training: it draws)
         return _plain_module(fn, type(fn)) and not (isinstance(fn, nn.RNNBase) and fn.dropout and fn.training)
-    return facts.among(fn, _GENERIC_OK)
+    return facts.among(fn, _GENERIC_OK) or helpers.kind(fn) == "pure"
 
 
 # Draws of one number per element of their input: dropout.

@@ -108,3 +108,39 @@ def program_may_mutate(target, stage):
     """Whether the compiled function ``target`` names (an ``ir.Target``), or anything it may invoke, may
     mutate state."""
     return any(subgraph_mutates(t.subgraph(stage)) for t in ir.reachable(target, stage))
+
+
+# Builtins whose call is an effect of its own, seen by the user (output, input, files)
+_VISIBLE = frozenset({print, input, open, breakpoint, exec, eval})
+
+
+def program_runs_again_unseen(target, stage):
+    """Whether the compiled function ``target`` names, run again, changes and shows nothing twice: neither it
+    nor what it may invoke changes state in place, calls a builtin with an effect of its own (``print``,
+    ``open``) or a random draw by name. (A callable it reads at run time, ``self.drop``, is not seen here.)"""
+    if program_may_mutate(target, stage):
+        return False
+    for t in ir.reachable(target, stage):
+        for sg in t.subgraph(stage).walk():
+            for op in sg.ops:
+                if isinstance(op, ir.Call):
+                    fn = resolve(op.fn)
+                    if facts.among(fn, _VISIBLE) or facts.among(fn, facts.DRAWS):
+                        return False
+    return True
+
+
+def resolve(operand):
+    """The object an operand holds when the program is built, if that is known (a constant, a global or closure
+    variable, an attribute of one: ``torch.randn``); else None."""
+    if isinstance(operand, ir.Const):
+        return operand.value
+    producer = operand.op
+    if isinstance(producer, ir.Capture) and producer.source_kind in ("global", "closure"):
+        return build_time_value(producer)
+    if (isinstance(producer, ir.Call) and isinstance(producer.fn, ir.Const) and producer.fn.value is getattr
+            and len(producer.args) == 2 and not producer.kwargs and isinstance(producer.args[1], ir.Const)
+            and isinstance(producer.args[1].value, str)):
+        base = resolve(producer.args[0])
+        return None if base is None else ir.safe_getattr(base, producer.args[1].value)
+    return None

@@ -25,24 +25,9 @@ import copy
 
 from .. import ir
 from ..ops import facts
-from .effects import build_time_value
+from .effects import resolve
 BACKENDS = ("python", "compile")
 DEFAULT_BACKEND = "python"  # see docs/fusion.md, "Which backend", for the measurement behind it
-
-
-def resolve(operand):
-    """The object an operand holds when the program is built, if that is known; else None."""
-    if isinstance(operand, ir.Const):
-        return operand.value
-    producer = operand.op
-    if isinstance(producer, ir.Capture) and producer.source_kind in ("global", "closure"):
-        return build_time_value(producer)
-    if (isinstance(producer, ir.Call) and isinstance(producer.fn, ir.Const) and producer.fn.value is getattr
-            and len(producer.args) == 2 and not producer.kwargs and isinstance(producer.args[1], ir.Const)
-            and isinstance(producer.args[1].value, str)):
-        base = resolve(producer.args[0])
-        return None if base is None else ir.safe_getattr(base, producer.args[1].value)
-    return None
 
 
 def _elementwise_fn(op):

@@ -28,7 +28,7 @@ from ..dynamo import opaque
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
-from . import cells, fallbacks, lazy_weights, ranges, sharing
+from . import cells, fallbacks, helpers, lazy_weights, ranges, sharing
 from .batch import Batch
 
 # Batch rules, filed as the gradient rules are (``ops.table``): ``rule(n, fn, args, kwargs)`` for a callable
@@ -266,6 +266,12 @@ def per_instance_or_once(n, thunk, values):
     return bt.from_items([thunk(*[sharing.own(bt.instance(v, k)) for v in values]) for k in range(n)])
 
 
+def add_counts(into, counts):
+    """Per-instance ``counts`` ({name: count}) added to ``into``'s."""
+    for name, k in counts.items():
+        into[name] = into.get(name, 0) + k
+
+
 def _count(fn, n, why):
     name = _name(fn)
     counters.per_instance[name] = counters.per_instance.get(name, 0) + n
@@ -336,6 +342,11 @@ def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
             return out
     if method is not None:
         return per_instance(n, fn, args[1:], kwargs)
+    if bound is None:  # (an undecorated helper of the user's, a method of a module too: compiled, one run)
+        out = helpers.run(n, fn, args, kwargs or {})
+        if out is not NotImplemented:
+            add_counts(counters.per_instance, out[1])  # (the helper's run's, counted as this run's)
+            return out[0]
     return per_instance(n, fn, args, kwargs)
 
 

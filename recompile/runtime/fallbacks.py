@@ -16,6 +16,7 @@ from ..diagnostics import user_line, warn_once
 from ..errors import PerInstanceError, PerInstanceWarning
 from ..ops import facts, syntax
 from ..ops.table import torch_callable
+from . import helpers
 from .batch import Batch, instance
 
 # Why an op ran once per instance, and what to write instead: (why, instead).
@@ -57,6 +58,10 @@ def reason(fn):
         return UNVMAPPABLE
     if _nested(fn):
         return NESTED
+    refused = helpers.refusal(fn)
+    if refused is not None:
+        return (f"it is Python code of per-instance values that recompile does not compile ({refused})",
+                "write it with what recompile compiles, or with torch ops")
     return UNVMAPPABLE if torch_callable(fn) else PYTHON
 
 

@@ -1,0 +1,136 @@
+"""Undecorated helpers of per-instance values, compiled for the whole group instead of run once per instance.
+
+A plain function of the user's own code (``def node_loss(self, h, label)`` left undecorated), called from a
+batched run with values that differ between instances, would otherwise run once per instance: Python sees one
+instance at a time. On its first such call it is compiled as ``@recompile.function`` compiles it, and each call
+then runs it once for every instance of the group (``CompiledFunction.run_batched``), as ``torch.func.vmap``
+traces through whatever a function calls. Its values, gradients, effects and errors are the plain call's.
+
+Compiled: functions (and methods, bound to their object) whose code lies outside the standard library, the
+installed packages and recompile itself, defined at module or class level (not closures, lambdas or the
+functions the compiler makes of a ``with`` or ``try``), neither generators nor coroutines, with no ``*args``,
+``**kwargs`` or keyword-only parameters. Run for the group only where it changes nothing in place (neither it
+nor what it invokes: ``passes.effects``): a helper appending to a list, setting an attribute or adding into a
+tensor keeps running once per instance, so that each instance's changes come before the next one's reads, as
+in plain Python. So does a function the compiler refuses (a construct it does not compile); the warning then
+says why. ``config.COMPILE_HELPERS = False`` turns this off.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sysconfig
+import threading
+import types
+import weakref
+
+import torch
+
+from .. import config
+from ..errors import CompileError
+
+# Where code is not the user's: the standard library, installed packages, torch and recompile
+_LIBRARY_ROOTS = tuple(sorted({os.path.realpath(p) + os.sep for p in (
+    *(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")),
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__)) if p}))
+_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_VARARGS | \
+    inspect.CO_VARKEYWORDS
+_mine = weakref.WeakKeyDictionary()  # function -> whether it is the user's own (``user_function``)
+_compiled = weakref.WeakKeyDictionary()  # function -> its compiled form, or the CompileError that refused it
+_lock = threading.Lock()
+# func -> (its signature, kind(owner): built for owner, or its CompileError raised, "pure" where run again it
+# changes and shows nothing twice, "unchanging" where it changes nothing in place, else None, and run(args, n,
+# owner): its result and the ops it ran once per instance): set by ``recompile.api``, which compiles (the
+# runtime lies beneath it)
+compiler = None
+
+
+def user_function(fn):
+    """The plain function ``fn`` calls (a function, or a method's function) where it is the user's own code
+    that a helper's compilation may take, else None."""
+    func = fn.__func__ if type(fn) is types.MethodType else fn
+    if type(func) is not types.FunctionType or "<" in func.__qualname__:  # (a closure, a lambda)
+        return None
+    mine = _mine.get(func)
+    if mine is None:
+        mine = _mine[func] = _is_users(func)
+    return func if mine else None
+
+
+def _is_users(func):
+    code = func.__code__
+    if code.co_flags & _FLAGS or code.co_kwonlyargcount or hasattr(func, "__wrapped__"):
+        return False
+    return not (code.co_filename.startswith("<") or os.path.realpath(code.co_filename).startswith(_LIBRARY_ROOTS))
+
+
+def compiled(func):
+    """Helper ``func`` compiled (on first use: what ``compiler`` gives), or the CompileError that refused it."""
+    found = _compiled.get(func)
+    if found is None:
+        with _lock:
+            found = _compiled.get(func)
+            if found is None:
+                found = _compile(func)
+                _compiled[func] = found
+    return found
+
+
+def _compile(func):
+    try:
+        return compiler(func)
+    except CompileError as exc:
+        return exc
+
+
+def refusal(fn):
+    """Why helper ``fn`` was not compiled (a line), or None where it was, or is none of the user's."""
+    func = user_function(fn)
+    found = _compiled.get(func) if func is not None else None
+    return str(found).splitlines()[0] if isinstance(found, CompileError) else None
+
+
+def _kind(fn):
+    """(compiled form, bound self, owner, kind) of helper ``fn`` (see ``compiler``), or None where it is no
+    helper this compiles."""
+    if not config.COMPILE_HELPERS or compiler is None:
+        return None
+    func = user_function(fn)
+    if func is None:
+        return None
+    found = compiled(func)
+    if isinstance(found, CompileError):
+        return None
+    bound_self = (fn.__self__,) if type(fn) is types.MethodType else ()
+    owner = type(fn.__self__) if bound_self else None
+    try:
+        kind = found[1](owner)  # (converted on first use: a construct it does not compile is found here)
+    except CompileError as exc:
+        _compiled[func] = exc
+        return None
+    return found, bound_self, owner, kind
+
+
+def kind(fn):
+    """"pure" where ``fn`` is a helper this compiles that, run again, changes and shows nothing twice (a plain
+    level run given up runs its pieces again: ``codegen.segments``); "unchanging" where it only changes nothing
+    in place; None where it is no helper, or one that changes something (run once per instance)."""
+    found = _kind(fn)
+    return None if found is None else found[3]
+
+
+def run(n, fn, args, kwargs):
+    """``fn(*args, **kwargs)`` for ``n`` instances (some arguments Batch values) as one batched run of the
+    compiled helper: its result, and the ops it ran once per instance (``{name: count}``, for the caller's
+    stats); NotImplemented where ``fn`` is no helper this compiles."""
+    found = _kind(fn)
+    if found is None or found[3] is None:  # (one that changes something: each instance's changes in turn)
+        return NotImplemented
+    (signature, _, run_batched), bound_self, owner, _ = found
+    try:
+        bound = signature.bind(*bound_self, *args, **kwargs)
+    except TypeError:
+        return NotImplemented  # (the plain call raises Python's own error, once per instance)
+    bound.apply_defaults()
+    return run_batched(tuple(bound.arguments.values()), n, owner)

@@ -1,0 +1,205 @@
+"""Undecorated helpers of per-instance values (runtime/helpers.py): compiled and run once for the group.
+
+Each test compares a batched run (``recompile.vmap``) with eager PyTorch per instance, values and gradients,
+and checks what ran once per instance (``stats["per_instance"]``): nothing, where the helper changes nothing
+in place; the helper itself, counted and warned of, where it changes something, where the compiler refuses
+it, or with ``config.COMPILE_HELPERS`` off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import recompile
+from recompile import config
+from recompile.data import Forest
+from recompile.runtime import helpers
+from test_levels import program
+from test_segments import WORDS, trees
+
+F64 = torch.float64
+
+
+def scale_rows(v, k=2.0):
+    """A helper of a helper: both compiled."""
+    return squashed(v) * k
+
+
+def squashed(v):
+    return torch.tanh(v) + v.sum() * 0.1
+
+
+def uses_helpers(x):
+    if x[0] > 0:
+        return scale_rows(x, k=3.0) + 1.0
+    return scale_rows(x)
+
+
+def run_both(f, x):
+    """(vmap of f compiled, eager loop) on ``x``'s rows: values and x's gradients, and the compiled stats."""
+    cf = recompile.function(f)
+    x_b, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = recompile.vmap(cf)(x_b)
+    want = torch.stack([f(row) for row in x_e])
+    grads = [torch.autograd.grad(v.sum(), leaf)[0] for v, leaf in ((got, x_b), (want, x_e))]
+    return (got, grads[0]), (want, grads[1]), cf.stats
+
+
+X = torch.tensor([[1., 2, 3], [-1, 2, 0], [2, -1, 1], [0.5, 0.5, 0.5], [-2, 1, 1]], dtype=F64)
+
+
+def test_a_helper_of_per_instance_values_runs_once_for_the_group():
+    (got, got_grad), (want, want_grad), stats = run_both(uses_helpers, X)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grad, want_grad)
+    assert stats["per_instance"] == {}
+    compiled = helpers.compiled(scale_rows)
+    assert not isinstance(compiled, Exception)
+
+
+def test_with_compile_helpers_off_a_helper_runs_once_per_instance(monkeypatch):
+    monkeypatch.setattr(config, "COMPILE_HELPERS", False)
+    with pytest.warns(recompile.PerInstanceWarning, match="scale_rows runs once per instance"):
+        (got, got_grad), (want, want_grad), stats = run_both(uses_helpers, X)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grad, want_grad)
+    assert sum(stats["per_instance"].values()) == len(X)
+
+
+SEEN = []
+
+
+def noted(v):
+    """A helper that changes something (a global list): each instance's change before the next one's read."""
+    SEEN.append(len(SEEN))
+    return v * len(SEEN)
+
+
+def uses_noted(x):
+    return noted(x) + 1.0
+
+
+def test_a_helper_that_changes_something_runs_once_per_instance_in_order():
+    SEEN.clear()
+    cf = recompile.function(uses_noted)
+    with pytest.warns(recompile.PerInstanceWarning, match="noted runs once per instance"):
+        got = recompile.vmap(cf)(X)
+    SEEN.clear()
+    want = torch.stack([uses_noted(row) for row in X])
+    torch.testing.assert_close(got, want)  # (instance k saw k + 1 entries, as one call after another)
+    assert sum(cf.stats["per_instance"].values()) == len(X)
+
+
+def per_instance_inside(v):
+    return v * float(v.sum())  # (a Python float of each instance's tensor: once per instance, inside)
+
+
+def uses_per_instance_inside(x):
+    return per_instance_inside(x) - 1.0
+
+
+def test_what_a_compiled_helper_runs_once_per_instance_counts_in_the_callers_stats():
+    with pytest.warns(recompile.PerInstanceWarning, match="test_helpers.py"):
+        (got, _), (want, _), stats = run_both(uses_per_instance_inside, X)
+    torch.testing.assert_close(got, want)
+    assert stats["per_instance"] and all("per_instance_inside" not in name for name in stats["per_instance"])
+
+
+def test_a_helper_whose_source_cannot_be_read_runs_once_per_instance_and_the_warning_says_why(tmp_path):
+    path = tmp_path / "gone.py"
+    namespace = {}
+    exec(compile("def gone(v):\n    return v * 2.0\n", str(path), "exec"), namespace)  # (no file behind it)
+    gone = namespace["gone"]
+    assert helpers.user_function(gone) is gone
+    global _GONE
+    _GONE = gone
+    cf = recompile.function(uses_gone)
+    with pytest.warns(recompile.PerInstanceWarning, match="that recompile does not compile .*cannot read"):
+        got = recompile.vmap(cf)(X)
+    torch.testing.assert_close(got, X * 2.0 + 1.0)
+
+
+_GONE = None
+
+
+def uses_gone(x):
+    return _GONE(x) + 1.0
+
+
+@pytest.mark.parametrize("fn", [F.softmax, json.dumps, os.path.join, torch.tanh, lambda v: v, len, nn.Linear(2, 2)])
+def test_only_the_users_own_functions_are_helpers(fn):
+    assert helpers.user_function(fn) is None
+
+
+def helper_generator(v):
+    yield v
+
+
+def helper_varargs(*vs):
+    return vs[0]
+
+
+def helper_keyword_only(v, *, k=1.0):
+    return v * k
+
+
+def test_generators_star_parameters_and_keyword_only_ones_are_not_helpers():
+    for fn in (helper_generator, helper_varargs, helper_keyword_only):
+        assert helpers.user_function(fn) is None, fn
+
+
+class Scorer(nn.Module):
+    """A Tree-RNN whose node loss is an undecorated method, as users write it: compiled, deferred, and the
+    recursion a plain level run."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(len(WORDS) + 1, 4)
+        self.node = nn.Linear(8, 4)
+        self.out = nn.Linear(4, 5)
+
+    def node_loss(self, h, label):
+        return F.cross_entropy(self.out(h).unsqueeze(0), label.unsqueeze(0), reduction="sum")
+
+    @recompile.function
+    def encode(self, tree, i):
+        if tree.is_leaf[i]:
+            h = torch.tanh(self.embed(tree.words[i]))
+            loss = 0.0
+        else:
+            hl, loss_l = self.encode(tree, tree.left[i])
+            hr, loss_r = self.encode(tree, tree.right[i])
+            h = torch.tanh(self.node(torch.cat([hl, hr], -1)))
+            loss = loss_l + loss_r
+        return h, loss + self.node_loss(h, tree.labels[i])
+
+
+def test_an_undecorated_node_loss_method_batches_and_the_tree_runs_as_a_plain_level_program():
+    torch.manual_seed(0)
+    model = Scorer().double()
+    forest = Forest.from_trees(trees())
+    Scorer.encode.stats.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", recompile.PerInstanceWarning)
+        for _ in range(2):
+            model.zero_grad()
+            h, loss = recompile.vmap(model.encode, in_dims=(None, 0))(forest, forest.roots)
+            loss.sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    eager = [Scorer.encode.python(model, t, t.root) for t in trees()]
+    sum(loss for _, loss in eager).backward()
+    torch.testing.assert_close(h, torch.stack([e[0] for e in eager]).detach())
+    torch.testing.assert_close(loss, torch.stack([e[1] for e in eager]).detach())
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad)
+    assert Scorer.encode.stats["per_instance"] == {}
+    prog = program(Scorer.encode, Scorer)
+    assert prog.plain.runs >= 2 and prog.fallbacks == 0
