@@ -136,6 +136,7 @@ def tup(*parts):
     return bt.from_struct(tuple, list(parts), N)
 
 
+BILINEAR = nn.Bilinear(3, 2, 4).double()
 LSTM_CELL, GRU_CELL, RNN_CELL = (cell(3, 5).double() for cell in (nn.LSTMCell, nn.GRUCell, nn.RNNCell))
 torch.manual_seed(0)
 SEQUENTIAL = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.LayerNorm(4),
@@ -296,6 +297,89 @@ for _name, _args in (("softmax", (-1,)), ("log_softmax", (0,)), ("squeeze", (0,)
         _name, _args)
 for _fn in (torch.softmax, torch.logsumexp, torch.unsqueeze):
     OPS[f"torch_{_fn.__name__}_of_0d"] = (lambda fn: lambda w: (fn, (w(rand(N, seed=1)), -1), {}))(_fn)
+
+# ops given rules of their own (each once a torch.func.vmap of the group, about 0.1 ms a call): dim ops,
+# products, elementwise functions, methods and modules, pointwise losses, shapes
+_ROWS = lambda w: w(rand(N, 2, 4, seed=1))  # noqa: E731 - an instance's (2, 4) tensor
+RULED = {
+    "torch_max_binary": lambda w: (torch.max, (w(rand(N, 3, seed=1)), w(rand(N, 3, seed=2))), {}),
+    "torch_min_binary_shared": lambda w: (torch.min, (w(rand(N, 3, seed=1)), rand(3, seed=2)), {}),
+    "torch_amax_all": lambda w: (torch.amax, (_ROWS(w),), {}),
+    "torch_amin_dims": lambda w: (torch.amin, (_ROWS(w), (0, 1)), {}),
+    "method_amax_all": lambda w: (method(_ROWS(w), "amax"), (), {}),
+    "torch_flatten": lambda w: (torch.flatten, (_ROWS(w),), {}),
+    "method_flatten_0d": lambda w: (method(w(rand(N, seed=1)), "flatten"), (), {}),
+    "torch_mm_shared_right": lambda w: (torch.mm, (_ROWS(w), rand(4, 3, seed=2)), {}),
+    "torch_mm_shared_left": lambda w: (torch.mm, (rand(3, 2, seed=2), _ROWS(w)), {}),
+    "torch_bmm": lambda w: (torch.bmm, (w(rand(N, 2, 2, 3, seed=1)), w(rand(N, 2, 3, 2, seed=2))), {}),
+    "torch_mv_shared_matrix": lambda w: (torch.mv, (rand(3, 4, seed=2), w(rand(N, 4, seed=1))), {}),
+    "torch_mv_batched": lambda w: (torch.mv, (_ROWS(w), w(rand(N, 4, seed=2))), {}),
+    "torch_dot": lambda w: (torch.dot, (w(rand(N, 4, seed=1)), w(rand(N, 4, seed=2))), {}),
+    "torch_dot_shared": lambda w: (torch.dot, (rand(4, seed=2), w(rand(N, 4, seed=1))), {}),
+    "matmul_shared_matrix_vector": lambda w: (torch.matmul, (rand(3, 4, seed=2), w(rand(N, 4, seed=1))), {}),
+    "matmul_shared_vector_matrix": lambda w: (torch.matmul, (rand(2, seed=2), _ROWS(w)), {}),
+    "method_mv": lambda w: (method(_ROWS(w), "mv"), (rand(4, seed=2),), {}),
+    "method_dot": lambda w: (method(w(rand(N, 4, seed=1)), "dot"), (w(rand(N, 4, seed=2)),), {}),
+    "torch_outer": lambda w: (torch.outer, (w(rand(N, 3, seed=1)), rand(2, seed=2)), {}),
+    "torch_addmm": lambda w: (torch.addmm, (rand(3, seed=3), _ROWS(w), rand(4, 3, seed=2)), {}),
+    "F_normalize": lambda w: (F.normalize, (_ROWS(w),), {"dim": -1}),
+    "F_normalize_default_dim": lambda w: (F.normalize, (_ROWS(w),), {}),
+    "nn_softmax": lambda w: (nn.Softmax(dim=-1), (_ROWS(w),), {}),
+    "nn_log_softmax_dim0": lambda w: (nn.LogSoftmax(dim=0), (_ROWS(w),), {}),
+    "F_one_hot": lambda w: (F.one_hot, (w(randint(5, N, 3, seed=1)), 5), {}),
+    "F_mse_loss": lambda w: (F.mse_loss, (_ROWS(w), w(rand(N, 2, 4, seed=2))), {}),
+    "F_l1_loss_sum_shared_target": lambda w: (F.l1_loss, (_ROWS(w), rand(2, 4, seed=2)), {"reduction": "sum"}),
+    "F_smooth_l1_none": lambda w: (F.smooth_l1_loss, (_ROWS(w), w(rand(N, 2, 4, seed=2))),
+                                   {"reduction": "none", "beta": 0.5}),
+    "F_bce_with_logits": lambda w: (F.binary_cross_entropy_with_logits,
+                                    (_ROWS(w), w(rand(N, 2, 4, seed=2).sigmoid())), {}),
+    "F_bce_0d": lambda w: (F.binary_cross_entropy, (w(rand(N, seed=1).sigmoid()), w(rand(N, seed=2).sigmoid())),
+                           {}),
+    "F_relu6": lambda w: (F.relu6, (_ROWS(w),), {}),
+    "F_hardtanh_bounds": lambda w: (F.hardtanh, (_ROWS(w), -0.5, 0.5), {}),
+    "F_mish": lambda w: (F.mish, (_ROWS(w),), {}),
+    "nn_identity": lambda w: (nn.Identity(), (_ROWS(w),), {}),
+    "nn_hardtanh": lambda w: (nn.Hardtanh(-0.2, 0.3), (_ROWS(w),), {}),
+    "torch_where_number": lambda w: (torch.where, (w(rand(N, 2, 4, seed=2) > 0), _ROWS(w), 0.0), {}),
+    **{f"torch_{name}": (lambda name, args: lambda w: (getattr(torch, name), (_ROWS(w), *args), {}))(name, args)
+       for name, args in (("flip", ((0, -1),)), ("roll", (1, 1)), ("narrow", (1, 1, 2)), ("select", (0, 1)),
+                          ("transpose", (0, 1)), ("permute", ((1, 0),)), ("movedim", (0, -1)), ("cumsum", (1,)),
+                          ("cummax", (0,)), ("sort", ()), ("argsort", (0,)), ("topk", (2,)), ("kthvalue", (2, 0)),
+                          ("diff", ()), ("tensor_split", (2,)), ("prod", (1,)), ("var", ()), ("std", (1,)),
+                          ("logcumsumexp", (1,)))},
+    **{f"method_{name}": (lambda name, args: lambda w: (method(_ROWS(w), name), args, {}))(name, args)
+       for name, args in (("flip", (0,)), ("permute", (1, 0)), ("transpose", (-1, -2)), ("t", ()),
+                          ("cumsum", (-1,)), ("sort", (0, True)), ("expand", (3, 2, 4)), ("repeat", (2, 1, 1)),
+                          ("new_zeros", ((2, 3),)), ("new_full", ((3,), 2.0)), ("clamp", (-0.5, 0.5)),
+                          ("pow", (2,)), ("to", (torch.float32,)), ("type_as", (rand(1, seed=3).float(),)),
+                          ("lerp", (rand(4, seed=3), 0.3)), ("prod", ()), ("var", (False,)), ("std", ()),
+                          ("amin", (-1,)), ("narrow", (-1, 1, 2)), ("roll", (1, -1)))},
+    "method_masked_fill": lambda w: (method(_ROWS(w), "masked_fill"), (w(rand(N, 2, 4, seed=2) > 0), 0.0), {}),
+    "method_where": lambda w: (method(_ROWS(w), "where"), (w(rand(N, 2, 4, seed=2) > 0), 0.0), {}),
+    "torch_zeros_like": lambda w: (torch.zeros_like, (_ROWS(w),), {}),
+    "torch_full_like": lambda w: (torch.full_like, (_ROWS(w), 2.0), {}),
+    "torch_reshape": lambda w: (torch.reshape, (_ROWS(w), (4, 2)), {}),
+    "F_pad": lambda w: (F.pad, (_ROWS(w), (1, 2)), {"value": 0.5}),
+    "torch_gather_shared_index": lambda w: (torch.gather, (_ROWS(w), 1, torch.tensor([[3, 0], [1, 1]])), {}),
+    "method_gather_batched_index": lambda w: (method(_ROWS(w), "gather"), (-1, w(randint(4, N, 2, 3, seed=2))), {}),
+    "F_cosine_similarity": lambda w: (F.cosine_similarity, (_ROWS(w), w(rand(N, 2, 4, seed=2))), {"dim": -1}),
+    "F_pairwise_distance": lambda w: (F.pairwise_distance, (_ROWS(w), rand(2, 4, seed=2)), {}),
+    "nn_cross_entropy_loss": lambda w: (nn.CrossEntropyLoss(), (w(rand(N, 3, 5, seed=1)), w(randint(5, N, 3, seed=2))),
+                                        {}),
+    "nn_nll_loss_sum": lambda w: (nn.NLLLoss(reduction="sum"), (w(rand(N, 3, 5, seed=1)), w(randint(5, N, 3, seed=2))),
+                                  {}),
+    "nn_bilinear": lambda w: (BILINEAR, (w(rand(N, 3, seed=1)), w(rand(N, 2, seed=2))), {}),
+}
+OPS.update(RULED)
+
+# cross_entropy's mean over the targets it does not ignore (-100): per instance, and one row per instance
+_IGNORING = randint(5, N, 3, seed=2)
+_IGNORING[0, 1] = -100
+_IGNORING[2] = -100
+OPS["cross_entropy_mean_ignoring"] = lambda w: (F.cross_entropy, (w(rand(N, 3, 5, seed=1)), w(_IGNORING.clone())), {})
+OPS["nll_loss_mean_ignoring"] = lambda w: (F.nll_loss, (w(rand(N, 3, 5, seed=1)), w(_IGNORING.clone())), {})
+OPS["cross_entropy_row_ignored"] = lambda w: (F.cross_entropy,
+                                              (w(rand(N, 5, seed=1)), w(torch.tensor([1, -100, 2, 0])[:N])), {})
 
 # ops with no rule of their own, batched by torch.func.vmap: still no per-instance runs
 VMAPPED = {
@@ -1167,3 +1251,53 @@ def test_a_dim_of_a_0d_instance_is_its_own_in_a_compiled_program(f, segments):
     finally:
         config.SEGMENTS = saved
     assert torch.allclose(got, want)
+
+
+
+@pytest.mark.parametrize("name", list(RULED))
+def test_op_with_a_rule_of_its_own_does_not_go_through_vmap(name, monkeypatch):
+    """Each of these is one call on the batch's tensor, not a torch.func.vmap of the group."""
+    vmapped = []
+    real = br._vmapped
+    monkeypatch.setattr(br, "_vmapped", lambda *args: vmapped.append(args[1]) or real(*args))
+    out, want, counted = run_case(RULED[name], "tensor")
+    check_readers(out, want, N)
+    assert not vmapped and counted == {}, (vmapped, counted)
+
+
+def _float_parts(value):
+    """The floating tensors among ``value`` (a tensor, or tuples and lists of them) that carry a gradient."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() and value.requires_grad else []
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _float_parts(v)]
+    return []
+
+
+@pytest.mark.parametrize("name", [k for k in RULED if k not in ("method_to", "method_type_as")])
+def test_op_with_a_rule_of_its_own_gives_per_instance_gradients(name):
+    """The gradient of each rule's result, summed, with respect to its batched inputs: as the per-instance
+    calls give it."""
+    leaves = []
+
+    def fresh(t):
+        t = t.detach().clone().requires_grad_() if t.is_floating_point() else t
+        leaves.append(t)
+        return as_tensor_form(t)
+
+    fn, args, kwargs = RULED[name](fresh)
+    got = sum(t.sum() for t in _float_parts(bt.stack_output(br.call(N, fn, args, kwargs), N)))
+    if not torch.is_tensor(got):
+        pytest.skip("no float result with a gradient")
+    floats = [t for t in leaves if t.requires_grad]
+    got_grads = torch.autograd.grad(got, floats, allow_unused=True)
+    reused = iter(leaves)
+    fn, args, kwargs = RULED[name](lambda t: as_tensor_form(next(reused)))
+    want = sum(t.sum() for k in range(N) for t in _float_parts(bt.instance(fn, k)(
+        *[bt.instance(a, k) for a in args], **{key: bt.instance(v, k) for key, v in kwargs.items()})))
+    want_grads = torch.autograd.grad(want, floats, allow_unused=True)
+    for g, w in zip(got_grads, want_grads):
+        if w is None:
+            assert g is None or not g.any()
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)

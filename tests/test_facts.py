@@ -64,6 +64,29 @@ def _entries(pairs):
     return {f"{describe(k)} -> {describe(v)}" for k, v in pairs}
 
 
+# ops given batch rules of their own where torch.func.vmap ran them (once per group, about 0.1 ms a call):
+# elementwise functions and modules, ops along dims, products, shapes, pointwise losses
+_MORE_ELEMENTWISE = (F.relu6, F.hardtanh, F.hardsigmoid, F.hardswish, F.logsigmoid, F.softsign, F.tanhshrink, F.mish,
+                     F.selu, F.celu, F.hardshrink, F.softshrink, F.threshold, torch.fmax, torch.fmin)
+_MORE_ACTIVATIONS = (nn.ReLU6, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.LogSigmoid, nn.Softsign, nn.Tanhshrink,
+                     nn.Mish, nn.SELU, nn.CELU, nn.Hardshrink, nn.Softshrink, nn.Threshold, nn.Identity)
+_MORE_RULES = {"_dim_function", "products", "outer", "like", "reshaped", "padded", "normalize", "one_hot",
+               "pointwise_loss", "similarity", "flatten", "extreme_values", "addmm", "gather_along",
+               "_as_function.<locals>.rule", "softmax_module", "loss_module", "bilinear"}
+_MORE_METHOD_RULES = {"_dim_method.<locals>.rule", "_whole_or_dims.<locals>.rule", "_product_method.<locals>.rule",
+                      "_elementwise_method.<locals>.rule", "_sized.<locals>.rule", "_new_like.<locals>.rule",
+                      "flatten_method", "gather_method", "transposed"}
+
+
+def _ruled(table, rules):
+    """The entries of a batch rule table whose rule is one of the functions named ``rules``."""
+    return _entries([(k, r) for k, r in table.items() if describe(r).split(":", 1)[1] in rules])
+
+
+def _ruled_keys(table, rules):
+    return {entry.split(" -> ")[0] for entry in _ruled(table, rules)}
+
+
 # old name -> (what its consumers read now, names added on purpose, names removed on purpose)
 AFTER = {
     # the gradient library's bookkeeping is declared pure where it is written: one PURE for every consumer
@@ -86,8 +109,10 @@ AFTER = {
                                     (operator.ipow, batch_rules.elementwise_inplace)]), set()),
     # an elementwise module is filed under the elementwise rule itself (its wrapper only called it)
     "batch_rules.MODULE_RULES": (lambda: batch_rules.BATCH.by_module,
-                                 {f"{describe(m)} -> recompile:elementwise" for m in _ACTIVATIONS},
-                                 {f"{describe(m)} -> recompile:_module_elementwise" for m in _ACTIVATIONS}),
+                                 {f"{describe(m)} -> recompile:elementwise" for m in _ACTIVATIONS
+                                  if m not in _MORE_ACTIVATIONS},
+                                 {f"{describe(m)} -> recompile:_module_elementwise" for m in _ACTIVATIONS
+                                  if m not in _MORE_ACTIVATIONS}),
     "batch_rules.METHOD_RULES": (lambda: batch_rules.BATCH.by_method, set(), set()),
     "fusion.FUSIBLE": (lambda: facts.FUSIBLE, set(), set()),
     "batching.LAZY_FLOW": (lambda: facts.LAZY_FLOW, set(), set()),
@@ -163,7 +188,8 @@ GROWN = {
     "plan._MOVABLE": (_names(*facts.MATH), set()),
     # a slice, a range, a frozenset and ``...`` are values no call can change: every instance shares one
     "batch_rules._IMMUTABLE": (_names(slice, range, frozenset, type(Ellipsis)), set()),
-    "batch_rules._ELEMENTWISE": (_names(*_ADDCMUL, *_BITWISE), set()),
+    "batch_rules._ELEMENTWISE": (_names(*_ADDCMUL, *_BITWISE, *_MORE_ELEMENTWISE), set()),
+    "batch_rules._ACTIVATIONS": (_names(*_MORE_ACTIVATIONS), set()),
     # ``x @ w`` of a batched x and a shared matrix, or of two batches, is one product (batch_rules.matmul), else
     # vmap as before; einsum gives batched operands a subscript of their own (a shared V is not copied)
     "batch_rules.RULES": (_entries([*((f, batch_rules.elementwise) for f in _ADDCMUL + _BITWISE),
@@ -196,7 +222,9 @@ GROWN = {
                                     # an index_select keeping only its input's sizes, as eager's (vmap's kept it)
                                     (torch.index_select, batch_rules._BY_DIM),
                                     # a norm over all of each instance's elements too (vmap's was per group)
-                                    (torch.norm, batch_rules.norm)]),
+                                    (torch.norm, batch_rules.norm),
+                                    *((f, batch_rules.elementwise) for f in _MORE_ELEMENTWISE)])
+                          | _ruled(batch_rules.BATCH.by_callable, _MORE_RULES),
                           {"_operator.matmul -> recompile:via_vmap",
                            "torch.functional.norm -> recompile:_dim_rule.<locals>.rule",
                            "torch._VariableFunctionsClass.max -> recompile:_dim_rule.<locals>.rule",
@@ -208,6 +236,7 @@ GROWN = {
                                   "'median' -> recompile:_extreme_method.<locals>.rule",
                                   "'index_select' -> recompile:method_dim.<locals>.rule",
                                   "'norm' -> recompile:norm_method",
+                                  *_ruled(batch_rules.BATCH.by_method, _MORE_METHOD_RULES),
                                   # in-place elementwise methods of each instance's own tensor: one on the batch's
                                   *(f"'{m}' -> recompile:_in_place_method.<locals>.rule"
                                     for m in batch_rules._ELEMENTWISE_IN_PLACE)},
@@ -215,12 +244,16 @@ GROWN = {
     # (an nn.Sequential: each of its modules by its rule)
     "batch_rules.MODULE_RULES": (_entries([*((m, batch_rules.recurrent_cell) for m in _CELLS),
                                            *((m, batch_rules.recurrent_layer) for m in _LAYERS),
-                                           (torch.nn.Sequential, batch_rules.in_sequence)]), set()),
+                                           (torch.nn.Sequential, batch_rules.in_sequence)])
+                                 | _ruled(batch_rules.BATCH.by_module, _MORE_RULES)
+                                 | _entries((m, batch_rules.elementwise) for m in _MORE_ACTIVATIONS), set()),
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, len,
                                     intrinsics.build_dict,
-                                    *_CLOSURES, torch.median, torch.index_select), set()),
+                                    *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE)
+                             | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
-    "segments._GENERIC_OK_MODULES": (_names(*_CELLS, *_LAYERS, torch.nn.Sequential), set()),
+    "segments._GENERIC_OK_MODULES": (_names(*_CELLS, *_LAYERS, torch.nn.Sequential, *_MORE_ACTIVATIONS)
+                                     | _ruled_keys(batch_rules.BATCH.by_module, _MORE_RULES), set()),
     # (views that move dims read no value of their input either, as ``transpose`` always did)
     "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS, *_VIEWS_MOVING_DIMS, grad_rules._detach), set()),
     "batch_rules.INTEGER_INDEX": (set(), {"torch.uint8"}),  # (torch reads a uint8 index as a mask)
@@ -242,7 +275,8 @@ GROWN = {
     "segments._METHODS": ({"'chunk' -> (1, False)", "'split' -> (1, False)", "'unbind' -> (0, False)"}, set()),
     "segments._FORMS": (_entries([*((f, segments._elementwise_form) for f in _ADDCMUL + _BITWISE),
                                   (operator.matmul, segments._matmul_form), (torch.matmul, segments._matmul_form),
-                                  (torch.einsum, segments._einsum_form), (F.linear, segments._linear_form)]),
+                                  (torch.einsum, segments._einsum_form), (F.linear, segments._linear_form),
+                                  *((f, segments._elementwise_form) for f in _MORE_ELEMENTWISE)]),
                         set()),
 }
 

@@ -161,10 +161,14 @@ ELEMENTWISE = FUSIBLE | {
     torch.le, torch.ge, torch.ne, torch.logical_or, torch.logical_xor, torch.bitwise_and, torch.bitwise_or,
     torch.bitwise_xor, torch.bitwise_not, torch.remainder, torch.fmod, torch.floor_divide, torch.trunc,
     torch.isnan, torch.isinf, torch.isfinite,
+    F.relu6, F.hardtanh, F.hardsigmoid, F.hardswish, F.logsigmoid, F.softsign, F.tanhshrink, F.mish, F.selu,
+    F.celu, F.hardshrink, F.softshrink, F.threshold, torch.fmax, torch.fmin,
 }
 # Module types whose call acts elementwise.
 ELEMENTWISE_MODULES = (nn.Sigmoid, nn.Tanh, nn.ReLU, nn.GELU, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Softplus,
-                       nn.Dropout)
+                       nn.Dropout, nn.ReLU6, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.LogSigmoid, nn.Softsign,
+                       nn.Tanhshrink, nn.Mish, nn.SELU, nn.CELU, nn.Hardshrink, nn.Softshrink, nn.Threshold,
+                       nn.Identity)
 # Calls that draw random numbers: run twice they are not the same as run once. (Tensor methods that draw
 # change their tensor in place: ``uniform_``, ``bernoulli_``.)
 DRAWS = frozenset({

@@ -463,7 +463,11 @@ def elementwise(n, fn, args, kwargs):
     values = _tensor_args(n, args, like)
     if values is None:
         return NotImplemented
-    if len({v.dtype for v in values if type(v) is torch.Tensor}) > 1:
+    if fn is torch.where and len(values) == 3 and values[0].dtype is torch.bool:  # (the condition apart)
+        mixed = len({v.dtype for v in values[1:] if type(v) is torch.Tensor}) > 1
+    else:
+        mixed = len({v.dtype for v in values if type(v) is torch.Tensor}) > 1
+    if mixed:
         # mixed dtypes promote by each instance's rank (a 0-d tensor gives way): two operands meet in the dtype
         # one instance's would (torch computes a binary op so), anything else is left to vmap
         if len(values) != 2:
@@ -1080,7 +1084,10 @@ def cross_entropy(n, fn, args, kwargs):
     x, target = values
     reduction = kwargs.get("reduction", "mean")
     if x.dim() == 2 and target.dim() == 1:  # one row per instance
-        return bt.from_tensor(_row_losses(fn, x, target))
+        rows = _row_losses(fn, x, target)
+        if reduction == "mean":  # (an ignored target's mean is 0 / 0, as torch's)
+            rows = rows / (target != -100).to(rows.dtype)
+        return bt.from_tensor(rows)
     if x.dim() != 3 or target.dim() != 2 or target.dtype not in (torch.long, torch.int):
         return NotImplemented  # class probabilities, or extra dims: leave it to vmap
     b = x.shape[1]
@@ -1089,8 +1096,8 @@ def cross_entropy(n, fn, args, kwargs):
         return bt.from_tensor(rows)
     if reduction == "sum":
         return bt.from_tensor(rows.sum(1))
-    if reduction == "mean" and fn is F.cross_entropy:
-        return bt.from_tensor(rows.mean(1))
+    if reduction == "mean":  # (over each instance's targets that are not ignored, as torch's mean)
+        return bt.from_tensor(rows.sum(1) / (target != -100).sum(1).to(rows.dtype))
     return NotImplemented
 
 
@@ -1115,17 +1122,55 @@ def _row_losses(fn, x, target):
 @BATCH.register(operator.matmul, torch.matmul)
 def matmul(n, fn, args, kwargs):
     """``x @ w`` of a batched x (instance rank 1 or more) and a shared vector or matrix w: one product, the
-    instance dim one more leading dim of x; of two batched vectors or matrices, one batched product
-    (``batched_product``); anything else through vmap."""
-    if len(args) == 2 and not kwargs and type(args[0]) is Batch:
-        x, w = bt.tensor_of(args[0]), args[1]
-        if x is not None and x.dim() > 1:
-            if type(w) is not Batch and isinstance(w, torch.Tensor) and w.dim() in (1, 2):
-                return bt.from_tensor(fn(x, w))
-            y = bt.tensor_of(w) if type(w) is Batch else None
-            if y is not None and y.dim() in (2, 3) and x.dim() in (2, 3):
-                return bt.from_tensor(batched_product(x, y))
-    return _vmapped(n, fn, args, kwargs, None)
+    instance dim one more leading dim of x; of a shared matrix and a batched x, one product too; of two
+    batched vectors or matrices, one batched product (``batched_product``); anything else through vmap."""
+    out = _product(args, kwargs)
+    return _vmapped(n, fn, args, kwargs, None) if out is None else bt.from_tensor(out)
+
+
+def _product(args, kwargs, ranks=None):
+    """The batch's tensor of each instance's ``a @ b`` (``args``), one product, or None; ``ranks``: the instance
+    ranks the op takes (``torch.mm``: 2 and 2), or None for any of matmul's."""
+    if len(args) != 2 or kwargs or not any(type(a) is Batch for a in args):
+        return None
+    a, b = (bt.tensor_of(v) if type(v) is Batch else v if type(v) in PLAIN_TENSORS else None for v in args)
+    if a is None or b is None or a.dtype != b.dtype:
+        return None
+    ra, rb = (t.dim() - (type(v) is Batch) for t, v in zip((a, b), args))
+    if ranks is not None and (ra, rb) != ranks or ra not in (1, 2, 3) or rb not in (1, 2, 3):
+        return None
+    if type(args[1]) is not Batch:  # (x @ w: the instance dim one more leading dim of x)
+        return a @ b if rb in (1, 2) else None
+    if type(args[0]) is not Batch:  # (w @ x: w's leading dims must not meet the instance dim)
+        if ra == 1 and rb == 1:
+            return b @ a
+        if ra == 2 and rb == 1:
+            return b @ a.t()
+        return a @ b if ra in (1, 2) or ra == rb == 3 else None
+    return batched_product(a, b) if ra in (1, 2) and rb in (1, 2) or ra == rb == 3 else None
+
+
+@BATCH.register(torch.mm, torch.bmm, torch.mv, torch.dot, torch.inner)
+def products(n, fn, args, kwargs):
+    """``torch.mm`` / ``bmm`` / ``mv`` / ``dot`` of batched and shared operands, as ``@`` of the instance ranks
+    each takes: one product for every instance."""
+    out = _product(args, kwargs, _PRODUCT_RANKS[fn])
+    return _vmapped(n, fn, args, kwargs, None) if out is None else bt.from_tensor(out)
+
+
+_PRODUCT_RANKS = {torch.mm: (2, 2), torch.bmm: (3, 3), torch.mv: (2, 1), torch.dot: (1, 1), torch.inner: (1, 1)}
+
+
+@BATCH.register(torch.outer, torch.ger)
+def outer(n, fn, args, kwargs):
+    """``torch.outer(a, b)`` of instance vectors (one side may be shared): one broadcast product."""
+    if len(args) != 2 or kwargs:
+        return NotImplemented
+    a, b = (bt.tensor_of(v) if type(v) is Batch else v if type(v) in PLAIN_TENSORS else None for v in args)
+    if a is None or b is None or a.dtype != b.dtype or any(
+            t.dim() - (type(v) is Batch) != 1 for t, v in zip((a, b), args)):
+        return NotImplemented
+    return bt.from_tensor(a.unsqueeze(-1) * b.unsqueeze(-2))
 
 
 def batched_product(x, y):
@@ -1331,12 +1376,50 @@ _WHOLE = {torch.max: "max", torch.min: "min", torch.median: "median"}
 def extreme(n, fn, args, kwargs):
     """``torch.max(x)`` / ``torch.min(x)`` / ``torch.median(x)`` of a batched x: over every element of each
     instance, with torch's gradient for the full reduction (split evenly among ties, where ``max(dim)`` gives all
-    to the first); with a dim (or two tensors) by the dim rule."""
+    to the first); with a dim by the dim rule; ``torch.max(a, b)`` of two tensors elementwise, as maximum."""
     if len(args) == 1 and not kwargs and type(args[0]) is Batch:
         t = bt.tensor_of(args[0])
         if t is not None:
             return bt.from_tensor(_whole_of(t, _WHOLE[fn]))
+    if len(args) == 2 and not kwargs and fn is not torch.median and all(
+            type(a) is Batch or type(a) in PLAIN_TENSORS for a in args):
+        return elementwise(n, torch.maximum if fn is torch.max else torch.minimum, args, kwargs)
     return _BY_DIM(n, fn, args, kwargs)
+
+
+@BATCH.register(torch.amax, torch.amin)
+def extreme_values(n, fn, args, kwargs):
+    """``torch.amax(x, dim=(), keepdim)`` of a batched x: with no dim, over each instance's every element."""
+    if type(args[0] if args else kwargs.get("input")) is Batch and len(args) < 2 and "dim" not in kwargs:
+        t = bt.tensor_of(args[0] if args else kwargs["input"])
+        if t is None or t.dim() < 2 or set(kwargs) - {"input", "keepdim"}:
+            return NotImplemented
+        return bt.from_tensor(fn(t, dim=tuple(range(1, t.dim())), keepdim=kwargs.get("keepdim", False)))
+    return _BY_DIM(n, fn, args, kwargs)
+
+
+@BATCH.register(torch.flatten)
+def flatten(n, fn, args, kwargs):
+    """``torch.flatten(x, start_dim, end_dim)`` of a batched x: the same dims of the batch's tensor."""
+    return _flattened(args[0] if args else kwargs.get("input"), args[1:], kwargs, ("start_dim", "end_dim"))
+
+
+@BATCH.register("flatten")
+def flatten_method(n, x, args, kwargs):
+    return _flattened(x, args, kwargs, ("start_dim", "end_dim"))
+
+
+def _flattened(x, args, kwargs, names):
+    found = _norm_arguments(args, {k: v for k, v in kwargs.items() if k != "input"}, names)
+    if type(x) is not Batch or found is None or any(type(v) is not int for v in found.values()):
+        return NotImplemented
+    t = bt.tensor_of(x)
+    if t is None:
+        return NotImplemented
+    if t.dim() == 1:  # (each instance 0-d: flattened to one element)
+        return bt.from_tensor(t.reshape(-1, 1)) if found.get("start_dim", 0) in (0, -1) and \
+            found.get("end_dim", -1) in (0, -1) else NotImplemented
+    return bt.from_tensor(t.flatten(shift_dim(found.get("start_dim", 0)), shift_dim(found.get("end_dim", -1))))
 
 
 def _whole_of(t, kind):
@@ -1415,6 +1498,74 @@ def _norm_arguments(args, kwargs, names):
     return found
 
 
+@BATCH.register(F.normalize)
+def normalize(n, fn, args, kwargs):
+    """``F.normalize(x, p, dim, eps)`` of a batched x: the same dim of the batch's tensor."""
+    found = _norm_arguments(args, kwargs, ("input", "p", "dim", "eps", "out"))
+    x = None if found is None else found.get("input")
+    if type(x) is not Batch or found.get("out") is not None or any(
+            type(v) is Batch for k, v in found.items() if k != "input") or type(found.get("dim", 1)) is not int:
+        return NotImplemented
+    t = bt.tensor_of(x)
+    if t is None or not dims_shift(t, fn):
+        return NotImplemented
+    return bt.from_tensor(fn(t, found.get("p", 2.0), shift_dim(found.get("dim", 1)), found.get("eps", 1e-12)))
+
+
+@BATCH.register(nn.Softmax, nn.LogSoftmax, nn.Softmin)
+def softmax_module(n, module, args, kwargs):
+    """``nn.Softmax(dim)`` and its kin on a batched x: the functional form over the same dim (not with
+    ``dim=None``, whose dim depends on the rank)."""
+    if len(args) != 1 or kwargs or type(args[0]) is not Batch or module.dim is None or type(module.dim) is not int:
+        return NotImplemented
+    t = bt.tensor_of(args[0])
+    if t is None or not dims_shift(t, module):
+        return NotImplemented
+    return bt.from_tensor(_SOFTMAX_OF[type(module)](t, shift_dim(module.dim)))
+
+
+_SOFTMAX_OF = {nn.Softmax: torch.softmax, nn.LogSoftmax: torch.log_softmax,
+               nn.Softmin: lambda t, d: torch.softmax(-t, d)}
+
+
+@BATCH.register(F.one_hot)
+def one_hot(n, fn, args, kwargs):
+    """``F.one_hot(i, num_classes)`` of batched indices, the classes given: one call (each instance's shape
+    gets the classes' dim last, as the batch's does)."""
+    found = _norm_arguments(args, kwargs, ("tensor", "num_classes"))
+    classes = None if found is None else found.get("num_classes", -1)
+    if type(classes) is not int or classes < 0 or type(found.get("tensor")) is not Batch:
+        return NotImplemented  # (classes read from each instance's largest index: its own)
+    t = bt.tensor_of(found["tensor"])
+    return NotImplemented if t is None else bt.from_tensor(fn(t, classes))
+
+
+@BATCH.register(F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
+                F.binary_cross_entropy_with_logits, F.soft_margin_loss)
+def pointwise_loss(n, fn, args, kwargs):
+    """A loss of each element of an instance's input against the same element of its target (either may be
+    shared, of the instance's shape): the elements' losses in one call, then each instance's sum or mean."""
+    if len(args) != 2 or not set(kwargs) <= {"reduction", "beta", "delta", "weight", "pos_weight"} or any(
+            type(v) is Batch for v in kwargs.values()) or not any(type(a) is Batch for a in args):
+        return NotImplemented
+    x, y = (bt.tensor_of(a) if type(a) is Batch else a if type(a) in PLAIN_TENSORS else None for a in args)
+    if x is None or y is None:
+        return NotImplemented
+    shape = (x.shape[1:] if type(args[0]) is Batch else x.shape)
+    if (y.shape[1:] if type(args[1]) is Batch else y.shape) != shape:
+        return NotImplemented  # (shapes that broadcast: torch warns, once per instance)
+    reduction = kwargs.get("reduction", "mean")
+    if reduction not in ("none", "sum", "mean"):
+        return NotImplemented
+    rows = max(x.shape[:1] if type(args[0]) is Batch else (), y.shape[:1] if type(args[1]) is Batch else ())
+    x, y = (t if type(a) is Batch else t.expand(*rows, *t.shape) for t, a in zip((x, y), args))
+    out = fn(x, y, **{**kwargs, "reduction": "none"})
+    if reduction == "none" or out.dim() == 1:
+        return bt.from_tensor(out)
+    dims = tuple(range(1, out.dim()))
+    return bt.from_tensor(out.sum(dims) if reduction == "sum" else out.mean(dims))
+
+
 @BATCH.register(torch.norm)
 def norm(n, fn, args, kwargs):
     """``torch.norm(x, p, dim, keepdim)`` of a batched x (no dim: over each instance's every element)."""
@@ -1435,6 +1586,332 @@ def norm_method(n, x, args, kwargs):
         return NotImplemented
     out = _norm(x, found.get("p", "fro"), found.get("dim"), found.get("keepdim", False), found.get("dtype"), n)
     return NotImplemented if out is None else out
+
+
+# -- ops along dims, and elementwise Tensor methods: one call on the batch's tensor
+
+# Ops taking dims: name -> their dim parameters, each (position after the input, keyword, kind, default):
+# kind "dim" (an int), "dims" (an int or a sequence of them) or "perm" (a whole order of the instance's dims,
+# or the method's ``*dims``); default: what an absent one means (None: nothing to shift, it counts from the
+# end or is all of them alike; ``REQUIRED``: no batched form without it).
+REQUIRED = object()
+DIM_OPS = {
+    "flip": ((0, "dims", "dims", REQUIRED),), "roll": ((1, "dims", "dims", REQUIRED),),
+    "narrow": ((0, "dim", "dim", REQUIRED),), "select": ((0, "dim", "dim", REQUIRED),),
+    "transpose": ((0, "dim0", "dim", REQUIRED), (1, "dim1", "dim", REQUIRED)),
+    "swapaxes": ((0, "axis0", "dim", REQUIRED), (1, "axis1", "dim", REQUIRED)),
+    "movedim": ((0, "source", "dims", REQUIRED), (1, "destination", "dims", REQUIRED)),
+    "permute": ((0, "dims", "perm", REQUIRED),),
+    "cumsum": ((0, "dim", "dim", REQUIRED),), "cumprod": ((0, "dim", "dim", REQUIRED),),
+    "logcumsumexp": ((0, "dim", "dim", REQUIRED),), "cummax": ((0, "dim", "dim", REQUIRED),),
+    "cummin": ((0, "dim", "dim", REQUIRED),),
+    "sort": ((0, "dim", "dim", None),), "argsort": ((0, "dim", "dim", None),), "topk": ((1, "dim", "dim", None),),
+    "kthvalue": ((1, "dim", "dim", None),), "diff": ((1, "dim", "dim", None),),
+    "prod": ((0, "dim", "dim", REQUIRED),), "amax": ((0, "dim", "dims", REQUIRED),),
+    "amin": ((0, "dim", "dims", REQUIRED),), "logsumexp": ((0, "dim", "dims", REQUIRED),),
+    "tensor_split": ((1, "dim", "dim", 0),),
+}
+
+
+def _shifted_dims(t, name, args, kwargs):
+    """``args`` and ``kwargs`` of op ``name`` on each instance's tensor, their dims moved past the instance dim
+    of the batch's tensor ``t``; None where there is no such form."""
+    if not dims_shift(t, name) or any(type(v) is Batch for v in (*args, *kwargs.values())):
+        return None
+    args, kwargs = list(args), dict(kwargs)
+    if name == "permute" and args and all(type(a) is int for a in args):
+        args = [tuple(args)]  # (``x.permute(1, 0)``: the method's ``*dims``)
+    for position, keyword, kind, default in DIM_OPS[name]:
+        here = "kw" if keyword in kwargs else "arg" if len(args) > position else None
+        if here is None:
+            if default is REQUIRED:
+                return None
+            if default is not None:
+                kwargs[keyword] = shift_dim(default)
+            continue
+        value = kwargs[keyword] if here == "kw" else args[position]
+        if kind == "dim" and type(value) is not int or kind != "dim" and not (
+                type(value) is int or type(value) in (tuple, list) and all(type(d) is int for d in value)):
+            return None
+        value = shift_dim(value)
+        if kind == "perm":
+            value = (0, *value)
+        if here == "kw":
+            kwargs[keyword] = value
+        else:
+            args[position] = value
+    return args, kwargs
+
+
+def _dim_function(n, fn, args, kwargs):
+    """``torch.flip(x, dims)``, ``torch.cumsum(x, dim)``, ``torch.sort(x)`` ... of a batched x."""
+    if not args or type(args[0]) is not Batch:
+        return NotImplemented
+    t = bt.tensor_of(args[0])
+    found = None if t is None else _shifted_dims(t, fn.__name__, args[1:], kwargs)
+    return NotImplemented if found is None else _wrap(fn(t, *found[0], **found[1]), n)
+
+
+def _dim_method(name):
+    def rule(n, x, args, kwargs):
+        t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
+        found = None if t is None else _shifted_dims(t, name, args, kwargs)
+        return NotImplemented if found is None else _wrap(getattr(t, name)(*found[0], **found[1]), n)
+    return rule
+
+
+for _op in DIM_OPS:
+    if _op not in ("amax", "amin", "logsumexp", "prod"):  # (their functions' rules take no dim as all of them)
+        BATCH.register(getattr(torch, _op))(_dim_function)
+    if _op not in ("amax", "amin", "prod"):
+        BATCH.register(_op)(_dim_method(_op))
+
+
+def _whole_or_dims(name):
+    """``x.amax()``, ``x.prod()``, ``x.var()`` ... of each instance: with no dim over all its elements, else
+    over its dims (``DIM_OPS``; var and std: ``dim``, ``correction`` or ``unbiased``, ``keepdim``)."""
+    by_dims = _dim_method(name) if name in DIM_OPS else None
+
+    def rule(n, x, args, kwargs):
+        t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
+        if t is None or t.dim() < 2 or any(type(v) is Batch for v in (*args, *kwargs.values())):
+            return NotImplemented
+        if name in ("var", "std"):
+            if args and type(args[0]) is bool:  # (``x.var(False)``: unbiased, by position)
+                args, kwargs = args[1:], {**kwargs, "correction": int(args[0])}
+            found = _norm_arguments(args, kwargs, ("dim", "correction", "unbiased", "keepdim"))
+            if found is None:
+                return NotImplemented
+            dims = found.pop("dim", None)
+            dims = tuple(range(1, t.dim())) if dims is None else shift_dim(dims)
+            return bt.from_tensor(getattr(t, name)(dim=dims, **found))
+        if args or "dim" in kwargs:
+            return by_dims(n, x, args, kwargs)
+        if name == "prod":
+            return bt.from_tensor(t.flatten(1).prod(1, **kwargs))
+        return bt.from_tensor(getattr(t, name)(dim=tuple(range(1, t.dim())), **kwargs))
+
+    return rule
+
+
+def _as_function(method_rule):
+    """The rule of ``torch.name(x, ...)`` from that of ``x.name(...)``."""
+
+    def rule(n, fn, args, kwargs):
+        return method_rule(n, args[0], args[1:], kwargs) if args and type(args[0]) is Batch else NotImplemented
+
+    return rule
+
+
+for _op in ("amax", "amin", "prod", "var", "std"):
+    BATCH.register(_op)(_whole_or_dims(_op))
+    if _op in ("prod", "var", "std"):  # (torch.amax and torch.amin: extreme_values)
+        BATCH.register(getattr(torch, _op))(_as_function(_whole_or_dims(_op)))
+
+
+def _product_method(ranks):
+    def rule(n, x, args, kwargs):
+        out = _product((x, *args), kwargs, ranks)
+        return NotImplemented if out is None else bt.from_tensor(out)
+    return rule
+
+
+for _op, _ranks in (("matmul", None), ("mm", (2, 2)), ("bmm", (3, 3)), ("mv", (2, 1)), ("dot", (1, 1)),
+                      ("inner", (1, 1))):
+    BATCH.register(_op)(_product_method(_ranks))
+
+
+def _gathered(n, t, dim, index):
+    """Each instance's ``gather(dim, index)`` (index batched, or shared: the same for every instance)."""
+    idx = bt.tensor_of(index) if type(index) is Batch else index.expand(t.shape[0], *index.shape) \
+        if type(index) in PLAIN_TENSORS else None
+    if idx is None or type(dim) is not int or idx.dim() != t.dim() or not dims_shift(t, "gather"):
+        return NotImplemented
+    return bt.from_tensor(t.gather(shift_dim(dim), idx))
+
+
+@BATCH.register(torch.gather)
+def gather_along(n, fn, args, kwargs):
+    """``torch.gather(x, dim, index)`` of a batched x, by a batched or shared index."""
+    if len(args) != 3 or kwargs or type(args[0]) is not Batch:
+        return NotImplemented
+    t = bt.tensor_of(args[0])
+    return NotImplemented if t is None else _gathered(n, t, args[1], args[2])
+
+
+@BATCH.register("gather")
+def gather_method(n, x, args, kwargs):
+    t = bt.tensor_of(x)
+    return NotImplemented if len(args) != 2 or kwargs or t is None else _gathered(n, t, *args)
+
+
+@BATCH.register("t")
+def transposed(n, x, args, kwargs):
+    """``x.t()`` of each instance's matrix (a vector or a 0-d tensor is its own)."""
+    t = bt.tensor_of(x)
+    if args or kwargs or t is None or t.dim() > 3:
+        return NotImplemented
+    return bt.from_tensor(t.transpose(1, 2) if t.dim() == 3 else t)
+
+
+BATCH.register(torch.t)(_as_function(transposed))
+
+
+@BATCH.register(torch.addmm)
+def addmm(n, fn, args, kwargs):
+    """``torch.addmm(m, a, b)`` (no beta or alpha) with a batched operand: one product, then ``m`` added."""
+    if len(args) != 3 or kwargs or type(args[0]) is Batch and bt.tensor_of(args[0]) is None:
+        return NotImplemented
+    out = _product(args[1:], {}, (2, 2))
+    m = _aligned(args[0], 2)
+    return NotImplemented if out is None or m is None else bt.from_tensor(torch.add(m, out))
+
+
+@BATCH.register(F.cosine_similarity, F.pairwise_distance)
+def similarity(n, fn, args, kwargs):
+    """``F.cosine_similarity(a, b, dim)`` / ``F.pairwise_distance(a, b)`` of instance tensors of one rank (one
+    may be shared): one call, the dim moved past the instance dim."""
+    if len(args) < 2 or any(type(v) is Batch for v in (*args[2:], *kwargs.values())):
+        return NotImplemented
+    a, b = (bt.tensor_of(v) if type(v) is Batch else v if type(v) in PLAIN_TENSORS else None for v in args[:2])
+    if a is None or b is None or len({t.dim() - (type(v) is Batch) for t, v in zip((a, b), args[:2])}) != 1:
+        return NotImplemented
+    rest, kwargs = list(args[2:]), dict(kwargs)
+    if fn is F.cosine_similarity:
+        dim = kwargs.get("dim", rest[0] if rest else 1)
+        if type(dim) is not int or not dims_shift(a if type(args[0]) is Batch else b, fn):
+            return NotImplemented
+        if "dim" in kwargs or not rest:
+            kwargs["dim"] = shift_dim(dim)
+        else:
+            rest[0] = shift_dim(dim)
+    return bt.from_tensor(fn(a, b, *rest, **kwargs))
+
+
+@BATCH.register(nn.CrossEntropyLoss, nn.NLLLoss)
+def loss_module(n, module, args, kwargs):
+    """``nn.CrossEntropyLoss()`` / ``nn.NLLLoss()`` with no class weights, default ignore index and no label
+    smoothing: the functional rule with the module's reduction."""
+    if kwargs or len(args) != 2 or module.weight is not None or module.ignore_index != -100 or getattr(
+            module, "label_smoothing", 0.0) or "forward" in module.__dict__:
+        return NotImplemented
+    fn = F.cross_entropy if type(module) is nn.CrossEntropyLoss else F.nll_loss
+    return cross_entropy(n, fn, args, {"reduction": module.reduction})
+
+
+@BATCH.register(nn.Bilinear)
+def bilinear(n, module, args, kwargs):
+    """``nn.Bilinear`` of two batched inputs of one shape but the last dim: the module on the batch's rows."""
+    if kwargs or len(args) != 2 or not all(type(a) is Batch for a in args) or "forward" in module.__dict__:
+        return NotImplemented
+    a, b = (bt.tensor_of(v) for v in args)
+    if a is None or b is None or a.shape[:-1] != b.shape[:-1]:
+        return NotImplemented
+    return bt.from_tensor(module(a, b))
+
+
+def _sized(name):
+    """``x.expand(*sizes)`` / ``x.repeat(*sizes)`` of each instance's tensor: its new leading dims go after the
+    instance dim."""
+
+    def rule(n, x, args, kwargs):
+        sizes = tuple(args[0]) if len(args) == 1 and type(args[0]) in (tuple, list, torch.Size) else args
+        t = bt.tensor_of(x)
+        if kwargs or t is None or not sizes or any(type(k) is not int for k in sizes) or len(sizes) < t.dim() - 1:
+            return NotImplemented
+        t = t.reshape(t.shape[:1] + (1,) * (len(sizes) - t.dim() + 1) + t.shape[1:])
+        return bt.from_tensor(t.expand(-1, *sizes) if name == "expand" else t.repeat(1, *sizes))
+
+    return rule
+
+
+BATCH.register("expand")(_sized("expand"))
+BATCH.register("repeat")(_sized("repeat"))
+
+
+# Tensor methods acting on each element alone, their tensor arguments broadcast within an instance (as the
+# in-place ones, ``_ELEMENTWISE_IN_PLACE``); and conversions of the whole tensor (dtype, device)
+_ELEMENTWISE_METHODS = ("clamp", "clamp_min", "clamp_max", "clip", "pow", "masked_fill", "where", "lerp", "fmod",
+                        "remainder", "maximum", "minimum", "add", "sub", "mul", "div", "atan2", "hypot",
+                        "logaddexp", "sigmoid", "square", "sin", "cos", "log1p", "expm1", "erf", "reciprocal",
+                        "rsqrt", "sign", "floor", "ceil", "round", "trunc", "frac", "nan_to_num", "to", "type_as",
+                        "type", "half", "bfloat16", "bool", "int")
+
+
+def _elementwise_method(name):
+    def rule(n, x, args, kwargs):
+        t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
+        if t is None or any(type(v) is Batch for v in kwargs.values()) or any(
+                type(a) is Batch for a in args[_ONE_VALUE.get(name, len(args)):]):
+            return NotImplemented
+        values = [_aligned(a, t.dim() - 1) for a in args]
+        if any(v is None for v in values):
+            return NotImplemented
+        out = getattr(t, name)(*values, **kwargs)
+        return bt.from_tensor(out) if type(out) is torch.Tensor and out.shape[:1] == t.shape[:1] else NotImplemented
+    return rule
+
+
+for _op in _ELEMENTWISE_METHODS:
+    if _op not in BATCH.by_method:
+        BATCH.register(_op)(_elementwise_method(_op))
+
+
+@BATCH.register(torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like)
+def like(n, fn, args, kwargs):
+    """``torch.zeros_like(x)`` ... of a batched x: the batch's rows, each instance's own."""
+    if not args or type(args[0]) is not Batch or any(type(v) is Batch for v in (*args[1:], *kwargs.values())):
+        return NotImplemented
+    t = bt.tensor_of(args[0])
+    return NotImplemented if t is None else bt.from_tensor(fn(t, *args[1:], **kwargs))
+
+
+def _new_like(name):
+    """``x.new_zeros(size)`` ... of a batched x: a row for each instance (each its own tensor, as each
+    instance's call makes one)."""
+
+    def rule(n, x, args, kwargs):
+        t = bt.tensor_of(x)
+        size = args[0] if args else kwargs.get("size")
+        if t is None or type(size) not in (tuple, list, torch.Size, int) or any(
+                type(v) is Batch for v in (*args, *kwargs.values())) or (
+                type(size) is not int and any(type(k) is not int for k in size)):
+            return NotImplemented
+        size = (size,) if type(size) is int else tuple(size)
+        rest = {k: v for k, v in kwargs.items() if k != "size"}
+        return bt.from_tensor(getattr(t, name)((t.shape[0], *size), *args[1:], **rest))
+
+    return rule
+
+
+for _op in ("new_zeros", "new_ones", "new_full", "new_empty"):
+    BATCH.register(_op)(_new_like(_op))
+
+
+@BATCH.register(torch.reshape)
+def reshaped(n, fn, args, kwargs):
+    """``torch.reshape(x, shape)`` of a batched x: the batch's tensor to (instances, *shape)."""
+    shape = args[1] if len(args) == 2 and not kwargs else None
+    if type(args[0]) is not Batch or type(shape) not in (tuple, list, torch.Size) or any(
+            type(k) is not int for k in shape):
+        return NotImplemented
+    t = bt.tensor_of(args[0])
+    return NotImplemented if t is None else bt.from_tensor(t.reshape(t.shape[0], *shape))
+
+
+@BATCH.register(F.pad)
+def padded(n, fn, args, kwargs):
+    """``F.pad(x, pad)`` of a batched x, constant mode: the pad reaches only the instance's last dims."""
+    pad = args[1] if len(args) > 1 else kwargs.get("pad")
+    if type(args[0]) is not Batch or type(pad) not in (tuple, list) or kwargs.get("mode", "constant") != "constant" \
+            or len(args) > 2 and args[2] != "constant" or any(type(v) is Batch for v in (*args[1:], *kwargs.values())):
+        return NotImplemented
+    t = bt.tensor_of(args[0])
+    if t is None or len(pad) // 2 > t.dim() - 1:
+        return NotImplemented
+    return bt.from_tensor(fn(t, *args[1:], **kwargs))
+
+
 for _method in facts.UNARY_METHODS:
     BATCH.register(_method)(unary_method(_method))
 for _method, (_position, _every) in facts.DIM_METHODS.items():
