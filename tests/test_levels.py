@@ -47,10 +47,11 @@ def test_a_tree_lstm_runs_as_levels_and_matches_the_agenda_and_eager():
     assert prog is not None and prog.late is not None and prog.late.positions == []
     model = Model().double()
     forest = Forest.from_trees(trees())
-    for _ in range(2):  # (the first call traces the pieces' segments, the second runs them raw)
-        got, want = both_ways(lambda: run_forest(model, forest))
-        assert_same(got, want)
-        assert_same(got, eager_forest(model, trees()))
+    with plain_enabled(False):  # (on Batch values: the pieces' raw segments; plain runs below)
+        for _ in range(2):  # (the first call traces the pieces' segments, the second runs them raw)
+            got, want = both_ways(lambda: run_forest(model, forest))
+            assert_same(got, want)
+            assert_same(got, eager_forest(model, trees()))
     assert prog.runs == 2 and prog.fallbacks == 0
     pieces = prog.segments
     assert pieces and all(s.hits > 0 for s in pieces), [(s.name, s.hits) for s in pieces]
@@ -674,10 +675,38 @@ def halve(x):
     return x / 2
 
 
+def kept_number(xs, left, right, i):
+    """The leaf's ``loss = 0.0`` joined with the nodes' tensors, then scaled by a Python number: the leaf's stays a
+    Python float until ``+ (h * h).sum()``, which a plain run's rows cannot stand for."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = kept_number(xs, left, right, left[i])
+        hr, loss_r = kept_number(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss * 2.0 + (h * h).sum()
+
+
+def inline_loss(xs, left, right, i):
+    """The loss computed inline (no call to defer): the leaf's ``loss = 0.0`` joined with the nodes' tensors as
+    rows of their dtype, which the next piece adds to a tensor."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = inline_loss(xs, left, right, left[i])
+        hr, loss_r = inline_loss(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + (h * h).sum()
+
+
 def test_what_a_plain_run_cannot_hold_runs_on_batch_values():
-    """A Python helper has no plain form; the cond joining a leaf's ``loss = 0.0`` with the nodes' tensors (the
-    loss computed inline) is not one tensor. Those calls run on Batch values, and the next ones with the same
-    arguments batched go there at once."""
+    """A Python helper has no plain form; a leaf's ``loss = 0.0``, joined with the nodes' tensors, met by
+    anything but a tensor of their dtype (``loss * 2.0``) is not rows of a tensor. Those calls run on Batch
+    values, and the next ones with the same arguments batched go there at once."""
     compiled = recompile.function(helped)
     prog = program(compiled)
     xs = torch.randn(5, 3, dtype=torch.float64)
@@ -686,14 +715,38 @@ def test_what_a_plain_run_cannot_hold_runs_on_batch_values():
     for _ in range(2):
         torch.testing.assert_close(recompile.vmap(compiled, in_dims=(None, 0))(xs, starts), want)
     assert prog.plain.runs == 0 and prog.plain.refused and prog.runs == 2 and prog.fallbacks == 0
-    Model = model_class(True)
-    prog = program(Model.encode, Model)
-    model = Model().double()
-    forest = Forest.from_trees(trees())
+    compiled = recursion(kept_number)
+    eager = recursion(kept_number, compiled=False)
+    prog = program(compiled)
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=torch.float64)
+    want = [torch.stack(v) for v in zip(*[eager(xs, left, right, int(r)) for r in roots])]
     for _ in range(2):
-        got, batch, agenda = three_ways(lambda: run_forest(model, forest))
-        assert_same(got, agenda)
-    assert prog.plain.runs == 0 and prog.plain.refused == {(False, False, True)} and prog.fallbacks == 0
+        torch.testing.assert_close(list(recompile.vmap(compiled, in_dims=(None, None, None, 0))(
+            xs, left, right, roots)), want)
+    assert prog.plain.runs == 0 and len(prog.plain.refused) == 1 and prog.fallbacks == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_leafs_number_joined_with_the_nodes_tensors_runs_as_their_rows(dtype):
+    """The loss computed inline: the leaf's ``0.0`` joined with the nodes' losses as rows of their dtype, then
+    added to a tensor of that dtype, as eager's ``0.0 + t``: a plain run, values, dtypes and gradients as
+    eager's."""
+    compiled = recursion(inline_loss)
+    eager = recursion(inline_loss, compiled=False)
+    prog = program(compiled)
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=dtype, requires_grad=True)
+    h, loss = (torch.stack(v) for v in zip(*[eager(xs, left, right, int(r)) for r in roots]))
+    want_grad, = torch.autograd.grad(h.sum() + loss.sum(), xs)
+    runs = prog.plain.runs
+    for _ in range(2):
+        got_h, got_loss = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+        assert got_loss.dtype is dtype
+        torch.testing.assert_close((got_h, got_loss), (h, loss))
+        got_grad, = torch.autograd.grad(got_h.sum() + got_loss.sum(), xs)
+        torch.testing.assert_close(got_grad, want_grad)
+    assert prog.plain.runs == runs + 2 and not prog.plain.refused and prog.fallbacks == 0
 
 
 def test_a_failed_guard_traces_the_piece_again_for_what_holds_now():

@@ -32,6 +32,7 @@ import math
 import operator
 import re
 import threading
+import types
 
 import torch
 import torch.nn.functional as F
@@ -182,6 +183,7 @@ class Plain:
         self.traces = {}
         self.sources = []
         self.refused = set()  # input kinds it has no plain form for
+        self.numbers = frozenset()  # positions where a call gave rows standing for numbers (kind N)
         self.conds = {}  # its Conds of each instance's own predicate -> RowsCond
         read = {id(v) for op in ops for v in op.operands()} | {id(v) for v in outputs}
         # positions of the inputs no op reads (a leaf branch's ``depth``): requests joined for the piece may
@@ -196,6 +198,8 @@ class Plain:
         duration, in which pure code changes no attribute or global) holds what ``prep`` gave for the shared
         inputs of the last call, reused while they are the same objects. A trace whose guard fails gives way
         to the next; where none holds, a new one is traced (the piece is pure: what ran is dropped)."""
+        if self.numbers and "B" in kinds:  # (a trace of rows standing for numbers serves tensors' rows too)
+            kinds = tuple("N" if k == "B" and j in self.numbers else k for j, k in enumerate(kinds))
         entries = self.traces.get(kinds, ())
         for k, entry in enumerate(entries):
             try:
@@ -229,6 +233,8 @@ class Plain:
     def _trace(self, n, kinds, args):
         if sum(map(len, self.traces.values())) >= config.SEGMENT_TRACES:
             raise NotPlain(self.name)
+        if "N" in kinds:
+            self.numbers = self.numbers | {j for j, k in enumerate(kinds) if k == "N"}
         tracer = _Tracer(self, n, args, plain=kinds)
         try:
             source, namespace = tracer.run()
@@ -246,6 +252,11 @@ class Plain:
         entry = (namespace["prep"], namespace["body"], tracer.out_kinds, shared)
         self.traces[kinds] = self.traces.get(kinds, []) + [entry]  # (a new list: a run may be iterating it)
         return tracer.result, tracer.out_kinds
+
+
+# What a number standing as rows may meet (``_Tracer.numbers``)
+_NUMBER_ARITHMETIC = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
+                                torch.mul, torch.div})
 
 
 class RowsCond:
@@ -317,12 +328,13 @@ class _Slot:
     batch rules) or M (a method of a batched tensor: ``value`` is (its B slot, the name), for the call that
     follows); ``name`` holds it in the raw function; ``value`` is this call's."""
 
-    __slots__ = ("kind", "name", "value", "items", "as_b", "fixed")
+    __slots__ = ("kind", "name", "value", "items", "as_b", "fixed", "number")
 
     def __init__(self, kind, name, value, items=None, fixed=False):
         self.kind, self.name, self.value, self.items = kind, name, value, items
         self.fixed = fixed  # a constant of the program: the same on every call
         self.as_b = None  # (an O slot) its tensor, once a raw op needed it
+        self.number = False  # (a B slot of a plain piece's input of kind N) rows standing for Python floats
 
 
 class _Tracer:
@@ -434,8 +446,9 @@ class _Tracer:
             name = f"a{k}"
             params.append(name)
             if self.plain is not None:
-                if self.plain[k] == "B":
+                if self.plain[k] in ("B", "N"):
                     self.env[v] = _Slot("B", name, a)
+                    self.env[v].number = self.plain[k] == "N"
                     self.emit(f"if {name}.dim() != {a.dim()} or {name}.dtype is not {self.const(a.dtype)}: "
                               "raise _Deopt")
                 else:
@@ -466,12 +479,12 @@ class _Tracer:
         batched or shared. A level run calls ``prep`` once for the depths whose shared inputs are the same
         objects (``Plain.__call__``)."""
         slots = [self.load(v) for v in self.segment.outputs]
-        if any(s.kind not in ("B", "S") for s in slots):
-            raise _Untraceable
+        if any(s.kind not in ("B", "S") or s.number for s in slots):
+            raise _Untraceable  # (a number's rows given on: where the function's values are each instance's)
         self.out_kinds = tuple(s.kind for s in slots)
         self.result = tuple(s.value for s in slots)
         ret = "return (" + "".join(s.name + ", " for s in slots) + ")"
-        batched = {p for p, k in zip(params, self.plain) if k == "B"}
+        batched = {p for p, k in zip(params, self.plain) if k != "S"}
         shared, rest, made = [], [], []
         for line in self.unread_dropped(ret):
             defines = _DEFINES.match(line)
@@ -512,6 +525,8 @@ class _Tracer:
             return self.op_here(op)
 
     def op_here(self, op):
+        if any(isinstance(x, ir.Value) and x in self.env and self.env[x].number for x in op.operands()):
+            self.numbers(op)
         if isinstance(op, ir.Capture):
             return self.capture(op)
         if isinstance(op, ir.Fused):
@@ -521,6 +536,21 @@ class _Tracer:
         if isinstance(op, ir.Cond):
             return self.cond(op)
         raise _Untraceable
+
+    def numbers(self, op):
+        """An op reading rows that stand for Python floats (an input of kind N: a leaf's ``loss = 0.0`` joined
+        with the nodes' losses): only ``+ - * /`` with a floating tensor of their dtype, whose result is a
+        tensor as eager's is, of the same value and dtype; anything else (a type test, ``.item()``, the
+        number handed on) is untraceable, and the run goes on Batch values."""
+        if not (isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value in _NUMBER_ARITHMETIC
+                and len(op.args) == 2 and not op.kwargs and not op.star):
+            raise _Untraceable
+        slots = [self.load(a) for a in op.args]
+        numbers = [s for s in slots if s.number]
+        others = [self.as_b(s) if s.kind == "O" else s for s in slots if not s.number]  # (a rule's Batch result)
+        if len(numbers) != 1 or len(others) != 1 or others[0] is None or others[0].kind not in ("B", "S") or \
+                not isinstance(others[0].value, torch.Tensor) or others[0].value.dtype is not numbers[0].value.dtype:
+            raise _Untraceable
 
     def cond(self, op):
         """A Cond whose predicate every instance shares (``depth < MAX_DEPTH and p > 0.5``, the ``and`` at one
@@ -609,6 +639,10 @@ class _Tracer:
             # (``w.t``: a bound method is made anew at each read; torch's method of a plain tensor, by name)
             self.emit(f"if type({slot.name}) is not {self.const(type(fn))} or type({slot.name}.__self__) not in "
                       f"_PLAIN_TENSORS or {slot.name}.__name__ != {fn.__name__!r}: raise _Deopt")
+        elif type(fn) is types.MethodType:  # (``self.node_loss``: made anew at each read; its function and class)
+            self.emit(f"if type({slot.name}) is not _MethodType or {slot.name}.__func__ is not "
+                      f"{self.const(fn.__func__)} or type({slot.name}.__self__) is not "
+                      f"{self.const(type(fn.__self__))}: raise _Deopt")
         else:
             self.emit(f"if {slot.name} is not {self.const(fn)}: raise _Deopt")
 
@@ -1441,7 +1475,7 @@ def _struct(kind, parts, n):
     return bt.from_struct(kind, parts, n)
 
 
-_HELPERS = {"_Batch": Batch, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor": _tensor,
+_HELPERS = {"_Batch": Batch, "_MethodType": types.MethodType, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor": _tensor,
             "_shared_tensor": _shared_tensor, "_plain_module": _plain_module,
             "_of_run": lazy_weights.of_run, "_lazy_linear": lazy_weights.linear, "_lookup": lazy_weights.lookup,
             "_cell": lazy_weights.cell,

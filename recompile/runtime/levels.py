@@ -806,15 +806,26 @@ def _plain_rows(v, kind, count):
     raise NotPlain("a shared value that is not a tensor, joined with other values")
 
 
-def _plain_column(column):
-    """Values [(value, kind, count)] of one position, one after the other: one shared value, or rows."""
+def _plain_column(column, numbers=False):
+    """Values [(value, kind, count)] of one position, one after the other: one shared value, or rows. With
+    ``numbers``, a Python float beside floating rows becomes rows of their dtype, of kind ``N`` (a number per
+    instance, which the next piece may only add to a tensor of that dtype: ``segments._Tracer.numbers``)."""
     first = column[0][0]
     if all(k == "S" and v is first for v, k, _ in column):
         return first, "S"
+    kind = "B"
+    if numbers and any(k == "S" and type(v) is float for v, k, _ in column):
+        like = next((v for v, k, _ in column if k == "B"), None)
+        if like is None or not like.is_floating_point() or any(
+                k == "S" and type(v) is not float for v, k, _ in column):
+            raise NotPlain("a number joined with values that are not floating rows")
+        column = [(torch.full((c, *like.shape[1:]), v, dtype=like.dtype, device=like.device) if k == "S" else v,
+                   "B", c) for v, k, c in column]
+        kind = "N"
     rows = [_plain_rows(v, k, c) for v, k, c in column]
     if not _same_rows(rows):
         raise NotPlain("instances of different shapes or dtypes")  # (Batch values keep them apart)
-    return torch.cat(rows), "B"
+    return torch.cat(rows), kind
 
 
 def _same_rows(rows):
@@ -874,8 +885,8 @@ def _plain_join(parts):
         if kind_a == "B" and kind_b == "B" and _same_rows((a, b)):
             v, k = torch.cat((a, b)), "B"
         else:
-            v, k = _plain_column(((a, kind_a, count_a), (b, kind_b, count_b)))
-        values.append(v.index_select(0, inverse.to(v.device)) if k == "B" else v)
+            v, k = _plain_column(((a, kind_a, count_a), (b, kind_b, count_b)), numbers=True)
+        values.append(v if k == "S" else v.index_select(0, inverse.to(v.device)))
         kinds.append(k)
     return tuple(values), tuple(kinds)
 
