@@ -816,8 +816,9 @@ def _plain_column(column, numbers=False):
     kind = "B"
     if numbers and any(k == "S" and type(v) is float for v, k, _ in column):
         like = next((v for v, k, _ in column if k == "B"), None)
-        if like is None or not like.is_floating_point() or any(
-                k == "S" and type(v) is not float for v, k, _ in column):
+        if like is None or not like.is_floating_point() or any(k == "S" and (
+                type(v) is not float or torch.tensor(v, dtype=like.dtype).item() != v) for v, k, _ in column):
+            # (a number the rows' dtype holds exactly: ``t * 0.1`` computes with more of 0.1 than float16 has)
             raise NotPlain("a number joined with values that are not floating rows")
         column = [(torch.full((c, *like.shape[1:]), v, dtype=like.dtype, device=like.device) if k == "S" else v,
                    "B", c) for v, k, c in column]
