@@ -703,6 +703,19 @@ def inline_loss(xs, left, right, i):
     return h, loss + (h * h).sum()
 
 
+def inline_fused_loss(xs, left, right, i):
+    """``inline_loss`` whose addition joins a fused chain (``neg``, ``*``, ``-``): its members traced one by one."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = inline_fused_loss(xs, left, right, left[i])
+        hr, loss_r = inline_fused_loss(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss - -(h * h).sum() * 0.5
+
+
 def test_what_a_plain_run_cannot_hold_runs_on_batch_values():
     """A Python helper has no plain form; a leaf's ``loss = 0.0``, joined with the nodes' tensors, met by
     anything but a tensor of their dtype (``loss * 2.0``) is not rows of a tensor. Those calls run on Batch
@@ -727,13 +740,14 @@ def test_what_a_plain_run_cannot_hold_runs_on_batch_values():
     assert prog.plain.runs == 0 and len(prog.plain.refused) == 1 and prog.fallbacks == 0
 
 
+@pytest.mark.parametrize("fn", [inline_loss, inline_fused_loss], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_a_leafs_number_joined_with_the_nodes_tensors_runs_as_their_rows(dtype):
+def test_a_leafs_number_joined_with_the_nodes_tensors_runs_as_their_rows(dtype, fn):
     """The loss computed inline: the leaf's ``0.0`` joined with the nodes' losses as rows of their dtype, then
     added to a tensor of that dtype, as eager's ``0.0 + t``: a plain run, values, dtypes and gradients as
     eager's."""
-    compiled = recursion(inline_loss)
-    eager = recursion(inline_loss, compiled=False)
+    compiled = recursion(fn)
+    eager = recursion(fn, compiled=False)
     prog = program(compiled)
     left, right, roots = forest_of_trees()
     xs = torch.randn(len(left), 3, dtype=dtype, requires_grad=True)

@@ -525,8 +525,9 @@ class _Tracer:
             return self.op_here(op)
 
     def op_here(self, op):
-        if any(isinstance(x, ir.Value) and x in self.env and self.env[x].number for x in op.operands()):
-            self.numbers(op)
+        if any(isinstance(x, ir.Value) and x in self.env and self.env[x].number for x in op.operands()) and not (
+                isinstance(op, ir.Fused) and self.segment.kernels[op].backend == "python"):
+            self.numbers(op)  # (a fused op's members are traced one by one, each checked here)
         if isinstance(op, ir.Capture):
             return self.capture(op)
         if isinstance(op, ir.Fused):
@@ -542,8 +543,10 @@ class _Tracer:
         with the nodes' losses): only ``+ - * /`` with a floating tensor of their dtype, whose result is a
         tensor as eager's is, of the same value and dtype; anything else (a type test, ``.item()``, the
         number handed on) is untraceable, and the run goes on Batch values."""
-        if not (isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value in _NUMBER_ARITHMETIC
-                and len(op.args) == 2 and not op.kwargs and not op.star):
+        if not (isinstance(op, ir.Call) and len(op.args) == 2 and not op.kwargs and not op.star):
+            raise _Untraceable
+        fn = op.fn.value if isinstance(op.fn, ir.Const) else self.env[op.fn].value  # (a fused member's: an input)
+        if not facts.among(fn, _NUMBER_ARITHMETIC):
             raise _Untraceable
         slots = [self.load(a) for a in op.args]
         numbers = [s for s in slots if s.number]
