@@ -372,6 +372,25 @@ RULED = {
 }
 OPS.update(RULED)
 
+# what the rules must leave to vmap or run per instance: ``dim=()`` (every dim, which on the batch's tensor would
+# take the instances' dim too), var's positional unbiased, diff's prepend, an instance's 0-d operand of another
+# dtype (it promotes as a dimensioned one does not), masked_fill's per-instance value, new_zeros' separate ints,
+# pairwise_distance of 0-d instances, torch.max by each instance's own dim, hardtanh's per-instance bounds
+OPS.update({
+    "method_amax_no_dims": lambda w: (method(_ROWS(w), "amax"), (), {"dim": (), "keepdim": True}),
+    "method_var_no_dims": lambda w: (method(_ROWS(w), "var"), (), {"dim": ()}),
+    "torch_norm_no_dims": lambda w: (torch.norm, (_ROWS(w),), {"dim": ()}),
+    "method_sum_no_dims": lambda w: (method(_ROWS(w), "sum"), (), {"dim": ()}),
+    "method_var_positional_unbiased": lambda w: (method(_ROWS(w), "var"), (1, False, True), {}),
+    "torch_diff_shared_prepend": lambda w: (torch.diff, (_ROWS(w),), {"prepend": rand(2, 1, seed=3)}),
+    "method_mul_0d_other_dtype": lambda w: (method(w(rand(N, 4, seed=1).float()), "mul"), (w(rand(N, seed=2)),), {}),
+    "method_masked_fill_own_value": lambda w: (method(_ROWS(w), "masked_fill"), (w(rand(N, 2, 4, seed=2) > 0),
+                                                                                 w(rand(N, seed=3))), {}),
+    "method_new_zeros_ints": lambda w: (method(_ROWS(w), "new_zeros"), (2, 3), {}),
+    "F_pairwise_distance_0d": lambda w: (F.pairwise_distance, (w(rand(N, seed=1)), w(rand(N, seed=2))),
+                                         {"keepdim": True}),
+})
+
 # cross_entropy's mean over the targets it does not ignore (-100): per instance, and one row per instance
 _IGNORING = randint(5, N, 3, seed=2)
 _IGNORING[0, 1] = -100
@@ -397,6 +416,12 @@ PER_INSTANCE = {
     "float_builtin": lambda w: (float, (w(rand(N, seed=1)),), {}),
     "python_helper": lambda w: (lambda t: t * t.sum(), (w(rand(N, 3, seed=1)),), {}),
 }
+# (each instance's own dim, or bound: a Python number per instance)
+PER_INSTANCE.update({
+    "torch_max_own_dim": lambda w: (torch.max, (_ROWS(w), bt.from_items([1, 0, 1, 0][:N])), {}),
+    "F_hardtanh_own_bounds": lambda w: (F.hardtanh, (_ROWS(w), bt.from_items([-0.5, -0.2, -1.0, 0.0][:N]), 0.5),
+                                        {}),
+})
 
 
 def run_case(make, form):

@@ -716,6 +716,34 @@ def inline_fused_loss(xs, left, right, i):
     return h, loss - -(h * h).sum() * 0.5
 
 
+def vector_losses(xs, left, right, i):
+    """The leaf's ``loss = 0.0`` joined with the nodes' vector losses: a leaf's ``loss + s`` is 0-d, a node's a
+    vector, so the number is no row of the vectors' shape (it would be summed three times)."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = vector_losses(xs, left, right, left[i])
+        hr, loss_r = vector_losses(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    t = loss + (h * h).sum()
+    return h, h * torch.sum(t)
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_a_number_joined_with_vectors_keeps_its_own_shape(plain):
+    compiled = recursion(vector_losses)
+    eager = recursion(vector_losses, compiled=False)
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=torch.float64)
+    want = [torch.stack(v) for v in zip(*[eager(xs, left, right, int(r)) for r in roots])]
+    with plain_enabled(plain):
+        for _ in range(2):
+            got = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+            torch.testing.assert_close(list(got), want)
+
+
 def test_what_a_plain_run_cannot_hold_runs_on_batch_values():
     """A Python helper has no plain form; a leaf's ``loss = 0.0``, joined with the nodes' tensors, met by
     anything but a tensor of their dtype (``loss * 2.0``) is not rows of a tensor. Those calls run on Batch

@@ -255,8 +255,7 @@ class Plain:
 
 
 # What a number standing as rows may meet (``_Tracer.numbers``)
-_NUMBER_ARITHMETIC = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
-                                torch.mul, torch.div})
+_NUMBER_ARITHMETIC = frozenset({operator.add, operator.sub, operator.mul, operator.truediv})
 
 
 class RowsCond:
@@ -540,15 +539,16 @@ class _Tracer:
 
     def numbers(self, op):
         """An op reading rows that stand for Python floats (an input of kind N: a leaf's ``loss = 0.0`` joined
-        with the nodes' losses): only ``+ - * /`` with a floating tensor of their dtype, whose result is a
-        tensor as eager's is, of the same value and dtype; anything else (a type test, ``.item()``, the
-        number handed on) is untraceable, and the run goes on Batch values."""
+        with the nodes' losses): only ``+``, ``-``, ``*`` and ``t / v`` with a floating tensor of their dtype,
+        whose result is a tensor as eager's is, of the same value and dtype; anything else (a type test,
+        ``.item()``, ``torch.add(v, t)``, which eager refuses, the number handed on) is untraceable, and the run
+        goes on Batch values."""
         if not (isinstance(op, ir.Call) and len(op.args) == 2 and not op.kwargs and not op.star):
             raise _Untraceable
         fn = op.fn.value if isinstance(op.fn, ir.Const) else self.env[op.fn].value  # (a fused member's: an input)
-        if not facts.among(fn, _NUMBER_ARITHMETIC):
-            raise _Untraceable
         slots = [self.load(a) for a in op.args]
+        if not facts.among(fn, _NUMBER_ARITHMETIC) or fn is operator.truediv and slots[0].number:
+            raise _Untraceable  # (``v / t`` is ``t.reciprocal() * v`` in eager: not one division)
         numbers = [s for s in slots if s.number]
         others = [self.as_b(s) if s.kind == "O" else s for s in slots if not s.number]  # (a rule's Batch result)
         if len(numbers) != 1 or len(others) != 1 or others[0] is None or others[0].kind not in ("B", "S") or \

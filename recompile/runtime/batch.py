@@ -302,6 +302,8 @@ def tensor_like(b, dtype):
     if not all(type(x) in NUMBERS for x in numbers) or not _number_fits(numbers, dtype):
         return None
     shape, device = tensors[0].shape, tensors[0].device
+    if shape:  # (a number beside vectors: as a row of their shape it would not broadcast as the number does)
+        return None
     rows = [x if type(x) is torch.Tensor else torch.full(shape, x, dtype=dtype, device=device) for x in items]
     return torch.stack(rows)
 
@@ -325,7 +327,7 @@ def _joined_tensor(pieces, like):
     parts = []
     for v, count in pieces[0]:
         if like is not None and type(v) in NUMBERS:
-            if not _number_fits([v], like.dtype):
+            if not _number_fits([v], like.dtype) or like.dim() > 1:  # (only beside each instance's 0-d tensor)
                 return None
             parts.append(torch.full((count, *like.shape[1:]), v, dtype=like.dtype, device=like.device))
             continue

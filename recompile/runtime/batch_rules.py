@@ -442,6 +442,8 @@ def elementwise(n, fn, args, kwargs):
     others by inserting dims after the batch dim."""
     if kwargs and any(type(v) is Batch for v in kwargs.values()) or (fn is torch.where and len(args) == 1):
         return NotImplemented
+    if fn in _NUMBER_PARAMETERS and any(type(a) is Batch for a in args[1:]):
+        return NotImplemented  # (``F.hardtanh(x, lo, hi)`` of each instance's own bounds: Python numbers)
     if len(args) == 2:  # fast path: two tensors of equal rank, or a tensor and a number
         a, b = args
         ta = a.tensor if type(a) is Batch and a.owner == "tensor" else a if type(a) in _NUMBERS else None
@@ -648,8 +650,11 @@ def _in_place_method(name):
     return rule
 
 
-# In-place methods whose arguments from this position on are one value for every element (a 0-d tensor)
-_ONE_VALUE = {"fill_": 0, "masked_fill_": 1}
+# In-place methods (and masked_fill) whose arguments from this position on are one value for every element (a
+# 0-d tensor)
+_ONE_VALUE = {"fill_": 0, "masked_fill_": 1, "masked_fill": 1}
+# Tensor methods converting to another dtype (or device): an argument of another dtype is what they are for
+_CONVERSIONS = frozenset({"to", "type_as", "type", "half", "bfloat16", "bool", "int"})
 # In-place tensor methods acting on each element alone (their arguments broadcast within an instance)
 _ELEMENTWISE_IN_PLACE = ("add_", "sub_", "mul_", "div_", "clamp_", "clamp_min_", "clamp_max_", "masked_fill_", "fill_",
                          "zero_", "copy_", "relu_", "sigmoid_", "tanh_", "exp_", "log_", "neg_", "abs_", "sqrt_",
@@ -674,7 +679,8 @@ def _dim_rule(position, default=None):
         values = _tensor_args(n, args)
         if values is None or any(type(v) is Batch for v in kwargs.values()) or type(args[0]) is not Batch:
             return NotImplemented
-        if any(type(a) is Batch for a in args[1:]) or not dims_shift(values[0], fn):
+        if any(type(a) is Batch for a in args[1:]) or not dims_shift(values[0], fn) or _no_dims(
+                kwargs.get("dim")) or len(values) > position and _no_dims(values[position]):
             return NotImplemented
         kwargs = dict(kwargs)
         if "dim" in kwargs:
@@ -688,6 +694,17 @@ def _dim_rule(position, default=None):
         return _wrap(fn(*values, **kwargs), n)
 
     return rule
+
+
+# Elementwise functions whose arguments after the input are Python numbers, not tensors
+_NUMBER_PARAMETERS = frozenset({F.relu6, F.hardtanh, F.softshrink, F.hardshrink, F.threshold, F.celu, F.elu,
+                                F.leaky_relu, F.selu, F.softplus, F.gelu})
+
+
+def _no_dims(dim):
+    """``dim=()`` (or ``[]``): torch reads it as every dim, which on the batch's tensor would take the instances'
+    dim too."""
+    return type(dim) in (tuple, list) and not dim
 
 
 def dims_shift(t, op):
@@ -1049,6 +1066,8 @@ def method_dim(name, position, default_all=False):
         if t is None or any(type(a) is Batch for a in (*args, *kwargs.values())) or not dims_shift(t, name):
             return NotImplemented
         args, kwargs = list(args), dict(kwargs)
+        if _no_dims(kwargs.get("dim")) or len(args) > position and _no_dims(args[position]):
+            return NotImplemented
         if "dim" in kwargs:
             kwargs["dim"] = shift_dim(kwargs["dim"])
         elif len(args) > position:
@@ -1382,7 +1401,7 @@ def extreme(n, fn, args, kwargs):
         if t is not None:
             return bt.from_tensor(_whole_of(t, _WHOLE[fn]))
     if len(args) == 2 and not kwargs and fn is not torch.median and all(
-            type(a) is Batch or type(a) in PLAIN_TENSORS for a in args):
+            type(a) in PLAIN_TENSORS or type(a) is Batch and bt.tensor_of(a) is not None for a in args):
         return elementwise(n, torch.maximum if fn is torch.max else torch.minimum, args, kwargs)
     return _BY_DIM(n, fn, args, kwargs)
 
@@ -1390,6 +1409,8 @@ def extreme(n, fn, args, kwargs):
 @BATCH.register(torch.amax, torch.amin)
 def extreme_values(n, fn, args, kwargs):
     """``torch.amax(x, dim=(), keepdim)`` of a batched x: with no dim, over each instance's every element."""
+    if len(args) > 1 and _no_dims(args[1]) or _no_dims(kwargs.get("dim")):
+        return NotImplemented
     if type(args[0] if args else kwargs.get("input")) is Batch and len(args) < 2 and "dim" not in kwargs:
         t = bt.tensor_of(args[0] if args else kwargs["input"])
         if t is None or t.dim() < 2 or set(kwargs) - {"input", "keepdim"}:
@@ -1480,7 +1501,7 @@ def _norm(x, p, dim, keepdim, dtype, n):
         return None
     if p is None or p == "fro":
         p = 2
-    if type(p) not in (int, float):
+    if type(p) not in (int, float) or _no_dims(dim):
         return None
     dims = tuple(range(1, t.dim())) if dim is None else shift_dim(dim)
     return _wrap(torch.linalg.vector_norm(t, p, dims, keepdim, dtype=dtype), n)
@@ -1555,8 +1576,9 @@ def pointwise_loss(n, fn, args, kwargs):
     if (y.shape[1:] if type(args[1]) is Batch else y.shape) != shape:
         return NotImplemented  # (shapes that broadcast: torch warns, once per instance)
     reduction = kwargs.get("reduction", "mean")
-    if reduction not in ("none", "sum", "mean"):
-        return NotImplemented
+    if reduction not in ("none", "sum", "mean") or any(
+            isinstance(v, torch.Tensor) and v.dim() > len(shape) for v in kwargs.values()):
+        return NotImplemented  # (a weight of more dims than an instance's: broadcast onto the instances)
     rows = max(x.shape[:1] if type(args[0]) is Batch else (), y.shape[:1] if type(args[1]) is Batch else ())
     x, y = (t if type(a) is Batch else t.expand(*rows, *t.shape) for t, a in zip((x, y), args))
     out = fn(x, y, **{**kwargs, "reduction": "none"})
@@ -1591,9 +1613,10 @@ def norm_method(n, x, args, kwargs):
 # -- ops along dims, and elementwise Tensor methods: one call on the batch's tensor
 
 # Ops taking dims: name -> their dim parameters, each (position after the input, keyword, kind, default):
-# kind "dim" (an int), "dims" (an int or a sequence of them) or "perm" (a whole order of the instance's dims,
-# or the method's ``*dims``); default: what an absent one means (None: nothing to shift, it counts from the
-# end or is all of them alike; ``REQUIRED``: no batched form without it).
+# kind "dim" (an int), "dims" (an int or a sequence of them), "perm" (a whole order of the instance's dims,
+# or the method's ``*dims``) or "refused" (a parameter with no batched form unless it is None); default: what
+# an absent one means (None: nothing to shift, it counts from the end or is all of them alike; ``REQUIRED``:
+# no batched form without it).
 REQUIRED = object()
 DIM_OPS = {
     "flip": ((0, "dims", "dims", REQUIRED),), "roll": ((1, "dims", "dims", REQUIRED),),
@@ -1606,7 +1629,8 @@ DIM_OPS = {
     "logcumsumexp": ((0, "dim", "dim", REQUIRED),), "cummax": ((0, "dim", "dim", REQUIRED),),
     "cummin": ((0, "dim", "dim", REQUIRED),),
     "sort": ((0, "dim", "dim", None),), "argsort": ((0, "dim", "dim", None),), "topk": ((1, "dim", "dim", None),),
-    "kthvalue": ((1, "dim", "dim", None),), "diff": ((1, "dim", "dim", None),),
+    "kthvalue": ((1, "dim", "dim", None),), "diff": ((1, "dim", "dim", None), (2, "prepend", "refused", None),
+                                                      (3, "append", "refused", None)),
     "prod": ((0, "dim", "dim", REQUIRED),), "amax": ((0, "dim", "dims", REQUIRED),),
     "amin": ((0, "dim", "dims", REQUIRED),), "logsumexp": ((0, "dim", "dims", REQUIRED),),
     "tensor_split": ((1, "dim", "dim", 0),),
@@ -1630,8 +1654,13 @@ def _shifted_dims(t, name, args, kwargs):
                 kwargs[keyword] = shift_dim(default)
             continue
         value = kwargs[keyword] if here == "kw" else args[position]
+        if kind == "refused":  # (``diff(prepend=t)``: a tensor of each instance's rank, to be lined up)
+            if value is None:
+                continue
+            return None
         if kind == "dim" and type(value) is not int or kind != "dim" and not (
-                type(value) is int or type(value) in (tuple, list) and all(type(d) is int for d in value)):
+                type(value) is int or type(value) in (tuple, list) and all(type(d) is int for d in value)) or \
+                _no_dims(value):
             return None
         value = shift_dim(value)
         if kind == "perm":
@@ -1678,15 +1707,15 @@ def _whole_or_dims(name):
             return NotImplemented
         if name in ("var", "std"):
             if args and type(args[0]) is bool:  # (``x.var(False)``: unbiased, by position)
-                args, kwargs = args[1:], {**kwargs, "correction": int(args[0])}
-            found = _norm_arguments(args, kwargs, ("dim", "correction", "unbiased", "keepdim"))
-            if found is None:
+                args, kwargs = args[1:], {**kwargs, "unbiased": args[0]}
+            found = _norm_arguments(args, kwargs, ("dim", "unbiased", "keepdim", "correction"))
+            if found is None or _no_dims(found.get("dim")):
                 return NotImplemented
             dims = found.pop("dim", None)
             dims = tuple(range(1, t.dim())) if dims is None else shift_dim(dims)
             return bt.from_tensor(getattr(t, name)(dim=dims, **found))
         if args or "dim" in kwargs:
-            return by_dims(n, x, args, kwargs)
+            return by_dims(n, x, args, kwargs)  # (``dim=()`` among them: refused there)
         if name == "prod":
             return bt.from_tensor(t.flatten(1).prod(1, **kwargs))
         return bt.from_tensor(getattr(t, name)(dim=tuple(range(1, t.dim())), **kwargs))
@@ -1777,6 +1806,8 @@ def similarity(n, fn, args, kwargs):
     if a is None or b is None or len({t.dim() - (type(v) is Batch) for t, v in zip((a, b), args[:2])}) != 1:
         return NotImplemented
     rest, kwargs = list(args[2:]), dict(kwargs)
+    if not dims_shift(a if type(args[0]) is Batch else b, fn):  # (an instance's 0-d tensor: its own dim)
+        return NotImplemented
     if fn is F.cosine_similarity:
         dim = kwargs.get("dim", rest[0] if rest else 1)
         if type(dim) is not int or not dims_shift(a if type(args[0]) is Batch else b, fn):
@@ -1844,6 +1875,10 @@ def _elementwise_method(name):
         if t is None or any(type(v) is Batch for v in kwargs.values()) or any(
                 type(a) is Batch for a in args[_ONE_VALUE.get(name, len(args)):]):
             return NotImplemented
+        if name not in _CONVERSIONS and any(
+                v.dtype is not t.dtype and v.dtype is not torch.bool for v in (
+                    bt.tensor_of(a) if type(a) is Batch else a for a in args) if isinstance(v, torch.Tensor)):
+            return NotImplemented  # (an instance's 0-d tensor promotes as a batch's dimensioned one does not)
         values = [_aligned(a, t.dim() - 1) for a in args]
         if any(v is None for v in values):
             return NotImplemented
@@ -1872,6 +1907,8 @@ def _new_like(name):
 
     def rule(n, x, args, kwargs):
         t = bt.tensor_of(x)
+        if name != "new_full" and len(args) > 1 and all(type(a) is int for a in args):
+            args = (args,)  # (``x.new_zeros(2, 3)``: the size as separate ints)
         size = args[0] if args else kwargs.get("size")
         if t is None or type(size) not in (tuple, list, torch.Size, int) or any(
                 type(v) is Batch for v in (*args, *kwargs.values())) or (

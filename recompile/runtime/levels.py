@@ -808,15 +808,16 @@ def _plain_rows(v, kind, count):
 
 def _plain_column(column, numbers=False):
     """Values [(value, kind, count)] of one position, one after the other: one shared value, or rows. With
-    ``numbers``, a Python float beside floating rows becomes rows of their dtype, of kind ``N`` (a number per
-    instance, which the next piece may only add to a tensor of that dtype: ``segments._Tracer.numbers``)."""
+    ``numbers``, a Python float beside floating rows of each instance's 0-d tensor becomes rows of their dtype,
+    of kind ``N`` (a number per instance, which the next piece may only add to a tensor of that dtype:
+    ``segments._Tracer.numbers``)."""
     first = column[0][0]
     if all(k == "S" and v is first for v, k, _ in column):
         return first, "S"
     kind = "B"
     if numbers and any(k == "S" and type(v) is float for v, k, _ in column):
         like = next((v for v, k, _ in column if k == "B"), None)
-        if like is None or not like.is_floating_point() or any(k == "S" and (
+        if like is None or not like.is_floating_point() or like.dim() != 1 or any(k == "S" and (
                 type(v) is not float or torch.tensor(v, dtype=like.dtype).item() != v) for v, k, _ in column):
             # (a number the rows' dtype holds exactly: ``t * 0.1`` computes with more of 0.1 than float16 has)
             raise NotPlain("a number joined with values that are not floating rows")
