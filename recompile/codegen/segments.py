@@ -1478,8 +1478,8 @@ def _struct(kind, parts, n):
     return bt.from_struct(kind, parts, n)
 
 
-_HELPERS = {"_Batch": Batch, "_MethodType": types.MethodType, "_Tensor": torch.Tensor, "_Deopt": Deopt, "_tensor": _tensor,
-            "_shared_tensor": _shared_tensor, "_plain_module": _plain_module,
+_HELPERS = {"_Batch": Batch, "_MethodType": types.MethodType, "_Tensor": torch.Tensor, "_Deopt": Deopt,
+            "_tensor": _tensor, "_shared_tensor": _shared_tensor, "_plain_module": _plain_module,
             "_of_run": lazy_weights.of_run, "_lazy_linear": lazy_weights.linear, "_lookup": lazy_weights.lookup,
             "_cell": lazy_weights.cell,
             "_module": _module,
