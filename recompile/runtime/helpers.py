@@ -38,6 +38,7 @@ _FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATO
     inspect.CO_VARKEYWORDS
 _mine = weakref.WeakKeyDictionary()  # function -> whether it is the user's own (``user_function``)
 _compiled = weakref.WeakKeyDictionary()  # function -> its compiled form, or the CompileError that refused it
+_kinds = weakref.WeakKeyDictionary()  # function -> {owner class: its kind} (``kind``)
 _lock = threading.Lock()
 # func -> (its signature, kind(owner): built for owner, or its CompileError raised, "pure" where run again it
 # changes and shows nothing twice, "unchanging" where it changes nothing in place, else None, and run(args, n,
@@ -104,12 +105,15 @@ def _kind(fn):
         return None
     bound_self = (fn.__self__,) if type(fn) is types.MethodType else ()
     owner = type(fn.__self__) if bound_self else None
-    try:
-        kind = found[1](owner)  # (converted on first use: a construct it does not compile is found here)
-    except CompileError as exc:
-        _compiled[func] = exc
-        return None
-    return found, bound_self, owner, kind
+    kinds = _kinds.get(func)
+    if kinds is None or owner not in kinds:
+        try:
+            kind = found[1](owner)  # (converted on first use: a construct it does not compile is found here)
+        except CompileError as exc:
+            _compiled[func] = exc
+            return None
+        _kinds[func] = kinds = {**(kinds or {}), owner: kind}
+    return found, bound_self, owner, kinds[owner]
 
 
 def kind(fn):
@@ -128,6 +132,8 @@ def run(n, fn, args, kwargs):
     if found is None or found[3] is None:  # (one that changes something: each instance's changes in turn)
         return NotImplemented
     (signature, _, run_batched), bound_self, owner, _ = found
+    if not kwargs and len(bound_self) + len(args) == fn.__code__.co_argcount:  # (every parameter, in order)
+        return run_batched((*bound_self, *args), n, owner)
     try:
         bound = signature.bind(*bound_self, *args, **kwargs)
     except TypeError:
