@@ -15,7 +15,7 @@ from .codegen.instances import note_text, read as instance_notes
 from .diagnostics import warn_once
 from .errors import GradFallbackWarning
 from .passes.fusion import BACKENDS, DEFAULT_BACKEND
-from .passes.pipeline import FINAL, GRAD, STAGES
+from .passes.pipeline import FINAL, GRAD, STAGES, UNFUSED
 from .program import Function
 from .runtime import agenda, autograd, helpers, pool, scheduler, threaded
 
@@ -366,15 +366,16 @@ def _replayed(callee, args):
 def _compile_helper(fn):
     """``runtime.helpers``' compiler: an undecorated helper compiled for batched runs, as its signature, a
     ``kind(owner)`` (built for ``owner``, or its CompileError raised: "pure" where run again it changes and shows
-    nothing twice, "unchanging" where it only changes nothing in place, else None) and a ``run(args, n, owner)``
-    giving its result and the ops it ran once per instance."""
+    nothing twice, "unchanging" where it only changes nothing in place, else None), a ``run(args, n, owner)``
+    giving its result and the ops it ran once per instance, and ``ops(owner)``, its program before fusion (the
+    SubGraph a plain piece may trace in its own place: ``codegen.segments``)."""
     cf = CompiledFunction(fn, mode="batched")
 
     def kind(owner):
         callee = cf._ready_callee(owner)
         return "pure" if callee.runs_again_unseen else None if callee.may_mutate else "unchanging"
 
-    return cf.signature, kind, cf._run_batched
+    return cf.signature, kind, cf._run_batched, lambda owner: cf._ready_callee(owner).subgraph(UNFUSED)
 
 
 helpers.compiler = _compile_helper

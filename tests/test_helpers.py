@@ -203,3 +203,86 @@ def test_an_undecorated_node_loss_method_batches_and_the_tree_runs_as_a_plain_le
     assert Scorer.encode.stats["per_instance"] == {}
     prog = program(Scorer.encode, Scorer)
     assert prog.plain.runs >= 2 and prog.fallbacks == 0
+
+
+class CellHelper(nn.Module):
+    """A Tree-RNN whose cell is an undecorated method with a default parameter, and a module-level helper of a
+    keyword: a plain level run traces both in its pieces' own places (no nested run per depth)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(len(WORDS) + 1, 4)
+        self.node = nn.Linear(8, 4)
+        self.out = nn.Linear(4, 5)
+        self.k = 1
+
+    def compose(self, hl, hr, scale=1):
+        return torch.tanh(self.node(torch.cat([hl, hr], -1))) * self.k * scale
+
+    @recompile.function
+    def encode(self, tree, i):
+        if tree.is_leaf[i]:
+            h = torch.tanh(self.embed(tree.words[i]))
+            loss = 0.0
+        else:
+            hl, loss_l = self.encode(tree, tree.left[i])
+            hr, loss_r = self.encode(tree, tree.right[i])
+            h = self.compose(hl, hr)
+            loss = loss_l + loss_r
+        return h, loss + squared_error(h, target=self.out.bias[:4])
+
+
+def squared_error(h, target):
+    return ((h - target) ** 2).sum()
+
+
+def test_a_pure_helper_is_traced_in_the_plain_pieces_own_place(monkeypatch):
+    nested = []
+    real = helpers.run
+    monkeypatch.setattr(helpers, "run", lambda *args: nested.append(args[1]) or real(*args))
+    torch.manual_seed(0)
+    model = CellHelper().double()
+    forest = Forest.from_trees(trees())
+    CellHelper.encode.stats.reset()
+    for k in (1, 3):  # (the cell reads self.k: a trace made with 1 must not have baked it, nor the default in)
+        model.k = k
+        model.zero_grad()
+        h, loss = recompile.vmap(model.encode, in_dims=(None, 0))(forest, forest.roots)
+        (h.sum() + loss.sum()).backward()
+        got = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        eager = [CellHelper.encode.python(model, t, t.root) for t in trees()]
+        want_h, want_loss = (torch.stack(v) for v in zip(*eager))
+        (want_h.sum() + want_loss.sum()).backward()
+        torch.testing.assert_close((h, loss), (want_h.detach(), want_loss.detach()))
+        for g, p in zip(got, model.parameters()):
+            assert (g is None) == (p.grad is None)
+            if g is not None:
+                torch.testing.assert_close(g, p.grad)
+    prog = program(CellHelper.encode, CellHelper)
+    assert prog.plain.runs >= 2 and not prog.plain.refused and prog.fallbacks == 0
+    assert nested == [] and CellHelper.encode.stats["per_instance"] == {}
+
+
+def looped(h, n):
+    """A helper with a loop: no plain form, so the piece runs it by its rule (a nested run), dropping what it
+    traced of it."""
+    for _ in range(n):
+        h = torch.tanh(h)
+    return h
+
+
+def walk_looped(xs, i):
+    if i + 1 >= xs.shape[0]:
+        return torch.tanh(xs[i])
+    return looped(xs[i] + 0.5 * walk_looped(xs, i + 1), 2)
+
+
+def test_a_helper_the_piece_cannot_trace_runs_by_its_rule():
+    compiled = recompile.function(walk_looped)
+    xs = torch.randn(6, 3, dtype=F64)
+    starts = torch.tensor([0, 2, 5])
+    want = torch.stack([walk_looped(xs, int(i)) for i in starts])
+    for _ in range(2):
+        torch.testing.assert_close(recompile.vmap(compiled, in_dims=(None, 0))(xs, starts), want)
+    assert compiled.stats["per_instance"] == {}

@@ -789,6 +789,9 @@ class _Tracer:
         batch rule: a call of shared values only, shared where pure, else for one instance)."""
         if self.plain is not None:
             if any(s.kind != "S" for s in (*args, *kwargs.values())):
+                inlined = self.inline_helper(fn, fn_slot, args, kwargs)
+                if inlined is not None:
+                    return inlined
                 # (an op with no raw form: its batch rule on the batched tensors wrapped, as in a segment)
                 if not (rerunnable(fn) or draws_per_element(fn, args)):
                     raise _Untraceable
@@ -807,6 +810,42 @@ class _Tracer:
         if not (rerunnable(fn) or draws_per_element(fn, args)):
             raise _Untraceable
         return self.by_rule(fn, fn_slot, args, kwargs)
+
+    def inline_helper(self, fn, fn_slot, args, kwargs):
+        """An undecorated helper of the user's that changes and shows nothing (``runtime.helpers``), traced in the
+        piece's own place: its ops, before fusion, on these slots (no nested run per depth); None where it is
+        no such helper, or has an op with no plain form (the lines it traced are dropped)."""
+        found = helpers.inlined(fn)
+        if found is None:
+            return None
+        sg, signature = found
+        mark, builds, env, loc = len(self.lines), set(self.builds), dict(self.env), self.loc
+        slots = list(args)
+        if type(fn) is types.MethodType:  # (its object, read from the bound method the piece holds)
+            name = self.fresh()
+            self.emit(f"{name} = {fn_slot.name if fn_slot is not None else self.const(fn)}.__self__")
+            slots.insert(0, _Slot("S", name, fn.__self__))
+        try:
+            bound = signature.bind(*slots, **kwargs)  # (the slots themselves, bound as Python binds the values)
+        except TypeError:
+            del self.lines[mark:]
+            return None
+        bound.apply_defaults()
+        slots = [v if type(v) is _Slot else self.load(ir.Const(v)) for v in bound.arguments.values()]
+        self.guard_callable(fn, fn_slot)
+        try:
+            for param, slot in zip(sg.inputs, slots):
+                self.define(param, slot)
+            for inner in sg.ops:
+                self.op(inner)
+            out = self.load(sg.outputs[0])
+        except _Untraceable:
+            del self.lines[mark:]
+            self.builds, self.env = builds, env
+            return None
+        finally:
+            self.loc = loc
+        return out
 
     def by_rule(self, fn, fn_slot, args, kwargs):
         """``fn`` run by its batch rule (``batch_rules.call``) on the arguments as Batch values."""

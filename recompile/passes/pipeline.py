@@ -22,6 +22,7 @@ def passes(fusion=DEFAULT_BACKEND):
 
 
 FINAL = "fusion"  # the program that runs
+UNFUSED = "unpack"  # the program before fusion (each elementwise op its own: what a trace may inline)
 # "grad" is the forward-with-saves and gradient program (passes.grad), derived when first needed
 GRAD = "grad"
 STAGES = ["frontend"] + [name for name, _ in passes()] + [GRAD]

@@ -41,9 +41,9 @@ _compiled = weakref.WeakKeyDictionary()  # function -> its compiled form, or the
 _kinds = weakref.WeakKeyDictionary()  # function -> {owner class: its kind} (``kind``)
 _lock = threading.Lock()
 # func -> (its signature, kind(owner): built for owner, or its CompileError raised, "pure" where run again it
-# changes and shows nothing twice, "unchanging" where it changes nothing in place, else None, and run(args, n,
-# owner): its result and the ops it ran once per instance): set by ``recompile.api``, which compiles (the
-# runtime lies beneath it)
+# changes and shows nothing twice, "unchanging" where it changes nothing in place, else None, run(args, n,
+# owner): its result and the ops it ran once per instance, ops(owner): its SubGraph before fusion): set by
+# ``recompile.api``, which compiles (the runtime lies beneath it)
 compiler = None
 
 
@@ -124,6 +124,16 @@ def kind(fn):
     return None if found is None else found[3]
 
 
+def inlined(fn):
+    """(the SubGraph of pure helper ``fn`` before fusion, its signature), for a plain piece to trace in its own
+    place; None where ``fn`` is no pure helper."""
+    found = _kind(fn)
+    if found is None or found[3] != "pure":
+        return None
+    (signature, _, _, ops), _, owner, _ = found
+    return ops(owner), signature
+
+
 def run(n, fn, args, kwargs):
     """``fn(*args, **kwargs)`` for ``n`` instances (some arguments Batch values) as one batched run of the
     compiled helper: its result, and the ops it ran once per instance (``{name: count}``, for the caller's
@@ -131,7 +141,7 @@ def run(n, fn, args, kwargs):
     found = _kind(fn)
     if found is None or found[3] is None:  # (one that changes something: each instance's changes in turn)
         return NotImplemented
-    (signature, _, run_batched), bound_self, owner, _ = found
+    (signature, _, run_batched, _), bound_self, owner, _ = found
     if not kwargs and len(bound_self) + len(args) == fn.__code__.co_argcount:  # (every parameter, in order)
         return run_batched((*bound_self, *args), n, owner)
     try:
