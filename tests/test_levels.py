@@ -1205,3 +1205,66 @@ def test_an_if_whose_branches_give_a_number_and_a_tensor_runs_on_batch_values():
     xs[3] = 20.0
     with pytest.raises(ValueError, match="too large"):
         recompile.vmap(compiled, in_dims=(None, 0))(xs, starts)
+
+
+@recompile.function
+def composed(hl, hr, xs_i):
+    """A compiled cell called from the recursion's branch: it changes nothing and calls nothing."""
+    return torch.tanh(xs_i + 0.5 * hl - 0.25 * hr)
+
+
+def binary_composed(xs, left, right, i):
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = binary_composed(xs, left, right, left[i])
+        hr, loss_r = binary_composed(xs, left, right, right[i])
+        h = composed(hl, hr, xs[i])
+        loss = loss_l + loss_r
+    return h, loss + score(h)
+
+
+NOTED = []
+
+
+@recompile.function
+def composed_noted(hl, hr, xs_i):
+    """As ``composed``, but it appends to a global list: its calls keep their place (no level program)."""
+    NOTED.append(1)
+    return torch.tanh(xs_i + 0.5 * hl - 0.25 * hr)
+
+
+def binary_noted(xs, left, right, i):
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = binary_noted(xs, left, right, left[i])
+        hr, loss_r = binary_noted(xs, left, right, right[i])
+        h = composed_noted(hl, hr, xs[i])
+        loss = loss_l + loss_r
+    return h, loss + score(h)
+
+
+def test_a_compiled_cell_called_from_the_branch_runs_in_the_level_program():
+    """A call of another compiled function in the recursion's branch that changes and shows nothing is no
+    invoke of the call tree: the level program runs it as a helper (traced into its pieces), values and
+    gradients as eager's. One that changes something keeps the recursion on the agenda."""
+    left, right, roots = forest_of_trees()
+    for fn, levels in ((binary_composed, True), (binary_noted, False)):
+        compiled = recursion(fn)
+        eager = recursion(fn, compiled=False)
+        xs = torch.randn(len(left), 3, dtype=torch.float64, requires_grad=True)
+        h, loss = (torch.stack(v) for v in zip(*[eager(xs, left, right, int(r)) for r in roots]))
+        want_grad, = torch.autograd.grad(h.sum() + loss.sum(), xs)
+        for _ in range(2):
+            got_h, got_loss = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+            torch.testing.assert_close((got_h, got_loss), (h, loss))
+            got_grad, = torch.autograd.grad(got_h.sum() + got_loss.sum(), xs)
+            torch.testing.assert_close(got_grad, want_grad)
+        prog = program(compiled)
+        if levels:
+            assert prog.plain.runs >= 2 and not prog.plain.refused and prog.fallbacks == 0
+        else:
+            assert prog is None

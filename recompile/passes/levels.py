@@ -29,6 +29,7 @@ import operator
 
 from .. import ir
 from .. import intrinsics
+from .pipeline import FINAL
 
 
 def level_shape(sg, batch_plan, changes):
@@ -41,7 +42,7 @@ def level_shape(sg, batch_plan, changes):
         return None
     cond = conds[0]
     at = sg.ops.index(cond)
-    pre, post = sg.ops[:at], sg.ops[at + 1:]
+    pre, post = [_as_call(op, sg) for op in sg.ops[:at]], sg.ops[at + 1:]
     if any(isinstance(op, ir.Invoke) or _yields(op, generators) for op in pre):
         return None
     if any(_yields(op, generators) or isinstance(op, ir.Invoke) and (op.callee == sg.name
@@ -53,24 +54,41 @@ def level_shape(sg, batch_plan, changes):
         if b not in generators:
             branches.append(None)
             continue
-        invokes = [op for op in b.ops if isinstance(op, ir.Invoke)]
-        if any(op.callee != sg.name for op in invokes) or any(_yields(op, generators) for op in b.ops):
+        ops = [_as_call(op, sg) for op in b.ops]
+        invokes = [op for op in ops if isinstance(op, ir.Invoke)]
+        if any(op.callee != sg.name for op in invokes) or any(_yields(op, generators) for op in ops):
             return None
         needed = {x for op in invokes for x in op.operands() if isinstance(x, ir.Value)}
         down = set()
-        for op in reversed(b.ops):
+        for op in reversed(ops):
             if not isinstance(op, ir.Invoke) and any(v in needed for v in op.outputs):
                 down.add(op)
                 needed.update(x for x in op.operands() if isinstance(x, ir.Value))
         if any(inv.output in needed for inv in invokes):
             return None  # an argument reads another call's result: the tree is not known on the way down
-        branches.append(BranchShape(b, [op for op in b.ops if op in down], invokes,
-                                    [op for op in b.ops if op not in down and not isinstance(op, ir.Invoke)]))
+        branches.append(BranchShape(b, [op for op in ops if op in down], invokes,
+                                    [op for op in ops if op not in down and not isinstance(op, ir.Invoke)]))
     if all(br is None for br in branches):
         return None
     shape = LevelShape(sg, cond, pre, post, branches)
     shape.split = late_split(shape)
     return shape
+
+
+def _as_call(op, sg):
+    """An Invoke of another compiled function that, run again, changes and shows nothing and never reaches
+    ``sg`` again (a cell written as ``self.compose(hl, hr)``), as a Call of its Python function on the same
+    arguments, its result the same Value: the level program's pieces run it as an undecorated helper
+    (``runtime.helpers``: traced in their place, or one nested run). Any other op as it is."""
+    if not isinstance(op, ir.Invoke) or op.callee == sg.name or not getattr(op.target, "runs_again_unseen", False):
+        return op
+    if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in op.target.signature.parameters.values()):
+        return op  # (its operands are its parameters' values: positional ones pass as they are)
+    if any(t.ir_name == sg.name for t in ir.reachable(op.target, FINAL)):
+        return op  # (it calls this function again: its calls are the call tree's)
+    call = ir.Call(op.loc, ir.Const(op.target.function.python), op.args)
+    call.outputs = list(op.outputs)  # (the Value the ops after it read; its producer stays the Invoke)
+    return call
 
 
 def _calls(op, fn):
