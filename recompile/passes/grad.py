@@ -128,6 +128,9 @@ class _Deriver:
         for v in sg.inputs:
             if v in watched:
                 made[v] = _version_now(fwd, sg, v)
+        # (what each op changes in place, read before any op is rewired: the callable of ``v.sigmoid_()`` is
+        # noted when its getattr is, after which it no longer names its receiver)
+        changes = {op: _in_place_target(op) for op in sg.ops}
         for j, op in enumerate(sg.ops):
             for v in stale.get(j, ()):
                 fwd.ops.append(ir.Call(op.loc, ir.Const(bp.check_unchanged), [v, made[v], _where(op)], n_outputs=0))
@@ -147,7 +150,7 @@ class _Deriver:
                 by_rule = _const_fn(back) is bp.call_backward and not back.kwargs
                 check = ir.Call(op.loc, ir.Const(bp.check_version),
                                 [ctx, out, v, seen, _where(op), how,
-                                 ir.Const(v in op.outputs or v is _in_place_target(op)),
+                                 ir.Const(v in op.outputs or v is changes[op]),
                                  *(back.args[4:] if by_rule else ())], n_outputs=0)
                 chunk.insert(chunk.index(back), check)  # (after what the chunk makes for the call)
             chunks.append(chunk)
