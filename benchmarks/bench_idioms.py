@@ -3,19 +3,19 @@
     python benchmarks/bench_idioms.py [--data DIR] [--trees N] [--batch 25 256] [--repeats R]
 
 Each spelling is a subclass of ``examples/tree_lstm.py``'s TreeLSTM with the same parameters and another
-``encode``: the example's ``chunk``; ``split`` by a list of sizes (the hidden size read from the module);
-slices by a module constant and ``torch.addcmul``; ``view(...).unbind(0)``; the weights as tensors (``x @
-W.t() + b``); the node's loss written inline (``loss + F.cross_entropy(...)``, nothing to defer); the
-example's ``node_loss`` left undecorated (compiled as a helper, run at each depth). Before it is timed, each
-is checked against its eager twin (float64: per-tree h, c and loss, and the parameter gradients) and its
-per-instance ops are counted (``stats["per_instance"]``, which should be empty). Each is timed through
+``encode``: the example's ``chunk``; ``split`` by a list of sizes (the hidden size read from the module); slices
+by a module constant and ``torch.addcmul``; ``view(...).unbind(0)``; the weights as tensors (``x @ W.t() + b``);
+the node's loss written inline (``loss + F.cross_entropy(...)``, nothing to defer); the example's ``node_loss``
+left undecorated (compiled as a helper, run at each depth). Before it is timed, each is checked against its
+eager twin (float64: per-tree h, c and loss, and the parameter gradients) and its per-instance ops are counted
+(``stats["per_instance"]``, which should be empty). Each is timed through
 ``recompile.vmap(model.encode, in_dims=(None, 0))`` over minibatches of SST trees, beside
-``bench_batching.hand_batched`` (TensorFlow Fold's height batching, written by hand) on the same parameters,
-the runs taking turns; the table gives trees/s and recompile / hand-batched. The RNTN of ``examples/rntn.py``
-(its bilinear form with ``torch.einsum`` on the shared tensor V) and the same form written ``F.linear(x,
-V.view(...)).view(...) @ x`` go the same way, beside an RNTN batched by hand by height, and so does the
-Tree-LSTM written with modules (an ``nn.LSTMCell`` over the projected children, their summed state its state),
-beside the same model batched by hand.
+``bench_batching.hand_batched`` (TensorFlow Fold's height batching, written by hand) on the same parameters, the
+runs taking turns; the table gives trees/s and recompile / hand-batched. The RNTN of ``examples/rntn.py`` (its
+bilinear form with ``torch.einsum`` on the shared tensor V) and the same form written
+``F.linear(x, V.view(...)).view(...) @ x`` go the same way, beside an RNTN batched by hand by height, and so
+does the Tree-LSTM written with modules (an ``nn.LSTMCell`` over the projected children, their summed state its
+state), beside the same model batched by hand.
 """
 
 import copy
