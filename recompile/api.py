@@ -378,4 +378,17 @@ def _compile_helper(fn):
     return cf.signature, kind, cf._run_batched, lambda owner: cf._ready_callee(owner).subgraph(UNFUSED)
 
 
+def _call_compiled(target):
+    """``runtime.helpers``' view of a compiled function that a level program runs as a helper
+    (``intrinsics.CompiledCall``): as ``_compile_helper`` gives, of the function's own program for its owner."""
+    cf, owner = target.function, target.owner
+
+    def kind(_):
+        callee = cf._ready_callee(owner)
+        return "pure" if callee.runs_again_unseen else None if callee.may_mutate else "unchanging"
+
+    return cf.signature, kind, cf._run_batched, lambda _: cf._ready_callee(owner).subgraph(UNFUSED)
+
+
 helpers.compiler = _compile_helper
+helpers.calling = _call_compiled

@@ -266,3 +266,21 @@ def finds_in_class(obj, cls, name):
 
 def not_in(a, b):
     return a not in b
+
+
+class CompiledCall:
+    """A call of a compiled function that a level program runs as a helper (``passes.levels``): ``target``, the
+    compiled function's handle (its owner class with it). Called for one instance, it is the function's call;
+    for a batch, ``runtime.helpers`` runs the function's own program (traced into the level's pieces, or one
+    batched run)."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target):
+        self.target = target
+
+    def __call__(self, *args, **kwargs):
+        return self.target.function(*args, **kwargs)
+
+    def __repr__(self):
+        return f"<compiled call of {self.target.qualname}>"

@@ -1268,3 +1268,50 @@ def test_a_compiled_cell_called_from_the_branch_runs_in_the_level_program():
             assert prog.plain.runs >= 2 and not prog.plain.refused and prog.fallbacks == 0
         else:
             assert prog is None
+
+
+class MethodCells(torch.nn.Module):
+    """A compiled cell method calling another compiled method of its class: the cell runs as a helper with its
+    own program, for its class (the method it calls stays an invoke there, not a per-instance call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.node = torch.nn.Linear(6, 3)
+
+    @recompile.function
+    def squash(self, z):
+        return torch.tanh(z) * 0.5
+
+    @recompile.function
+    def compose(self, hl, hr):
+        return self.squash(self.node(torch.cat([hl, hr], -1)))
+
+    @recompile.function
+    def encode(self, xs, left, right, i):
+        if left[i] < 0:
+            h = torch.tanh(xs[i])
+        else:
+            h = self.compose(self.encode(xs, left, right, left[i]), self.encode(xs, left, right, right[i]))
+        return h
+
+
+@pytest.mark.parametrize("helpers_on", [True, False])
+def test_a_compiled_cell_method_runs_with_its_own_program_for_its_class(helpers_on, monkeypatch):
+    """``self.compose`` calls ``self.squash``: run as a helper, the cell is its own compiled program for the
+    class, whatever ``config.COMPILE_HELPERS`` says (it is compiled already): no op once per instance."""
+    monkeypatch.setattr(config, "COMPILE_HELPERS", helpers_on)
+    torch.manual_seed(0)
+    model = MethodCells().double()
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=torch.float64, requires_grad=True)
+    want = torch.stack([MethodCells.encode.python(model, xs, left, right, int(r)) for r in roots])
+    want_grad, = torch.autograd.grad(want.sum(), xs)
+    MethodCells.encode.stats.reset()
+    for _ in range(2):
+        got = recompile.vmap(model.encode, in_dims=(None, None, None, 0))(xs, left, right, roots)
+        torch.testing.assert_close(got, want)
+        got_grad, = torch.autograd.grad(got.sum(), xs)
+        torch.testing.assert_close(got_grad, want_grad)
+    prog = program(MethodCells.encode, MethodCells)
+    assert prog.plain.runs >= 2 and not prog.plain.refused and prog.fallbacks == 0
+    assert MethodCells.encode.stats["per_instance"] == {}

@@ -77,16 +77,17 @@ def level_shape(sg, batch_plan, changes):
 
 def _as_call(op, sg):
     """An Invoke of another compiled function that, run again, changes and shows nothing and never reaches
-    ``sg`` again (a cell written as ``self.compose(hl, hr)``), as a Call of its Python function on the same
-    arguments, its result the same Value: the level program's pieces run it as an undecorated helper
-    (``runtime.helpers``: traced in their place, or one nested run). Any other op as it is."""
+    ``sg`` again (a cell written as ``self.compose(hl, hr)``), as a Call of it (``intrinsics.CompiledCall``: its
+    own program, for its owner class) on the same arguments, its result the same Value: the level program's
+    pieces run it as a helper (``runtime.helpers``: traced in their place, or one batched run). Any other op
+    as it is."""
     if not isinstance(op, ir.Invoke) or op.callee == sg.name or not getattr(op.target, "runs_again_unseen", False):
         return op
     if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in op.target.signature.parameters.values()):
         return op  # (its operands are its parameters' values: positional ones pass as they are)
     if any(t.ir_name == sg.name for t in ir.reachable(op.target, FINAL)):
         return op  # (it calls this function again: its calls are the call tree's)
-    call = ir.Call(op.loc, ir.Const(op.target.function.python), op.args)
+    call = ir.Call(op.loc, ir.Const(intrinsics.CompiledCall(op.target)), op.args)
     call.outputs = list(op.outputs)  # (the Value the ops after it read; its producer stays the Invoke)
     return call
 

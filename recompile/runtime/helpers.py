@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from .. import config
+from .. import config, intrinsics
 from ..errors import CompileError
 
 # Where code is not the user's: the standard library, installed packages, torch and recompile
@@ -45,6 +45,10 @@ _lock = threading.Lock()
 # owner): its result and the ops it ran once per instance, ops(owner): its SubGraph before fusion): set by
 # ``recompile.api``, which compiles (the runtime lies beneath it)
 compiler = None
+# target -> its (signature, kind, run, ops) as ``compiler`` gives them, for a compiled function's own program:
+# set by ``recompile.api`` too
+calling = None
+_calls = weakref.WeakKeyDictionary()  # compiled function handle -> what ``_kind`` gives for it
 
 
 def user_function(fn):
@@ -94,7 +98,10 @@ def refusal(fn):
 
 def _kind(fn):
     """(compiled form, bound self, owner, kind) of helper ``fn`` (see ``compiler``), or None where it is no
-    helper this compiles."""
+    helper this compiles. A ``CompiledCall`` (a compiled function the level program runs as a helper) is its
+    own function's program, for its owner class, whatever ``config.COMPILE_HELPERS`` says."""
+    if type(fn) is intrinsics.CompiledCall:
+        return _compiled_call(fn.target)
     if not config.COMPILE_HELPERS or compiler is None:
         return None
     func = user_function(fn)
@@ -114,6 +121,14 @@ def _kind(fn):
             return None
         _kinds[func] = kinds = {**(kinds or {}), owner: kind}
     return found, bound_self, owner, kinds[owner]
+
+
+def _compiled_call(target):
+    found = _calls.get(target)
+    if found is None:
+        forms = calling(target)
+        found = _calls[target] = (forms, (), target.owner, forms[1](target.owner))
+    return found
 
 
 def kind(fn):
@@ -142,7 +157,8 @@ def run(n, fn, args, kwargs):
     if found is None or found[3] is None:  # (one that changes something: each instance's changes in turn)
         return NotImplemented
     (signature, _, run_batched, _), bound_self, owner, _ = found
-    if not kwargs and len(bound_self) + len(args) == fn.__code__.co_argcount:  # (every parameter, in order)
+    if not kwargs and type(fn) is not intrinsics.CompiledCall and \
+            len(bound_self) + len(args) == fn.__code__.co_argcount:  # (every parameter, in order)
         return run_batched((*bound_self, *args), n, owner)
     try:
         bound = signature.bind(*bound_self, *args, **kwargs)
