@@ -2787,7 +2787,7 @@ def unary_in_place_then_read(x):
     return v * 2.0 + v.sum()
 
 
-@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
 @pytest.mark.parametrize("fn", [unary_in_place_then_changed, unary_in_place_then_changed_in_a_branch],
                          ids=lambda f: f.__name__)
 def test_an_in_place_unary_method_whose_result_is_changed_afterwards_is_refused_as_eager_refuses(fn, mode):
@@ -2803,7 +2803,7 @@ def test_an_in_place_unary_method_whose_result_is_changed_afterwards_is_refused_
         compiled(x).sum().backward()
 
 
-@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
 def test_an_in_place_unary_method_whose_result_is_only_read_keeps_its_gradient(mode):
     x = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
     want, = torch.autograd.grad(unary_in_place_then_read(x).sum(), x)
