@@ -363,13 +363,12 @@ def _replayed(callee, args):
     return agenda.run(callee, args, 1)[0]
 
 
-def _compile_helper(fn):
-    """``runtime.helpers``' compiler: an undecorated helper compiled for batched runs, as its signature, a
-    ``kind(owner)`` (built for ``owner``, or its CompileError raised: "pure" where run again it changes and shows
-    nothing twice, "unchanging" where it only changes nothing in place, else None), a ``run(args, n, owner)``
-    giving its result and the ops it ran once per instance, and ``ops(owner)``, its program before fusion (the
-    SubGraph a plain piece may trace in its own place: ``codegen.segments``)."""
-    cf = CompiledFunction(fn, mode="batched")
+def _helper_forms(cf):
+    """What ``runtime.helpers`` runs a compiled function ``cf`` by, as a helper: its signature, ``kind(owner)``
+    (built for ``owner``, or its CompileError raised: "pure" where run again it changes and shows nothing
+    twice, "unchanging" where it only changes nothing in place, else None), ``run(args, n, owner)`` giving its
+    result and the ops it ran once per instance, and ``ops(owner)``, its program before fusion (the SubGraph a
+    plain piece may trace in its own place: ``codegen.segments``)."""
 
     def kind(owner):
         callee = cf._ready_callee(owner)
@@ -378,17 +377,6 @@ def _compile_helper(fn):
     return cf.signature, kind, cf._run_batched, lambda owner: cf._ready_callee(owner).subgraph(UNFUSED)
 
 
-def _call_compiled(target):
-    """``runtime.helpers``' view of a compiled function that a level program runs as a helper
-    (``intrinsics.CompiledCall``): as ``_compile_helper`` gives, of the function's own program for its owner."""
-    cf, owner = target.function, target.owner
-
-    def kind(_):
-        callee = cf._ready_callee(owner)
-        return "pure" if callee.runs_again_unseen else None if callee.may_mutate else "unchanging"
-
-    return cf.signature, kind, cf._run_batched, lambda _: cf._ready_callee(owner).subgraph(UNFUSED)
-
-
-helpers.compiler = _compile_helper
-helpers.calling = _call_compiled
+# an undecorated helper, compiled for batched runs; a compiled function a level program runs as a helper
+helpers.compiler = lambda fn: _helper_forms(CompiledFunction(fn, mode="batched"))
+helpers.calling = lambda target: _helper_forms(target.function)

@@ -630,19 +630,26 @@ def set_item(n, fn, args, kwargs):
     return None
 
 
+def _lined_up(t, name, args, kwargs):
+    """The arguments of Tensor method ``name`` on the batch's tensor ``t``, batched ones lined up as elementwise
+    ops line them up; None where there is no such call (a keyword, or an argument that takes one value for
+    every element, given per instance: ``y.fill_(v)``)."""
+    if any(type(v) is Batch for v in kwargs.values()) or any(
+            type(a) is Batch for a in args[_ONE_VALUE.get(name, len(args)):]):
+        return None
+    values = [_aligned(a, t.dim() - 1) for a in args]
+    return None if any(v is None for v in values) else values
+
+
 def _in_place_method(name):
     """``y.clamp_(...)``, ``y.masked_fill_(m, v)``, ``y.zero_()`` ... of each instance's own tensor: the method
     on the batch's tensor, its batched arguments lined up as elementwise ops line them up."""
 
     def rule(n, base, args, kwargs):
         t = _own_rows(base)
-        if t is None or any(type(v) is Batch for v in kwargs.values()) or any(
-                type(a) is Batch for a in args[_ONE_VALUE.get(name, len(args)):]):
-            return NotImplemented  # (``y.fill_(v)`` takes one value: each instance's own runs per instance)
-        if _reads_its_target(t, (*args, *kwargs.values())):
-            return NotImplemented
-        values = [_aligned(a, t.dim() - 1) for a in args]
-        if any(v is None for v in values):
+        values = None if t is None or _reads_its_target(t, (*args, *kwargs.values())) else \
+            _lined_up(t, name, args, kwargs)
+        if values is None:
             return NotImplemented
         getattr(t, name)(*values, **kwargs)
         return base
@@ -1406,19 +1413,6 @@ def extreme(n, fn, args, kwargs):
     return _BY_DIM(n, fn, args, kwargs)
 
 
-@BATCH.register(torch.amax, torch.amin)
-def extreme_values(n, fn, args, kwargs):
-    """``torch.amax(x, dim=(), keepdim)`` of a batched x: with no dim, over each instance's every element."""
-    if len(args) > 1 and _no_dims(args[1]) or _no_dims(kwargs.get("dim")):
-        return NotImplemented
-    if type(args[0] if args else kwargs.get("input")) is Batch and len(args) < 2 and "dim" not in kwargs:
-        t = bt.tensor_of(args[0] if args else kwargs["input"])
-        if t is None or t.dim() < 2 or set(kwargs) - {"input", "keepdim"}:
-            return NotImplemented
-        return bt.from_tensor(fn(t, dim=tuple(range(1, t.dim())), keepdim=kwargs.get("keepdim", False)))
-    return _BY_DIM(n, fn, args, kwargs)
-
-
 @BATCH.register(torch.flatten)
 def flatten(n, fn, args, kwargs):
     """``torch.flatten(x, start_dim, end_dim)`` of a batched x: the same dims of the batch's tensor."""
@@ -1431,7 +1425,7 @@ def flatten_method(n, x, args, kwargs):
 
 
 def _flattened(x, args, kwargs, names):
-    found = _norm_arguments(args, {k: v for k, v in kwargs.items() if k != "input"}, names)
+    found = _by_names(args, {k: v for k, v in kwargs.items() if k != "input"}, names)
     if type(x) is not Batch or found is None or any(type(v) is not int for v in found.values()):
         return NotImplemented
     t = bt.tensor_of(x)
@@ -1507,7 +1501,7 @@ def _norm(x, p, dim, keepdim, dtype, n):
     return _wrap(torch.linalg.vector_norm(t, p, dims, keepdim, dtype=dtype), n)
 
 
-def _norm_arguments(args, kwargs, names):
+def _by_names(args, kwargs, names):
     """``args`` and ``kwargs`` by parameter ``names`` (the values of the ones given), or None for an unknown
     keyword or too many arguments."""
     if len(args) > len(names) or any(k not in names for k in kwargs):
@@ -1522,7 +1516,7 @@ def _norm_arguments(args, kwargs, names):
 @BATCH.register(F.normalize)
 def normalize(n, fn, args, kwargs):
     """``F.normalize(x, p, dim, eps)`` of a batched x: the same dim of the batch's tensor."""
-    found = _norm_arguments(args, kwargs, ("input", "p", "dim", "eps", "out"))
+    found = _by_names(args, kwargs, ("input", "p", "dim", "eps", "out"))
     x = None if found is None else found.get("input")
     if type(x) is not Batch or found.get("out") is not None or any(
             type(v) is Batch for k, v in found.items() if k != "input") or type(found.get("dim", 1)) is not int:
@@ -1553,7 +1547,7 @@ _SOFTMAX_OF = {nn.Softmax: torch.softmax, nn.LogSoftmax: torch.log_softmax,
 def one_hot(n, fn, args, kwargs):
     """``F.one_hot(i, num_classes)`` of batched indices, the classes given: one call (each instance's shape
     gets the classes' dim last, as the batch's does)."""
-    found = _norm_arguments(args, kwargs, ("tensor", "num_classes"))
+    found = _by_names(args, kwargs, ("tensor", "num_classes"))
     classes = None if found is None else found.get("num_classes", -1)
     if type(classes) is not int or classes < 0 or type(found.get("tensor")) is not Batch:
         return NotImplemented  # (classes read from each instance's largest index: its own)
@@ -1591,7 +1585,7 @@ def pointwise_loss(n, fn, args, kwargs):
 @BATCH.register(torch.norm)
 def norm(n, fn, args, kwargs):
     """``torch.norm(x, p, dim, keepdim)`` of a batched x (no dim: over each instance's every element)."""
-    found = _norm_arguments(args, kwargs, ("input", "p", "dim", "keepdim", "out", "dtype"))
+    found = _by_names(args, kwargs, ("input", "p", "dim", "keepdim", "out", "dtype"))
     if found is None or found.get("out") is not None or any(type(v) is Batch for v in found.values()
                                                              if v is not found.get("input")):
         return NotImplemented
@@ -1603,7 +1597,7 @@ def norm(n, fn, args, kwargs):
 @BATCH.register("norm")
 def norm_method(n, x, args, kwargs):
     """``x.norm(p, dim, keepdim)`` of a batched x (see ``norm``)."""
-    found = _norm_arguments(args, kwargs, ("p", "dim", "keepdim", "dtype"))
+    found = _by_names(args, kwargs, ("p", "dim", "keepdim", "dtype"))
     if found is None or any(type(v) is Batch for v in found.values()):
         return NotImplemented
     out = _norm(x, found.get("p", "fro"), found.get("dim"), found.get("keepdim", False), found.get("dtype"), n)
@@ -1690,7 +1684,7 @@ def _dim_method(name):
 
 
 for _op in DIM_OPS:
-    if _op not in ("amax", "amin", "logsumexp", "prod"):  # (their functions' rules take no dim as all of them)
+    if _op not in ("amax", "amin", "logsumexp", "prod"):  # (theirs: _whole_or_dims below; logsumexp: _dim_rule)
         BATCH.register(getattr(torch, _op))(_dim_function)
     if _op not in ("amax", "amin", "prod"):
         BATCH.register(_op)(_dim_method(_op))
@@ -1708,7 +1702,7 @@ def _whole_or_dims(name):
         if name in ("var", "std"):
             if args and type(args[0]) is bool:  # (``x.var(False)``: unbiased, by position)
                 args, kwargs = args[1:], {**kwargs, "unbiased": args[0]}
-            found = _norm_arguments(args, kwargs, ("dim", "unbiased", "keepdim", "correction"))
+            found = _by_names(args, kwargs, ("dim", "unbiased", "keepdim", "correction"))
             if found is None or _no_dims(found.get("dim")):
                 return NotImplemented
             dims = found.pop("dim", None)
@@ -1734,8 +1728,7 @@ def _as_function(method_rule):
 
 for _op in ("amax", "amin", "prod", "var", "std"):
     BATCH.register(_op)(_whole_or_dims(_op))
-    if _op in ("prod", "var", "std"):  # (torch.amax and torch.amin: extreme_values)
-        BATCH.register(getattr(torch, _op))(_as_function(_whole_or_dims(_op)))
+    BATCH.register(getattr(torch, _op))(_as_function(_whole_or_dims(_op)))
 
 
 def _product_method(ranks):
@@ -1864,7 +1857,7 @@ BATCH.register("repeat")(_sized("repeat"))
 # in-place ones, ``_ELEMENTWISE_IN_PLACE``); and conversions of the whole tensor (dtype, device)
 _ELEMENTWISE_METHODS = ("clamp", "clamp_min", "clamp_max", "clip", "pow", "masked_fill", "where", "lerp", "fmod",
                         "remainder", "maximum", "minimum", "add", "sub", "mul", "div", "atan2", "hypot",
-                        "logaddexp", "sigmoid", "square", "sin", "cos", "log1p", "expm1", "erf", "reciprocal",
+                        "logaddexp", "square", "sin", "cos", "log1p", "expm1", "erf", "reciprocal",
                         "rsqrt", "sign", "floor", "ceil", "round", "trunc", "frac", "nan_to_num", "to", "type_as",
                         "type", "half", "bfloat16", "bool", "int")
 
@@ -1872,15 +1865,12 @@ _ELEMENTWISE_METHODS = ("clamp", "clamp_min", "clamp_max", "clip", "pow", "maske
 def _elementwise_method(name):
     def rule(n, x, args, kwargs):
         t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
-        if t is None or any(type(v) is Batch for v in kwargs.values()) or any(
-                type(a) is Batch for a in args[_ONE_VALUE.get(name, len(args)):]):
-            return NotImplemented
-        if name not in _CONVERSIONS and any(
+        if t is None or name not in _CONVERSIONS and any(
                 v.dtype is not t.dtype and v.dtype is not torch.bool for v in (
                     bt.tensor_of(a) if type(a) is Batch else a for a in args) if isinstance(v, torch.Tensor)):
             return NotImplemented  # (an instance's 0-d tensor promotes as a batch's dimensioned one does not)
-        values = [_aligned(a, t.dim() - 1) for a in args]
-        if any(v is None for v in values):
+        values = _lined_up(t, name, args, kwargs)
+        if values is None:
             return NotImplemented
         out = getattr(t, name)(*values, **kwargs)
         return bt.from_tensor(out) if type(out) is torch.Tensor and out.shape[:1] == t.shape[:1] else NotImplemented
@@ -1888,8 +1878,7 @@ def _elementwise_method(name):
 
 
 for _op in _ELEMENTWISE_METHODS:
-    if _op not in BATCH.by_method:
-        BATCH.register(_op)(_elementwise_method(_op))
+    BATCH.register(_op)(_elementwise_method(_op))
 
 
 @BATCH.register(torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like)
