@@ -791,6 +791,144 @@ def test_a_leafs_number_joined_with_the_nodes_tensors_runs_as_their_rows(dtype, 
     assert prog.plain.runs == runs + 2 and not prog.plain.refused and prog.fallbacks == 0
 
 
+
+def sliced_loss(xs, left, right, i):
+    """The node's loss written inline, from the node's state and a shared weight (``w``): its ops make nothing
+    else, so a plain run defers them as a call (``passes.levels.SliceCall``)."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = sliced_loss(xs, left, right, left[i])
+        hr, loss_r = sliced_loss(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    w = xs.sum(0)
+    return h, loss + torch.log_softmax(h * w, -1)[0].neg()
+
+
+def sliced_twice_and_called(xs, left, right, i):
+    """An inline addend beside a compiled call's result, both deferred. (Compiled without fusion, which would
+    join the adds into one fused op: ``binary_twice``.)"""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = sliced_twice_and_called(xs, left, right, left[i])
+        hr, loss_r = sliced_twice_and_called(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    a = (h * h).sum()
+    return h, loss + score(h) + a
+
+
+def sliced_and_kept(xs, left, right, i):
+    """The loss's logits are the state's too (``z``): only ``z.sum()`` is the loss's own."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = sliced_and_kept(xs, left, right, left[i])
+        hr, loss_r = sliced_and_kept(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    z = h * 2.0
+    return torch.tanh(z), loss + z.sum()
+
+
+def reads_its_own_loss(xs, left, right, i):
+    """The addend reads the loss of the calls below: it cannot wait for every depth (each depth adds it)."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = reads_its_own_loss(xs, left, right, left[i])
+        hr, loss_r = reads_its_own_loss(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + (h * loss).sum()
+
+
+class _Counted:
+    """A piece of a plain run, its calls counted."""
+
+    def __init__(self, piece):
+        self.piece, self.unread, self.calls = piece, piece.unread, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.piece(*args)
+
+
+@pytest.mark.parametrize("fn, slices", [(sliced_loss, 1), (sliced_twice_and_called, 1), (sliced_and_kept, 1),
+                                        (reads_its_own_loss, 0)], ids=lambda x: str(x))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_an_inline_node_loss_runs_once_for_every_depth_in_a_plain_run(fn, slices, dtype):
+    """The ops that only make an addend of the loss (a node's loss written inline) are deferred in a plain
+    run as a call is: they run once, on the rows of every depth, and their results are summed by each call's
+    root. Values, dtypes and gradients as eager's, as the run on Batch values and as the agenda."""
+    compiled = recursion(fn, fusion=fn is not sliced_twice_and_called)
+    eager = recursion(fn, compiled=False)
+    prog = program(compiled)
+    assert len(prog.plain.slices) == slices
+    counted = []
+    for j in prog.plain.slices:
+        piece, nargs, loc = prog.plain.deferred[j]
+        counted.append(_Counted(piece))
+        prog.plain.deferred[j] = (counted[-1], nargs, loc)
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=dtype, requires_grad=True)
+
+    def run():
+        h, loss = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+        grad, = torch.autograd.grad(h.sum() + loss.sum(), xs)
+        return (h.detach(), loss.detach()), grad
+
+    h, loss = (torch.stack([torch.as_tensor(v) for v in vs])
+               for vs in zip(*[eager(xs, left, right, int(r)) for r in roots]))
+    want = (h.detach(), loss.detach()), torch.autograd.grad(h.sum() + loss.sum(), xs)[0]
+    runs, summed = prog.plain.runs, prog.summed
+    for _ in range(2):
+        got = run()
+        assert got[0][1].dtype is dtype
+        torch.testing.assert_close(got, want)
+        with torch.no_grad():
+            got_h, got_loss = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+        torch.testing.assert_close((got_h, got_loss), want[0])
+    assert prog.plain.runs == runs + 4 and not prog.plain.refused and prog.fallbacks == 0
+    assert [c.calls for c in counted] == [4] * slices  # (once a call, for every depth)
+    assert prog.plain.late.positions == ([1] if slices else []) and prog.summed == summed + 4
+    for way in three_ways(run)[1:]:
+        torch.testing.assert_close(way, want)
+
+
+def sliced_error(xs, left, right, i):
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = sliced_error(xs, left, right, left[i])
+        hr, loss_r = sliced_error(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + (h * xs[i + 100]).sum()  # out of range at every node
+
+
+def test_an_inline_losss_error_is_raised_from_its_line_with_the_chain():
+    compiled = recursion(sliced_error)
+    assert len(program(compiled).plain.slices) == 1
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3)
+    errors = []
+    for on in (True, False):
+        with levels_enabled(on), pytest.raises(IndexError) as info:
+            recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+        notes = getattr(info.value, "__notes__", [])
+        assert "recompile call chain" in "".join(notes)
+        assert any("xs[i + 100]" in f.line for f in traceback.extract_tb(info.value.__traceback__))
+        errors.append((str(info.value), notes))
+    assert errors[0] == errors[1]
+
 def test_a_failed_guard_traces_the_piece_again_for_what_holds_now():
     compiled = recompile.function(walk)
     prog = program(compiled)

@@ -29,6 +29,7 @@ takes their results after them.
 from __future__ import annotations
 
 from .. import config, ir
+from ..passes.levels import SliceCall
 from ..runtime import levels as rt_levels
 from . import segments
 
@@ -159,8 +160,10 @@ def _fused_within(ops):
 def _plain_pieces(em, shape):
     """The pieces again as ``segments.Plain`` (run on plain tensors by ``runtime.levels``), or None: where the
     function has no late split and ``post`` calls nothing, or its late elements are tree sums (``post``
-    then hands on the deferred calls' arguments, which run once, and the late halves are not needed)."""
-    sg, cond, split = shape.sg, shape.cond, shape.split
+    then hands on the deferred calls' arguments, which run once, and the late halves are not needed). Its
+    split is ``shape.plain_split``: an inline node loss's ops are deferred there too, each as a piece of its own
+    (``passes.levels.SliceCall``)."""
+    sg, cond, split = shape.sg, shape.cond, shape.plain_split
     if not config.SEGMENTS:
         return None
     deferred = [] if split is None else split.deferred
@@ -183,8 +186,9 @@ def _plain_pieces(em, shape):
     if split is None:
         post = piece(f"{base}_lv_post", shape.post, post_live + after, list(sg.outputs))
     else:
+        sliced = {op for sl in deferred if isinstance(sl, SliceCall) for op in sl.ops}
         ops = [op for op in shape.post if op is not split.build and not isinstance(op, ir.Invoke)
-               and not split.is_late(op)]
+               and not split.is_late(op) and op not in sliced]
         elements = [e for j, e in enumerate(split.elements) if j not in split.positions]
         post = piece(f"{base}_lv_post", ops, post_live + [cond.outputs[j] for j in early],
                      elements + [a for inv in deferred for a in inv.args])
@@ -204,5 +208,10 @@ def _plain_pieces(em, shape):
             continue
         ops = [op for op in br.up if op not in split.unpacks[k] and not split.is_late(op)]
         ups.append(piece(f"{base}_lv_up{k}", ops, up_live + _early_inputs(split, k), [br.sg.outputs[j] for j in early]))
-    return rt_levels.PlainPieces(pre, downs, ups, leaves, post, early,
-                                 [(inv.target, len(inv.args), inv.loc) for inv in deferred])
+    calls = [(piece(f"{base}_lv_slice{j}", inv.ops, inv.args, [inv.output]) if isinstance(inv, SliceCall)
+              else inv.target, len(inv.args), inv.loc) for j, inv in enumerate(deferred)]
+    late = None if split is None else rt_levels.Late(None, len(split.elements), split.positions,
+                                                     split.late_outputs, len(cond.outputs), len(deferred),
+                                                     split.sums)
+    return rt_levels.PlainPieces(pre, downs, ups, leaves, post, early, calls, late,
+                                 frozenset(j for j, inv in enumerate(deferred) if isinstance(inv, SliceCall)))

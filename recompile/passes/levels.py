@@ -72,6 +72,7 @@ def level_shape(sg, batch_plan, changes):
         return None
     shape = LevelShape(sg, cond, pre, post, branches)
     shape.split = late_split(shape)
+    shape.plain_split = plain_split(shape)
     return shape
 
 
@@ -104,11 +105,10 @@ def _spread(ops, late):
             late.update(op.outputs)
 
 
-def late_split(shape):
-    """The LateSplit of ``shape``, or None: where the function returns the tuple a ``build_tuple`` in
-    ``post`` makes, each self-invoke's result is unpacked into as many elements once, and the deferred
-    calls' arguments read no late value."""
-    sg, cond, post = shape.sg, shape.cond, shape.post
+def _result_build(shape):
+    """The ``build_tuple`` call of ``post`` that makes the function's one result, read by nothing else; or
+    None."""
+    sg, post = shape.sg, shape.post
     if len(sg.outputs) != 1 or not isinstance(sg.outputs[0], ir.Value):
         return None
     ret = sg.outputs[0]
@@ -116,7 +116,17 @@ def late_split(shape):
     if len(builds) != 1 or not _calls(builds[0], intrinsics.build_tuple) \
             or any(ret in op.operands() for op in post):
         return None
-    build = builds[0]
+    return builds[0]
+
+
+def late_split(shape, slices=()):
+    """The LateSplit of ``shape``, or None: where the function returns the tuple a ``build_tuple`` in
+    ``post`` makes, each self-invoke's result is unpacked into as many elements once, and the deferred
+    calls' arguments read no late value. ``slices`` (SliceCalls) are deferred beside the calls."""
+    cond, post = shape.cond, shape.post
+    build = _result_build(shape)
+    if build is None:
+        return None
     elements = list(build.args)
     unpacks = []  # per branch: per invoke, the unpack of its result (None for a leaf branch)
     for br in shape.branches:
@@ -131,9 +141,10 @@ def late_split(shape):
                 return None
             found.append(users[0])
         unpacks.append(found)
-    deferred = [op for op in post if isinstance(op, ir.Invoke)]
+    deferred = [op for op in post if isinstance(op, ir.Invoke)] + list(slices)
     late = {op.output for op in deferred}
-    rest = [op for op in post if op is not build]
+    sliced = {op for sl in slices for op in sl.ops}
+    rest = [op for op in post if op is not build and op not in sliced]
     while True:  # (an element is late in the callers' results too: until nothing more turns late)
         size = len(late)
         _spread(rest, late)
@@ -152,6 +163,63 @@ def late_split(shape):
     split = LateSplit(elements, positions, late_outputs, late, build, unpacks, deferred)
     split.sums = tree_sums(shape, split)
     return split
+
+
+def plain_split(shape):
+    """The late split a plain level run uses (``codegen.levels``): ``shape.split`` with the SliceCalls of
+    ``post`` deferred too, where there are some and the late elements are then tree sums; else
+    ``shape.split``."""
+    build = _result_build(shape)
+    if build is None:
+        return shape.split
+    post = shape.post
+    made = {v: op for op in post for v in op.outputs}
+    readers = {}
+    for op in post:
+        for x in op.operands():
+            readers.setdefault(x, set()).add(op)
+    slices, seen = [], set()
+    for element in build.args:
+        for addend in _addends(element, post):
+            sl = None if addend in seen else _slice(addend, post, made, readers, set(shape.sg.outputs))
+            if sl is not None:
+                slices.append(sl)
+                seen.add(addend)
+    if not slices:
+        return shape.split
+    split = late_split(shape, slices)
+    return split if split is not None and split.sums is not None else shape.split
+
+
+def _slice(addend, post, made, readers, outputs):
+    """The SliceCall making ``addend`` in ``post``, or None: its producer and, back through ``post``, every op
+    whose outputs only ops already taken read (each op's readers come after it). None where ``addend`` is
+    not made by such an op, or is read by more than the ``+`` that adds it."""
+    top = made.get(addend)
+    if top is None or not _movable(top) or len(readers.get(addend, ())) != 1 or addend in outputs \
+            or any(v is not addend and (v in outputs or v in readers) for v in top.outputs):
+        return None
+    taken = {top}
+    for op in reversed(post[:post.index(top)]):
+        if not _movable(op) or any(v in outputs for v in op.outputs):
+            continue
+        users = set().union(*(readers.get(v, set()) for v in op.outputs))
+        if users and users <= taken:
+            taken.add(op)
+    ops = [op for op in post if op in taken]
+    made_here = {v for op in ops for v in op.outputs}
+    args = []
+    for op in ops:
+        for x in op.operands():
+            if isinstance(x, ir.Value) and x not in made_here and x not in args:
+                args.append(x)
+    return SliceCall(ops, args, addend)
+
+
+def _movable(op):
+    """Whether ``op`` may run later and once for every depth: an op of this function's own, with no nested
+    SubGraph (the function changes nothing in place)."""
+    return not isinstance(op, ir.Invoke) and not list(op.subgraphs())
 
 
 def _addends(value, ops):
@@ -206,6 +274,18 @@ def _yields(op, generators):
     return any(s in generators for s in op.subgraphs())
 
 
+class SliceCall:
+    """Ops of ``post`` (in order) that only make ``output``, an addend of a late element (an inline node loss),
+    deferred as if a call: ``args``, the values they read from outside."""
+
+    def __init__(self, ops, args, output):
+        self.ops, self.args, self.output = ops, args, output
+        self.loc = ops[-1].loc
+
+    def operands(self):
+        return list(self.args)
+
+
 class BranchShape:
     def __init__(self, sg, down, invokes, up):
         self.sg, self.down, self.invokes, self.up = sg, down, invokes, up
@@ -215,6 +295,7 @@ class LevelShape:
     def __init__(self, sg, cond, pre, post, branches):
         self.sg, self.cond, self.pre, self.post, self.branches = sg, cond, pre, post, branches
         self.split = None
+        self.plain_split = None
 
 
 class LateSplit:

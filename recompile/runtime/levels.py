@@ -107,11 +107,14 @@ class PlainPieces:
     """A level program's pieces as ``segments.Plain``, run on plain tensors: ``pre``, per branch ``down`` and
     ``up`` (None for a leaf branch) or ``leaves`` (a leaf branch's), and ``post``; ``early``, the positions
     among the cond's outputs of those ``up`` gives (all of them, or with a late split the ones that are not
-    late); ``deferred``, per deferred call of ``post`` its target, argument count (whose arguments
-    ``post`` hands on after the elements) and source location."""
+    late); ``deferred``, per deferred call of ``post`` its target (a piece of its own at the positions
+    ``slices``: the ops of an inline node loss, ``passes.levels.SliceCall``), argument count (whose arguments
+    ``post`` hands on after the elements) and source location; ``late``, the Late of their split (with no
+    ``post_late``), or None."""
 
-    def __init__(self, pre, down, up, leaves, post, early, deferred):
+    def __init__(self, pre, down, up, leaves, post, early, deferred, late=None, slices=frozenset()):
         self.pre, self.down, self.up, self.post, self.early, self.deferred = pre, down, up, post, early, deferred
+        self.late, self.slices = late, slices
         self.leaves = leaves  # per branch: a leaf branch's own ops (None for an invoking branch)
         self.nargs = sum(a for _, a, _ in deferred)
         self.refused = set()  # which arguments were batched, in calls a plain run could not hold: not tried again
@@ -368,7 +371,7 @@ class LevelRun:
         ran = self.run_collected([requests for _, _, _, requests in kept], [at for at, _, _, _ in kept])
         lates = None
         if late.sums is not None:
-            lates = self.tree_sums(levels[0][0], [at for at, _, _, _ in kept], ran,
+            lates = self.tree_sums(late.sums, levels[0][0], [at for at, _, _, _ in kept], ran,
                                    lambda device: _roots(p, levels[0][0], _batch_sides(levels), device))
         if lates is None:
             lates = self.ascend_late(levels, kept, ran)
@@ -394,8 +397,8 @@ class LevelRun:
                 below = iter(_rows(lates, levels[at - 1][4]))
         return lates
 
-    def tree_sums(self, n, depth_of, ran, make_roots):
-        """The late elements as sums over each call tree (``passes.levels.TreeSums``): each deferred result's
+    def tree_sums(self, sums, n, depth_of, ran, make_roots):
+        """The late elements as sums over each call tree (``sums``, ``passes.levels.TreeSums``): each deferred result's
         rows (``run_collected``'s, ``depth_of`` each of its depths) added into the row of their call's root
         (``make_roots(device)``), by one ``index_add`` where a callee's run serves one deferred call, in the
         dtype eager code's ``0.0 + t`` gives. None where a result is not a tensor, or the results an element
@@ -416,7 +419,6 @@ class LevelRun:
                 parts.setdefault(j, []).append((t.narrow(0, start, count), [d]))
                 start += count
         roots, totals = None, []
-        sums = self.p.late.sums
         for terms, zeros in zip(sums.terms, sums.zeros):
             total = None
             for j in terms:
@@ -448,21 +450,23 @@ class LevelRun:
         # Nothing records the pure way down and up without grad: in inference mode torch skips its
         # per-op version counter and view bookkeeping too. What leaves it is made an ordinary tensor
         # (``_ordinary``), so the caller may change it in place or use it where autograd records.
-        with torch.inference_mode() if unrecorded else _UNCHANGED_MODE:
+        mode = torch.inference_mode if unrecorded else contextlib.nullcontext
+        with mode():
             levels, leaves = self.descend_plain(*_plain_args(args), n)
             leaf_results = []
             for which, requests in enumerate(leaves):
                 leaf_results.append(self.run_leaves_plain(which, requests) if requests else None)
             top, deferred = self.ascend_plain(levels, leaf_results)
         elements = [bt.from_tensor(_ordinary(v)) if k == "B" else _ordinary(v) for v, k in zip(*top)]
-        if p.late is None:
+        late = p.plain.late
+        if late is None:
             return elements[0]
-        ran = self.run_deferred_plain(deferred)
-        lates = self.tree_sums(n, [at for at, _ in deferred], ran,
+        ran = self.run_deferred_plain(deferred, mode)
+        lates = self.tree_sums(late.sums, n, [at for at, _ in deferred], ran,
                                lambda device: _roots(p, n, _plain_sides(levels), device))
         if lates is None:
             lates = self.sums_by_depth(levels, deferred, ran)
-        return _result(n, p.late, elements, lates)
+        return _result(n, late, elements, lates)
 
     def descend_plain(self, values, kinds, n):
         """``descend`` on plain values: per depth (count, sides [(branch, index of its instances or None for
@@ -567,28 +571,40 @@ class LevelRun:
         self.agenda.stats.compute_s += compute
         return (out[:ne], ok[:ne]), deferred
 
-    def run_deferred_plain(self, deferred):
+    def run_deferred_plain(self, deferred, mode):
         """``post``'s deferred calls, each callee once for every depth: ``run_collected``'s result. (Their
-        arguments made ordinary tensors: the calls run outside the way down and up's inference mode.)"""
+        arguments made ordinary tensors: the calls run outside the way down and up's inference mode.) An inline
+        loss's piece runs once for every depth too, as the way up ran, in ``mode``."""
         plain = self.p.plain
         groups = {}
         for d, (_, (values, kinds, count)) in enumerate(deferred):
             at = 0
             for j, (target, nargs, _) in enumerate(plain.deferred):
                 entry = (d, j, values[at:at + nargs], kinds[at:at + nargs], count)
-                groups.setdefault(unit_of(target), (target, []))[1].append(entry)
+                key = target if j in plain.slices else unit_of(target)
+                groups.setdefault(key, (target, []))[1].append(entry)
                 at += nargs
         gathered = []
-        for unit, (target, entries) in groups.items():
-            values, kinds = _plain_concat([(v, k, c) for _, _, v, k, c in entries])
-            args = tuple(bt.from_tensor(_ordinary(v)) if k == "B" else _ordinary(v) for v, k in zip(values, kinds))
-            gathered.append((unit, target, entries, args, sum(c for *_, c in entries)))
+        for key, (target, entries) in groups.items():
+            j = entries[0][1]
+            values, kinds = _plain_concat([(v, k, c) for _, _, v, k, c in entries],
+                                          target.unread if j in plain.slices else frozenset())
+            if j not in plain.slices:
+                values = tuple(bt.from_tensor(_ordinary(v)) if k == "B" else _ordinary(v)
+                               for v, k in zip(values, kinds))
+            gathered.append((key, target, entries, values, kinds, sum(c for *_, c in entries)))
         ran = []
-        for unit, target, entries, args, total in gathered:
+        for key, target, entries, values, kinds, total in gathered:
             d, j = entries[0][:2]
-            self.where = (deferred[d][0], None, (unit, plain.deferred[j][2]))
-            ran.append(([(d, j, c) for d, j, _, _, c in entries], self.run_group(unit, [(args, total)], target,
-                                                                                  cut=False), unit.arity > 1))
+            counts = [(d, j, c) for d, j, _, _, c in entries]
+            if j in plain.slices:
+                self.where = (deferred[d][0], None, None)
+                with mode():
+                    (out,), (kind,) = self.timed(target, total, (kinds, values, self.prepared))
+                ran.append((counts, bt.from_tensor(_ordinary(out)) if kind in ("B", "N") else _ordinary(out), False))
+                continue
+            self.where = (deferred[d][0], None, (key, plain.deferred[j][2]))
+            ran.append((counts, self.run_group(key, [(values, total)], target, cut=False), key.arity > 1))
         return ran
 
     def sums_by_depth(self, levels, deferred, ran):
@@ -596,7 +612,7 @@ class LevelRun:
         tensors, or of different row shapes or dtypes): up depth by depth on Batch values, each late element
         a leaf's zero or its calls' same elements added, then the node's deferred results, one ``+`` at a
         time as eager code adds them."""
-        p, sums = self.p, self.p.late.sums
+        p, sums = self.p, self.p.plain.late.sums
         answers = _answers([p.plain.deferred] * len(deferred), ran)
         below = None
         for d, (at, _) in enumerate(deferred):
@@ -738,9 +754,6 @@ class LevelRun:
         results = self.run_group(unit, [(args, count) for _, args, count, _, _ in requests])
         for (cell, _, _, _, _), value in zip(requests, results):
             cell.value, cell.done = value, True
-
-
-_UNCHANGED_MODE = contextlib.nullcontext()
 
 
 def _ordinary(v):
