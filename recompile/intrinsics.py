@@ -10,6 +10,7 @@ nothing of recompile's.
 from __future__ import annotations
 
 import builtins
+import operator
 import types
 
 import torch
@@ -129,6 +130,35 @@ def build_list(*items):
 
 def build_set(*items):
     return set(items)
+
+
+def _augmented_fresh(in_place, out_of_place, name):
+    """``x op= y`` where only this frame holds ``x``'s object (``passes.fresh``): for a tensor, ``x op y``, a new
+    tensor where it has ``x``'s dtype and shape (what the in-place op would give), else the in-place op on a
+    copy (it casts, or raises, as eager's); a list copied, then changed; anything else Python's in-place op
+    (an immutable number makes a new one). ``x`` itself is never changed, so a value computed once for every
+    instance may be read by each."""
+
+    def augmented(x, y):
+        if isinstance(x, torch.Tensor):
+            result = out_of_place(x, y)
+            if isinstance(result, torch.Tensor) and result.dtype == x.dtype and result.shape == x.shape:
+                return result
+            return in_place(x.clone(), y)
+        if type(x) is list:
+            return in_place(list(x), y)
+        return in_place(x, y)
+
+    augmented.__name__ = augmented.__qualname__ = name
+    augmented.in_place, augmented.out_of_place = in_place, out_of_place
+    return augmented
+
+
+iadd_fresh = _augmented_fresh(operator.iadd, operator.add, "iadd_fresh")
+isub_fresh = _augmented_fresh(operator.isub, operator.sub, "isub_fresh")
+imul_fresh = _augmented_fresh(operator.imul, operator.mul, "imul_fresh")
+itruediv_fresh = _augmented_fresh(operator.itruediv, operator.truediv, "itruediv_fresh")
+AUGMENTED_FRESH = {f.in_place: f for f in (iadd_fresh, isub_fresh, imul_fresh, itruediv_fresh)}
 
 
 MERGE = Marker("MERGE")  # marks ``**mapping`` among the keys given to build_dict

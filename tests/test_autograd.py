@@ -172,7 +172,7 @@ def test_a_differentiable_backward_of_a_call_that_changes_values_in_place_is_ref
     @recompile.function(mode="sequential")
     def f(x, buf):
         v = buf * 1.0
-        v += 1.0
+        v.add_(1.0)  # (``v += 1.0`` of a v the frame made is written out of place: ``passes.fresh``)
         return (x * v).sum()
 
     x = torch.ones(3, dtype=F64, requires_grad=True)

@@ -56,6 +56,13 @@ def _method_metadata(vjps, others):
 _READ_FOR_OTHERS = {grad_rules._mul, grad_rules._div}
 
 
+def _fresh_metadata():
+    """The rule_metadata entries of ``x op= y`` written out of place: those of the out-of-place op."""
+    table = grad_rules.GRAD.by_callable
+    return set(listing({f"{describe(f)} function": (table[f.out_of_place].reads_out, table[f.out_of_place].reads_inputs,
+                                                    tuple(table[f.out_of_place].read_for_others)) for f in _FRESH}))
+
+
 def _names(*items):
     return {describe(x) for x in items}
 
@@ -178,6 +185,7 @@ _TORCH_BITWISE = (torch.le, torch.ge, torch.ne, torch.logical_or, torch.logical_
                   torch.floor_divide, torch.trunc, torch.isnan, torch.isinf, torch.isfinite)
 _BITWISE = (operator.and_, operator.or_, operator.xor, operator.invert, operator.floordiv, operator.mod,
             *_TORCH_BITWISE)
+_FRESH = tuple(intrinsics.AUGMENTED_FRESH.values())
 _CELLS = (nn.RNNCell, nn.LSTMCell, nn.GRUCell)  # a batch of rows for the cell (batch_rules.recurrent_cell)
 _LAYERS = (nn.RNN, nn.LSTM, nn.GRU)  # every instance's sequences one batch for the module (batch_rules.recurrent_layer)
 _CLOSURES = (intrinsics.fixed_cell, intrinsics.set_cell, intrinsics.read_local_cell, intrinsics.delete_cell,
@@ -223,7 +231,9 @@ GROWN = {
                                     (torch.index_select, batch_rules._BY_DIM),
                                     # a norm over all of each instance's elements too (vmap's was per group)
                                     (torch.norm, batch_rules.norm),
-                                    *((f, batch_rules.elementwise) for f in _MORE_ELEMENTWISE)])
+                                    *((f, batch_rules.elementwise) for f in _MORE_ELEMENTWISE),
+                                    # ``x += y`` of an x the frame made, written out of place (passes.fresh)
+                                    *((f, batch_rules.augmented_fresh) for f in _FRESH)])
                           | _ruled(batch_rules.BATCH.by_callable, _MORE_RULES),
                           {"_operator.matmul -> recompile:via_vmap",
                            "torch.functional.norm -> recompile:_dim_rule.<locals>.rule",
@@ -249,9 +259,14 @@ GROWN = {
                                  | _entries((m, batch_rules.elementwise) for m in _MORE_ACTIVATIONS), set()),
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, len,
                                     intrinsics.build_dict,
-                                    *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE)
+                                    *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE, *_FRESH)
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
+    # ``x op= y`` written out of place: the out-of-place op's gradient
+    "grad_rules.FUNCTION_RULES": (_entries([(intrinsics.iadd_fresh, grad_rules._add),
+                                            (intrinsics.isub_fresh, grad_rules._sub),
+                                            (intrinsics.imul_fresh, grad_rules._mul),
+                                            (intrinsics.itruediv_fresh, grad_rules._div)]), set()),
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS, *_LAYERS, torch.nn.Sequential, *_MORE_ACTIVATIONS)
                                      | _ruled_keys(batch_rules.BATCH.by_module, _MORE_RULES), set()),
     # (views that move dims read no value of their input either, as ``transpose`` always did)
@@ -259,7 +274,8 @@ GROWN = {
     "batch_rules.INTEGER_INDEX": (set(), {"torch.uint8"}),  # (torch reads a uint8 index as a mask)
     # (result readers and detach read no input; a method's receiver is read for the others as its function's)
     "grad_rules.rule_metadata": (_metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | {grad_rules._detach}, False)
-                                 | _method_metadata(_READ_FOR_OTHERS, lambda r: tuple(r.read_for_others)),
+                                 | _method_metadata(_READ_FOR_OTHERS, lambda r: tuple(r.read_for_others))
+                                 | _fresh_metadata(),
                                  _metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | {grad_rules._detach}, True)
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: ())),
     # ``type(x)`` of a shared x is read once for every instance (the class is the same object)
@@ -276,7 +292,8 @@ GROWN = {
     "segments._FORMS": (_entries([*((f, segments._elementwise_form) for f in _ADDCMUL + _BITWISE),
                                   (operator.matmul, segments._matmul_form), (torch.matmul, segments._matmul_form),
                                   (torch.einsum, segments._einsum_form), (F.linear, segments._linear_form),
-                                  *((f, segments._elementwise_form) for f in _MORE_ELEMENTWISE)]),
+                                  *((f, segments._elementwise_form) for f in _MORE_ELEMENTWISE),
+                                  *((f, segments._augmented_fresh_form) for f in _FRESH)]),
                         set()),
 }
 

@@ -213,7 +213,8 @@ def _by_autograd(fn, g, out, *args, **kwargs):
 # arithmetic
 
 
-@rule(operator.add, operator.iadd, *_forms("add", "add_"), "__add__", "__radd__", "__iadd__")
+@rule(operator.add, operator.iadd, intrinsics.iadd_fresh, *_forms("add", "add_"), "__add__", "__radd__",
+      "__iadd__")
 def _add(fn, g, out, input, other, alpha=1):
     if isinstance(input, (tuple, list)) and isinstance(other, (tuple, list)):
         # [a] + [b]: the joined sequence holds the very elements, so each gets its own cotangent back
@@ -225,7 +226,8 @@ def _add(fn, g, out, input, other, alpha=1):
     yield other, unbroadcast(g if alpha == 1 else g * alpha, other)
 
 
-@rule(operator.sub, operator.isub, *_forms("sub", "sub_", "subtract", "subtract_"), "__sub__", "__isub__")
+@rule(operator.sub, operator.isub, intrinsics.isub_fresh, *_forms("sub", "sub_", "subtract", "subtract_"),
+      "__sub__", "__isub__")
 def _sub(fn, g, out, input, other, alpha=1):
     yield input, unbroadcast(g, input)
     yield other, unbroadcast(-g if alpha == 1 else -g * alpha, other)
@@ -238,7 +240,7 @@ def _rsub(fn, g, out, input, other, alpha=1):
 
 # not operator.imul: ``x *= y`` on a tensor overwrites the x that y's gradient needs (backprop makes it
 # out of place before looking for a rule)
-@rule(operator.mul, *_forms("mul", "multiply"), "__mul__", "__rmul__")
+@rule(operator.mul, intrinsics.imul_fresh, *_forms("mul", "multiply"), "__mul__", "__rmul__")
 def _mul(fn, g, out, input, other):
     seq = input if isinstance(input, (tuple, list)) else other if isinstance(other, (tuple, list)) else None
     if seq is not None:  # [h] * 3 holds the very elements: each one's whole cotangent is at its first place
@@ -251,7 +253,8 @@ def _mul(fn, g, out, input, other):
 
 
 # the divisor's gradient is torch's, (x / y) / y, from the inputs: a caller may change the quotient in place
-@rule(operator.truediv, *_forms("div", "divide", "true_divide"), "__truediv__", "__div__")
+@rule(operator.truediv, intrinsics.itruediv_fresh, *_forms("div", "divide", "true_divide"), "__truediv__",
+      "__div__")
 def _div(fn, g, out, input, other, *, rounding_mode=None):
     return _quotient_grads(g, input, other, None, rounding_mode)
 

@@ -255,7 +255,8 @@ class Plain:
 
 
 # What a number standing as rows may meet (``_Tracer.numbers``)
-_NUMBER_ARITHMETIC = frozenset({operator.add, operator.sub, operator.mul, operator.truediv})
+_NUMBER_ARITHMETIC = frozenset({operator.add, operator.sub, operator.mul, operator.truediv,
+                                *intrinsics.AUGMENTED_FRESH.values()})
 
 
 class RowsCond:
@@ -547,7 +548,8 @@ class _Tracer:
             raise _Untraceable
         fn = op.fn.value if isinstance(op.fn, ir.Const) else self.env[op.fn].value  # (a fused member's: an input)
         slots = [self.load(a) for a in op.args]
-        if not facts.among(fn, _NUMBER_ARITHMETIC) or fn is operator.truediv and slots[0].number:
+        if not facts.among(fn, _NUMBER_ARITHMETIC) or \
+                getattr(fn, "out_of_place", fn) is operator.truediv and slots[0].number:
             raise _Untraceable  # (``v / t`` is ``t.reciprocal() * v`` in eager: not one division)
         numbers = [s for s in slots if s.number]
         others = [self.as_b(s) if s.kind == "O" else s for s in slots if not s.number]  # (a rule's Batch result)
@@ -1156,6 +1158,29 @@ def _elementwise_form(tr, fn, fn_slot, args, kwargs):
 
 
 _INFIX = {fn: syntax.SYMBOL[fn] for fn in (operator.add, operator.sub, operator.mul, operator.truediv)}
+
+
+@TRACE.register(*intrinsics.AUGMENTED_FRESH.values())
+def _augmented_fresh_form(tr, fn, fn_slot, args, kwargs):
+    """``x op= y`` of an object only its frame holds (``passes.fresh``): ``x op y``, behind a guard that the
+    result has ``x``'s shape (the in-place op could not grow it; its dtype the trace's guards hold)."""
+    x = args[0]
+    if kwargs or len(args) != 2 or fn_slot is not None or x.kind not in ("B", "S"):
+        return None
+    slot = _elementwise_form(tr, fn.out_of_place, None, args, kwargs)
+    if slot is None or x.number or not isinstance(x.value, torch.Tensor):
+        return slot  # (a number's ``+=`` is its ``+``)
+    if slot.value.dtype is not x.value.dtype:
+        return None
+    if x.kind == "B":
+        if slot.value.shape != x.value.shape:
+            return None
+        tr.emit(f"if {slot.name}.shape != {x.name}.shape: raise _Deopt")
+    else:
+        if slot.value.shape[1:] != x.value.shape:
+            return None
+        tr.emit(f"if {slot.name}.shape[1:] != {x.name}.shape: raise _Deopt")
+    return slot
 
 
 _CELLS = (nn.RNNCell, nn.LSTMCell, nn.GRUCell)

@@ -180,7 +180,7 @@ def plain_split(shape):
             readers.setdefault(x, set()).add(op)
     slices, seen = [], set()
     for element in build.args:
-        for addend in _addends(element, post):
+        for addend in _addends(element, post, _NODE_ADDS)[0]:
             sl = None if addend in seen else _slice(addend, post, made, readers, set(shape.sg.outputs))
             if sl is not None:
                 slices.append(sl)
@@ -222,19 +222,25 @@ def _movable(op):
     return not isinstance(op, ir.Invoke) and not list(op.subgraphs())
 
 
-def _addends(value, ops):
-    """``value`` as the list of what is added up to make it through ``a + b`` calls among ``ops`` (a value
-    no such call makes is its own one addend)."""
+# What adds a node's own terms to its loss: ``loss + t``, and ``loss += t`` of a loss the frame made
+# (``passes.fresh``)
+_NODE_ADDS = (operator.add, intrinsics.iadd_fresh)
+
+
+def _addends(value, ops, adds=(operator.add,)):
+    """``value`` as the list of what is added up to make it through calls of ``adds`` among ``ops`` (a value
+    no such call makes is its own one addend), and the set of those callables met."""
     made = {v: op for op in ops for v in op.outputs}
-    found, stack = [], [value]
+    found, stack, met = [], [value], set()
     while stack:
         v = stack.pop()
         op = made.get(v)
-        if op is not None and _calls(op, operator.add) and len(op.args) == 2 and len(op.outputs) == 1:
+        if op is not None and any(_calls(op, fn) for fn in adds) and len(op.args) == 2 and len(op.outputs) == 1:
             stack.extend(reversed(op.args))
+            met.add(op.fn.value)
         else:
             found.append(v)
-    return found
+    return found, met
 
 
 def _is_zero(x):
@@ -248,9 +254,12 @@ def tree_sums(shape, split):
     deferred results over the call tree."""
     post = [op for op in shape.post if split.is_late(op)]
     deferred = {inv.output: k for k, inv in enumerate(split.deferred)}
-    terms, zeros = [], []
+    terms, zeros, adds = [], [], []
     for p in split.positions:
-        found = _addends(split.elements[p], post)
+        found, met = _addends(split.elements[p], post, _NODE_ADDS)
+        if len(met) > 1:
+            return None  # (``+`` and ``+=`` of one element: each adds as its dtype rules say)
+        adds.append(met.pop() if met else operator.add)
         outs = [x for x in found if x not in deferred]
         if len(outs) != 1 or outs[0] not in shape.cond.outputs:
             return None
@@ -264,10 +273,10 @@ def tree_sums(shape, split):
                     return None
                 continue
             wanted = sorted(id(u.outputs[p]) for u in unpacks)
-            if sorted(id(x) for x in _addends(out, [op for op in br.up if split.is_late(op)])) != wanted:
+            if sorted(id(x) for x in _addends(out, [op for op in br.up if split.is_late(op)])[0]) != wanted:
                 return None
         terms.append([deferred[x] for x in found if x in deferred])
-    return TreeSums(list(split.positions), terms, zeros)
+    return TreeSums(list(split.positions), terms, zeros, adds)
 
 
 def _yields(op, generators):
@@ -315,7 +324,8 @@ class TreeSums:
     """Late elements that are sums over the call tree: for each of ``positions``, the indexes (among the
     split's deferred calls, one per time it is added) of the deferred results it adds up, and per branch the
     zero a leaf branch starts from (``0`` or ``0.0``: what it adds to the result's dtype, as ``0.0 + t``;
-    None for an invoking branch)."""
+    None for an invoking branch); per position, the callable that adds the node's own terms (``operator.add``,
+    or ``intrinsics.iadd_fresh`` for ``loss += t``)."""
 
-    def __init__(self, positions, terms, zeros):
-        self.positions, self.terms, self.zeros = positions, terms, zeros
+    def __init__(self, positions, terms, zeros, adds):
+        self.positions, self.terms, self.zeros, self.adds = positions, terms, zeros, adds

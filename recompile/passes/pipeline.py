@@ -6,6 +6,7 @@ import functools
 
 from .. import ir
 from .capture import capture
+from .fresh import fresh
 from .fusion import DEFAULT_BACKEND, fuse
 from .prune import prune
 from .unpack import unpack
@@ -16,6 +17,7 @@ def passes(fusion=DEFAULT_BACKEND):
     return [
         ("capture", capture),
         ("prune", prune),
+        ("fresh", fresh),
         ("unpack", unpack),
         ("fusion", functools.partial(fuse, backend=fusion) if fusion else None),  # None: the stage is unchanged
     ]

@@ -678,6 +678,26 @@ def elementwise_inplace(n, fn, args, kwargs):
     return elementwise(n, fn, args, kwargs)
 
 
+@BATCH.register(*intrinsics.AUGMENTED_FRESH.values())
+def augmented_fresh(n, fn, args, kwargs):
+    """``x op= y`` of an object only its frame holds (``passes.fresh``): the out-of-place op's rule, where every
+    instance's tensor ``x`` has the result's dtype and shape; else each instance as Python runs it (the
+    in-place op casts or raises)."""
+    if kwargs or len(args) != 2:
+        return NotImplemented
+    out = elementwise(n, fn.out_of_place, args, {})
+    if out is NotImplemented:
+        return NotImplemented
+    x, t = args[0], (out.tensor if type(out) is Batch and out.owner == "tensor" else None)
+    if type(x) is Batch and x.owner == "tensor":
+        tensors = [x.tensor[0]]
+    else:
+        tensors = [v for v in (bt.items_of(x) if type(x) is Batch else [x]) if isinstance(v, torch.Tensor)]
+    if tensors and (t is None or any(v.dtype is not t.dtype or v.shape != t.shape[1:] for v in tensors)):
+        return NotImplemented
+    return out
+
+
 def _dim_rule(position, default=None):
     """An op mapping over every dim but one (``dim``, given at ``position`` or by keyword): the instance
     dim goes first, so a non-negative dim moves up by one."""

@@ -635,7 +635,7 @@ class LevelRun:
             for e, terms in enumerate(sums.terms):
                 v = parts[0][0][e] if len(parts) == 1 else bt.join(count, [(part[e], pos) for part, pos in parts])
                 for j in terms:
-                    v = batch_rules.call(count, operator.add, (v, answers[d][j]))
+                    v = batch_rules.call(count, sums.adds[e], (v, answers[d][j]))
                 values.append(v)
             if at:
                 below = iter(_rows(values, levels[at - 1][4]))
