@@ -5,8 +5,8 @@
 Each spelling is a subclass of ``examples/tree_lstm.py``'s TreeLSTM with the same parameters and another
 ``encode``: the example's ``chunk``; ``split`` by a list of sizes (the hidden size read from the module); slices
 by a module constant and ``torch.addcmul``; ``view(...).unbind(0)``; the weights as tensors (``x @ W.t() + b``);
-the node's loss written inline (``loss + F.cross_entropy(...)``, nothing to defer); the example's ``node_loss``
-left undecorated (compiled as a helper, run at each depth). Before it is timed, each is checked against its
+the node's loss written inline (``loss + F.cross_entropy(...)``), added with ``loss += ...``, and as
+``loss - log_softmax(...)[label]``, their ops deferred as a call is; the example's ``node_loss`` left undecorated (compiled as a helper). Before it is timed, each is checked against its
 eager twin (float64: per-tree h, c and loss, and the parameter gradients) and its per-instance ops are counted
 (``stats["per_instance"]``, which should be empty). Each is timed through
 ``recompile.vmap(model.encode, in_dims=(None, 0))`` over minibatches of SST trees, beside
@@ -140,6 +140,46 @@ class InlineLoss(TreeLSTM):
         return h, c, loss
 
 
+class PlusEquals(TreeLSTM):
+    """The node's loss added with ``+=`` (an in-place op on the loss the frame made: ``passes.fresh``)."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        if tree.is_leaf[i]:
+            ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u)
+            loss = 0.0
+        else:
+            hl, cl, loss_l = self.encode(tree, tree.left[i])
+            hr, cr, loss_r = self.encode(tree, tree.right[i])
+            ig, og, u, fl, fr = torch.chunk(self.node(torch.cat([hl, hr], dim=-1)), 5, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cl + torch.sigmoid(fr) * cr
+            loss = loss_l + loss_r
+        h = torch.sigmoid(og) * torch.tanh(c)
+        loss += F.cross_entropy(self.out(h).unsqueeze(0), tree.labels[i].unsqueeze(0), reduction="sum")
+        return h, c, loss
+
+
+class MinusLogProbability(TreeLSTM):
+    """The node's loss as its log-probability subtracted, ``loss - log_softmax(...)[label]``."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        if tree.is_leaf[i]:
+            ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u)
+            loss = 0.0
+        else:
+            hl, cl, loss_l = self.encode(tree, tree.left[i])
+            hr, cr, loss_r = self.encode(tree, tree.right[i])
+            ig, og, u, fl, fr = torch.chunk(self.node(torch.cat([hl, hr], dim=-1)), 5, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cl + torch.sigmoid(fr) * cr
+            loss = loss_l + loss_r
+        h = torch.sigmoid(og) * torch.tanh(c)
+        log_p = F.log_softmax(self.out(h), -1)
+        return h, c, loss - log_p[tree.labels[i]]
+
+
 class UndecoratedLoss(TreeLSTM):
     """The example's ``encode`` with its ``node_loss`` an undecorated method (``runtime.helpers`` compiles it)."""
 
@@ -225,7 +265,7 @@ def hand_batched_cells(model, forest):
 
 SPELLINGS = {"chunk (the example)": TreeLSTM, "split by sizes": SplitSizes, "slices, addcmul": SlicesAddcmul,
              "view, unbind": UnbindView, "x @ W.t() + b": WeightsMatmul, "loss inline": InlineLoss,
-             "node_loss undecorated": UndecoratedLoss}
+             "loss +=": PlusEquals, "loss - log p": MinusLogProbability, "node_loss undecorated": UndecoratedLoss}
 RNTN_SPELLINGS = {"RNTN einsum (example)": RNTN, "RNTN linear of V.view": RNTNLinear}
 CELL_SPELLINGS = {"nn.LSTMCell": CellTreeLSTM}
 

@@ -849,6 +849,48 @@ def reads_its_own_loss(xs, left, right, i):
     return h, loss + (h * loss).sum()
 
 
+
+def sliced_minus(xs, left, right, i):
+    """The node's log-likelihood subtracted, ``loss - log_p``: a term brought in with a minus sign."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = sliced_minus(xs, left, right, left[i])
+        hr, loss_r = sliced_minus(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss - torch.log_softmax(h, -1)[0]
+
+
+def sliced_plus_equals(xs, left, right, i):
+    """``loss += t`` then ``loss -= u`` of a loss the frame made (``passes.fresh``): two terms, in order."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = sliced_plus_equals(xs, left, right, left[i])
+        hr, loss_r = sliced_plus_equals(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    loss += (h * h).sum()
+    loss -= h[1] * 0.5
+    return h, loss
+
+
+def counted_plus_equals(xs, left, right, i):
+    """An int count added with ``+=`` from an int zero: int sums, as eager's."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        n = 0
+    else:
+        hl, n_l = counted_plus_equals(xs, left, right, left[i])
+        hr, n_r = counted_plus_equals(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        n = n_l + n_r
+    n += (h > 0).sum()
+    return h, n
+
 class _Counted:
     """A piece of a plain run, its calls counted."""
 
@@ -861,6 +903,7 @@ class _Counted:
 
 
 @pytest.mark.parametrize("fn, slices", [(sliced_loss, 1), (sliced_twice_and_called, 1), (sliced_and_kept, 1),
+                                        (sliced_minus, 1), (sliced_plus_equals, 2), (counted_plus_equals, 1),
                                         (reads_its_own_loss, 0)], ids=lambda x: str(x))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_an_inline_node_loss_runs_once_for_every_depth_in_a_plain_run(fn, slices, dtype):
@@ -879,18 +922,21 @@ def test_an_inline_node_loss_runs_once_for_every_depth_in_a_plain_run(fn, slices
     left, right, roots = forest_of_trees()
     xs = torch.randn(len(left), 3, dtype=dtype, requires_grad=True)
 
+    def total(h, loss):
+        return h.sum() + (loss.sum() if loss.is_floating_point() else 0)
+
     def run():
         h, loss = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
-        grad, = torch.autograd.grad(h.sum() + loss.sum(), xs)
+        grad, = torch.autograd.grad(total(h, loss), xs)
         return (h.detach(), loss.detach()), grad
 
     h, loss = (torch.stack([torch.as_tensor(v) for v in vs])
                for vs in zip(*[eager(xs, left, right, int(r)) for r in roots]))
-    want = (h.detach(), loss.detach()), torch.autograd.grad(h.sum() + loss.sum(), xs)[0]
+    want = (h.detach(), loss.detach()), torch.autograd.grad(total(h, loss), xs)[0]
     runs, summed = prog.plain.runs, prog.summed
     for _ in range(2):
         got = run()
-        assert got[0][1].dtype is dtype
+        assert got[0][1].dtype is loss.dtype
         torch.testing.assert_close(got, want)
         with torch.no_grad():
             got_h, got_loss = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)

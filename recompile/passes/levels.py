@@ -29,6 +29,7 @@ import operator
 
 from .. import ir
 from .. import intrinsics
+from ..ops import facts
 from .pipeline import FINAL
 
 
@@ -180,7 +181,7 @@ def plain_split(shape):
             readers.setdefault(x, set()).add(op)
     slices, seen = [], set()
     for element in build.args:
-        for addend in _addends(element, post, _NODE_ADDS)[0]:
+        for addend, _ in _addends(element, post, _NODE_TERMS):
             sl = None if addend in seen else _slice(addend, post, made, readers, set(shape.sg.outputs))
             if sl is not None:
                 slices.append(sl)
@@ -222,25 +223,31 @@ def _movable(op):
     return not isinstance(op, ir.Invoke) and not list(op.subgraphs())
 
 
-# What adds a node's own terms to its loss: ``loss + t``, and ``loss += t`` of a loss the frame made
-# (``passes.fresh``)
-_NODE_ADDS = (operator.add, intrinsics.iadd_fresh)
+# What brings a node's own terms into its loss, and with which sign: ``loss + t``, ``loss - t``, and ``loss += t``,
+# ``loss -= t`` of a loss the frame made (``passes.fresh``); the two families apart (``+=`` keeps the loss's dtype)
+_NODE_TERMS = {operator.add: 1, operator.sub: -1, intrinsics.iadd_fresh: 1, intrinsics.isub_fresh: -1}
+_FAMILIES = ({operator.add, operator.sub}, {intrinsics.iadd_fresh, intrinsics.isub_fresh})
 
 
-def _addends(value, ops, adds=(operator.add,)):
-    """``value`` as the list of what is added up to make it through calls of ``adds`` among ``ops`` (a value
-    no such call makes is its own one addend), and the set of those callables met."""
+def _addends(value, ops, signs=None):
+    """``value`` as the list of what is added up to make it through ``a + b`` calls among ``ops`` (a value no
+    such call makes is its own one term), left to right, each with the callable that brings it in (None for
+    the first). ``signs`` ({callable: 1 or -1}) names other such calls: ``a - b`` brings b in by subtracting it
+    (b itself one term)."""
+    signs = signs or {operator.add: 1}
     made = {v: op for op in ops for v in op.outputs}
-    found, stack, met = [], [value], set()
+    found, stack = [], [(value, None, True)]
     while stack:
-        v = stack.pop()
+        v, how, descend = stack.pop()
         op = made.get(v)
-        if op is not None and any(_calls(op, fn) for fn in adds) and len(op.args) == 2 and len(op.outputs) == 1:
-            stack.extend(reversed(op.args))
-            met.add(op.fn.value)
+        fn = op.fn.value if descend and isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) else None
+        if fn is not None and facts.among(fn, signs) and _calls(op, fn) and len(op.args) == 2 \
+                and len(op.outputs) == 1:
+            stack.append((op.args[1], fn, signs[fn] > 0))
+            stack.append((op.args[0], how, True))
         else:
-            found.append(v)
-    return found, met
+            found.append((v, how))
+    return found
 
 
 def _is_zero(x):
@@ -254,16 +261,17 @@ def tree_sums(shape, split):
     deferred results over the call tree."""
     post = [op for op in shape.post if split.is_late(op)]
     deferred = {inv.output: k for k, inv in enumerate(split.deferred)}
-    terms, zeros, adds = [], [], []
+    terms, zeros, ops = [], [], []
     for p in split.positions:
-        found, met = _addends(split.elements[p], post, _NODE_ADDS)
-        if len(met) > 1:
+        found = _addends(split.elements[p], post, _NODE_TERMS)
+        met = {how for _, how in found if how is not None}
+        family = next((f for f in _FAMILIES if met <= f), None)
+        if family is None:
             return None  # (``+`` and ``+=`` of one element: each adds as its dtype rules say)
-        adds.append(met.pop() if met else operator.add)
-        outs = [x for x in found if x not in deferred]
-        if len(outs) != 1 or outs[0] not in shape.cond.outputs:
+        outs = [(x, how) for x, how in found if x not in deferred]
+        if len(outs) != 1 or outs[0][0] not in shape.cond.outputs or _NODE_TERMS.get(outs[0][1]) == -1:
             return None
-        q = list(shape.cond.outputs).index(outs[0])
+        q = list(shape.cond.outputs).index(outs[0][0])
         zeros.append([])
         for br, sg, unpacks in zip(shape.branches, shape.cond.subgraphs(), split.unpacks):
             out = sg.outputs[q]
@@ -273,10 +281,12 @@ def tree_sums(shape, split):
                     return None
                 continue
             wanted = sorted(id(u.outputs[p]) for u in unpacks)
-            if sorted(id(x) for x in _addends(out, [op for op in br.up if split.is_late(op)])[0]) != wanted:
+            if sorted(id(x) for x, _ in _addends(out, [op for op in br.up if split.is_late(op)])) != wanted:
                 return None
-        terms.append([deferred[x] for x in found if x in deferred])
-    return TreeSums(list(split.positions), terms, zeros, adds)
+        terms.append([deferred[x] for x, _ in found if x in deferred])
+        adding = operator.add if operator.add in family else intrinsics.iadd_fresh
+        ops.append([how or adding for x, how in found if x in deferred])
+    return TreeSums(list(split.positions), terms, zeros, ops)
 
 
 def _yields(op, generators):
@@ -324,8 +334,10 @@ class TreeSums:
     """Late elements that are sums over the call tree: for each of ``positions``, the indexes (among the
     split's deferred calls, one per time it is added) of the deferred results it adds up, and per branch the
     zero a leaf branch starts from (``0`` or ``0.0``: what it adds to the result's dtype, as ``0.0 + t``;
-    None for an invoking branch); per position, the callable that adds the node's own terms (``operator.add``,
-    or ``intrinsics.iadd_fresh`` for ``loss += t``)."""
+    None for an invoking branch); per position, per term the callable that brings it in (``operator.add``,
+    ``operator.sub``, or ``intrinsics.iadd_fresh`` and ``isub_fresh`` for ``loss += t``, ``loss -= t``) and its
+    sign (``signs``: -1 where it is subtracted)."""
 
-    def __init__(self, positions, terms, zeros, adds):
-        self.positions, self.terms, self.zeros, self.adds = positions, terms, zeros, adds
+    def __init__(self, positions, terms, zeros, ops):
+        self.positions, self.terms, self.zeros, self.ops = positions, terms, zeros, ops
+        self.signs = [[_NODE_TERMS[fn] for fn in fns] for fns in ops]

@@ -419,10 +419,12 @@ class LevelRun:
                 parts.setdefault(j, []).append((t.narrow(0, start, count), [d]))
                 start += count
         roots, totals = None, []
-        for terms, zeros in zip(sums.terms, sums.zeros):
+        for terms, zeros, signs in zip(sums.terms, sums.zeros, sums.signs):
             total = None
-            for j in terms:
+            for j, alpha in zip(terms, signs):
                 for t, depths in parts[j]:
+                    if alpha < 0 and t.dtype is torch.bool:
+                        return None  # (``loss - flags``: eager refuses it, one by one)
                     if total is None:
                         dtype = t.dtype
                         for z in zeros:  # (every call tree has a leaf: its zero is in every sum, 0.0 + t)
@@ -434,7 +436,7 @@ class LevelRun:
                         return None  # (a sum of different dtypes or shapes: broadcast and promoted one by one)
                     index = torch.cat([roots[depth_of[d]] for d in depths]) if len(depths) > 1 else \
                         roots[depth_of[depths[0]]]
-                    total = total.index_add(0, index, t.to(dtype))
+                    total = total.index_add(0, index, t.to(dtype), alpha=alpha)
             totals.append(bt.from_tensor(total))
         self.p.summed += 1
         return totals
@@ -634,8 +636,8 @@ class LevelRun:
             values = []
             for e, terms in enumerate(sums.terms):
                 v = parts[0][0][e] if len(parts) == 1 else bt.join(count, [(part[e], pos) for part, pos in parts])
-                for j in terms:
-                    v = batch_rules.call(count, sums.adds[e], (v, answers[d][j]))
+                for j, fn in zip(terms, sums.ops[e]):
+                    v = batch_rules.call(count, fn, (v, answers[d][j]))
                 values.append(v)
             if at:
                 below = iter(_rows(values, levels[at - 1][4]))
