@@ -119,9 +119,62 @@ def counted(x):
     return x * n
 
 
+def pooled(xs, n):
+    s = torch.zeros(xs.shape[1], dtype=xs.dtype)
+    total = 0.0
+    for t in range(n):
+        s += xs[t]
+        total += (xs[t] * xs[t]).sum()
+    return s * total
+
+
+def pooled_while(xs, n):
+    s = xs[0] * 0.0
+    t = 0
+    while t < n:
+        s -= xs[t] * 0.5
+        t += 1  # (an int counter that ``xs[t]`` reads: left as it is, ``passes.effects.int_counting``)
+    return s * 1.0
+
+
+def pooled_and_kept(xs, n):
+    s = torch.zeros(xs.shape[1], dtype=xs.dtype)
+    seen = []
+    for t in range(n):
+        s += xs[t]
+        seen.append(s)  # (every step's s is the one object, changed in place: eager's list holds it n times)
+    return torch.stack(seen).sum(0)
+
+
+def pooled_and_scaled(xs, n):
+    s = torch.zeros(xs.shape[1], dtype=xs.dtype)
+    out = 0.0
+    for t in range(n):
+        out = out + (s * xs[t]).sum()  # (its gradient reads s, which the next step changes: eager refuses it)
+        s += xs[t]
+    return out + s.sum()
+
+
+def pooled_then_changed(xs, n):
+    s = torch.zeros_like(xs[0])
+    for t in range(n):
+        s += torch.tanh(xs[t])
+    s -= xs[0]  # (the loop's result: an object only the loop held)
+    return s * 2.0
+
+
+def one_object_twice(xs, n):
+    a = b = torch.zeros(xs.shape[1], dtype=xs.dtype)
+    for t in range(n):
+        a += xs[t]  # (b is the same object: it changes too)
+    return a + b
+
+
 PROGRAMS = [(made_then_scaled, (False, True)), (argument_changed, (False, True)), (kept_before, (False, True)),
             (listed_before, (False, True)), (compared_before, (True, False)), (chosen, (True, False)),
-            (extended, (True, False)), (counted, (True, False))]
+            (extended, (True, False)), (counted, (True, False)), (pooled, (True, False)),
+            (pooled_while, (True, True)), (pooled_and_kept, (False, True)), (pooled_and_scaled, (False, True)),
+            (pooled_then_changed, (True, False)), (one_object_twice, (False, True))]
 
 
 def _args(fn):
@@ -132,6 +185,8 @@ def _args(fn):
         return x * 1.0, torch.tensor([1.5, 0.2, -0.3], dtype=F64)
     if fn is chosen:
         return x, 1
+    if fn in (pooled, pooled_while, pooled_and_kept, pooled_and_scaled, pooled_then_changed, one_object_twice):
+        return torch.tensor([[0.5, -1.0], [2.0, 0.25], [1.5, -0.5]], dtype=F64, requires_grad=True), 3
     return (x,)
 
 
@@ -248,3 +303,18 @@ def test_a_tree_lstm_written_with_plus_equals_batches_whole():
     torch.testing.assert_close((h, loss), (eager_h, eager_loss))
     torch.testing.assert_close(grads, torch.autograd.grad(eager_loss.sum() + eager_h.sum(),
                                                           list(model.parameters())))
+
+
+def test_a_loop_summing_with_plus_equals_batches_over_instances_of_different_lengths():
+    """``s += xs[t]`` over each instance's own number of steps: no op once per instance (``s`` started as
+    ``torch.zeros`` each instance had its own of, and ``+=`` ran once per instance)."""
+    torch.manual_seed(0)
+    xs = torch.randn(4, 5, 2, dtype=F64, requires_grad=True)
+    ns = torch.tensor([5, 2, 0, 3])
+    want = torch.stack([pooled(x, int(n)) for x, n in zip(xs, ns)])
+    want_grad, = torch.autograd.grad(want.sum(), xs)
+    f = recompile.vmap(recompile.function(pooled), in_dims=(0, 0))
+    with switched(config, "error", "PER_INSTANCE"):
+        for _ in range(2):
+            got = f(xs, ns)
+            torch.testing.assert_close((got, torch.autograd.grad(got.sum(), xs)[0]), (want, want_grad))

@@ -46,8 +46,9 @@ from ..runtime import batch_rules, lazy_weights, ranges
 from ..runtime.batch import Batch
 from . import segments
 
-_STEP_UP = (operator.add, operator.iadd)  # (``t = t + 1`` and ``t += 1`` of an int counter)
-_STEP_DOWN = (operator.sub, operator.isub)
+# (``t = t + 1`` and ``t += 1`` of an int counter; ``intrinsics.iadd_fresh`` where ``passes.fresh`` wrote it so)
+_STEP_UP = (operator.add, operator.iadd, intrinsics.iadd_fresh)
+_STEP_DOWN = (operator.sub, operator.isub, intrinsics.isub_fresh)
 _COMPARISONS = {operator.lt: "lt", operator.gt: "gt", operator.ge: "ge"}
 _READS = (getattr, operator.getitem)
 _CELLS = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)

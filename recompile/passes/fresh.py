@@ -7,18 +7,22 @@ loses the batched fast paths (level programs, changes-nothing sharing) and the o
 op becomes ``intrinsics.AUGMENTED_FRESH[op]``, the out-of-place op as the in-place one gives it (the same
 dtype and shape, else the in-place op on a copy, which casts or raises as eager's does).
 
-Only arithmetic makes a value counted as new here, and only ``+``, ``-`` and comparisons may read it before the
+Only arithmetic and torch's constructors make a value counted as new here, and only ``+``, ``-`` and comparisons may read it before the
 change (they keep no reference to it, and their gradients do not read it: where eager refuses a backward
 because a saved value changed in place, the program must refuse it too); a branch's output counts where every
-branch makes its own.
+branch makes its own, and a loop's variable where it starts new and each iteration makes its next value so
+(``s = torch.zeros(H)``, then ``s += h`` in the loop).
 """
 
 from __future__ import annotations
 
 import operator
 
+import torch
+
 from .. import intrinsics, ir
 from ..ops import facts
+from . import effects
 
 # Ops whose result is a new object (or an immutable number) that keep no reference to their operands, and
 # whose gradient reads no result of theirs (``a ** b`` reads its result: eager refuses a backward through it
@@ -31,12 +35,25 @@ _READERS = frozenset({operator.add, operator.sub, operator.neg, operator.lt, ope
                       operator.eq, operator.ne, intrinsics.iadd_fresh, intrinsics.isub_fresh})
 
 
+# torch's constructors: each call a new tensor (``requires_grad=True`` makes a leaf, which eager refuses to change)
+_CONSTRUCTORS = frozenset({torch.zeros, torch.ones, torch.full, torch.empty, torch.zeros_like, torch.ones_like,
+                           torch.full_like, torch.empty_like, torch.tensor, torch.eye, torch.arange})
+
+
 def fresh(sg, parsed=None):
     """Apply the pass to a function SubGraph (in place) and return it."""
-    for s in sg.walk():
-        for op in s.ops:
-            if _calls(op, intrinsics.AUGMENTED_FRESH) and len(op.args) == 2 and _only_here(op.args[0], op, s):
-                op.fn = ir.Const(intrinsics.AUGMENTED_FRESH[op.fn.value])
+    loops = {op.body_sg: (op, s) for s in sg.walk() for op in s.ops if isinstance(op, ir.While)}
+    changed = True
+    while changed:  # (an op written out of place makes a new value: the next ``+=`` of it may follow)
+        changed = False
+        for s in sg.walk():
+            for op in s.ops:
+                if not (_calls(op, intrinsics.AUGMENTED_FRESH) and len(op.args) == 2):
+                    continue
+                x = op.args[0]
+                if _only_here(x, op, s) or s in loops and x in s.inputs and _carried(x, op, s, *loops[s]):
+                    op.fn = ir.Const(intrinsics.AUGMENTED_FRESH[op.fn.value])
+                    changed = True
     return sg
 
 
@@ -45,29 +62,85 @@ def _calls(op, fns):
             and not op.kwargs and not op.star)
 
 
+def _read_before(v, user, s):
+    """Whether nothing but ``_READERS`` reads ``v`` in ``s`` before ``user``, and nothing after it (nor ``s``'s
+    outputs)."""
+    if v in s.outputs:
+        return False
+    at = s.ops.index(user)
+    return not any(op is not user and v in op.operands() and (k > at or not _calls(op, _READERS))
+                   for k, op in enumerate(s.ops))
+
+
 def _only_here(v, user, s):
     """Whether ``v``, which ``user`` (an op of SubGraph ``s``) reads, is an object made in ``s`` that nothing
     but ``_READERS`` reads before ``user``, and nothing at all after it."""
     if isinstance(v, ir.Const):
         return facts.immutable(v.value)
-    if not isinstance(v, ir.Value) or v.op is None or v.op not in s.ops or v in s.outputs:
+    if not isinstance(v, ir.Value) or v.op is None or v.op not in s.ops:
         return False
-    at = s.ops.index(user)
-    for k, op in enumerate(s.ops):
-        if op is not user and v in op.operands() and (k > at or not _calls(op, _READERS)):
-            return False
-    return _new(v)
+    return _read_before(v, user, s) and _new(v, s)
 
 
-def _new(v):
-    """Whether ``v`` is a new object: an arithmetic op's result, or a Cond's output every branch makes anew."""
+def _carried(v, user, body, loop, outer):
+    """Whether ``v``, a loop variable of ``body`` that ``user`` changes, holds an object only the loop holds at
+    every iteration: it starts as a new object (or a number) that nothing reads after the loop starts, the
+    loop's condition and the body read it only by ``_READERS`` (the body before ``user``), and the body's
+    next value of it is new (``user``'s own, written out of place), read after by ``_READERS`` only."""
+    j = body.inputs.index(v)
+    if j >= len(loop.loop_vars) or not _read_before(v, user, body):
+        return False
+    return _loop_keeps_new(loop, j, outer, user)
+
+
+def _loop_keeps_new(loop, j, outer, user=None):
+    """Whether loop variable ``j`` of While ``loop`` (an op of ``outer``) holds, at every iteration and after
+    the loop, an object only the loop holds: it starts as a new object (or a number) that nothing reads after
+    the loop starts, the loop's condition reads it only by ``_READERS``, and each iteration's next value of it
+    is new (``user``'s own result, where the body's ``+=`` is being written out of place), read after by
+    ``_READERS`` only."""
+    start = loop.loop_vars[j]
+    if sum(a is start for a in loop.operands()) != 1:
+        return False  # (``a = b = torch.zeros(3)``: two names of one object)
+    if not (_only_here(start, loop, outer) if isinstance(start, ir.Value) else facts.immutable(start.value)):
+        return False
+    test = loop.cond_sg.inputs[j]
+    if test in loop.cond_sg.outputs or any(test in op.operands() and not _calls(op, _READERS)
+                                           for op in loop.cond_sg.ops):
+        return False
+    body = loop.body_sg
+    nxt = body.outputs[j]
+    return (isinstance(nxt, ir.Value) and nxt.op in body.ops and (user is not None and nxt.op is user
+                                                                    or _new(nxt, body))
+            and sum(o is nxt for o in body.outputs) == 1
+            and not any(nxt in op.operands() and not _calls(op, _READERS) for op in body.ops))
+
+
+def _new(v, s):
+    """Whether ``v``, made by an op of ``s``, is a new object: an arithmetic op's or a constructor's result, a
+    Cond's output every branch makes anew, or a loop variable every iteration makes anew."""
     op = v.op
-    if _calls(op, _MAKERS):
+    if _calls(op, _MAKERS) or _constructs(op):
         return True
     if isinstance(op, ir.Cond):
         j = op.outputs.index(v)
         return all(_made_in(b.outputs[j], b) for b in op.subgraphs())
+    if isinstance(op, ir.While):
+        return _loop_keeps_new(op, op.outputs.index(v), s)
     return False
+
+
+def _constructs(op):
+    """Whether ``op`` calls one of torch's constructors (``torch.zeros(3, dtype=...)``) for a tensor that needs
+    no gradient."""
+    if not isinstance(op, ir.Call) or op.star or any(name in ("requires_grad", "out") for name, _ in op.kwargs):
+        return False
+    fn = op.fn
+    if isinstance(fn, ir.Value) and _calls(fn.op, {getattr}) and isinstance(fn.op.args[0], ir.Value) \
+            and isinstance(fn.op.args[0].op, ir.Capture) and isinstance(fn.op.args[1], ir.Const):
+        module = effects.build_time_value(fn.op.args[0].op)
+        fn = ir.Const(ir.safe_getattr(module, fn.op.args[1].value))
+    return isinstance(fn, ir.Const) and facts.among(fn.value, _CONSTRUCTORS)
 
 
 def _made_in(w, branch):
@@ -79,4 +152,4 @@ def _made_in(w, branch):
         return False
     if any(w in op.operands() and not _calls(op, _READERS) for op in branch.ops):
         return False
-    return _new(w)
+    return _new(w, branch)

@@ -37,7 +37,8 @@ from .batch import Batch
 BATCH = RuleTable("batch")
 # (the facts the hot paths test on every op, as names of this module: one global lookup each)
 _IN_PLACE = frozenset(facts.IN_PLACE)
-_AUGMENTED = frozenset(syntax.AUGMENTED)  # (``n += 1`` of an immutable n changes nothing: it is ``n + 1``)
+# (``n += 1`` of an immutable n changes nothing: it is ``n + 1``; so is ``passes.fresh``'s form of it)
+_AUGMENTED = frozenset(syntax.AUGMENTED) | frozenset(intrinsics.AUGMENTED_FRESH.values())
 _NUMBERS, _LAZY = facts.NUMBERS, facts.LAZY
 _SHAREABLE, _PURE, _IMMUTABLE = facts.SHAREABLE, facts.PURE, facts.IMMUTABLE
 
@@ -500,7 +501,7 @@ def elementwise(n, fn, args, kwargs):
 # Python ints, each instance's computed as Python computes it
 _INT_OPERATORS = frozenset({operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
                             operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
-                            operator.iadd, operator.isub})
+                            operator.iadd, operator.isub, intrinsics.iadd_fresh, intrinsics.isub_fresh})
 
 
 def _int_rows(args):
