@@ -6,7 +6,8 @@ Each spelling is a subclass of ``examples/tree_lstm.py``'s TreeLSTM with the sam
 ``encode``: the example's ``chunk``; ``split`` by a list of sizes (the hidden size read from the module); slices
 by a module constant and ``torch.addcmul``; ``view(...).unbind(0)``; the weights as tensors (``x @ W.t() + b``);
 the node's loss written inline (``loss + F.cross_entropy(...)``), added with ``loss += ...``, and as
-``loss - log_softmax(...)[label]``, their ops deferred as a call is; the example's ``node_loss`` left undecorated (compiled as a helper). Before it is timed, each is checked against its
+``loss - log_softmax(...)[label]``, their ops deferred as a call is; a leaf's early return, each branch returning
+its own tuple and adding its own node loss; the example's ``node_loss`` left undecorated (compiled as a helper). Before it is timed, each is checked against its
 eager twin (float64: per-tree h, c and loss, and the parameter gradients) and its per-instance ops are counted
 (``stats["per_instance"]``, which should be empty). Each is timed through
 ``recompile.vmap(model.encode, in_dims=(None, 0))`` over minibatches of SST trees, beside
@@ -180,6 +181,24 @@ class MinusLogProbability(TreeLSTM):
         return h, c, loss - log_p[tree.labels[i]]
 
 
+class EarlyReturn(TreeLSTM):
+    """A leaf returns early; each branch returns its own tuple and adds its own node loss."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        if tree.is_leaf[i]:
+            ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u)
+            h = torch.sigmoid(og) * torch.tanh(c)
+            return h, c, self.node_loss(h, tree.labels[i])
+        hl, cl, loss_l = self.encode(tree, tree.left[i])
+        hr, cr, loss_r = self.encode(tree, tree.right[i])
+        ig, og, u, fl, fr = torch.chunk(self.node(torch.cat([hl, hr], dim=-1)), 5, dim=-1)
+        c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cl + torch.sigmoid(fr) * cr
+        h = torch.sigmoid(og) * torch.tanh(c)
+        return h, c, loss_l + loss_r + self.node_loss(h, tree.labels[i])
+
+
 class UndecoratedLoss(TreeLSTM):
     """The example's ``encode`` with its ``node_loss`` an undecorated method (``runtime.helpers`` compiles it)."""
 
@@ -265,7 +284,8 @@ def hand_batched_cells(model, forest):
 
 SPELLINGS = {"chunk (the example)": TreeLSTM, "split by sizes": SplitSizes, "slices, addcmul": SlicesAddcmul,
              "view, unbind": UnbindView, "x @ W.t() + b": WeightsMatmul, "loss inline": InlineLoss,
-             "loss +=": PlusEquals, "loss - log p": MinusLogProbability, "node_loss undecorated": UndecoratedLoss}
+             "loss +=": PlusEquals, "loss - log p": MinusLogProbability, "early return": EarlyReturn,
+             "node_loss undecorated": UndecoratedLoss}
 RNTN_SPELLINGS = {"RNTN einsum (example)": RNTN, "RNTN linear of V.view": RNTNLinear}
 CELL_SPELLINGS = {"nn.LSTMCell": CellTreeLSTM}
 

@@ -67,3 +67,76 @@ def test_the_indexed_spelling_runs_as_a_level_program_with_eagers_values_and_gra
         torch.testing.assert_close(loss, torch.stack([w[1] for w in want]))
         torch.testing.assert_close(grad, want_grad)
     assert prog is not None and prog.plain.runs == 2, prog
+
+
+def returned_early(xs, left, right, i):
+    """A tuple returned from each branch (an early return at a leaf): the if's outputs are its elements."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        return h, (h * h).sum()
+    hl, loss_l = returned_early(xs, left, right, left[i])
+    hr, loss_r = returned_early(xs, left, right, right[i])
+    h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+    return h, loss_l + loss_r + (h * h).sum()
+
+
+def returned_nested(xs, left, right, i):
+    """Returns in an if nested in a branch."""
+    if left[i] < 0:
+        if xs[i].sum() > 0:
+            return torch.tanh(xs[i]), xs[i].max()
+        return torch.sigmoid(xs[i]), xs[i].min()
+    hl, n_l = returned_nested(xs, left, right, left[i])
+    hr, n_r = returned_nested(xs, left, right, right[i])
+    return torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr), n_l + n_r
+
+
+def returned_unlike(xs, i):
+    """Tuples of two lengths: left as they are."""
+    if i + 1 >= xs.shape[0]:
+        return xs[i], xs[i].sum()
+    return xs[i], xs[i].sum(), returned_unlike(xs, i + 1)[1]
+
+
+def returned_and_read(xs, i):
+    """The branch's tuple is read there too (its length): left as it is."""
+    if i + 1 >= xs.shape[0]:
+        pair = (xs[i], xs[i].sum())
+        return pair[0] * len(pair), pair[1]
+    pair = (xs[i], xs[i].sum())
+    return pair if len(pair) == 2 else None
+
+
+def test_a_tuple_each_branch_returns_becomes_the_ifs_outputs():
+    text = recompile.function(returned_early).dump(stage="unpack")
+    assert text.count("build_tuple") == 1 and "unpack(%returned_early" in text
+    nested = recompile.function(returned_nested).dump(stage="unpack")
+    assert nested.count("build_tuple") == 1
+    for fn in (returned_unlike, returned_and_read):  # (as the frontend made them)
+        f = recompile.function(fn)
+        assert f.dump(stage="unpack").count("build_tuple") == f.dump(stage="prune").count("build_tuple") >= 2
+
+
+def test_early_returns_run_as_a_level_program_with_eagers_values_and_gradients():
+    left, right, roots = forest_of_trees()
+    for fn in (returned_early, returned_nested):
+        compiled = recursion(fn)
+        eager = recursion(fn, compiled=False)
+        xs = torch.randn(len(left), 3, dtype=torch.float64, requires_grad=True)
+        h, loss = (torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in vs])
+                   for vs in zip(*[eager(xs, left, right, int(r)) for r in roots]))
+        want = (h, loss), torch.autograd.grad(h.sum() + loss.sum(), xs)
+        for _ in range(2):
+            got_h, got_loss = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+            got = (got_h, got_loss), torch.autograd.grad(got_h.sum() + got_loss.sum(), xs)
+            torch.testing.assert_close(got, want)
+        prog = program(compiled)
+        assert prog.plain.runs == 2 and prog.fallbacks == 0 and not prog.plain.refused, fn.__name__
+        for mode in ("sequential", "threaded"):
+            f = recompile.function(fn, mode=mode)
+            torch.testing.assert_close(f(xs, left, right, int(roots[1]))[0], h[1])
+    xs = torch.randn(4, 3, dtype=torch.float64)
+    for fn in (returned_unlike, returned_and_read):
+        for mode in ("sequential", "batched"):
+            got = recompile.function(fn, mode=mode)(xs, 0)
+            torch.testing.assert_close(got, fn(xs, 0))

@@ -6,6 +6,10 @@ its one ``return``). Written with indices, the level analysis (``passes.levels``
 elements off the unpacking, would not find the tree's recursion; after this pass both spellings are one
 program. Only calls of the function itself are rewritten, and only where nothing but constant indices (of that
 tuple's length) reads the result, in the SubGraph that makes the call.
+
+A tuple each branch of an ``if`` builds and hands out (``return h, c, loss`` in both branches, an early return)
+becomes as many outputs of the ``if``, the tuple built once after it: the function then returns the tuple it
+builds itself, as ``return h, c, loss`` after the ``if`` does, and the branches hand out plain values.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from .. import intrinsics, ir
 
 def unpack(sg, parsed=None):
     """Apply the pass to a function SubGraph (in place) and return it."""
+    for s in reversed(list(sg.walk())):  # (innermost first: a nested if's tuple, built after it, is its branch's)
+        _split_branch_tuples(s)
     k = _returned_length(sg)
     if k is None:
         return sg
@@ -26,6 +32,45 @@ def unpack(sg, parsed=None):
             if isinstance(op, ir.Invoke) and op.callee == sg.name:
                 _unpack_at(s, at, op, k)
     return sg
+
+
+def _split_branch_tuples(s):
+    """Each Cond output of ``s`` that every branch makes as a tuple of one length (``build_tuple``, read there
+    by nothing else) becomes as many outputs, the tuple built after the Cond."""
+    for at in reversed(range(len(s.ops))):
+        op = s.ops[at]
+        if not isinstance(op, ir.Cond):
+            continue
+        for j in reversed(range(len(op.outputs))):
+            builds = [_tuple_made(b, b.outputs[j]) for b in op.subgraphs()]
+            if any(b is None for b in builds) or len({len(b.args) for b in builds}) != 1:
+                continue
+            whole = op.outputs[j]
+            elements = [ir.Value(getattr(a, "hint", "") or whole.hint, op) for a in builds[0].args]
+            for branch, build in zip(op.subgraphs(), builds):
+                branch.outputs[j:j + 1] = build.args
+                branch.ops.remove(build)
+            op.outputs[j:j + 1] = elements
+            built = ir.Call(op.loc, ir.Const(intrinsics.build_tuple), elements, n_outputs=0)
+            built.outputs = [whole]
+            whole.op = built
+            s.ops.insert(at + 1, built)
+
+
+def _tuple_made(branch, v):
+    """The ``build_tuple`` of ``branch`` that makes its output ``v``, where nothing else there reads it; or
+    None."""
+    if not isinstance(v, ir.Value) or sum(o is v for o in branch.outputs) != 1:
+        return None
+    op = v.op
+    if not (isinstance(op, ir.Call) and op in branch.ops and isinstance(op.fn, ir.Const)
+            and op.fn.value is intrinsics.build_tuple and not op.kwargs and not op.star):
+        return None
+    if any(v in other.operands() for other in branch.ops) or any(
+            v in o.operands() or v in inner.outputs for other in branch.ops for inner in other.subgraphs()
+            for s in inner.walk() for o in s.ops):
+        return None
+    return op
 
 
 def _returned_length(sg):
