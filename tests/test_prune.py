@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-
 import pytest
 import torch
 
 import recompile
-from recompile import config, ir
-from test_segments import switched
+from recompile import ir
 
 MODES = ("sequential", "batched", "threaded")
 
@@ -163,56 +159,3 @@ def test_batched_cond_over_diverging_instances_with_dropped_values():
     got = recompile.vmap(recompile.function(gates), in_dims=(0, 0))(xs, leaves)
     want = torch.stack([gates(x, bool(leaf)) for x, leaf in zip(xs, leaves)])
     torch.testing.assert_close(got, want)
-
-
-def truth_of(xs, flags, i):
-    if bool(flags[i]):  # (the Cond's own truth: the bool call goes)
-        return xs[i] * 2.0
-    return xs[i] - 1.0
-
-
-def truth_kept(xs, flags, i):
-    b = bool(flags[i])
-    if b:
-        return xs[i] * 2.0 + b  # (read again: kept)
-    return xs[i] - 1.0
-
-
-def truth_shadowed(xs, flags, i):
-    if bool(flags[i]):  # (``bool`` is this module's own below)
-        return xs[i] * 2.0
-    return xs[i] - 1.0
-
-
-@pytest.mark.parametrize("mode", MODES + ("vmap",))
-def test_a_bool_call_as_a_predicate_is_the_conds_own_truth(mode):
-    assert "call %bool" not in recompile.function(truth_of).dump(stage="prune")
-    assert "call %bool" in recompile.function(truth_kept).dump(stage="prune")
-    xs = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
-    flags = torch.tensor([True, False, True, False])
-    for fn in (truth_of, truth_kept):
-        want = torch.stack([fn(xs, flags, i) for i in range(4)])
-        if mode == "vmap":
-            compiled = recompile.vmap(recompile.function(fn), in_dims=(None, None, 0))
-            with _no_per_instance(fn is truth_of), warnings.catch_warnings():
-                warnings.simplefilter("ignore", recompile.PerInstanceWarning)  # (truth_kept's bool)
-                got = compiled(xs, flags, torch.arange(4))
-        else:
-            compiled = recompile.function(fn, mode=mode)
-            got = torch.stack([compiled(xs, flags, i) for i in range(4)])
-        torch.testing.assert_close(got, want)
-    with pytest.raises(RuntimeError):  # (the truth of a vector: the error bool() gives)
-        recompile.function(truth_of, mode="sequential")(xs, torch.ones(4, 2), 0)
-
-
-def _no_per_instance(strict):
-    return switched(config, "error", "PER_INSTANCE") if strict else contextlib.nullcontext()
-
-
-def test_a_bool_that_is_not_the_builtin_is_called():
-    namespace = dict(truth_shadowed.__globals__, bool=lambda v: not v)
-    fn = type(truth_shadowed)(truth_shadowed.__code__, namespace, "truth_shadowed")
-    flags = torch.tensor([True, False])
-    xs = torch.ones(2, 3)
-    assert "call %bool" in recompile.function(fn).dump(stage="prune")
-    torch.testing.assert_close(recompile.function(fn)(xs, flags, 0), fn(xs, flags, 0))

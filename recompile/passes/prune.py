@@ -8,24 +8,16 @@ value per Cond), and a deferred or cut result is cut per request. The
 Tree-LSTM's input gate and update leave its Cond and are not read after it.
 
 Only the passing of values goes: the branches keep all their ops, since any
-of them may have an effect. One op goes too: ``if bool(x):`` is ``if x:``, the
-Cond taking its predicate's truth itself, so a ``bool`` call read by nothing
-else is dropped (run per instance, it made a Python value of each instance's
-tensor and sent the call off the batched fast paths).
+of them may have an effect.
 """
 
 from __future__ import annotations
 
-import builtins
-
 from .. import ir
-from .effects import build_time_value
 
 
 def prune(sg, parsed=None):
     """Apply the pass to a function SubGraph (in place) and return it."""
-    for s in sg.walk():
-        _drop_truth_calls(s)
     # Outputs outermost first: dropping a branch's output may leave a Cond inside it unread.
     for s in sg.walk():
         read = _read_values(s)
@@ -38,33 +30,6 @@ def prune(sg, parsed=None):
             if isinstance(op, ir.Cond):
                 _drop_inputs(op)
     return sg
-
-
-def _drop_truth_calls(s):
-    """``cond bool(x)`` as ``cond x``, where the predicate is ``builtins.bool`` of one value, read by nothing
-    else."""
-    readers = {}
-    for op in s.ops:
-        for v in op.operands():
-            if isinstance(v, ir.Value):
-                readers[v] = readers.get(v, 0) + 1
-    for op in list(s.ops):
-        pred = op.pred if isinstance(op, ir.Cond) else None
-        call = pred.op if isinstance(pred, ir.Value) else None
-        if not (isinstance(call, ir.Call) and call in s.ops and len(call.args) == 1 and not call.kwargs
-                and not call.star and readers.get(pred) == 1 and pred not in s.outputs and _is_bool(call.fn)):
-            continue
-        op.pred = call.args[0]
-        s.ops.remove(call)
-
-
-def _is_bool(fn):
-    """Whether ``fn`` is the builtin ``bool``, named as a constant or read from the globals or builtins."""
-    if isinstance(fn, ir.Const):
-        return fn.value is bool
-    capture = fn.op if isinstance(fn, ir.Value) else None
-    return isinstance(capture, ir.Capture) and capture.source_kind == "global" and \
-        build_time_value(capture) is builtins.bool
 
 
 def _read_values(sg):
