@@ -263,14 +263,15 @@ GROWN = {
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
     # ``x op= y`` written out of place: the out-of-place op's gradient
-    "grad_rules.FUNCTION_RULES": (_entries([(intrinsics.iadd_fresh, grad_rules._add),
+    "grad_rules.FUNCTION_RULES": (_entries([(intrinsics.iadd_fresh, grad_rules._add_fresh),
                                             (intrinsics.isub_fresh, grad_rules._sub),
                                             (intrinsics.imul_fresh, grad_rules._mul),
                                             (intrinsics.itruediv_fresh, grad_rules._div)]), set()),
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS, *_LAYERS, torch.nn.Sequential, *_MORE_ACTIVATIONS)
                                      | _ruled_keys(batch_rules.BATCH.by_module, _MORE_RULES), set()),
     # (views that move dims read no value of their input either, as ``transpose`` always did)
-    "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS, *_VIEWS_MOVING_DIMS, grad_rules._detach), set()),
+    "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS, *_VIEWS_MOVING_DIMS, grad_rules._detach, grad_rules._add_fresh),
+                              set()),
     "batch_rules.INTEGER_INDEX": (set(), {"torch.uint8"}),  # (torch reads a uint8 index as a mask)
     # (result readers and detach read no input; a method's receiver is read for the others as its function's)
     "grad_rules.rule_metadata": (_metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | {grad_rules._detach}, False)

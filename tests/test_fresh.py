@@ -6,6 +6,8 @@ dtypes, gradients in float64, and the same exception type where eager raises.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -318,3 +320,64 @@ def test_a_loop_summing_with_plus_equals_batches_over_instances_of_different_len
         for _ in range(2):
             got = f(xs, ns)
             torch.testing.assert_close((got, torch.autograd.grad(got.sum(), xs)[0]), (want, want_grad))
+
+
+def grows_a_number_row(xs, left, right, i):
+    """A leaf's ``c = 0.0`` joined with the nodes' 0-d tensors (rows standing for numbers, in a plain level run):
+    ``c *= h`` grows a number to h's shape, but a node's 0-d tensor cannot grow in place (eager raises)."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        c = 0.0
+    else:
+        hl, _ = grows_a_number_row(xs, left, right, left[i])
+        hr, _ = grows_a_number_row(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        c = hl @ hr
+    c *= h
+    return h, c.sum()
+
+
+@pytest.mark.parametrize("mode", MODES + ["vmap"])
+def test_an_in_place_op_that_would_grow_a_tensor_raises_as_eager_where_numbers_and_tensors_meet(mode):
+    left = torch.tensor([-1, 2, -1, 4, -1, -1])
+    right = torch.tensor([-1, 3, -1, 5, -1, -1])
+    xs = torch.randn(6, 3, dtype=F64)
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        grows_a_number_row(xs, left, right, 1)
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+        if mode == "vmap":
+            recompile.vmap(recompile.function(grows_a_number_row), in_dims=(None, None, None, 0))(
+                xs, left, right, torch.tensor([0, 1]))
+        else:
+            recompile.function(grows_a_number_row, mode=mode)(xs, left, right, 1)
+
+
+def extended_by_range(x):
+    xs = [x * 1.0] + []
+    xs += range(2)
+    return xs[0].sum() + xs[1] + xs[2]
+
+
+def extended_by_map(x):
+    xs = [x * 1.0] + []
+    xs += map(torch.neg, [x * 2.0])
+    return torch.stack(xs).sum()
+
+
+def extended_by_rows(x):
+    xs = [x * 1.0] + []
+    xs += torch.stack([x * 3.0, x * x])
+    return torch.stack(xs).sum()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fn", [extended_by_range, extended_by_map, extended_by_rows], ids=lambda f: f.__name__)
+def test_a_list_extended_by_any_iterable_gives_each_element_its_gradient(fn, mode):
+    assert rewritten(fn) == (True, False)
+    x = torch.tensor([0.5, -1.0], dtype=F64, requires_grad=True)
+    want = fn(x), torch.autograd.grad(fn(x), x)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.GradFallbackWarning)  # (map has no rule: autograd records it)
+        out = recompile.function(fn, mode=mode)(x)
+        torch.testing.assert_close((out, torch.autograd.grad(out, x)[0]), want)

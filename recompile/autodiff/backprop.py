@@ -267,7 +267,19 @@ def call_forward(ctx, fn, *args, **kwargs):
         raise NotImplementedError(
             f"recompile cannot differentiate {_name(fn)}(..., inplace=True) (no gradient rule); "
             "drop inplace=True, or run the call under torch.no_grad()")
+    if fn is map and len(args) >= 2 and not kwargs:
+        # (a map computes its elements when they are read, where nothing records them: here, all at once, recorded;
+        # an iterator over them stands for the map)
+        out, how = Recorded.forward(ctx, _mapped, args, kwargs)
+        return iter(out), how
     return Recorded.forward(ctx, fn, args, kwargs)
+
+
+def _mapped(fn, *iterables):
+    return list(map(fn, *iterables))
+
+
+_mapped.__name__ = _mapped.__qualname__ = "map"  # (as the warning that it has no rule names it)
 
 
 class Applied:

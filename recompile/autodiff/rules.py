@@ -213,8 +213,25 @@ def _by_autograd(fn, g, out, *args, **kwargs):
 # arithmetic
 
 
-@rule(operator.add, operator.iadd, intrinsics.iadd_fresh, *_forms("add", "add_"), "__add__", "__radd__",
-      "__iadd__")
+@rule(intrinsics.iadd_fresh)
+def _add_fresh(fn, g, result, input, other):  # (``result``: a list's elements are read, never a tensor's values)
+    """``x += y`` of an x the frame made (``passes.fresh``): a list is extended by any iterable, each element
+    getting its own cotangent back (a tensor's rows theirs, stacked; a map's or a generator's elements, the
+    very values the list holds, theirs); anything else as ``+``."""
+    if not isinstance(input, list) or isinstance(other, (tuple, list)):
+        yield from _add(fn, g, result, input, other)
+        return
+    yield input, g[:len(input)]
+    rows = g[len(input):]
+    if is_tensor(other):
+        if rows:
+            yield other, torch.stack([r if r is not None else torch.zeros_like(other[k]) for k, r in enumerate(rows)])
+        return
+    for value, r in zip(result[len(input):], rows):  # (a map's or a generator's elements: each its own cotangent)
+        yield value, r
+
+
+@rule(operator.add, operator.iadd, *_forms("add", "add_"), "__add__", "__radd__", "__iadd__")
 def _add(fn, g, out, input, other, alpha=1):
     if isinstance(input, (tuple, list)) and isinstance(other, (tuple, list)):
         # [a] + [b]: the joined sequence holds the very elements, so each gets its own cotangent back
@@ -1058,7 +1075,7 @@ _module(nn.BCEWithLogitsLoss, _bce_with_logits, F.binary_cross_entropy_with_logi
         "reduction")
 
 
-SHAPE_ONLY.update({_add, _sub, _neg, _pos, _sum, _mean, _cat, _stack, _split, _unbind, _reshaped, _transpose, _t,
+SHAPE_ONLY.update({_add, _add_fresh, _sub, _neg, _pos, _sum, _mean, _cat, _stack, _split, _unbind, _reshaped, _transpose, _t,
                    _swapaxes, _movedim, _getattr, _permute, _expand, _narrow, _select, _getitem, _rows, _softmax,
                    _log_softmax, _detach})
 # (the positions of a function's arguments; a method's receiver comes first, as backprop.check_version gives it)

@@ -1168,11 +1168,11 @@ def _augmented_fresh_form(tr, fn, fn_slot, args, kwargs):
     if kwargs or len(args) != 2 or fn_slot is not None or x.kind not in ("B", "S"):
         return None
     slot = _elementwise_form(tr, fn.out_of_place, None, args, kwargs)
-    if slot is None or x.number or not isinstance(x.value, torch.Tensor):
+    if slot is None or not isinstance(x.value, torch.Tensor):
         return slot  # (a number's ``+=`` is its ``+``)
     if slot.value.dtype is not x.value.dtype:
         return None
-    if x.kind == "B":
+    if x.kind == "B":  # (rows standing for numbers too: the instances that hold a tensor could not grow it)
         if slot.value.shape != x.value.shape:
             return None
         tr.emit(f"if {slot.name}.shape != {x.name}.shape: raise _Deopt")
