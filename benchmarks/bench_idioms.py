@@ -7,9 +7,10 @@ Each spelling is a subclass of ``examples/tree_lstm.py``'s TreeLSTM with the sam
 by a module constant and ``torch.addcmul``; ``view(...).unbind(0)``; the weights as tensors (``x @ W.t() + b``);
 the node's loss written inline (``loss + F.cross_entropy(...)``), added with ``loss += ...``, and as
 ``loss - log_softmax(...)[label]``, their ops deferred as a call is; a leaf's early return, each branch returning
-its own tuple and adding its own node loss; the example's ``node_loss`` left undecorated (compiled as a helper). Before it is timed, each is checked against its
-eager twin (float64: per-tree h, c and loss, and the parameter gradients) and its per-instance ops are counted
-(``stats["per_instance"]``, which should be empty). Each is timed through
+its own tuple and adding its own node loss; the example's ``node_loss`` left undecorated (compiled as a helper).
+Before it is timed, each is checked against its eager twin (float64: per-tree h, c and loss, and the parameter
+gradients) and its per-instance ops are counted (``stats["per_instance"]``, which should be empty). Each is timed
+through
 ``recompile.vmap(model.encode, in_dims=(None, 0))`` over minibatches of SST trees, beside
 ``bench_batching.hand_batched`` (TensorFlow Fold's height batching, written by hand) on the same parameters, the
 runs taking turns; the table gives trees/s and recompile / hand-batched. The RNTN of ``examples/rntn.py`` (its

@@ -7,11 +7,11 @@ loses the batched fast paths (level programs, changes-nothing sharing) and the o
 op becomes ``intrinsics.AUGMENTED_FRESH[op]``, the out-of-place op as the in-place one gives it (the same
 dtype and shape, else the in-place op on a copy, which casts or raises as eager's does).
 
-Only arithmetic and torch's constructors make a value counted as new here, and only ``+``, ``-`` and comparisons may read it before the
-change (they keep no reference to it, and their gradients do not read it: where eager refuses a backward
-because a saved value changed in place, the program must refuse it too); a branch's output counts where every
-branch makes its own, and a loop's variable where it starts new and each iteration makes its next value so
-(``s = torch.zeros(H)``, then ``s += h`` in the loop).
+Only arithmetic and torch's constructors make a value counted as new here, and only ``+``, ``-`` and comparisons
+may read it before the change (they keep no reference to it, and their gradients do not read it: where eager
+refuses a backward because a saved value changed in place, the program must refuse it too); a branch's output
+counts where every branch makes its own, and a loop's variable where it starts new and each iteration makes its
+next value so (``s = torch.zeros(H)``, then ``s += h`` in the loop).
 """
 
 from __future__ import annotations
