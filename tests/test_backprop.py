@@ -630,3 +630,38 @@ def test_the_elements_a_map_computes_carry_their_gradients(fn, mode):
         warnings.simplefilter("ignore", recompile.GradFallbackWarning)  # (map has no rule: autograd records it)
         got = torch.autograd.grad(recompile.function(fn, mode=mode)(x), x)[0]
     torch.testing.assert_close(got, want)
+
+
+def tensor_counter(xs, n):
+    h = torch.zeros(2, dtype=xs.dtype)
+    t = torch.zeros((), dtype=torch.long)
+    while t < n:
+        h = torch.tanh(xs[t] + h)
+        t += 1  # (the index xs[t] read, changed in place: where the next cotangent would go)
+    return h
+
+
+def tensor_counter_out_of_place(xs, n):
+    h = torch.zeros(2, dtype=xs.dtype)
+    t = torch.zeros((), dtype=torch.long)
+    while t < n:
+        h = torch.tanh(xs[t] + h)
+        t = t + 1
+    return h
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
+def test_an_index_tensor_changed_in_place_after_a_read_is_refused_not_miscomputed(mode):
+    """``xs[t]`` then ``t += 1``: the derived gradient read ``t`` as it is at the backward, and sent every row's
+    cotangent one row on. It is refused now (eager, which reads a 0-d index as an int, computes it; the
+    batched runtime records it as eager does); ``t = t + 1`` gives eager's gradient."""
+    torch.manual_seed(0)
+    xs = torch.randn(5, 2, dtype=torch.float64, requires_grad=True)
+    for fn in (tensor_counter, tensor_counter_out_of_place):
+        want = torch.autograd.grad(fn(xs, 4).sum(), xs)[0]
+        out = recompile.function(fn, mode=mode)(xs, 4)
+        if fn is tensor_counter and mode != "batched":
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                torch.autograd.grad(out.sum(), xs)
+            continue
+        torch.testing.assert_close(torch.autograd.grad(out.sum(), xs)[0], want)

@@ -271,14 +271,16 @@ GROWN = {
                                      | _ruled_keys(batch_rules.BATCH.by_module, _MORE_RULES), set()),
     # (views that move dims read no value of their input either, as ``transpose`` always did)
     "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS, *_VIEWS_MOVING_DIMS, grad_rules._detach, grad_rules._add_fresh),
-                              set()),
+                              _names(grad_rules._getitem)),  # (``x[i]`` reads i: ``READS_ONLY``)
     "batch_rules.INTEGER_INDEX": (set(), {"torch.uint8"}),  # (torch reads a uint8 index as a mask)
-    # (result readers and detach read no input; a method's receiver is read for the others as its function's)
+    # (result readers and detach read no input; a method's receiver is read for the others as its function's;
+    # ``x[i]`` reads i, where the cotangent goes: an index changed in place afterwards is checked)
     "grad_rules.rule_metadata": (_metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | {grad_rules._detach}, False)
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: tuple(r.read_for_others))
-                                 | _fresh_metadata(),
+                                 | _fresh_metadata() | _metadata_of({grad_rules._getitem}, True),
                                  _metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | {grad_rules._detach}, True)
-                                 | _method_metadata(_READ_FOR_OTHERS, lambda r: ())),
+                                 | _method_metadata(_READ_FOR_OTHERS, lambda r: ())
+                                 | _metadata_of({grad_rules._getitem}, False)),
     # ``type(x)`` of a shared x is read once for every instance (the class is the same object)
     "batch_rules._SHAREABLE": (_names(type, intrinsics.fixed_cell, intrinsics.make_function), set()),
     # what a nested function, lambda or generator expression needs: cells, writes of globals

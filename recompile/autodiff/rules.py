@@ -1076,11 +1076,13 @@ _module(nn.BCEWithLogitsLoss, _bce_with_logits, F.binary_cross_entropy_with_logi
 
 
 SHAPE_ONLY.update({_add, _add_fresh, _sub, _neg, _pos, _sum, _mean, _cat, _stack, _split, _unbind, _reshaped,
-                   _transpose, _t, _swapaxes, _movedim, _getattr, _permute, _expand, _narrow, _select, _getitem,
+                   _transpose, _t, _swapaxes, _movedim, _getattr, _permute, _expand, _narrow, _select,
                    _rows, _softmax, _log_softmax, _detach})
 # (the positions of a function's arguments; a method's receiver comes first, as backprop.check_version gives it)
 READ_FOR_OTHERS = {_mul: (0, 1), _div: (0,)}  # x / y: x is read for y's gradient only; y for both
-READS_ONLY = {_where: (0,)}  # torch.where(c, x, y) reads c, and only the shapes of x and y
+# torch.where(c, x, y) reads c, and only the shapes of x and y; x[i] reads i (where the cotangent goes: an index
+# tensor changed in place afterwards would send it elsewhere), and only x's shape
+READS_ONLY = {_where: (0,), _getitem: (1,)}
 for _table in (GRAD.by_callable, GRAD.by_method, GRAD.by_module):
     for _r in _table.values():
         _r.reads_inputs = _r.vjp not in SHAPE_ONLY

@@ -131,6 +131,7 @@ class _Deriver:
         # (what each op changes in place, read before any op is rewired: the callable of ``v.sigmoid_()`` is
         # noted when its getattr is, after which it no longer names its receiver)
         changes = {op: _in_place_target(op) for op in sg.ops}
+        unread = {op: _values_not_read(op) for op in sg.ops}
         for j, op in enumerate(sg.ops):
             for v in stale.get(j, ()):
                 fwd.ops.append(ir.Call(op.loc, ir.Const(bp.check_unchanged), [v, made[v], _where(op)], n_outputs=0))
@@ -141,6 +142,8 @@ class _Deriver:
                     made[v] = _version_now(fwd, op, v)
             backward = [o for o in chunk if isinstance(o, ir.Call) and _const_fn(o) in BACKWARD_CALLS]
             for v in guarded.get(op, ()) if len(backward) == 1 else ():
+                if v in unread[op]:
+                    continue  # (``x[i]`` with x changed afterwards: its gradient reads i, and only x's shape)
                 # its gradient may read v: check that v is still as the op saw it
                 seen = _version_now(fwd, op, v)
                 back = backward[0]
@@ -319,6 +322,17 @@ class _Deriver:
         more.ops.append(test)
         more.outputs = [test.output]
         return [ir.While(op.loc, more, body_b, [tape], [ctx_b])]
+
+
+def _values_not_read(op):
+    """The arguments of Call ``op`` whose values its rule does not read (``Rule.reads_only``: ``x`` of ``x[i]``),
+    where no other argument is the same Value."""
+    fn = _const_fn(op) if isinstance(op, ir.Call) else None
+    rule = grad_rules.lookup(fn) if fn is not None and not op.kwargs and not op.star else None
+    if rule is None or rule.reads_only is None or rule.method:
+        return frozenset()
+    read = {a for k, a in enumerate(op.args) if k in rule.reads_only}
+    return frozenset(a for a in op.args if isinstance(a, ir.Value) and a not in read)
 
 
 def _where(op):
