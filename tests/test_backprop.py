@@ -619,11 +619,34 @@ def mapped_into_a_list(x):
     return torch.stack(xs).sum()
 
 
-@pytest.mark.parametrize("fn", [mapped_then_stacked, mapped_into_a_list], ids=lambda f: f.__name__)
+_MAP_CALLS = []
+
+
+def _counted_double(v):
+    _MAP_CALLS.append(v)
+    if v.sum() < -100:
+        raise ValueError("too small")
+    return v * 2.0
+
+
+def mapped_lazily(x):
+    """A map is a map, reads its elements one at a time (the second, which would raise, is never read)."""
+    _MAP_CALLS.clear()
+    m = map(_counted_double, [x, x * 1000.0])
+    return next(m).sum() * len(_MAP_CALLS) * (2.0 if isinstance(m, map) else 3.0)
+
+
+def mapped_pairs(x):
+    return sum(a * b for a, b in zip(map(torch.tanh, [x, x * 2.0]), [x, x])).sum()
+
+
+@pytest.mark.parametrize("fn", [mapped_then_stacked, mapped_into_a_list, mapped_lazily, mapped_pairs],
+                         ids=lambda f: f.__name__)
 @pytest.mark.parametrize("mode", ["sequential", "threaded"])
 def test_the_elements_a_map_computes_carry_their_gradients(fn, mode):
-    """``map(f, xs)`` computes its elements when they are read, where the derived program records nothing:
-    they are computed at once, recorded by torch.autograd (a lost gradient before: None, or the wrong sign)."""
+    """``map(f, xs)`` computes its elements when they are read, where the derived program records nothing: each
+    is now recorded by torch.autograd as it is read, the map staying lazy (a lost gradient before: None, or the
+    wrong sign)."""
     x = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
     want = torch.autograd.grad(fn(x), x)[0]
     with warnings.catch_warnings():
@@ -665,3 +688,18 @@ def test_an_index_tensor_changed_in_place_after_a_read_is_refused_not_miscompute
                 torch.autograd.grad(out.sum(), xs)
             continue
         torch.testing.assert_close(torch.autograd.grad(out.sum(), xs)[0], want)
+
+
+def mapped_over_a_growing_list(x):
+    xs = [x * 1.0, x * 2.0]
+    m = map(torch.neg, xs)
+    xs.append(x * 5.0)
+    return torch.stack(list(m)).sum()
+
+
+def test_a_map_over_a_list_that_grows_after_it_is_refused_clearly():
+    """An element made after the map would get its cotangent after its own gradient ran: refused, not lost."""
+    x = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings(), pytest.raises(NotImplementedError, match="a map over a list that got"):
+        warnings.simplefilter("ignore", recompile.GradFallbackWarning)
+        recompile.function(mapped_over_a_growing_list, mode="sequential")(x)

@@ -268,18 +268,53 @@ def call_forward(ctx, fn, *args, **kwargs):
             f"recompile cannot differentiate {_name(fn)}(..., inplace=True) (no gradient rule); "
             "drop inplace=True, or run the call under torch.no_grad()")
     if fn is map and len(args) >= 2 and not kwargs:
-        # (a map computes its elements when they are read, where nothing records them: here, all at once, recorded;
-        # an iterator over them stands for the map)
-        out, how = Recorded.forward(ctx, _mapped, args, kwargs)
-        return iter(out), how
+        # (a map computes its elements when they are read, after its own call: each is recorded then)
+        record = MappedElements()
+        return RecordingMap(ctx, record, *args), record
     return Recorded.forward(ctx, fn, args, kwargs)
 
 
-def _mapped(fn, *iterables):
-    return list(map(fn, *iterables))
+class MappedElements:
+    """The elements a ``RecordingMap`` computed, each a call recorded by torch.autograd; their gradients run,
+    last first, where the map's call stands in the backward (after every op that read them)."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self):
+        self.calls = []
+
+    def backward(self, ctx):
+        for how in reversed(self.calls):
+            how.backward(ctx)
 
 
-_mapped.__name__ = _mapped.__qualname__ = "map"  # (as the warning that it has no rule names it)
+def _items(*items):
+    return items
+
+
+class RecordingMap(map):
+    """``map(fn, *iterables)`` in a derived forward: lazy as a map is, each element computed when it is read,
+    as a call recorded by torch.autograd (``Recorded``), so that its gradient reaches what ``fn`` read."""
+
+    def __new__(cls, ctx, record, fn, *iterables):
+        self = super().__new__(cls, _items, *iterables)
+        self.ctx, self.record, self.fn = ctx, record, fn
+        # (a list it reads may grow after the map was made: an element made later would get its cotangent after
+        # its own gradient ran, where the map's call stands)
+        self.known = {id(v) for it in iterables if type(it) is list for v in it} if any(
+            type(it) is list for it in iterables) else None
+        return self
+
+    def __next__(self):
+        items = super().__next__()
+        if self.known is not None and any(_differentiable(v) and id(v) not in self.known for v in items):
+            raise NotImplementedError(
+                "recompile cannot differentiate a map over a list that got a tensor after the map was made (its "
+                "gradient would come too late); make the map after the list is complete, or write "
+                "[f(v) for v in xs]")
+        out, how = Recorded.forward(self.ctx, self.fn, items, {})
+        self.record.calls.append(how)
+        return out
 
 
 class Applied:
