@@ -703,3 +703,20 @@ def test_a_map_over_a_list_that_grows_after_it_is_refused_clearly():
     with warnings.catch_warnings(), pytest.raises(NotImplementedError, match="a map over a list that got"):
         warnings.simplefilter("ignore", recompile.GradFallbackWarning)
         recompile.function(mapped_over_a_growing_list, mode="sequential")(x)
+
+
+def _stacked(it):
+    return torch.stack(list(it)).sum()
+
+
+def mapped_into_a_python_function(x):
+    return _stacked(map(torch.exp, [x, x * 2.0]))
+
+
+def test_a_map_read_inside_a_function_autograd_records_is_refused_clearly():
+    """Read inside a call torch.autograd records (a function not compiled here), its elements would be cut from
+    what they read (the gradient came back None): refused."""
+    x = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings(), pytest.raises(NotImplementedError, match="a map read inside a call"):
+        warnings.simplefilter("ignore", recompile.GradFallbackWarning)
+        recompile.function(mapped_into_a_python_function, mode="sequential")(x)

@@ -274,6 +274,12 @@ def call_forward(ctx, fn, *args, **kwargs):
     return Recorded.forward(ctx, fn, args, kwargs)
 
 
+# .calls: the callables of the calls torch.autograd is recording (``Recorded.forward``), outermost first; a map
+# read by a builtin among them (``list(m)``, ``next(m)``) records its elements itself, but inside a Python
+# function it would cut them from what they read
+_recording = threading.local()
+
+
 class MappedElements:
     """The elements a ``RecordingMap`` computed, each a call recorded by torch.autograd; their gradients run,
     last first, where the map's call stands in the backward (after every op that read them)."""
@@ -306,6 +312,11 @@ class RecordingMap(map):
         return self
 
     def __next__(self):
+        if any(not isinstance(f, (types.BuiltinFunctionType, type)) for f in getattr(_recording, "calls", ())):
+            raise NotImplementedError(
+                "recompile cannot differentiate a map read inside a call torch.autograd records (a function it "
+                "does not compile, given the map): its elements would be cut from what they read; pass it "
+                "list(map(...)) instead")
         items = super().__next__()
         if self.known is not None and any(_differentiable(v) and id(v) not in self.known for v in items):
             raise NotImplementedError(
@@ -636,8 +647,13 @@ class Recorded:
         try:
             call_args = [detach(a) for a in args]
             call_kwargs = {k: detach(v) for k, v in kwargs.items()}
-            with torch.enable_grad():
-                out = fn(*call_args, **call_kwargs)
+            calls = _recording.__dict__.setdefault("calls", [])
+            calls.append(fn)
+            try:
+                with torch.enable_grad():
+                    out = fn(*call_args, **call_kwargs)
+            finally:
+                calls.pop()
         finally:
             for holder, k, original, copy in reversed(swapped):  # (unless the call put something else there)
                 if type(holder) is list:  # (where the copy is now: the call may have moved the items)
