@@ -1,6 +1,7 @@
 """autodiff.backprop and autodiff.factors: cotangents by tensor, sources, the autograd fallback, lazy parameter grads."""
 
 import dataclasses
+import itertools
 import operator
 import warnings
 
@@ -720,3 +721,16 @@ def test_a_map_read_inside_a_function_autograd_records_is_refused_clearly():
     with warnings.catch_warnings(), pytest.raises(NotImplementedError, match="a map read inside a call"):
         warnings.simplefilter("ignore", recompile.GradFallbackWarning)
         recompile.function(mapped_into_a_python_function, mode="sequential")(x)
+
+
+def mapped_over_an_opaque_iterator(x):
+    return next(map(torch.exp, itertools.repeat(x * 1.0))).sum()
+
+
+def test_a_map_over_an_iterator_a_recorded_call_made_is_refused_clearly():
+    """``itertools.repeat(x)`` has no rule: recorded, it holds a copy of x that no gradient reaches (the gradient
+    came back None)."""
+    x = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings(), pytest.raises(NotImplementedError, match="a map over what a call"):
+        warnings.simplefilter("ignore", recompile.GradFallbackWarning)
+        recompile.function(mapped_over_an_opaque_iterator, mode="sequential")(x)

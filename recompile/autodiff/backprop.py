@@ -318,6 +318,11 @@ class RecordingMap(map):
                 "does not compile, given the map): its elements would be cut from what they read; pass it "
                 "list(map(...)) instead")
         items = super().__next__()
+        if any(isinstance(v, _Tensor) and external(v) and id(v) not in self.ctx.sources for v in items):
+            raise NotImplementedError(
+                "recompile cannot differentiate a map over what a call torch.autograd records gave (an iterator "
+                "made by a function it has no rule for, itertools.repeat(x)): its elements hold copies the "
+                "gradient cannot reach; map over a list or the tensors themselves")
         if self.known is not None and any(_differentiable(v) and id(v) not in self.known for v in items):
             raise NotImplementedError(
                 "recompile cannot differentiate a map over a list that got a tensor after the map was made (its "
