@@ -29,7 +29,7 @@ from ..errors import GradFallbackWarning
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN
 from .factors import DEFERRED, form
-from .rules import Rule, lookup, seen
+from .rules import ITEM_READS, Rule, lookup, seen
 
 _Tensor = torch.Tensor
 
@@ -224,8 +224,47 @@ def _no_gradient(fn, args, kwargs):
     return type(fn) is BOUND_BUILTIN and (getattr(fn, "__module__", None) or "").startswith("torch")
 
 
+_sinks = threading.local()  # .stack: per call_forward running, the map elements read during it
+
+
 def call_forward(ctx, fn, *args, **kwargs):
-    """Run ``fn`` for the forward: ``(result, how to differentiate it)``."""
+    """Run ``fn`` for the forward: ``(result, how to differentiate it)``. The elements of a map read during the
+    call (``list(m)``, ``next(m)``) get their gradients with the call's, where the call stands: after the
+    gradients of every op after it, so a change in place of what they read, or a list they read growing, comes
+    first, as in the forward."""
+    stack = _sinks.__dict__.setdefault("stack", [])
+    sink = []
+    stack.append(sink)
+    try:
+        if fn in _REDUCERS and any(type(a) is RecordingMap for a in args):
+            # (sum(m) adds the elements where nothing records it: it is given them as a list, which it reads)
+            args = tuple(list(a) if type(a) is RecordingMap else a for a in args)
+        out, how = _call_forward(ctx, fn, *args, **kwargs)
+    finally:
+        stack.pop()
+    return out, (WithElements(how, sink) if sink else how)
+
+
+_REDUCERS = frozenset({sum, max, min, sorted})
+
+
+class WithElements:
+    """A call's way to its gradient (``how``) and the map elements it read (``Recorded`` calls), run after it,
+    the last read first."""
+
+    __slots__ = ("how", "elements")
+
+    def __init__(self, how, elements):
+        self.how, self.elements = how, elements
+
+    def backward(self, ctx):
+        if self.how is not None:
+            self.how.backward(ctx)
+        for element in reversed(self.elements):
+            element.backward(ctx)
+
+
+def _call_forward(ctx, fn, *args, **kwargs):
     if kwargs and kwargs.get("out") is not None and _takes_differentiable(args, kwargs):
         # (torch refuses it too where an argument requires grad, and the derived program cannot tell)
         raise NotImplementedError(
@@ -268,10 +307,21 @@ def call_forward(ctx, fn, *args, **kwargs):
             f"recompile cannot differentiate {_name(fn)}(..., inplace=True) (no gradient rule); "
             "drop inplace=True, or run the call under torch.no_grad()")
     if fn is map and len(args) >= 2 and not kwargs:
+        if any(isinstance(it, _Tensor) for it in args[1:]):
+            # (a tensor's rows: taken where torch.autograd records them, all at once, as the rows are known)
+            out, how = Recorded.forward(ctx, _mapped, args, kwargs)
+            return iter(out), how
         # (a map computes its elements when they are read, after its own call: each is recorded then)
         record = MappedElements()
         return RecordingMap(ctx, record, *args), record
     return Recorded.forward(ctx, fn, args, kwargs)
+
+
+def _mapped(fn, *iterables):
+    return list(map(fn, *iterables))
+
+
+_mapped.__name__ = _mapped.__qualname__ = "map"  # (as the warning that it has no rule names it)
 
 
 # .calls: the callables of the calls torch.autograd is recording (``Recorded.forward``), outermost first; a map
@@ -307,8 +357,7 @@ class RecordingMap(map):
         self.ctx, self.record, self.fn = ctx, record, fn
         # (a list it reads may grow after the map was made: an element made later would get its cotangent after
         # its own gradient ran, where the map's call stands)
-        self.known = {id(v) for it in iterables if type(it) is list for v in it} if any(
-            type(it) is list for it in iterables) else None
+        self.known = [{id(v) for v in it} if type(it) is list else None for it in iterables]
         return self
 
     def __next__(self):
@@ -323,13 +372,16 @@ class RecordingMap(map):
                 "recompile cannot differentiate a map over what a call torch.autograd records gave (an iterator "
                 "made by a function it has no rule for, itertools.repeat(x)): its elements hold copies the "
                 "gradient cannot reach; map over a list or the tensors themselves")
-        if self.known is not None and any(_differentiable(v) and id(v) not in self.known for v in items):
+        stack = getattr(_sinks, "stack", None)
+        if not stack and any(known is not None and _differentiable(v) and id(v) not in known
+                             for v, known in zip(items, self.known)):
+            # (read by no call, its gradient runs where the map was made: before the tensor was added)
             raise NotImplementedError(
                 "recompile cannot differentiate a map over a list that got a tensor after the map was made (its "
                 "gradient would come too late); make the map after the list is complete, or write "
                 "[f(v) for v in xs]")
         out, how = Recorded.forward(self.ctx, self.fn, items, {})
-        self.record.calls.append(how)
+        (stack[-1] if stack else self.record.calls).append(how)
         return out
 
 
@@ -492,6 +544,8 @@ def check_version(ctx, out, t, expected, where, how, is_result, *args):
     if not isinstance(t, _Tensor) or t._version == expected:
         return
     kwargs = ()
+    if type(how) is WithElements:
+        how = how.how
     if type(how) is Applied:
         # (a method's rule reads the tensor it is bound to as its first argument: ``v.mul(w)`` is mul(v, w))
         args = (how.fn.__self__, *how.args) if how.rule.method else how.args
@@ -505,6 +559,8 @@ def check_version(ctx, out, t, expected, where, how, is_result, *args):
     if not is_result and how.reads_only is not None and args and not kwargs and \
             not any(a is t for k, a in enumerate(args) if k in how.reads_only):
         return  # (torch.where(c, x, y) with x changed: only c's value is read)
+    if not is_result and how.vjp in ITEM_READS and args and not isinstance(args[0], _Tensor):
+        return  # (a list's item by a tensor index: the item is the object itself, no index is read)
     raise RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
         f"a tensor of shape {tuple(t.shape)} used at {where} was changed in place afterwards")

@@ -1083,6 +1083,8 @@ READ_FOR_OTHERS = {_mul: (0, 1), _div: (0,)}  # x / y: x is read for y's gradien
 # torch.where(c, x, y) reads c, and only the shapes of x and y; x[i] reads i (where the cotangent goes: an index
 # tensor changed in place afterwards would send it elsewhere), and only x's shape
 READS_ONLY = {_where: (0,), _getitem: (1,)}
+# vjps that read nothing where their first argument is no tensor (a list's item is the object itself)
+ITEM_READS = frozenset({_getitem})
 for _table in (GRAD.by_callable, GRAD.by_method, GRAD.by_module):
     for _r in _table.values():
         _r.reads_inputs = _r.vjp not in SHAPE_ONLY

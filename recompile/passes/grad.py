@@ -132,6 +132,7 @@ class _Deriver:
         # noted when its getattr is, after which it no longer names its receiver)
         changes = {op: _in_place_target(op) for op in sg.ops}
         unread = {op: _values_not_read(op) for op in sg.ops}
+        indexed = {op: list(op.args) for op in sg.ops if _calls_getitem(op)}  # (their checks are given them)
         for j, op in enumerate(sg.ops):
             for v in stale.get(j, ()):
                 fwd.ops.append(ir.Call(op.loc, ir.Const(bp.check_unchanged), [v, made[v], _where(op)], n_outputs=0))
@@ -154,7 +155,7 @@ class _Deriver:
                 check = ir.Call(op.loc, ir.Const(bp.check_version),
                                 [ctx, out, v, seen, _where(op), how,
                                  ir.Const(v in op.outputs or v is changes[op]),
-                                 *(back.args[4:] if by_rule else ())], n_outputs=0)
+                                 *(back.args[4:] if by_rule else indexed.get(op, ()))], n_outputs=0)
                 chunk.insert(chunk.index(back), check)  # (after what the chunk makes for the call)
             chunks.append(chunk)
         for v in stale.get(len(sg.ops), ()):  # what the SubGraph hands on is read too
@@ -322,6 +323,11 @@ class _Deriver:
         more.ops.append(test)
         more.outputs = [test.output]
         return [ir.While(op.loc, more, body_b, [tape], [ctx_b])]
+
+
+def _calls_getitem(op):
+    """Whether ``op`` is ``x[i]`` (its gradient reads ``i`` where ``x`` is a tensor, nothing of a list's)."""
+    return isinstance(op, ir.Call) and _const_fn(op) is operator.getitem and len(op.args) == 2 and not op.kwargs
 
 
 def _values_not_read(op):
