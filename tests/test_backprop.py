@@ -780,3 +780,21 @@ def test_maps_of_rows_and_of_several_iterables_and_a_list_by_a_changed_index_are
         warnings.simplefilter("ignore", recompile.GradFallbackWarning)
         out = recompile.function(fn, mode=mode)(x)
         torch.testing.assert_close((out, torch.autograd.grad(out, x)[0]), want)
+
+
+def indexed_by_a_tuple_then_changed(x):
+    i = torch.tensor([0, 1])
+    v = x * 1.0
+    y = v[i, 1].sum()
+    i += 1  # (an index in the tuple, changed in place: eager refuses the backward)
+    return y
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+def test_an_index_in_a_tuple_changed_in_place_after_the_read_is_refused_as_eager_refuses(mode):
+    x = torch.arange(6.0, dtype=torch.float64).reshape(3, 2).requires_grad_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(indexed_by_a_tuple_then_changed(x), x)
+    out = recompile.function(indexed_by_a_tuple_then_changed, mode=mode)(x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, x)

@@ -557,7 +557,8 @@ def check_version(ctx, out, t, expected, where, how, is_result, *args):
     if not is_result and how.read_for_others and not _read_for_a_gradient(t, args, kwargs, how.read_for_others):
         return  # (x * 0.5: only the other arguments' gradients would read x)
     if not is_result and how.reads_only is not None and args and not kwargs and \
-            not any(a is t for k, a in enumerate(args) if k in how.reads_only):
+            not any(a is t or type(a) is tuple and any(e is t for e in a) for k, a in enumerate(args)
+                    if k in how.reads_only):
         return  # (torch.where(c, x, y) with x changed: only c's value is read)
     if not is_result and how.vjp in ITEM_READS and args and not isinstance(args[0], _Tensor):
         return  # (a list's item by a tensor index: the item is the object itself, no index is read)

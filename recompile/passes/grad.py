@@ -433,9 +433,15 @@ def _viewed(op):
 
 def _reads(op):
     """The values ``op`` reads: its operands and, for a method call (``v.sin()``, ``v.mul(w)``), the tensor it is
-    bound to, which its gradient may read as it reads an argument."""
+    bound to, which its gradient may read as it reads an argument; for ``x[i, j]``, the index tuple's values."""
     receiver = _receiver(op)
-    return op.operands() if receiver is None else [*op.operands(), receiver]
+    read = op.operands() if receiver is None else [*op.operands(), receiver]
+    if _calls_getitem(op):  # (``x[i, j]``: the tuple's tensors are the index its gradient reads)
+        index = op.args[1]
+        made = index.op if isinstance(index, ir.Value) else None
+        if isinstance(made, ir.Call) and _const_fn(made) is intrinsics.build_tuple and not made.star:
+            read.extend(v for v in made.args if isinstance(v, ir.Value))
+    return read
 
 
 def _receiver(op):
