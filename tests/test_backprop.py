@@ -798,3 +798,26 @@ def test_an_index_in_a_tuple_changed_in_place_after_the_read_is_refused_as_eager
     out = recompile.function(indexed_by_a_tuple_then_changed, mode=mode)(x)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(out, x)
+
+
+@dataclasses.dataclass
+class _Scale:  # (eq=True: an unhashable callable)
+    k: float
+
+    def __call__(self, x):
+        return x * self.k
+
+
+_SCALE = _Scale(2.0)
+
+
+def called_an_unhashable_callable(x):
+    return _SCALE(x).sum()
+
+
+def test_an_unhashable_callable_is_called_in_a_derived_forward():
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.GradFallbackWarning)
+        out = recompile.function(called_an_unhashable_callable, mode="sequential")(x)
+    torch.testing.assert_close(torch.autograd.grad(out, x)[0], torch.full((2,), 2.0, dtype=torch.float64))

@@ -233,19 +233,15 @@ def call_forward(ctx, fn, *args, **kwargs):
     gradients of every op after it, so a change in place of what they read, or a list they read growing, comes
     first, as in the forward."""
     stack = _sinks.__dict__.setdefault("stack", [])
-    sink = []
-    stack.append(sink)
+    stack.append(None)  # (made a list when a map's element is read during the call)
     try:
-        if fn in _REDUCERS and any(type(a) is RecordingMap for a in args):
+        if (fn is sum or fn is max or fn is min or fn is sorted) and any(type(a) is RecordingMap for a in args):
             # (sum(m) adds the elements where nothing records it: it is given them as a list, which it reads)
             args = tuple(list(a) if type(a) is RecordingMap else a for a in args)
         out, how = _call_forward(ctx, fn, *args, **kwargs)
     finally:
-        stack.pop()
+        sink = stack.pop()
     return out, (WithElements(how, sink) if sink else how)
-
-
-_REDUCERS = frozenset({sum, max, min, sorted})
 
 
 class WithElements:
@@ -373,6 +369,8 @@ class RecordingMap(map):
                 "made by a function it has no rule for, itertools.repeat(x)): its elements hold copies the "
                 "gradient cannot reach; map over a list or the tensors themselves")
         stack = getattr(_sinks, "stack", None)
+        if stack and stack[-1] is None:
+            stack[-1] = []
         if not stack and any(known is not None and _differentiable(v) and id(v) not in known
                              for v, known in zip(items, self.known)):
             # (read by no call, its gradient runs where the map was made: before the tensor was added)
