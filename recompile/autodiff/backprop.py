@@ -224,7 +224,17 @@ def _no_gradient(fn, args, kwargs):
     return type(fn) is BOUND_BUILTIN and (getattr(fn, "__module__", None) or "").startswith("torch")
 
 
-_sinks = threading.local()  # .stack: per call_forward running, the map elements read during it
+class _Stacks(threading.local):
+    """Per thread: ``sinks``, per call_forward running the map elements read during it (None until one is);
+    ``recording``, the callables of the calls torch.autograd is recording (``Recorded.forward``), outermost
+    first (a map read by a builtin among them, ``list(m)``, ``next(m)``, records its elements itself; inside a
+    Python function it would cut them from what they read)."""
+
+    def __init__(self):
+        self.sinks, self.recording = [], []
+
+
+_stacks = _Stacks()
 
 
 def call_forward(ctx, fn, *args, **kwargs):
@@ -232,7 +242,7 @@ def call_forward(ctx, fn, *args, **kwargs):
     call (``list(m)``, ``next(m)``) get their gradients with the call's, where the call stands: after the
     gradients of every op after it, so a change in place of what they read, or a list they read growing, comes
     first, as in the forward."""
-    stack = _sinks.__dict__.setdefault("stack", [])
+    stack = _stacks.sinks
     stack.append(None)  # (made a list when a map's element is read during the call)
     try:
         if (fn is sum or fn is max or fn is min or fn is sorted) and any(type(a) is RecordingMap for a in args):
@@ -245,8 +255,8 @@ def call_forward(ctx, fn, *args, **kwargs):
 
 
 class WithElements:
-    """A call's way to its gradient (``how``) and the map elements it read (``Recorded`` calls), run after it,
-    the last read first."""
+    """A call's way to its gradient (``how``, or None) and the map elements it read (``Recorded`` calls), run
+    after it, the last read first. (A map's own call has no ``how``: it holds the elements no call read.)"""
 
     __slots__ = ("how", "elements")
 
@@ -308,7 +318,7 @@ def _call_forward(ctx, fn, *args, **kwargs):
             out, how = Recorded.forward(ctx, _mapped, args, kwargs)
             return iter(out), how
         # (a map computes its elements when they are read, after its own call: each is recorded then)
-        record = MappedElements()
+        record = WithElements(None, [])
         return RecordingMap(ctx, record, *args), record
     return Recorded.forward(ctx, fn, args, kwargs)
 
@@ -318,26 +328,6 @@ def _mapped(fn, *iterables):
 
 
 _mapped.__name__ = _mapped.__qualname__ = "map"  # (as the warning that it has no rule names it)
-
-
-# .calls: the callables of the calls torch.autograd is recording (``Recorded.forward``), outermost first; a map
-# read by a builtin among them (``list(m)``, ``next(m)``) records its elements itself, but inside a Python
-# function it would cut them from what they read
-_recording = threading.local()
-
-
-class MappedElements:
-    """The elements a ``RecordingMap`` computed, each a call recorded by torch.autograd; their gradients run,
-    last first, where the map's call stands in the backward (after every op that read them)."""
-
-    __slots__ = ("calls",)
-
-    def __init__(self):
-        self.calls = []
-
-    def backward(self, ctx):
-        for how in reversed(self.calls):
-            how.backward(ctx)
 
 
 def _items(*items):
@@ -357,7 +347,7 @@ class RecordingMap(map):
         return self
 
     def __next__(self):
-        if any(not isinstance(f, (types.BuiltinFunctionType, type)) for f in getattr(_recording, "calls", ())):
+        if any(not isinstance(f, (types.BuiltinFunctionType, type)) for f in _stacks.recording):
             raise NotImplementedError(
                 "recompile cannot differentiate a map read inside a call torch.autograd records (a function it "
                 "does not compile, given the map): its elements would be cut from what they read; pass it "
@@ -368,7 +358,7 @@ class RecordingMap(map):
                 "recompile cannot differentiate a map over what a call torch.autograd records gave (an iterator "
                 "made by a function it has no rule for, itertools.repeat(x)): its elements hold copies the "
                 "gradient cannot reach; map over a list or the tensors themselves")
-        stack = getattr(_sinks, "stack", None)
+        stack = _stacks.sinks
         if stack and stack[-1] is None:
             stack[-1] = []
         if not stack and any(known is not None and _differentiable(v) and id(v) not in known
@@ -379,7 +369,7 @@ class RecordingMap(map):
                 "gradient would come too late); make the map after the list is complete, or write "
                 "[f(v) for v in xs]")
         out, how = Recorded.forward(self.ctx, self.fn, items, {})
-        (stack[-1] if stack else self.record.calls).append(how)
+        (stack[-1] if stack else self.record.elements).append(how)
         return out
 
 
@@ -707,7 +697,7 @@ class Recorded:
         try:
             call_args = [detach(a) for a in args]
             call_kwargs = {k: detach(v) for k, v in kwargs.items()}
-            calls = _recording.__dict__.setdefault("calls", [])
+            calls = _stacks.recording
             calls.append(fn)
             try:
                 with torch.enable_grad():
