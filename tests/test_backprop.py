@@ -643,7 +643,7 @@ def mapped_pairs(x):
 
 @pytest.mark.parametrize("fn", [mapped_then_stacked, mapped_into_a_list, mapped_lazily, mapped_pairs],
                          ids=lambda f: f.__name__)
-@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
 def test_the_elements_a_map_computes_carry_their_gradients(fn, mode):
     """``map(f, xs)`` computes its elements when they are read, where the derived program records nothing: each
     is now recorded by torch.autograd as it is read, the map staying lazy (a lost gradient before: None, or the
@@ -772,7 +772,7 @@ def summed_map(x):
 
 @pytest.mark.parametrize("fn", [mapped_over_rows, mapped_over_a_list_and_a_tuple, list_read_by_a_tensor_counter,
                                 summed_map], ids=lambda f: f.__name__)
-@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
 def test_maps_of_rows_and_of_several_iterables_and_a_list_by_a_changed_index_are_eagers(fn, mode):
     x = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
     want = fn(x), torch.autograd.grad(fn(x), x)[0]
@@ -790,7 +790,7 @@ def indexed_by_a_tuple_then_changed(x):
     return y
 
 
-@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
 def test_an_index_in_a_tuple_changed_in_place_after_the_read_is_refused_as_eager_refuses(mode):
     x = torch.arange(6.0, dtype=torch.float64).reshape(3, 2).requires_grad_()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
