@@ -933,6 +933,22 @@ def test_torch_ops_of_shared_values_are_computed_once_in_a_run_that_changes_noth
     assert type(br.call(N, torch.zeros, (3,))) is Batch and sum(br.counters.per_instance.values()) == N
 
 
+@pytest.mark.parametrize("index", [torch.tensor([2, 0]), [2, 0], (slice(None), torch.tensor([1]))])
+def test_rows_picked_by_a_tensor_index_are_a_new_tensor_each_instance_gets_in_a_run_that_changes_values(
+        index, sharing):
+    """``w[idx]`` makes a new tensor (a view is only what ``w[1:]`` gives): in a run that changes values in place,
+    one per instance, as a constructor's; in one that changes nothing, computed once and shared."""
+    w = rand(3, 3, seed=1)
+    reset_counters()
+    shared = br.item(N, w, index)
+    assert type(shared) is torch.Tensor and torch.equal(shared, w[index]) and br.counters.per_instance == {}
+    sharing.fresh = False
+    own = br.item(N, w, index)
+    rows = bt.items_of(own)
+    assert type(own) is Batch and len({id(r) for r in rows}) == N and all(torch.equal(r, w[index]) for r in rows)
+    assert type(br.item(N, w, slice(1, None))) is torch.Tensor  # (a view: the same memory, as eager's)
+
+
 @pytest.mark.parametrize("make", [
     lambda: (torch.randn, (3,), {}),  # draws
     lambda: (nn.Dropout(0.5), (torch.ones(3),), {}),

@@ -1928,7 +1928,25 @@ def wb_loop_other_takes_up(x):
     return torch.stack([u, v])
 
 
-WRITE_BACK_PROGRAMS = ["wb_loop_then_setitem", "wb_one_instance_side_saves_its_row",
+PICKED_FROM = torch.tensor([0.5, -1.0, 0.25], dtype=F64)
+PICKS = torch.tensor([2, 0, 2])
+
+
+def wb_picked_rows_then_setitem(x):
+    v = PICKED_FROM[PICKS]  # (a new tensor, the same for every instance: each must change its own)
+    v[1] = x.amax()
+    return v * x
+
+
+def wb_picked_rows_then_add_in_a_loop(x):
+    v = PICKED_FROM[[2, 0, 2]]
+    y = torch.tanh(x)
+    for i in range(2):
+        v[i] += (y + v).amax()
+    return v * 1.0 + y
+
+
+WRITE_BACK_PROGRAMS = ["wb_picked_rows_then_setitem", "wb_picked_rows_then_add_in_a_loop", "wb_loop_then_setitem", "wb_one_instance_side_saves_its_row",
                        "wb_call_changes_other_requests_rows", "wb_argument_handed_back", "wb_argument_given_twice",
                        "wb_unchanging_branch_hands_on", "wb_one_side_rebinds", "wb_loop_hands_on",
                        "wb_loop_rebinds", "wb_loop_hands_on_two_names", "wb_loop_other_takes_up"]
@@ -1950,6 +1968,29 @@ def test_changes_in_place_across_splits_and_shared_calls_match_eager(name):
     g_e, = torch.autograd.grad((want * want).sum(), x_e)
     g_b, = torch.autograd.grad((got * got).sum(), x_b)
     assert_close(g_b, g_e, GRAD_TOL)
+
+
+def joined_then_set_from_a_loop(x, w):
+    if x.sum() > 0:
+        v = x.sum() * torch.tanh(x)
+    else:
+        v = torch.softmax(PICKED_FROM * 0.25 + 2.0, 0)  # (the same for every instance, needing no gradient)
+    for row in w:
+        v[1] = torch.logsumexp(row, 0)  # (a value needing a gradient, into each instance's row of the join)
+    return v * x
+
+
+def test_rows_of_a_join_are_changed_in_place_with_values_that_need_a_gradient():
+    """Each instance's row of a joined value is a view autograd lets be changed in place (not unbind's)."""
+    x_e = torch.tensor([[1.0, 2, 3], [-1.0, -2, 0], [2.0, 1, 1], [-1.0, -2, 0]], dtype=F64, requires_grad=True)
+    w_e = torch.tensor([[0.5, -1.0, 2.0], [2.0, 0.25, 0.0]], dtype=F64, requires_grad=True)
+    x_b, w_b = (t.detach().clone().requires_grad_() for t in (x_e, w_e))
+    want = torch.stack([joined_then_set_from_a_loop(r, w_e) for r in x_e])
+    got = recompile.vmap(recompile.function(joined_then_set_from_a_loop), in_dims=(0, None))(x_b, w_b)
+    assert_close(got, want)
+    for g_b, g_e in zip(torch.autograd.grad(got.square().sum(), (x_b, w_b)),
+                        torch.autograd.grad(want.square().sum(), (x_e, w_e))):
+        assert_close(g_b, g_e, GRAD_TOL)
 
 
 # ---------------------------------------------------------------------------

@@ -223,8 +223,9 @@ def items_of(b):
     if b.items is None:
         if b.tensor is not None:
             t = b.tensor
-            # (select views, not unbind's: autograd lets an instance's row be changed in place)
-            b.items = list(t.unbind(0)) if not t.requires_grad else [t[k] for k in range(b.n)]
+            # (select views where autograd records, not unbind's: it lets an instance's row be changed in place,
+            # with a value that needs a gradient too)
+            b.items = [t[k] for k in range(b.n)] if t.requires_grad or torch.is_grad_enabled() else list(t.unbind(0))
         elif b.struct is not None:
             kind, parts = b.struct
             columns = [items_of(p) if type(p) is Batch else [p] * b.n for p in parts]

@@ -151,7 +151,7 @@ def attr(n, x, name):
 def item(n, x, index):
     """``x[index]``."""
     if type(x) is not Batch and type(index) is not Batch:
-        return x[index]
+        return x[index] if n == 1 or not _copies_rows((x, index)) else _unbatched(n, operator.getitem, (x, index), None)
     # (call's path for getitem, without its dispatch: the gather rule, else vmap or one by one)
     out = gather(n, operator.getitem, (x, index), None)
     if out is NotImplemented:
@@ -215,7 +215,10 @@ def _unbatched(n, fn, args, kwargs):
         return cells.new_cells(n)
     try:
         reads = fn in _SHAREABLE
-        known = reads or fn in _PURE or (fn in _AUGMENTED and facts.immutable(args[0])) or \
+        copies = reads and fn is operator.getitem and _copies_rows(args)
+        if copies:
+            reads = False  # (``C[idx]`` with a tensor index: a new tensor, made as a constructor makes one)
+        known = reads or copies or fn in _PURE or (fn in _AUGMENTED and facts.immutable(args[0])) or \
             (sharing.state.fresh and computes_alike(fn, kwargs))
     except TypeError:  # unhashable callable
         reads = known = False
@@ -241,6 +244,14 @@ def _unbatched(n, fn, args, kwargs):
     if all(r is first for r in results):  # (None from a helper run for its effect)
         return first
     return bt.from_items(results)
+
+
+def _copies_rows(args):
+    """Whether ``tensor[index]`` makes a new tensor (an index holding a tensor or a list), not a view."""
+    if not isinstance(args[0], torch.Tensor):
+        return False
+    index = args[1] if type(args[1]) is tuple else (args[1],)
+    return any(isinstance(i, (torch.Tensor, list)) for i in index)
 
 
 def per_instance(n, fn, args, kwargs=None, why=None):
