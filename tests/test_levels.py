@@ -1454,6 +1454,43 @@ def test_a_compiled_cell_called_from_the_branch_runs_in_the_level_program():
             assert prog is None
 
 
+def binary_leaf_scores(xs, left, right, i):
+    """Early returns, each branch adding its own node's score: the leaf branch calls ``score`` too."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        return h, score(h)
+    hl, loss_l = binary_leaf_scores(xs, left, right, left[i])
+    hr, loss_r = binary_leaf_scores(xs, left, right, right[i])
+    h = composed(hl, hr, xs[i])
+    return h, loss_l + loss_r + score(h)
+
+
+def test_a_branch_calling_only_other_functions_runs_as_a_leaf_branch_once_for_every_depth():
+    """The leaf branch's call of ``score`` is a helper's (no invoke of the call tree): in a plain run that branch
+    is a leaf piece, run once for the requests of every depth, not once per depth; values and gradients as
+    eager's."""
+    left, right, roots = forest_of_trees()
+    compiled = recursion(binary_leaf_scores)
+    eager = recursion(binary_leaf_scores, compiled=False)
+    xs = torch.randn(len(left), 3, dtype=torch.float64, requires_grad=True)
+    h, loss = (torch.stack(v) for v in zip(*[eager(xs, left, right, int(r)) for r in roots]))
+    want_grad, = torch.autograd.grad(h.sum() + loss.sum(), xs)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            got_h, got_loss = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+        torch.testing.assert_close((got_h, got_loss), (h, loss))
+        if grad:
+            got_grad, = torch.autograd.grad(got_h.sum() + got_loss.sum(), xs)
+            torch.testing.assert_close(got_grad, want_grad)
+    prog = program(compiled)
+    assert prog.plain.runs == 2 and not prog.plain.refused and prog.fallbacks == 0
+    leaf = [k for k, piece in enumerate(prog.plain.leaves) if piece is not None]
+    assert leaf and all(prog.branches[k] is not None and not prog.branches[k].arities for k in leaf)
+    assert all(prog.plain.branches[k] is None for k in leaf)
+    assert sum(len(traces) for traces in prog.plain.leaves[leaf[0]].traces.values()) >= 1
+    assert prog.plain.up[leaf[0]] is None and prog.plain.down[leaf[0]] is None
+
+
 class MethodCells(torch.nn.Module):
     """A compiled cell method calling another compiled method of its class: the cell runs as a helper with its
     own program, for its class (the method it calls stays an invoke there, not a per-instance call)."""

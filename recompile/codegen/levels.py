@@ -127,6 +127,8 @@ def emit_pieces(emitter_class, module, emission, batch_plan, shape):
                                       units, branches, len(cond.args), len(cond.outputs), late)
         prog.segments = list(em.segments.values())  # (the pieces' raw segments: tests, inspection)
         prog.plain = plain
+        if plain is not None:
+            plain.branches = [None if leaf is not None else d for leaf, d in zip(plain.leaves, branches)]
         prog.site = cond.loc
         return prog
 
@@ -194,9 +196,12 @@ def _plain_pieces(em, shape):
                      elements + [a for inv in deferred for a in inv.args])
     downs, ups, leaves = [], [], []
     for k, (br, b) in enumerate(zip(shape.branches, cond.subgraphs())):
-        leaves.append(None if br is not None else
-                      piece(f"{base}_lv_leaf{k}", b.ops, list(b.inputs), [b.outputs[j] for j in early]))
-        if br is None:
+        # (a branch whose calls are all of other functions, run as helpers (``passes.levels._as_call``), is a
+        # leaf branch here: run once for every depth's requests, not as a way up with no children per depth)
+        leaf_ops = b.ops if br is None else None if br.invokes else br.up
+        leaves.append(None if leaf_ops is None else
+                      piece(f"{base}_lv_leaf{k}", leaf_ops, list(b.inputs), [b.outputs[j] for j in early]))
+        if leaf_ops is not None:
             downs.append(None)
             ups.append(None)
             continue

@@ -116,6 +116,7 @@ class PlainPieces:
         self.pre, self.down, self.up, self.post, self.early, self.deferred = pre, down, up, post, early, deferred
         self.late, self.slices = late, slices
         self.leaves = leaves  # per branch: a leaf branch's own ops (None for an invoking branch)
+        self.branches = None  # per branch: its Descent, or None for a leaf branch here (set with the program's)
         self.nargs = sum(a for _, a, _ in deferred)
         self.refused = set()  # which arguments were batched, in calls a plain run could not hold: not tried again
         self.on = True
@@ -372,7 +373,7 @@ class LevelRun:
         lates = None
         if late.sums is not None:
             lates = self.tree_sums(late.sums, levels[0][0], [at for at, _, _, _ in kept], ran,
-                                   lambda device: _roots(p, levels[0][0], _batch_sides(levels), device))
+                                   lambda device: _roots(p.branches, levels[0][0], _batch_sides(levels), device))
         if lates is None:
             lates = self.ascend_late(levels, kept, ran)
         return _result(levels[0][0], late, early, lates)
@@ -465,7 +466,7 @@ class LevelRun:
             return elements[0]
         ran = self.run_deferred_plain(deferred, mode)
         lates = self.tree_sums(late.sums, n, [at for at, _ in deferred], ran,
-                               lambda device: _roots(p, n, _plain_sides(levels), device))
+                               lambda device: _roots(p.plain.branches, n, _plain_sides(levels), device))
         if lates is None:
             lates = self.sums_by_depth(levels, deferred, ran)
         return _result(n, late, elements, lates)
@@ -476,7 +477,7 @@ class LevelRun:
         ``post`` and its kinds, the counts of the calls made); per branch its leaf requests. (The hot loop of
         a plain run: its Python is kept to what each depth needs, the pieces called and timed inline.)"""
         p, plain, prepared = self.p, self.p.plain, self.prepared
-        pre, downs, branches, units, unit = plain.pre, plain.down, p.branches, p.units, p.unit
+        pre, downs, branches, units, unit = plain.pre, plain.down, plain.branches, p.units, p.unit
         record, clock = self.agenda.record, time.perf_counter
         ncargs = 1 + p.nargs
         levels, leaves = [], [[] for _ in units]
@@ -540,7 +541,7 @@ class LevelRun:
         """``ascend`` on plain values, for the cond's early outputs: the top depth's elements and their kinds,
         and per depth (deepest first) the arguments of ``post``'s deferred calls."""
         p, plain, prepared = self.p, self.p.plain, self.prepared
-        post, ups, branches, nargs, deferring = plain.post, plain.up, p.branches, plain.nargs, bool(plain.deferred)
+        post, ups, branches, nargs, deferring = plain.post, plain.up, plain.branches, plain.nargs, bool(plain.deferred)
         clock = time.perf_counter
         below, deferred, compute = None, [], 0.0
         for at in range(len(levels) - 1, -1, -1):
@@ -622,10 +623,10 @@ class LevelRun:
             parts = []
             for which, index, c, _ in sides:
                 positions = list(range(count)) if index is None else index.tolist()
-                if p.branches[which] is None:
+                if p.plain.branches[which] is None:
                     parts.append(([zeros[which] for zeros in sums.zeros], positions))
                     continue
-                kids = [next(below) for _ in p.branches[which].arities]
+                kids = [next(below) for _ in p.plain.branches[which].arities]
                 summed = []
                 for e in range(len(sums.terms)):
                     v = kids[0][e]
@@ -927,14 +928,15 @@ def _plain_sides(levels):
     return [[(which, index) for which, index, _, _ in sides] for _, sides, _, _, _ in levels]
 
 
-def _roots(p, n, sides, device):
+def _roots(branches, n, sides, device):
     """Per depth, the LongTensor of the row (among the ``n`` of the top depth) of each instance's root call;
-    ``sides``: per depth, per side of its cond (branch, the LongTensor of its instances or None for all)."""
+    ``sides``: per depth, per side of its cond (branch, the LongTensor of its instances or None for all);
+    ``branches``: per branch its Descent, None for a leaf branch."""
     roots = [torch.arange(n, device=device)]
     for level in sides[:-1]:
         parts = []
         for which, index in level:
-            d = p.branches[which]
+            d = branches[which]
             if d is not None:
                 mine = roots[-1] if index is None else roots[-1].index_select(0, index.to(device))
                 parts.extend([mine] * len(d.arities))
