@@ -540,7 +540,7 @@ class LevelRun:
     def ascend_plain(self, levels, leaf_results):
         """``ascend`` on plain values, for the cond's early outputs: the top depth's elements and their kinds,
         and per depth (deepest first) the arguments of ``post``'s deferred calls."""
-        p, plain, prepared = self.p, self.p.plain, self.prepared
+        plain, prepared = self.p.plain, self.prepared
         post, ups, branches, nargs, deferring = plain.post, plain.up, plain.branches, plain.nargs, bool(plain.deferred)
         clock = time.perf_counter
         below, deferred, compute = None, [], 0.0
