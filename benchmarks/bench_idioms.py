@@ -7,7 +7,8 @@ Each spelling is a subclass of ``examples/tree_lstm.py``'s TreeLSTM with the sam
 by a module constant and ``torch.addcmul``; ``view(...).unbind(0)``; the weights as tensors (``x @ W.t() + b``);
 the node's loss written inline (``loss + F.cross_entropy(...)``), added with ``loss += ...``, and as
 ``loss - log_softmax(...)[label]``, their ops deferred as a call is; a leaf's early return, each branch returning
-its own tuple and adding its own node loss; the example's ``node_loss`` left undecorated (compiled as a helper).
+its own tuple and adding its own node loss; the example's ``node_loss`` left undecorated (compiled as a helper);
+the tree read through Python numbers (``bool(tree.is_leaf[i])``, ``int(tree.left[i])``, ``.item()``).
 Before it is timed, each is checked against its eager twin (float64: per-tree h, c and loss, and the parameter
 gradients) and its per-instance ops are counted (``stats["per_instance"]``, which should be empty). Each is timed
 through
@@ -200,6 +201,27 @@ class EarlyReturn(TreeLSTM):
         return h, c, loss_l + loss_r + self.node_loss(h, tree.labels[i])
 
 
+class PythonNumbers(TreeLSTM):
+    """The tree read through Python numbers: ``if bool(tree.is_leaf[i])``, ``int(tree.left[i])``,
+    ``tree.right[i].item()``."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        if bool(tree.is_leaf[i]):
+            ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u)
+            loss = 0.0
+        else:
+            hl, cl, loss_l = self.encode(tree, int(tree.left[i]))
+            hr, cr, loss_r = self.encode(tree, tree.right[i].item())
+            ig, og, u, fl, fr = torch.chunk(self.node(torch.cat([hl, hr], dim=-1)), 5, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cl + torch.sigmoid(fr) * cr
+            loss = loss_l + loss_r
+        h = torch.sigmoid(og) * torch.tanh(c)
+        loss = loss + self.node_loss(h, tree.labels[i])
+        return h, c, loss
+
+
 class UndecoratedLoss(TreeLSTM):
     """The example's ``encode`` with its ``node_loss`` an undecorated method (``runtime.helpers`` compiles it)."""
 
@@ -286,7 +308,9 @@ def hand_batched_cells(model, forest):
 SPELLINGS = {"chunk (the example)": TreeLSTM, "split by sizes": SplitSizes, "slices, addcmul": SlicesAddcmul,
              "view, unbind": UnbindView, "x @ W.t() + b": WeightsMatmul, "loss inline": InlineLoss,
              "loss +=": PlusEquals, "loss - log p": MinusLogProbability, "early return": EarlyReturn,
-             "node_loss undecorated": UndecoratedLoss}
+             "node_loss undecorated": UndecoratedLoss, "int(), bool(), .item()": PythonNumbers}
+# (spellings whose recursion runs as a level program on Batch values, not a plain one: their Python numbers)
+OFF_PLAIN = {"int(), bool(), .item()"}
 RNTN_SPELLINGS = {"RNTN einsum (example)": RNTN, "RNTN linear of V.view": RNTNLinear}
 CELL_SPELLINGS = {"nn.LSTMCell": CellTreeLSTM}
 

@@ -410,10 +410,13 @@ VMAPPED = {
 }
 
 # ops that run per instance (no rule, not vmappable, or a Python builtin): correct, and counted
-PER_INSTANCE = {
+# (a Python number of each instance's one element: one ``tolist`` of the rows, ``python_numbers``)
+OPS.update({
     "item": lambda w: (method(w(rand(N, seed=1)), "item"), (), {}),
-    "tolist": lambda w: (method(w(rand(N, 3, seed=1)), "tolist"), (), {}),
     "float_builtin": lambda w: (float, (w(rand(N, seed=1)),), {}),
+})
+PER_INSTANCE = {
+    "tolist": lambda w: (method(w(rand(N, 3, seed=1)), "tolist"), (), {}),
     "python_helper": lambda w: (lambda t: t * t.sum(), (w(rand(N, 3, seed=1)),), {}),
 }
 # (each instance's own dim, or bound: a Python number per instance)
@@ -931,6 +934,34 @@ def test_torch_ops_of_shared_values_are_computed_once_in_a_run_that_changes_noth
     assert torch.equal(view, w.t())
     sharing.fresh = False  # (a run that may change a value in place: one tensor per instance, as before)
     assert type(br.call(N, torch.zeros, (3,))) is Batch and sum(br.counters.per_instance.values()) == N
+
+
+@pytest.mark.parametrize("rows", [torch.tensor([3, -1, 0, 7]), torch.tensor([[2.75], [-2.5], [0.0], [-0.0]]),
+                                  torch.tensor([True, False, False, True]),
+                                  torch.tensor([1.5, 2.0, -3.25, 0.5], dtype=torch.bfloat16)])
+@pytest.mark.parametrize("convert", [int, float, bool, "item"])
+def test_python_numbers_of_each_instances_one_element_are_one_tolist(rows, convert):
+    """``int(t)``, ``float(t)``, ``bool(t)``, ``t.item()`` of each instance's one element: the very numbers, of the
+    very types, that each instance's call gives, with no op once per instance."""
+    reset_counters()
+    x = Batch(N, tensor=rows.clone())
+    if convert == "item":
+        got, want = br.call(N, method(x, "item"), ()), [r.item() for r in rows]
+    else:
+        got, want = br.call(N, convert, (x,)), [convert(r) for r in rows]
+    got = bt.items_of(got)
+    assert got == want and [type(v) for v in got] == [type(v) for v in want]
+    assert [str(v) for v in got] == [str(v) for v in want]  # (-0.0 stays -0.0)
+    assert br.counters.per_instance == {}
+
+
+def test_python_numbers_that_are_not_one_element_each_or_fail_run_as_each_instance_runs_them():
+    """More than one element per instance: per instance, raising eager's error; NaN to int: eager's error."""
+    with pytest.raises(ValueError, match="only one element tensors can be converted"):
+        br.call(N, int, (Batch(N, tensor=rand(N, 2, seed=1)),))
+    with pytest.raises(ValueError, match="cannot convert float NaN to integer"):
+        br.call(N, int, (Batch(N, tensor=torch.tensor([1.0, float("nan"), 2.0, 3.0])),))
+    reset_counters()
 
 
 @pytest.mark.parametrize("index", [torch.tensor([2, 0]), [2, 0], (slice(None), torch.tensor([1]))])

@@ -1998,7 +1998,7 @@ def test_rows_of_a_join_are_changed_in_place_with_values_that_need_a_gradient():
 # ---------------------------------------------------------------------------
 
 def scaled_by_item(x):
-    s = x.sum().item()  # a Python value per instance
+    s = x.sum().tolist()  # a Python value per instance (``.item()`` would be one ``tolist`` for the group)
     return x * s
 
 
@@ -2013,7 +2013,7 @@ def test_an_op_run_once_per_instance_warns_once_with_the_users_line_why_and_what
     [w] = [w for w in caught if issubclass(w.category, recompile.PerInstanceWarning)]
     text = str(w.message)
     assert (w.filename, w.lineno) == (__file__, line), (w.filename, w.lineno)
-    assert f"test_batching.py:{line}" in text and "Tensor.item" in text and "3 instances" in text
+    assert f"test_batching.py:{line}" in text and "Tensor.tolist" in text and "3 instances" in text
     assert "a Python value of each instance's tensor" in text and "torch.where" in text
     with warnings.catch_warnings():
         warnings.simplefilter("error", recompile.PerInstanceWarning)
@@ -2024,14 +2024,14 @@ def test_per_instance_runs_can_be_refused_or_allowed(monkeypatch):
     f = recompile.function(scaled_by_item)
     x = torch.arange(6.0).reshape(3, 2)
     monkeypatch.setattr(config, "PER_INSTANCE", "error")
-    with pytest.raises(recompile.PerInstanceError, match="Tensor.item runs once per instance") as info:
+    with pytest.raises(recompile.PerInstanceError, match="Tensor.tolist runs once per instance") as info:
         recompile.vmap(f)(x)
     assert "recompile call chain" in "".join(getattr(info.value, "__notes__", []))
     monkeypatch.setattr(config, "PER_INSTANCE", "allow")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         recompile.vmap(f)(x)
-    assert f.stats["per_instance"]["Tensor.item"] == 3
+    assert f.stats["per_instance"]["Tensor.tolist"] == 3
 
 
 # -- namedtuples in and out of recompile.vmap, as torch.func.vmap takes and gives them

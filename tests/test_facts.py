@@ -233,7 +233,9 @@ GROWN = {
                                     (torch.norm, batch_rules.norm),
                                     *((f, batch_rules.elementwise) for f in _MORE_ELEMENTWISE),
                                     # ``x += y`` of an x the frame made, written out of place (passes.fresh)
-                                    *((f, batch_rules.augmented_fresh) for f in _FRESH)])
+                                    *((f, batch_rules.augmented_fresh) for f in _FRESH),
+                                    # a Python number of each instance's one element: one tolist of the rows
+                                    *((f, batch_rules.python_numbers) for f in (int, float, bool))])
                           | _ruled(batch_rules.BATCH.by_callable, _MORE_RULES),
                           {"_operator.matmul -> recompile:via_vmap",
                            "torch.functional.norm -> recompile:_dim_rule.<locals>.rule",
@@ -245,7 +247,7 @@ GROWN = {
                                   "'min' -> recompile:_extreme_method.<locals>.rule",
                                   "'median' -> recompile:_extreme_method.<locals>.rule",
                                   "'index_select' -> recompile:method_dim.<locals>.rule",
-                                  "'norm' -> recompile:norm_method",
+                                  "'norm' -> recompile:norm_method", "'item' -> recompile:item_numbers",
                                   *_ruled(batch_rules.BATCH.by_method, _MORE_METHOD_RULES),
                                   # in-place elementwise methods of each instance's own tensor: one on the batch's
                                   *(f"'{m}' -> recompile:_in_place_method.<locals>.rule"
@@ -259,7 +261,8 @@ GROWN = {
                                  | _entries((m, batch_rules.elementwise) for m in _MORE_ACTIVATIONS), set()),
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, len,
                                     intrinsics.build_dict,
-                                    *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE, *_FRESH)
+                                    *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE, *_FRESH,
+                                    int, float, bool)
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
     # ``x op= y`` written out of place: the out-of-place op's gradient

@@ -98,7 +98,7 @@ def test_a_helper_that_changes_something_runs_once_per_instance_in_order():
 
 
 def per_instance_inside(v):
-    return v * float(v.sum())  # (a Python float of each instance's tensor: once per instance, inside)
+    return v * sum(v.tolist())  # (a Python list of each instance's tensor: once per instance, inside)
 
 
 def uses_per_instance_inside(x):

@@ -826,9 +826,11 @@ def gather(n, fn, args, kwargs):
         i = bt.tensor_of(index)
         if i is None:
             items = bt.items_of(index)
-            if not all(type(k) is int for k in items):
+            if not all(type(k) is int or type(k) is torch.Tensor and k.dim() == 0 and k.dtype in facts.INTEGER_INDEX
+                       for k in items):
                 return NotImplemented
-            i = torch.tensor(items, device=x.device)
+            # (Python ints, 0-d integer tensors among them where requests of other depths joined: each reads x's row)
+            i = torch.tensor([k if type(k) is int else int(k) for k in items], device=x.device)
         elif i.dtype not in facts.INTEGER_INDEX or i.dim() < 1:
             return NotImplemented  # a mask per instance
         if i.dim() > 1:  # (each instance's tensor of indices: ``x[i]`` of all of them is each instance's rows)
@@ -1068,6 +1070,31 @@ def appended(n, xs, args, kwargs):
         return NotImplemented
     xs.struct[1].append(args[0])
     return None
+
+
+@BATCH.register(int, float, bool)
+def python_numbers(n, fn, args, kwargs):
+    """``int(t)``, ``float(t)``, ``bool(t)`` of each instance's one-element tensor: every instance's Python number
+    from one ``tolist`` of the rows (what ``t.item()`` gives each, converted as the builtin converts it)."""
+    numbers = _numbers_of(n, args[0]) if len(args) == 1 and not kwargs else None
+    if numbers is None or fn not in (int, float, bool):  # (a subclass of int, say: its own constructor)
+        return NotImplemented
+    return bt.from_items([fn(v) for v in numbers])
+
+
+@BATCH.register("item")
+def item_numbers(n, x, args, kwargs):
+    """``t.item()`` of each instance's one-element tensor: one ``tolist`` of the rows."""
+    numbers = None if args or kwargs else _numbers_of(n, x)
+    return NotImplemented if numbers is None else bt.from_items(numbers)
+
+
+def _numbers_of(n, x):
+    """The Python numbers of Batch ``x``, a tensor of one element per instance (not complex), or None."""
+    t = x.tensor if type(x) is Batch and x.owner == "tensor" else None
+    if t is None or t.numel() != n or t.is_complex() or t.layout is not torch.strided:
+        return None
+    return t.reshape(n).tolist()
 
 
 @BATCH.register("numel", "nelement")
