@@ -8,7 +8,9 @@ by a module constant and ``torch.addcmul``; ``view(...).unbind(0)``; the weights
 the node's loss written inline (``loss + F.cross_entropy(...)``), added with ``loss += ...``, and as
 ``loss - log_softmax(...)[label]``, their ops deferred as a call is; a leaf's early return, each branch returning
 its own tuple and adding its own node loss; the example's ``node_loss`` left undecorated (compiled as a helper);
-the tree read through Python numbers (``bool(tree.is_leaf[i])``, ``int(tree.left[i])``, ``.item()``).
+a node's children unpacked from a row of one stacked tensor, with ``cat``/``chunk`` along their default dim and
+``stack(...).sum(0)``; states kept as (1, H) rows with ``F.linear`` and tensor methods; the tree read through
+Python numbers (``bool(tree.is_leaf[i])``, ``int(tree.left[i])``, ``.item()``).
 Before it is timed, each is checked against its eager twin (float64: per-tree h, c and loss, and the parameter
 gradients) and its per-instance ops are counted (``stats["per_instance"]``, which should be empty). Each is timed
 through
@@ -222,6 +224,50 @@ class PythonNumbers(TreeLSTM):
         return h, c, loss
 
 
+class UnpackedChildren(TreeLSTM):
+    """The children as a row of one stacked tensor, unpacked (``l, r = children[i]``); ``cat`` and ``chunk`` along
+    their default dim; the forget mix as ``torch.stack([...]).sum(0)``."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        if tree.is_leaf[i]:
+            ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3)
+            c = torch.sigmoid(ig) * torch.tanh(u)
+            loss = 0.0
+        else:
+            left, right = torch.stack([tree.left, tree.right], 1)[i]
+            hl, cl, loss_l = self.encode(tree, left)
+            hr, cr, loss_r = self.encode(tree, right)
+            ig, og, u, fl, fr = torch.chunk(self.node(torch.cat((hl, hr))), 5)
+            c = torch.sigmoid(ig) * torch.tanh(u) + torch.stack([torch.sigmoid(fl) * cl, torch.sigmoid(fr) * cr]).sum(0)
+            loss = loss_l + loss_r
+        h = torch.sigmoid(og) * torch.tanh(c)
+        loss = loss + self.node_loss(h, tree.labels[i])
+        return h, c, loss
+
+
+class RowStates(TreeLSTM):
+    """States kept as (1, H) rows; ``F.linear`` with the modules' weights; the methods ``.sigmoid()``, ``.tanh()``;
+    the node's loss inline on a (1,) label."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        if tree.is_leaf[i]:
+            x = self.embed(tree.words[i].view(1))
+            ig, og, u = F.linear(x, self.leaf.weight, self.leaf.bias).chunk(3, dim=1)
+            c = ig.sigmoid() * u.tanh()
+            loss = 0.0
+        else:
+            hl, cl, loss_l = self.encode(tree, tree.left[i])
+            hr, cr, loss_r = self.encode(tree, tree.right[i])
+            ig, og, u, fl, fr = F.linear(torch.cat([hl, hr], 1), self.node.weight, self.node.bias).chunk(5, dim=1)
+            c = ig.sigmoid() * u.tanh() + fl.sigmoid() * cl + fr.sigmoid() * cr
+            loss = loss_l + loss_r
+        h = og.sigmoid() * c.tanh()
+        loss = loss + F.cross_entropy(self.out(h), tree.labels[i].view(1), reduction="sum")
+        return h, c, loss
+
+
 class UndecoratedLoss(TreeLSTM):
     """The example's ``encode`` with its ``node_loss`` an undecorated method (``runtime.helpers`` compiles it)."""
 
@@ -308,7 +354,8 @@ def hand_batched_cells(model, forest):
 SPELLINGS = {"chunk (the example)": TreeLSTM, "split by sizes": SplitSizes, "slices, addcmul": SlicesAddcmul,
              "view, unbind": UnbindView, "x @ W.t() + b": WeightsMatmul, "loss inline": InlineLoss,
              "loss +=": PlusEquals, "loss - log p": MinusLogProbability, "early return": EarlyReturn,
-             "node_loss undecorated": UndecoratedLoss, "int(), bool(), .item()": PythonNumbers}
+             "node_loss undecorated": UndecoratedLoss, "children unpacked": UnpackedChildren,
+             "(1, H) rows, F.linear": RowStates, "int(), bool(), .item()": PythonNumbers}
 # (spellings whose recursion runs as a level program on Batch values, not a plain one: their Python numbers)
 OFF_PLAIN = {"int(), bool(), .item()"}
 RNTN_SPELLINGS = {"RNTN einsum (example)": RNTN, "RNTN linear of V.view": RNTNLinear}

@@ -1491,6 +1491,34 @@ def test_a_branch_calling_only_other_functions_runs_as_a_leaf_branch_once_for_ev
     assert prog.plain.up[leaf[0]] is None and prog.plain.down[leaf[0]] is None
 
 
+def binary_pairs(xs, pairs, i):
+    """The children unpacked from a row of one tensor of pairs: ``l, r = pairs[i]``."""
+    if pairs[i][0] < 0:
+        return torch.tanh(xs[i])
+    left, right = pairs[i]
+    return torch.tanh(xs[i] + binary_pairs(xs, pairs, left) * binary_pairs(xs, pairs, right))
+
+
+def test_a_row_of_each_instance_unpacked_runs_in_the_plain_run_and_a_wrong_length_raises_as_eager():
+    left, right, roots = forest_of_trees()
+    pairs = torch.stack([left, right], 1)
+    compiled = recompile.function(binary_pairs)
+    xs = torch.randn(len(left), 3, dtype=torch.float64, requires_grad=True)
+    want = torch.stack([binary_pairs(xs, pairs, int(r)) for r in roots])
+    want_grad, = torch.autograd.grad(want.sum(), xs)
+    for _ in range(2):
+        got = recompile.vmap(compiled, in_dims=(None, None, 0))(xs, pairs, roots)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], want_grad)
+    prog = program(compiled)
+    assert prog.plain.runs == 2 and not prog.plain.refused
+    triples = torch.cat([pairs, pairs[:, :1]], 1)  # (three values to unpack into two names)
+    with pytest.raises(ValueError, match="too many values to unpack"):
+        binary_pairs(xs, triples, int(roots[1]))
+    with pytest.raises(ValueError, match="too many values to unpack"):
+        recompile.vmap(compiled, in_dims=(None, None, 0))(xs, triples, roots)
+
+
 class MethodCells(torch.nn.Module):
     """A compiled cell method calling another compiled method of its class: the cell runs as a helper with its
     own program, for its class (the method it calls stays an invoke there, not a per-instance call)."""

@@ -913,6 +913,15 @@ class _Tracer:
             for v, name, item in zip(op.outputs, names, slot.value):
                 self.define(v, _Slot("S", name, item))
             return
+        if slot.kind == "B" and isinstance(slot.value, torch.Tensor) and slot.value.dim() >= 2 \
+                and slot.value.shape[1] == k:
+            # (``l, r = rows[i]``: each instance's tensor iterated along its first dim, as Python unpacks it)
+            self.emit(f"if {slot.name}.dim() != {slot.value.dim()} or {slot.name}.shape[1] != {k}: raise _Deopt")
+            names = [self.fresh() for _ in range(k)]
+            self.emit(f"{', '.join(names)}{',' if k == 1 else ''} = {slot.name}.unbind(1)")
+            for v, name, part in zip(op.outputs, names, slot.value.unbind(1)):
+                self.define(v, _Slot("B", name, part))
+            return
         if slot.kind == "S" or self.plain is not None:
             raise _Untraceable  # (a shared value unpacked: leave it to the op-by-op code)
         value = control.unpack(self.n, self.wrapped_value(slot), k)
