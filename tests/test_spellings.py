@@ -249,7 +249,24 @@ def sequential_normed(self, tree, i):
     return h, loss + self.node_loss(h, tree.labels[i])
 
 
-@pytest.mark.parametrize("encode", [pooled_children, attended_children, sequential_normed],
+def zero_children(self, tree, i):
+    """One cell for every node: a leaf's children are zero states made from the weight (``new_zeros``), shared
+    by every leaf (``a * b`` of them once); ``chunk`` along its default dim, as a method."""
+    if tree.is_leaf[i]:
+        hl = hr = self.compose.weight.new_zeros(4)
+        x = self.leaf(self.embed(tree.words[i]))
+        below = 0.0
+    else:
+        hl, loss_l = self.encode(tree, tree.left[i])
+        hr, loss_r = self.encode(tree, tree.right[i])
+        x = self.compose.weight.new_zeros(4)
+        below = loss_l + loss_r
+    z = torch.cat([hl * hr, hl - hr]).chunk(2)
+    h = torch.tanh(self.compose(torch.cat(z)) + x)
+    return h, below + self.node_loss(h, tree.labels[i])
+
+
+@pytest.mark.parametrize("encode", [pooled_children, attended_children, sequential_normed, zero_children],
                          ids=lambda f: f.__name__)
 def test_cells_of_ops_without_a_raw_form_run_as_a_plain_level_program(encode):
     torch.manual_seed(0)

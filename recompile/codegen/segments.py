@@ -700,6 +700,8 @@ class _Tracer:
                 where, dim = dim_at, args[dim_at]
             elif every and rank > 1:  # (x.sum(): over every dim of the instance)
                 where, dim = "dim", _Slot("S", repr(tuple(range(rank - 1))), tuple(range(rank - 1)), fixed=True)
+            elif name in _SPLITTING:  # (``z.chunk(3)``: along the instance's first dim, the default)
+                where, dim = "dim", _Slot("S", "0", 0, fixed=True)
             else:
                 raise _Untraceable
             if not dim.fixed or type(dim.value) not in (int, tuple):
@@ -751,9 +753,9 @@ class _Tracer:
         if all(s.kind == "S" for s in args) and _shareable(fn):
             return self.shared_call(fn, fn_slot, args, kwargs)
         if all(s.kind == "S" for s in args) and (self.plain is not None or sharing.state.fresh) and \
-                batch_rules.computes_alike(fn, {k: s.value for k, s in kwargs.items()}):
-            # a torch op of shared values, in a run that changes nothing in place: once, shared (a level run
-            # changes nothing in place; a segment checks its run's sharing)
+                (batch_rules.computes_alike(fn, {k: s.value for k, s in kwargs.items()}) or facts.among(fn, _OPERATORS)):
+            # a torch op (or ``a * b``) of shared values, in a run that changes nothing in place: once, shared (a
+            # level run changes nothing in place; a segment checks its run's sharing)
             if self.plain is None:
                 self.emit("if not _sharing.fresh: raise _Deopt")
             slot = self.shared_call(fn, fn_slot, args, kwargs)
