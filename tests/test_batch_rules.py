@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -961,23 +962,29 @@ def test_python_numbers_that_are_not_one_element_each_or_fail_run_as_each_instan
         br.call(N, int, (Batch(N, tensor=rand(N, 2, seed=1)),))
     with pytest.raises(ValueError, match="cannot convert float NaN to integer"):
         br.call(N, int, (Batch(N, tensor=torch.tensor([1.0, float("nan"), 2.0, 3.0])),))
+    big = torch.tensor([2 ** 63 + 5, 1, 2, 3], dtype=torch.uint64)  # (past int64: torch refuses each instance's)
+    with pytest.raises(RuntimeError, match="without overflow"):
+        br.call(N, int, (Batch(N, tensor=big),))
     reset_counters()
 
 
-@pytest.mark.parametrize("index", [torch.tensor([2, 0]), [2, 0], (slice(None), torch.tensor([1]))])
-def test_rows_picked_by_a_tensor_index_are_a_new_tensor_each_instance_gets_in_a_run_that_changes_values(
-        index, sharing):
-    """``w[idx]`` makes a new tensor (a view is only what ``w[1:]`` gives): in a run that changes values in place,
-    one per instance, as a constructor's; in one that changes nothing, computed once and shared."""
+@pytest.mark.parametrize("index", [torch.tensor([2, 0]), [2, 0], (slice(None), torch.tensor([1])), np.array([2, 0]),
+                                   range(2), ((0, 2),)], ids=["tensor", "list", "tuple", "array", "range", "nested"])
+def test_rows_picked_by_an_index_are_a_new_tensor_each_instance_owns_in_a_run_that_changes_values(index, sharing):
+    """``w[idx]`` with an index that copies (what eager's ``w[idx]`` is no view of): in a run that changes values in
+    place, each instance's own rows of one copy, as each instance's call makes its own tensor; in one that changes
+    nothing, computed once and shared. A view (``w[1:]``, ``w[torch.tensor(1)]``) is the same memory, as eager's."""
     w = rand(3, 3, seed=1)
     reset_counters()
     shared = br.item(N, w, index)
     assert type(shared) is torch.Tensor and torch.equal(shared, w[index]) and br.counters.per_instance == {}
     sharing.fresh = False
     own = br.item(N, w, index)
-    rows = bt.items_of(own)
-    assert type(own) is Batch and len({id(r) for r in rows}) == N and all(torch.equal(r, w[index]) for r in rows)
-    assert type(br.item(N, w, slice(1, None))) is torch.Tensor  # (a view: the same memory, as eager's)
+    assert type(own) is Batch and own.owner == "tensor" and br.counters.per_instance == {}
+    assert all(torch.equal(r, w[index]) for r in bt.items_of(own)) and own.tensor.stride(0) == w[index].numel()
+    for view in (slice(1, None), torch.tensor(1)):
+        got = br.item(N, w, view)
+        assert type(got) is torch.Tensor and got._base is w
 
 
 @pytest.mark.parametrize("make", [

@@ -1997,19 +1997,19 @@ def test_rows_of_a_join_are_changed_in_place_with_values_that_need_a_gradient():
 # per-instance runs are never silent
 # ---------------------------------------------------------------------------
 
-def scaled_by_item(x):
+def scaled_by_tolist(x):
     s = x.sum().tolist()  # a Python value per instance (``.item()`` would be one ``tolist`` for the group)
     return x * s
 
 
 def test_an_op_run_once_per_instance_warns_once_with_the_users_line_why_and_what_instead(monkeypatch):
     monkeypatch.setattr(config, "PER_INSTANCE", "warn")
-    f = recompile.function(scaled_by_item)
+    f = recompile.function(scaled_by_tolist)
     x = torch.arange(6.0).reshape(3, 2)
-    line = scaled_by_item.__code__.co_firstlineno + 1
+    line = scaled_by_tolist.__code__.co_firstlineno + 1
     with pytest.warns(recompile.PerInstanceWarning) as caught:
         out = recompile.vmap(f)(x)
-    assert torch.equal(out, torch.stack([scaled_by_item(r) for r in x]))
+    assert torch.equal(out, torch.stack([scaled_by_tolist(r) for r in x]))
     [w] = [w for w in caught if issubclass(w.category, recompile.PerInstanceWarning)]
     text = str(w.message)
     assert (w.filename, w.lineno) == (__file__, line), (w.filename, w.lineno)
@@ -2021,7 +2021,7 @@ def test_an_op_run_once_per_instance_warns_once_with_the_users_line_why_and_what
 
 
 def test_per_instance_runs_can_be_refused_or_allowed(monkeypatch):
-    f = recompile.function(scaled_by_item)
+    f = recompile.function(scaled_by_tolist)
     x = torch.arange(6.0).reshape(3, 2)
     monkeypatch.setattr(config, "PER_INSTANCE", "error")
     with pytest.raises(recompile.PerInstanceError, match="Tensor.tolist runs once per instance") as info:

@@ -542,10 +542,55 @@ def forest_of_trees():
     return torch.tensor(left), torch.tensor(right), torch.tensor(roots)
 
 
+def binary_zero_tensor(xs, left, right, i):
+    """A leaf's zero made by a torch constructor: float32 (the default dtype), which the float64 losses promote."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = torch.zeros(())
+    else:
+        hl, loss_l = binary_zero_tensor(xs, left, right, left[i])
+        hr, loss_r = binary_zero_tensor(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + score(h)
+
+
+def binary_float64_zero(xs, left, right, i):
+    """A leaf's zero of float64, which an int count per node takes up (an int zero would keep it int)."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = torch.tensor(0.0, dtype=torch.float64)
+    else:
+        hl, loss_l = binary_float64_zero(xs, left, right, left[i])
+        hr, loss_r = binary_float64_zero(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + score(h)
+
+
+@recompile.function
+def leaf_cell(x):
+    return torch.tanh(x) * 0.5
+
+
+def binary_helper_leaf(xs, left, right, i):
+    """A leaf calling a compiled helper (a leaf branch of the level program all the same), its loss a zero."""
+    if left[i] < 0:
+        h = leaf_cell(xs[i])
+        loss = 0.0
+    else:
+        hl, loss_l = binary_helper_leaf(xs, left, right, left[i])
+        hr, loss_r = binary_helper_leaf(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + score(h)
+
+
 @pytest.mark.parametrize("fn, callee, terms, summed", [
     (binary, score, [[0]], True), (binary_twice, score, [[0, 0, 1]], True), (binary, vector, [[0]], True),
     (binary, count, [[0]], True), (binary_mixed, score, [[0, 1]], True), (binary_one, score, None, False),
-    (binary_left, score, None, False), (scored, score, None, False)])
+    (binary_left, score, None, False), (scored, score, None, False), (binary_zero_tensor, score, [[0]], True),
+    (binary_float64_zero, count, [[0]], True), (binary_helper_leaf, score, [[0]], True)])
 def test_late_elements_that_only_add_up_are_summed_by_each_calls_root(fn, callee, terms, summed):
     """A late element made only of ``+``: the deferred results, the children's same element, a leaf's zero, is
     the sum of the deferred results over the call tree, added into each root's row at once (depth by depth
@@ -1489,6 +1534,32 @@ def test_a_branch_calling_only_other_functions_runs_as_a_leaf_branch_once_for_ev
     assert all(prog.plain.branches[k] is None for k in leaf)
     assert sum(len(traces) for traces in prog.plain.leaves[leaf[0]].traces.values()) >= 1
     assert prog.plain.up[leaf[0]] is None and prog.plain.down[leaf[0]] is None
+
+
+@recompile.function
+def checked_cell(x):
+    if x.sum() > 100:
+        raise ValueError("too big")
+    return x * 3
+
+
+def binary_checked_leaf(xs, left, right, i):
+    if left[i] < 0:
+        return checked_cell(xs[i])
+    return torch.tanh(xs[i] + binary_checked_leaf(xs, left, right, left[i]) * binary_checked_leaf(xs, left, right,
+                                                                                                right[i]))
+
+
+def test_an_error_in_a_leafs_helper_is_raised_with_the_chain_through_the_branches_that_call():
+    """The chain names the depths' calls through the branch that makes them, not the leaf branch beside it."""
+    compiled = recompile.function(binary_checked_leaf)
+    left, right = torch.tensor([1, -1, -1, -1]), torch.tensor([2, -1, -1, -1])
+    xs = torch.zeros(4, 2, dtype=torch.float64)
+    xs[2] = 80.0
+    with pytest.raises(ValueError, match="too big") as info:
+        recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, torch.tensor([0, 3]))
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert "checked_cell" in notes and "binary_checked_leaf.if" in notes and "(None)" not in notes
 
 
 def binary_pairs(xs, pairs, i):

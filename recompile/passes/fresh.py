@@ -133,14 +133,20 @@ def _new(v, s):
 def _constructs(op):
     """Whether ``op`` calls one of torch's constructors (``torch.zeros(3, dtype=...)``) for a tensor that needs
     no gradient."""
+    return constructor(op) is not None
+
+
+def constructor(op):
+    """The torch constructor ``op`` calls (``torch.zeros(3, dtype=...)``) for a tensor that needs no gradient, or
+    None."""
     if not isinstance(op, ir.Call) or op.star or any(name in ("requires_grad", "out") for name, _ in op.kwargs):
-        return False
+        return None
     fn = op.fn
     if isinstance(fn, ir.Value) and _calls(fn.op, {getattr}) and isinstance(fn.op.args[0], ir.Value) \
             and isinstance(fn.op.args[0].op, ir.Capture) and isinstance(fn.op.args[1], ir.Const):
         module = effects.build_time_value(fn.op.args[0].op)
         fn = ir.Const(ir.safe_getattr(module, fn.op.args[1].value))
-    return isinstance(fn, ir.Const) and facts.among(fn.value, _CONSTRUCTORS)
+    return fn.value if isinstance(fn, ir.Const) and facts.among(fn.value, _CONSTRUCTORS) else None
 
 
 def _made_in(w, branch):

@@ -25,11 +25,16 @@ then one ``index_add`` by each call's root, not one pass per depth.
 
 from __future__ import annotations
 
+import functools
 import operator
+
+import torch
 
 from .. import ir
 from .. import intrinsics
 from ..ops import facts
+from . import effects
+from .fresh import constructor
 from .pipeline import FINAL
 
 
@@ -254,6 +259,48 @@ def _is_zero(x):
     return isinstance(x, ir.Const) and type(x.value) in (int, float) and x.value == 0
 
 
+_NOT_CONSTANT = object()
+
+
+def _constant(x):
+    """The value of operand ``x`` where it is a constant or a tuple built of constants (``torch.zeros(())``'s
+    ``()``), else _NOT_CONSTANT."""
+    if isinstance(x, ir.Const):
+        return x.value
+    if isinstance(x, ir.Value) and _calls(x.op, intrinsics.build_tuple):
+        items = [_constant(a) for a in x.op.args]
+        return _NOT_CONSTANT if any(a is _NOT_CONSTANT for a in items) else tuple(items)
+    if isinstance(x, ir.Value) and _calls(x.op, getattr) and isinstance(x.op.args[0], ir.Value) \
+            and isinstance(x.op.args[0].op, ir.Capture) and isinstance(x.op.args[1], ir.Const):
+        # (``torch.float64``: read at build time, as ``constructor`` reads ``torch.zeros``)
+        value = ir.safe_getattr(effects.build_time_value(x.op.args[0].op), x.op.args[1].value)
+        return value if isinstance(value, (torch.dtype, torch.device)) else _NOT_CONSTANT
+    return _NOT_CONSTANT
+
+
+def _zero_of(x, branch):
+    """A leaf branch's output ``x`` as the zero its tree sums start from: ``0``, ``0.0``, or the call that makes
+    a 0-d zero tensor of torch constants (``torch.zeros(())``, ``torch.tensor(0.0)``: a ``partial`` a run calls,
+    as the branch would, its dtype the default one of then; not -0.0: ``-0.0 + t`` keeps t's sign, where the sums
+    start from 0.0), or None."""
+    if _is_zero(x):
+        return x.value
+    op = x.op if isinstance(x, ir.Value) and x.op in branch.ops else None
+    fn = None if op is None else constructor(op)
+    args = [_constant(a) for a in op.args] if fn is not None else None
+    kwargs = {k: _constant(v) for k, v in op.kwargs} if fn is not None else None
+    if fn is None or any(a is _NOT_CONSTANT for a in (*args, *kwargs.values())):
+        return None
+    zero = functools.partial(fn, *args, **kwargs)
+    try:
+        made = zero()
+    except Exception:  # (the program's error: raised when the branch runs, as it was)
+        return None
+    ok = isinstance(made, torch.Tensor) and made.dim() == 0 and not made.requires_grad and made == 0 \
+        and not torch.signbit(made)
+    return zero if ok else None
+
+
 def tree_sums(shape, split):
     """The TreeSums of a late split, or None: where every late element ``p`` is, in ``post``, the cond's
     output ``q`` plus deferred results, an invoking branch's output ``q`` the sum of its calls' element
@@ -275,8 +322,9 @@ def tree_sums(shape, split):
         zeros.append([])
         for br, sg, unpacks in zip(shape.branches, shape.cond.subgraphs(), split.unpacks):
             out = sg.outputs[q]
-            zeros[-1].append(out.value if br is None and _is_zero(out) else None)
-            if br is None:
+            leaf = br is None or not br.invokes  # (one whose calls are all a helper's: a leaf, ``_as_call``)
+            zeros[-1].append(_zero_of(out, sg) if leaf else None)
+            if leaf:
                 if zeros[-1][-1] is None:
                     return None
                 continue
@@ -333,8 +381,8 @@ class LateSplit:
 class TreeSums:
     """Late elements that are sums over the call tree: for each of ``positions``, the indexes (among the
     split's deferred calls, one per time it is added) of the deferred results it adds up, and per branch the
-    zero a leaf branch starts from (``0`` or ``0.0``: what it adds to the result's dtype, as ``0.0 + t``;
-    None for an invoking branch); per position, per term the callable that brings it in (``operator.add``,
+    zero a leaf branch starts from (``0``, ``0.0`` or the call making a 0-d zero tensor: what it adds to the result's dtype, as
+    ``0.0 + t``; None for an invoking branch); per position, per term the callable that brings it in (``operator.add``,
     ``operator.sub``, or ``intrinsics.iadd_fresh`` and ``isub_fresh`` for ``loss += t``, ``loss -= t``) and its
     sign (``signs``: -1 where it is subtracted)."""
 

@@ -151,7 +151,8 @@ def attr(n, x, name):
 def item(n, x, index):
     """``x[index]``."""
     if type(x) is not Batch and type(index) is not Batch:
-        return x[index] if n == 1 or not _copies_rows((x, index)) else _unbatched(n, operator.getitem, (x, index), None)
+        out = x[index]
+        return out if n == 1 or not _copied(x, out) else _made_once(n, out)
     # (call's path for getitem, without its dispatch: the gather rule, else vmap or one by one)
     out = gather(n, operator.getitem, (x, index), None)
     if out is NotImplemented:
@@ -215,10 +216,7 @@ def _unbatched(n, fn, args, kwargs):
         return cells.new_cells(n)
     try:
         reads = fn in _SHAREABLE
-        copies = reads and fn is operator.getitem and _copies_rows(args)
-        if copies:
-            reads = False  # (``C[idx]`` with a tensor index: a new tensor, made as a constructor makes one)
-        known = reads or copies or fn in _PURE or (fn in _AUGMENTED and facts.immutable(args[0])) or \
+        known = reads or fn in _PURE or (fn in _AUGMENTED and facts.immutable(args[0])) or \
             (sharing.state.fresh and computes_alike(fn, kwargs))
     except TypeError:  # unhashable callable
         reads = known = False
@@ -229,6 +227,8 @@ def _unbatched(n, fn, args, kwargs):
         results = [fn(*[own(a) for a in args], **{k: own(v) for k, v in (kwargs or {}).items()}) for _ in range(n)]
         return results[0] if all(r is results[0] for r in results) else bt.from_items(results)
     first = fn(*args, **kwargs) if kwargs else fn(*args)
+    if fn is operator.getitem and _copied(args[0], first):
+        return _made_once(n, first)
     # (a pure call giving back an argument, ``as_sequence`` of a shared list, makes nothing new: shared as it is)
     shared = known and (facts.immutable(first) or any(first is a for a in args)
                         or (sharing.state.fresh and sharing.shareable_result(first)))
@@ -246,12 +246,19 @@ def _unbatched(n, fn, args, kwargs):
     return bt.from_items(results)
 
 
-def _copies_rows(args):
-    """Whether ``tensor[index]`` makes a new tensor (an index holding a tensor or a list), not a view."""
-    if not isinstance(args[0], torch.Tensor):
-        return False
-    index = args[1] if type(args[1]) is tuple else (args[1],)
-    return any(isinstance(i, (torch.Tensor, list)) for i in index)
+def _copied(x, out):
+    """Whether ``out = x[index]`` of a tensor x is a new tensor (an index of a tensor, a list, an array, a range),
+    not a view of x (ints, slices, ``...``, ``None``, a 0-d integer tensor)."""
+    return isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and not out._is_view()
+
+
+def _made_once(n, t):
+    """A new tensor ``t`` computed once for n instances: shared where the run changes nothing in place (noted,
+    so that Python code run for one instance copies it), else each instance's own rows of one copy, as each
+    instance's own call would make its own tensor."""
+    if sharing.state.fresh:
+        return sharing.mark_fresh(t)
+    return bt.from_tensor(t.unsqueeze(0).expand(n, *t.shape).clone())
 
 
 def per_instance(n, fn, args, kwargs=None, why=None):
@@ -1077,7 +1084,7 @@ def python_numbers(n, fn, args, kwargs):
     """``int(t)``, ``float(t)``, ``bool(t)`` of each instance's one-element tensor: every instance's Python number
     from one ``tolist`` of the rows (what ``t.item()`` gives each, converted as the builtin converts it)."""
     numbers = _numbers_of(n, args[0]) if len(args) == 1 and not kwargs else None
-    if numbers is None or fn not in (int, float, bool):  # (a subclass of int, say: its own constructor)
+    if numbers is None:
         return NotImplemented
     return bt.from_items([fn(v) for v in numbers])
 
@@ -1092,8 +1099,8 @@ def item_numbers(n, x, args, kwargs):
 def _numbers_of(n, x):
     """The Python numbers of Batch ``x``, a tensor of one element per instance (not complex), or None."""
     t = x.tensor if type(x) is Batch and x.owner == "tensor" else None
-    if t is None or t.numel() != n or t.is_complex() or t.layout is not torch.strided:
-        return None
+    if t is None or t.numel() != n or t.is_complex() or t.layout is not torch.strided or t.dtype is torch.uint64:
+        return None  # (a uint64 past int64's range: each instance's call raises)
     return t.reshape(n).tolist()
 
 

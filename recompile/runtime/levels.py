@@ -289,7 +289,7 @@ class LevelRun:
                     self.first_leaf.setdefault(which, len(levels))
                     sides.append((which, c, len(leaves[which]) - 1))
                     continue
-                if first is None:
+                if first is None and d.arities:  # (the next depth's calls come from a branch that calls)
                     first = which
                 self.where = (len(levels), which, None)
                 record(p.units[which], c)
@@ -429,8 +429,8 @@ class LevelRun:
                     if total is None:
                         dtype = t.dtype
                         for z in zeros:  # (every call tree has a leaf: its zero is in every sum, 0.0 + t)
-                            if z is not None:
-                                dtype = torch.result_type(t, z)
+                            if z is not None:  # (promoted with one instance's value, as eager's ``z + t``)
+                                dtype = torch.result_type(t[0], _zero(z))
                         total, shape = t.new_zeros((n, *t.shape[1:]), dtype=dtype), (t.shape[1:], t.dtype)
                         roots = roots or make_roots(t.device)
                     elif (t.shape[1:], t.dtype) != shape:
@@ -623,10 +623,11 @@ class LevelRun:
             parts = []
             for which, index, c, _ in sides:
                 positions = list(range(count)) if index is None else index.tolist()
-                if p.plain.branches[which] is None:
-                    parts.append(([zeros[which] for zeros in sums.zeros], positions))
+                descent = p.plain.branches[which]
+                if descent is None:
+                    parts.append(([_zero(zeros[which]) for zeros in sums.zeros], positions))
                     continue
-                kids = [next(below) for _ in p.plain.branches[which].arities]
+                kids = [next(below) for _ in descent.arities]
                 summed = []
                 for e in range(len(sums.terms)):
                     v = kids[0][e]
@@ -921,6 +922,11 @@ def _batch_sides(levels):
     """``_roots``' sides of a level run on Batch values (``LevelRun.descend``'s levels)."""
     return [[(which, None if c == count else _side_index(branch, k)) for k, (which, c, _) in enumerate(sides)]
             for count, branch, _, sides, _ in levels]
+
+
+def _zero(z):
+    """A leaf branch's zero (``TreeSums.zeros``) as the branch makes it: a number, or a tensor made now."""
+    return z() if callable(z) else z
 
 
 def _plain_sides(levels):
