@@ -9,7 +9,8 @@ the node's loss written inline (``loss + F.cross_entropy(...)``), added with ``l
 ``loss - log_softmax(...)[label]``, their ops deferred as a call is; a leaf's early return, each branch returning
 its own tuple and adding its own node loss; the example's ``node_loss`` left undecorated (compiled as a helper);
 a node's children unpacked from a row of one stacked tensor, with ``cat``/``chunk`` along their default dim and
-``stack(...).sum(0)``; states kept as (1, H) rows with ``F.linear`` and tensor methods; the tree read through
+``stack(...).sum(0)``; states kept as (1, H) rows with ``F.linear`` and tensor methods; a leaf's loss started as
+``torch.zeros(())`` and the forget terms pooled by ``torch.maximum``; the tree read through
 Python numbers (``bool(tree.is_leaf[i])``, ``int(tree.left[i])``, ``.item()``).
 Before it is timed, each is checked against its eager twin (float64: per-tree h, c and loss, and the parameter
 gradients) and its per-instance ops are counted (``stats["per_instance"]``, which should be empty). Each is timed
@@ -268,6 +269,26 @@ class RowStates(TreeLSTM):
         return h, c, loss
 
 
+class ZeroTensorMaximum(TreeLSTM):
+    """A leaf's loss started as ``torch.zeros(())``; the children's forget terms pooled by ``torch.maximum``."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        if tree.is_leaf[i]:
+            ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u)
+            loss = torch.zeros(())
+        else:
+            hl, cl, loss_l = self.encode(tree, tree.left[i])
+            hr, cr, loss_r = self.encode(tree, tree.right[i])
+            ig, og, u, fl, fr = torch.chunk(self.node(torch.cat([hl, hr], dim=-1)), 5, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u) + torch.maximum(torch.sigmoid(fl) * cl, torch.sigmoid(fr) * cr)
+            loss = loss_l + loss_r
+        h = torch.sigmoid(og) * torch.tanh(c)
+        loss = loss + self.node_loss(h, tree.labels[i])
+        return h, c, loss
+
+
 class UndecoratedLoss(TreeLSTM):
     """The example's ``encode`` with its ``node_loss`` an undecorated method (``runtime.helpers`` compiles it)."""
 
@@ -355,7 +376,8 @@ SPELLINGS = {"chunk (the example)": TreeLSTM, "split by sizes": SplitSizes, "sli
              "view, unbind": UnbindView, "x @ W.t() + b": WeightsMatmul, "loss inline": InlineLoss,
              "loss +=": PlusEquals, "loss - log p": MinusLogProbability, "early return": EarlyReturn,
              "node_loss undecorated": UndecoratedLoss, "children unpacked": UnpackedChildren,
-             "(1, H) rows, F.linear": RowStates, "int(), bool(), .item()": PythonNumbers}
+             "(1, H) rows, F.linear": RowStates, "zeros(()) loss, maximum": ZeroTensorMaximum,
+             "int(), bool(), .item()": PythonNumbers}
 # (spellings whose recursion runs as a level program on Batch values, not a plain one: their Python numbers)
 OFF_PLAIN = {"int(), bool(), .item()"}
 RNTN_SPELLINGS = {"RNTN einsum (example)": RNTN, "RNTN linear of V.view": RNTNLinear}
