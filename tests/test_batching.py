@@ -1970,6 +1970,33 @@ def test_changes_in_place_across_splits_and_shared_calls_match_eager(name):
     assert_close(g_b, g_e, GRAD_TOL)
 
 
+COUNTED = torch.tensor([[0.5, -1.0], [2.0, 0.25], [1.0, 1.5], [-0.5, 0.75], [0.25, 2.0]], dtype=F64,
+                       requires_grad=True)
+
+
+def counted_down(xs, n):
+    t = n - 1
+    s = xs[0] * 0.0
+    while t >= 0:
+        s = s + torch.tanh(xs[t]) * COUNTED[t]
+        t -= 1  # (in place on each instance's 0-d index, after xs[t] and COUNTED[t] read it as an int)
+    return s
+
+
+def test_an_index_changed_in_place_after_a_gather_keeps_the_gathers_gradient():
+    """Eager reads a 0-d index as an int, which no gradient keeps; the batch's gather keeps its own copy of the
+    index rows, so ``t -= 1`` after ``xs[t]`` leaves the backward as eager's."""
+    xs_e = torch.randn(3, 5, 2, dtype=F64, requires_grad=True)
+    xs_b = xs_e.detach().clone().requires_grad_()
+    n = torch.tensor([5, 2, 3])
+    want = torch.stack([counted_down(xs_e[k], n[k]) for k in range(3)])
+    want_grads = torch.autograd.grad(want.sum(), (xs_e, COUNTED))
+    got = recompile.vmap(recompile.function(counted_down))(xs_b, n)
+    assert_close(got, want)
+    for g, w in zip(torch.autograd.grad(got.sum(), (xs_b, COUNTED)), want_grads):
+        assert_close(g, w, GRAD_TOL)
+
+
 def joined_then_set_from_a_loop(x, w):
     if x.sum() > 0:
         v = x.sum() * torch.tanh(x)

@@ -840,6 +840,7 @@ def gather(n, fn, args, kwargs):
             i = torch.tensor([k if type(k) is int else int(k) for k in items], device=x.device)
         elif i.dtype not in facts.INTEGER_INDEX or i.dim() < 1:
             return NotImplemented  # a mask per instance
+        i = _held_index(i, x)
         if i.dim() > 1:  # (each instance's tensor of indices: ``x[i]`` of all of them is each instance's rows)
             return bt.from_tensor(x[i])
         return bt.from_tensor(index_rows(x, i))
@@ -880,7 +881,7 @@ def _gather_each(n, x, index):
             and index.tensor.dtype in facts.INTEGER_INDEX and x.tensor.dim() >= 2:
         # (each instance's integer tensor, ``x[k]`` of ``v, k = x.sort()`` too: its instance's row number
         # broadcast against it)
-        i = index.tensor.to(x.tensor.device)
+        i = _held_index(index.tensor.to(x.tensor.device), x.tensor)
         rows = torch.arange(n, device=i.device).view(n, *([1] * (i.dim() - 1)))
         return bt.from_tensor(x.tensor[rows, i])
     if index.owner != "items" or not all(type(i) is int for i in index.items):
@@ -893,6 +894,13 @@ def _gather_each(n, x, index):
     if t is None or t.dim() < 2:
         return NotImplemented
     return bt.from_tensor(t[torch.arange(n, device=t.device), torch.tensor(index.items, device=t.device)])
+
+
+def _held_index(i, x):
+    """Index rows ``i`` as the gather of ``x`` keeps them for its gradient: a copy where autograd records one,
+    since the batch's index may be changed in place later (``t -= 1`` after ``xs[t]``), where each instance's
+    0-d index was read as an int, which nothing keeps."""
+    return i.clone() if x.requires_grad and torch.is_grad_enabled() and i.dim() else i
 
 
 def index_rows(x, i):
