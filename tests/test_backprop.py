@@ -401,15 +401,46 @@ def reads_by_methods_then_changes(x):
     return (s * v).sum() + m.sum()
 
 
+def where_method_then_changed(x):
+    y = x * 2
+    z = y.where(x > 0, x)  # (the method's gradient reads only the condition's value)
+    y += 1
+    return (z * y).sum()
+
+
+def where_by_keyword_then_changed(x):
+    y = x * 2
+    z = torch.where(condition=x > 0, input=y, other=x)
+    y += 1
+    return (z * y).sum()
+
+
 @pytest.mark.filterwarnings("ignore::recompile.GradFallbackWarning")
 @pytest.mark.parametrize("mode", ["sequential", "threaded"])
-@pytest.mark.parametrize("fn", [grows_lists_in_a_helper, reads_by_methods_then_changes], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [grows_lists_in_a_helper, reads_by_methods_then_changes, where_method_then_changed,
+                                where_by_keyword_then_changed], ids=lambda f: f.__name__)
 def test_values_and_gradients_where_eager_computes_them(fn, mode):
     x = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64, requires_grad=True)
     want = fn(x)
     got = recompile.function(fn, mode=mode)(x)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(fn(x), x)[0])
+
+
+def where_condition_changed_by_keyword(x):
+    c = x > 0
+    z = torch.where(condition=c, input=x * 2, other=x)
+    c.logical_not_()  # (the condition the gradient reads, changed: eager refuses the backward)
+    return z.sum()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+def test_a_changed_condition_of_where_by_keyword_is_refused_as_eager_refuses_it(mode):
+    x = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(where_condition_changed_by_keyword(x), x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(recompile.function(where_condition_changed_by_keyword, mode=mode)(x), x)
 
 
 def item_read_then_changed(x):

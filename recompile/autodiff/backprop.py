@@ -544,15 +544,21 @@ def check_version(ctx, out, t, expected, where, how, is_result, *args):
         return  # its gradient needs no value (x + y), or it is autograd's to check (a recorded call)
     if not is_result and how.read_for_others and not _read_for_a_gradient(t, args, kwargs, how.read_for_others):
         return  # (x * 0.5: only the other arguments' gradients would read x)
-    if not is_result and how.reads_only is not None and args and not kwargs and \
-            not any(a is t or type(a) is tuple and any(e is t for e in a) for k, a in enumerate(args)
-                    if k in how.reads_only):
+    if not is_result and how.reads_only is not None and (args or kwargs) and \
+            not any(a is t or type(a) is tuple and any(e is t for e in a) for a in _read_only(how, args, kwargs)):
         return  # (torch.where(c, x, y) with x changed: only c's value is read)
     if not is_result and how.vjp in ITEM_READS and args and not isinstance(args[0], _Tensor):
         return  # (a list's item by a tensor index: the item is the object itself, no index is read)
     raise RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
         f"a tensor of shape {tuple(t.shape)} used at {where} was changed in place afterwards")
+
+
+def _read_only(rule, args, kwargs):
+    """The arguments at ``rule.reads_only`` (the only ones its gradient reads the value of), by position or by
+    keyword."""
+    kwargs = dict(kwargs)
+    return [args[k] if k < len(args) else kwargs.get(name) for k, name in zip(rule.reads_only, rule.reads_only_names)]
 
 
 @facts.pure

@@ -26,9 +26,10 @@ torch.autograd (``_autograd``), so that no rule is ever approximately right.
 
 from __future__ import annotations
 
-import functools
-import math
 import dis
+import functools
+import inspect
+import math
 import operator
 import types
 
@@ -54,7 +55,8 @@ class Rule:
     it reads of the module, taken as the forward saw them (``seen``).
     """
 
-    __slots__ = ("name", "vjp", "method", "reads_out", "reads_inputs", "read_for_others", "reads_only", "attrs")
+    __slots__ = ("name", "vjp", "method", "reads_out", "reads_inputs", "read_for_others", "reads_only",
+                 "reads_only_names", "attrs")
 
     def __init__(self, name, vjp, method=False):
         self.name = name
@@ -64,6 +66,7 @@ class Rule:
         self.reads_inputs = vjp not in SHAPE_ONLY
         self.read_for_others = ()
         self.reads_only = None  # positions of the only arguments whose values the vjp reads (None: any)
+        self.reads_only_names = None  # their names, for arguments given by keyword
         self.attrs = getattr(vjp, "attrs", ())  # a module rule's: the attributes it reads of the module
 
     def __call__(self, fn, g, out, args, kwargs):
@@ -1082,7 +1085,7 @@ SHAPE_ONLY.update({_add, _add_fresh, _sub, _neg, _pos, _sum, _mean, _cat, _stack
 READ_FOR_OTHERS = {_mul: (0, 1), _div: (0,)}  # x / y: x is read for y's gradient only; y for both
 # torch.where(c, x, y) reads c, and only the shapes of x and y; x[i] reads i (where the cotangent goes: an index
 # tensor changed in place afterwards would send it elsewhere), and only x's shape
-READS_ONLY = {_where: (0,), _getitem: (1,)}
+READS_ONLY = {_where: (0,), _where_method: (1,), _getitem: (1,)}
 # vjps that read nothing where their first argument is no tensor (a list's item is the object itself)
 ITEM_READS = frozenset({_getitem})
 for _table in (GRAD.by_callable, GRAD.by_method, GRAD.by_module):
@@ -1090,3 +1093,5 @@ for _table in (GRAD.by_callable, GRAD.by_method, GRAD.by_module):
         _r.reads_inputs = _r.vjp not in SHAPE_ONLY
         _r.read_for_others = READ_FOR_OTHERS.get(_r.vjp, ())
         _r.reads_only = READS_ONLY.get(_r.vjp)
+        _r.reads_only_names = None if _r.reads_only is None else tuple(
+            list(inspect.signature(_r.vjp).parameters)[3 + k] for k in _r.reads_only)
