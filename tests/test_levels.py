@@ -568,6 +568,78 @@ def binary_float64_zero(xs, left, right, i):
     return h, loss + score(h)
 
 
+class ZeroConfig:
+    dtype = torch.float64
+
+
+ZERO_CONFIG = ZeroConfig()
+
+
+def zero_complex(xs, left, right, i):
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = torch.zeros((), dtype=torch.complex64)
+    else:
+        hl, loss_l = zero_complex(xs, left, right, left[i])
+        hr, loss_r = zero_complex(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + score(h)
+
+
+def zero_of_an_objects_dtype(xs, left, right, i):
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = torch.zeros((), dtype=ZERO_CONFIG.dtype)
+    else:
+        hl, loss_l = zero_of_an_objects_dtype(xs, left, right, left[i])
+        hr, loss_r = zero_of_an_objects_dtype(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + score(h)
+
+
+def bool_zero_minus(xs, left, right, i):
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = torch.zeros((), dtype=torch.bool)
+    else:
+        hl, loss_l = bool_zero_minus(xs, left, right, left[i])
+        hr, loss_r = bool_zero_minus(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss - score(h)
+
+
+def test_zeros_that_start_no_tree_sum_give_eagers_values_dtypes_and_errors():
+    """A complex zero, a dtype read from an object (which the program may set again) and a bool zero with a
+    subtracted term are not tree sums: each gives eager's values and dtype, or eager's error."""
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=torch.float32)
+
+    def both(fn):
+        compiled, eager = recursion(fn), recursion(fn, compiled=False)
+        want = [eager(xs, left, right, int(r)) for r in roots]
+        got = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+        assert got[1].dtype == want[0][1].dtype
+        torch.testing.assert_close(got[1], torch.stack([w[1] for w in want]))
+        return compiled
+
+    assert program(both(zero_complex)).late.sums is None
+    compiled = both(zero_of_an_objects_dtype)
+    assert program(compiled).late.sums is None
+    saved = ZERO_CONFIG.dtype
+    try:
+        ZERO_CONFIG.dtype = torch.float16
+        both(zero_of_an_objects_dtype)
+    finally:
+        ZERO_CONFIG.dtype = saved
+    with pytest.raises(RuntimeError, match="Subtraction, the `-` operator, with a bool tensor"):
+        recursion(bool_zero_minus, compiled=False)(xs, left, right, int(roots[1]))
+    with pytest.raises(RuntimeError, match="Subtraction, the `-` operator, with a bool tensor"):
+        recompile.vmap(recursion(bool_zero_minus), in_dims=(None, None, None, 0))(xs, left, right, roots)
+
+
 @recompile.function
 def leaf_cell(x):
     return torch.tanh(x) * 0.5

@@ -915,8 +915,10 @@ class _Tracer:
             for v, name, item in zip(op.outputs, names, slot.value):
                 self.define(v, _Slot("S", name, item))
             return
-        if slot.kind == "B" and isinstance(slot.value, torch.Tensor) and slot.value.dim() >= 2 \
-                and slot.value.shape[1] == k:
+        if slot.kind == "B" and isinstance(slot.value, torch.Tensor):
+            if slot.value.dim() < 2 or slot.value.shape[1] != k:
+                # (this call's error, which the op-by-op code raises as Python's: the trace is not refused)
+                raise ValueError(f"cannot unpack rows of shape {tuple(slot.value.shape)} into {k} names")
             # (``l, r = rows[i]``: each instance's tensor iterated along its first dim, as Python unpacks it)
             self.emit(f"if {slot.name}.dim() != {slot.value.dim()} or {slot.name}.shape[1] != {k}: raise _Deopt")
             names = [self.fresh() for _ in range(k)]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import types
 
 import torch
 
@@ -272,10 +273,19 @@ def _constant(x):
         return _NOT_CONSTANT if any(a is _NOT_CONSTANT for a in items) else tuple(items)
     if isinstance(x, ir.Value) and _calls(x.op, getattr) and isinstance(x.op.args[0], ir.Value) \
             and isinstance(x.op.args[0].op, ir.Capture) and isinstance(x.op.args[1], ir.Const):
-        # (``torch.float64``: read at build time, as ``constructor`` reads ``torch.zeros``)
-        value = ir.safe_getattr(effects.build_time_value(x.op.args[0].op), x.op.args[1].value)
+        # (``torch.float64``: a module's, read at build time as ``constructor`` reads ``torch.zeros``; not an
+        # object's, which the program may set again)
+        module = effects.build_time_value(x.op.args[0].op)
+        value = ir.safe_getattr(module, x.op.args[1].value) if isinstance(module, types.ModuleType) else None
         return value if isinstance(value, (torch.dtype, torch.device)) else _NOT_CONSTANT
     return _NOT_CONSTANT
+
+
+# The constructors whose 0-d zero starts tree sums (not ``torch.empty``: memory that happened to hold 0), and
+# the dtypes of such a zero that ``index_add`` sums as eager's ``zero + t`` adds
+_ZERO_MAKERS = (torch.zeros, torch.tensor, torch.full)
+_ZERO_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,
+                          torch.int32, torch.int64, torch.uint8, torch.bool})
 
 
 def _zero_of(x, branch):
@@ -287,17 +297,20 @@ def _zero_of(x, branch):
         return x.value
     op = x.op if isinstance(x, ir.Value) and x.op in branch.ops else None
     fn = None if op is None else constructor(op)
-    args = [_constant(a) for a in op.args] if fn is not None else None
-    kwargs = {k: _constant(v) for k, v in op.kwargs} if fn is not None else None
-    if fn is None or any(a is _NOT_CONSTANT for a in (*args, *kwargs.values())):
+    if fn is None or not facts.among(fn, _ZERO_MAKERS):
+        return None
+    args, kwargs = [_constant(a) for a in op.args], {k: _constant(v) for k, v in op.kwargs}
+    if any(a is _NOT_CONSTANT for a in (*args, *kwargs.values())):
         return None
     zero = functools.partial(fn, *args, **kwargs)
     try:
         made = zero()
+        ok = isinstance(made, torch.Tensor) and made.dim() == 0 and made.dtype in _ZERO_DTYPES \
+            and made.device.type == "cpu" and not made.requires_grad and bool(made == 0) \
+            and not bool(torch.signbit(made))
     except Exception:  # (the program's error: raised when the branch runs, as it was)
         return None
-    ok = isinstance(made, torch.Tensor) and made.dim() == 0 and not made.requires_grad and made == 0 \
-        and not torch.signbit(made)
+    # (on the CPU: a 0-d CPU zero goes where the losses are, as the sums' rows do)
     return zero if ok else None
 
 
@@ -331,6 +344,9 @@ def tree_sums(shape, split):
             wanted = sorted(id(u.outputs[p]) for u in unpacks)
             if sorted(id(x) for x, _ in _addends(out, [op for op in br.up if split.is_late(op)])) != wanted:
                 return None
+        if any(_NODE_TERMS.get(how) == -1 for _, how in found) and \
+                any(callable(z) and z().dtype is torch.bool for z in zeros[-1]):
+            return None  # (``flag - t`` of a bool zero: eager refuses it, one by one)
         terms.append([deferred[x] for x, _ in found if x in deferred])
         adding = operator.add if operator.add in family else intrinsics.iadd_fresh
         ops.append([how or adding for x, how in found if x in deferred])
