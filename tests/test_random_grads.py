@@ -591,7 +591,7 @@ class ProgramGenerator:
         operand_type = {"V": self.pick(("V", "S")), "S": "S", "M": self.pick(("M", "V", "S"))}[v.type]
         if kind in ("iadd", "isub", "imul"):
             e = self.expr(scope, operand_type, 1)
-            if kind == "imul" and e.text == n:  # (v *= v: KNOWN_REFUSALS["square_in_place"])
+            if kind == "imul" and e.text == n:  # (v *= v: refused as eager refuses it, test_square_in_place_...)
                 e = Expr(f"({n} * 1.0)", e.type, e.exact)
             elif e.text.startswith(f"{n}["):
                 # (v *= v[i]: eager refuses to write a tensor from a view of itself; a batched run computes it,
@@ -1505,11 +1505,10 @@ def kb_square_in_place(x):
     return v
 
 
-@pytest.mark.parametrize("mode", ["sequential", "threaded"])
-@pytest.mark.xfail(strict=True, reason=(
-    "known: sequential mode differentiates v *= v (2 v, kept from the old v) where eager and batched mode refuse "
-    "the backward (mul_ saved v as its other operand); the generator writes v *= v * 1.0 instead"))
-def test_known_square_in_place_is_refused_like_eager(mode):
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
+def test_square_in_place_is_refused_like_eager(mode):
+    """v *= v: eager's mul_ saves v as its other operand, then changes it; every mode refuses the backward too
+    (the generator still writes v *= v * 1.0, whose backward eager computes)."""
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _grads(kb_square_in_place, _leaf([1.0, 2.0, -3.0]))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):

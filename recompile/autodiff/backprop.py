@@ -457,12 +457,12 @@ class InPlace:
 
     __slots__ = ("op", "target", "other", "before", "other_version", "refusal")
 
-    def __init__(self, op, target, other, before, refusal=None):
+    def __init__(self, op, target, other, before, other_version, refusal=None):
         self.op = op
         self.target = target
         self.other = other
         self.before = before
-        self.other_version = version(other)  # (b's value is read by a's gradient, as torch reads it)
+        self.other_version = other_version  # (b's value is read by a's gradient, as torch reads it)
         self.refusal = refusal  # (a change to a view: refused once a gradient comes through it)
 
     def backward(self, ctx):
@@ -483,7 +483,7 @@ class InPlace:
         elif op is operator.isub:
             ga, gb = g, -g
         elif op is operator.imul:
-            factor = self.before if b is a else b  # (h *= h: the old h on both sides)
+            factor = b
             ga, gb = g * factor, (g * self.before if isinstance(b, _Tensor) else None)
         elif op is operator.itruediv:
             ga, gb = g / b, (-g * (self.before / b) / b if isinstance(b, _Tensor) else None)
@@ -508,10 +508,11 @@ def in_place(ctx, op, a, b):
         raise NotImplementedError("recompile cannot differentiate x /= x or x **= x in place; write it out of place")
     before = a.clone() if op is operator.ipow or (op in (operator.imul, operator.itruediv)
                                                   and isinstance(b, _Tensor)) else None
+    other_version = version(b)  # (before the op: ``h *= h`` changes what its gradient reads, as eager refuses)
     out = op(a, b)
     if out is not a:  # not done in place after all (an integer tensor divided): like a @ b
         return out, None
-    return out, InPlace(op, a, b, before, refusal)
+    return out, InPlace(op, a, b, before, other_version, refusal)
 
 
 def set_item(obj, index, value):

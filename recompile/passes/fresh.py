@@ -51,6 +51,8 @@ def fresh(sg, parsed=None):
                 if not (_calls(op, intrinsics.AUGMENTED_FRESH) and len(op.args) == 2):
                     continue
                 x = op.args[0]
+                if x is op.args[1] and op.fn.value is not operator.iadd and op.fn.value is not operator.isub:
+                    continue  # (``h *= h``: eager's in-place op saves h for its gradient, then changes it: refused)
                 if _only_here(x, op, s) or s in loops and x in s.inputs and _carried(x, op, s, *loops[s]):
                     op.fn = ir.Const(intrinsics.AUGMENTED_FRESH[op.fn.value])
                     changed = True
