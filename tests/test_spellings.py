@@ -113,6 +113,28 @@ def test_a_helper_changing_a_value_computed_once_changes_its_instances_copy():
     torch.testing.assert_close(got, torch.stack([zeros_bumped(r) for r in x]))
 
 
+def bump_only(z):  # an undecorated helper that changes its argument and hands nothing back
+    z += 1
+
+
+def product_bumped(x, w):
+    v = w[0] * w[1]  # (computed once for every instance: w is shared)
+    bump_only(v)
+    return x * v
+
+
+def test_a_helper_changing_a_value_computed_once_without_handing_it_back_is_refused():
+    """Each instance's call changes its own copy, which the code after the call would not see: refused, where
+    eager code reads the changed value; a decorated helper makes the value each instance's own."""
+    x, w = torch.ones(4, 3, dtype=torch.float64), torch.full((2, 3), 2.0, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="bump_only changed in place a tensor of shape \\(3,\\) computed once"):
+        recompile.vmap(recompile.function(product_bumped), in_dims=(0, None))(x, w)
+    namespace = dict(product_bumped.__globals__, bump_only=recompile.function(bump_only))
+    decorated = type(product_bumped)(product_bumped.__code__, namespace, "product_bumped")
+    got = recompile.vmap(recompile.function(decorated), in_dims=(0, None))(x, w)
+    torch.testing.assert_close(got, torch.stack([product_bumped(r, w) for r in x]))
+
+
 def test_a_method_of_a_module_and_random_draws_run_for_each_instance():
     m = TwoLinears()
     m.count = recompile.function(TwoLinears.count).__get__(m)

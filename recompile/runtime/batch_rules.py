@@ -223,8 +223,7 @@ def _unbatched(n, fn, args, kwargs):
     if not known and sharing.any_fresh((*args, *(kwargs.values() if kwargs else ()))):
         # Python code of a tensor computed once for every instance: each instance its own copy (``own``)
         _count(fn, n, fallbacks.FRESH if sharing.state.fresh else fallbacks.FRESH_CHANGED)
-        own = sharing.own
-        results = [fn(*[own(a) for a in args], **{k: own(v) for k, v in (kwargs or {}).items()}) for _ in range(n)]
+        results = [sharing.call_owning(fn, args, kwargs) for _ in range(n)]
         return results[0] if all(r is results[0] for r in results) else bt.from_items(results)
     first = fn(*args, **kwargs) if kwargs else fn(*args)
     if fn is operator.getitem and _copied(args[0], first):
@@ -267,10 +266,8 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     kwargs = kwargs or {}
     results = []
     for k in range(n):
-        f = bt.instance(fn, k)
-        a = [sharing.own(bt.instance(x, k)) for x in args]
-        kw = {key: sharing.own(bt.instance(v, k)) for key, v in kwargs.items()}
-        results.append(f(*a, **kw))
+        results.append(sharing.call_owning(bt.instance(fn, k), [bt.instance(x, k) for x in args],
+                                           {key: bt.instance(v, k) for key, v in kwargs.items()}))
     for x in (*args, *kwargs.values(), fn.method[0] if type(fn) is Batch and fn.method else None):
         if type(x) is Batch and x.owner == "items":
             x.tensor = None  # the op may have changed the items: a tensor made from them is stale
@@ -282,7 +279,7 @@ def per_instance_or_once(n, thunk, values):
     if n == 1:
         return thunk(*values)
     _count(thunk, n, fallbacks.UNPACKED)
-    return bt.from_items([thunk(*[sharing.own(bt.instance(v, k)) for v in values]) for k in range(n)])
+    return bt.from_items([sharing.call_owning(thunk, [bt.instance(v, k) for v in values]) for k in range(n)])
 
 
 def add_counts(into, counts):

@@ -70,3 +70,31 @@ def own(value):
     if _fresh and isinstance(value, torch.Tensor) and _is_fresh(value):
         return value.clone()
     return value
+
+
+def call_owning(fn, args, kwargs=None):
+    """``fn(*args, **kwargs)`` for one instance, each tensor computed once for every instance given as a copy of
+    its own (``own``). A copy the call changes in place and does not hand back is refused: the code after the
+    call reads the value every instance shares, which eager code would see changed."""
+    copies = []
+
+    def owned(value):
+        mine = own(value)
+        if mine is not value:
+            copies.append((mine, mine._version))
+        return mine
+
+    out = fn(*[owned(a) for a in args], **{k: owned(v) for k, v in (kwargs or {}).items()})
+    for mine, at in copies:
+        if mine._version != at and not _hands_back(out, mine):
+            raise RuntimeError(
+                f"recompile: {getattr(fn, '__qualname__', fn)!s} changed in place a tensor of shape "
+                f"{tuple(mine.shape)} computed once for every instance of the batch; each instance's call changed "
+                "its own copy, which the code after the call does not see. Decorate the function with "
+                "@recompile.function, return the tensor it changes, or change a copy of it")
+    return out
+
+
+def _hands_back(out, t):
+    """Whether result ``out`` is ``t`` or a tuple or list holding it."""
+    return out is t or (type(out) in (tuple, list) and any(o is t for o in out))
