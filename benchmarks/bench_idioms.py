@@ -378,8 +378,6 @@ SPELLINGS = {"chunk (the example)": TreeLSTM, "split by sizes": SplitSizes, "sli
              "node_loss undecorated": UndecoratedLoss, "children unpacked": UnpackedChildren,
              "(1, H) rows, F.linear": RowStates, "zeros(()) loss, maximum": ZeroTensorMaximum,
              "int(), bool(), .item()": PythonNumbers}
-# (spellings whose recursion runs as a level program on Batch values, not a plain one: their Python numbers)
-OFF_PLAIN = {"int(), bool(), .item()"}
 RNTN_SPELLINGS = {"RNTN einsum (example)": RNTN, "RNTN linear of V.view": RNTNLinear}
 CELL_SPELLINGS = {"nn.LSTMCell": CellTreeLSTM}
 

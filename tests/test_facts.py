@@ -299,7 +299,9 @@ GROWN = {
                                   (operator.matmul, segments._matmul_form), (torch.matmul, segments._matmul_form),
                                   (torch.einsum, segments._einsum_form), (F.linear, segments._linear_form),
                                   *((f, segments._elementwise_form) for f in _MORE_ELEMENTWISE),
-                                  *((f, segments._augmented_fresh_form) for f in _FRESH)]),
+                                  *((f, segments._augmented_fresh_form) for f in _FRESH),
+                                  # int(t), bool(t) of each instance's one element: rows standing for the numbers
+                                  (int, segments._python_number_form), (bool, segments._python_number_form)]),
                         set()),
 }
 

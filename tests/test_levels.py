@@ -1634,6 +1634,45 @@ def test_an_error_in_a_leafs_helper_is_raised_with_the_chain_through_the_branche
     assert "checked_cell" in notes and "binary_checked_leaf.if" in notes and "(None)" not in notes
 
 
+def binary_python_numbers(xs, left, right, i):
+    """The tree read through Python numbers: ``bool(...)`` as the predicate, ``int(...)`` and ``.item()`` as
+    the children's indices."""
+    if bool(left[i] < 0):
+        return torch.tanh(xs[i])
+    hl = binary_python_numbers(xs, left, right, int(left[i]))
+    hr = binary_python_numbers(xs, left, right, right[i].item())
+    return torch.tanh(xs[i] + hl * hr)
+
+
+def binary_int_arithmetic(xs, left, right, i):
+    """An int of a tensor used as a Python int beyond an index (``k / 2`` is a Python float, of float64)."""
+    if bool(left[i] < 0):
+        return torch.tanh(xs[i])
+    k = int(left[i])
+    hl = binary_int_arithmetic(xs, left, right, k)
+    hr = binary_int_arithmetic(xs, left, right, int(right[i]))
+    return torch.tanh(xs[i] + hl * hr) * (k / 2)
+
+
+@pytest.mark.parametrize("fn, plain", [(binary_python_numbers, True), (binary_int_arithmetic, False)])
+def test_python_numbers_of_each_instance_as_indices_and_predicates_run_in_the_plain_run(fn, plain):
+    """``int(t)``, ``t.item()`` and ``bool(t)`` are rows standing for the numbers, which an index, the predicate
+    and the calls' arguments take in a plain run; any other use (``k / 2``) runs on Batch values: eager's
+    values and gradients either way."""
+    left, right, roots = forest_of_trees()
+    compiled = recompile.function(fn)
+    xs = torch.randn(len(left), 3, dtype=torch.float64, requires_grad=True)
+    want = torch.stack([fn(xs, left, right, int(r)) for r in roots])
+    want_grad, = torch.autograd.grad(want.sum(), xs)
+    for _ in range(2):
+        got = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], want_grad)
+    prog = program(compiled)
+    assert (prog.plain.runs == 2) is plain and prog.fallbacks == 0
+    assert (compiled.stats.get("per_instance", {}) == {}) is plain  # (``k / 2`` of Python ints: each instance's)
+
+
 def binary_pairs(xs, pairs, i):
     """The children unpacked from a row of one tensor of pairs: ``l, r = pairs[i]``."""
     if pairs[i][0] < 0:

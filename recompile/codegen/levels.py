@@ -173,16 +173,16 @@ def _plain_pieces(em, shape):
             or split is not None and split.sums is None:
         return None
 
-    def piece(name, ops, inputs, outputs):
+    def piece(name, ops, inputs, outputs, hands_numbers=False):
         # (a leaf branch's fused ops were emitted with its SubGraph's function, and those of a Cond's branches
         # with theirs (a trace runs the branch taken inline): their kernels are made here)
         kernels = {op: em.kernels[op] if op in em.kernels else em.fused_kernel(op) for op in _fused_within(ops)}
-        return segments.Plain(name, ops, inputs, outputs, kernels)
+        return segments.Plain(name, ops, inputs, outputs, kernels, hands_numbers)
 
     base = em.emission.fn_name[sg]
     after = _values(list(cond.outputs))
     post_live = _post_live(shape)
-    pre = piece(f"{base}_lv_pre", shape.pre, list(sg.inputs), [cond.pred, *cond.args, *post_live])
+    pre = piece(f"{base}_lv_pre", shape.pre, list(sg.inputs), [cond.pred, *cond.args, *post_live], True)
     early = list(range(len(cond.outputs))) if split is None else \
         [j for j in range(len(cond.outputs)) if j not in split.late_outputs]
     if split is None:
@@ -206,7 +206,7 @@ def _plain_pieces(em, shape):
             ups.append(None)
             continue
         args, up_live = _branch_values(br)
-        downs.append(piece(f"{base}_lv_down{k}", br.down, list(br.sg.inputs), args + up_live))
+        downs.append(piece(f"{base}_lv_down{k}", br.down, list(br.sg.inputs), args + up_live, True))
         if split is None:
             ups.append(piece(f"{base}_lv_up{k}", br.up, up_live + [inv.output for inv in br.invokes],
                              list(br.sg.outputs)))

@@ -172,12 +172,15 @@ class Plain:
     (``NotPlain``), and a guard that fails raises ``Deopt``; either way the caller runs the piece's batched
     code instead."""
 
-    def __init__(self, name, ops, inputs, outputs, kernels):
+    def __init__(self, name, ops, inputs, outputs, kernels, hands_numbers=False):
         self.name = name
         self.ops = ops
         self.inputs = inputs
         self.outputs = outputs  # ir.Values or Consts
         self.kernels = kernels
+        # whether its outputs may be rows standing for Python ints or bools (kind N): a piece whose outputs only
+        # other pieces read (the predicate and the calls' arguments), never the function's results
+        self.hands_numbers = hands_numbers
         # input kinds -> its traces [(prep, body, output kinds, positions of the shared inputs)]: more than one
         # where a Cond of shared predicate took another branch (``_Tracer.cond``)
         self.traces = {}
@@ -479,9 +482,10 @@ class _Tracer:
         batched or shared. A level run calls ``prep`` once for the depths whose shared inputs are the same
         objects (``Plain.__call__``)."""
         slots = [self.load(v) for v in self.segment.outputs]
-        if any(s.kind not in ("B", "S") or s.number for s in slots):
+        if any(s.kind not in ("B", "S") or s.number and not (self.segment.hands_numbers and _whole(s))
+               for s in slots):
             raise _Untraceable  # (a number's rows given on: where the function's values are each instance's)
-        self.out_kinds = tuple(s.kind for s in slots)
+        self.out_kinds = tuple("N" if s.number else s.kind for s in slots)
         self.result = tuple(s.value for s in slots)
         ret = "return (" + "".join(s.name + ", " for s in slots) + ")"
         batched = {p for p, k in zip(params, self.plain) if k != "S"}
@@ -539,16 +543,22 @@ class _Tracer:
         raise _Untraceable
 
     def numbers(self, op):
-        """An op reading rows that stand for Python floats (an input of kind N: a leaf's ``loss = 0.0`` joined
-        with the nodes' losses): only ``+``, ``-``, ``*`` and ``t / v`` with a floating tensor of their dtype,
-        whose result is a tensor as eager's is, of the same value and dtype; anything else (a type test,
-        ``.item()``, ``torch.add(v, t)``, which eager refuses, the number handed on) is untraceable, and the run
-        goes on Batch values."""
+        """An op reading rows that stand for Python numbers (an input of kind N: a leaf's ``loss = 0.0`` joined
+        with the nodes' losses; ``int(t)``, ``bool(t)``): an index of what is no number, ``x[i]`` of an int's rows
+        (the row the int reads), and, of floats', only ``+``, ``-``, ``*`` and ``t / v`` with a floating tensor
+        of their dtype, whose result is a tensor as eager's is, of the same value and dtype; anything else (a
+        type test, ``.item()``, ``torch.add(v, t)``, which eager refuses, ``i + 1`` of an int, which eager keeps
+        an int) is untraceable, and the run goes on Batch values. (An int's or a bool's rows may be handed on as
+        a piece's output where ``Plain.hands_numbers``: the predicate, the calls' arguments.)"""
         if not (isinstance(op, ir.Call) and len(op.args) == 2 and not op.kwargs and not op.star):
             raise _Untraceable
         fn = op.fn.value if isinstance(op.fn, ir.Const) else self.env[op.fn].value  # (a fused member's: an input)
         slots = [self.load(a) for a in op.args]
-        if not facts.among(fn, _NUMBER_ARITHMETIC) or \
+        if fn is operator.getitem and not slots[0].number and slots[1].number and _whole(slots[1]) \
+                and slots[1].value.dtype is not torch.bool:
+            return  # (``tree.left[i]`` of each instance's int: the same row as the int's)
+        if not facts.among(fn, _NUMBER_ARITHMETIC) or not all(s.value.is_floating_point() for s in slots
+                                                               if s.number) or \
                 getattr(fn, "out_of_place", fn) is operator.truediv and slots[0].number:
             raise _Untraceable  # (``v / t`` is ``t.reciprocal() * v`` in eager: not one division)
         numbers = [s for s in slots if s.number]
@@ -674,6 +684,12 @@ class _Tracer:
         base, name = method.value
         args = [self.load(a) for a in op.args]
         kwargs = {k: self.load(v) for k, v in op.kwargs}
+        if name == "item" and not args and not kwargs and self.plain is not None and len(op.outputs) == 1 \
+                and isinstance(base.value, torch.Tensor):
+            # (``t.item()`` of each instance's one integer or bool element: as ``int(t)``, ``bool(t)``)
+            slot = _python_number_form(self, bool if base.value.dtype is torch.bool else int, None, [base], {})
+            if slot is not None:
+                return self.define(op.outputs[0], slot)
         if name not in _METHODS:  # (``_by_method_rule``)
             if len(op.outputs) != 1:
                 raise _Untraceable
@@ -1137,6 +1153,37 @@ def _tensors(tr, args):
             tr.emit(f"{name} = {s.name}[:{', None' * missing}]")
             out[j] = _Slot("B", name, s.value[(slice(None),) + (None,) * missing])
     return out, rank, dtype
+
+
+def _whole(slot):
+    """Whether a number slot's rows stand for Python ints or bools (``int(t)``, ``bool(t)``), not floats."""
+    return not slot.value.is_floating_point()
+
+
+@TRACE.register(int, bool)
+def _python_number_form(tr, fn, fn_slot, args, kwargs):
+    """``int(t)`` of each instance's one integer element, ``bool(t)`` of its one element: in a plain piece, rows
+    standing for the Python numbers (kind N), which only an index, the predicate and the calls' arguments
+    take (``_Tracer.numbers``)."""
+    if tr.plain is None or kwargs or len(args) != 1 or fn_slot is None and fn not in (int, bool):
+        return None
+    x = args[0]
+    t = x.value if x.kind == "B" and not x.number else None
+    if t is None or type(t) not in _PLAIN_TENSORS or t.numel() != t.shape[0] or t.is_complex() or (
+            fn is int and (t.is_floating_point() or t.dtype in (torch.bool, torch.uint64))):
+        return None  # (``int`` of a float truncates, and of NaN raises: each instance's call)
+    tr.guard_callable(fn, fn_slot)
+    tr.emit(f"if {x.name}.numel() != {x.name}.shape[0]: raise _Deopt")
+    name = tr.fresh()
+    rows = t.reshape(t.shape[0])
+    if fn is int:
+        tr.emit(f"{name} = {x.name}.reshape({x.name}.shape[0])")
+    else:
+        tr.emit(f"{name} = {x.name}.reshape({x.name}.shape[0]) != 0")
+        rows = rows != 0
+    slot = _Slot("B", name, rows)
+    slot.number = True
+    return slot
 
 
 @TRACE.register(*facts.ELEMENTWISE)

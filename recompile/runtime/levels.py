@@ -808,15 +808,15 @@ def _plain_take(values, kinds, index):
     device = index.device
     out = []
     for v, k in zip(values, kinds):
-        if k == "B":
+        if k != "S":  # (rows: a tensor's, or numbers', kind N)
             v = v.index_select(0, index if v.device == device else index.to(v.device))
         out.append(v)
     return tuple(out)
 
 
 def _plain_rows(v, kind, count):
-    """``v`` as ``count`` rows: a batched tensor as it is, a shared tensor repeated (a view)."""
-    if kind == "B":
+    """``v`` as ``count`` rows: a batched tensor (or numbers' rows) as it is, a shared tensor repeated (a view)."""
+    if kind != "S":
         return v
     if isinstance(v, torch.Tensor):
         return v.unsqueeze(0).expand(count, *v.shape)
@@ -831,7 +831,9 @@ def _plain_column(column, numbers=False):
     first = column[0][0]
     if all(k == "S" and v is first for v, k, _ in column):
         return first, "S"
-    kind = "B"
+    # (rows standing for numbers beside a tensor's rows: numbers still, which a trace for numbers reads as the
+    # tensor's rows would be read: an index)
+    kind = "N" if any(k == "N" for _, k, _ in column) and all(k != "S" for _, k, _ in column) else "B"
     if numbers and any(k == "S" and type(v) is float for v, k, _ in column):
         like = next((v for v, k, _ in column if k == "B"), None)
         if like is None or not like.is_floating_point() or like.dim() != 1 or any(k == "S" and (
@@ -875,7 +877,7 @@ def _concat_alike(values_a, values_b, kinds):
     shared value kept; None where a position is neither."""
     out = []
     for a, b, k in zip(values_a, values_b, kinds):
-        if k == "B" and a.dtype is b.dtype:
+        if k != "S" and a.dtype is b.dtype:
             out.append(torch.cat((a, b)))
         elif k == "S" and a is b:
             out.append(a)
@@ -914,7 +916,7 @@ def _plain_cut(values, kinds, counts):
     """Per request (its instance count in ``counts``), its rows of ``values``: [(values, kinds)]."""
     if len(counts) == 1:
         return [(values, kinds)]
-    pieces = [v.split_with_sizes(counts) if k == "B" else (v,) * len(counts) for v, k in zip(values, kinds)]
+    pieces = [v.split_with_sizes(counts) if k != "S" else (v,) * len(counts) for v, k in zip(values, kinds)]
     return [(rows, kinds) for rows in zip(*pieces)] if pieces else [((), kinds)] * len(counts)
 
 
