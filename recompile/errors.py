@@ -22,6 +22,11 @@ class GradFallbackWarning(UserWarning):
     """An op without a gradient rule was recorded for torch.autograd in a sequential or threaded call."""
 
 
+class SharedChangeWarning(UserWarning):
+    """A helper run for one instance changed in place its copy of a tensor every instance of the batch shares,
+    without handing it back: code after the call that reads the tensor reads the unchanged one."""
+
+
 class PerInstanceError(RecompileError):
     """An op of a batched run would run once per instance, and ``config.PER_INSTANCE`` is "error"."""
 

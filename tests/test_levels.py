@@ -1654,6 +1654,24 @@ def binary_int_arithmetic(xs, left, right, i):
     return torch.tanh(xs[i] + hl * hr) * (k / 2)
 
 
+def counted_up(xs, i):
+    j = int(i)
+    if bool(i >= 2):
+        return torch.tanh(xs[j])
+    return torch.tanh(xs[j] + counted_up(xs, i + 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64])
+def test_an_int_of_each_instances_small_integer_reads_the_row_it_names(dtype):
+    """``int(i)`` of a uint8 is the row it names, not a mask of its rows (a plain run takes only int32 and int64
+    rows as numbers)."""
+    xs = torch.arange(4.0, dtype=torch.float64).unsqueeze(1)
+    roots = torch.tensor([2, 3, 0], dtype=dtype)
+    want = torch.stack([counted_up(xs, r) for r in roots])
+    got = recompile.vmap(recompile.function(counted_up), in_dims=(None, 0))(xs, roots)
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("fn, plain", [(binary_python_numbers, True), (binary_int_arithmetic, False)])
 def test_python_numbers_of_each_instance_as_indices_and_predicates_run_in_the_plain_run(fn, plain):
     """``int(t)``, ``t.item()`` and ``bool(t)`` are rows standing for the numbers, which an index, the predicate

@@ -13,6 +13,7 @@ with no op once per instance and each instance's values and dtypes.
 import math
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -120,12 +121,28 @@ def product_bumped(x, w):
     return x * v
 
 
-def test_a_helper_changing_a_value_computed_once_without_handing_it_back_is_refused():
-    """Each instance's call changes its own copy, which the code after the call would not see: refused, where
-    eager code reads the changed value; a decorated helper makes the value each instance's own."""
+def bump_returned(z):
+    z += 1
+    return {"z": z.unsqueeze(0)}  # (a view of the changed copy, handed back in a dict)
+
+
+def product_bumped_and_handed_back(x, w):
+    return x * bump_returned(w[0] * w[1])["z"][0]
+
+
+def test_a_helper_changing_a_value_computed_once_without_handing_it_back_warns():
+    """Each instance's call changes its own copy, which the code after the call does not see, where eager code
+    reads the changed value: it warns, naming the helper (a copy handed back, a view of it in a dict too, is
+    what the caller reads); a decorated helper makes the value each instance's own."""
     x, w = torch.ones(4, 3, dtype=torch.float64), torch.full((2, 3), 2.0, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="bump_only changed in place a tensor of shape \\(3,\\) computed once"):
+    with pytest.warns(recompile.SharedChangeWarning, match="bump_only changed in place a tensor of shape \\(3,\\)"):
         recompile.vmap(recompile.function(product_bumped), in_dims=(0, None))(x, w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", recompile.SharedChangeWarning)
+        got = recompile.vmap(recompile.function(product_bumped_and_handed_back), in_dims=(0, None))(x, w)
+        torch.testing.assert_close(got, torch.stack([product_bumped_and_handed_back(r, w) for r in x]))
+        with torch.inference_mode():  # (no version to compare: no warning, no error)
+            recompile.vmap(recompile.function(product_bumped_and_handed_back), in_dims=(0, None))(x, w)
     namespace = dict(product_bumped.__globals__, bump_only=recompile.function(bump_only))
     decorated = type(product_bumped)(product_bumped.__code__, namespace, "product_bumped")
     got = recompile.vmap(recompile.function(decorated), in_dims=(0, None))(x, w)

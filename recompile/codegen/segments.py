@@ -554,8 +554,8 @@ class _Tracer:
             raise _Untraceable
         fn = op.fn.value if isinstance(op.fn, ir.Const) else self.env[op.fn].value  # (a fused member's: an input)
         slots = [self.load(a) for a in op.args]
-        if fn is operator.getitem and not slots[0].number and slots[1].number and _whole(slots[1]) \
-                and slots[1].value.dtype is not torch.bool:
+        if fn is operator.getitem and not slots[0].number and slots[1].number \
+                and slots[1].value.dtype in (torch.long, torch.int):
             return  # (``tree.left[i]`` of each instance's int: the same row as the int's)
         if not facts.among(fn, _NUMBER_ARITHMETIC) or not all(s.value.is_floating_point() for s in slots
                                                                if s.number) or \
@@ -1170,8 +1170,8 @@ def _python_number_form(tr, fn, fn_slot, args, kwargs):
     x = args[0]
     t = x.value if x.kind == "B" and not x.number else None
     if t is None or type(t) not in _PLAIN_TENSORS or t.numel() != t.shape[0] or t.is_complex() or (
-            fn is int and (t.is_floating_point() or t.dtype in (torch.bool, torch.uint64))):
-        return None  # (``int`` of a float truncates, and of NaN raises: each instance's call)
+            fn is int and t.dtype not in (torch.long, torch.int)):
+        return None  # (``int`` of a float truncates, and of NaN raises; of a uint8 the rows would index as a mask)
     tr.guard_callable(fn, fn_slot)
     tr.emit(f"if {x.name}.numel() != {x.name}.shape[0]: raise _Deopt")
     name = tr.fresh()

@@ -10,10 +10,12 @@ what it is given) gets a copy of its own (``own``), so that a change it makes st
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 
 import torch
 
+from ..errors import SharedChangeWarning
 from ..ops import facts
 
 
@@ -74,27 +76,35 @@ def own(value):
 
 def call_owning(fn, args, kwargs=None):
     """``fn(*args, **kwargs)`` for one instance, each tensor computed once for every instance given as a copy of
-    its own (``own``). A copy the call changes in place and does not hand back is refused: the code after the
-    call reads the value every instance shares, which eager code would see changed."""
+    its own (``own``). A copy the call changes in place and does not hand back is warned of (once per helper):
+    the code after the call reads the value every instance shares, which eager code would see changed."""
     copies = []
 
     def owned(value):
         mine = own(value)
-        if mine is not value:
+        if mine is not value and not mine.is_inference():  # (an inference tensor keeps no version to compare)
             copies.append((mine, mine._version))
         return mine
 
     out = fn(*[owned(a) for a in args], **{k: owned(v) for k, v in (kwargs or {}).items()})
     for mine, at in copies:
         if mine._version != at and not _hands_back(out, mine):
-            raise RuntimeError(
+            warnings.warn(
                 f"recompile: {getattr(fn, '__qualname__', fn)!s} changed in place a tensor of shape "
                 f"{tuple(mine.shape)} computed once for every instance of the batch; each instance's call changed "
-                "its own copy, which the code after the call does not see. Decorate the function with "
-                "@recompile.function, return the tensor it changes, or change a copy of it")
+                "its own copy, and code after the call that reads the tensor reads the unchanged one, where eager "
+                "code reads the changed one. Decorate the function with @recompile.function, or change a copy "
+                "of it", SharedChangeWarning, stacklevel=2)
+            break
     return out
 
 
-def _hands_back(out, t):
-    """Whether result ``out`` is ``t`` or a tuple or list holding it."""
-    return out is t or (type(out) in (tuple, list) and any(o is t for o in out))
+def _hands_back(out, t, depth=0):
+    """Whether result ``out`` is ``t``, a view of it, or a tuple, list or dict holding one."""
+    if isinstance(out, torch.Tensor):
+        return out is t or out._base is t or (t._base is not None and out._base is t._base)
+    if depth < 4 and isinstance(out, (tuple, list)):
+        return any(_hands_back(o, t, depth + 1) for o in out)
+    if depth < 4 and isinstance(out, dict):
+        return any(_hands_back(o, t, depth + 1) for o in out.values())
+    return False
