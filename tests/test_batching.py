@@ -1946,7 +1946,8 @@ def wb_picked_rows_then_add_in_a_loop(x):
     return v * 1.0 + y
 
 
-WRITE_BACK_PROGRAMS = ["wb_picked_rows_then_setitem", "wb_picked_rows_then_add_in_a_loop", "wb_loop_then_setitem", "wb_one_instance_side_saves_its_row",
+WRITE_BACK_PROGRAMS = ["wb_picked_rows_then_setitem", "wb_picked_rows_then_add_in_a_loop",
+                       "wb_loop_then_setitem", "wb_one_instance_side_saves_its_row",
                        "wb_call_changes_other_requests_rows", "wb_argument_handed_back", "wb_argument_given_twice",
                        "wb_unchanging_branch_hands_on", "wb_one_side_rebinds", "wb_loop_hands_on",
                        "wb_loop_rebinds", "wb_loop_hands_on_two_names", "wb_loop_other_takes_up"]

@@ -768,8 +768,8 @@ class _Tracer:
             raise _Untraceable  # (it changes its argument: a run cut short could not be run again)
         if all(s.kind == "S" for s in args) and _shareable(fn):
             return self.shared_call(fn, fn_slot, args, kwargs)
-        if all(s.kind == "S" for s in args) and (self.plain is not None or sharing.state.fresh) and \
-                (batch_rules.computes_alike(fn, {k: s.value for k, s in kwargs.items()}) or facts.among(fn, _OPERATORS)):
+        if all(s.kind == "S" for s in args) and (self.plain is not None or sharing.state.fresh) and (
+                facts.among(fn, _OPERATORS) or batch_rules.computes_alike(fn, {k: s.value for k, s in kwargs.items()})):
             # a torch op (or ``a * b``) of shared values, in a run that changes nothing in place: once, shared (a
             # level run changes nothing in place; a segment checks its run's sharing)
             if self.plain is None:

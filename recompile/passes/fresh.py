@@ -143,12 +143,8 @@ def constructor(op):
     None."""
     if not isinstance(op, ir.Call) or op.star or any(name in ("requires_grad", "out") for name, _ in op.kwargs):
         return None
-    fn = op.fn
-    if isinstance(fn, ir.Value) and _calls(fn.op, {getattr}) and isinstance(fn.op.args[0], ir.Value) \
-            and isinstance(fn.op.args[0].op, ir.Capture) and isinstance(fn.op.args[1], ir.Const):
-        module = effects.build_time_value(fn.op.args[0].op)
-        fn = ir.Const(ir.safe_getattr(module, fn.op.args[1].value))
-    return fn.value if isinstance(fn, ir.Const) and facts.among(fn.value, _CONSTRUCTORS) else None
+    fn = effects.resolve(op.fn)  # (``torch.zeros``: the global's attribute, read at build time)
+    return fn if fn is not None and facts.among(fn, _CONSTRUCTORS) else None
 
 
 def _made_in(w, branch):

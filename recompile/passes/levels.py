@@ -271,12 +271,11 @@ def _constant(x):
     if isinstance(x, ir.Value) and _calls(x.op, intrinsics.build_tuple):
         items = [_constant(a) for a in x.op.args]
         return _NOT_CONSTANT if any(a is _NOT_CONSTANT for a in items) else tuple(items)
-    if isinstance(x, ir.Value) and _calls(x.op, getattr) and isinstance(x.op.args[0], ir.Value) \
-            and isinstance(x.op.args[0].op, ir.Capture) and isinstance(x.op.args[1], ir.Const):
+    if isinstance(x, ir.Value) and _calls(x.op, getattr) \
+            and isinstance(effects.resolve(x.op.args[0]), types.ModuleType):
         # (``torch.float64``: a module's, read at build time as ``constructor`` reads ``torch.zeros``; not an
         # object's, which the program may set again)
-        module = effects.build_time_value(x.op.args[0].op)
-        value = ir.safe_getattr(module, x.op.args[1].value) if isinstance(module, types.ModuleType) else None
+        value = effects.resolve(x)
         return value if isinstance(value, (torch.dtype, torch.device)) else _NOT_CONSTANT
     return _NOT_CONSTANT
 
@@ -397,10 +396,10 @@ class LateSplit:
 class TreeSums:
     """Late elements that are sums over the call tree: for each of ``positions``, the indexes (among the
     split's deferred calls, one per time it is added) of the deferred results it adds up, and per branch the
-    zero a leaf branch starts from (``0``, ``0.0`` or the call making a 0-d zero tensor: what it adds to the result's dtype, as
-    ``0.0 + t``; None for an invoking branch); per position, per term the callable that brings it in (``operator.add``,
-    ``operator.sub``, or ``intrinsics.iadd_fresh`` and ``isub_fresh`` for ``loss += t``, ``loss -= t``) and its
-    sign (``signs``: -1 where it is subtracted)."""
+    zero a leaf branch starts from (``0``, ``0.0`` or the call making a 0-d zero tensor: what it adds to the
+    result's dtype, as ``0.0 + t``; None for an invoking branch); per position, per term the callable that brings
+    it in (``operator.add``, ``operator.sub``, or ``intrinsics.iadd_fresh`` and ``isub_fresh`` for ``loss += t``,
+    ``loss -= t``) and its sign (``signs``: -1 where it is subtracted)."""
 
     def __init__(self, positions, terms, zeros, ops):
         self.positions, self.terms, self.zeros, self.ops = positions, terms, zeros, ops
