@@ -18,10 +18,11 @@ from .codegen import generate
 from .codegen.batched import generate_batched
 from .frontend import convert, parse_function, validate
 from .naming import Namer
-from .passes.effects import invoke_may_mutate, program_may_mutate, program_runs_again_unseen
+from .passes.effects import callables_named, invoke_may_mutate, program_may_mutate, program_runs_again_unseen
 from .passes.grad import backward_name, derive, forward_name
 from .passes.holding import caller_visible_change
 from .passes.pipeline import FINAL, run_passes
+from .runtime import helpers
 
 _ir_names = Namer(suffix=lambda k: f"#{k}")
 _ir_names_lock = threading.Lock()
@@ -159,6 +160,7 @@ class Callee:
         self._code = None
         self._unit = None
         self._may_mutate = None
+        self._shares = None
         self._runs_again_unseen = None
         self._makes_functions = None
         self._changes_callers = _UNREAD
@@ -199,6 +201,17 @@ class Callee:
         if self._may_mutate is None:
             self._may_mutate = program_may_mutate(self, FINAL)
         return self._may_mutate
+
+    @property
+    def shares_computed_once(self):
+        """Whether the instances of a batched run of this function may share what is computed once for them all
+        (``runtime.sharing``): neither it nor what it may invoke changes anything in place, nor does a helper of
+        the user's that they call (``passes.effects.callables_named``; ``bump(v)`` changing ``v`` must change
+        each instance's own ``v``)."""
+        if self._shares is None:
+            self._shares = not self.may_mutate and not any(
+                helpers.changes_something(fn, owner) for fn, owner in callables_named(self, FINAL))
+        return self._shares
 
     @property
     def makes_functions(self):

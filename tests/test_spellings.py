@@ -116,7 +116,7 @@ def bump_only(z):  # an undecorated helper that changes its argument and hands n
 
 
 def product_bumped(x, w):
-    v = w[0] * w[1]  # (computed once for every instance: w is shared)
+    v = w[0] * w[1]  # (computed once for every instance where nothing changes it in place)
     bump_only(v)
     return x * v
 
@@ -126,27 +126,71 @@ def bump_returned(z):
     return {"z": z.unsqueeze(0)}  # (a view of the changed copy, handed back in a dict)
 
 
+BY_NAME = {"bump": bump_only, "returned": bump_returned}  # (helpers read at run time: not known when built)
+
+
+def product_bumped_by_name(x, w):
+    v = w[0] * w[1]
+    BY_NAME["bump"](v)
+    return x * v
+
+
 def product_bumped_and_handed_back(x, w):
-    return x * bump_returned(w[0] * w[1])["z"][0]
+    return x * BY_NAME["returned"](w[0] * w[1])["z"][0]
+
+
+class Bumping(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.full((2, 3), 2.0, dtype=torch.float64)
+
+    def bump(self, z):
+        z += 1
+
+    def forward(self, x):
+        v = self.w[0] * self.w[1]
+        self.bump(v)
+        return x * v
+
+
+def bumped_down(d, x, w):
+    v = w[0] * w[1]
+    bump_only(v)
+    if d > 0:
+        return bumped_down(d - 1, x * 0.5, w) + bumped_down(d - 2, x, w) * v
+    return x * v
+
+
+def test_a_helper_changing_a_value_computed_once_changes_the_value_eager_code_changes():
+    """A helper of the user's that changes what it is given (``bump(v)``, ``self.bump(v)``) makes the run
+    compute ``v`` for each instance, so the code after the call reads the changed value, recursion and a
+    single call included."""
+    x, w = torch.ones(4, 3, dtype=torch.float64), torch.full((2, 3), 2.0, dtype=torch.float64)
+    got = recompile.vmap(recompile.function(product_bumped), in_dims=(0, None))(x, w)
+    torch.testing.assert_close(got, torch.stack([product_bumped(r, w) for r in x]))
+    m = Bumping()
+    compiled = recompile.function(Bumping.forward).__get__(m)
+    torch.testing.assert_close(recompile.vmap(compiled)(x), torch.stack([m(r) for r in x]))
+    f, d = recompile.function(bumped_down), torch.tensor([3, 2, 4, 1])
+    torch.testing.assert_close(recompile.vmap(f, in_dims=(0, 0, None))(d, x, w),
+                               torch.stack([bumped_down(int(k), r, w) for k, r in zip(d, x)]))
+    torch.testing.assert_close(f(3, x[0], w), bumped_down(3, x[0], w))
 
 
 def test_a_helper_changing_a_value_computed_once_without_handing_it_back_warns():
-    """Each instance's call changes its own copy, which the code after the call does not see, where eager code
-    reads the changed value: it warns, naming the helper (a copy handed back, a view of it in a dict too, is
-    what the caller reads); a decorated helper makes the value each instance's own."""
+    """A helper the program reads at run time (from a dict) is not known when the run starts: each instance's
+    call changes its own copy, which the code after the call does not see, where eager code reads the changed
+    value. It warns, naming the helper (a copy handed back, a view of it in a dict too, is what the caller
+    reads)."""
     x, w = torch.ones(4, 3, dtype=torch.float64), torch.full((2, 3), 2.0, dtype=torch.float64)
     with pytest.warns(recompile.SharedChangeWarning, match="bump_only changed in place a tensor of shape \\(3,\\)"):
-        recompile.vmap(recompile.function(product_bumped), in_dims=(0, None))(x, w)
+        recompile.vmap(recompile.function(product_bumped_by_name), in_dims=(0, None))(x, w)
     with warnings.catch_warnings():
         warnings.simplefilter("error", recompile.SharedChangeWarning)
         got = recompile.vmap(recompile.function(product_bumped_and_handed_back), in_dims=(0, None))(x, w)
         torch.testing.assert_close(got, torch.stack([product_bumped_and_handed_back(r, w) for r in x]))
         with torch.inference_mode():  # (no version to compare: no warning, no error)
             recompile.vmap(recompile.function(product_bumped_and_handed_back), in_dims=(0, None))(x, w)
-    namespace = dict(product_bumped.__globals__, bump_only=recompile.function(bump_only))
-    decorated = type(product_bumped)(product_bumped.__code__, namespace, "product_bumped")
-    got = recompile.vmap(recompile.function(decorated), in_dims=(0, None))(x, w)
-    torch.testing.assert_close(got, torch.stack([product_bumped(r, w) for r in x]))
 
 
 def test_a_method_of_a_module_and_random_draws_run_for_each_instance():

@@ -11,6 +11,7 @@ Calls of undecorated helpers are taken as not mutating what the caller reads.
 from __future__ import annotations
 
 import builtins
+import inspect
 import operator
 
 from .. import ir
@@ -128,6 +129,38 @@ def program_runs_again_unseen(target, stage):
                     if facts.among(fn, _VISIBLE) or facts.among(fn, facts.DRAWS):
                         return False
     return True
+
+
+def callables_named(target, stage):
+    """(callable, class or None) for each object that a Call of the program of ``target`` (and of all it may
+    invoke) names, where it is known when the program is built: a global, a closure variable or an attribute of
+    one (``resolve``: ``helper(v)``), or in a method, ``self.<name>`` where the owner class defines ``name``
+    (``self.bump(v)``: the plain function and that class)."""
+    for t in ir.reachable(target, stage):
+        owner = getattr(t, "owner", None)
+        for sg in t.subgraph(stage).walk():
+            for op in sg.ops:
+                if isinstance(op, ir.Call):
+                    fn = resolve(op.fn)
+                    if fn is not None:
+                        yield fn, None
+                    elif owner is not None:
+                        fn = _class_attribute(op.fn, owner)
+                        if fn is not None:
+                            yield fn, owner
+
+
+def _class_attribute(operand, owner):
+    """What ``owner`` defines as ``name`` (a method's plain function, unbound) where the operand reads
+    ``self.<name>``; else None."""
+    producer = operand.op if isinstance(operand, ir.Value) else None
+    if not (isinstance(producer, ir.Capture) and producer.source_kind == "attr" and isinstance(producer.source, str)
+            and isinstance(producer.base, ir.Value) and producer.base.is_self):
+        return None
+    try:
+        return inspect.getattr_static(owner, producer.source)
+    except AttributeError:
+        return None
 
 
 def resolve(operand):

@@ -112,15 +112,38 @@ def _kind(fn):
         return None
     bound_self = (fn.__self__,) if type(fn) is types.MethodType else ()
     owner = type(fn.__self__) if bound_self else None
+    kind = _kind_for(func, found, owner)
+    return None if kind is CompileError else (found, bound_self, owner, kind)
+
+
+def _kind_for(func, found, owner):
+    """``func``'s kind for class ``owner`` (what ``found[1]`` gives, kept), or CompileError where converting it
+    refused it."""
     kinds = _kinds.get(func)
     if kinds is None or owner not in kinds:
         try:
             kind = found[1](owner)  # (converted on first use: a construct it does not compile is found here)
         except CompileError as exc:
             _compiled[func] = exc
-            return None
+            return CompileError
         _kinds[func] = kinds = {**(kinds or {}), owner: kind}
-    return found, bound_self, owner, kinds[owner]
+    return kinds[owner]
+
+
+def changes_something(fn, owner=None):
+    """Whether calling ``fn`` may change something in place, as its program shows (``passes.effects``): one of
+    the user's own functions (``user_function``; a method's plain function read from class ``owner``, or a
+    bound method) that this compiles. False where it is none (nothing is known of it then: a call it makes
+    with a value computed once for every instance gets a copy, ``sharing.call_owning``)."""
+    func = user_function(fn)
+    if func is None or compiler is None:
+        return False
+    found = compiled(func)
+    if isinstance(found, CompileError):
+        return False
+    if type(fn) is types.MethodType:
+        owner = type(fn.__self__)
+    return _kind_for(func, found, owner) is None
 
 
 def _compiled_call(target):

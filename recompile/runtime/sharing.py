@@ -93,8 +93,10 @@ def call_owning(fn, args, kwargs=None):
                 f"recompile: {getattr(fn, '__qualname__', fn)!s} changed in place a tensor of shape "
                 f"{tuple(mine.shape)} computed once for every instance of the batch; each instance's call changed "
                 "its own copy, and code after the call that reads the tensor reads the unchanged one, where eager "
-                "code reads the changed one. Decorate the function with @recompile.function, or change a copy "
-                "of it", SharedChangeWarning, stacklevel=2)
+                "code reads the changed one. The run could not tell when it started that the function changes "
+                "what it is given: call it by the name of a global function or of a method of self's class (not "
+                "a value read at run time), one that @recompile.function compiles; or change a copy "
+                "(z = z + 1)", SharedChangeWarning, stacklevel=2)
             break
     return out
 
