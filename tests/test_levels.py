@@ -1764,3 +1764,82 @@ def test_a_compiled_cell_method_runs_with_its_own_program_for_its_class(helpers_
     prog = program(MethodCells.encode, MethodCells)
     assert prog.plain.runs >= 2 and not prog.plain.refused and prog.fallbacks == 0
     assert MethodCells.encode.stats["per_instance"] == {}
+
+
+def walked(xs, w, left, right, i, depth):
+    """A recursion with a depth argument, below a function that is not recursive (``forward`` calling it)."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i] * w)
+    else:
+        h = torch.tanh(walked(xs, w, left, right, left[i], depth + 1) * w
+                       + walked(xs, w, left, right, right[i], depth + 1)) + 0.1 * depth
+    return h
+
+
+def forward(xs, w, left, right, i):
+    h = walked(xs, w, left, right, i, 0)
+    return h.sum() * 2.0, h
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_recursion_called_from_a_function_that_is_not_recursive_runs_as_levels(grad):
+    """The calls of every instance's frame of ``forward`` reach ``walked`` together: its level program runs
+    them depth by depth, as it runs a call of its own (before, the agenda ran them frame by frame)."""
+    compiled_walk = recompile.function(walked)
+    namespace = dict(forward.__globals__, walked=compiled_walk)
+    outer = recompile.function(type(forward)(forward.__code__, namespace, "forward"))
+    left, right, roots = forest_of_trees()
+    torch.manual_seed(0)
+    xs = torch.randn(len(left), 3, dtype=torch.float64, requires_grad=grad)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=grad)
+    want = [torch.stack(v) for v in zip(*[forward(xs, w, left, right, int(r)) for r in roots])]
+    prog = program(compiled_walk)
+    runs = prog.runs
+    got, agenda = both_ways(lambda: recompile.vmap(outer, in_dims=(None, None, None, None, 0))(xs, w, left, right,
+                                                                                             roots))
+    assert prog.runs == runs + 1 and prog.fallbacks == 0 and prog.plain.runs >= 1
+    for g, a, v in zip(got, agenda, want):
+        torch.testing.assert_close(g, v)
+        torch.testing.assert_close(a, v)
+    if grad:
+        want_grads = torch.autograd.grad(want[0].sum(), (xs, w))
+        for g in (got, agenda):
+            torch.testing.assert_close(torch.autograd.grad(g[0].sum(), (xs, w)), want_grads)
+
+
+def broken_walk(xs, left, right, i):
+    if left[i] < 0:
+        return xs[i + 100]  # out of range: at the bottom of every chain
+    return broken_walk(xs, left, right, left[i]) + broken_walk(xs, left, right, right[i])
+
+
+def calls_broken_walk(xs, left, right, i):
+    return broken_walk(xs, left, right, i) * 2.0
+
+
+def test_an_error_below_a_function_that_is_not_recursive_names_the_chain_from_the_outer_call():
+    inner = recompile.function(broken_walk)
+    namespace = dict(calls_broken_walk.__globals__, broken_walk=inner)
+    outer = recompile.function(type(calls_broken_walk)(calls_broken_walk.__code__, namespace, "calls_broken_walk"))
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3)
+    errors = []
+    for on in (True, False):
+        with levels_enabled(on), pytest.raises(IndexError) as info:
+            recompile.vmap(outer, in_dims=(None, None, None, 0))(xs, left, right, roots[1:2])
+        errors.append((str(info.value), info.value.__notes__[-1]))
+    assert errors[0] == errors[1]
+    chain = errors[0][1].splitlines()
+    assert chain[1].startswith("  calls_broken_walk (") and chain[2].startswith("  broken_walk (")
+    assert program(inner).fallbacks == 1
+
+
+def test_the_depth_limit_counts_the_frames_above_a_recursion_run_as_levels(monkeypatch):
+    inner = recompile.function(broken_walk)
+    namespace = dict(calls_broken_walk.__globals__, broken_walk=inner)
+    outer = recompile.function(type(calls_broken_walk)(calls_broken_walk.__code__, namespace, "calls_broken_walk"))
+    left = torch.tensor([1, 0])  # (a cycle: 0 -> 1 -> 0 ...)
+    monkeypatch.setattr(config, "MAX_DEPTH", 40)
+    for on in (True, False):
+        with levels_enabled(on), pytest.raises(RecursionError, match=r"exceeded \(40\)"):
+            recompile.vmap(outer, in_dims=(None, None, None, 0))(torch.zeros(2, 3), left, left, torch.tensor([0, 1]))

@@ -136,7 +136,7 @@ def run(target, args, n=1, pool=None, parent=None, site=None):
         unit = unit_of(target)
         levels = getattr(unit, "levels", None)
         if run.defer and levels is not None and config.LEVELS and levels.applies():
-            return levels.run(run, args, n), stats  # (an error there comes with its chain of calls)
+            return levels.run(run, args, n, parent, site), stats  # (an error there comes with its chain of calls)
         result = run.go(unit, args, n, parent, site)
     finally:
         stats.per_instance, counters.per_instance = counters.per_instance, saved
@@ -363,10 +363,20 @@ class _Run:
             if not self.stepping:
                 self.stats.compute_s += time.perf_counter() - t
             frame0, site = requests[0][0], requests[0][4]
-        self.record(unit, n)
-        self.stats.frames += 1
         frame = BatchFrame(unit, None, n, [(f, slot, count) for f, slot, _, count, _ in requests],
                            frame0.depth + 1, site, frame0)
+        levels = unit.levels if self.defer and unit.is_generator else None
+        if levels is not None and config.LEVELS and levels.applies():
+            # (a recursive callee's calls of every frame at once, run depth by depth as a call of the whole run is)
+            try:
+                result = levels.run(self, args, n, frame0, site, frame.depth)
+            except BaseException as exc:
+                self.fail(exc, frame)
+                raise
+            self.deliver(frame, result)
+            return
+        self.record(unit, n)
+        self.stats.frames += 1
         if self.copy_back and len(requests) > 1:
             frame.given = _gathered(args, requests)
         if frame.depth > self.stats.max_depth:

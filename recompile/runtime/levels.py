@@ -145,9 +145,12 @@ class LevelProgram:
         does not)."""
         return all(unit_of(t) is self.unit for d in self.branches if d is not None for t in d.targets)
 
-    def run(self, agenda_run, args, n):
+    def run(self, agenda_run, args, n, parent=None, site=None, depth=0):
+        """The call's result for ``n`` instances; a call the agenda makes for a frame's requests gives that frame
+        (``parent``), the call's ``site`` and the frame's depth plus one (``depth``: error chains, the depth
+        limit)."""
         saved = getattr(_active, "run", None)
-        level_run = _active.run = LevelRun(self, agenda_run)
+        level_run = _active.run = LevelRun(self, agenda_run, _Link(self.unit, site, parent), depth)
         try:
             result = level_run.go(args, n)
             self.runs += 1
@@ -160,9 +163,11 @@ class LevelProgram:
 
 
 class LevelRun:
-    def __init__(self, program, agenda_run):
+    def __init__(self, program, agenda_run, root, depth=0):
         self.p = program
         self.agenda = agenda_run
+        self.root = root  # the link of the function's call at the top depth
+        self.depth = depth  # that call's frame depth below the run's first frame
         self.pending = {}  # deferred unit -> [(cell, args, count, site, the depth that made it)]
         self.collected = None  # with a late split: the requests of the ``post`` running (``collect``)
         self.prepared = {}  # (a plain run) per trace of a piece, what its ``prep`` gave (``segments.Plain.__call__``)
@@ -207,7 +212,7 @@ class LevelRun:
         """The link of the frame running at ``where``: the function's at that depth, or its branch's, or the
         deferred call's."""
         depth, which, deferred = self.where
-        link = self.links[min(depth, len(self.links) - 1)] if self.links else _Link(self.p.unit, None, None)
+        link = self.links[min(depth, len(self.links) - 1)] if self.links else self.root
         if which is not None:
             link = _Link(self.p.units[which], self.p.site, link)
         if deferred is not None:
@@ -218,7 +223,7 @@ class LevelRun:
         """The link of the next depth's function, made at the start of each depth: its parent is the branch
         of the first invoking side (``first``) at the depth above, whose first call made it."""
         if not self.links:
-            self.links.append(_Link(self.p.unit, None, None))
+            self.links.append(self.root)
             return
         d = self.p.branches[first]
         self.links.append(_Link(self.p.unit, d.sites[0] if d.sites else None,
@@ -303,11 +308,11 @@ class LevelRun:
             levels.append((count, branch, out[ncargs:], sides, [c for _, c in children]))
             if not children:
                 break
-            if 2 * len(levels) > config.MAX_DEPTH:
+            if self.depth + 2 * len(levels) > config.MAX_DEPTH:
                 raise TooDeep()
             count = sum(c for _, c in children)
             args = bt.concat_args(children)
-        stats.max_depth = max(stats.max_depth, 2 * (len(levels) - 1))  # (the deepest call's frame, as the agenda's)
+        stats.max_depth = max(stats.max_depth, self.depth + 2 * (len(levels) - 1))  # (the deepest call's frame)
         leaf_results = [self.run_leaves(which, requests) for which, requests in enumerate(leaves)]
         return levels, leaf_results
 
@@ -516,14 +521,14 @@ class LevelRun:
             levels.append((count, sides, out[ncargs:], ok[ncargs:], [c for _, _, c in children]))
             if not children:
                 break
-            if 2 * len(levels) > config.MAX_DEPTH:
+            if self.depth + 2 * len(levels) > config.MAX_DEPTH:
                 raise TooDeep()
             values, kinds = _plain_concat(children, pre.unread)
             count = sum(c for _, _, c in children)
         stats = self.agenda.stats
         stats.frames += frames
         stats.compute_s += compute
-        stats.max_depth = max(stats.max_depth, 2 * (len(levels) - 1))
+        stats.max_depth = max(stats.max_depth, self.depth + 2 * (len(levels) - 1))
         return levels, leaves
 
     def run_leaves_plain(self, which, requests):
