@@ -54,11 +54,11 @@ def _run(cf, bound_self, in_dims, out_dims, args):
         raise ValueError("recompile.vmap: the batch has no instances (batched arguments of size 0)")
     all_args = (*bound_self, *values)
     owner = type(bound_self[0]) if bound_self else None
-    cf.bind(*all_args)  # Python's own TypeError for a wrong call
+    bound = cf.bind(*all_args)  # every parameter, defaults included (Python's own TypeError for a wrong call)
     if config.DISABLED:  # (recompile.disable(): one plain call per instance)
         return _move(_stacked([cf.python(*bound_self, *[_instance(a, d, k) for a, d in zip(args, dims)])
                                for k in range(n)]), out_dims)
-    out = bt.stack_output(cf.run_batched(all_args, n, owner), n)
+    out = bt.stack_output(cf.run_batched(bound, n, owner), n)
     return _move(out, out_dims)
 
 

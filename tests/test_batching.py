@@ -671,6 +671,24 @@ def test_vmap_over_tuple_argument():
     assert_close(got, want)
 
 
+def walk_with_depth(left, xs, i, depth=0, scale=1.0):
+    if left[i] < 0:
+        return xs[i] * (depth + scale)
+    return walk_with_depth(left, xs, left[i], depth + 1) + walk_with_depth(left, xs, left[i] + 1, depth + 1)
+
+
+def test_vmap_of_a_function_with_defaults_binds_them_as_a_call_does():
+    """Parameters left out take their defaults (a recursion's ``depth=0``): the level program and every piece
+    are given every parameter, as a plain call binds them."""
+    cf = recompile.function(walk_with_depth)
+    left, xs = torch.tensor([1, 3, -1, -1, -1]), torch.arange(5.0, dtype=F64)
+    roots = torch.tensor([0, 1, 2])
+    want = torch.stack([walk_with_depth(left, xs, int(r)) for r in roots])
+    assert_close(recompile.vmap(cf, in_dims=(None, None, 0))(left, xs, roots), want)
+    want = torch.stack([walk_with_depth(left, xs, int(r), 2) for r in roots])
+    assert_close(recompile.vmap(cf, in_dims=(None, None, 0, None))(left, xs, roots, 2), want)
+
+
 def tuple_state_step(state, x):
     h, c = state
     if x.sum() > 0:
