@@ -11,7 +11,9 @@ its own tuple and adding its own node loss; the example's ``node_loss`` left und
 a node's children unpacked from a row of one stacked tensor, with ``cat``/``chunk`` along their default dim and
 ``stack(...).sum(0)``; states kept as (1, H) rows with ``F.linear`` and tensor methods; a leaf's loss started as
 ``torch.zeros(())`` and the forget terms pooled by ``torch.maximum``; the tree read through
-Python numbers (``bool(tree.is_leaf[i])``, ``int(tree.left[i])``, ``.item()``).
+Python numbers (``bool(tree.is_leaf[i])``, ``int(tree.left[i])``, ``.item()``); an ``encode`` that is not
+recursive calling ``self.walk(tree, i, 0)``, the recursion with a depth argument; the recursion returning a dict
+read by key, and its state as a namedtuple read by field.
 Before it is timed, each is checked against its eager twin (float64: per-tree h, c and loss, and the parameter
 gradients) and its per-instance ops are counted (``stats["per_instance"]``, which should be empty). Each is timed
 through
@@ -27,6 +29,7 @@ state), beside the same model batched by hand.
 import copy
 import os
 import sys
+from collections import namedtuple
 
 import torch
 import torch.nn.functional as F
@@ -296,6 +299,80 @@ class UndecoratedLoss(TreeLSTM):
         return F.cross_entropy(self.out(h).unsqueeze(0), label.unsqueeze(0), reduction="sum")
 
 
+class DepthWalk(TreeLSTM):
+    """A ``forward``-style entry that is not recursive, calling the recursion with a depth argument."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        return self.walk(tree, i, 0)
+
+    @recompile.function
+    def walk(self, tree, i, depth):
+        if tree.is_leaf[i]:
+            ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u)
+            loss = 0.0
+        else:
+            hl, cl, loss_l = self.walk(tree, tree.left[i], depth + 1)
+            hr, cr, loss_r = self.walk(tree, tree.right[i], depth + 1)
+            ig, og, u, fl, fr = torch.chunk(self.node(torch.cat([hl, hr], dim=-1)), 5, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cl + torch.sigmoid(fr) * cr
+            loss = loss_l + loss_r
+        h = torch.sigmoid(og) * torch.tanh(c)
+        loss = loss + self.node_loss(h, tree.labels[i])
+        return h, c, loss
+
+
+class DictResults(TreeLSTM):
+    """The recursion returning a dict, read by key."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        out = self.walk(tree, i)
+        return out["h"], out["c"], out["loss"]
+
+    @recompile.function
+    def walk(self, tree, i):
+        if tree.is_leaf[i]:
+            ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u)
+            loss = 0.0
+        else:
+            left, right = self.walk(tree, tree.left[i]), self.walk(tree, tree.right[i])
+            ig, og, u, fl, fr = torch.chunk(self.node(torch.cat([left["h"], right["h"]], dim=-1)), 5, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * left["c"] + torch.sigmoid(fr) * right["c"]
+            loss = left["loss"] + right["loss"]
+        h = torch.sigmoid(og) * torch.tanh(c)
+        return {"h": h, "c": c, "loss": loss + self.node_loss(h, tree.labels[i])}
+
+
+State = namedtuple("State", "h c")
+
+
+class NamedStates(TreeLSTM):
+    """The recursion returning its state as a namedtuple, read by field."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        state, loss = self.walk(tree, i)
+        return state.h, state.c, loss
+
+    @recompile.function
+    def walk(self, tree, i):
+        if tree.is_leaf[i]:
+            ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u)
+            loss = 0.0
+        else:
+            left, loss_l = self.walk(tree, tree.left[i])
+            right, loss_r = self.walk(tree, tree.right[i])
+            ig, og, u, fl, fr = torch.chunk(self.node(torch.cat([left.h, right.h], dim=-1)), 5, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * left.c + torch.sigmoid(fr) * right.c
+            loss = loss_l + loss_r
+        h = torch.sigmoid(og) * torch.tanh(c)
+        return State(h, c), loss + self.node_loss(h, tree.labels[i])
+
+
 class RNTNLinear(RNTN):
     @recompile.function
     def encode(self, tree, i):
@@ -377,7 +454,8 @@ SPELLINGS = {"chunk (the example)": TreeLSTM, "split by sizes": SplitSizes, "sli
              "loss +=": PlusEquals, "loss - log p": MinusLogProbability, "early return": EarlyReturn,
              "node_loss undecorated": UndecoratedLoss, "children unpacked": UnpackedChildren,
              "(1, H) rows, F.linear": RowStates, "zeros(()) loss, maximum": ZeroTensorMaximum,
-             "int(), bool(), .item()": PythonNumbers}
+             "int(), bool(), .item()": PythonNumbers, "forward, depth argument": DepthWalk,
+             "dict results": DictResults, "namedtuple states": NamedStates}
 RNTN_SPELLINGS = {"RNTN einsum (example)": RNTN, "RNTN linear of V.view": RNTNLinear}
 CELL_SPELLINGS = {"nn.LSTMCell": CellTreeLSTM}
 

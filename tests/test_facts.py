@@ -191,6 +191,8 @@ _LAYERS = (nn.RNN, nn.LSTM, nn.GRU)  # every instance's sequences one batch for 
 _CLOSURES = (intrinsics.fixed_cell, intrinsics.set_cell, intrinsics.read_local_cell, intrinsics.delete_cell,
              intrinsics.make_function)
 GROWN = {
+    # a deferred call's result may flow into a dict display the function returns (``{"h": h, "loss": ...}``)
+    "batching.LAZY_FLOW": (_names(intrinsics.build_dict), set()),
     # Python's math functions are pure: ``math.sqrt(H)`` of a constant runs once for every instance
     "semantics.PURE": (_names(*facts.MATH), set()),
     "plan._MOVABLE": (_names(*facts.MATH), set()),
@@ -324,7 +326,7 @@ def test_each_fact_is_as_before_but_for_the_listed_differences():
 
 def test_the_derived_facts_hold_their_relations():
     assert facts.FUSIBLE <= facts.ELEMENTWISE
-    assert facts.LAZY <= facts.PURE and facts.LAZY_FLOW == facts.LAZY | {intrinsics.build_tuple}
+    assert facts.LAZY <= facts.PURE and facts.LAZY_FLOW == facts.LAZY | {intrinsics.build_tuple, intrinsics.build_dict}
     assert facts.MOVES <= facts.NO_GRADIENT and facts.READS <= facts.NO_GRADIENT | {operator.getitem,
                                                                                      intrinsics.unpack}
     assert set(syntax.AUGMENTED) <= facts.MUTATING and set(facts.IN_PLACE) <= set(syntax.AUGMENTED)

@@ -197,7 +197,7 @@ DIM_METHODS = {"sum": (0, True), "mean": (0, True), "softmax": (0, False), "log_
 # (``runtime.batch_rules.LazyOp``); with tuple building, what ``passes.batching`` lets a deferred result flow
 # through.
 LAZY = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.neg})
-LAZY_FLOW = LAZY | {intrinsics.build_tuple}
+LAZY_FLOW = LAZY | {intrinsics.build_tuple, intrinsics.build_dict}
 
 # -- values
 

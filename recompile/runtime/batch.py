@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.facts import NUMBERS
+from . import sharing
 
 
 class Batch:
@@ -421,13 +422,14 @@ def cut(value, counts, split=True):
     if type(value) is not Batch:
         return [value] * len(counts)
     if split and not is_lazy(value):
-        settle(value)
+        # (where the run changes nothing in place, a list or dict built in the program stays a struct too: no
+        # instance's object is made until one is needed, and each is then made once, by the part that holds it)
         t = value.tensor if value.owner == "tensor" else None
         if t is None and value.items is None and value.struct is None:
             t = tensor_of(value)
         if t is not None:
             return [p[0] if c == 1 else Batch(c, tensor=p) for p, c in zip(t.split_with_sizes(counts), counts)]
-        if value.struct is not None and value.items is None:  # (a tuple: settle made a list's items)
+        if value.struct is not None and value.items is None:
             kind, parts = value.struct
             rows = zip(*[cut(p, counts, split) for p in parts])
             return [build(kind, row) if c == 1 else from_struct(kind, list(row), c) for row, c in zip(rows, counts)]
@@ -543,7 +545,30 @@ def join(n, sides, order=None):
         return first
     if order is None:
         order = Order(n, [p for _, p in sides])
+    kinds = {_joined_kind(v) for v, _ in sides}
+    if len(kinds) == 1 and None not in kinds:  # (tuples; dicts and lists where nothing changes them)
+        kind, size = kinds.pop()
+        return from_struct(kind, [join(n, [(_joined_element(v, j), p) for v, p in sides], order)
+                                  for j in range(size)], n)
     return Batch(n, pieces=([(v, len(p)) for v, p in sides], order))
+
+
+def _joined_kind(value):
+    """``_struct_kind`` for ``join``: in a run that changes nothing in place (``sharing.state.fresh``) a dict or
+    list the program built too (one instance's plain dict by its keys), whose objects no change can tell
+    apart; elsewhere each instance's object must stay the one its side made."""
+    kind = _struct_kind(value)
+    if kind is not None and issubclass(kind[0], tuple):
+        return kind
+    if not sharing.state.fresh:
+        return None
+    if type(value) is dict and all(type(k) is str for k in value):
+        return dict_kind(tuple(value)), len(value)
+    return kind
+
+
+def _joined_element(value, j):
+    return list(value.values())[j] if type(value) is dict else _element(value, j)
 
 
 def _gather_pieces(b, lists, flatten):

@@ -153,6 +153,8 @@ def item(n, x, index):
     if type(x) is not Batch and type(index) is not Batch:
         out = x[index]
         return out if n == 1 or not _copied(x, out) else _made_once(n, out)
+    if type(x) is Batch and x.struct is not None:
+        return call(n, operator.getitem, (x, index))  # (a tuple's or dict's item: its rule picks the part)
     # (call's path for getitem, without its dispatch: the gather rule, else vmap or one by one)
     out = gather(n, operator.getitem, (x, index), None)
     if out is NotImplemented:
