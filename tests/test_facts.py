@@ -303,7 +303,9 @@ GROWN = {
                                   *((f, segments._elementwise_form) for f in _MORE_ELEMENTWISE),
                                   *((f, segments._augmented_fresh_form) for f in _FRESH),
                                   # int(t), bool(t) of each instance's one element: rows standing for the numbers
-                                  (int, segments._python_number_form), (bool, segments._python_number_form)]),
+                                  (int, segments._python_number_form), (bool, segments._python_number_form),
+                                  # a dict display with string keys: a struct of its values, a piece may hand on
+                                  (intrinsics.build_dict, segments._dict_form)]),
                         set()),
 }
 

@@ -9,6 +9,7 @@ agenda (a failed level run is run again by the agenda, which would hide it).
 
 from __future__ import annotations
 
+import collections
 import re
 import traceback
 
@@ -1843,3 +1844,77 @@ def test_the_depth_limit_counts_the_frames_above_a_recursion_run_as_levels(monke
     for on in (True, False):
         with levels_enabled(on), pytest.raises(RecursionError, match=r"exceeded \(40\)"):
             recompile.vmap(outer, in_dims=(None, None, None, 0))(torch.zeros(2, 3), left, left, torch.tensor([0, 1]))
+
+
+Pair = collections.namedtuple("Pair", "h c")
+
+
+def pair_in_post(xs, w, left, right, i):
+    """A namedtuple built after the cond, read by field by the calls' caller (``post`` hands it on)."""
+    if left[i] < 0:
+        h, c = torch.tanh(xs[i]), xs[i] * 0.5
+    else:
+        a, b = pair_in_post(xs, w, left, right, left[i]), pair_in_post(xs, w, left, right, right[i])
+        h, c = torch.tanh(a.h * w + b.h), a.c + b[1]
+    return Pair(h, c)
+
+
+def pair_in_branches(xs, w, left, right, i):
+    """Each branch returns its own namedtuple, a shared element at the leaves (``w``), rows at the nodes: the
+    cond joins them element by element."""
+    if left[i] < 0:
+        return Pair(torch.tanh(xs[i]), w)
+    a, b = pair_in_branches(xs, w, left, right, left[i]), pair_in_branches(xs, w, left, right, right[i])
+    return Pair(torch.tanh(a.h * a.c + b.h), a.c + b.c * 0.5)
+
+
+def nested_tuples(xs, w, left, right, i):
+    """``return (h, c), n``: a tuple in the result, unpacked by the caller."""
+    if left[i] < 0:
+        return (xs[i] * 2.0, torch.tanh(xs[i])), xs[i].sum()
+    (hl, cl), nl = nested_tuples(xs, w, left, right, left[i])
+    (hr, cr), nr = nested_tuples(xs, w, left, right, right[i])
+    return (torch.tanh(hl * w + hr), cl * cr), nl + nr
+
+
+def state_down(xs, w, left, right, i, state):
+    """A namedtuple handed down to the calls as an argument (the descent gathers and joins it)."""
+    h = torch.tanh(state.h * w + xs[i])
+    if left[i] < 0:
+        return h * state.c
+    return state_down(xs, w, left, right, left[i], Pair(h, state.c * 0.5)) + \
+        state_down(xs, w, left, right, right[i], Pair(h * 2.0, state.c))
+
+
+@pytest.mark.parametrize("fn", [pair_in_post, pair_in_branches, nested_tuples, state_down])
+def test_tuples_and_namedtuples_between_the_pieces_run_in_the_plain_run(fn):
+    """A namedtuple or tuple of rows the pieces hand one another (the function's result, a branch's, a call's
+    argument) is held as the tuple of its elements' rows: the plain run takes, joins and cuts it element by
+    element, and hands it out as a Batch of the struct. Values and gradients are eager's."""
+    compiled = recompile.function(fn)
+    left, right, roots = forest_of_trees()
+    torch.manual_seed(1)
+    xs = torch.randn(len(left), 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    extra = (Pair(torch.ones(3, dtype=torch.float64), torch.full((3,), 2.0, dtype=torch.float64)),) \
+        if fn is state_down else ()
+    dims = (None, None, None, None, 0) + (None,) * len(extra)
+    with switched(config, "error", "PER_INSTANCE"):
+        got = recompile.vmap(compiled, in_dims=dims)(xs, w, left, right, roots, *extra)
+    want = [fn(xs, w, left, right, int(r), *extra) for r in roots]
+    flat_got, flat_want = _leaves(got), [_leaves(v) for v in want]
+    assert len(flat_got) == len(flat_want[0])
+    for g, per in zip(flat_got, zip(*flat_want)):
+        torch.testing.assert_close(g, torch.stack([torch.as_tensor(p, dtype=g.dtype) for p in per]))
+    total = sum(g.sum() for g in flat_got)
+    want_total = sum(torch.as_tensor(p).sum() for v in flat_want for p in v)
+    torch.testing.assert_close(torch.autograd.grad(total, (xs, w)), torch.autograd.grad(want_total, (xs, w)))
+    prog = program(compiled)
+    assert prog.plain.runs >= 1 and not prog.plain.refused and prog.fallbacks == 0, prog.plain.refused
+
+
+def _leaves(value):
+    """The tensors and numbers of a nested tuple, in order."""
+    if isinstance(value, tuple):
+        return [x for v in value for x in _leaves(v)]
+    return [value]

@@ -422,7 +422,7 @@ class _Tracer:
             return f"_wrap({slot.name})"
         if slot.kind == "T":
             items = ", ".join(self.as_batch(s) for s in slot.items)
-            return f"_struct({self.const(type(slot.value))}, [{items}], _n)"
+            return f"_struct({self.const(_struct_class(slot.value))}, [{items}], _n)"
         return slot.name
 
     def wrapped_value(self, slot):
@@ -432,7 +432,7 @@ class _Tracer:
         if slot.kind == "B":
             return bt.from_tensor(slot.value)
         if slot.kind == "T":
-            return _struct(type(slot.value), [self.wrapped_value(s) for s in slot.items], self.n)
+            return _struct(_struct_class(slot.value), [self.wrapped_value(s) for s in slot.items], self.n)
         return slot.value
 
     def guard_shared(self, slot):
@@ -449,7 +449,9 @@ class _Tracer:
             name = f"a{k}"
             params.append(name)
             if self.plain is not None:
-                if self.plain[k] in ("B", "N"):
+                if type(self.plain[k]) is tuple:  # (a struct: the tuple of its elements)
+                    self.env[v] = self.struct_input(name, a, self.plain[k])
+                elif self.plain[k] in ("B", "N"):
                     self.env[v] = _Slot("B", name, a)
                     self.env[v].number = self.plain[k] == "N"
                     self.emit(f"if {name}.dim() != {a.dim()} or {name}.dtype is not {self.const(a.dtype)}: "
@@ -475,6 +477,22 @@ class _Tracer:
         source = f"def raw(_n{''.join(', ' + p for p in params)}):\n{body}\n"
         return source, self.namespace
 
+    def struct_input(self, name, value, kind):
+        """The T slot of a plain piece's struct input ``name`` (the tuple of its elements, of ``kind``: ("T", its
+        class, its elements' kinds)), its elements guarded as a B input is; its value the struct as the program
+        sees it (``obj.h`` of a namedtuple, ``d["h"]`` of a dict)."""
+        _, struct, kinds = kind
+        self.emit(f"if type({name}) is not tuple or len({name}) != {len(kinds)}: raise _Deopt")
+        items = []
+        for j, (k, v) in enumerate(zip(kinds, value)):
+            item = _Slot("B" if k in ("B", "N") else "S", f"{name}[{j}]", v)
+            if k in ("B", "N"):
+                item.number = k == "N"
+                self.emit(f"if {name}[{j}].dim() != {v.dim()} or {name}[{j}].dtype is not {self.const(v.dtype)}: "
+                          "raise _Deopt")
+            items.append(item)
+        return _Slot("T", name, bt.build(struct, list(value)), items)
+
     def plain_return(self, params):
         """A Plain piece's code, in two functions: ``prep(*shared inputs)`` runs the lines that read nothing
         batched (globals, attributes of shared values, the guards on them) and returns what the rest reads of
@@ -482,12 +500,12 @@ class _Tracer:
         batched or shared. A level run calls ``prep`` once for the depths whose shared inputs are the same
         objects (``Plain.__call__``)."""
         slots = [self.load(v) for v in self.segment.outputs]
-        if any(s.kind not in ("B", "S") or s.number and not (self.segment.hands_numbers and _whole(s))
-               for s in slots):
+        if any(s.kind not in ("B", "S") and _handed_struct(s) is None
+               or s.number and not (self.segment.hands_numbers and _whole(s)) for s in slots):
             raise _Untraceable  # (a number's rows given on: where the function's values are each instance's)
-        self.out_kinds = tuple("N" if s.number else s.kind for s in slots)
-        self.result = tuple(s.value for s in slots)
-        ret = "return (" + "".join(s.name + ", " for s in slots) + ")"
+        self.out_kinds = tuple(_handed_struct(s) if s.kind == "T" else "N" if s.number else s.kind for s in slots)
+        self.result = tuple(tuple(i.value for i in s.items) if s.kind == "T" else s.value for s in slots)
+        ret = "return (" + "".join(_handed_text(s) + ", " for s in slots) + ")"
         batched = {p for p, k in zip(params, self.plain) if k != "S"}
         shared, rest, made = [], [], []
         for line in self.unread_dropped(ret):
@@ -780,7 +798,7 @@ class _Tracer:
             if self.plain is None and not facts.immutable(slot.value):
                 self.emit(f"_mark_fresh({slot.name})")  # (so that Python code run per instance copies it)
             return slot
-        form = _form_of(fn)
+        form = _namedtuple_form if _is_namedtuple_class(fn) else _form_of(fn)
         if form is not None and all(s.kind == "S" for s in args):
             form = None  # (nothing batched: the batch rule decides whether every instance may share it)
         if form is not None:
@@ -1050,6 +1068,11 @@ def _getitem_form(tr, fn, fn_slot, args, kwargs):
     if len(args) != 2 or kwargs:
         return None
     x, i = args
+    if x.kind == "T" and i.kind == "S" and i.fixed:  # (a struct's item by a constant: that element's slot)
+        item = _struct_item(x, i.value)
+        if item is not None:
+            tr.guard_callable(fn, fn_slot)
+        return item
     if x.kind in ("B", "O") and i.kind == "S" and batch_rules.plain_index(i.value):
         b = tr.as_b(x)
         if b is None:
@@ -1081,6 +1104,10 @@ def _attr_form(tr, fn, fn_slot, args, kwargs):
     if len(args) != 2 or kwargs or args[1].kind != "S" or not args[1].fixed:
         return None
     name = args[1].value
+    fields = getattr(type(args[0].value), "_fields", None) if args[0].kind == "T" else None
+    if fields is not None and name in fields and isinstance(args[0].value, tuple):  # (a namedtuple's field)
+        tr.guard_callable(fn, fn_slot)
+        return args[0].items[fields.index(name)]
     if name not in _METHODS and name not in batch_rules.SHARED_ATTRS and name not in ("shape", "ndim") and \
             not _by_method_rule(name):
         return None
@@ -1460,6 +1487,39 @@ def _einsum_form(tr, fn, fn_slot, args, kwargs):
     return _Slot("B", name, fn(equation, *[s.value for s in raw]))
 
 
+@TRACE.register(intrinsics.build_dict)
+def _dict_form(tr, fn, fn_slot, args, kwargs):
+    """``{"h": h, "c": c}`` with constant string keys: a T slot of its values (``batch.Keyed``)."""
+    keys = args[::2]
+    if kwargs or len(args) % 2 or not keys or any(k.kind != "S" or not k.fixed or type(k.value) is not str
+                                                  for k in keys) or len({k.value for k in keys}) != len(keys):
+        return None
+    values = args[1::2]
+    if all(v.kind == "S" for v in values):
+        return None
+    name = tr.fresh()
+    tr.emit(f"{name} = ({''.join(v.name + ', ' for v in values)})")
+    tr.builds.add(name)
+    return _Slot("T", name, {k.value: v.value for k, v in zip(keys, values)}, list(values))
+
+
+def _namedtuple_form(tr, fn, fn_slot, args, kwargs):
+    """``State(h, c)`` of a namedtuple class with its fields in order: a T slot of them."""
+    fields = fn._fields
+    if kwargs or len(args) != len(fields) or all(a.kind == "S" for a in args):
+        return None
+    tr.guard_callable(fn, fn_slot)
+    name = tr.fresh()
+    tr.emit(f"{name} = ({''.join(a.name + ', ' for a in args)})")
+    tr.builds.add(name)
+    return _Slot("T", name, fn(*[a.value for a in args]), list(args))
+
+
+def _is_namedtuple_class(fn):
+    return isinstance(fn, type) and issubclass(fn, tuple) and isinstance(getattr(fn, "_fields", None), tuple) \
+        and hasattr(fn, "_make")
+
+
 @TRACE.register(intrinsics.build_tuple, intrinsics.build_list)
 def _build_form(tr, fn, fn_slot, args, kwargs):
     if kwargs or all(s.kind == "S" for s in args):
@@ -1594,6 +1654,44 @@ def _same(a, b):
     if kind is slice:
         return _same(a.start, b.start) and _same(a.stop, b.stop) and _same(a.step, b.step)
     return a == b
+
+
+def _struct_item(slot, key):
+    """The slot of item ``key`` of T slot ``slot`` (a tuple's by an int, a dict's by a key it has), or None."""
+    value = slot.value
+    if type(value) is dict:
+        keys = list(value)
+        return slot.items[keys.index(key)] if len(keys) == len(slot.items) and key in value else None
+    if isinstance(value, tuple) and type(key) is int and -len(slot.items) <= key < len(slot.items):
+        return slot.items[key]
+    return None
+
+
+def _handed_struct(slot):
+    """A plain piece's kind for a T slot it hands on (``_plain_kind``'s struct): a tuple, a namedtuple or a dict
+    with string keys, of batched and shared values, one at least batched; else None."""
+    if slot.kind != "T" or not slot.items or any(i.kind not in ("B", "S") or i.number for i in slot.items) or \
+            all(i.kind == "S" for i in slot.items):
+        return None
+    value = slot.value
+    if type(value) is dict:
+        if not all(type(k) is str for k in value) or len(value) != len(slot.items):
+            return None
+    elif not (isinstance(value, tuple) and (type(value) is tuple or hasattr(type(value), "_fields"))):
+        return None  # (a list: each instance's own object)
+    return ("T", _struct_class(value), tuple(i.kind for i in slot.items))
+
+
+def _struct_class(value):
+    """What ``batch.build`` makes a T slot's value of its items with: its type, a dict's Keyed kind."""
+    return bt.dict_kind(tuple(value)) if type(value) is dict else type(value)
+
+
+def _handed_text(slot):
+    """The expression a plain piece returns for ``slot``: a struct as the tuple of its elements."""
+    if slot.kind != "T":
+        return slot.name
+    return "(" + "".join(i.name + ", " for i in slot.items) + ")"
 
 
 def _struct(kind, parts, n):

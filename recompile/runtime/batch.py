@@ -362,7 +362,7 @@ def take(value, index, positions):
     settle(value)
     if len(positions) == 1:
         return instance(value, positions[0])
-    if value.struct is not None and value.items is None:
+    if _held_as_parts(value):
         kind, parts = value.struct
         return from_struct(kind, [take(p, index, positions) for p in parts], len(positions))
     t = rows_tensor(value)
@@ -370,6 +370,12 @@ def take(value, index, positions):
         return Batch(len(positions), tensor=t.index_select(0, index_on(index, t)))
     items = items_of(value)
     return from_items([items[k] for k in positions])
+
+
+def _held_as_parts(value):
+    """Whether a struct's parts are its truth: always for a tuple's (its items, once made, a cache of them);
+    a list's or dict's until each instance's object was made."""
+    return value.struct is not None and (value.items is None or issubclass(value.struct[0], tuple))
 
 
 def rows_tensor(value):
@@ -429,7 +435,7 @@ def cut(value, counts, split=True):
             t = tensor_of(value)
         if t is not None:
             return [p[0] if c == 1 else Batch(c, tensor=p) for p, c in zip(t.split_with_sizes(counts), counts)]
-        if value.struct is not None and value.items is None:
+        if _held_as_parts(value):
             kind, parts = value.struct
             rows = zip(*[cut(p, counts, split) for p in parts])
             return [build(kind, row) if c == 1 else from_struct(kind, list(row), c) for row, c in zip(rows, counts)]
@@ -492,8 +498,8 @@ def concat(parts):
 def _struct_kind(value):
     if type(value) is Batch:
         return (value.struct[0], len(value.struct[1])) if value.struct is not None else None
-    if type(value) is tuple:  # (not a list: each instance's list must stay that very list)
-        return (tuple, len(value))
+    if type(value) is tuple or isinstance(value, tuple) and hasattr(type(value), "_make"):
+        return (type(value), len(value))  # (a tuple or a namedtuple; not a list: each instance's must stay its own)
     return None
 
 

@@ -465,7 +465,7 @@ class LevelRun:
             for which, requests in enumerate(leaves):
                 leaf_results.append(self.run_leaves_plain(which, requests) if requests else None)
             top, deferred = self.ascend_plain(levels, leaf_results)
-        elements = [bt.from_tensor(_ordinary(v)) if k == "B" else _ordinary(v) for v, k in zip(*top)]
+        elements = [_handed_out(v, k, n) for v, k in zip(*top)]
         late = p.plain.late
         if late is None:
             return elements[0]
@@ -597,10 +597,10 @@ class LevelRun:
             j = entries[0][1]
             values, kinds = _plain_concat([(v, k, c) for _, _, v, k, c in entries],
                                           target.unread if j in plain.slices else frozenset())
+            total = sum(c for *_, c in entries)
             if j not in plain.slices:
-                values = tuple(bt.from_tensor(_ordinary(v)) if k == "B" else _ordinary(v)
-                               for v, k in zip(values, kinds))
-            gathered.append((key, target, entries, values, kinds, sum(c for *_, c in entries)))
+                values = tuple(_handed_out(v, k, total) for v, k in zip(values, kinds))
+            gathered.append((key, target, entries, values, kinds, total))
         ran = []
         for key, target, entries, values, kinds, total in gathered:
             d, j = entries[0][:2]
@@ -609,7 +609,7 @@ class LevelRun:
                 self.where = (deferred[d][0], None, None)
                 with mode():
                     (out,), (kind,) = self.timed(target, total, (kinds, values, self.prepared))
-                ran.append((counts, bt.from_tensor(_ordinary(out)) if kind in ("B", "N") else _ordinary(out), False))
+                ran.append((counts, _handed_out(out, "B" if kind == "N" else kind, total), False))
                 continue
             self.where = (deferred[d][0], None, (key, plain.deferred[j][2]))
             ran.append((counts, self.run_group(key, [(values, total)], target, cut=False), key.arity > 1))
@@ -813,7 +813,9 @@ def _plain_take(values, kinds, index):
     device = index.device
     out = []
     for v, k in zip(values, kinds):
-        if k != "S":  # (rows: a tensor's, or numbers', kind N)
+        if type(k) is tuple:  # (a struct: its elements' rows)
+            v = _plain_take(v, k[2], index)
+        elif k != "S":  # (rows: a tensor's, or numbers', kind N)
             v = v.index_select(0, index if v.device == device else index.to(v.device))
         out.append(v)
     return tuple(out)
@@ -836,6 +838,14 @@ def _plain_column(column, numbers=False):
     first = column[0][0]
     if all(k == "S" and v is first for v, k, _ in column):
         return first, "S"
+    structs = {k for _, k, _ in column if type(k) is tuple}
+    if structs:  # (structs of one kind: element by element; a shared one of that kind, its elements shared)
+        kind = next(iter(structs))
+        column = [_as_struct(v, k, c, kind) for v, k, c in column]
+        if any(type(k) is not tuple or k[1] is not kind[1] or len(k[2]) != len(kind[2]) for _, k, _ in column):
+            raise NotPlain("a struct joined with values of another kind")
+        parts = [_plain_column([(v[j], k[2][j], c) for v, k, c in column], numbers) for j in range(len(kind[2]))]
+        return tuple(v for v, _ in parts), _struct_kind(kind[1], [k for _, k in parts])
     # (rows standing for numbers beside a tensor's rows: numbers still, which a trace for numbers reads as the
     # tensor's rows would be read: an index)
     kind = "N" if any(k == "N" for _, k, _ in column) and all(k != "S" for _, k, _ in column) else "B"
@@ -852,6 +862,19 @@ def _plain_column(column, numbers=False):
     if not _same_rows(rows):
         raise NotPlain("instances of different shapes or dtypes")  # (Batch values keep them apart)
     return torch.cat(rows), kind
+
+
+def _as_struct(v, k, count, like):
+    """(value, kind, count) of a column, a shared tuple or namedtuple of the kind of struct ``like`` (or a dict
+    of its keys) made a struct of shared elements."""
+    if k != "S":
+        return v, k, count
+    kind = like[1]
+    if type(v) is kind and isinstance(v, tuple) or type(v) is dict and issubclass(kind, bt.Keyed) and \
+            tuple(v) == kind.keys_:
+        items = tuple(v.values()) if type(v) is dict else tuple(v)
+        return items, _struct_kind(kind, ["S"] * len(items)), count
+    return v, k, count
 
 
 def _same_rows(rows):
@@ -882,7 +905,12 @@ def _concat_alike(values_a, values_b, kinds):
     shared value kept; None where a position is neither."""
     out = []
     for a, b, k in zip(values_a, values_b, kinds):
-        if k != "S" and a.dtype is b.dtype:
+        if type(k) is tuple:
+            both = _concat_alike(a, b, k[2])
+            if both is None:
+                return None
+            out.append(both)
+        elif k != "S" and a.dtype is b.dtype:
             out.append(torch.cat((a, b)))
         elif k == "S" and a is b:
             out.append(a)
@@ -897,7 +925,7 @@ def _plain_join(parts):
         return parts[0][2], parts[0][3]
     (index_a, count_a, values_a, kinds_a), (index_b, count_b, values_b, kinds_b) = parts  # (a cond's two sides)
     inverse = torch.argsort(torch.cat([index_a, index_b]))
-    if kinds_a == kinds_b and "S" not in kinds_a:  # (the usual case: batched tensors alike on both sides)
+    if kinds_a == kinds_b and all(k == "B" or k == "N" for k in kinds_a):  # (the usual case: rows alike)
         device, values = inverse.device, []
         for a, b in zip(values_a, values_b):
             if a.dtype is not b.dtype:
@@ -908,6 +936,17 @@ def _plain_join(parts):
             return tuple(values), kinds_a
     values, kinds = [], []
     for a, b, kind_a, kind_b in zip(values_a, values_b, kinds_a, kinds_b):
+        if type(kind_a) is tuple or type(kind_b) is tuple:  # (structs: element by element)
+            like = kind_a if type(kind_a) is tuple else kind_b
+            a, kind_a, _ = _as_struct(a, kind_a, count_a, like)
+            b, kind_b, _ = _as_struct(b, kind_b, count_b, like)
+            if type(kind_a) is not tuple or type(kind_b) is not tuple or kind_a[1] is not kind_b[1] or \
+                    len(kind_a[2]) != len(kind_b[2]):
+                raise NotPlain("a struct joined with values of another kind")
+            v, k = _plain_join([(index_a, count_a, a, kind_a[2]), (index_b, count_b, b, kind_b[2])])
+            values.append(v)
+            kinds.append(_struct_kind(kind_a[1], k))
+            continue
         if kind_a == "B" and kind_b == "B" and _same_rows((a, b)):
             v, k = torch.cat((a, b)), "B"
         else:
@@ -921,8 +960,31 @@ def _plain_cut(values, kinds, counts):
     """Per request (its instance count in ``counts``), its rows of ``values``: [(values, kinds)]."""
     if len(counts) == 1:
         return [(values, kinds)]
-    pieces = [v.split_with_sizes(counts) if k != "S" else (v,) * len(counts) for v, k in zip(values, kinds)]
+    pieces = [_cut_value(v, k, counts) for v, k in zip(values, kinds)]
     return [(rows, kinds) for rows in zip(*pieces)] if pieces else [((), kinds)] * len(counts)
+
+
+def _cut_value(v, k, counts):
+    """One value's rows per request: a tensor's by one split, a struct's element by element, a shared value
+    as it is."""
+    if type(k) is tuple:
+        return list(zip(*[_cut_value(e, ek, counts) for e, ek in zip(v, k[2])]))
+    return v.split_with_sizes(counts) if k != "S" else (v,) * len(counts)
+
+
+def _struct_kind(kind, kinds):
+    """The kind of a plain run's struct value (a tuple, a namedtuple, a dict the program built: ``kind``, as
+    ``batch.build`` makes it) of elements of ``kinds``: ("T", kind, kinds). Its value is the tuple of its
+    elements."""
+    return ("T", kind, tuple(kinds))
+
+
+def _handed_out(v, k, n):
+    """A plain run's value of kind ``k`` as the rest of the run holds it: rows as a Batch, a struct as a Batch
+    of its elements, a shared value as it is (each made an ordinary tensor)."""
+    if type(k) is tuple:
+        return bt.from_struct(k[1], [_handed_out(e, ek, n) for e, ek in zip(v, k[2])], n)
+    return bt.from_tensor(_ordinary(v)) if k == "B" else _ordinary(v)
 
 
 def _batch_sides(levels):
