@@ -372,7 +372,9 @@ def _helper_forms(cf):
 
     def kind(owner):
         callee = cf._ready_callee(owner)
-        return "pure" if callee.runs_again_unseen else None if callee.may_mutate else "unchanging"
+        if not callee.shares_computed_once:  # (it changes something in place, or a helper it calls by name does)
+            return None
+        return "pure" if callee.runs_again_unseen else "unchanging"
 
     return cf.signature, kind, cf._run_batched, lambda owner: cf._ready_callee(owner).subgraph(UNFUSED)
 

@@ -1913,6 +1913,56 @@ def test_tuples_and_namedtuples_between_the_pieces_run_in_the_plain_run(fn):
     assert prog.plain.runs >= 1 and not prog.plain.refused and prog.fallbacks == 0, prog.plain.refused
 
 
+@pytest.mark.parametrize("fn", [pair_in_post, nested_tuples])
+def test_one_instances_struct_from_a_plain_run_is_its_own(fn):
+    """A single call (or a vmap of one instance) gets its own namedtuple or tuple of tensors back, as eager
+    code does, not a batch of one."""
+    compiled = recompile.function(fn)
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=torch.float64)
+    w = torch.randn(3, dtype=torch.float64)
+    for r in roots[1:3]:
+        got, want = compiled(xs, w, left, right, int(r)), fn(xs, w, left, right, int(r))
+        assert type(got) is type(want) and type(got[0]) is type(want[0])
+        for g, v in zip(_leaves(got), _leaves(want)):
+            torch.testing.assert_close(g, v)
+    assert program(compiled).plain.runs >= 1
+
+
+class Normalized(collections.namedtuple("NormalizedBase", "h c")):
+    """A namedtuple subclass whose ``__new__`` changes what it is given, and whose ``c`` is a property."""
+
+    __slots__ = ()
+
+    def __new__(cls, h, c):
+        return super().__new__(cls, torch.tanh(h), c * 2.0)
+
+    @property
+    def c(self):
+        return self[1] * 10.0
+
+
+def normalized(xs, w, left, right, i):
+    if left[i] < 0:
+        return Normalized(xs[i], xs[i] * 0.5)
+    a, b = normalized(xs, w, left, right, left[i]), normalized(xs, w, left, right, right[i])
+    return Normalized(a.h * w + b.c, a.c + b.h)
+
+
+def test_a_namedtuple_subclass_keeps_its_own_construction_and_properties():
+    """Only plain namedtuple classes are held as their fields: a subclass's ``__new__`` and properties run as
+    in eager code."""
+    compiled = recompile.function(normalized)
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=torch.float64)
+    w = torch.randn(3, dtype=torch.float64)
+    with switched(config, "allow", "PER_INSTANCE"):
+        got = recompile.vmap(compiled, in_dims=(None, None, None, None, 0))(xs, w, left, right, roots)
+    want = [normalized(xs, w, left, right, int(r)) for r in roots]
+    torch.testing.assert_close(got[0], torch.stack([v[0] for v in want]))
+    torch.testing.assert_close(got[1], torch.stack([v[1] for v in want]))
+
+
 def _leaves(value):
     """The tensors and numbers of a nested tuple, in order."""
     if isinstance(value, tuple):

@@ -160,6 +160,22 @@ class Bumping(torch.nn.Module):
         return x * v
 
 
+def bump_through(z):  # (changes its argument through another helper)
+    bump_only(z)
+
+
+def product_bumped_through(x, w):
+    v = w[0] * w[1]
+    bump_through(v)
+    return x * v
+
+
+class StaticBump(Bumping):
+    @staticmethod
+    def bump(z):
+        z += 1
+
+
 def bumped_down(d, x, w):
     v = w[0] * w[1]
     bump_only(v)
@@ -169,14 +185,19 @@ def bumped_down(d, x, w):
 
 
 def test_a_helper_changing_a_value_computed_once_changes_the_value_eager_code_changes():
-    """A helper of the user's that changes what it is given (``bump(v)``, ``self.bump(v)``) makes the run
-    compute ``v`` for each instance, so the code after the call reads the changed value, recursion and a
-    single call included."""
+    """A helper of the user's that changes what it is given (``bump(v)``, ``self.bump(v)``, a static method,
+    a helper that calls one that does) makes the run compute ``v`` for each instance, so the code after the
+    call reads the changed value, recursion and a single call included."""
     x, w = torch.ones(4, 3, dtype=torch.float64), torch.full((2, 3), 2.0, dtype=torch.float64)
     got = recompile.vmap(recompile.function(product_bumped), in_dims=(0, None))(x, w)
     torch.testing.assert_close(got, torch.stack([product_bumped(r, w) for r in x]))
     m = Bumping()
     compiled = recompile.function(Bumping.forward).__get__(m)
+    torch.testing.assert_close(recompile.vmap(compiled)(x), torch.stack([m(r) for r in x]))
+    got = recompile.vmap(recompile.function(product_bumped_through), in_dims=(0, None))(x, w)
+    torch.testing.assert_close(got, torch.stack([product_bumped_through(r, w) for r in x]))
+    m = StaticBump()
+    compiled = recompile.function(StaticBump.forward).__get__(m)
     torch.testing.assert_close(recompile.vmap(compiled)(x), torch.stack([m(r) for r in x]))
     f, d = recompile.function(bumped_down), torch.tensor([3, 2, 4, 1])
     torch.testing.assert_close(recompile.vmap(f, in_dims=(0, 0, None))(d, x, w),

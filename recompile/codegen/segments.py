@@ -798,7 +798,7 @@ class _Tracer:
             if self.plain is None and not facts.immutable(slot.value):
                 self.emit(f"_mark_fresh({slot.name})")  # (so that Python code run per instance copies it)
             return slot
-        form = _namedtuple_form if _is_namedtuple_class(fn) else _form_of(fn)
+        form = _namedtuple_form if bt.plain_namedtuple(fn) else _form_of(fn)
         if form is not None and all(s.kind == "S" for s in args):
             form = None  # (nothing batched: the batch rule decides whether every instance may share it)
         if form is not None:
@@ -1104,10 +1104,9 @@ def _attr_form(tr, fn, fn_slot, args, kwargs):
     if len(args) != 2 or kwargs or args[1].kind != "S" or not args[1].fixed:
         return None
     name = args[1].value
-    fields = getattr(type(args[0].value), "_fields", None) if args[0].kind == "T" else None
-    if fields is not None and name in fields and isinstance(args[0].value, tuple):  # (a namedtuple's field)
-        tr.guard_callable(fn, fn_slot)
-        return args[0].items[fields.index(name)]
+    if args[0].kind == "T" and bt.plain_namedtuple(type(args[0].value)) and name in args[0].value._fields:
+        tr.guard_callable(fn, fn_slot)  # (a namedtuple's field)
+        return args[0].items[args[0].value._fields.index(name)]
     if name not in _METHODS and name not in batch_rules.SHARED_ATTRS and name not in ("shape", "ndim") and \
             not _by_method_rule(name):
         return None
@@ -1515,11 +1514,6 @@ def _namedtuple_form(tr, fn, fn_slot, args, kwargs):
     return _Slot("T", name, fn(*[a.value for a in args]), list(args))
 
 
-def _is_namedtuple_class(fn):
-    return isinstance(fn, type) and issubclass(fn, tuple) and isinstance(getattr(fn, "_fields", None), tuple) \
-        and hasattr(fn, "_make")
-
-
 @TRACE.register(intrinsics.build_tuple, intrinsics.build_list)
 def _build_form(tr, fn, fn_slot, args, kwargs):
     if kwargs or all(s.kind == "S" for s in args):
@@ -1677,7 +1671,7 @@ def _handed_struct(slot):
     if type(value) is dict:
         if not all(type(k) is str for k in value) or len(value) != len(slot.items):
             return None
-    elif not (isinstance(value, tuple) and (type(value) is tuple or hasattr(type(value), "_fields"))):
+    elif not (type(value) is tuple or bt.plain_namedtuple(type(value))):
         return None  # (a list: each instance's own object)
     return ("T", _struct_class(value), tuple(i.kind for i in slot.items))
 

@@ -146,8 +146,16 @@ def callables_named(target, stage):
                         yield fn, None
                     elif owner is not None:
                         fn = _class_attribute(op.fn, owner)
-                        if fn is not None:
-                            yield fn, owner
+                        if fn is not None:  # (a static or class method's function: examined as a plain one)
+                            yield fn, owner if _takes_self(owner, op.fn) else None
+
+
+def _takes_self(owner, operand):
+    """Whether ``self.<name>`` is an ordinary method of ``owner`` (bound to the instance)."""
+    try:
+        return not isinstance(inspect.getattr_static(owner, operand.op.source), (staticmethod, classmethod))
+    except AttributeError:
+        return False
 
 
 def _class_attribute(operand, owner):
@@ -158,9 +166,10 @@ def _class_attribute(operand, owner):
             and isinstance(producer.base, ir.Value) and producer.base.is_self):
         return None
     try:
-        return inspect.getattr_static(owner, producer.source)
+        found = inspect.getattr_static(owner, producer.source)
     except AttributeError:
         return None
+    return found.__func__ if isinstance(found, (staticmethod, classmethod)) else found
 
 
 def resolve(operand):

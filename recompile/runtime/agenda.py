@@ -365,6 +365,12 @@ class _Run:
             frame0, site = requests[0][0], requests[0][4]
         frame = BatchFrame(unit, None, n, [(f, slot, count) for f, slot, _, count, _ in requests],
                            frame0.depth + 1, site, frame0)
+        if frame.depth > self.stats.max_depth:
+            self.stats.max_depth = frame.depth
+            if frame.depth > config.MAX_DEPTH:
+                exc = too_deep()
+                self.fail(exc, frame)
+                raise exc
         levels = unit.levels if self.defer and unit.is_generator else None
         if levels is not None and config.LEVELS and levels.applies():
             # (a recursive callee's calls of every frame at once, run depth by depth as a call of the whole run is)
@@ -379,12 +385,6 @@ class _Run:
         self.stats.frames += 1
         if self.copy_back and len(requests) > 1:
             frame.given = _gathered(args, requests)
-        if frame.depth > self.stats.max_depth:
-            self.stats.max_depth = frame.depth
-            if frame.depth > config.MAX_DEPTH:
-                exc = too_deep()
-                self.fail(exc, frame)
-                raise exc
         if unit.is_generator:
             self.start(frame, args)
             return

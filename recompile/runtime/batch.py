@@ -87,6 +87,14 @@ def dict_kind(keys):
     return kind
 
 
+def plain_namedtuple(cls):
+    """Whether ``cls`` is a namedtuple class as ``collections.namedtuple`` or ``typing.NamedTuple`` makes it (its
+    fields read as its items): not a subclass of one, whose own ``__new__`` or properties a field's read or a
+    rebuilt instance would bypass."""
+    return type(cls) is type and cls.__bases__ == (tuple,) and isinstance(getattr(cls, "_fields", None), tuple) \
+        and hasattr(cls, "_make")
+
+
 def build(kind, items):
     """A struct's value of ``kind`` (tuple, list, a namedtuple, torch's return types) from its ``items``."""
     return kind._make(items) if hasattr(kind, "_make") else kind(items)
@@ -498,7 +506,7 @@ def concat(parts):
 def _struct_kind(value):
     if type(value) is Batch:
         return (value.struct[0], len(value.struct[1])) if value.struct is not None else None
-    if type(value) is tuple or isinstance(value, tuple) and hasattr(type(value), "_make"):
+    if type(value) is tuple or isinstance(value, tuple) and plain_namedtuple(type(value)):
         return (type(value), len(value))  # (a tuple or a namedtuple; not a list: each instance's must stay its own)
     return None
 

@@ -102,28 +102,13 @@ def call(n, fn, args, kwargs=None):
                 bt.ready(a)
     if rule is None and isinstance(fn, nn.Module) and not has_hooks(fn):
         rule = BATCH.by_module.get(type(fn))
-    if rule is None and type(fn) is type and fn.__bases__ == (tuple,) and hasattr(fn, "_make") and not kwargs \
-            and len(args) == len(fn._fields):  # (a namedtuple of batched fields: its instances' are its fields')
-        return bt.from_struct(fn, list(args), n)
-    if fn is getattr and len(args) == 2 and not kwargs:
-        field = _namedtuple_field(args[0], args[1])
-        if field is not None:
-            return field
+    if rule is None and bt.plain_namedtuple(fn) and not kwargs and len(args) == len(fn._fields):
+        return bt.from_struct(fn, list(args), n)  # (a namedtuple of batched fields: its instances' are its fields')
     if rule is not None:
         out = rule(n, fn, args, kwargs or {})
         if out is not NotImplemented:
             return out
     return _vmapped_or_per_instance(n, fn, args, kwargs)
-
-
-def _namedtuple_field(x, name):
-    """``x.name`` of a batch of namedtuples held as their fields (``state.h``): that field's values, else None."""
-    if type(x) is not Batch or x.struct is None or x.owner is not None or type(name) is not str:
-        return None
-    fields = getattr(x.struct[0], "_fields", None)
-    if not isinstance(fields, tuple) or name not in fields or not issubclass(x.struct[0], tuple):
-        return None
-    return x.struct[1][fields.index(name)]
 
 
 class LazyOp:

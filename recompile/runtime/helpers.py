@@ -138,12 +138,22 @@ def changes_something(fn, owner=None):
     func = user_function(fn)
     if func is None or compiler is None:
         return False
+    if type(fn) is types.MethodType:
+        owner = type(fn.__self__)
+    examining = _examining.__dict__.setdefault("functions", set())
+    if (func, owner) in examining:
+        return False  # (a helper its own helpers call back: what it changes is found where it is examined)
     found = compiled(func)
     if isinstance(found, CompileError):
         return False
-    if type(fn) is types.MethodType:
-        owner = type(fn.__self__)
-    return _kind_for(func, found, owner) is None
+    examining.add((func, owner))
+    try:
+        return _kind_for(func, found, owner) is None
+    finally:
+        examining.discard((func, owner))
+
+
+_examining = threading.local()  # the (function, owner) pairs ``changes_something`` is examining on this thread
 
 
 def _compiled_call(target):

@@ -982,8 +982,9 @@ def _struct_kind(kind, kinds):
 def _handed_out(v, k, n):
     """A plain run's value of kind ``k`` as the rest of the run holds it: rows as a Batch, a struct as a Batch
     of its elements, a shared value as it is (each made an ordinary tensor)."""
-    if type(k) is tuple:
-        return bt.from_struct(k[1], [_handed_out(e, ek, n) for e, ek in zip(v, k[2])], n)
+    if type(k) is tuple:  # (one instance's: its own struct, as ``from_tensor`` gives one instance its row)
+        parts = [_handed_out(e, ek, n) for e, ek in zip(v, k[2])]
+        return bt.build(k[1], parts) if n == 1 else bt.from_struct(k[1], parts, n)
     return bt.from_tensor(_ordinary(v)) if k == "B" else _ordinary(v)
 
 
