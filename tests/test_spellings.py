@@ -31,7 +31,7 @@ from bench_batching import eager_twin  # noqa: E402
 SPELLINGS = {**bench_idioms.SPELLINGS, **bench_idioms.RNTN_SPELLINGS, **bench_idioms.CELL_SPELLINGS}
 # a dict the recursion returns with a node's deferred loss in it: no late split (a tuple's elements only), so no
 # plain run; a level program on Batch values
-STRUCT_RESULTS = {"dict results"}
+STRUCT_RESULTS = set()
 
 
 def small(cls):

@@ -140,3 +140,36 @@ def test_early_returns_run_as_a_level_program_with_eagers_values_and_gradients()
         for mode in ("sequential", "batched"):
             got = recompile.function(fn, mode=mode)(xs, 0)
             torch.testing.assert_close(got, fn(xs, 0))
+
+
+def both_at_once(xs, left, right, i):
+    if left[i] < 0:
+        return torch.tanh(xs[i]), xs[i].sum()
+    (hl, nl), (hr, nr) = both_at_once(xs, left, right, left[i]), both_at_once(xs, left, right, right[i])
+    a, b = hl * 0.5, hr  # (a tuple of plain values, unpacked at once)
+    return torch.tanh(a + b + xs[i]), nl + nr
+
+
+def kept(xs, i):
+    pair = xs[i], xs[i] * 2.0
+    a, b = pair
+    return a + b, pair  # (the tuple is read again: left as it is)
+
+
+def test_a_tuple_built_and_unpacked_at_once_is_its_items():
+    text = recompile.function(both_at_once).dump(stage="unpack")
+    assert "build_tuple(%both_at_once" not in text and text.count("call unpack(%both_at_once") == 2
+    assert "build_tuple" in recompile.function(kept).dump(stage="unpack")
+    xs = torch.randn(3, 2, dtype=torch.float64)
+    for got, want in zip(recompile.function(kept)(xs, 1)[1], kept(xs, 1)[1]):
+        torch.testing.assert_close(got, want)
+    compiled = recursion(both_at_once)
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=torch.float64, requires_grad=True)
+    got = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+    want = [both_at_once(xs, left, right, int(r)) for r in roots]
+    for j in range(2):
+        torch.testing.assert_close(got[j], torch.stack([w[j] for w in want]))
+    torch.testing.assert_close(torch.autograd.grad(got[0].sum() + got[1].sum(), xs),
+                               torch.autograd.grad(sum(w[0].sum() + w[1] for w in want), xs))
+    assert program(compiled).plain.runs >= 1

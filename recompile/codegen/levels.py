@@ -104,10 +104,10 @@ def emit_pieces(emitter_class, module, emission, batch_plan, shape):
                           list(br.sg.outputs))
             branch_info.append((down, up, None, [len(inv.args) for inv in br.invokes]))
             continue
-        unpacks = split.unpacks[k]
+        unpacks, readers = split.unpacks[k], split.readers(k)
         early_in = _early_inputs(split, k)
         late_in = [u.outputs[j] for u in unpacks for j in split.positions]
-        up, up_late = _halves(em, f"{base}_lv_up{k}", br.sg, [op for op in br.up if op not in unpacks], split,
+        up, up_late = _halves(em, f"{base}_lv_up{k}", br.sg, [op for op in br.up if op not in readers], split,
                               up_live + early_in, list(br.sg.outputs), late_in, at_late=split.late_outputs)
         branch_info.append((down, up, up_late, [len(inv.args) for inv in br.invokes]))
 
@@ -122,7 +122,7 @@ def emit_pieces(emitter_class, module, emission, batch_plan, shape):
         late = None
         if split is not None:
             late = rt_levels.Late(namespace[names["post_late"]], len(split.elements), split.positions,
-                                  split.late_outputs, len(cond.outputs), len(split.deferred), split.sums)
+                                  split.late_outputs, len(cond.outputs), len(split.deferred), split.sums, split.keys)
         prog = rt_levels.LevelProgram(emission.units[sg], namespace[names["pre"]], namespace[names["post"]],
                                       units, branches, len(cond.args), len(cond.outputs), late)
         prog.segments = list(em.segments.values())  # (the pieces' raw segments: tests, inspection)
@@ -211,12 +211,13 @@ def _plain_pieces(em, shape):
             ups.append(piece(f"{base}_lv_up{k}", br.up, up_live + [inv.output for inv in br.invokes],
                              list(br.sg.outputs)))
             continue
-        ops = [op for op in br.up if op not in split.unpacks[k] and not split.is_late(op)]
+        readers = split.readers(k)
+        ops = [op for op in br.up if op not in readers and not split.is_late(op)]
         ups.append(piece(f"{base}_lv_up{k}", ops, up_live + _early_inputs(split, k), [br.sg.outputs[j] for j in early]))
     calls = [(piece(f"{base}_lv_slice{j}", inv.ops, inv.args, [inv.output]) if isinstance(inv, SliceCall)
               else inv.target, len(inv.args), inv.loc) for j, inv in enumerate(deferred)]
     late = None if split is None else rt_levels.Late(None, len(split.elements), split.positions,
                                                      split.late_outputs, len(cond.outputs), len(deferred),
-                                                     split.sums)
+                                                     split.sums, split.keys)
     return rt_levels.PlainPieces(pre, downs, ups, leaves, post, early, calls, late,
                                  frozenset(j for j, inv in enumerate(deferred) if isinstance(inv, SliceCall)))

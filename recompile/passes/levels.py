@@ -113,17 +113,54 @@ def _spread(ops, late):
 
 
 def _result_build(shape):
-    """The ``build_tuple`` call of ``post`` that makes the function's one result, read by nothing else; or
-    None."""
+    """The ``build_tuple`` call of ``post`` that makes the function's one result, or its dict display with
+    constant string keys (``{"h": h, "loss": loss}``), read by nothing else; or None."""
     sg, post = shape.sg, shape.post
     if len(sg.outputs) != 1 or not isinstance(sg.outputs[0], ir.Value):
         return None
     ret = sg.outputs[0]
     builds = [op for op in post if ret in op.outputs]
-    if len(builds) != 1 or not _calls(builds[0], intrinsics.build_tuple) \
-            or any(ret in op.operands() for op in post):
+    if len(builds) != 1 or any(ret in op.operands() for op in post):
         return None
-    return builds[0]
+    if _calls(builds[0], intrinsics.build_tuple) or _result_keys(builds[0]) is not None:
+        return builds[0]
+    return None
+
+
+def _result_keys(build):
+    """The keys of a dict display ``build`` whose keys are distinct constant strings, in order; else None."""
+    if not _calls(build, intrinsics.build_dict) or len(build.args) % 2:
+        return None
+    keys = build.args[::2]
+    if not all(isinstance(k, ir.Const) and type(k.value) is str for k in keys):
+        return None
+    keys = [k.value for k in keys]
+    return keys if len(set(keys)) == len(keys) else None
+
+
+def _result_elements(build):
+    """The values a result ``build`` holds: a tuple's items, a dict display's values."""
+    return list(build.args) if _result_keys(build) is None else list(build.args[1::2])
+
+
+class KeyReads:
+    """A call's dict result read by key, each key once (``left["h"]``): in the dict's order, the Value read for
+    each key (a Value nothing reads where no op reads that key), and the reading ops, as an ``unpack`` of a
+    tuple result gives its ``outputs``."""
+
+    def __init__(self, outputs, ops):
+        self.outputs, self.ops = outputs, ops
+
+
+def _key_reads(result, users, keys):
+    """The KeyReads of an invoke's ``result`` read only by ``users``, each a ``getitem`` of one key; or None."""
+    found = {}
+    for op in users:
+        if not _calls(op, operator.getitem) or len(op.args) != 2 or op.args[0] is not result \
+                or not isinstance(op.args[1], ir.Const) or op.args[1].value not in keys or op.args[1].value in found:
+            return None
+        found[op.args[1].value] = op
+    return KeyReads([found[k].output if k in found else ir.Value("unread") for k in keys], list(users))
 
 
 def late_split(shape, slices=()):
@@ -134,8 +171,8 @@ def late_split(shape, slices=()):
     build = _result_build(shape)
     if build is None:
         return None
-    elements = list(build.args)
-    unpacks = []  # per branch: per invoke, the unpack of its result (None for a leaf branch)
+    elements, keys = _result_elements(build), _result_keys(build)
+    unpacks = []  # per branch: per invoke, the unpack of its result, or its KeyReads (None for a leaf branch)
     for br in shape.branches:
         if br is None:
             unpacks.append(None)
@@ -143,8 +180,15 @@ def late_split(shape, slices=()):
         found = []
         for inv in br.invokes:
             users = [op for op in br.sg.ops if inv.output in op.operands()]
-            if inv.output in br.sg.outputs or len(users) != 1 or not _calls(users[0], intrinsics.unpack) \
-                    or len(users[0].outputs) != len(elements):
+            if inv.output in br.sg.outputs or not users:
+                return None
+            if keys is not None:
+                reads = _key_reads(inv.output, users, keys)
+                if reads is None:
+                    return None
+                found.append(reads)
+                continue
+            if len(users) != 1 or not _calls(users[0], intrinsics.unpack) or len(users[0].outputs) != len(elements):
                 return None
             found.append(users[0])
         unpacks.append(found)
@@ -167,7 +211,7 @@ def late_split(shape, slices=()):
     if any(x in late for inv in deferred for x in inv.operands()):
         return None  # (a deferred call fed by another's result: the lazy way)
     late_outputs = [j for j, out in enumerate(cond.outputs) if out in late]
-    split = LateSplit(elements, positions, late_outputs, late, build, unpacks, deferred)
+    split = LateSplit(elements, positions, late_outputs, late, build, unpacks, deferred, keys)
     split.sums = tree_sums(shape, split)
     return split
 
@@ -186,7 +230,7 @@ def plain_split(shape):
         for x in op.operands():
             readers.setdefault(x, set()).add(op)
     slices, seen = [], set()
-    for element in build.args:
+    for element in _result_elements(build):
         for addend, _ in _addends(element, post, _NODE_TERMS):
             sl = None if addend in seen else _slice(addend, post, made, readers, set(shape.sg.outputs))
             if sl is not None:
@@ -385,12 +429,17 @@ class LateSplit:
     ``deferred`` calls of ``post``, here and through the self-invokes' results, which ``unpacks`` unpack),
     the ``positions`` of the late elements and the cond's ``late_outputs`` (positions)."""
 
-    def __init__(self, elements, positions, late_outputs, late, build, unpacks, deferred):
+    def __init__(self, elements, positions, late_outputs, late, build, unpacks, deferred, keys=None):
         self.elements, self.positions, self.late_outputs, self.late = elements, positions, late_outputs, late
         self.build, self.unpacks, self.deferred = build, unpacks, deferred
+        self.keys = keys  # (a dict result's keys, in order; None for a tuple)
 
     def is_late(self, op):
         return not isinstance(op, ir.Invoke) and any(x in self.late for x in op.operands())
+
+    def readers(self, k):
+        """The ops of branch ``k`` that take its calls' results apart (unpacks, or reads by key)."""
+        return {op for u in self.unpacks[k] for op in (u.ops if isinstance(u, KeyReads) else (u,))}
 
 
 class TreeSums:

@@ -7,7 +7,8 @@ elements off the unpacking, would not find the tree's recursion; after this pass
 program. Only calls of the function itself are rewritten, and only where nothing but constant indices (of that
 tuple's length) reads the result, in the SubGraph that makes the call.
 
-A tuple each branch of an ``if`` builds and hands out (``return h, c, loss`` in both branches, an early return)
+A tuple built and unpacked at once (``left, right = self.walk(...), self.walk(...)``) is its items, and a
+tuple each branch of an ``if`` builds and hands out (``return h, c, loss`` in both branches, an early return)
 becomes as many outputs of the ``if``, the tuple built once after it: the function then returns the tuple it
 builds itself, as ``return h, c, loss`` after the ``if`` does, and the branches hand out plain values.
 """
@@ -21,6 +22,8 @@ from .. import intrinsics, ir
 
 def unpack(sg, parsed=None):
     """Apply the pass to a function SubGraph (in place) and return it."""
+    for s in sg.walk():
+        _direct_tuples(s)
     for s in reversed(list(sg.walk())):  # (innermost first: a nested if's tuple, built after it, is its branch's)
         _split_branch_tuples(s)
     k = _returned_length(sg)
@@ -32,6 +35,21 @@ def unpack(sg, parsed=None):
             if isinstance(op, ir.Invoke) and op.callee == sg.name:
                 _unpack_at(s, at, op, k)
     return sg
+
+
+def _direct_tuples(s):
+    """``a, b = f(), g()``: a tuple built and at once unpacked, read by nothing else, is its items."""
+    for u in [op for op in s.ops if isinstance(op, ir.Call) and isinstance(op.fn, ir.Const)
+              and op.fn.value is intrinsics.unpack and not op.kwargs and not op.star]:
+        built = u.args[0].op if isinstance(u.args[0], ir.Value) else None
+        if built not in s.ops or _tuple_made(s, u.args[0], reader=u) is None or len(built.args) != len(u.outputs):
+            continue
+        item = dict(zip(u.outputs, built.args))
+        s.ops = [op for op in s.ops if op is not u and op is not built]
+        for inner in s.walk():
+            for op in inner.ops:
+                op.map_operands(lambda v: item.get(v, v) if isinstance(v, ir.Value) else v)
+            inner.outputs = [item.get(v, v) if isinstance(v, ir.Value) else v for v in inner.outputs]
 
 
 def _split_branch_tuples(s):
@@ -57,16 +75,16 @@ def _split_branch_tuples(s):
             s.ops.insert(at + 1, built)
 
 
-def _tuple_made(branch, v):
-    """The ``build_tuple`` of ``branch`` that makes its output ``v``, where nothing else there reads it; or
-    None."""
-    if not isinstance(v, ir.Value) or sum(o is v for o in branch.outputs) != 1:
+def _tuple_made(branch, v, reader=None):
+    """The ``build_tuple`` of ``branch`` that makes its output ``v`` (or, given ``reader``, the value ``reader``
+    alone reads), where nothing else there reads it; or None."""
+    if not isinstance(v, ir.Value) or sum(o is v for o in branch.outputs) != (reader is None):
         return None
     op = v.op
     if not (isinstance(op, ir.Call) and op in branch.ops and isinstance(op.fn, ir.Const)
             and op.fn.value is intrinsics.build_tuple and not op.kwargs and not op.star):
         return None
-    if any(v in other.operands() for other in branch.ops) or any(
+    if any(v in other.operands() for other in branch.ops if other is not reader) or any(
             v in o.operands() or v in inner.outputs for other in branch.ops for inner in other.subgraphs()
             for s in inner.walk() for o in s.ops):
         return None

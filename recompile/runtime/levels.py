@@ -60,12 +60,14 @@ class Descent:
 class Late:
     """A late split (``passes.levels.LateSplit``): ``post_late``, the result's ``size`` (its elements), the
     ``positions`` of its late elements, of the cond's ``k`` outputs the late ones (``outputs``), the count
-    of the calls whose requests ``post`` collects, and ``sums`` (``passes.levels.TreeSums``, or None)."""
+    of the calls whose requests ``post`` collects, ``sums`` (``passes.levels.TreeSums``, or None), and a dict
+    result's ``keys`` (None for a tuple)."""
 
-    __slots__ = ("post_late", "size", "positions", "outputs", "ndeferred", "early", "early_outputs", "sums")
+    __slots__ = ("post_late", "size", "positions", "outputs", "ndeferred", "early", "early_outputs", "sums", "keys")
 
-    def __init__(self, post_late, size, positions, outputs, k, ndeferred, sums=None):
+    def __init__(self, post_late, size, positions, outputs, k, ndeferred, sums=None, keys=None):
         self.post_late, self.size, self.positions, self.outputs = post_late, size, positions, outputs
+        self.keys = keys
         self.ndeferred = ndeferred  # how many deferred calls ``post`` makes
         self.sums = sums if config.TREE_SUMS else None
         self.early = [j for j in range(size) if j not in positions]
@@ -1021,12 +1023,15 @@ def _roots(branches, n, sides, device):
 
 
 def _result(n, late, early, lates):
-    """A late split's result: the tuple of its ``early`` and ``lates`` elements, each at its position."""
+    """A late split's result: the tuple (or the dict, ``late.keys``) of its ``early`` and ``lates`` elements,
+    each at its position."""
     elements = [None] * late.size
     for j, v in zip(late.early, early):
         elements[j] = v
     for j, v in zip(late.positions, lates):
         elements[j] = v
+    if late.keys is not None:
+        return batch_rules.call(n, intrinsics.build_dict, tuple(x for pair in zip(late.keys, elements) for x in pair))
     return batch_rules.call(n, intrinsics.build_tuple, tuple(elements))
 
 
