@@ -1968,3 +1968,33 @@ def _leaves(value):
     if isinstance(value, tuple):
         return [x for v in value for x in _leaves(v)]
     return [value]
+
+
+def dict_tree(xs, left, right, i):
+    if left[i] < 0:
+        h, loss = torch.tanh(xs[i]), 0.0
+    else:
+        a, b = dict_tree(xs, left, right, left[i]), dict_tree(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * a["h"] - 0.25 * b["h"])
+        loss = a["loss"] + b["loss"]
+    return {"h": h, "loss": loss + (h * h).sum()}
+
+
+@pytest.mark.parametrize("tree_sums", [True, False])
+@pytest.mark.parametrize("fn", [binary, dict_tree])
+def test_late_elements_of_a_tuple_or_a_dict_with_tree_sums_on_and_off(fn, tree_sums, monkeypatch):
+    """A returned dict's elements split as a tuple's; with ``config.TREE_SUMS`` off (read when the program is
+    built) the late elements take the second way up on Batch values, with no plain run that would need sums."""
+    monkeypatch.setattr(config, "TREE_SUMS", tree_sums)
+    compiled = recursion(fn)
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=torch.float64, requires_grad=True)
+    got = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+    want = [fn(xs, left, right, int(r)) for r in roots]
+    got, want = (list(got.values()), [list(w.values()) for w in want]) if fn is dict_tree else (got, want)
+    for j in range(2):
+        torch.testing.assert_close(got[j], torch.stack([torch.as_tensor(w[j], dtype=xs.dtype) for w in want]))
+    torch.testing.assert_close(torch.autograd.grad(got[0].sum() + got[1].sum(), xs),
+                               torch.autograd.grad(sum(w[0].sum() + w[1] for w in want), xs))
+    prog = program(compiled)
+    assert prog.late is not None and prog.fallbacks == 0 and (prog.plain is not None) == tree_sums

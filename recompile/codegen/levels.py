@@ -170,7 +170,7 @@ def _plain_pieces(em, shape):
         return None
     deferred = [] if split is None else split.deferred
     if split is None and any(isinstance(op, ir.Invoke) for op in shape.post) \
-            or split is not None and split.sums is None:
+            or split is not None and (split.sums is None or not config.TREE_SUMS):  # (``Late`` reads it too)
         return None
 
     def piece(name, ops, inputs, outputs, hands_numbers=False):
