@@ -390,17 +390,69 @@ def test_step_inputs_that_draw_random_numbers_run_in_the_written_loop():
 
 
 def test_a_body_doing_more_than_stepping_the_cell_is_not_taken():
-    def collects(m, words, n):
+    def decays(m, words, n):
         h = torch.zeros(HIDDEN, dtype=torch.float64)
         total = torch.zeros(HIDDEN, dtype=torch.float64)
         t = 0
         while t < n:
             h = m.cell(m.embed(words[t]), h)
-            total = total + h
+            total = total * 0.5 + h  # (not a sum of the steps' states)
             t = t + 1
         return total
 
-    compare(Model(nn.GRUCell).double(), collects, (sentences(2, 3), lengths(3, 2)), (None, 0, 0), expect_runs=None)
+    compare(Model(nn.GRUCell).double(), decays, (sentences(2, 3), lengths(3, 2)), (None, 0, 0), expect_runs=None)
+
+
+def gru_sum(m, words, n, start):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    total = start
+    t = 0
+    while t < n:
+        h = m.cell(m.embed(words[t]), h)
+        total = total + h
+        t = t + 1
+    return total / (t + 1), h
+
+
+def lstm_sum_of_h(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    c = torch.zeros(HIDDEN, dtype=torch.float64)
+    total = torch.zeros_like(h)
+    for t in range(n):
+        h, c = m.cell(m.embed(words[t]), (h, c))
+        total += h  # (``+=`` of a value the function made: written out of place)
+    return total, c
+
+
+def stacked_sums(m, words, n):
+    h, c = torch.zeros(HIDDEN, dtype=torch.float64), torch.zeros(HIDDEN, dtype=torch.float64)
+    h2 = torch.zeros(HIDDEN, dtype=torch.float64)
+    low, high = torch.zeros(HIDDEN, dtype=torch.float64), torch.ones(HIDDEN, dtype=torch.float64)
+    for t in range(n):
+        h, c = m.cell(m.embed(words[t]), (h, c))
+        h2 = m.top(h, h2)
+        low = h + low
+        high = high + h2
+    return low, high
+
+
+def test_sums_of_the_steps_states_run_with_the_cells_as_one_rnn():
+    """``total = total + h`` (or ``+=``, either order) of a cell's new state at each step: the loop runs as one
+    RNN and each sum is its start plus the instance's packed states, one ``index_add`` (sentence lengths of
+    none included; a start of each instance's or one they share)."""
+    torch.manual_seed(7)
+    gru = Model(nn.GRUCell).double()
+    starts = torch.randn(4, HIDDEN, dtype=torch.float64)
+    compare(gru, gru_sum, (sentences(4, 5), lengths(5, 0, 2, 5), starts), (None, 0, 0, 0))
+    compare(gru, gru_sum, (sentences(4, 5), lengths(5, 0, 2, 5), starts[0]), (None, 0, 0, None))
+    compare(Model().double(), lstm_sum_of_h, (sentences(5, 6), lengths(6, 2, 0, 4, 1)), (None, 0, 0))
+    two = Model().double()
+    two.top = nn.GRUCell(HIDDEN, HIDDEN).double()
+    compare(two, stacked_sums, (sentences(3, 4), lengths(4, 3, 0)), (None, 0, 0))
+    with torch.no_grad():
+        compare_values = recompile.vmap(recompile.function(lstm_sum_of_h), in_dims=(None, 0, 0))(
+            Model().double(), sentences(3, 4), lengths(4, 0, 2))
+    assert compare_values[0][1].abs().sum() == 0  # (no steps: the start, zeros)
 
 
 def test_a_counting_loop_runs_its_instances_longest_first_each_step_keeping_the_first_rows(monkeypatch):

@@ -21,7 +21,8 @@ in C++. ``RecurrentLoop`` finds the loops that are exactly this, and runs them s
   RNN makes far more costly.
 
 A loop is taken when, after the step inputs, its body is the cell call alone on its carried state (or several
-cells, each stepping over the state the one below just made), its counter moves by 1 and its test is
+cells, each stepping over the state the one below just made), with sums of a cell's new state (``total = total +
+h``: its start plus the instance's packed states, ``index_add``ed in step order), its counter moves by 1 and its test is
 ``counter < end`` (``counter > end`` or ``>= end`` counting down) or a ``for`` over a range or each instance's
 rows. At run time each cell must be an ``nn.LSTMCell``, ``nn.GRUCell`` or ``nn.RNNCell`` of its own (no hooks,
 no forward of its own), every callable of the step inputs one that changes nothing and draws no random numbers
@@ -52,6 +53,7 @@ _STEP_DOWN = (operator.sub, operator.isub, intrinsics.isub_fresh)
 _COMPARISONS = {operator.lt: "lt", operator.gt: "gt", operator.ge: "ge"}
 _READS = (getattr, operator.getitem)
 _CELLS = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
+_ADDING = (operator.add, intrinsics.iadd_fresh)  # (``total = total + h``, ``total += h`` of a value the loop made)
 
 
 class RecurrentLoop:
@@ -111,6 +113,10 @@ class RecurrentLoop:
         states = [_state(n, form, loop_vars, cell) for form, cell in zip(self.layers, cells)]
         if any(s is None for s in states) or not _stack_fits(cells, self.layers):
             return NotImplemented
+        summed = {j: source[1] for j, source in enumerate(self.var_sources) if source[0] == "sum"}
+        starts_of = {j: _sum_start(n, loop_vars[j], cells[i], self.layers[i]) for j, i in summed.items()}
+        if any(v is None for v in starts_of.values()):
+            return NotImplemented
         layout = _Layout(steps)
         way = ranges.direction(self.end[0])
         counters = [starts[k] + way * j for k, j in zip(layout.instance, layout.step)]
@@ -133,13 +139,17 @@ class RecurrentLoop:
                 or data.dtype != weight.dtype or data.device != weight.device:
             return NotImplemented
         if any(c.weight_ih.dtype != data.dtype or c.weight_ih.device != data.device for c in cells) or \
-                any(s.dtype != data.dtype or s.device != data.device for state in states for s in state):
+                any(s.dtype != data.dtype or s.device != data.device for state in states for s in state) or \
+                any(s.dtype != data.dtype or s.device != data.device for s in starts_of.values()):
             return NotImplemented
-        finals = []
+        finals, every = [], []
         for i, (cell, state) in enumerate(zip(cells, states)):
-            ends, data = _run_cell(cell, data, layout, state, outputs=i + 1 < len(cells))
+            ends, data = _run_cell(cell, data, layout, state, outputs=i + 1 < len(cells) or i in summed.values())
             finals.append(ends)
-        return self._results(n, loop_vars, starts, steps, layout, finals, outs[1:])
+            every.append(data)
+        sums = {j: start.index_add(0, layout.index.to(start.device), every[i])  # (each instance's steps, in order)
+                for (j, i), start in zip(summed.items(), starts_of.values())}
+        return self._results(n, loop_vars, starts, steps, layout, finals, outs[1:], sums)
 
     def range_items(self, invariants, layout, counters):
         """Each row's item ``t = seq[i]`` of a ``for t in range(...)``: its instance's range at its position."""
@@ -153,10 +163,12 @@ class RecurrentLoop:
         end = where.value if isinstance(where, ir.Const) else invariants[where]
         return ranges.trip_counts(n, starts, kind, end)
 
-    def _results(self, n, loop_vars, starts, steps, layout, finals, chained):
+    def _results(self, n, loop_vars, starts, steps, layout, finals, chained, sums):
         out = []
         for j, source in enumerate(self.var_sources):
-            if source == "counter":
+            if j in sums:
+                out.append(bt.from_tensor(sums[j]))
+            elif source == "counter":
                 way = ranges.direction(self.end[0])
                 ends = [s + way * k for s, k in zip(starts, steps)]
                 start = loop_vars[j]
@@ -324,6 +336,19 @@ def _state(n, form, loop_vars, cell):
     return out
 
 
+def _sum_start(n, value, cell, form):
+    """A sum's start as (n, hidden) rows: each instance's tensor, or one they share; None where the sum is not
+    of a state's h and a tensor of its shape (an LSTM's whole state, a number)."""
+    if type(cell) is nn.LSTMCell and form[0] != "pair":
+        return None
+    if type(value) is Batch:
+        t = bt.tensor_of(value)
+        return t if t is not None and t.shape == (n, cell.hidden_size) else None
+    if type(value) is torch.Tensor and value.shape == (cell.hidden_size,):
+        return value.unsqueeze(0).expand(n, -1)
+    return None
+
+
 def _tuple(out, count):
     return (out,) if count == 1 else out
 
@@ -354,6 +379,8 @@ def plan(op):
     chain = _chain(body, {counter_param, *invariant_params})
     step_up = body.outputs[counter].op
     rest = [o for o in body.ops if o not in chain and o is not step_up]
+    sums = _sums(rest, body, params[:k], counter)
+    rest = [o for o in rest if o not in sums.values()]
     layers = _cell_calls(rest, body, params[:k], counter)
     if layers is None:
         return None
@@ -365,9 +392,15 @@ def plan(op):
     for i, (_, form) in enumerate(layers):
         for part, j in enumerate(form[1:]):
             states[j] = ("state", i, part if form[0] == "pair" else None)
+    tops = {body.outputs[form[1]]: i for i, (_, form) in enumerate(layers)}  # (each layer's h, or its state)
     for j, (param, out) in enumerate(zip(params[:k], body.outputs)):
         if j == counter:
             var_sources.append("counter")
+        elif j in sums:
+            added = sums[j].args[1] if sums[j].args[0] is param else sums[j].args[0]
+            if added not in tops:
+                return None
+            var_sources.append(("sum", tops[added]))
         elif j in states:
             var_sources.append(states[j])
         elif out is param:
@@ -460,6 +493,25 @@ def _chain(body, given):
             chain.add(o)
             known.update(o.outputs)
     return chain
+
+
+def _sums(rest, body, params, counter):
+    """{loop variable: the op of ``rest`` adding to it} for each variable the body only adds a value to
+    (``total = total + h``, ``total += h``): its final value is its start plus the values of every step."""
+    found = {}
+    for o in rest:
+        if _const_fn(o) not in _ADDING or len(o.args) != 2 or o.kwargs or o.star:
+            continue
+        for param in o.args:
+            j = params.index(param) if param in params else None
+            if j is None or j == counter or body.outputs[j] is not o.output or j in found:
+                continue
+            other = o.args[1] if o.args[0] is param else o.args[0]
+            readers = [x for x in body.ops if param in x.operands() or o.output in x.operands()]
+            if other is not param and readers == [o] and o.output not in body.outputs[:j] + body.outputs[j + 1:]:
+                found[j] = o
+                break
+    return found
 
 
 def _cell_calls(rest, body, state_params, counter):
