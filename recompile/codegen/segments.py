@@ -1662,8 +1662,8 @@ def _struct_item(slot, key):
 
 
 def _handed_struct(slot):
-    """A plain piece's kind for a T slot it hands on (``_plain_kind``'s struct): a tuple, a namedtuple or a dict
-    with string keys, of batched and shared values, one at least batched; else None."""
+    """A plain piece's kind for a T slot it hands on (``runtime.levels._struct_of``): a tuple, a namedtuple or a
+    dict with string keys, of batched and shared values, one at least batched; else None."""
     if slot.kind != "T" or not slot.items or any(i.kind not in ("B", "S") or i.number for i in slot.items) or \
             all(i.kind == "S" for i in slot.items):
         return None

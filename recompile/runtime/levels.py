@@ -847,7 +847,7 @@ def _plain_column(column, numbers=False):
         if any(type(k) is not tuple or k[1] is not kind[1] or len(k[2]) != len(kind[2]) for _, k, _ in column):
             raise NotPlain("a struct joined with values of another kind")
         parts = [_plain_column([(v[j], k[2][j], c) for v, k, c in column], numbers) for j in range(len(kind[2]))]
-        return tuple(v for v, _ in parts), _struct_kind(kind[1], [k for _, k in parts])
+        return tuple(v for v, _ in parts), _struct_of(kind[1], [k for _, k in parts])
     # (rows standing for numbers beside a tensor's rows: numbers still, which a trace for numbers reads as the
     # tensor's rows would be read: an index)
     kind = "N" if any(k == "N" for _, k, _ in column) and all(k != "S" for _, k, _ in column) else "B"
@@ -875,7 +875,7 @@ def _as_struct(v, k, count, like):
     if type(v) is kind and isinstance(v, tuple) or type(v) is dict and issubclass(kind, bt.Keyed) and \
             tuple(v) == kind.keys_:
         items = tuple(v.values()) if type(v) is dict else tuple(v)
-        return items, _struct_kind(kind, ["S"] * len(items)), count
+        return items, _struct_of(kind, ["S"] * len(items)), count
     return v, k, count
 
 
@@ -947,7 +947,7 @@ def _plain_join(parts):
                 raise NotPlain("a struct joined with values of another kind")
             v, k = _plain_join([(index_a, count_a, a, kind_a[2]), (index_b, count_b, b, kind_b[2])])
             values.append(v)
-            kinds.append(_struct_kind(kind_a[1], k))
+            kinds.append(_struct_of(kind_a[1], k))
             continue
         if kind_a == "B" and kind_b == "B" and _same_rows((a, b)):
             v, k = torch.cat((a, b)), "B"
@@ -974,7 +974,7 @@ def _cut_value(v, k, counts):
     return v.split_with_sizes(counts) if k != "S" else (v,) * len(counts)
 
 
-def _struct_kind(kind, kinds):
+def _struct_of(kind, kinds):
     """The kind of a plain run's struct value (a tuple, a namedtuple, a dict the program built: ``kind``, as
     ``batch.build`` makes it) of elements of ``kinds``: ("T", kind, kinds). Its value is the tuple of its
     elements."""
