@@ -8,7 +8,9 @@ The idiom suite's models that are not bottom-up trees (``bench_idioms.py`` has t
   (embedding 300, hidden 150, 5 classes, one cross-entropy per sentence). Written two ways, ``for t in
   range(n)`` and ``while t < n``, over padded word rows and per-sentence lengths through
   ``recompile.vmap``; against the same parameters in one ``nn.LSTM`` over the packed minibatch
-  (``pack_padded_sequence``), the way a PyTorch user batches sentences of different lengths by hand.
+  (``pack_padded_sequence``), the way a PyTorch user batches sentences of different lengths by hand. And
+  a third way, the states averaged over the sentence (``total = total + h``, ``total / n``), against the packed
+  ``nn.LSTM``'s states padded with zeros and summed.
 - A top-down model that grows a tree from a start state while ``depth < MAX_DEPTH and p > 0.5`` (its gate
   ``p`` computed from the state): per-instance trees of different shapes decided at run time. Against the
   same model batched by hand depth by depth (the instances that expand gathered, their children's states
@@ -85,6 +87,18 @@ class TwoLayerLSTM(SentenceLSTM):
         return F.cross_entropy(self.out(h2), label)
 
 
+class PooledLSTM(SentenceLSTM):
+    def classify(self, words, n, label):
+        """The states averaged over the sentence (``total = total + h``, then ``total / n``)."""
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        total = torch.zeros_like(h)
+        for t in range(n):
+            h, c = self.cell(self.embed(words[t]), (h, c))
+            total = total + h
+        return F.cross_entropy(self.out(total / n), label)
+
+
 def compiled(cls):
     return type(cls.__name__ + "Compiled", (cls,), {"classify": recompile.function(cls.classify)})
 
@@ -127,14 +141,25 @@ def hand_batched_sentences(model, lstm, batch):
     return F.cross_entropy(model.out(h[-1]), batch.labels, reduction="sum")
 
 
+def hand_batched_pooled(model, lstm, batch):
+    """``PooledLSTM``'s minibatch loss by hand: one ``nn.LSTM`` over the packed sentences, every step's state
+    padded with zeros, summed over the steps and divided by the lengths."""
+    packed = nn.utils.rnn.pack_padded_sequence(model.embed(batch.words), batch.lengths, batch_first=True,
+                                               enforce_sorted=False)
+    out, _ = lstm(packed)
+    states, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+    mean = states.sum(1) / batch.lengths.unsqueeze(1)
+    return F.cross_entropy(model.out(mean), batch.labels, reduction="sum")
+
+
 def recompile_sentences(model):
     classify = recompile.vmap(model.classify, in_dims=(0, 0, 0))
     return lambda batch: classify(batch.words, batch.lengths, batch.labels).sum()
 
 
-def check_sentences(cls, base, batch):
-    """Raise unless ``cls`` through recompile.vmap and the packed nn.LSTM give eager's per-sentence losses and
-    parameter gradients (float64); returns the per-instance op counts."""
+def check_sentences(cls, base, batch, hand_batched=hand_batched_sentences):
+    """Raise unless ``cls`` through recompile.vmap and the packed nn.LSTM (``hand_batched``) give eager's
+    per-sentence losses and parameter gradients (float64); returns the per-instance op counts."""
     eager = cls(base.embed.num_embeddings).double()
     eager.load_state_dict(base.state_dict())
     model = compiled(cls)(base.embed.num_embeddings).double()
@@ -145,7 +170,7 @@ def check_sentences(cls, base, batch):
     got = recompile.vmap(model.classify, in_dims=(0, 0, 0))(batch.words, batch.lengths, batch.labels)
     torch.testing.assert_close(got, want.detach(), rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(gradients(model, got.sum()), want_grads, rtol=1e-7, atol=1e-9)
-    hand = hand_batched_sentences(eager, packed_lstm(eager), batch)
+    hand = hand_batched(eager, packed_lstm(eager), batch)
     torch.testing.assert_close(hand, want.sum().detach(), rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(gradients(eager, hand), want_grads, rtol=1e-7, atol=1e-9)
     return dict(type(model).classify.stats.get("per_instance", {}))
@@ -269,6 +294,20 @@ def main(argv=None):
         spellings[name] = (recompile_sentences(model), model)
     print("Variable-length LSTM (embed 300, hidden 150) against one packed nn.LSTM")
     table(time_family(spellings, lambda b: (lambda batch: hand_batched_sentences(hand, lstm, batch), hand, b),
+                      batches, args.repeats), "sent/s")
+
+    torch.manual_seed(0)
+    base = PooledLSTM(vocab)
+    counts = check_sentences(PooledLSTM, base, check_batch, hand_batched_pooled)
+    print(f"  {PooledLSTM.classify.__doc__.split(chr(10))[0]:60} matches eager; per-instance ops: {counts or 'none'}")
+    hand = PooledLSTM(vocab)
+    hand.load_state_dict(base.state_dict())
+    lstm = packed_lstm(hand)
+    model = compiled(PooledLSTM)(vocab)
+    model.load_state_dict(base.state_dict())
+    print("States averaged over the sentence against one packed nn.LSTM's padded states")
+    table(time_family({"LSTMCell, states summed": (recompile_sentences(model), model)},
+                      lambda b: (lambda batch: hand_batched_pooled(hand, lstm, batch), hand, b),
                       batches, args.repeats), "sent/s")
 
     torch.manual_seed(0)
