@@ -22,11 +22,12 @@ in C++. ``RecurrentLoop`` finds the loops that are exactly this, and runs them s
 
 A loop is taken when, after the step inputs, its body is the cell call alone on its carried state (or several
 cells, each stepping over the state the one below just made), with sums of a cell's new state (``total = total +
-h``: its start plus the instance's packed states, ``index_add``ed in step order), its counter moves by 1 and its test is
-``counter < end`` (``counter > end`` or ``>= end`` counting down) or a ``for`` over a range or each instance's
-rows. At run time each cell must be an ``nn.LSTMCell``, ``nn.GRUCell`` or ``nn.RNNCell`` of its own (no hooks,
-no forward of its own), every callable of the step inputs one that changes nothing and draws no random numbers
-(as a traced segment's generic ops: ``segments.rerunnable``), and every value of the shapes the cell takes.
+h``: its start plus the instance's packed states, ``index_add``ed, in step order on the CPU), its counter moves
+by 1 and its test is ``counter < end`` (``counter > end`` or ``>= end`` counting down) or a ``for`` over a range
+or each instance's rows. At run time each cell must be an ``nn.LSTMCell``, ``nn.GRUCell`` or ``nn.RNNCell`` of
+its own (no hooks, no forward of its own), every callable of the step inputs one that changes nothing and draws
+no random numbers (as a traced segment's generic ops: ``segments.rerunnable``), and every value of the shapes the
+cell takes.
 Anything else runs the loop as it is written (``control.Loop``): the step inputs are pure, so computing them
 and dropping them changes nothing, and an error they raise is raised by the written loop, at its step, from
 the user's line.
@@ -147,7 +148,7 @@ class RecurrentLoop:
             ends, data = _run_cell(cell, data, layout, state, outputs=i + 1 < len(cells) or i in summed.values())
             finals.append(ends)
             every.append(data)
-        sums = {j: start.index_add(0, layout.index.to(start.device), every[i])  # (each instance's steps, in order)
+        sums = {j: start.index_add(0, layout.index.to(start.device), every[i])  # (in step order on the CPU)
                 for (j, i), start in zip(summed.items(), starts_of.values())}
         return self._results(n, loop_vars, starts, steps, layout, finals, outs[1:], sums)
 
