@@ -269,6 +269,26 @@ def time_family(spellings, hand_run, batches_by_size, repeats):
     return rows
 
 
+def time_against_packed(vocab, spellings, hand_batched, check_batch, batches, repeats, title):
+    """The rows of ``time_family`` for sentence models {name: class} (their parameters one model's), each
+    checked first, against ``hand_batched`` over a packed ``nn.LSTM`` of those parameters."""
+    torch.manual_seed(0)
+    base = next(iter(spellings.values()))(vocab)
+    for cls in spellings.values():
+        counts = check_sentences(cls, base, check_batch, hand_batched)
+        print(f"  {cls.classify.__doc__.split(chr(10))[0]:60} matches eager; per-instance ops: {counts or 'none'}")
+    hand = type(base)(vocab)
+    hand.load_state_dict(base.state_dict())
+    lstm = packed_lstm(hand)
+    models = {}
+    for name, cls in spellings.items():
+        model = compiled(cls)(vocab)
+        model.load_state_dict(base.state_dict())
+        models[name] = (recompile_sentences(model), model)
+    print(title)
+    return time_family(models, lambda b: (lambda batch: hand_batched(hand, lstm, batch), hand, b), batches, repeats)
+
+
 def main(argv=None):
     args = arguments(__doc__).parse_args(argv)
     data, sst, trees = sst_trees(args)
@@ -277,52 +297,18 @@ def main(argv=None):
     print(f"{len(sentences)} SST sentences from {data}, {args.threads} torch thread(s); each model checked "
           "against eager (float64: per-instance values and parameter gradients) before it is timed")
 
-    torch.manual_seed(0)
-    base = SentenceLSTM(vocab)
     check_batch = Sentences(*zip(*sentences[:8]))
-    for cls in (SentenceLSTM, SentenceLSTMWhile):
-        counts = check_sentences(cls, base, check_batch)
-        print(f"  {cls.classify.__doc__.split(chr(10))[0]:60} matches eager; per-instance ops: {counts or 'none'}")
     batches = {size: [Sentences(*zip(*chunk)) for chunk in chunks(sentences, size)] for size in args.batch}
-    hand = SentenceLSTM(vocab)
-    hand.load_state_dict(base.state_dict())
-    lstm = packed_lstm(hand)
-    spellings = {}
-    for name, cls in (("LSTMCell, for range(n)", SentenceLSTM), ("LSTMCell, while t < n", SentenceLSTMWhile)):
-        model = compiled(cls)(vocab)
-        model.load_state_dict(base.state_dict())
-        spellings[name] = (recompile_sentences(model), model)
-    print("Variable-length LSTM (embed 300, hidden 150) against one packed nn.LSTM")
-    table(time_family(spellings, lambda b: (lambda batch: hand_batched_sentences(hand, lstm, batch), hand, b),
-                      batches, args.repeats), "sent/s")
-
-    torch.manual_seed(0)
-    base = PooledLSTM(vocab)
-    counts = check_sentences(PooledLSTM, base, check_batch, hand_batched_pooled)
-    print(f"  {PooledLSTM.classify.__doc__.split(chr(10))[0]:60} matches eager; per-instance ops: {counts or 'none'}")
-    hand = PooledLSTM(vocab)
-    hand.load_state_dict(base.state_dict())
-    lstm = packed_lstm(hand)
-    model = compiled(PooledLSTM)(vocab)
-    model.load_state_dict(base.state_dict())
-    print("States averaged over the sentence against one packed nn.LSTM's padded states")
-    table(time_family({"LSTMCell, states summed": (recompile_sentences(model), model)},
-                      lambda b: (lambda batch: hand_batched_pooled(hand, lstm, batch), hand, b),
-                      batches, args.repeats), "sent/s")
-
-    torch.manual_seed(0)
-    base = TwoLayerLSTM(vocab)
-    counts = check_sentences(TwoLayerLSTM, base, check_batch)
-    print(f"  {TwoLayerLSTM.classify.__doc__.split(chr(10))[0]:60} matches eager; per-instance ops: {counts or 'none'}")
-    hand = TwoLayerLSTM(vocab)
-    hand.load_state_dict(base.state_dict())
-    lstm = packed_lstm(hand)
-    model = compiled(TwoLayerLSTM)(vocab)
-    model.load_state_dict(base.state_dict())
-    print("Two layers against one packed 2-layer nn.LSTM")
-    table(time_family({"two LSTMCell layers": (recompile_sentences(model), model)},
-                      lambda b: (lambda batch: hand_batched_sentences(hand, lstm, batch), hand, b),
-                      batches, args.repeats), "sent/s")
+    for title, spellings, hand_batched in (
+            ("Variable-length LSTM (embed 300, hidden 150) against one packed nn.LSTM",
+             {"LSTMCell, for range(n)": SentenceLSTM, "LSTMCell, while t < n": SentenceLSTMWhile},
+             hand_batched_sentences),
+            ("States averaged over the sentence against one packed nn.LSTM's padded states",
+             {"LSTMCell, states summed": PooledLSTM}, hand_batched_pooled),
+            ("Two layers against one packed 2-layer nn.LSTM", {"two LSTMCell layers": TwoLayerLSTM},
+             hand_batched_sentences)):
+        table(time_against_packed(vocab, spellings, hand_batched, check_batch, batches, args.repeats, title),
+              "sent/s")
 
     hidden = 150
     base = top_down_model(hidden)

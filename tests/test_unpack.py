@@ -173,3 +173,12 @@ def test_a_tuple_built_and_unpacked_at_once_is_its_items():
     torch.testing.assert_close(torch.autograd.grad(got[0].sum() + got[1].sum(), xs),
                                torch.autograd.grad(sum(w[0].sum() + w[1] for w in want), xs))
     assert program(compiled).plain.runs >= 1
+    for mode in ("sequential", "threaded"):  # (the rewritten program's derived gradients too)
+        namespace = dict(both_at_once.__globals__)
+        one = recompile.function(type(both_at_once)(both_at_once.__code__, namespace, "both_at_once"), mode=mode)
+        namespace["both_at_once"] = one
+        for r in roots.tolist():
+            got, want = one(xs, left, right, r), both_at_once(xs, left, right, r)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(torch.autograd.grad(got[0].sum() + got[1], xs),
+                                       torch.autograd.grad(want[0].sum() + want[1], xs))

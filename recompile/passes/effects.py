@@ -5,7 +5,8 @@ before its first call runs. That is only the same as Python when the earlier
 calls do not mutate what those arguments read, so a call whose program may
 mutate (``obj.attr = v``, ``xs[i] = v``, ``x += y``, ``xs.append(v)``,
 ``t.add_(v)``, ... anywhere in it or in what it invokes) keeps its place.
-Calls of undecorated helpers are taken as not mutating what the caller reads.
+Calls of undecorated helpers are taken as not mutating what the caller reads; whether a run may share values
+computed once for every instance also asks the helpers the program names (``callables_named``).
 """
 
 from __future__ import annotations
@@ -145,22 +146,15 @@ def callables_named(target, stage):
                     if fn is not None:
                         yield fn, None
                     elif owner is not None:
-                        fn = _class_attribute(op.fn, owner)
-                        if fn is not None:  # (a static or class method's function: examined as a plain one)
-                            yield fn, owner if _takes_self(owner, op.fn) else None
-
-
-def _takes_self(owner, operand):
-    """Whether ``self.<name>`` is an ordinary method of ``owner`` (bound to the instance)."""
-    try:
-        return not isinstance(inspect.getattr_static(owner, operand.op.source), (staticmethod, classmethod))
-    except AttributeError:
-        return False
+                        found = _class_attribute(op.fn, owner)
+                        if found is not None:
+                            yield found
 
 
 def _class_attribute(operand, owner):
-    """What ``owner`` defines as ``name`` (a method's plain function, unbound) where the operand reads
-    ``self.<name>``; else None."""
+    """(what ``owner`` defines as ``name``, ``owner`` where that is a method bound to the instance, else None)
+    where the operand reads ``self.<name>``: a method's plain function, or a static or class method's, examined
+    as a plain one; else None."""
     producer = operand.op if isinstance(operand, ir.Value) else None
     if not (isinstance(producer, ir.Capture) and producer.source_kind == "attr" and isinstance(producer.source, str)
             and isinstance(producer.base, ir.Value) and producer.base.is_self):
@@ -169,7 +163,9 @@ def _class_attribute(operand, owner):
         found = inspect.getattr_static(owner, producer.source)
     except AttributeError:
         return None
-    return found.__func__ if isinstance(found, (staticmethod, classmethod)) else found
+    if isinstance(found, (staticmethod, classmethod)):
+        return found.__func__, None
+    return found, owner
 
 
 def resolve(operand):

@@ -562,8 +562,8 @@ def join(n, sides, order=None):
     kinds = {_joined_kind(v) for v, _ in sides}
     if len(kinds) == 1 and None not in kinds:  # (tuples; dicts and lists where nothing changes them)
         kind, size = kinds.pop()
-        return from_struct(kind, [join(n, [(_joined_element(v, j), p) for v, p in sides], order)
-                                  for j in range(size)], n)
+        items = [(_joined_items(v), p) for v, p in sides]
+        return from_struct(kind, [join(n, [(each[j], p) for each, p in items], order) for j in range(size)], n)
     return Batch(n, pieces=([(v, len(p)) for v, p in sides], order))
 
 
@@ -581,8 +581,11 @@ def _joined_kind(value):
     return kind
 
 
-def _joined_element(value, j):
-    return list(value.values())[j] if type(value) is dict else _element(value, j)
+def _joined_items(value):
+    """A joined struct's items: a Batch's parts, a tuple's items, a dict's values."""
+    if type(value) is Batch:
+        return value.struct[1]
+    return list(value.values()) if type(value) is dict else value
 
 
 def _gather_pieces(b, lists, flatten):

@@ -140,7 +140,7 @@ def changes_something(fn, owner=None):
         return False
     if type(fn) is types.MethodType:
         owner = type(fn.__self__)
-    examining = _examining.__dict__.setdefault("functions", set())
+    examining = _examining.functions
     if (func, owner) in examining:
         return False  # (a helper its own helpers call back: what it changes is found where it is examined)
     found = compiled(func)
@@ -153,7 +153,14 @@ def changes_something(fn, owner=None):
         examining.discard((func, owner))
 
 
-_examining = threading.local()  # the (function, owner) pairs ``changes_something`` is examining on this thread
+class _Examining(threading.local):
+    """Per thread: the (function, owner) pairs ``changes_something`` is examining."""
+
+    def __init__(self):
+        self.functions = set()
+
+
+_examining = _Examining()
 
 
 def _compiled_call(target):

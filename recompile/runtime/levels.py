@@ -921,12 +921,14 @@ def _concat_alike(values_a, values_b, kinds):
     return tuple(out)
 
 
-def _plain_join(parts):
-    """The cond's sides' outputs [(index, count, values, kinds)] back in instance order: (values, kinds)."""
+def _plain_join(parts, inverse=None):
+    """The cond's sides' outputs [(index, count, values, kinds)] back in instance order: (values, kinds).
+    (``inverse``: the order that puts the sides' rows back, where a struct's elements are joined.)"""
     if len(parts) == 1:
         return parts[0][2], parts[0][3]
     (index_a, count_a, values_a, kinds_a), (index_b, count_b, values_b, kinds_b) = parts  # (a cond's two sides)
-    inverse = torch.argsort(torch.cat([index_a, index_b]))
+    if inverse is None:
+        inverse = torch.argsort(torch.cat([index_a, index_b]))
     if kinds_a == kinds_b and all(k == "B" or k == "N" for k in kinds_a):  # (the usual case: rows alike)
         device, values = inverse.device, []
         for a, b in zip(values_a, values_b):
@@ -945,7 +947,7 @@ def _plain_join(parts):
             if type(kind_a) is not tuple or type(kind_b) is not tuple or kind_a[1] is not kind_b[1] or \
                     len(kind_a[2]) != len(kind_b[2]):
                 raise NotPlain("a struct joined with values of another kind")
-            v, k = _plain_join([(index_a, count_a, a, kind_a[2]), (index_b, count_b, b, kind_b[2])])
+            v, k = _plain_join([(index_a, count_a, a, kind_a[2]), (index_b, count_b, b, kind_b[2])], inverse)
             values.append(v)
             kinds.append(_struct_of(kind_a[1], k))
             continue
