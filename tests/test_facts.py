@@ -17,7 +17,7 @@ from recompile.codegen import emit, segments
 from recompile.ops import facts, syntax
 from recompile.autodiff import backprop, factors as deferred, rules as grad_rules
 from recompile.runtime import batch as bt
-from recompile.runtime import batch_rules, cells, ranges
+from recompile.runtime import batch_rules, cells, ranges, rows
 
 convert = importlib.import_module("recompile.frontend.convert")
 
@@ -208,6 +208,8 @@ GROWN = {
                                     # ``for t in range(n)`` with n per instance: a batch of ranges (runtime.ranges)
                                     (range, ranges.build), (intrinsics.as_sequence, ranges.as_sequence),
                                     (intrinsics.has_index, ranges.has_index), (operator.not_, batch_rules.negation),
+                                    # ``words[:n]`` with n per instance: each instance's slice (runtime.rows)
+                                    (slice, rows.slices),
                                     (sum, batch_rules.python_sum),
                                     # a variable some paths leave unbound: checked on the batch as it is
                                     (intrinsics.check_bound, batch_rules.bound_check),
@@ -261,8 +263,8 @@ GROWN = {
                                            (torch.nn.Sequential, batch_rules.in_sequence)])
                                  | _ruled(batch_rules.BATCH.by_module, _MORE_RULES)
                                  | _entries((m, batch_rules.elementwise) for m in _MORE_ACTIVATIONS), set()),
-    "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, len,
-                                    intrinsics.build_dict,
+    "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, slice,
+                                    len, intrinsics.build_dict,
                                     *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE, *_FRESH,
                                     int, float, bool)
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),

@@ -44,7 +44,7 @@ from .. import config, intrinsics, ir
 from ..ops import facts
 from ..ops.table import has_hooks
 from ..runtime import batch as bt
-from ..runtime import batch_rules, lazy_weights, ranges
+from ..runtime import batch_rules, lazy_weights, ranges, rows
 from ..runtime.batch import Batch
 from . import segments
 
@@ -243,13 +243,17 @@ class _Layout:
 
 
 def _rows(seq):
-    """Whether a ``for`` runs over ``seq``'s rows (a tensor's, each instance's), not over a range."""
-    return type(seq) is torch.Tensor or type(seq) is Batch and seq.owner == "tensor"
+    """Whether a ``for`` runs over ``seq``'s rows (a tensor's, each instance's, each instance's stretch of
+    them: ``words[:n]``), not over a range."""
+    return type(seq) is torch.Tensor or type(seq) is Batch and (seq.owner == "tensor" or rows.of(seq) is not None)
 
 
 def _items_at(value, layout, counter, counters):
     """``value[t]`` for each row's instance and counter t: one advanced index of a tensor's rows, without
     taking the whole sequence for each row."""
+    stretches = rows.of(value)
+    if stretches is not None:
+        return rows.items_at(stretches, layout.instance, counters)
     t = bt.tensor_of(value) if type(value) is Batch else value if type(value) is torch.Tensor else None
     if t is None or t.dim() < (2 if type(value) is Batch else 1):
         return batch_rules.item(layout.rows, layout.take(value), counter)

@@ -377,6 +377,8 @@ def take(value, index, positions):
     if t is not None:
         return Batch(len(positions), tensor=t.index_select(0, index_on(index, t)))
     items = items_of(value)
+    if type(items) is not list and hasattr(items, "taken"):  # (``rows.Rows``: where they lie kept too)
+        return from_items(items.taken(positions))
     return from_items([items[k] for k in positions])
 
 
@@ -425,6 +427,8 @@ def part(value, start, count):
     if t is not None:
         return t[start] if count == 1 else Batch(count, tensor=t[start:start + count])
     items = items_of(value)
+    if count > 1 and type(items) is not list and hasattr(items, "taken"):
+        return from_items(items.taken(range(start, start + count)))
     return items[start] if count == 1 else from_items(items[start:start + count])
 
 

@@ -28,7 +28,7 @@ from ..dynamo import opaque
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
-from . import cells, fallbacks, helpers, lazy_weights, ranges, sharing
+from . import cells, fallbacks, helpers, lazy_weights, ranges, rows, sharing
 from .batch import Batch
 
 # Batch rules, filed as the gradient rules are (``ops.table``): ``rule(n, fn, args, kwargs)`` for a callable
@@ -827,6 +827,8 @@ def gather(n, fn, args, kwargs):
         index = list(index.struct[1])  # (``x[[0, 2]]``: a list the program built of values every instance shares)
         if type(x) is not Batch:
             return _unbatched(n, operator.getitem, (x, index), None)
+    if type(index) is Batch and index.owner == "items" and index.items and type(index.items[0]) is slice:
+        return rows.stretch(n, x, index)  # (``words[:n]``, n per instance)
     if type(x) is not Batch and type(index) is Batch and type(x) in PLAIN_TENSORS:  # (``self.embed.weight[i]``)
         i = bt.tensor_of(index)
         if i is None:
@@ -846,7 +848,8 @@ def gather(n, fn, args, kwargs):
         if type(index) is torch.Tensor and index.dim() == 0 and index.dtype in facts.INTEGER_INDEX and index.is_cpu:
             index = int(index)  # (``x[k]`` of a 0-d integer tensor reads as ``x[int]``: a view, as eager's)
         if x.items is not None and type(index) is int:
-            out = ranges.item(x, index)
+            found = rows.of(x)
+            out = ranges.item(x, index) if found is None else rows.item(found, index)
             if out is not NotImplemented:
                 return out
         if x.struct is not None and x.owner is None and issubclass(x.struct[0], bt.Keyed):
@@ -948,6 +951,7 @@ def plain_index(index):
 
 
 BATCH.register(range)(ranges.build)
+BATCH.register(slice)(rows.slices)
 BATCH.register(intrinsics.as_sequence)(ranges.as_sequence)
 BATCH.register(intrinsics.has_index)(ranges.has_index)
 BATCH.register(intrinsics.fixed_cell)(cells.fixed_cells)
@@ -1289,6 +1293,10 @@ _ANY_RANK = {F.embedding}
 def _module_over_last_dims(n, module, args, kwargs):
     kind = type(module)
     if kind is nn.Embedding and len(args) == 1 and not kwargs and type(args[0]) is Batch:
+        found = rows.of(args[0])
+        if found is not None:  # (each instance's stretch of indices, ``self.embed(words[:n])``)
+            out = rows.embedded(module, found, lazy_weights.lookup)
+            return NotImplemented if out is None else out
         i = bt.tensor_of(args[0])
         if i is None:
             return NotImplemented

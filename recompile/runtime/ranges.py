@@ -15,6 +15,7 @@ import torch
 
 from ..ops import facts
 from . import batch as bt
+from . import rows
 from .batch import Batch
 
 
@@ -79,7 +80,7 @@ def as_sequence(n, fn, args, kwargs):
     (seq,) = args
     if type(seq) is Batch and seq.owner == "tensor" and seq.tensor.dim() >= 2 and seq.thunk is None:
         return seq
-    if _built(seq):  # (a tuple or list the program built: its elements, batched or shared, one by one)
+    if _built(seq) or rows.of(seq) is not None:  # (a tuple or list the program built, ``words[:n]``: as it is)
         return seq
     return seq if type(seq) is Batch and of(seq) is not None else NotImplemented
 
@@ -91,6 +92,9 @@ def has_index(n, fn, args, kwargs):
         return i < seq.tensor.shape[1]
     if _built(seq) and type(i) is int and i >= 0:
         return i < len(seq.struct[1])
+    stretches = rows.of(seq)
+    if stretches is not None and type(i) is int and i >= 0:
+        return rows.has_index(stretches, i)
     ranges = of(seq) if type(seq) is Batch and type(i) is int and i >= 0 else None
     if ranges is None:
         return NotImplemented
@@ -174,7 +178,7 @@ def trip_counts(n, starts, kind, end):
     if kind == "range":
         lengths = [len(end)] * n if type(end) is range or (type(end) is torch.Tensor and end.dim()) else None
         if type(end) is Batch:
-            found = of(end) if end.owner != "tensor" else None
+            found = (rows.of(end) or of(end)) if end.owner != "tensor" else None
             lengths = found.lengths if found is not None else \
                 [end.tensor.shape[1]] * n if end.owner == "tensor" and end.tensor.dim() >= 2 else None
         if lengths is None or min(starts) < 0:

@@ -1,0 +1,175 @@
+"""Each instance's stretch of one tensor's rows, ``words[:n]`` with n per instance, batched (runtime/rows.py).
+
+Every function below runs through ``recompile.vmap`` and is compared with the plain function run per instance
+(float64: values, and gradients where there are any). Per-instance ops are an error here (``PER_INSTANCE``), so
+each test also shows that the slice, the loop over it, its items and an embedding of it ran batched.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import recompile
+from recompile import config
+from recompile.runtime import rows
+from test_recurrent import EMBED, HIDDEN, VOCAB, Model, compare, lengths, sentences
+
+
+@pytest.fixture(autouse=True)
+def every_op_batched(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+
+
+def for_over_prefix(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    c = torch.zeros(HIDDEN, dtype=torch.float64)
+    for w in words[:n]:
+        h, c = m.cell(m.embed(w), (h, c))
+    return h * c
+
+
+def embedded_first(m, words, n):
+    xs = m.embed(words[:n])
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    c = torch.zeros(HIDDEN, dtype=torch.float64)
+    for t in range(n):
+        h, c = m.cell(xs[t], (h, c))
+    return h + c
+
+
+def for_over_embedded(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    c = torch.zeros(HIDDEN, dtype=torch.float64)
+    for x in m.embed(words[:n]):
+        h, c = m.cell(x, (h, c))
+    return h - c
+
+
+def embedded_then_sliced(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    c = torch.zeros(HIDDEN, dtype=torch.float64)
+    for x in m.embed(words)[:n]:
+        h, c = m.cell(x, (h, c))
+    return h
+
+
+@pytest.mark.parametrize("fn", [for_over_prefix, embedded_first, for_over_embedded, embedded_then_sliced])
+def test_a_loop_over_each_instances_prefix_runs_as_one_rnn(fn):
+    torch.manual_seed(0)
+    compare(Model().double(), fn, (sentences(6, 7), lengths(3, 7, 0, 5, 1, 7)), (None, 0, 0))
+
+
+def test_a_prefix_longer_than_the_rows_or_counted_from_the_end_is_cut_as_python_cuts_it():
+    torch.manual_seed(1)
+    compare(Model().double(), for_over_prefix, (sentences(5, 4), lengths(9, -1, -4, 2, -9)), (None, 0, 0))
+
+
+def stretches_written(m, words, a, b):
+    total = torch.zeros(EMBED, dtype=torch.float64)
+    for x in m.embed(words[a:b]):
+        total = total + torch.tanh(x) * 2.0
+    return total * len(words[a:b])
+
+
+def test_stretches_starting_apart_in_a_loop_run_as_written():
+    torch.manual_seed(2)
+    model = Model().double()
+    compare(model, stretches_written, (sentences(5, 8), lengths(0, 2, 1, 5, 3), lengths(4, 8, 1, 7, 6)),
+            (None, 0, 0, 0), expect_runs=None)
+
+
+def test_items_of_stretches_starting_apart_are_read_per_instance_where_the_program_changes_values():
+    @recompile.function
+    def bumped(xs, a, b):
+        total = torch.zeros(3, dtype=torch.float64)
+        for x in xs[a:b]:
+            x.mul_(2.0)
+            total = total + x
+        return total
+
+    xs = torch.randn(4, 6, 3, dtype=torch.float64)
+    a, b = lengths(0, 1, 2, 0), lengths(3, 5, 6, 2)
+    want_xs = xs.clone()
+    want = torch.stack([bumped.python(want_xs[k], int(a[k]), int(b[k])) for k in range(4)])
+    config.PER_INSTANCE = "allow"
+    got = recompile.vmap(bumped)(xs, a, b)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(xs, want_xs)  # (the rows each instance changed are the caller's, as in eager code)
+
+
+def test_a_loop_over_prefixes_that_changes_its_items_changes_the_callers_rows():
+    @recompile.function
+    def scaled(xs, n):
+        total = torch.zeros(3, dtype=torch.float64)
+        for x in xs[:n]:
+            x += 1.0
+            total = total + x
+        return total
+
+    xs = torch.randn(4, 5, 3, dtype=torch.float64)
+    n = lengths(2, 5, 0, 3)
+    want_xs = xs.clone()
+    want = torch.stack([scaled.python(want_xs[k], int(n[k])) for k in range(4)])
+    config.PER_INSTANCE = "allow"  # (``zeros`` made per instance, for a program that changes values in place)
+    got = recompile.vmap(scaled)(xs, n)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(xs, want_xs)
+
+
+def test_a_shared_tensors_prefixes_and_a_step_other_than_one():
+    table = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+
+    @recompile.function
+    def read(n):
+        total = torch.zeros(3, dtype=torch.float64)
+        for x in table[:n]:
+            total = total * 0.5 + x
+        return total
+
+    n = lengths(0, 6, 2, 4)
+    got = recompile.vmap(read)(n)
+    want = torch.stack([read.python(int(k)) for k in n])
+    torch.testing.assert_close(got, want)
+    (grad,) = torch.autograd.grad(got.sum(), table)
+    (want_grad,) = torch.autograd.grad(want.sum(), table)
+    torch.testing.assert_close(grad, want_grad)
+
+    @recompile.function
+    def every_other(xs, n):
+        return xs[:n:2].sum(0)
+
+    xs = torch.randn(4, 6, 3, dtype=torch.float64)
+    config.PER_INSTANCE = "allow"  # (a step other than 1: each instance slices its own)
+    torch.testing.assert_close(recompile.vmap(every_other)(xs, n),
+                               torch.stack([every_other.python(xs[k], int(n[k])) for k in range(4)]))
+
+
+def test_an_index_out_of_the_table_in_rows_no_instance_reads_is_not_looked_up():
+    torch.manual_seed(3)
+    model = Model().double()
+    words = sentences(4, 5)
+    words[:, 3:] = -1  # (padding no instance reads: each instance's own lookup never sees it)
+    config.PER_INSTANCE = "allow"
+    compare(model, embedded_first, (words, lengths(3, 1, 2, 3)), (None, 0, 0))
+
+
+def test_an_embedding_with_options_that_reads_differ_looks_up_each_instances_own():
+    torch.manual_seed(4)
+    model = Model().double()
+    model.embed = nn.Embedding(VOCAB, EMBED, scale_grad_by_freq=True).double()
+    config.PER_INSTANCE = "allow"
+    compare(model, embedded_first, (sentences(4, 6), lengths(6, 1, 4, 2)), (None, 0, 0))
+
+
+def test_rows_keep_where_they_lie_when_instances_are_taken():
+    xs = torch.arange(24.0).view(4, 6).clone()
+    index = recompile.runtime.batch.from_items([slice(None, 5), slice(1, 3), slice(None, 0), slice(2, None)])
+    found = rows.of(rows.stretch(4, recompile.runtime.batch.from_tensor(xs), index))
+    assert found.starts == [0, 1, 0, 2] and found.lengths == [5, 2, 0, 4]
+    for k, s in enumerate(index.items):
+        assert found[k]._base is xs and torch.equal(found[k], xs[k][s])
+    taken = found.taken([3, 1])
+    assert taken.rows == [3, 1] and taken.lengths == [4, 2] and taken[0] is found[3]
+    assert rows.has_index(taken, 1) is True and rows.has_index(taken, 4) is False
+    torch.testing.assert_close(recompile.runtime.batch.tensor_of(rows.has_index(taken, 3)),
+                               torch.tensor([True, False]))
