@@ -5,11 +5,11 @@
 The idiom suite's models that are not bottom-up trees (``bench_idioms.py`` has those):
 
 - A sentence classifier: an ``nn.LSTMCell`` run over each SST sentence's words, the last state classified
-  (embedding 300, hidden 150, 5 classes, one cross-entropy per sentence). Written two ways, ``for t in
-  range(n)`` and ``while t < n``, over padded word rows and per-sentence lengths through
-  ``recompile.vmap``; against the same parameters in one ``nn.LSTM`` over the packed minibatch
-  (``pack_padded_sequence``), the way a PyTorch user batches sentences of different lengths by hand. And
-  a third way, the states averaged over the sentence (``total = total + h``, ``total / n``), against the packed
+  (embedding 300, hidden 150, 5 classes, one cross-entropy per sentence). Written four ways, ``for t in
+  range(n)``, ``while t < n``, ``for w in words[:n]`` and ``for x in self.embed(words[:n])``, over padded word
+  rows and per-sentence lengths through ``recompile.vmap``; against the same parameters in one ``nn.LSTM``
+  over the packed minibatch (``pack_padded_sequence``), the way a PyTorch user batches sentences of different
+  lengths by hand. And a fifth way, the states averaged over the sentence (``total = total + h``, ``total / n``), against the packed
   ``nn.LSTM``'s states padded with zeros and summed.
 - A top-down model that grows a tree from a start state while ``depth < MAX_DEPTH and p > 0.5`` (its gate
   ``p`` computed from the state): per-instance trees of different shapes decided at run time. Against the
@@ -63,6 +63,26 @@ class SentenceLSTMWhile(SentenceLSTM):
         while t < n:
             h, c = self.cell(self.embed(words[t]), (h, c))
             t = t + 1
+        return F.cross_entropy(self.out(h), label)
+
+
+class SentenceLSTMPrefix(SentenceLSTM):
+    def classify(self, words, n, label):
+        """The same loop as ``for w in words[:n]``."""
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        for w in words[:n]:
+            h, c = self.cell(self.embed(w), (h, c))
+        return F.cross_entropy(self.out(h), label)
+
+
+class SentenceLSTMEmbedded(SentenceLSTM):
+    def classify(self, words, n, label):
+        """The sentence embedded first, ``for x in self.embed(words[:n])``."""
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        for x in self.embed(words[:n]):
+            h, c = self.cell(x, (h, c))
         return F.cross_entropy(self.out(h), label)
 
 
@@ -301,7 +321,8 @@ def main(argv=None):
     batches = {size: [Sentences(*zip(*chunk)) for chunk in chunks(sentences, size)] for size in args.batch}
     for title, spellings, hand_batched in (
             ("Variable-length LSTM (embed 300, hidden 150) against one packed nn.LSTM",
-             {"LSTMCell, for range(n)": SentenceLSTM, "LSTMCell, while t < n": SentenceLSTMWhile},
+             {"LSTMCell, for range(n)": SentenceLSTM, "LSTMCell, while t < n": SentenceLSTMWhile,
+              "LSTMCell, for words[:n]": SentenceLSTMPrefix, "LSTMCell, embed(words[:n])": SentenceLSTMEmbedded},
              hand_batched_sentences),
             ("States averaged over the sentence against one packed nn.LSTM's padded states",
              {"LSTMCell, states summed": PooledLSTM}, hand_batched_pooled),
