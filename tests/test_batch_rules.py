@@ -1046,6 +1046,16 @@ def test_isinstance_of_a_batch_is_one_answer_where_every_instance_agrees():
     assert bt.items_of(mixed) == [True, False, True, False] and br.counters.per_instance == {}
 
 
+def test_is_none_of_a_batch_is_one_answer_where_every_instance_agrees():
+    reset_counters()
+    assert br.call(N, operator.is_, (Batch(N, tensor=rand(N, 3)), None)) is False
+    assert br.call(N, operator.is_not, (tup(Batch(N, tensor=rand(N, 3)), 1.0), None)) is True
+    mixed = br.call(N, operator.is_, (bt.from_items([None, (1, 2), None, 0]), None))
+    assert bt.items_of(mixed) == [True, False, True, False] and br.counters.per_instance == {}
+    assert bt.items_of(br.call(N, operator.is_not, (bt.from_items([None, 1, None, 0]), None))) == \
+        [False, True, False, True]
+
+
 
 def full_extremes(x):
     return x.max() + x.min() * 2 + torch.max(x) * 3 + torch.min(x) * 4 + x.amax()

@@ -210,6 +210,8 @@ GROWN = {
                                     (intrinsics.has_index, ranges.has_index), (operator.not_, batch_rules.negation),
                                     # ``words[:n]`` with n per instance: each instance's slice (runtime.rows)
                                     (slice, rows.slices),
+                                    # ``state is None``: the rows of a tensor and a built tuple are not None
+                                    (operator.is_, batch_rules.none_test), (operator.is_not, batch_rules.none_test),
                                     (sum, batch_rules.python_sum),
                                     # a variable some paths leave unbound: checked on the batch as it is
                                     (intrinsics.check_bound, batch_rules.bound_check),

@@ -455,6 +455,64 @@ def test_sums_of_the_steps_states_run_with_the_cells_as_one_rnn():
     assert compare_values[0][1].abs().sum() == 0  # (no steps: the start, zeros)
 
 
+def state_from_none(m, words, n):
+    state = None
+    for t in range(n):
+        state = m.cell(m.embed(words[t]), state)
+    return state[0] * state[1]
+
+
+def state_from_none_or_zeros(m, words, n):
+    state = None
+    for t in range(n):
+        state = m.cell(m.embed(words[t]), state)
+    return torch.zeros(HIDDEN, dtype=torch.float64) if state is None else state[0] + state[1]
+
+
+def one_row_steps(m, words, n, h0):
+    h = h0.unsqueeze(0)
+    c = torch.zeros(1, HIDDEN, dtype=torch.float64)
+    for t in range(n):
+        h, c = m.cell(m.embed(words[t]).unsqueeze(0), (h, c))
+    return (h * c)[0]
+
+
+def one_row_from_none(m, words, n):
+    h = None
+    t = 0
+    while t < n:
+        h = m.cell(torch.tanh(m.embed(words[t])).view(1, -1), h)
+        t += 1
+    return h.sum(0)
+
+
+def test_a_state_starting_as_none_runs_from_zeros_as_one_rnn():
+    """``state = None``, then ``state = cell(x, state)``: the cell's zeros, where every instance takes a step;
+    a length of none keeps its None (the loop runs as written, and the joined states, None or a tuple, are read
+    per instance)."""
+    torch.manual_seed(8)
+    model = Model().double()
+    compare(model, state_from_none, (sentences(4, 5), lengths(5, 1, 3, 5)), (None, 0, 0))
+    config.PER_INSTANCE = "allow"
+    compare(model, state_from_none_or_zeros, (sentences(4, 5), lengths(5, 0, 3, 2)), (None, 0, 0),
+            expect_runs=False)
+
+
+def test_steps_of_one_row_matrices_run_as_the_rows_of_one_rnn():
+    """Each step's input a one-row matrix (``x.unsqueeze(0)``, ``x.view(1, -1)``) with states of one row: the
+    instances' rows are the RNN's batch, and each final state one row again."""
+    torch.manual_seed(9)
+    model = Model().double()
+    starts = torch.randn(5, HIDDEN, dtype=torch.float64)
+    compare(model, one_row_steps, (sentences(5, 6), lengths(6, 0, 2, 6, 1), starts), (None, 0, 0, 0))
+    compare(model, one_row_steps, (sentences(5, 6), lengths(6, 3, 2, 6, 1), starts[0]), (None, 0, 0, None))
+    compare(Model(nn.GRUCell).double(), one_row_from_none, (sentences(3, 4), lengths(4, 1, 2)), (None, 0, 0))
+    with torch.no_grad():
+        compare_values = recompile.vmap(recompile.function(one_row_from_none), in_dims=(None, 0, 0))(
+            Model(nn.GRUCell).double(), sentences(3, 4), lengths(4, 1, 2))
+    assert compare_values.shape == (3, HIDDEN)
+
+
 def test_a_counting_loop_runs_its_instances_longest_first_each_step_keeping_the_first_rows(monkeypatch):
     def written_out(m, words, n):  # (a cell of the user's own: no module to run as one RNN)
         h = torch.zeros(HIDDEN, dtype=torch.float64)

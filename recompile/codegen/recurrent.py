@@ -21,7 +21,8 @@ in C++. ``RecurrentLoop`` finds the loops that are exactly this, and runs them s
   RNN makes far more costly.
 
 A loop is taken when, after the step inputs, its body is the cell call alone on its carried state (or several
-cells, each stepping over the state the one below just made), with sums of a cell's new state (``total = total +
+cells, each stepping over the state the one below just made; a state may start as None, the cell's zeros, and
+inputs and states may be matrices of one row each, ``x.unsqueeze(0)``), with sums of a cell's new state (``total = total +
 h``: its start plus the instance's packed states, ``index_add``ed, in step order on the CPU), its counter moves
 by 1 and its test is ``counter < end`` (``counter > end`` or ``>= end`` counting down) or a ``for`` over a range
 or each instance's rows. At run time each cell must be an ``nn.LSTMCell``, ``nn.GRUCell`` or ``nn.RNNCell`` of
@@ -111,8 +112,7 @@ class RecurrentLoop:
         steps = self.trip_counts(n, starts, invariants)
         if steps is None or sum(steps) == 0:
             return NotImplemented
-        states = [_state(n, form, loop_vars, cell) for form, cell in zip(self.layers, cells)]
-        if any(s is None for s in states) or not _stack_fits(cells, self.layers):
+        if not _stack_fits(cells, self.layers):
             return NotImplemented
         summed = {j: source[1] for j, source in enumerate(self.var_sources) if source[0] == "sum"}
         starts_of = {j: _sum_start(n, loop_vars[j], cells[i], self.layers[i]) for j, i in summed.items()}
@@ -135,6 +135,13 @@ class RecurrentLoop:
             return NotImplemented
         x = outs[0]
         data = bt.tensor_of(x) if type(x) is Batch else x.unsqueeze(0) if type(x) is torch.Tensor else None
+        # (each step's input a matrix of one row, ``x.unsqueeze(0)``, and the states too: rows of the one batch)
+        one_row = data is not None and data.dim() == 3 and data.shape[1] == 1
+        if one_row:
+            data = data.squeeze(1)
+        states = [_state(n, form, loop_vars, cell, min(steps), one_row) for form, cell in zip(self.layers, cells)]
+        if any(s is None for s in states):
+            return NotImplemented
         weight = cells[0].weight_ih
         if data is None or data.dim() != 2 or data.shape != (layout.rows, cells[0].input_size) \
                 or data.dtype != weight.dtype or data.device != weight.device:
@@ -145,7 +152,7 @@ class RecurrentLoop:
             return NotImplemented
         finals, every = [], []
         for i, (cell, state) in enumerate(zip(cells, states)):
-            ends, data = _run_cell(cell, data, layout, state, outputs=i + 1 < len(cells) or i in summed.values())
+            ends, data = _run_cell(cell, data, layout, state, i + 1 < len(cells) or i in summed.values(), one_row)
             finals.append(ends)
             every.append(data)
         sums = {j: start.index_add(0, layout.index.to(start.device), every[i])  # (in step order on the CPU)
@@ -261,10 +268,11 @@ def _items_at(value, layout, counter, counters):
     return bt.from_tensor(t[layout.index.to(t.device), steps] if type(value) is Batch else t[steps])
 
 
-def _run_cell(cell, data, layout, state, outputs=False):
+def _run_cell(cell, data, layout, state, outputs=False, one_row=False):
     """The cell stepped over the packed ``data`` from the instances' states ``state`` ((n, hidden) each): the
-    final states, each an (n, hidden) batch, and with ``outputs`` the packed states of every step (the input
-    of a cell stepped above it), else None."""
+    final states, each an (n, hidden) batch (with ``one_row`` (n, 1, hidden): each instance's a matrix of one
+    row), and with ``outputs`` the packed states of every step (the input of a cell stepped above it), else
+    None."""
     n = state[0].shape[0]
     taking = layout.order[:layout.instances]
     hx = [s.index_select(0, taking) for s in state]
@@ -289,7 +297,7 @@ def _run_cell(cell, data, layout, state, outputs=False):
         finals = [e.index_select(0, back) for e in ends]
     else:  # (instances that take no step keep their state)
         finals = [s.index_copy(0, taking, e) for s, e in zip(state, ends)]
-    return [bt.from_tensor(f) for f in finals], steps
+    return [bt.from_tensor(f.unsqueeze(1) if one_row else f) for f in finals], steps
 
 
 def _torch_rnn(cell, data, batch_sizes, hx, weights):
@@ -311,13 +319,20 @@ def _stack_fits(cells, layers):
     return True
 
 
-def _state(n, form, loop_vars, cell):
-    """The cell's state when the loop starts, as (n, hidden) tensors (h, c for an LSTM), or None."""
+def _state(n, form, loop_vars, cell, fewest, one_row):
+    """The cell's state when the loop starts, as (n, hidden) tensors (h, c for an LSTM), or None. A state of
+    None (``state = None``, then ``state = cell(x, state)``) is the zeros the cell starts from, where every
+    instance takes a step (one that takes none ends with None). With ``one_row`` each instance's state is a
+    matrix of one row, (1, hidden)."""
     if form[0] == "pair":
         parts = [loop_vars[form[1]], loop_vars[form[2]]]
     else:
         value = loop_vars[form[1]]
         parts = [value]
+        if value is None:
+            weight = cell.weight_ih
+            zeros = torch.zeros(n, cell.hidden_size, dtype=weight.dtype, device=weight.device)
+            return None if fewest == 0 else [zeros, zeros] if type(cell) is nn.LSTMCell else [zeros]
         if type(cell) is nn.LSTMCell:
             if type(value) is Batch and value.struct is not None and value.owner is None:
                 parts = list(value.struct[1])
@@ -327,17 +342,18 @@ def _state(n, form, loop_vars, cell):
                 return None
     if len(parts) != (2 if type(cell) is nn.LSTMCell else 1):
         return None
+    shape = (1, cell.hidden_size) if one_row else (cell.hidden_size,)
     out = []
     for p in parts:
         if type(p) is Batch:
             t = bt.tensor_of(p)
-            if t is None or t.shape != (n, cell.hidden_size):
+            if t is None or t.shape != (n, *shape):
                 return None
-        elif type(p) is torch.Tensor and p.shape == (cell.hidden_size,):
-            t = p.unsqueeze(0).expand(n, -1)
+        elif type(p) is torch.Tensor and p.shape == shape:
+            t = p.unsqueeze(0).expand(n, *shape)
         else:
             return None
-        out.append(t)
+        out.append(t.squeeze(1) if one_row else t)
     return out
 
 

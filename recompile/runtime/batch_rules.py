@@ -1417,6 +1417,23 @@ def instance_of(n, fn, args, kwargs):
     return found[0] if all(f is found[0] for f in found) else bt.from_items(found)
 
 
+@BATCH.register(operator.is_, operator.is_not)
+def none_test(n, fn, args, kwargs):
+    """``x is None`` (``is not``) of a batched x (``if state is None``): the rows of a tensor and the instances
+    of a tuple or list built in the program are not None; other forms instance by instance (one bool where all
+    agree)."""
+    if kwargs or len(args) != 2 or args[1] is not None or type(args[0]) is not Batch:
+        return NotImplemented
+    x = bt.ready(args[0])
+    if x.owner == "tensor" or x.struct is not None and x.owner is None:
+        found = [False]
+    else:
+        found = [v is None for v in bt.items_of(x)]
+    if fn is operator.is_not:
+        found = [not f for f in found]
+    return found[0] if all(f is found[0] for f in found) else bt.from_items(found)
+
+
 @BATCH.register(operator.not_)
 def negation(n, fn, args, kwargs):
     """``not x`` of a batch (a loop's break flag, joined from the instances that broke and those that did not):
