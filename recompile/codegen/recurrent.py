@@ -25,10 +25,10 @@ cells, each stepping over the state the one below just made; a state may start a
 inputs and states may be matrices of one row each, ``x.unsqueeze(0)``), with sums of a cell's new state
 (``total = total + h``: its start plus the instance's packed states, ``index_add``ed, in step order on the CPU),
 its counter moves by 1 and its test is ``counter < end`` (``counter > end`` or ``>= end`` counting down) or a
-``for`` over a range, each instance's rows, or each instance's stretch of them (``words[:n]``). At run time each cell must be an ``nn.LSTMCell``, ``nn.GRUCell`` or ``nn.RNNCell`` of
-its own (no hooks, no forward of its own), every callable of the step inputs one that changes nothing and draws
-no random numbers (as a traced segment's generic ops: ``segments.rerunnable``), and every value of the shapes the
-cell takes.
+``for`` over a range, each instance's rows, or each instance's stretch of them (``words[:n]``). At run time
+each cell must be an ``nn.LSTMCell``, ``nn.GRUCell`` or ``nn.RNNCell`` of its own (no hooks, no forward of its
+own), every callable of the step inputs one that changes nothing and draws no random numbers (as a traced
+segment's generic ops: ``segments.rerunnable``), and every value of the shapes the cell takes.
 Anything else runs the loop as it is written (``control.Loop``): the step inputs are pure, so computing them
 and dropping them changes nothing, and an error they raise is raised by the written loop, at its step, from
 the user's line.
