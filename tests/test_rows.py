@@ -11,7 +11,7 @@ from torch import nn
 
 import recompile
 from recompile import config
-from recompile.runtime import rows
+from recompile.runtime import rows, sharing
 from test_recurrent import EMBED, HIDDEN, VOCAB, Model, compare, lengths, sentences
 
 
@@ -161,7 +161,8 @@ def test_an_embedding_with_options_that_reads_differ_looks_up_each_instances_own
     compare(model, embedded_first, (sentences(4, 6), lengths(6, 1, 4, 2)), (None, 0, 0))
 
 
-def test_rows_keep_where_they_lie_when_instances_are_taken():
+def test_rows_keep_where_they_lie_when_instances_are_taken(monkeypatch):
+    monkeypatch.setattr(sharing.state, "fresh", True)  # (as in a run that changes nothing in place)
     xs = torch.arange(24.0).view(4, 6).clone()
     index = recompile.runtime.batch.from_items([slice(None, 5), slice(1, 3), slice(None, 0), slice(2, None)])
     found = rows.of(rows.stretch(4, recompile.runtime.batch.from_tensor(xs), index))
@@ -173,3 +174,55 @@ def test_rows_keep_where_they_lie_when_instances_are_taken():
     assert rows.has_index(taken, 1) is True and rows.has_index(taken, 4) is False
     torch.testing.assert_close(recompile.runtime.batch.tensor_of(rows.has_index(taken, 3)),
                                torch.tensor([True, False]))
+
+
+def read_past_the_end(m, words, n, k):
+    ys = m.embed(words[:n])
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    for t in range(k):
+        h = m.cell(ys[t], h)
+    return h
+
+
+def test_a_recurrent_loop_reading_past_a_stretch_raises_as_python_does():
+    torch.manual_seed(5)
+    model = Model(nn.GRUCell).double()
+    f = recompile.function(read_past_the_end)
+    words, k = sentences(3, 6), lengths(2, 2, 2)
+    config.PER_INSTANCE = "allow"
+    with pytest.raises(IndexError):
+        read_past_the_end(model, words[0], 1, 2)
+    with pytest.raises(IndexError):
+        recompile.vmap(f, in_dims=(None, 0, 0, 0))(model, words, lengths(3, 1, 2), k)
+
+
+def last_two(m, words, n):
+    ys = m.embed(words[:n])
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    t = -1
+    while t >= -2:  # (the stretch's last two rows, last first: counted from its end, not its source row's)
+        h = m.cell(ys[t], h)
+        t -= 1
+    return h
+
+
+def test_a_recurrent_loop_counting_from_the_end_of_each_stretch():
+    torch.manual_seed(6)
+    compare(Model(nn.GRUCell).double(), last_two, (sentences(4, 6), lengths(3, 4, 2, 6)), (None, 0, 0))
+
+
+def test_a_stretch_changed_in_shape_in_place_is_read_per_instance():
+    @recompile.function
+    def reshaped(xs, n):
+        ys = xs[:n]
+        ys.unsqueeze_(-1)
+        total = torch.zeros(3, 1, dtype=torch.float64)
+        for y in ys:
+            total = total + y
+        return total + ys[0]
+
+    xs = torch.randn(3, 5, 3, dtype=torch.float64)
+    n = lengths(2, 5, 1)
+    config.PER_INSTANCE = "allow"  # (a program that changes values in place: each instance's own views)
+    want = torch.stack([reshaped.python(xs[k], int(n[k])) for k in range(3)])
+    torch.testing.assert_close(recompile.vmap(reshaped)(xs, n), want)

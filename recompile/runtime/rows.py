@@ -49,9 +49,11 @@ class Rows(list):
 
 
 def of(value):
-    """The Rows a Batch holds as its instances' values, else None."""
+    """The Rows a Batch holds as its instances' values, in a run that changes nothing in place (elsewhere a view's
+    shape or values may have changed since: ``ys.unsqueeze_(0)``), else None."""
     items = value.items if type(value) is Batch else None
-    return items if type(items) is Rows and value.owner == "items" and value.thunk is None else None
+    return items if type(items) is Rows and value.owner == "items" and value.thunk is None and \
+        sharing.state.fresh else None
 
 
 def slices(n, fn, args, kwargs):
@@ -111,27 +113,29 @@ def has_index(seq, i):
 
 def item(seq, i):
     """``seq[i]`` of every instance at the shared position i where each has one: a view of the rows where the
-    stretches start alike in the source's own rows; else, in a run that changes nothing in place, a copy
-    of them (one index); NotImplemented otherwise (each instance reads its own view)."""
+    stretches start alike in the source's own rows, else a copy of them (one index); NotImplemented otherwise
+    (each instance reads its own view, or raises)."""
     if not 0 <= i < seq.shortest:
         return NotImplemented
     first = seq.starts[0]
     if seq.rows is None and all(a == first for a in seq.starts):
         return bt.from_tensor(seq.source[:, first + i])
-    if not sharing.state.fresh:
-        return NotImplemented
     device = seq.source.device
     return bt.from_tensor(seq.source[seq.row_index(device), torch.tensor(seq.starts, device=device) + i])
 
 
 def items_at(seq, instances, steps):
     """``seq[t]`` for rows of (instance, t) at once (a recurrent loop's steps run ahead, which changes nothing
-    in place): one index of the source, a copy."""
-    device = seq.source.device
+    in place): one index of the source, a copy; a negative t counts from the end of the instance's stretch. An
+    IndexError where a t lies outside its stretch (the written loop then raises it at its step)."""
     which = torch.tensor(instances)
-    rows = seq.row_index(device)[which.to(device)]
-    at = torch.tensor(seq.starts)[which].to(device) + torch.tensor(steps, device=device)
-    return bt.from_tensor(seq.source[rows, at])
+    at = torch.tensor(steps)
+    lengths = torch.tensor(seq.lengths)[which]
+    if bool(((at >= lengths) | (at < -lengths)).any()):
+        raise IndexError("an item outside an instance's stretch of rows")
+    at = torch.where(at < 0, at + lengths, at) + torch.tensor(seq.starts)[which]
+    device = seq.source.device
+    return bt.from_tensor(seq.source[seq.row_index(device)[which.to(device)], at.to(device)])
 
 
 def embedded(module, seq, lookup):
@@ -144,8 +148,11 @@ def embedded(module, seq, lookup):
         return None
     end = max(a + m for a, m in zip(seq.starts, seq.lengths))
     source = seq.source if seq.rows is None else seq.source[seq.row_index(seq.source.device)]
+    source = source[:, :end]
+    if not source.is_cpu and not bool(((source >= 0) & (source < module.num_embeddings)).all()):
+        return None  # (on a device an index out of the table is an assert there, not an error to catch)
     try:
-        out = lookup(module, source[:, :end])
+        out = lookup(module, source)
     except (IndexError, RuntimeError):
         return None
     views = [out[k, a:a + m] for k, (a, m) in enumerate(zip(seq.starts, seq.lengths))]
