@@ -9,8 +9,9 @@ The idiom suite's models that are not bottom-up trees (``bench_idioms.py`` has t
   range(n)``, ``while t < n``, ``for w in words[:n]`` and ``for x in self.embed(words[:n])``, over padded word
   rows and per-sentence lengths through ``recompile.vmap``; against the same parameters in one ``nn.LSTM``
   over the packed minibatch (``pack_padded_sequence``), the way a PyTorch user batches sentences of different
-  lengths by hand. And a fifth way, the states averaged over the sentence (``total = total + h``, ``total / n``), against the packed
-  ``nn.LSTM``'s states padded with zeros and summed.
+  lengths by hand. And the states averaged over the sentence, two ways (``total = total + h``, ``total / n``;
+  ``hs.append(h)``, ``torch.stack(hs).mean(0)``), against the packed ``nn.LSTM``'s states padded with zeros
+  and summed.
 - A top-down model that grows a tree from a start state while ``depth < MAX_DEPTH and p > 0.5`` (its gate
   ``p`` computed from the state): per-instance trees of different shapes decided at run time. Against the
   same model batched by hand depth by depth (the instances that expand gathered, their children's states
@@ -117,6 +118,18 @@ class PooledLSTM(SentenceLSTM):
             h, c = self.cell(self.embed(words[t]), (h, c))
             total = total + h
         return F.cross_entropy(self.out(total / n), label)
+
+
+class CollectedLSTM(SentenceLSTM):
+    def classify(self, words, n, label):
+        """The states collected in a list and averaged (``hs.append(h)``, then ``torch.stack(hs).mean(0)``)."""
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        hs = []
+        for t in range(n):
+            h, c = self.cell(self.embed(words[t]), (h, c))
+            hs.append(h)
+        return F.cross_entropy(self.out(torch.stack(hs).mean(0)), label)
 
 
 def compiled(cls):
@@ -325,7 +338,8 @@ def main(argv=None):
               "LSTMCell, for words[:n]": SentenceLSTMPrefix, "LSTMCell, embed(words[:n])": SentenceLSTMEmbedded},
              hand_batched_sentences),
             ("States averaged over the sentence against one packed nn.LSTM's padded states",
-             {"LSTMCell, states summed": PooledLSTM}, hand_batched_pooled),
+             {"LSTMCell, states summed": PooledLSTM, "LSTMCell, stack(hs).mean(0)": CollectedLSTM},
+             hand_batched_pooled),
             ("Two layers against one packed 2-layer nn.LSTM", {"two LSTMCell layers": TwoLayerLSTM},
              hand_batched_sentences)):
         table(time_against_packed(vocab, spellings, hand_batched, check_batch, batches, args.repeats, title),

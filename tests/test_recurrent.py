@@ -513,6 +513,79 @@ def test_steps_of_one_row_matrices_run_as_the_rows_of_one_rnn():
     assert compare_values.shape == (3, HIDDEN)
 
 
+def lstm_states_pooled(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    c = torch.zeros(HIDDEN, dtype=torch.float64)
+    hs = []
+    for t in range(n):
+        h, c = m.cell(m.embed(words[t]), (h, c))
+        hs.append(h)
+    states = torch.stack(hs)
+    return states.mean(0) + states.max(0).values * c, states[-1] - h
+
+
+def gru_states_one_row(m, words, n):
+    h = None
+    hs = []
+    for t in range(n):
+        h = m.cell(m.embed(words[t]).unsqueeze(0), h)
+        hs.append(h)
+    return torch.amax(torch.stack(hs), 0)[0] + torch.stack(hs).sum(dim=0, keepdim=True)[0, 0]
+
+
+def stacked_states(m, words, n):
+    low = torch.zeros(HIDDEN, dtype=torch.float64)
+    high = torch.zeros(HIDDEN, dtype=torch.float64)
+    highs = []
+    t = 0
+    while t < n:
+        low = m.cell(m.embed(words[t]), low)
+        high = m.top(low, high)
+        highs.append(high)
+        t = t + 1
+    return torch.min(torch.stack(highs), dim=0).values
+
+
+def test_states_appended_to_a_list_run_with_the_cells_as_one_rnn():
+    """``hs.append(h)`` of a cell's new state at each step, ``hs = []`` before the loop: each instance's list
+    gets its packed states, in step order, and ``torch.stack(hs)`` of them is one index of those states, its
+    ``mean(0)``, ``max(0)``, ``[-1]`` ... one op each."""
+    torch.manual_seed(10)
+    compare(Model().double(), lstm_states_pooled, (sentences(5, 6), lengths(6, 2, 1, 4, 6)), (None, 0, 0))
+    compare(Model(nn.GRUCell).double(), gru_states_one_row, (sentences(4, 5), lengths(5, 1, 3, 2)), (None, 0, 0))
+    two = Model(nn.GRUCell).double()
+    two.top = nn.GRUCell(HIDDEN, HIDDEN).double()
+    compare(two, stacked_states, (sentences(3, 4), lengths(4, 3, 1)), (None, 0, 0))
+
+
+def appends_more(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    hs = [h * 2.0]
+    xs = []
+    for t in range(n):
+        x = m.embed(words[t])
+        h = m.cell(x, h)
+        hs.append(h)
+    for t in range(n):
+        x = m.embed(words[t])
+        h = m.cell(x, h)
+        xs.append(x)
+    return torch.stack(hs).sum(0) + torch.stack(xs).mean(0).sum()
+
+
+def test_a_list_holding_more_than_the_states_or_of_other_values():
+    """A list that held a value before the loop gets the states after it (its stack: of its items, one op); a
+    list of the step inputs keeps its loop as written."""
+    torch.manual_seed(11)
+    model = Model(nn.GRUCell, bias=False).double()
+    compiled = recompile.function(appends_more)
+    words, n = sentences(3, 4), lengths(4, 2, 3)
+    got = recompile.vmap(compiled, in_dims=(None, 0, 0))(model, words, n)
+    want = torch.stack([appends_more(model, words[k], int(n[k])) for k in range(3)])
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    assert [loop.runs for loop in compiled.callee(None).build.batched_code.recurrent] == [1]
+
+
 def test_a_counting_loop_runs_its_instances_longest_first_each_step_keeping_the_first_rows(monkeypatch):
     def written_out(m, words, n):  # (a cell of the user's own: no module to run as one RNN)
         h = torch.zeros(HIDDEN, dtype=torch.float64)

@@ -226,3 +226,59 @@ def test_a_stretch_changed_in_shape_in_place_is_read_per_instance():
     config.PER_INSTANCE = "allow"  # (a program that changes values in place: each instance's own views)
     want = torch.stack([reshaped.python(xs[k], int(n[k])) for k in range(3)])
     torch.testing.assert_close(recompile.vmap(reshaped)(xs, n), want)
+
+
+def collected(xs, n):
+    hs = []
+    t = 0
+    while t < n:
+        hs.append(torch.tanh(xs[t]) * (t + 1))
+        t += 1
+    states = torch.stack(hs)
+    low = torch.min(states, dim=0, keepdim=True)
+    return (states.mean(0) + states.sum(dim=0) + states.max(0).values * low.values[0] + low.indices[0]
+            + torch.amax(states, 0) - states.amin(0) + states[-1] * states[0] + states[-2:].sum(0))
+
+
+def test_each_instances_list_of_its_own_length_stacked_and_reduced_along_its_rows():
+    xs = torch.randn(5, 6, 3, dtype=torch.float64, requires_grad=True)
+    n = lengths(6, 2, 3, 6, 4)
+    f = recompile.function(collected)
+    config.PER_INSTANCE = "allow"  # (``states[-2:]``: a slice of each one's own rows, per instance)
+    got = recompile.vmap(f)(xs, n)
+    want = torch.stack([collected(xs[k], int(n[k])) for k in range(5)])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+    assert set(f.stats["per_instance"]) <= {"slice", "getitem", "Tensor.sum", "getattr"}
+    assert "torch._VariableFunctionsClass.stack" not in f.stats["per_instance"]
+
+
+def pooled(xs, n):
+    hs = []
+    for t in range(n):
+        hs.append(xs[t] * 2.0)
+    states = torch.stack(hs)
+    return states.mean(0) + states.max(dim=0)[0] + states[-1]
+
+
+def test_stacked_lists_of_their_own_lengths_run_batched_with_ties_and_infinities_as_eager():
+    xs = torch.tensor([[[1.0, 5.0], [1.0, float("-inf")], [0.0, 0.0]],
+                       [[2.0, 2.0], [2.0, 2.0], [9.0, 9.0]],
+                       [[float("-inf"), 1.0], [0.0, 0.0], [0.0, 0.0]]], dtype=torch.float64, requires_grad=True)
+    n = lengths(2, 2, 1)  # (an instance's ties; rows past an end hold larger values)
+    f = recompile.function(pooled)
+    got = recompile.vmap(f)(xs, n)
+    want = torch.stack([pooled(xs[k], int(n[k])) for k in range(3)])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+
+
+def test_an_empty_list_stacked_raises_as_torch_does_and_lists_alike_stack_as_one_tensor():
+    f = recompile.function(pooled)
+    config.PER_INSTANCE = "allow"
+    with pytest.raises(RuntimeError, match="non-empty"):
+        recompile.vmap(f)(torch.randn(3, 4, 2), lengths(2, 0, 4))
+    config.PER_INSTANCE = "error"
+    xs = torch.randn(3, 4, 2)
+    torch.testing.assert_close(recompile.vmap(f)(xs, lengths(3, 3, 3)),
+                               torch.stack([pooled(xs[k], 3) for k in range(3)]))

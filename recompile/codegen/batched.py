@@ -15,7 +15,7 @@ import operator
 
 from .. import config, intrinsics, ir
 from ..passes.batching import BatchPlan
-from ..passes.effects import subgraph_may_mutate
+from ..passes.effects import local_appends, subgraph_may_mutate
 from ..passes.levels import level_shape
 from ..runtime import batch_rules, control, levels as rt_levels, ranges
 from ..runtime.units import Unit
@@ -78,7 +78,7 @@ class _BatchedEmitter(emit.FunctionEmitter):
     def body(self, sg, items):
         """Maximal runs of plain ops (calls, captures, fused ops) become ``segments.Segment`` calls, in a
         function that changes nothing in place; the rest as ``emit`` writes it."""
-        if self.emission.changes or not config.SEGMENTS:
+        if not self.emission.replays or not config.SEGMENTS:
             return super().body(sg, items)
         used_after = [set() for _ in range(len(items) + 1)]
         used_after[-1] = self.live_out if self.live_out is not None else \
@@ -364,10 +364,13 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     emission = emit.Emission(sg, may_mutate)
     emission.generators = set(batch_plan.generators)
     emission.changes = subgraph_may_mutate(sg, may_mutate)
+    # (a list the function builds and appends to changes nothing others see, but traced code, which replays
+    # torch ops alone, would drop the appends: such a function runs op by op, as one that changes values)
+    emission.replays = not emission.changes and not local_appends(sg)
     emission.units = _units(batch_plan)  # SubGraph -> Unit
     module = Module()
     emitters = [_BatchedEmitter(module, emission, batch_plan) for _ in emission.sgs]
-    shape = level_shape(sg, batch_plan, emission.changes)
+    shape = level_shape(sg, batch_plan, not emission.replays)
     build_levels = None
     if shape is not None:
         level_emitter, build_levels = levels.emit_pieces(_LevelEmitter, module, emission, batch_plan, shape)

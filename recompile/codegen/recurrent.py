@@ -44,6 +44,7 @@ from torch import nn
 from .. import config, intrinsics, ir
 from ..ops import facts
 from ..ops.table import has_hooks
+from ..passes.effects import op_mutates
 from ..runtime import batch as bt
 from ..runtime import batch_rules, lazy_weights, ranges, rows
 from ..runtime.batch import Batch
@@ -62,7 +63,7 @@ class RecurrentLoop:
     """One While of a batched function, found to step a cell over a sequence (``plan``); called with the
     loop's initial values, it returns the loop's final ones, or NotImplemented where the run does not fit."""
 
-    def __init__(self, op, counter, end, layers, chain_sg, reads_sg, var_sources, indexed):
+    def __init__(self, op, counter, end, layers, chain_sg, reads_sg, var_sources, indexed, appended=()):
         self.loc = op.loc
         self.counter = counter  # the counter's position among the loop variables
         self.end = end  # (kind, invariant position | Const): see ``ranges.trip_counts``
@@ -77,6 +78,8 @@ class RecurrentLoop:
         # per ``x[t]`` read for the chain (its last inputs): the invariant, and what t is: "counter", "range" (the
         # item of the range the loop runs over), or "item" (the item itself: x is that range)
         self.indexed = indexed
+        # per ``xs.append(h)`` of a layer's new state: (the list's invariant position, the layer)
+        self.appended = list(appended)
         used = {x for o in chain_sg.ops for x in o.operands()}
         self.used = [v in used for v in chain_sg.inputs[1:len(chain_sg.inputs) - len(indexed)]]
         self.reads = self.chain = None  # their batched functions (``compile``)
@@ -113,6 +116,9 @@ class RecurrentLoop:
         if steps is None or sum(steps) == 0:
             return NotImplemented
         if not _stack_fits(cells, self.layers):
+            return NotImplemented
+        lists = [_lists(n, invariants[p]) for p, _ in self.appended]
+        if any(each is None for each in lists):
             return NotImplemented
         summed = {j: source[1] for j, source in enumerate(self.var_sources) if source[0] == "sum"}
         starts_of = {j: _sum_start(n, loop_vars[j], cells[i], self.layers[i]) for j, i in summed.items()}
@@ -152,9 +158,18 @@ class RecurrentLoop:
             return NotImplemented
         finals, every = [], []
         for i, (cell, state) in enumerate(zip(cells, states)):
-            ends, data = _run_cell(cell, data, layout, state, i + 1 < len(cells) or i in summed.values(), one_row)
+            outputs = i + 1 < len(cells) or i in summed.values() or any(i == layer for _, layer in self.appended)
+            ends, data = _run_cell(cell, data, layout, state, outputs, one_row)
             finals.append(ends)
             every.append(data)
+        for each, (p, layer) in zip(lists, self.appended):  # (each instance's states, in step order)
+            packed = every[layer].unsqueeze(1) if one_row else every[layer]
+            empty = not any(each)
+            states = packed.unbind(0)
+            for r, k in enumerate(layout.instance):
+                each[k].append(states[r])
+            if empty and type(invariants[p]) is Batch:  # (their stack: one index of the packed states)
+                invariants[p].items = rows.Appended(each, packed, layout.index, layout.steps())
         sums = {j: start.index_add(0, layout.index.to(start.device), every[i])  # (in step order on the CPU)
                 for (j, i), start in zip(summed.items(), starts_of.values())}
         return self._results(n, loop_vars, starts, steps, layout, finals, outs[1:], sums)
@@ -227,6 +242,10 @@ class _Layout:
         self.rows = len(instance)
         self._steps, self._order = steps, order
         self._last = None
+
+    def steps(self):
+        """Each row's step, a LongTensor."""
+        return torch.tensor(self.step)
 
     def take(self, value):
         """An invariant's value for each row: an instance's own value on each of its rows."""
@@ -370,6 +389,12 @@ def _sum_start(n, value, cell, form):
     return None
 
 
+def _lists(n, value):
+    """Each instance's list of ``value`` (a list, or a batch of them), or None where one is not a list."""
+    each = bt.items_of(value) if type(value) is Batch else [value] if n == 1 else None
+    return each if each is not None and all(type(x) is list for x in each) else None
+
+
 def _tuple(out, count):
     return (out,) if count == 1 else out
 
@@ -402,6 +427,8 @@ def plan(op):
     rest = [o for o in body.ops if o not in chain and o is not step_up]
     sums = _sums(rest, body, params[:k], counter)
     rest = [o for o in rest if o not in sums.values()]
+    appends = _appends(rest, body, invariant_params)
+    rest = [o for o in rest if o not in appends]
     layers = _cell_calls(rest, body, params[:k], counter)
     if layers is None:
         return None
@@ -414,6 +441,9 @@ def plan(op):
         for part, j in enumerate(form[1:]):
             states[j] = ("state", i, part if form[0] == "pair" else None)
     tops = {body.outputs[form[1]]: i for i, (_, form) in enumerate(layers)}  # (each layer's h, or its state)
+    if any(call.args[0] not in tops for call in appends):
+        return None
+    appended = [(p, tops[call.args[0]]) for call, p in appends.items()]
     for j, (param, out) in enumerate(zip(params[:k], body.outputs)):
         if j == counter:
             var_sources.append("counter")
@@ -443,6 +473,8 @@ def plan(op):
     steps = _needed([x, *chained], chain)
     if steps is None:
         return None
+    if any(isinstance(o, ir.Call) and isinstance(o.fn, ir.Value) for o in chain - steps - reads):
+        return None  # (a call of what the loop reads, its result not needed: run for an effect, which must run)
     name = body.name + ".steps"
     # ``x[t]`` of a sequence the loop does not change: each row's item read at once, as the chain's input
     # (and ``x[t]`` of the range's item ``t = seq[i]`` in a ``for t in range(...)``: each row's t is known too)
@@ -458,7 +490,8 @@ def plan(op):
                          [*cell_values, *callees], body.loc)
     indexed = [(invariant_params.index(o.args[0]), "item" if o.output in range_items else
                 "counter" if o.args[1] is counter_param else "range") for o in items]
-    return RecurrentLoop(op, counter, end, [form for _, form in layers], chain_sg, reads_sg, var_sources, indexed)
+    return RecurrentLoop(op, counter, end, [form for _, form in layers], chain_sg, reads_sg, var_sources, indexed,
+                         appended)
 
 
 def counting(op):
@@ -505,7 +538,7 @@ def _chain(body, given):
     known, chain = set(given), set()
     for o in body.ops:
         if isinstance(o, ir.Call):
-            ok = not o.star and all(k is not None for k, _ in o.kwargs) and (
+            ok = not o.star and all(k is not None for k, _ in o.kwargs) and not op_mutates(o) and (
                 isinstance(o.fn, ir.Value) or segments.rerunnable(o.fn.value))
         else:
             ok = isinstance(o, (ir.Capture, ir.Fused)) and not (isinstance(o, ir.Capture)
@@ -532,6 +565,20 @@ def _sums(rest, body, params, counter):
             if other is not param and readers == [o] and o.output not in body.outputs[:j] + body.outputs[j + 1:]:
                 found[j] = o
                 break
+    return found
+
+
+def _appends(rest, body, invariant_params):
+    """{op of ``rest``: invariant position} of each ``xs.append(v)`` of a list the loop does not rebind, its result
+    unread: after the loop, each instance's list holds each step's v (a cell's new state: ``plan`` checks)."""
+    read = {v for o in body.ops for v in o.operands()} | {v for v in body.outputs if isinstance(v, ir.Value)}
+    found = {}
+    for o in rest:
+        method = o.fn.op if isinstance(o, ir.Call) and isinstance(o.fn, ir.Value) else None
+        if (_const_fn(method) is getattr and method.args[0] in invariant_params and isinstance(method.args[1], ir.Const)
+                and method.args[1].value == "append" and len(o.args) == 1 and not o.kwargs and not o.star
+                and o.output not in read):
+            found[o] = invariant_params.index(method.args[0])
     return found
 
 

@@ -6,7 +6,8 @@ calls do not mutate what those arguments read, so a call whose program may
 mutate (``obj.attr = v``, ``xs[i] = v``, ``x += y``, ``xs.append(v)``,
 ``t.add_(v)``, ... anywhere in it or in what it invokes) keeps its place.
 Calls of undecorated helpers are taken as not mutating what the caller reads; whether a run may share values
-computed once for every instance also asks the helpers the program names (``callables_named``).
+computed once for every instance also asks the helpers the program names (``callables_named``). Appends to a
+list the function built itself and shows no one else (``local_appends``) do not count.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import builtins
 import inspect
 import operator
 
-from .. import ir
+from .. import intrinsics, ir
 from ..ops import facts
 
 
@@ -57,8 +58,8 @@ def out_target(op):
 def subgraph_may_mutate(sg, may_mutate):
     """Whether running SubGraph ``sg`` (the branches and loops it holds too) may mutate state: an op of its
     own, or an Invoke whose program may (``may_mutate(invoke)``)."""
-    counting = int_counting(sg)
-    return any((op_mutates(o) and o not in counting) or (isinstance(o, ir.Invoke) and may_mutate(o))
+    unseen = int_counting(sg) | local_appends(sg)
+    return any((op_mutates(o) and o not in unseen) or (isinstance(o, ir.Invoke) and may_mutate(o))
                for s in sg.walk() for o in s.ops)
 
 
@@ -97,8 +98,104 @@ def build_time_value(capture):
 
 
 def subgraph_mutates(sg):
-    counting = int_counting(sg)
-    return any(op_mutates(op) and op not in counting for s in sg.walk() for op in s.ops)
+    unseen = int_counting(sg) | local_appends(sg)
+    return any(op_mutates(op) and op not in unseen for s in sg.walk() for op in s.ops)
+
+
+_APPENDING = frozenset({"append", "extend", "insert"})
+# what reads a list without keeping it or changing it (and any torch function: ``torch.stack(hs)``)
+_LIST_READS = frozenset({operator.getitem, len, intrinsics.as_sequence, intrinsics.has_index, intrinsics.unpack,
+                         sum, max, min, tuple, list, sorted, any, all})
+
+
+def local_appends(sg):
+    """The ``xs.append(v)`` calls (``extend``, ``insert``; in function SubGraph ``sg`` and what it holds) of a
+    list the function built itself (``xs = []``) and hands to nothing but its own appends, reads
+    (``torch.stack(xs)``, ``xs[-1]``, ``len(xs)``, a ``for`` over it), its loops and branches, and its result:
+    no one else sees the list while it grows, and no tensor changes, so to the rest of the program (and to the
+    caller) the function changes nothing in place."""
+    uses = {}
+    for s in sg.walk():
+        for o in s.ops:
+            for v in o.operands():
+                if isinstance(v, ir.Value):
+                    uses.setdefault(v, []).append(o)
+    found = set()
+    for s in sg.walk():
+        for o in s.ops:
+            if isinstance(o, ir.Call) and isinstance(o.fn, ir.Const) and o.fn.value is intrinsics.build_list:
+                appends = _appends_of(o.output, uses, sg)
+                if appends is not None:
+                    found.update(appends)
+    return found
+
+
+def _appends_of(built, uses, sg):
+    """The append calls of list ``built`` where every use of it (and of the names loops and branches give it)
+    is one ``local_appends`` allows, else None."""
+    appends, pending, seen = set(), [built], set()
+    while pending:
+        while pending:
+            value = pending.pop()
+            if value in seen:
+                continue
+            seen.add(value)
+            for o in uses.get(value, ()):
+                if isinstance(o, ir.While):
+                    j = (o.loop_vars + o.invariants).index(value)
+                    if j < len(o.loop_vars):
+                        pending.append(o.outputs[j])
+                    pending += [o.body_sg.inputs[j], o.cond_sg.inputs[j]]
+                elif isinstance(o, ir.Cond):
+                    if o.pred is value:
+                        return None
+                    j = o.args.index(value)
+                    pending += [o.then_sg.inputs[j], o.else_sg.inputs[j]]
+                elif not isinstance(o, ir.Call) or o.kwargs or o.star or o.fn is value:
+                    return None
+                elif _is_appender(o, value):
+                    callers = uses.get(o.output, ())
+                    if not all(isinstance(c, ir.Call) and c.fn is o.output and o.output not in c.args
+                               and not any(v is o.output for _, v in c.kwargs) for c in callers):
+                        return None
+                    appends.update(callers)
+                elif not (_reads_lists(o) or _returned_in_tuple(o, uses, sg)):
+                    return None
+        # where a loop or branch hands it on: a loop's body gives it back in its own place (else another name
+        # could take it); a branch's result that may be it is followed as it is
+        for s in sg.walk():
+            for o in s.ops:
+                if isinstance(o, ir.While):
+                    if any(v in seen for v in o.cond_sg.outputs) or any(
+                            v in seen and v is not o.body_sg.inputs[k] for k, v in enumerate(o.body_sg.outputs)):
+                        return None
+                elif isinstance(o, ir.Cond):
+                    pending += [out for k, out in enumerate(o.outputs) if out not in seen and (
+                        o.then_sg.outputs[k] in seen or o.else_sg.outputs[k] in seen)]
+    return appends
+
+
+def _returned_in_tuple(o, uses, sg):
+    """A tuple the function returns as it is (``return total, hs``)."""
+    return isinstance(o.fn, ir.Const) and o.fn.value is intrinsics.build_tuple and o.output in sg.outputs \
+        and not uses.get(o.output)
+
+
+def _is_appender(o, value):
+    return isinstance(o.fn, ir.Const) and o.fn.value is getattr and len(o.args) == 2 and o.args[0] is value \
+        and isinstance(o.args[1], ir.Const) and o.args[1].value in _APPENDING
+
+
+def _reads_lists(o):
+    """A call that reads a list it is given without keeping it: ``_LIST_READS``, or a torch function."""
+    fn = resolve(o.fn)
+    if fn is None:
+        return False
+    if facts.among(fn, _LIST_READS):
+        return True
+    module = getattr(fn, "__module__", None) or ""
+    return not isinstance(fn, type) and (module == "torch" or module.startswith("torch.")) and callable(fn) \
+        and not hasattr(fn, "parameters")
 
 
 def invoke_may_mutate(invoke, stage):

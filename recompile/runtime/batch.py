@@ -267,7 +267,7 @@ def tensor_of(b):
             b.tensor = t
         elif b.items is not None or b.struct is not None or b.method is not None:
             items = items_of(b)
-            if not all(type(x) is torch.Tensor for x in items) or not _same_kind(items, 0):
+            if not all(type(x) is torch.Tensor for x in items) or not same_kind(items, 0):
                 return None
             b.tensor = torch.stack(items)
         else:
@@ -281,7 +281,7 @@ def _repeat(value, count):
     return value.unsqueeze(0).expand(count, *value.shape)
 
 
-def _same_kind(tensors, skip):
+def same_kind(tensors, skip):
     first = tensors[0]
     shape, dtype, device = first.shape[skip:], first.dtype, first.device
     for t in tensors[1:]:  # (a loop, not all(genexpr): it runs for every join and gathered input)
@@ -306,7 +306,7 @@ def tensor_like(b, dtype):
         if not all(type(x) in NUMBERS for x in items) or not _number_fits(items, dtype):
             return None
         return torch.tensor(items, dtype=dtype)
-    if not _same_kind(tensors, 0) or tensors[0].dtype is not dtype:
+    if not same_kind(tensors, 0) or tensors[0].dtype is not dtype:
         return None
     numbers = [x for x in items if type(x) is not torch.Tensor]
     if not all(type(x) in NUMBERS for x in numbers) or not _number_fits(numbers, dtype):
@@ -345,7 +345,7 @@ def _joined_tensor(pieces, like):
         if t is None:
             return None
         parts.append(t)
-    if not _same_kind(parts, 1):
+    if not same_kind(parts, 1):
         return None
     joined = torch.cat(parts)
     return joined.index_select(0, pieces[1].inverse(joined.device))
@@ -494,7 +494,7 @@ def concat(parts):
             break
         tensors.append(t)
     else:
-        if _same_kind(tensors, 1):
+        if same_kind(tensors, 1):
             return Batch(n, tensor=torch.cat(tensors))
     kinds = {_struct_kind(v) for v, _ in parts}
     if len(kinds) == 1 and None not in kinds:

@@ -82,6 +82,11 @@ def call(n, fn, args, kwargs=None):
                 out = rule(n, base, args, kwargs or {})
                 if out is not NotImplemented:
                     return out
+            found = rows.of(base)
+            if found is not None:  # (``torch.stack(hs).mean(0)`` of lists of their own lengths)
+                out = rows.reduced(n, name, found, args, kwargs or {})
+                if out is not NotImplemented:
+                    return out
             return _vmapped_or_per_instance(n, fn, (base, *args), kwargs, method=name)
         return per_instance(n, fn, args, kwargs)
     for a in args:
@@ -108,6 +113,13 @@ def call(n, fn, args, kwargs=None):
         out = rule(n, fn, args, kwargs or {})
         if out is not NotImplemented:
             return out
+    if args and type(args[0]) is Batch and args[0].owner == "items":
+        found = rows.of(args[0])
+        name = rows.REDUCING.get(fn) if found is not None else None
+        if name is not None:  # (``torch.max(torch.stack(hs), 0)``)
+            out = rows.reduced(n, name, found, args[1:], kwargs or {})
+            if out is not NotImplemented:
+                return out
     return _vmapped_or_per_instance(n, fn, args, kwargs)
 
 
@@ -784,6 +796,8 @@ def join_along(n, fn, args, kwargs):
         if not args:
             return NotImplemented
     seq = args[0]
+    if fn is torch.stack and type(seq) is Batch and seq.owner == "items":
+        return rows.stacked(n, seq, args, kwargs)  # (each instance's list of its own length)
     if type(seq) is not Batch or seq.struct is None or seq.owner is not None or len(args) > 2:
         return NotImplemented
     parts = []
@@ -849,7 +863,8 @@ def gather(n, fn, args, kwargs):
             index = int(index)  # (``x[k]`` of a 0-d integer tensor reads as ``x[int]``: a view, as eager's)
         if x.items is not None and type(index) is int:
             found = rows.of(x)
-            out = ranges.item(x, index) if found is None else rows.item(found, index)
+            out = ranges.item(x, index) if found is None else \
+                rows.item(found, index) if index >= 0 else rows.last_items(found, index)
             if out is not NotImplemented:
                 return out
         if x.struct is not None and x.owner is None and issubclass(x.struct[0], bt.Keyed):
@@ -1029,13 +1044,16 @@ def attribute(n, fn, args, kwargs):
             return bt.from_tensor(swapped.conj() if name == "mH" else swapped)
         if callable(getattr(torch.Tensor, name, None)):
             return Batch(x.n, method=(x, name))
-    if x.struct is not None and x.owner is None and name == "append" and x.struct[0] is list:
-        return Batch(x.n, method=(x, name))  # (``hs.append(h)`` of a list the program built: see ``appended``)
+    if name == "append" and (x.struct is not None and x.owner is None and x.struct[0] is list or
+                             x.owner == "items" and all(type(v) is list for v in x.items)):
+        return Batch(x.n, method=(x, name))  # (``hs.append(h)`` of lists the program built: see ``appended``)
     if x.struct is not None and x.owner is None:  # (a field of what an op returned: ``x.max(-1).values``)
         kind, parts = x.struct
         fields = getattr(kind, "_fields", None) or getattr(kind, "__match_args__", ())
         if name in fields:
             return parts[fields.index(name)]
+    if name in rows.REDUCING.values() and rows.of(x) is not None:
+        return Batch(x.n, method=(x, name))  # (``torch.stack(hs).mean(0)``: see ``rows.reduced``)
     if x.owner == "items" and name.endswith("_") and not name.endswith("__") \
             and callable(getattr(torch.Tensor, name, None)) and all(type(v) is torch.Tensor for v in x.items):
         # (``v.add_(...)`` of each instance's own tensor: run per instance on the Batch, which then forgets a
@@ -1082,8 +1100,17 @@ def dim(n, x, args, kwargs):
 @BATCH.register("append")
 def appended(n, xs, args, kwargs):
     """``xs.append(v)`` of a list the program built, held as its elements (every instance's list as long as
-    the others'): v, batched or shared, becomes its next element, in the list every name of it sees."""
-    if kwargs or len(args) != 1 or xs.struct is None or xs.owner is not None or xs.struct[0] is not list:
+    the others'): v, batched or shared, becomes its next element, in the list every name of it sees. Of each
+    instance's own list (lists of their own lengths: some instances appended in a loop they left), each
+    instance's v is appended to its list, as its own call would."""
+    if kwargs or len(args) != 1:
+        return NotImplemented
+    if xs.owner == "items" and all(type(v) is list for v in xs.items):
+        values = bt.items_of(args[0]) if type(args[0]) is Batch else [args[0]] * n
+        for each, v in zip(xs.items, values):
+            each.append(v)
+        return None
+    if xs.struct is None or xs.owner is not None or xs.struct[0] is not list:
         return NotImplemented
     xs.struct[1].append(args[0])
     return None

@@ -157,3 +157,126 @@ def embedded(module, seq, lookup):
         return None
     views = [out[k, a:a + m] for k, (a, m) in enumerate(zip(seq.starts, seq.lengths))]
     return Batch(len(seq), items=Rows(views, out, None, seq.starts, seq.lengths))
+
+
+def stacked(n, seqs, args, kwargs):
+    """``torch.stack(xs)`` of each instance's own list of tensors of one shape, of a length of its own
+    (``hs.append(h)`` in a loop), in a run that changes nothing in place: one stack of every instance's tensors,
+    laid out in one tensor padded with zeros, whose stretches are the instances' results (Rows); one tensor of
+    them where every list is as long."""
+    if not sharing.state.fresh or len(args) > 2 or set(kwargs) - {"dim"} or \
+            kwargs.get("dim", args[1] if len(args) > 1 else 0) != 0:
+        return NotImplemented
+    lists = bt.items_of(seqs)
+    if not all(type(s) in (list, tuple) and s for s in lists):
+        return NotImplemented  # (an empty one: its instance raises, as torch.stack does)
+    lengths = [len(s) for s in lists]
+    if type(lists) is Appended and lists.holds_its_rows_alone():
+        data, instance, position = lists.packed, lists.instance, lists.step
+    else:
+        flat = [t for s in lists for t in s]
+        if not all(type(t) is torch.Tensor for t in flat) or not bt.same_kind(flat, 0):
+            return NotImplemented
+        data = torch.stack(flat)
+        counts = torch.tensor(lengths)
+        instance = torch.repeat_interleave(torch.arange(n), counts)
+        position = torch.arange(len(flat)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    longest = max(lengths)
+    if min(lengths) == longest and type(lists) is not Appended:
+        return bt.from_tensor(data.view(n, longest, *data.shape[1:]))
+    device = data.device
+    padded = data.new_zeros(n, longest, *data.shape[1:]).index_put((instance.to(device), position.to(device)), data)
+    return Batch(n, items=Rows([padded[k, :m] for k, m in enumerate(lengths)], padded, None, [0] * n, lengths))
+
+
+class Appended(list):
+    """Each instance's list (a Batch's items) that a loop run as one RNN (``codegen.recurrent``) appended each
+    step's state to, starting empty: the lists hold rows of one packed tensor of states, and while they hold
+    those alone, ``torch.stack`` of them is one index of it (``stacked``)."""
+
+    __slots__ = ("packed", "instance", "step", "_ends")
+
+    def __init__(self, lists, packed, instance, step):
+        super().__init__(lists)
+        self.packed = packed  # the states, a row each, in the loop's packed order
+        self.instance, self.step = instance, step  # each row's instance and step (LongTensors)
+        self._ends = [(len(x), x[0], x[-1]) if x else (0, None, None) for x in lists]
+
+    def holds_its_rows_alone(self):
+        """Whether each list still holds just the rows appended to it (nothing appended, inserted or taken
+        since: in a run that changes nothing in place, a list only grows)."""
+        return all(len(x) == m and (not m or x[0] is first and x[-1] is last)
+                   for x, (m, first, last) in zip(self, self._ends))
+
+
+def last_items(seq, i):
+    """``seq[i]`` of every instance at a shared position i counted from its end (``hs[-1]``), where each has one:
+    one index of the rows (a copy; the program changes nothing in place)."""
+    if not -seq.shortest <= i < 0:
+        return NotImplemented
+    device = seq.source.device
+    at = torch.tensor([a + m + i for a, m in zip(seq.starts, seq.lengths)], device=device)
+    return bt.from_tensor(seq.source[seq.row_index(device), at])
+
+
+_REDUCTIONS = {"sum", "mean", "max", "min", "amax", "amin"}
+REDUCING = {getattr(torch, name): name for name in _REDUCTIONS}  # (the torch functions of the same names)
+
+
+def reduced(n, name, seq, args, kwargs):
+    """``x.sum(0)``, ``x.mean(0)``, ``x.max(0)``, ``torch.amin(x, 0)`` ... of each instance's stretch, along its
+    rows: over the rows they lie in, the rows past an instance's end left out (``torch.where``: none of their
+    values, not even an inf, reaches a result or a gradient). NotImplemented for other ops and dims."""
+    if name not in _REDUCTIONS:
+        return NotImplemented
+    found = _along(args, kwargs)
+    rank = seq.source.dim() - 1  # (each instance's)
+    if found is None or found[0] not in (0, -rank) or rank < 1:
+        return NotImplemented
+    keepdim = found[1]
+    if name != "sum" and seq.shortest == 0:
+        return NotImplemented  # (an empty stretch: its instance's own op says what it gives or raises)
+    padded = _padded(seq)
+    device = padded.device
+    lengths = torch.tensor(seq.lengths, device=device)
+    mask = (torch.arange(padded.shape[1], device=device) < lengths[:, None]).view(n, -1, *[1] * (rank - 1))
+    if name in ("sum", "mean"):
+        if name == "mean" and not (padded.is_floating_point() or padded.is_complex()):
+            return NotImplemented
+        total = torch.where(mask, padded, padded.new_zeros(())).sum(1, keepdim=keepdim)
+        if name == "sum":
+            return bt.from_tensor(total)
+        return bt.from_tensor(total / lengths.to(total.dtype).view(n, *[1] * (total.dim() - 1)))
+    if padded.dtype is torch.bool or padded.is_complex():
+        return NotImplemented
+    lowest = name in ("max", "amax")
+    if padded.is_floating_point():
+        fill = float("-inf") if lowest else float("inf")
+    else:
+        info = torch.iinfo(padded.dtype)
+        fill = info.min if lowest else info.max
+    out = getattr(torch.where(mask, padded, padded.new_full((), fill)), name)(1, keepdim=keepdim)
+    if name in ("amax", "amin"):
+        return bt.from_tensor(out)
+    return bt.from_struct(type(out), [bt.from_tensor(out.values), bt.from_tensor(out.indices)], n)
+
+
+def _along(args, kwargs):
+    """(dim, keepdim) of a reduction's arguments, or None where they are others (a dtype, a dim tuple)."""
+    if set(kwargs) - {"dim", "keepdim"} or len(args) > 2 or ("dim" in kwargs and args):
+        return None
+    dim = kwargs.get("dim", args[0] if args else None)
+    keepdim = kwargs.get("keepdim", args[1] if len(args) > 1 else False)
+    return (dim, keepdim) if type(dim) is int and type(keepdim) is bool else None
+
+
+def _padded(seq):
+    """Each instance's stretch as the first rows of one (n, longest, ...) tensor, the rest of each row whatever
+    lies there: a view where the stretches start alike in the source's own rows, else one index (a copy)."""
+    first = seq.starts[0]
+    if seq.rows is None and all(a == first for a in seq.starts):
+        return seq.source[:, first:first + seq.longest]
+    device = seq.source.device
+    at = (torch.tensor(seq.starts, device=device)[:, None] + torch.arange(seq.longest, device=device)).clamp(
+        max=seq.source.shape[1] - 1)
+    return seq.source[seq.row_index(device)[:, None], at]

@@ -1,0 +1,101 @@
+"""passes.effects: which programs may change state in place. A list the function builds and only appends to,
+reads and returns (``hs = []; ...; hs.append(h); torch.stack(hs)``) changes nothing anyone else sees: such a
+program still shares what it computes once and runs its loops as programs that change nothing do, with the
+values of eager code."""
+
+import pytest
+import torch
+
+import recompile
+from recompile.passes import effects
+from recompile.passes.pipeline import FINAL
+
+
+def collected(xs, n):
+    h = torch.zeros(3, dtype=torch.float64)
+    hs = []
+    for t in range(n):
+        h = torch.tanh(h + xs[t])
+        hs.append(h)
+    return torch.stack(hs).mean(0) + len(hs)
+
+
+def collected_in_branches(xs, n):
+    hs = []
+    t = 0
+    while t < n:
+        if t % 2 == 0:
+            hs.append(xs[t] * 2.0)
+        else:
+            hs.extend([xs[t], xs[t] + 1.0])
+        t += 1
+    return sum(hs) + hs[-1], hs
+
+
+def comprehension(xs, n):
+    squares = [x * x for x in xs[:n]]
+    return torch.stack(squares).sum(0)
+
+
+def handed_to_a_helper(xs, n):
+    hs = []
+    for t in range(n):
+        hs.append(xs[t])
+    keep(hs)
+    return torch.stack(hs).sum(0)
+
+
+def keep(hs):
+    return len(hs)
+
+
+def appended_to_an_argument(xs, out):
+    out.append(xs * 2.0)
+    return xs
+
+
+def renamed_in_the_loop(xs, n):
+    hs, other = [], []
+    for t in range(n):
+        hs.append(xs[t])
+        hs, other = other, hs
+    return len(hs) + len(other)
+
+
+def stored(self, xs):
+    hs = []
+    self.memory = hs
+    hs.append(xs)
+    return xs
+
+
+@pytest.mark.parametrize("fn, local", [(collected, True), (collected_in_branches, True), (comprehension, True),
+                                       (handed_to_a_helper, False), (appended_to_an_argument, False),
+                                       (renamed_in_the_loop, False), (stored, False)],
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_a_list_built_and_only_appended_to_changes_nothing_in_place(fn, local):
+    f = recompile.function(fn)
+    assert f.callee(None).may_mutate is not local
+    sg = f.callee(None).subgraph(FINAL)
+    assert bool(effects.local_appends(sg)) is local or fn in (appended_to_an_argument, stored)
+
+
+@pytest.mark.parametrize("fn", [collected, collected_in_branches, comprehension])
+def test_programs_collecting_lists_under_vmap_give_eager_values_and_gradients(fn):
+    xs = torch.randn(5, 6, 3, dtype=torch.float64, requires_grad=True)
+    n = torch.tensor([6, 1, 3, 6, 2])
+    f = recompile.function(fn)
+    got = recompile.vmap(f, out_dims=0)(xs, n) if fn is not collected_in_branches else None
+    if fn is collected_in_branches:  # (a list per instance of its own length: each instance called alone)
+        for k in range(5):
+            value, hs = f(xs[k], n[k])
+            want, want_hs = fn(xs[k], int(n[k]))
+            torch.testing.assert_close(value, want)
+            assert len(hs) == len(want_hs)
+        return
+    want = torch.stack([fn(xs[k], int(n[k])) for k in range(5)])
+    torch.testing.assert_close(got, want)
+    (grad,) = torch.autograd.grad(got.sum(), xs)
+    (want_grad,) = torch.autograd.grad(want.sum(), xs)
+    torch.testing.assert_close(grad, want_grad)
+    assert "zeros" not in str(f.stats["per_instance"])  # (computed once: the run changes nothing in place)
