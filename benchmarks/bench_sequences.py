@@ -5,9 +5,10 @@
 The idiom suite's models that are not bottom-up trees (``bench_idioms.py`` has those):
 
 - A sentence classifier: an ``nn.LSTMCell`` run over each SST sentence's words, the last state classified
-  (embedding 300, hidden 150, 5 classes, one cross-entropy per sentence). Written four ways, ``for t in
-  range(n)``, ``while t < n``, ``for w in words[:n]`` and ``for x in self.embed(words[:n])``, over padded word
-  rows and per-sentence lengths through ``recompile.vmap``; against the same parameters in one ``nn.LSTM``
+  (embedding 300, hidden 150, 5 classes, one cross-entropy per sentence). Written five ways, ``for t in
+  range(n)``, ``while t < n``, ``for w in words[:n]`` and ``for x in self.embed(words[:n])``, and as an
+  ``nn.LSTM`` over each sentence (``self.lstm(self.embed(words[:n]))``), over padded word rows and per-sentence
+  lengths through ``recompile.vmap``; against the same parameters in one ``nn.LSTM``
   over the packed minibatch (``pack_padded_sequence``), the way a PyTorch user batches sentences of different
   lengths by hand. And the states averaged over the sentence, two ways (``total = total + h``, ``total / n``;
   ``hs.append(h)``, ``torch.stack(hs).mean(0)``), against the packed ``nn.LSTM``'s states padded with zeros
@@ -85,6 +86,22 @@ class SentenceLSTMEmbedded(SentenceLSTM):
         for x in self.embed(words[:n]):
             h, c = self.cell(x, (h, c))
         return F.cross_entropy(self.out(h), label)
+
+
+class SentenceLSTMModule(SentenceLSTM):
+    """The cell's parameters also held as one ``nn.LSTM`` (not a submodule: the state dict stays the cell's)."""
+
+    def __init__(self, vocab_size, embed=300, hidden=150, classes=5):
+        super().__init__(vocab_size, embed, hidden, classes)
+        lstm = nn.LSTM(embed, hidden)
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            setattr(lstm, f"{name}_l0", getattr(self.cell, name))
+        object.__setattr__(self, "lstm", lstm)
+
+    def classify(self, words, n, label):
+        """An ``nn.LSTM`` over each sentence, ``_, (h, c) = self.lstm(self.embed(words[:n]))``."""
+        _, (h, c) = self.lstm(self.embed(words[:n]))
+        return F.cross_entropy(self.out(h[-1]), label)
 
 
 class TwoLayerLSTM(SentenceLSTM):
@@ -335,7 +352,8 @@ def main(argv=None):
     for title, spellings, hand_batched in (
             ("Variable-length LSTM (embed 300, hidden 150) against one packed nn.LSTM",
              {"LSTMCell, for range(n)": SentenceLSTM, "LSTMCell, while t < n": SentenceLSTMWhile,
-              "LSTMCell, for words[:n]": SentenceLSTMPrefix, "LSTMCell, embed(words[:n])": SentenceLSTMEmbedded},
+              "LSTMCell, for words[:n]": SentenceLSTMPrefix, "LSTMCell, embed(words[:n])": SentenceLSTMEmbedded,
+              "nn.LSTM per sentence": SentenceLSTMModule},
              hand_batched_sentences),
             ("States averaged over the sentence against one packed nn.LSTM's padded states",
              {"LSTMCell, states summed": PooledLSTM, "LSTMCell, stack(hs).mean(0)": CollectedLSTM},

@@ -282,3 +282,27 @@ def test_an_empty_list_stacked_raises_as_torch_does_and_lists_alike_stack_as_one
     xs = torch.randn(3, 4, 2)
     torch.testing.assert_close(recompile.vmap(f)(xs, lengths(3, 3, 3)),
                                torch.stack([pooled(xs[k], 3) for k in range(3)]))
+
+
+@pytest.mark.parametrize("kind, options", [(nn.LSTM, {}), (nn.GRU, {"num_layers": 2}),
+                                           (nn.LSTM, {"bidirectional": True, "num_layers": 2}),
+                                           (nn.RNN, {"batch_first": True})])
+def test_an_rnn_module_over_each_instances_stretch_runs_once_over_them_packed(kind, options):
+    torch.manual_seed(7)
+    embed, rnn = nn.Embedding(VOCAB, EMBED).double(), kind(EMBED, HIDDEN, **options).double()
+    start = torch.randn(rnn.num_layers * (2 if rnn.bidirectional else 1), HIDDEN, dtype=torch.float64)
+
+    def read(words, n, h0):
+        out, ends = rnn(embed(words[:n]), (h0, h0 * 2.0) if kind is nn.LSTM else h0)
+        h = ends[0] if kind is nn.LSTM else ends
+        return out.mean(0) + out[-1] + h[-1].sum() + out.max(0).values
+
+    f = recompile.function(read)
+    words, n = sentences(4, 6), lengths(6, 2, 5, 1)
+    starts = torch.stack([start * k for k in range(4)])
+    got = recompile.vmap(f)(words, n, starts)
+    want = torch.stack([read(words[k], int(n[k]), starts[k]) for k in range(4)])
+    torch.testing.assert_close(got, want)
+    params = [*rnn.parameters(), embed.weight]
+    for g, w in zip(torch.autograd.grad(got.sum(), params), torch.autograd.grad(want.sum(), params)):
+        torch.testing.assert_close(g, w)

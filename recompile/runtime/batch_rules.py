@@ -1387,9 +1387,12 @@ def recurrent_layer(n, module, args, kwargs):
     of sequences for the module (each is run on its own by it), its results cut back per instance. Not with
     dropout between layers while training (each instance draws its own), nor with packed sequences."""
     if len(args) > 2 or (kwargs and set(kwargs) != {"hx"}) or not args or type(args[0]) is not Batch \
-            or args[0].owner != "tensor" or "forward" in module.__dict__ or (module.dropout and module.training):
+            or "forward" in module.__dict__ or (module.dropout and module.training):
         return NotImplemented
-    x = args[0].tensor
+    stretches = rows.of(args[0])  # (``self.lstm(self.embed(words[:n]))``: sequences of their own lengths)
+    if args[0].owner != "tensor" and stretches is None:
+        return NotImplemented
+    x = args[0].tensor if stretches is None else stretches.source
     rank = x.dim() - 1  # (an instance's: 2, one unbatched sequence; 3, a batch of them)
     if rank not in (2, 3) or x.shape[-1] != module.input_size:
         return NotImplemented
@@ -1398,7 +1401,7 @@ def recurrent_layer(n, module, args, kwargs):
         flat = x if first else x.transpose(0, 1)
     else:  # (n, B, L, D) or (n, L, B, D): instances times their batches
         flat = x.reshape(-1, *x.shape[2:]) if first else x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[3])
-    rows = flat.shape[0] if first else flat.shape[1]
+    sequences = flat.shape[0] if first else flat.shape[1]
     hx = args[1] if len(args) > 1 else kwargs.get("hx")
     lstm = type(module) is nn.LSTM
     states = None
@@ -1413,8 +1416,11 @@ def recurrent_layer(n, module, args, kwargs):
                 if type(part) is torch.Tensor else None
             if t is None or t.dim() != rank + 1:
                 return NotImplemented
-            states.append(t.transpose(0, 1).reshape(t.shape[1], rows, t.shape[-1]))
-    out, ends = module(flat, None if states is None else tuple(states) if lstm else states[0])
+            states.append(t.transpose(0, 1).reshape(t.shape[1], sequences, t.shape[-1]))
+    states = None if states is None else tuple(states) if lstm else states[0]
+    if stretches is not None:
+        return rows.through_rnn(n, module, stretches, states) if rank == 2 else NotImplemented
+    out, ends = module(flat, states)
 
     def per_instance_state(h):  # (layers, rows, H) -> (n, layers, H) or (n, layers, B, H)
         return bt.from_tensor(h.reshape(h.shape[0], n, *([] if rank == 2 else [-1]), h.shape[-1]).transpose(0, 1))

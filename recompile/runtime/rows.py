@@ -280,3 +280,19 @@ def _padded(seq):
     at = (torch.tensor(seq.starts, device=device)[:, None] + torch.arange(seq.longest, device=device)).clamp(
         max=seq.source.shape[1] - 1)
     return seq.source[seq.row_index(device)[:, None], at]
+
+
+def through_rnn(n, module, seq, states):
+    """An ``nn.RNN``, ``LSTM`` or ``GRU`` over each instance's stretch (an unbatched sequence of its own length):
+    one run over them packed (``pack_padded_sequence``), the module's states given as (layers, n, H); each
+    instance's output its stretch of the padded outputs (Rows), and its final states (layers, H) a batch."""
+    if seq.shortest == 0:
+        return NotImplemented  # (an empty sequence: its instance's own call says what it does)
+    lengths = torch.tensor(seq.lengths)
+    packed = nn.utils.rnn.pack_padded_sequence(_padded(seq), lengths, batch_first=True, enforce_sorted=False)
+    out, ends = module(packed, states)
+    out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+    outputs = Batch(n, items=Rows([out[k, :m] for k, m in enumerate(seq.lengths)], out, None, [0] * n,
+                                  list(seq.lengths)))
+    finals = [bt.from_tensor(e.transpose(0, 1)) for e in (ends if type(module) is nn.LSTM else (ends,))]
+    return bt.from_struct(tuple, [outputs, bt.from_struct(tuple, finals, n) if len(finals) == 2 else finals[0]], n)
