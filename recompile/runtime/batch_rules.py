@@ -861,6 +861,11 @@ def gather(n, fn, args, kwargs):
     if type(x) is Batch and type(index) is not Batch:
         if type(index) is torch.Tensor and index.dim() == 0 and index.dtype in facts.INTEGER_INDEX and index.is_cpu:
             index = int(index)  # (``x[k]`` of a 0-d integer tensor reads as ``x[int]``: a view, as eager's)
+        if x.items is not None and type(index) is slice:
+            found = rows.of(x)
+            out = rows.sliced(n, found, index) if found is not None else NotImplemented
+            if out is not NotImplemented:
+                return out
         if x.items is not None and type(index) is int:
             found = rows.of(x)
             out = ranges.item(x, index) if found is None else \

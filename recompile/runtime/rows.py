@@ -102,6 +102,20 @@ def stretch(n, x, index):
     return Batch(n, items=Rows(views, source, rows, starts, lengths))
 
 
+def sliced(n, seq, s):
+    """``x[s]`` of each instance's stretch with a slice every instance shares (``states[-2:]``), step 1: each
+    instance's view of it, kept as Rows of the same source; NotImplemented for other steps."""
+    try:
+        bounds = [s.indices(m) for m in seq.lengths]
+    except TypeError:  # (a bound that is not an index: each instance raises its own)
+        return NotImplemented
+    if any(step != 1 for _, _, step in bounds):
+        return NotImplemented
+    return Batch(n, items=Rows([x[s] for x in seq], seq.source, seq.rows, [a + start for a, (start, _, _) in
+                                                                          zip(seq.starts, bounds)],
+                               [max(0, stop - start) for start, stop, _ in bounds]))
+
+
 def has_index(seq, i):
     """Whether each instance's stretch has an item at the shared position i (≥ 0)."""
     if i < seq.shortest:
