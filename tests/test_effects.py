@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import recompile
+from bound_globals import bound_globals  # (tests/ is on sys.path under pytest)
 from recompile.passes import effects
 from recompile.passes.pipeline import FINAL
 
@@ -99,3 +100,25 @@ def test_programs_collecting_lists_under_vmap_give_eager_values_and_gradients(fn
     (want_grad,) = torch.autograd.grad(want.sum(), xs)
     torch.testing.assert_close(grad, want_grad)
     assert "zeros" not in str(f.stats["per_instance"])  # (computed once: the run changes nothing in place)
+
+
+def grown(xs, n):
+    if n == 0:
+        return []
+    hs = []
+    hs.extend(grown(xs, n - 1))
+    hs.append(xs[0] * n)
+    return hs
+
+
+def counted(xs, n):
+    return xs[0] * len(grown(xs, n))
+
+
+def test_lists_of_their_own_lengths_returned_by_a_recursion_reach_their_callers():
+    """Each request of a batched call gets its part of the results, an empty list too (``batch.cut``)."""
+    funcs = {name: recompile.function(globals()[name]) for name in ("grown", "counted")}
+    xs, n = torch.randn(3, 2), torch.tensor([2, 1, 0])
+    with bound_globals(globals(), funcs):
+        got = recompile.vmap(funcs["counted"])(xs, n)
+    torch.testing.assert_close(got, torch.stack([counted(xs[k], int(n[k])) for k in range(3)]))

@@ -647,3 +647,32 @@ def test_plan_reads_the_loop_the_frontend_writes():
     found = recurrent.plan(loops[0])
     # (its loop variables: t, the range's position, h)
     assert found is not None and found.end[0] == "range" and found.layers == [("one", 2)]
+
+
+def reads_its_list(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    hs = [torch.ones(HIDDEN, dtype=torch.float64)]
+    for t in range(n):
+        h = m.cell(m.embed(words[t]) * len(hs) + hs[-1][:EMBED], h)
+        hs.append(h)
+    return h
+
+
+def appends_the_whole_state(m, words, n):
+    hc = (torch.zeros(HIDDEN, dtype=torch.float64), torch.zeros(HIDDEN, dtype=torch.float64))
+    hs = []
+    for t in range(n):
+        hc = m.cell(m.embed(words[t]), hc)
+        hs.append(hc)
+    return hs[-1][1] + len(hs)
+
+
+def test_a_list_the_step_inputs_read_or_an_lstms_whole_state_appended_run_the_loop_as_written():
+    """Step inputs reading the list the loop appends to (computed ahead, they would read it before it grows),
+    and an LSTM's (h, c) appended whole (the packed states hold h alone), keep the loop as written."""
+    torch.manual_seed(12)
+    config.PER_INSTANCE = "allow"
+    compare(Model(nn.GRUCell).double(), reads_its_list, (sentences(3, 4), lengths(4, 2, 3)), (None, 0, 0),
+            expect_runs=None)
+    compare(Model().double(), appends_the_whole_state, (sentences(3, 4), lengths(4, 2, 3)), (None, 0, 0),
+            expect_runs=False)

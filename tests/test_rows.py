@@ -304,3 +304,20 @@ def test_an_rnn_module_over_each_instances_stretch_runs_once_over_them_packed(ki
     params = [*rnn.parameters(), embed.weight]
     for g, w in zip(torch.autograd.grad(got.sum(), params), torch.autograd.grad(want.sum(), params)):
         torch.testing.assert_close(g, w)
+
+
+def test_the_amax_of_an_inf_tying_with_the_rows_past_an_end_shares_its_gradient_as_eager():
+    @recompile.function
+    def largest(xs, n):
+        hs = []
+        for t in range(n):
+            hs.append(xs[t] * 1.0)
+        return torch.stack(hs).amax(0)
+
+    xs = torch.tensor([[[1.0], [2.0]], [[float("-inf")], [7.0]]], dtype=torch.float64, requires_grad=True)
+    n = lengths(2, 1)
+    config.PER_INSTANCE = "allow"
+    got = recompile.vmap(largest)(xs, n)
+    want = torch.stack([largest.python(xs[k], int(n[k])) for k in range(2)])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])

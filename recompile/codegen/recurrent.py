@@ -118,8 +118,9 @@ class RecurrentLoop:
         if not _stack_fits(cells, self.layers):
             return NotImplemented
         lists = [_lists(n, invariants[p]) for p, _ in self.appended]
-        if any(each is None for each in lists):
-            return NotImplemented
+        if any(each is None for each in lists) or any(
+                type(cells[layer]) is nn.LSTMCell and self.layers[layer][0] != "pair" for _, layer in self.appended):
+            return NotImplemented  # (an LSTM's state appended whole is its (h, c): the packed states hold h)
         summed = {j: source[1] for j, source in enumerate(self.var_sources) if source[0] == "sum"}
         starts_of = {j: _sum_start(n, loop_vars[j], cells[i], self.layers[i]) for j, i in summed.items()}
         if any(v is None for v in starts_of.values()):
@@ -444,6 +445,9 @@ def plan(op):
     if any(call.args[0] not in tops for call in appends):
         return None
     appended = [(p, tops[call.args[0]]) for call, p in appends.items()]
+    lists = {invariant_params[p] for p, _ in appended}  # (read by nothing but their appends: the step inputs,
+    if any(v in lists for o in body.ops if not _is_append_of(o, lists) for v in o.operands()):  # run ahead,
+        return None  # would read them before the loop grows them)
     for j, (param, out) in enumerate(zip(params[:k], body.outputs)):
         if j == counter:
             var_sources.append("counter")
@@ -580,6 +584,12 @@ def _appends(rest, body, invariant_params):
                 and o.output not in read):
             found[o] = invariant_params.index(method.args[0])
     return found
+
+
+def _is_append_of(o, lists):
+    """Whether op ``o`` is ``xs.append`` (the attribute) of one of ``lists``."""
+    return _const_fn(o) is getattr and o.args[0] in lists and isinstance(o.args[1], ir.Const) \
+        and o.args[1].value == "append"
 
 
 def _cell_calls(rest, body, state_params, counter):

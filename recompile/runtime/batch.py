@@ -449,7 +449,7 @@ def cut(value, counts, split=True):
             return [p[0] if c == 1 else Batch(c, tensor=p) for p, c in zip(t.split_with_sizes(counts), counts)]
         if _held_as_parts(value):
             kind, parts = value.struct
-            rows = zip(*[cut(p, counts, split) for p in parts])
+            rows = zip(*[cut(p, counts, split) for p in parts]) if parts else [()] * len(counts)
             return [build(kind, row) if c == 1 else from_struct(kind, list(row), c) for row, c in zip(rows, counts)]
     out, start = [], 0
     for c in counts:

@@ -240,7 +240,8 @@ REDUCING = {getattr(torch, name): name for name in _REDUCTIONS}  # (the torch fu
 def reduced(n, name, seq, args, kwargs):
     """``x.sum(0)``, ``x.mean(0)``, ``x.max(0)``, ``torch.amin(x, 0)`` ... of each instance's stretch, along its
     rows: over the rows they lie in, the rows past an instance's end left out (``torch.where``: none of their
-    values, not even an inf, reaches a result or a gradient). NotImplemented for other ops and dims."""
+    values, not even an inf, reaches a result or a gradient; an amax with grad of an inf, whose gradient a tie
+    with the fill would share, runs per instance). NotImplemented for other ops and dims."""
     if name not in _REDUCTIONS:
         return NotImplemented
     found = _along(args, kwargs)
@@ -269,7 +270,11 @@ def reduced(n, name, seq, args, kwargs):
     else:
         info = torch.iinfo(padded.dtype)
         fill = info.min if lowest else info.max
-    out = getattr(torch.where(mask, padded, padded.new_full((), fill)), name)(1, keepdim=keepdim)
+    filled = torch.where(mask, padded, padded.new_full((), fill))
+    if name in ("amax", "amin") and padded.requires_grad and torch.is_grad_enabled() and \
+            bool((torch.where(mask, padded, 0) == fill).any()):
+        return NotImplemented  # (an inf tying with the fill: amax's gradient, shared by ties, would reach it)
+    out = getattr(filled, name)(1, keepdim=keepdim)
     if name in ("amax", "amin"):
         return bt.from_tensor(out)
     return bt.from_struct(type(out), [bt.from_tensor(out.values), bt.from_tensor(out.indices)], n)
