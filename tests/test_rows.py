@@ -321,3 +321,30 @@ def test_the_amax_of_an_inf_tying_with_the_rows_past_an_end_shares_its_gradient_
     want = torch.stack([largest.python(xs[k], int(n[k])) for k in range(2)])
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+
+
+def test_an_rnn_module_given_a_state_over_stretches_of_a_shared_tensor_or_of_instances_taken():
+    torch.manual_seed(8)
+    gru = nn.GRU(EMBED, HIDDEN).double()
+    shared = torch.randn(5, EMBED, dtype=torch.float64)
+    h0 = torch.randn(1, HIDDEN, dtype=torch.float64)
+    n = lengths(4, 2, 5)
+
+    def of_shared(x, n, h0):
+        _, h = gru(x[:n], h0)
+        return h
+
+    def in_a_loop(xs, n, h0):
+        s = xs[:n]
+        h = h0
+        for k in range(n):  # (instances leave at their own steps: the stretches of the ones that stay)
+            _, h = gru(s[k:], h)
+        return h
+
+    f = recompile.function(of_shared)
+    torch.testing.assert_close(recompile.vmap(f, in_dims=(None, 0, None))(shared, n, h0),
+                               torch.stack([of_shared(shared, int(k), h0) for k in n]))
+    xs = torch.randn(3, 5, EMBED, dtype=torch.float64)
+    g = recompile.function(in_a_loop)
+    torch.testing.assert_close(recompile.vmap(g, in_dims=(0, 0, None))(xs, n, h0),
+                               torch.stack([in_a_loop(xs[k], int(n[k]), h0) for k in range(3)]))

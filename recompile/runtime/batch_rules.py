@@ -1406,7 +1406,7 @@ def recurrent_layer(n, module, args, kwargs):
         flat = x if first else x.transpose(0, 1)
     else:  # (n, B, L, D) or (n, L, B, D): instances times their batches
         flat = x.reshape(-1, *x.shape[2:]) if first else x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[3])
-    sequences = flat.shape[0] if first else flat.shape[1]
+    sequences = n if stretches is not None else flat.shape[0] if first else flat.shape[1]  # (a stretch each)
     hx = args[1] if len(args) > 1 else kwargs.get("hx")
     lstm = type(module) is nn.LSTM
     states = None
