@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import types
 import warnings
 
 import pytest
@@ -986,3 +987,93 @@ def test_frame_readers_see_the_functions_own_variables(fn, cases):
 @pytest.mark.filterwarnings("ignore::recompile.GradFallbackWarning")
 def test_frame_readers_gradients():
     check_grad(evaluates, T(1.0, -2.0), 3)
+
+
+# ---------------------------------------------------------------------------
+# 5. for over enumerate(...): an index loop over the sequence itself
+# ---------------------------------------------------------------------------
+
+def enumerated_rows(xs):
+    total = xs[0] * 0.0
+    for i, x in enumerate(xs):
+        total = total + x * (i + 1)
+    return total, i
+
+
+def enumerated_from_a_start(xs):
+    out = []
+    for i, x in enumerate(xs, 3):
+        if i == 5:
+            break
+        out.append((i, x))
+    else:
+        out.append("no break")
+    return out, i
+
+
+def enumerated_from_a_start_of_a_name(xs, k):
+    return [(i, x) for i, x in enumerate(xs, k)], [i for i, _ in enumerate(xs, start=-1)]
+
+
+def enumerated_generator(n):
+    seen = []
+    for i, sq in enumerate(x * x for x in range(n)):
+        seen.append(i + sq)
+    return seen
+
+
+def enumerated_nothing(xs):
+    for i, x in enumerate(xs):
+        pass
+    return i
+
+
+def enumerated_one_name(xs):
+    pairs = []
+    for pair in enumerate(xs):
+        pairs.append(pair)
+    return pairs
+
+
+def enumerated_rows_total(xs):
+    return enumerated_rows(xs)[0]
+
+
+def test_for_over_enumerate_runs_as_python_does():
+    for fn, cases in [(enumerated_from_a_start, [([1, 2, 3, 4],), ([7],)]),
+                      (enumerated_from_a_start_of_a_name, [([1, 2], 4), ("ab", -2)]),
+                      (enumerated_generator, [(4,), (0,)]), (enumerated_nothing, [([],), ([5, 6],)]),
+                      (enumerated_one_name, [("xyz",)]), (enumerated_rows, [(ROWS,)])]:
+        check(fn, *cases)
+
+
+def test_for_over_enumerate_batches():
+    xs = torch.randn(4, 3, 2, dtype=F64)
+    check_vmap(enumerated_rows_total, (0,), xs, rec=("enumerated_rows",))
+    check_grad(enumerated_rows_total, xs[0].clone().requires_grad_())
+
+
+def test_an_enumerate_the_function_binds_is_called_as_written():
+    def local_enumerate(xs):
+        enumerate = reversed
+        return [x for x in enumerate(xs)], [i for i in enumerate(xs)]
+
+    def closure_enumerate(xs):
+        return [p for p in enumerate(xs)]
+
+    def outer():
+        enumerate = lambda xs: zip(xs, xs)  # noqa: E731
+        def inner(xs):
+            out = []
+            for a, b in enumerate(xs):
+                out.append(a * b)
+            return out
+        return inner
+
+    check(local_enumerate, ([1, 2, 3],))
+    check(closure_enumerate, ("ab",))
+    check(outer(), ([1, 2, 3],))
+    # (a module whose globals bind enumerate: its loops call that one)
+    shadowed = types.FunctionType(closure_enumerate.__code__, {**G, "enumerate": lambda xs: zip(xs, xs)})
+    check(shadowed, ("ab",))
+    assert shadowed("ab") == [("a", "a"), ("b", "b")]

@@ -348,3 +348,16 @@ def test_an_rnn_module_given_a_state_over_stretches_of_a_shared_tensor_or_of_ins
     g = recompile.function(in_a_loop)
     torch.testing.assert_close(recompile.vmap(g, in_dims=(0, 0, None))(xs, n, h0),
                                torch.stack([in_a_loop(xs[k], int(n[k]), h0) for k in range(3)]))
+
+
+def enumerated_words(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    t = -1
+    for t, w in enumerate(words[:n]):
+        h = m.cell(m.embed(w) * (t + 1), h)
+    return h * t
+
+
+def test_a_loop_over_an_enumerated_stretch_runs_as_one_rnn_its_index_ending_as_pythons():
+    torch.manual_seed(9)
+    compare(Model(nn.GRUCell).double(), enumerated_words, (sentences(5, 6), lengths(6, 2, 0, 4, 1)), (None, 0, 0))

@@ -72,7 +72,8 @@ class RecurrentLoop:
         self.layers = layers
         self.chain_sg = chain_sg  # (counter, *invariants) -> (step input, *loop variables' chain values)
         self.reads_sg = reads_sg  # (*invariants) -> (*cells, *the step inputs' callables)
-        # per loop variable: "counter", ("state", layer, part), "same" or ("chain", k)
+        # per loop variable: "counter", "index" (the counter's value at the step), ("state", layer, part),
+        # ("sum", layer), "same" or ("chain", k)
         self.var_sources = var_sources
         # which invariants the step inputs read (the others are not taken for each row)
         # per ``x[t]`` read for the chain (its last inputs): the invariant, and what t is: "counter", "range" (the
@@ -208,6 +209,10 @@ class RecurrentLoop:
                     out.append(ends[0])
             elif source == "same":
                 out.append(loop_vars[j])
+            elif source == "index":  # (the counter at each instance's last step; its start value if it took none)
+                way = ranges.direction(self.end[0])
+                out.append(_per_instance(n, [s + way * (k - 1) if k else bt.instance(loop_vars[j], i)
+                                             for i, (s, k) in enumerate(zip(starts, steps))]))
             else:  # ("chain", k): its value at the instance's last step, or the initial one if it took none
                 value = chained[source[1]]
                 if n > 1 and layout.rows > 1 and all(steps):  # (every instance's last row, at once)
@@ -460,6 +465,8 @@ def plan(op):
             var_sources.append(states[j])
         elif out is param:
             var_sources.append("same")
+        elif out is counter_param:  # (``t`` of ``for t, w in enumerate(words)``: the counter at its step)
+            var_sources.append("index")
         elif isinstance(out, ir.Value) and out.op in chain:
             var_sources.append(("chain", len(chained)))
             chained.append(out)

@@ -6,7 +6,8 @@ AST -> AST, before conversion to the IR:
 - ``break`` / ``continue`` become flags that the loop condition and guards read.
 - statements after one that may jump are guarded by ``if not <flags>:`` —
   or, when one branch of an ``if`` always jumps, moved into the other branch.
-- ``for target in xs`` becomes an index loop over ``as_sequence(xs)`` while ``has_index(seq, i)``.
+- ``for target in xs`` becomes an index loop over ``as_sequence(xs)`` while ``has_index(seq, i)``; ``for i, x in
+  enumerate(xs)`` the same loop over xs, i its index.
 - ``assert`` becomes ``if not test: raise AssertionError(msg)``.
 - ``with``, ``try``, ``match``, ``class`` and ``import`` become a call of a nested function holding the statement
   (``python_blocks``), then a return, break or continue where it says so.
@@ -95,8 +96,9 @@ class _Loop:
 
 
 class Canonicalizer:
-    def __init__(self, declared=None):
+    def __init__(self, declared=None, builtins=frozenset()):
         self.declared = declared or {}  # the function's global and nonlocal names
+        self.builtins = builtins  # builtin names (``enumerate``) that no scope of the function binds
         self.first_param = None
         self.loops = []
         self.counter = 0
@@ -234,13 +236,35 @@ class Canonicalizer:
         self.counter += 1
         n = self.counter
         seq, idx = f".seq{n}", f".idx{n}"
-        as_seq = located(gast.Call(func=name(AS_SEQUENCE, at=s.iter), args=[s.iter], keywords=[]), s.iter)
+        counted = self._enumerated(s.iter)
+        over = s.iter if counted is None else counted[0]
+        as_seq = located(gast.Call(func=name(AS_SEQUENCE, at=over), args=[over], keywords=[]), over)
         prelude = [assign(seq, as_seq, s), assign(idx, const(0, s), s)]
         test = located(gast.Call(func=name(HAS_INDEX, at=s), args=[name(seq, at=s), name(idx, at=s)], keywords=[]), s)
         item = located(gast.Subscript(value=name(seq, at=s), slice=name(idx, at=s), ctx=gast.Load()), s.target)
+        if counted is not None:  # (``for t, w in enumerate(xs)``: t is the index, plus the start)
+            number = name(idx, at=s) if not counted[1] else \
+                located(gast.BinOp(left=name(idx, at=s), op=gast.Add(), right=const(counted[1], s)), s)
+            item = located(gast.Tuple(elts=[number, item], ctx=gast.Load()), s.target)
         bind = located(gast.Assign(targets=[s.target], value=item, type_comment=None), s.target)
         step = assign(idx, located(gast.BinOp(left=name(idx, at=s), op=gast.Add(), right=const(1, s)), s), s)
         return self._loop(s, test, s.body, s.orelse, prelude, [bind, step])
+
+    def _enumerated(self, it):
+        """(xs, start) of a ``for`` over ``enumerate(xs)`` or ``enumerate(xs, k)`` (k an int constant) where
+        ``enumerate`` is the builtin (``builtins``: the names no scope of the function binds), else None. Such a
+        loop runs over xs itself, its index the count: an index loop over xs, as the loop over a range or a
+        tensor's rows, which a batched run reads at once."""
+        if not (isinstance(it, gast.Call) and isinstance(it.func, gast.Name) and it.func.id == "enumerate"
+                and "enumerate" in self.builtins and not it.keywords and 1 <= len(it.args) <= 2
+                and not any(isinstance(a, gast.Starred) for a in it.args)):
+            return None
+        if len(it.args) == 1:
+            return it.args[0], 0
+        start = it.args[1]
+        if isinstance(start, gast.Constant) and type(start.value) is int:
+            return it.args[0], start.value
+        return None
 
     def _loop(self, s, test, body, orelse, prelude, header):
         self.counter += 1
@@ -308,5 +332,5 @@ def _drop_unread_flags(body, flags):
     return module.body
 
 
-def canonicalize(fdef, declared=None):
-    return Canonicalizer(declared).function(fdef)
+def canonicalize(fdef, declared=None, builtins=frozenset()):
+    return Canonicalizer(declared, builtins).function(fdef)

@@ -37,6 +37,7 @@ INPLACE = syntax.by_node(syntax.BINARY, gast, in_place=True)
 UNARY = syntax.by_node(syntax.UNARY, gast)
 COMPARE = syntax.by_node(syntax.COMPARE, gast)
 _SET = ".set"  # (a set comprehension's empty set, whatever the user calls set)
+_LOWERED_BUILTINS = frozenset({"enumerate"})  # (builtins a ``for`` over reads as its index loop: canonicalize)
 INTERNAL = {canon.AS_SEQUENCE: intrinsics.as_sequence, canon.HAS_INDEX: intrinsics.has_index,
             canon.ASSERTION_ERROR: AssertionError, _SET: set}
 
@@ -97,7 +98,8 @@ class Converter:
 
     def convert(self):
         self.declared = closures.declarations(self.p.node.body)  # global and nonlocal names
-        fdef = canon.canonicalize(copy.deepcopy(self.p.node), self.declared)
+        bound = set(_stored_names(self.p.node.body)) | set(self.p.params) | set(self.p.freevars) | set(self.p.globals)
+        fdef = canon.canonicalize(copy.deepcopy(self.p.node), self.declared, _LOWERED_BUILTINS - bound)
         self.locals = (set(_stored_names(fdef.body)) | set(self.p.params)) - set(self.declared)
         # (locals() lists parameters first, then variables in the order they are first bound)
         self.frame_order = [n for n in dict.fromkeys([*self.p.params, *_stored_names(self.p.node.body)])
