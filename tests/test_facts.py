@@ -209,7 +209,7 @@ GROWN = {
                                     (range, ranges.build), (intrinsics.as_sequence, ranges.as_sequence),
                                     (intrinsics.has_index, ranges.has_index), (operator.not_, batch_rules.negation),
                                     # ``words[:n]`` with n per instance: each instance's slice (runtime.rows)
-                                    (slice, rows.slices),
+                                    (slice, rows.slices), (reversed, rows.reversed_rows),
                                     # ``state is None``: the rows of a tensor and a built tuple are not None
                                     (operator.is_, batch_rules.none_test), (operator.is_not, batch_rules.none_test),
                                     (sum, batch_rules.python_sum),
@@ -266,7 +266,7 @@ GROWN = {
                                  | _ruled(batch_rules.BATCH.by_module, _MORE_RULES)
                                  | _entries((m, batch_rules.elementwise) for m in _MORE_ACTIVATIONS), set()),
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, slice,
-                                    len, intrinsics.build_dict,
+                                    reversed, len, intrinsics.build_dict,
                                     *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE, *_FRESH,
                                     int, float, bool)
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),

@@ -361,3 +361,41 @@ def enumerated_words(m, words, n):
 def test_a_loop_over_an_enumerated_stretch_runs_as_one_rnn_its_index_ending_as_pythons():
     torch.manual_seed(9)
     compare(Model(nn.GRUCell).double(), enumerated_words, (sentences(5, 6), lengths(6, 2, 0, 4, 1)), (None, 0, 0))
+
+
+def reversed_words(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    for w in reversed(words[:n]):
+        h = m.cell(m.embed(w), h)
+    return h
+
+
+def flipped_embeddings(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    for x in m.embed(words[:n]).flip(0):
+        h = m.cell(x, h)
+    return h
+
+
+@pytest.mark.parametrize("fn", [reversed_words, flipped_embeddings])
+def test_a_loop_over_each_instances_stretch_reversed_runs_as_one_rnn(fn):
+    torch.manual_seed(10)
+    compare(Model(nn.GRUCell).double(), fn, (sentences(5, 6), lengths(6, 2, 3, 4, 1)), (None, 0, 0))
+
+
+def test_stretches_flipped_or_reversed_are_copies_as_eagers():
+    @recompile.function
+    def flips(xs, n, k):
+        ys = xs[:n]
+        a = torch.flip(ys, [0])
+        b = ys.flip(dims=(0,))
+        c = reversed(xs)
+        d = xs[k:n].flip(0)
+        return a.sum(0) + b[0] * 2.0 + c[0] + d.sum(0)
+
+    xs = torch.randn(4, 5, 3, dtype=torch.float64, requires_grad=True)
+    n, k = lengths(5, 1, 3, 2), lengths(5, 0, 1, 2)  # (stretches of none too, one at a row's end)
+    got = recompile.vmap(flips)(xs, n, k)
+    want = torch.stack([flips.python(xs[i], int(n[i]), int(k[i])) for i in range(4)])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])

@@ -84,7 +84,7 @@ def call(n, fn, args, kwargs=None):
                     return out
             found = rows.of(base)
             if found is not None:  # (``torch.stack(hs).mean(0)`` of lists of their own lengths)
-                out = rows.reduced(n, name, found, args, kwargs or {})
+                out = rows.along_rows(n, name, found, args, kwargs or {})
                 if out is not NotImplemented:
                     return out
             return _vmapped_or_per_instance(n, fn, (base, *args), kwargs, method=name)
@@ -117,7 +117,7 @@ def call(n, fn, args, kwargs=None):
         found = rows.of(args[0])
         name = rows.REDUCING.get(fn) if found is not None else None
         if name is not None:  # (``torch.max(torch.stack(hs), 0)``)
-            out = rows.reduced(n, name, found, args[1:], kwargs or {})
+            out = rows.along_rows(n, name, found, args[1:], kwargs or {})
             if out is not NotImplemented:
                 return out
     return _vmapped_or_per_instance(n, fn, args, kwargs)
@@ -972,6 +972,7 @@ def plain_index(index):
 
 BATCH.register(range)(ranges.build)
 BATCH.register(slice)(rows.slices)
+BATCH.register(reversed)(rows.reversed_rows)
 BATCH.register(intrinsics.as_sequence)(ranges.as_sequence)
 BATCH.register(intrinsics.has_index)(ranges.has_index)
 BATCH.register(intrinsics.fixed_cell)(cells.fixed_cells)

@@ -234,7 +234,20 @@ def last_items(seq, i):
 
 
 _REDUCTIONS = {"sum", "mean", "max", "min", "amax", "amin"}
-REDUCING = {getattr(torch, name): name for name in _REDUCTIONS}  # (the torch functions of the same names)
+REDUCING = {getattr(torch, name): name for name in (*_REDUCTIONS, "flip")}  # (the torch functions of these names)
+
+
+def along_rows(n, name, seq, args, kwargs):
+    """``x.flip(0)`` or a reduction along the rows (``reduced``) of each instance's stretch; NotImplemented
+    for other ops and dims."""
+    if name == "flip":
+        dims = kwargs.get("dims", args[0] if len(args) == 1 else tuple(args))
+        rank = seq.source.dim() - 1
+        if set(kwargs) - {"dims"} or (kwargs and args) or not (
+                dims in (0, -rank) or type(dims) in (tuple, list) and len(dims) == 1 and dims[0] in (0, -rank)):
+            return NotImplemented
+        return flipped(n, seq)
+    return reduced(n, name, seq, args, kwargs)
 
 
 def reduced(n, name, seq, args, kwargs):
@@ -315,3 +328,30 @@ def through_rnn(n, module, seq, states):
                                   list(seq.lengths)))
     finals = [bt.from_tensor(e.transpose(0, 1)) for e in (ends if type(module) is nn.LSTM else (ends,))]
     return bt.from_struct(tuple, [outputs, bt.from_struct(tuple, finals, n) if len(finals) == 2 else finals[0]], n)
+
+
+def reversed_rows(n, fn, args, kwargs):
+    """``reversed(xs)`` of each instance's rows (a tensor's ``__reversed__``: its rows flipped, a new tensor): one
+    flip of the batch's tensor, or of each instance's stretch (Rows of a new tensor)."""
+    if kwargs or len(args) != 1 or type(args[0]) is not Batch:
+        return NotImplemented
+    x = args[0]
+    if x.owner == "tensor" and x.thunk is None and x.tensor.dim() >= 2:
+        return bt.from_tensor(x.tensor.flip(1))
+    seq = of(x)
+    return NotImplemented if seq is None else flipped(n, seq)
+
+
+def flipped(n, seq):
+    """Each instance's stretch with its rows in reverse order, copies (``x.flip(0)``), as Rows of a new tensor
+    (the rows past an end a copy of some row of the stretch, never read)."""
+    if seq.longest == 0:
+        return NotImplemented
+    device = seq.source.device
+    last = torch.tensor([a + max(m, 1) - 1 for a, m in zip(seq.starts, seq.lengths)], device=device)
+    first = torch.tensor(seq.starts, device=device)
+    at = torch.maximum(last[:, None] - torch.arange(seq.longest, device=device), first[:, None]).clamp(
+        max=seq.source.shape[1] - 1)  # (a stretch of none may start at the row's end)
+    out = seq.source[seq.row_index(device)[:, None], at]
+    return Batch(n, items=Rows([out[k, :m] for k, m in enumerate(seq.lengths)], out, None, [0] * n,
+                               list(seq.lengths)))
