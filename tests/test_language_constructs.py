@@ -1035,6 +1035,43 @@ def enumerated_one_name(xs):
     return pairs
 
 
+def zipped(xs, ys):
+    out = []
+    for x, y in zip(xs, ys):
+        out.append((x, y))
+    return out
+
+
+def zipped_draws_in_turn(n, m):
+    drawn = []
+
+    def gen(tag, k):
+        for i in range(k):
+            drawn.append((tag, i))
+            yield i
+
+    pairs = [p for p in zip(gen("a", n), gen("b", m))]
+    for a, (b, c) in zip(gen("x", n), zip(gen("y", m), gen("z", 2))):
+        pairs.append(a + b + c)
+    return pairs, drawn
+
+
+def zipped_and_enumerated(xs, ys):
+    out = []
+    for i, (x, y) in enumerate(zip(xs, ys), 1):
+        out.append(i * x + y)
+    for (i, x), y in zip(enumerate(xs), ys):
+        out.append(i - x * y)
+    for (x,) in zip(xs):
+        out.append(x)
+    return out, i
+
+
+def zipped_unpacked_wrongly(xs):
+    for a, b in zip(xs, xs, xs):
+        pass
+
+
 def enumerated_rows_total(xs):
     return enumerated_rows(xs)[0]
 
@@ -1043,7 +1080,9 @@ def test_for_over_enumerate_runs_as_python_does():
     for fn, cases in [(enumerated_from_a_start, [([1, 2, 3, 4],), ([7],)]),
                       (enumerated_from_a_start_of_a_name, [([1, 2], 4), ("ab", -2)]),
                       (enumerated_generator, [(4,), (0,)]), (enumerated_nothing, [([],), ([5, 6],)]),
-                      (enumerated_one_name, [("xyz",)]), (enumerated_rows, [(ROWS,)])]:
+                      (enumerated_one_name, [("xyz",)]), (enumerated_rows, [(ROWS,)]),
+                      (zipped, [([1, 2, 3], "ab"), ([], [1]), (ROWS, ROWS)]), (zipped_draws_in_turn, [(3, 2), (2, 3)]),
+                      (zipped_and_enumerated, [([1, 2, 3], [4, 5])]), (zipped_unpacked_wrongly, [([1, 2],)])]:
         check(fn, *cases)
 
 

@@ -7,6 +7,7 @@ each test also shows that the slice, the loop over it, its items and an embeddin
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import recompile
@@ -399,3 +400,19 @@ def test_stretches_flipped_or_reversed_are_copies_as_eagers():
     want = torch.stack([flips.python(xs[i], int(n[i]), int(k[i])) for i in range(4)])
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+
+
+def tagged(m, words, tags, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    loss = torch.zeros((), dtype=torch.float64)
+    for w, tag in zip(words[:n], tags[:n]):
+        h = m.cell(m.embed(w), h)
+        loss = loss + F.cross_entropy(h, tag)
+    return loss
+
+
+def test_a_tagger_stepping_over_words_and_tags_zipped_runs_batched():
+    torch.manual_seed(11)
+    model = Model(nn.GRUCell).double()
+    words, tags = sentences(4, 5), torch.randint(0, HIDDEN, (4, 5))
+    compare(model, tagged, (words, tags, lengths(5, 2, 0, 3)), (None, 0, 0, 0), expect_runs=None)

@@ -7,7 +7,7 @@ AST -> AST, before conversion to the IR:
 - statements after one that may jump are guarded by ``if not <flags>:`` —
   or, when one branch of an ``if`` always jumps, moved into the other branch.
 - ``for target in xs`` becomes an index loop over ``as_sequence(xs)`` while ``has_index(seq, i)``; ``for i, x in
-  enumerate(xs)`` the same loop over xs, i its index.
+  enumerate(xs)`` the same loop over xs, i its index, and ``for x, y in zip(xs, ys)`` one over xs and ys.
 - ``assert`` becomes ``if not test: raise AssertionError(msg)``.
 - ``with``, ``try``, ``match``, ``class`` and ``import`` become a call of a nested function holding the statement
   (``python_blocks``), then a return, break or continue where it says so.
@@ -235,36 +235,53 @@ class Canonicalizer:
     def stmt_For(self, s):
         self.counter += 1
         n = self.counter
-        seq, idx = f".seq{n}", f".idx{n}"
-        counted = self._enumerated(s.iter)
-        over = s.iter if counted is None else counted[0]
-        as_seq = located(gast.Call(func=name(AS_SEQUENCE, at=over), args=[over], keywords=[]), over)
-        prelude = [assign(seq, as_seq, s), assign(idx, const(0, s), s)]
-        test = located(gast.Call(func=name(HAS_INDEX, at=s), args=[name(seq, at=s), name(idx, at=s)], keywords=[]), s)
-        item = located(gast.Subscript(value=name(seq, at=s), slice=name(idx, at=s), ctx=gast.Load()), s.target)
-        if counted is not None:  # (``for t, w in enumerate(xs)``: t is the index, plus the start)
-            number = name(idx, at=s) if not counted[1] else \
-                located(gast.BinOp(left=name(idx, at=s), op=gast.Add(), right=const(counted[1], s)), s)
-            item = located(gast.Tuple(elts=[number, item], ctx=gast.Load()), s.target)
+        idx = f".idx{n}"
+        sources, item_of = self._iterated(s.iter)
+        # (the iterables evaluated first, in order, then each made indexable, as zip and enumerate take them)
+        held = [f".iter{n}_{k}" for k in range(len(sources))] if len(sources) > 1 else []
+        seqs = [f".seq{n}" if len(sources) == 1 else f".seq{n}_{k}" for k in range(len(sources))]
+        prelude = [assign(h, x, s) for h, x in zip(held, sources)]
+        for k, (seq, x) in enumerate(zip(seqs, sources)):
+            over = name(held[k], at=x) if held else x
+            prelude.append(assign(seq, located(gast.Call(func=name(AS_SEQUENCE, at=x), args=[over], keywords=[]), x),
+                                  s))
+        prelude.append(assign(idx, const(0, s), s))
+        tests = [located(gast.Call(func=name(HAS_INDEX, at=s), args=[name(seq, at=s), name(idx, at=s)], keywords=[]),
+                         s) for seq in seqs]
+        test = tests[0] if len(tests) == 1 else and_(tests, s)  # (zip draws each in turn, and stops at the first end)
+        item = item_of(iter(seqs), lambda: name(idx, at=s), s.target)
         bind = located(gast.Assign(targets=[s.target], value=item, type_comment=None), s.target)
         step = assign(idx, located(gast.BinOp(left=name(idx, at=s), op=gast.Add(), right=const(1, s)), s), s)
         return self._loop(s, test, s.body, s.orelse, prelude, [bind, step])
 
-    def _enumerated(self, it):
-        """(xs, start) of a ``for`` over ``enumerate(xs)`` or ``enumerate(xs, k)`` (k an int constant) where
-        ``enumerate`` is the builtin (``builtins``: the names no scope of the function binds), else None. Such a
-        loop runs over xs itself, its index the count: an index loop over xs, as the loop over a range or a
-        tensor's rows, which a batched run reads at once."""
-        if not (isinstance(it, gast.Call) and isinstance(it.func, gast.Name) and it.func.id == "enumerate"
-                and "enumerate" in self.builtins and not it.keywords and 1 <= len(it.args) <= 2
-                and not any(isinstance(a, gast.Starred) for a in it.args)):
-            return None
-        if len(it.args) == 1:
-            return it.args[0], 0
-        start = it.args[1]
-        if isinstance(start, gast.Constant) and type(start.value) is int:
-            return it.args[0], start.value
-        return None
+    def _iterated(self, it):
+        """What a ``for`` over ``it`` indexes: (the iterables, item(seq names, index, at) -> the item's expression).
+        ``enumerate(xs)`` (or ``enumerate(xs, k)``, k an int constant) and ``zip(xs, ys, ...)``, where they are the
+        builtins (``builtins``: names no scope of the function binds), are loops over xs (and ys) themselves: item
+        i is ``(i + k, xs[i])`` or ``(xs[i], ys[i])``, an index loop a batched run reads at once, as over a range
+        or a tensor's rows. Anything else is one iterable whose item i is ``seq[i]``."""
+        call = it if isinstance(it, gast.Call) and isinstance(it.func, gast.Name) and it.func.id in self.builtins \
+            and not it.keywords and it.args and not any(isinstance(a, gast.Starred) for a in it.args) else None
+        if call is not None and call.func.id == "enumerate" and (len(call.args) == 1 or len(call.args) == 2 and (
+                isinstance(call.args[1], gast.Constant) and type(call.args[1].value) is int)):
+            sources, inner = self._iterated(call.args[0])
+            start = call.args[1].value if len(call.args) == 2 else 0
+
+            def counted(seqs, index, at):
+                number = index() if not start else located(gast.BinOp(left=index(), op=gast.Add(),
+                                                                      right=const(start, at)), at)
+                return located(gast.Tuple(elts=[number, inner(seqs, index, at)], ctx=gast.Load()), at)
+            return sources, counted
+        if call is not None and call.func.id == "zip":
+            parts = [self._iterated(a) for a in call.args]
+
+            def zipped(seqs, index, at):
+                return located(gast.Tuple(elts=[item(seqs, index, at) for _, item in parts], ctx=gast.Load()), at)
+            return [x for sources, _ in parts for x in sources], zipped
+
+        def indexed(seqs, index, at):
+            return located(gast.Subscript(value=name(next(seqs), at=at), slice=index(), ctx=gast.Load()), at)
+        return [it], indexed
 
     def _loop(self, s, test, body, orelse, prelude, header):
         self.counter += 1
