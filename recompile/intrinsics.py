@@ -90,6 +90,18 @@ class DrawnSequence:
         return self._item
 
 
+def builtin_read(value, ident):
+    """``value``, the name ``ident`` read where the frontend wrote a loop over Python's builtin of that name as an
+    index loop (``for i, x in enumerate(xs)``): an error if the name now stands for something else (the
+    module's own, bound after the function was compiled), whose call the loop does not make."""
+    if value is not getattr(builtins, ident):
+        raise RuntimeError(
+            f"recompile: a for over {ident}(...) was compiled as a loop over Python's builtin {ident}, but "
+            f"{ident} now names {value!r} (bound after the function was compiled); compile the function again "
+            f"(recompile.function) once {ident} is bound, or give that {ident} another name")
+    return value
+
+
 def has_index(seq, i):
     """The test of a lowered ``for``: is there an item at position i? (A list's length is read each
     time, so items appended during the loop are visited, as in Python.)"""

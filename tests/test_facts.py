@@ -194,8 +194,9 @@ GROWN = {
     # a deferred call's result may flow into a dict display the function returns (``{"h": h, "loss": ...}``)
     "batching.LAZY_FLOW": (_names(intrinsics.build_dict), set()),
     # Python's math functions are pure: ``math.sqrt(H)`` of a constant runs once for every instance
-    "semantics.PURE": (_names(*facts.MATH), set()),
-    "plan._MOVABLE": (_names(*facts.MATH), set()),
+    # (and the read of ``enumerate`` a for over it as an index loop checks: it hands the builtin back)
+    "semantics.PURE": (_names(*facts.MATH, intrinsics.builtin_read), set()),
+    "plan._MOVABLE": (_names(*facts.MATH, intrinsics.builtin_read), set()),
     # a slice, a range, a frozenset and ``...`` are values no call can change: every instance shares one
     "batch_rules._IMMUTABLE": (_names(slice, range, frozenset, type(Ellipsis)), set()),
     "batch_rules._ELEMENTWISE": (_names(*_ADDCMUL, *_BITWISE, *_MORE_ELEMENTWISE), set()),
@@ -291,14 +292,15 @@ GROWN = {
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: ())
                                  | _metadata_of({grad_rules._getitem}, False)),
     # ``type(x)`` of a shared x is read once for every instance (the class is the same object)
-    "batch_rules._SHAREABLE": (_names(type, intrinsics.fixed_cell, intrinsics.make_function), set()),
+    "batch_rules._SHAREABLE": (_names(type, intrinsics.fixed_cell, intrinsics.make_function, intrinsics.builtin_read),
+                               set()),
     # what a nested function, lambda or generator expression needs: cells, writes of globals
     "effects.MUTATING_CALLS": (_names(intrinsics.set_cell, intrinsics.delete_cell, intrinsics.write_global,
                                       intrinsics.delete_global), set()),
-    "grad.NO_GRADIENT": (_names(*_CLOSURES, intrinsics.new_cell, intrinsics.write_global, intrinsics.delete_global),
-                         set()),
+    "grad.NO_GRADIENT": (_names(*_CLOSURES, intrinsics.new_cell, intrinsics.write_global, intrinsics.delete_global,
+                                intrinsics.builtin_read), set()),
     "backprop._NO_GRADIENT": (_names(*_CLOSURES, intrinsics.new_cell, intrinsics.write_global,
-                                     intrinsics.delete_global), set()),
+                                     intrinsics.delete_global, intrinsics.builtin_read), set()),
     # chunk, split and unbind of a batched tensor traced into a tuple of batched tensors
     "segments._METHODS": ({"'chunk' -> (1, False)", "'split' -> (1, False)", "'unbind' -> (0, False)"}, set()),
     "segments._FORMS": (_entries([*((f, segments._elementwise_form) for f in _ADDCMUL + _BITWISE),

@@ -1116,3 +1116,27 @@ def test_an_enumerate_the_function_binds_is_called_as_written():
     shadowed = types.FunctionType(closure_enumerate.__code__, {**G, "enumerate": lambda xs: zip(xs, xs)})
     check(shadowed, ("ab",))
     assert shadowed("ab") == [("a", "a"), ("b", "b")]
+
+
+def imported_enumerate(xs):
+    from builtins import reversed as enumerate
+    return [p for p in enumerate(xs)], [q for q in [1]]
+
+
+def enumerate_rebound_later(xs):
+    out = []
+    for p in enumerate(xs):
+        out.append(p)
+    return out
+
+
+def test_an_enumerate_imported_or_rebound_after_compiling():
+    check(imported_enumerate, ("ab",))
+    f = recompile.function(enumerate_rebound_later, mode="sequential")
+    assert f("ab") == [(0, "a"), (1, "b")]
+    G["enumerate"] = lambda v: zip(v, v)  # (a module's own, bound after the function was compiled)
+    try:
+        with pytest.raises(RuntimeError, match="compiled as a loop over Python's builtin enumerate"):
+            f("ab")
+    finally:
+        del G["enumerate"]

@@ -676,3 +676,19 @@ def test_a_list_the_step_inputs_read_or_an_lstms_whole_state_appended_run_the_lo
             expect_runs=None)
     compare(Model().double(), appends_the_whole_state, (sentences(3, 4), lengths(4, 2, 3)), (None, 0, 0),
             expect_runs=False)
+
+
+def copies_a_tensor_counter(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    i = torch.tensor(0)
+    j = torch.tensor(-1)
+    while i < n:
+        h = m.cell(m.embed(words[i]), h)
+        j = i
+        i = i + 1
+    return h * j.double()
+
+
+def test_a_variable_taking_the_counter_ends_as_its_value_at_the_last_step_of_the_counters_type():
+    torch.manual_seed(13)
+    compare(Model(nn.GRUCell).double(), copies_a_tensor_counter, (sentences(3, 6), lengths(4, 2, 5)), (None, 0, 0))

@@ -416,3 +416,50 @@ def test_a_tagger_stepping_over_words_and_tags_zipped_runs_batched():
     model = Model(nn.GRUCell).double()
     words, tags = sentences(4, 5), torch.randint(0, HIDDEN, (4, 5))
     compare(model, tagged, (words, tags, lengths(5, 2, 0, 3)), (None, 0, 0, 0), expect_runs=None)
+
+
+def flip_dims_keyword(xs, n):
+    return xs[:n].flip(dims=0).sum(0)
+
+
+def flip_of_an_int(xs, n):
+    return torch.flip(xs[:n], 0).sum(0)
+
+
+def flip_of_a_float(xs, n):
+    return xs[:n].flip(0.0).sum(0)
+
+
+def flip_of_floats(xs, n):
+    return xs[:n].flip([0.0]).sum(0)
+
+
+def flip_of_false(xs, n):
+    return xs[:n].flip(False).sum(0)
+
+
+def last_of_flipped(xs, n):
+    return xs[:n].flip(0)[-1]
+
+
+def flipped_twice(xs):
+    return xs.flip(0, 1)
+
+
+@pytest.mark.parametrize("fn", [flip_dims_keyword, flip_of_an_int, flip_of_a_float, flip_of_floats, flip_of_false])
+def test_flips_of_stretches_refuse_the_forms_torch_refuses(fn):
+    xs, n = torch.randn(3, 4, 2), lengths(4, 1, 3)
+    config.PER_INSTANCE = "allow"
+    with pytest.raises(TypeError):
+        fn(xs[0], 4)
+    with pytest.raises(TypeError):
+        recompile.vmap(recompile.function(fn))(xs, n)
+
+
+def test_flips_of_empty_stretches_and_of_two_dims_as_eager():
+    xs = torch.randn(3, 4, 2)
+    config.PER_INSTANCE = "allow"
+    with pytest.raises(IndexError):
+        recompile.vmap(recompile.function(last_of_flipped))(xs, lengths(0, 0, 0))
+    torch.testing.assert_close(recompile.vmap(recompile.function(flipped_twice))(xs),
+                               torch.stack([flipped_twice(x) for x in xs]))

@@ -211,8 +211,9 @@ class RecurrentLoop:
                 out.append(loop_vars[j])
             elif source == "index":  # (the counter at each instance's last step; its start value if it took none)
                 way = ranges.direction(self.end[0])
-                out.append(_per_instance(n, [s + way * (k - 1) if k else bt.instance(loop_vars[j], i)
-                                             for i, (s, k) in enumerate(zip(starts, steps))]))
+                last = ranges.counter_like(loop_vars[self.counter], [s + way * (k - 1) for s, k in zip(starts, steps)])
+                out.append(last if all(steps) else _per_instance(n, [
+                    bt.instance(last, i) if k else bt.instance(loop_vars[j], i) for i, k in enumerate(steps)]))
             else:  # ("chain", k): its value at the instance's last step, or the initial one if it took none
                 value = chained[source[1]]
                 if n > 1 and layout.rows > 1 and all(steps):  # (every instance's last row, at once)

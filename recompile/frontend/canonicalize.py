@@ -29,6 +29,7 @@ RETFLAG = ".returned"
 # internal names the converter binds to runtime helpers, whatever the user calls len etc.
 AS_SEQUENCE = ".as_sequence"
 HAS_INDEX = ".has_index"
+BUILTIN_READ = ".builtin_read"
 ASSERTION_ERROR = ".AssertionError"
 
 
@@ -240,7 +241,10 @@ class Canonicalizer:
         # (the iterables evaluated first, in order, then each made indexable, as zip and enumerate take them)
         held = [f".iter{n}_{k}" for k in range(len(sources))] if len(sources) > 1 else []
         seqs = [f".seq{n}" if len(sources) == 1 else f".seq{n}_{k}" for k in range(len(sources))]
-        prelude = [assign(h, x, s) for h, x in zip(held, sources)]
+        prelude = [located(gast.Expr(value=located(gast.Call(
+            func=name(BUILTIN_READ, at=s), args=[name(b, at=s), const(b, s)], keywords=[]), s)), s)
+            for b in sorted(self._lowered_names(s.iter))]  # (an error if the name now stands for another)
+        prelude += [assign(h, x, s) for h, x in zip(held, sources)]
         for k, (seq, x) in enumerate(zip(seqs, sources)):
             over = name(held[k], at=x) if held else x
             prelude.append(assign(seq, located(gast.Call(func=name(AS_SEQUENCE, at=x), args=[over], keywords=[]), x),
@@ -253,6 +257,15 @@ class Canonicalizer:
         bind = located(gast.Assign(targets=[s.target], value=item, type_comment=None), s.target)
         step = assign(idx, located(gast.BinOp(left=name(idx, at=s), op=gast.Add(), right=const(1, s)), s), s)
         return self._loop(s, test, s.body, s.orelse, prelude, [bind, step])
+
+    def _lowered_names(self, it):
+        """The builtins (``enumerate``, ``zip``) whose call ``_iterated`` lowers in the iterable ``it``."""
+        call = it if isinstance(it, gast.Call) and isinstance(it.func, gast.Name) and it.func.id in self.builtins \
+            else None
+        if call is None or self._iterated(it)[0] == [it]:
+            return set()
+        inner = call.args[:1] if call.func.id == "enumerate" else call.args
+        return {call.func.id}.union(*(self._lowered_names(a) for a in inner))
 
     def _iterated(self, it):
         """What a ``for`` over ``it`` indexes: (the iterables, item(seq names, index, at) -> the item's expression).

@@ -39,6 +39,7 @@ COMPARE = syntax.by_node(syntax.COMPARE, gast)
 _SET = ".set"  # (a set comprehension's empty set, whatever the user calls set)
 _LOWERED_BUILTINS = frozenset({"enumerate", "zip"})  # (builtins a ``for`` over reads as its index loop: canonicalize)
 INTERNAL = {canon.AS_SEQUENCE: intrinsics.as_sequence, canon.HAS_INDEX: intrinsics.has_index,
+            canon.BUILTIN_READ: intrinsics.builtin_read,
             canon.ASSERTION_ERROR: AssertionError, _SET: set}
 
 
@@ -98,7 +99,8 @@ class Converter:
 
     def convert(self):
         self.declared = closures.declarations(self.p.node.body)  # global and nonlocal names
-        bound = set(_stored_names(self.p.node.body)) | set(self.p.params) | set(self.p.freevars) | set(self.p.globals)
+        bound = {x for st in self.p.node.body for x in python_blocks.bound_by(st)} | set(self.p.params) | \
+            set(self.p.freevars) | set(self.p.globals)  # (imports and match captures bind names too)
         fdef = canon.canonicalize(copy.deepcopy(self.p.node), self.declared, _LOWERED_BUILTINS - bound)
         self.locals = (set(_stored_names(fdef.body)) | set(self.p.params)) - set(self.declared)
         # (locals() lists parameters first, then variables in the order they are first bound)

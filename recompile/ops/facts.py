@@ -37,7 +37,7 @@ PURE = _pure_operators() | {
     operator.getitem, getattr, len, isinstance, slice, range, int, float, bool, abs, min, max, tuple,
     intrinsics.finds_in_class, intrinsics.build_tuple, intrinsics.build_list, intrinsics.build_dict,
     intrinsics.build_set, intrinsics.unpack, intrinsics.check_bound, intrinsics.as_sequence,
-    intrinsics.has_index, intrinsics.format_value, intrinsics.join_str,
+    intrinsics.has_index, intrinsics.format_value, intrinsics.join_str, intrinsics.builtin_read,
 }
 
 
@@ -58,8 +58,8 @@ def pure(fn):
 # values every instance shares.
 SHAREABLE = frozenset({
     getattr, operator.getitem, intrinsics.unpack, intrinsics.build_tuple, intrinsics.check_bound,
-    intrinsics.read_global, intrinsics.read_cell, intrinsics.finds_in_class, isinstance, len, type,
-    intrinsics.fixed_cell, intrinsics.make_function,
+    intrinsics.builtin_read, intrinsics.read_global, intrinsics.read_cell, intrinsics.finds_in_class, isinstance,
+    len, type, intrinsics.fixed_cell, intrinsics.make_function,
 })
 
 # Calls that change their arguments in place (``passes.effects``: a compiled call that may run one keeps
@@ -108,9 +108,9 @@ MOVES = frozenset({getattr, setattr, delattr, dict, set, frozenset})
 # getattr is noted first: ``READS``), and the gradient library runs them as they are.
 NO_GRADIENT = MOVES | {
     intrinsics.build_tuple, intrinsics.build_list, intrinsics.build_dict, intrinsics.build_set,
-    intrinsics.check_bound, intrinsics.has_index, intrinsics.format_value, intrinsics.join_str,
-    intrinsics.finds_in_class, intrinsics.not_in, intrinsics.raise_exception, intrinsics.read_global,
-    intrinsics.read_cell, intrinsics.new_cell, intrinsics.fixed_cell, intrinsics.set_cell, intrinsics.read_local_cell,
+    intrinsics.check_bound, intrinsics.builtin_read, intrinsics.has_index, intrinsics.format_value,
+    intrinsics.join_str, intrinsics.finds_in_class, intrinsics.not_in, intrinsics.raise_exception,
+    intrinsics.read_global, intrinsics.read_cell, intrinsics.new_cell, intrinsics.fixed_cell, intrinsics.set_cell, intrinsics.read_local_cell,
     intrinsics.delete_cell, intrinsics.make_function, intrinsics.write_global, intrinsics.delete_global,
     *(row.fn for row in syntax.COMPARE), operator.not_, operator.contains, operator.truth,
     print, len, isinstance, issubclass, slice, range, str, repr, format, int, float, bool, id, hash, type,

@@ -84,9 +84,9 @@ def call(n, fn, args, kwargs=None):
                     return out
             found = rows.of(base)
             if found is not None:  # (``torch.stack(hs).mean(0)`` of lists of their own lengths)
-                out = rows.along_rows(n, name, found, args, kwargs or {})
-                if out is not NotImplemented:
-                    return out
+                out = rows.along_rows(n, name, found, args, kwargs or {}, method=True)
+                # (else each instance's own call: its views differ in shape, which vmap would pad)
+                return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
             return _vmapped_or_per_instance(n, fn, (base, *args), kwargs, method=name)
         return per_instance(n, fn, args, kwargs)
     for a in args:
@@ -118,8 +118,7 @@ def call(n, fn, args, kwargs=None):
         name = rows.REDUCING.get(fn) if found is not None else None
         if name is not None:  # (``torch.max(torch.stack(hs), 0)``)
             out = rows.along_rows(n, name, found, args[1:], kwargs or {})
-            if out is not NotImplemented:
-                return out
+            return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
     return _vmapped_or_per_instance(n, fn, args, kwargs)
 
 
@@ -1767,14 +1766,15 @@ DIM_OPS = {
 }
 
 
-def _shifted_dims(t, name, args, kwargs):
-    """``args`` and ``kwargs`` of op ``name`` on each instance's tensor, their dims moved past the instance dim
-    of the batch's tensor ``t``; None where there is no such form."""
+def _shifted_dims(t, name, args, kwargs, method=False):
+    """``args`` and ``kwargs`` of op ``name`` on each instance's tensor (of the Tensor ``method``), their dims moved
+    past the instance dim of the batch's tensor ``t``; None where there is no such form."""
     if not dims_shift(t, name) or any(type(v) is Batch for v in (*args, *kwargs.values())):
         return None
     args, kwargs = list(args), dict(kwargs)
-    if name == "permute" and args and all(type(a) is int for a in args):
-        args = [tuple(args)]  # (``x.permute(1, 0)``: the method's ``*dims``)
+    if name == "permute" and args and all(type(a) is int for a in args) or \
+            method and name == "flip" and len(args) > 1 and all(type(a) is int for a in args):
+        args = [tuple(args)]  # (``x.permute(1, 0)``, ``x.flip(0, 1)``: the method's ``*dims``)
     for position, keyword, kind, default in DIM_OPS[name]:
         here = "kw" if keyword in kwargs else "arg" if len(args) > position else None
         if here is None:
@@ -1814,7 +1814,7 @@ def _dim_function(n, fn, args, kwargs):
 def _dim_method(name):
     def rule(n, x, args, kwargs):
         t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
-        found = None if t is None else _shifted_dims(t, name, args, kwargs)
+        found = None if t is None else _shifted_dims(t, name, args, kwargs, method=True)
         return NotImplemented if found is None else _wrap(getattr(t, name)(*found[0], **found[1]), n)
     return rule
 

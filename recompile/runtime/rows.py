@@ -237,14 +237,20 @@ _REDUCTIONS = {"sum", "mean", "max", "min", "amax", "amin"}
 REDUCING = {getattr(torch, name): name for name in (*_REDUCTIONS, "flip")}  # (the torch functions of these names)
 
 
-def along_rows(n, name, seq, args, kwargs):
-    """``x.flip(0)`` or a reduction along the rows (``reduced``) of each instance's stretch; NotImplemented
-    for other ops and dims."""
+def along_rows(n, name, seq, args, kwargs, method=False):
+    """``x.flip(0)`` (the Tensor ``method``, or ``torch.flip(x, [0])``) or a reduction along the rows
+    (``reduced``) of each instance's stretch; NotImplemented for other ops, dims and forms."""
     if name == "flip":
-        dims = kwargs.get("dims", args[0] if len(args) == 1 else tuple(args))
         rank = seq.source.dim() - 1
-        if set(kwargs) - {"dims"} or (kwargs and args) or not (
-                dims in (0, -rank) or type(dims) in (tuple, list) and len(dims) == 1 and dims[0] in (0, -rank)):
+        if set(kwargs) - {"dims"} or (kwargs and args) or len(args) > 1:
+            return NotImplemented
+        dims = kwargs["dims"] if kwargs else args[0] if args else None
+        if type(dims) is Batch and dims.struct is not None and dims.owner is None and dims.struct[0] is list \
+                and not any(type(d) is Batch for d in dims.struct[1]):
+            dims = list(dims.struct[1])  # (``[0]``, a list the program built of what every instance shares)
+        if method and args and type(dims) is int:  # (``x.flip(0)``: the method's ``*dims``)
+            dims = (dims,)
+        if type(dims) not in (tuple, list) or len(dims) != 1 or type(dims[0]) is not int or dims[0] not in (0, -rank):
             return NotImplemented
         return flipped(n, seq)
     return reduced(n, name, seq, args, kwargs)
