@@ -692,3 +692,39 @@ def copies_a_tensor_counter(m, words, n):
 def test_a_variable_taking_the_counter_ends_as_its_value_at_the_last_step_of_the_counters_type():
     torch.manual_seed(13)
     compare(Model(nn.GRUCell).double(), copies_a_tensor_counter, (sentences(3, 6), lengths(4, 2, 5)), (None, 0, 0))
+
+
+def stacked_and_read(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    hs = []
+    for t in range(n):
+        h = m.cell(m.embed(words[t]), h)
+        hs.append(h)
+    return torch.stack(hs).sum(0) * hs[-1] + len(hs)
+
+
+def touch(t):
+    t.add_(0.0)  # (a helper that changes what it is given: the run shares nothing it computes once)
+    return t
+
+
+def stacked_beside_a_changing_helper(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    hs = []
+    for t in range(n):
+        h = m.cell(m.embed(words[t]), h)
+        hs.append(h)
+    return torch.stack(hs).mean(0) + touch(torch.ones(HIDDEN, dtype=torch.float64))
+
+
+def test_lists_read_only_by_their_stack_get_their_rows_when_something_else_needs_them():
+    """A list the program reads only by ``torch.stack(hs)`` gets no rows until something needs them (its stack is
+    one index of the packed states); read otherwise, or stacked per instance, each list holds its states."""
+    torch.manual_seed(14)
+    config.PER_INSTANCE = "allow"
+    model = Model(nn.GRUCell).double()
+    compare(model, stacked_and_read, (sentences(4, 5), lengths(5, 2, 3, 1)), (None, 0, 0))
+    compare(model, stacked_beside_a_changing_helper, (sentences(3, 5), lengths(5, 2, 3)), (None, 0, 0))
+    f = recompile.function(lstm_states_pooled)
+    with pytest.raises(RuntimeError, match="non-empty"):  # (a sentence of no words: its stack raises, as eager's)
+        recompile.vmap(f, in_dims=(None, 0, 0))(Model().double(), sentences(3, 4), lengths(4, 0, 2))

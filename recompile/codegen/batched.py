@@ -254,7 +254,8 @@ class _BatchedEmitter(emit.FunctionEmitter):
     def as_one_rnn(self, op, written):
         """A loop stepping an RNN cell (``codegen.recurrent``): ``out = loop(_n, vars, invariants)``, and the
         loop as written where that declines."""
-        found = recurrent.plan(op) if not self.emission.changes and self.current not in self.batch_plan.generators \
+        found = recurrent.plan(op, self.current) if not self.emission.changes and \
+            self.current not in self.batch_plan.generators \
             else None
         if found is None:
             return written

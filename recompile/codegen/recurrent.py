@@ -44,6 +44,7 @@ from torch import nn
 from .. import config, intrinsics, ir
 from ..ops import facts
 from ..ops.table import has_hooks
+from ..passes import effects
 from ..passes.effects import op_mutates
 from ..runtime import batch as bt
 from ..runtime import batch_rules, lazy_weights, ranges, rows
@@ -63,7 +64,8 @@ class RecurrentLoop:
     """One While of a batched function, found to step a cell over a sequence (``plan``); called with the
     loop's initial values, it returns the loop's final ones, or NotImplemented where the run does not fit."""
 
-    def __init__(self, op, counter, end, layers, chain_sg, reads_sg, var_sources, indexed, appended=()):
+    def __init__(self, op, counter, end, layers, chain_sg, reads_sg, var_sources, indexed, appended=(),
+                 stacked_only=()):
         self.loc = op.loc
         self.counter = counter  # the counter's position among the loop variables
         self.end = end  # (kind, invariant position | Const): see ``ranges.trip_counts``
@@ -79,8 +81,10 @@ class RecurrentLoop:
         # per ``x[t]`` read for the chain (its last inputs): the invariant, and what t is: "counter", "range" (the
         # item of the range the loop runs over), or "item" (the item itself: x is that range)
         self.indexed = indexed
-        # per ``xs.append(h)`` of a layer's new state: (the list's invariant position, the layer)
+        # per ``xs.append(h)`` of a layer's new state: (the list's invariant position, the layer), and whether
+        # the program reads that list only by ``torch.stack(xs)`` (its rows then go in only if needed)
         self.appended = list(appended)
+        self.stacked_only = list(stacked_only) or [False] * len(self.appended)
         used = {x for o in chain_sg.ops for x in o.operands()}
         self.used = [v in used for v in chain_sg.inputs[1:len(chain_sg.inputs) - len(indexed)]]
         self.reads = self.chain = None  # their batched functions (``compile``)
@@ -164,14 +168,17 @@ class RecurrentLoop:
             ends, data = _run_cell(cell, data, layout, state, outputs, one_row)
             finals.append(ends)
             every.append(data)
-        for each, (p, layer) in zip(lists, self.appended):  # (each instance's states, in step order)
+        for each, (p, layer), stacked in zip(lists, self.appended, self.stacked_only):
             packed = every[layer].unsqueeze(1) if one_row else every[layer]
-            empty = not any(each)
+            if not any(each) and type(invariants[p]) is Batch:  # (their stack: one index of the packed states)
+                found = rows.Appended(each, packed, layout.index, layout.steps(), steps, pending=True)
+                invariants[p].items = found
+                if not stacked:  # (each instance's states, in step order, now: the program reads the lists)
+                    found.fill()
+                continue
             states = packed.unbind(0)
             for r, k in enumerate(layout.instance):
                 each[k].append(states[r])
-            if empty and type(invariants[p]) is Batch:  # (their stack: one index of the packed states)
-                invariants[p].items = rows.Appended(each, packed, layout.index, layout.steps())
         sums = {j: start.index_add(0, layout.index.to(start.device), every[i])  # (in step order on the CPU)
                 for (j, i), start in zip(summed.items(), starts_of.values())}
         return self._results(n, loop_vars, starts, steps, layout, finals, outs[1:], sums)
@@ -419,8 +426,9 @@ def _per_instance(n, values):
 # -- finding the loops
 
 
-def plan(op):
-    """The RecurrentLoop of While ``op``, or None when its body is not a cell stepped over step inputs."""
+def plan(op, holder=None):
+    """The RecurrentLoop of While ``op`` (in SubGraph ``holder``), or None when its body is not a cell stepped
+    over step inputs."""
     found = counting(op)
     if found is None:
         return None
@@ -502,8 +510,24 @@ def plan(op):
                          [*cell_values, *callees], body.loc)
     indexed = [(invariant_params.index(o.args[0]), "item" if o.output in range_items else
                 "counter" if o.args[1] is counter_param else "range") for o in items]
+    stacked_only = [_only_stacked(op.invariants[p], op, holder) for p, _ in appended]
     return RecurrentLoop(op, counter, end, [form for _, form in layers], chain_sg, reads_sg, var_sources, indexed,
-                         appended)
+                         appended, stacked_only)
+
+
+def _only_stacked(value, loop, holder):
+    """Whether list ``value``, built in ``holder`` (``xs = []``), is read there by nothing but ``loop`` and
+    ``torch.stack(xs)`` (nor returned): every other use of it reaches it through an op of ``holder``."""
+    if holder is None or _const_fn(value.op) is not intrinsics.build_list or value.op not in holder.ops \
+            or value in holder.outputs:
+        return False
+    for o in holder.ops:
+        if o is loop or value not in o.operands():
+            continue
+        if not (isinstance(o, ir.Call) and not o.kwargs and not o.star and o.args == [value]
+                and effects.resolve(o.fn) is torch.stack):
+            return False
+    return True
 
 
 def counting(op):

@@ -180,14 +180,18 @@ def stacked(n, seqs, args, kwargs):
     them where every list is as long."""
     if not sharing.state.fresh or len(args) > 2 or set(kwargs) - {"dim"} or \
             kwargs.get("dim", args[1] if len(args) > 1 else 0) != 0:
+        if type(seqs.items) is Appended:
+            seqs.items.fill()
         return NotImplemented
     lists = bt.items_of(seqs)
-    if not all(type(s) in (list, tuple) and s for s in lists):
-        return NotImplemented  # (an empty one: its instance raises, as torch.stack does)
-    lengths = [len(s) for s in lists]
-    if type(lists) is Appended and lists.holds_its_rows_alone():
-        data, instance, position = lists.packed, lists.instance, lists.step
+    if type(lists) is Appended and lists.pending and not (lists.holds_its_rows_alone() and all(lists.lengths)):
+        lists.fill()  # (what the stack of each instance's own list needs)
+    if type(lists) is Appended and lists.holds_its_rows_alone() and all(lists.lengths):
+        data, instance, position, lengths = lists.packed, lists.instance, lists.step, lists.lengths
     else:
+        if not all(type(s) in (list, tuple) and s for s in lists):
+            return NotImplemented  # (an empty one: its instance raises, as torch.stack does)
+        lengths = [len(s) for s in lists]
         flat = [t for s in lists for t in s]
         if not all(type(t) is torch.Tensor for t in flat) or not bt.same_kind(flat, 0):
             return NotImplemented
@@ -206,19 +210,37 @@ def stacked(n, seqs, args, kwargs):
 class Appended(list):
     """Each instance's list (a Batch's items) that a loop run as one RNN (``codegen.recurrent``) appended each
     step's state to, starting empty: the lists hold rows of one packed tensor of states, and while they hold
-    those alone, ``torch.stack`` of them is one index of it (``stacked``)."""
+    those alone, ``torch.stack`` of them is one index of it (``stacked``). Where the program reads the lists
+    only by that stack (``recurrent.plan``), the rows are not put in them until something else needs them
+    (``pending``, ``fill``): a Python append per row, and the views, cost more than the steps without grad."""
 
-    __slots__ = ("packed", "instance", "step", "_ends")
+    __slots__ = ("packed", "instance", "step", "lengths", "pending", "_ends")
 
-    def __init__(self, lists, packed, instance, step):
+    def __init__(self, lists, packed, instance, step, lengths, pending=False):
         super().__init__(lists)
         self.packed = packed  # the states, a row each, in the loop's packed order
         self.instance, self.step = instance, step  # each row's instance and step (LongTensors)
-        self._ends = [(len(x), x[0], x[-1]) if x else (0, None, None) for x in lists]
+        self.lengths = lengths  # each instance's number of rows
+        self.pending = pending  # the rows not in the lists yet
+        self._ends = None if pending else self._seen()
+
+    def _seen(self):
+        return [(len(x), x[0], x[-1]) if x else (0, None, None) for x in self]
+
+    def fill(self):
+        """Put the rows in the lists, each instance's in step order (where they are pending)."""
+        if self.pending:
+            states = self.packed.unbind(0)
+            for r, k in enumerate(self.instance.tolist()):
+                self[k].append(states[r])
+            self.pending = False
+            self._ends = self._seen()
 
     def holds_its_rows_alone(self):
         """Whether each list still holds just the rows appended to it (nothing appended, inserted or taken
-        since: in a run that changes nothing in place, a list only grows)."""
+        since: in a run that changes nothing in place, a list only grows), or none while they are pending."""
+        if self.pending:
+            return all(not x for x in self)
         return all(len(x) == m and (not m or x[0] is first and x[-1] is last)
                    for x, (m, first, last) in zip(self, self._ends))
 
