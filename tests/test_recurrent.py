@@ -728,3 +728,23 @@ def test_lists_read_only_by_their_stack_get_their_rows_when_something_else_needs
     f = recompile.function(lstm_states_pooled)
     with pytest.raises(RuntimeError, match="non-empty"):  # (a sentence of no words: its stack raises, as eager's)
         recompile.vmap(f, in_dims=(None, 0, 0))(Model().double(), sentences(3, 4), lengths(4, 0, 2))
+
+
+def appends_twice_a_step(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    g = torch.zeros(HIDDEN, dtype=torch.float64)
+    hs = []
+    for t in range(n):
+        h = m.cell(m.embed(words[t]), h)
+        g = m.top(h, g)
+        hs.append(h)
+        hs.append(g)
+    return torch.stack(hs)[1] + torch.stack(hs).sum(0) * len(hs)
+
+
+def test_two_appends_a_step_to_one_list_run_the_loop_as_written():
+    torch.manual_seed(15)
+    two = Model(nn.GRUCell).double()
+    two.top = nn.GRUCell(HIDDEN, HIDDEN).double()
+    config.PER_INSTANCE = "allow"
+    compare(two, appends_twice_a_step, (sentences(3, 4), lengths(4, 1, 2)), (None, 0, 0), expect_runs=None)

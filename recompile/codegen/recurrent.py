@@ -459,6 +459,8 @@ def plan(op, holder=None):
     if any(call.args[0] not in tops for call in appends):
         return None
     appended = [(p, tops[call.args[0]]) for call, p in appends.items()]
+    if len({p for p, _ in appended}) != len(appended):
+        return None  # (two appends a step to one list interleave their states, which the packed states do not)
     lists = {invariant_params[p] for p, _ in appended}  # (read by nothing but their appends: the step inputs,
     if any(v in lists for o in body.ops if not _is_append_of(o, lists) for v in o.operands()):  # run ahead,
         return None  # would read them before the loop grows them)
