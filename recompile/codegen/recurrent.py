@@ -612,18 +612,17 @@ def _appends(rest, body, invariant_params):
     read = {v for o in body.ops for v in o.operands()} | {v for v in body.outputs if isinstance(v, ir.Value)}
     found = {}
     for o in rest:
-        method = o.fn.op if isinstance(o, ir.Call) and isinstance(o.fn, ir.Value) else None
-        if (_const_fn(method) is getattr and method.args[0] in invariant_params and isinstance(method.args[1], ir.Const)
-                and method.args[1].value == "append" and len(o.args) == 1 and not o.kwargs and not o.star
-                and o.output not in read):
-            found[o] = invariant_params.index(method.args[0])
+        method = effects.growing(o.fn.op) if isinstance(o, ir.Call) and isinstance(o.fn, ir.Value) else None
+        if (method is not None and method[1] == "append" and method[0] in invariant_params and len(o.args) == 1
+                and not o.kwargs and not o.star and o.output not in read):
+            found[o] = invariant_params.index(method[0])
     return found
 
 
 def _is_append_of(o, lists):
     """Whether op ``o`` is ``xs.append`` (the attribute) of one of ``lists``."""
-    return _const_fn(o) is getattr and o.args[0] in lists and isinstance(o.args[1], ir.Const) \
-        and o.args[1].value == "append"
+    method = effects.growing(o)
+    return method is not None and method[1] == "append" and method[0] in lists
 
 
 def _cell_calls(rest, body, state_params, counter):

@@ -237,13 +237,13 @@ class Canonicalizer:
         self.counter += 1
         n = self.counter
         idx = f".idx{n}"
-        sources, item_of = self._iterated(s.iter)
+        sources, item_of, lowered = self._iterated(s.iter)
         # (the iterables evaluated first, in order, then each made indexable, as zip and enumerate take them)
         held = [f".iter{n}_{k}" for k in range(len(sources))] if len(sources) > 1 else []
         seqs = [f".seq{n}" if len(sources) == 1 else f".seq{n}_{k}" for k in range(len(sources))]
         prelude = [located(gast.Expr(value=located(gast.Call(
             func=name(BUILTIN_READ, at=s), args=[name(b, at=s), const(b, s)], keywords=[]), s)), s)
-            for b in sorted(self._lowered_names(s.iter))]  # (an error if the name now stands for another)
+            for b in sorted(lowered)]  # (an error if the name now stands for another)
         prelude += [assign(h, x, s) for h, x in zip(held, sources)]
         for k, (seq, x) in enumerate(zip(seqs, sources)):
             over = name(held[k], at=x) if held else x
@@ -258,17 +258,9 @@ class Canonicalizer:
         step = assign(idx, located(gast.BinOp(left=name(idx, at=s), op=gast.Add(), right=const(1, s)), s), s)
         return self._loop(s, test, s.body, s.orelse, prelude, [bind, step])
 
-    def _lowered_names(self, it):
-        """The builtins (``enumerate``, ``zip``) whose call ``_iterated`` lowers in the iterable ``it``."""
-        call = it if isinstance(it, gast.Call) and isinstance(it.func, gast.Name) and it.func.id in self.builtins \
-            else None
-        if call is None or self._iterated(it)[0] == [it]:
-            return set()
-        inner = call.args[:1] if call.func.id == "enumerate" else call.args
-        return {call.func.id}.union(*(self._lowered_names(a) for a in inner))
-
     def _iterated(self, it):
-        """What a ``for`` over ``it`` indexes: (the iterables, item(seq names, index, at) -> the item's expression).
+        """What a ``for`` over ``it`` indexes: (the iterables, item(seq names, index, at) -> the item's expression,
+        the builtins whose call it lowers).
         ``enumerate(xs)`` (or ``enumerate(xs, k)``, k an int constant) and ``zip(xs, ys, ...)``, where they are the
         builtins (``builtins``: names no scope of the function binds), are loops over xs (and ys) themselves: item
         i is ``(i + k, xs[i])`` or ``(xs[i], ys[i])``, an index loop a batched run reads at once, as over a range
@@ -277,24 +269,26 @@ class Canonicalizer:
             and not it.keywords and it.args and not any(isinstance(a, gast.Starred) for a in it.args) else None
         if call is not None and call.func.id == "enumerate" and (len(call.args) == 1 or len(call.args) == 2 and (
                 isinstance(call.args[1], gast.Constant) and type(call.args[1].value) is int)):
-            sources, inner = self._iterated(call.args[0])
+            sources, inner, names = self._iterated(call.args[0])
             start = call.args[1].value if len(call.args) == 2 else 0
 
             def counted(seqs, index, at):
                 number = index() if not start else located(gast.BinOp(left=index(), op=gast.Add(),
                                                                       right=const(start, at)), at)
                 return located(gast.Tuple(elts=[number, inner(seqs, index, at)], ctx=gast.Load()), at)
-            return sources, counted
+            return sources, counted, names | {"enumerate"}
         if call is not None and call.func.id == "zip":
             parts = [self._iterated(a) for a in call.args]
 
             def zipped(seqs, index, at):
-                return located(gast.Tuple(elts=[item(seqs, index, at) for _, item in parts], ctx=gast.Load()), at)
-            return [x for sources, _ in parts for x in sources], zipped
+                elts = [item(seqs, index, at) for _, item, _ in parts]
+                return located(gast.Tuple(elts=elts, ctx=gast.Load()), at)
+            sources = [x for part, _, _ in parts for x in part]
+            return sources, zipped, {"zip"}.union(*(names for _, _, names in parts))
 
         def indexed(seqs, index, at):
             return located(gast.Subscript(value=name(next(seqs), at=at), slice=index(), ctx=gast.Load()), at)
-        return [it], indexed
+        return [it], indexed, set()
 
     def _loop(self, s, test, body, orelse, prelude, header):
         self.counter += 1

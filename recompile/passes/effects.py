@@ -181,9 +181,18 @@ def _returned_in_tuple(o, uses, sg):
         and not uses.get(o.output)
 
 
+def growing(o):
+    """(the list, the method's name) of op ``o`` reading ``xs.append`` (``extend``, ``insert``) of a list xs, else
+    None."""
+    if isinstance(o, ir.Call) and isinstance(o.fn, ir.Const) and o.fn.value is getattr and len(o.args) == 2 \
+            and isinstance(o.args[1], ir.Const) and o.args[1].value in _APPENDING:
+        return o.args[0], o.args[1].value
+    return None
+
+
 def _is_appender(o, value):
-    return isinstance(o.fn, ir.Const) and o.fn.value is getattr and len(o.args) == 2 and o.args[0] is value \
-        and isinstance(o.args[1], ir.Const) and o.args[1].value in _APPENDING
+    found = growing(o)
+    return found is not None and found[0] is value
 
 
 def _reads_lists(o):

@@ -253,6 +253,17 @@ def items_of(b):
     return b.items
 
 
+def instance_ints(n, value):
+    """Each instance's value of ``value`` (a range's or a slice's bound): Python ints for a batch of integer
+    tensors of one element (one host read), else the values themselves (a shared one n times)."""
+    if type(value) is not Batch:
+        return [value] * n
+    t = tensor_of(value)
+    if t is not None and t.dim() == 1 and not (t.is_floating_point() or t.is_complex()):
+        return t.tolist()
+    return items_of(value)
+
+
 def tensor_of(b):
     """Batch ``b`` as one tensor of n rows, or None if its values are not tensors of one shape and dtype."""
     if b.thunk is not None:

@@ -1057,7 +1057,7 @@ def attribute(n, fn, args, kwargs):
         fields = getattr(kind, "_fields", None) or getattr(kind, "__match_args__", ())
         if name in fields:
             return parts[fields.index(name)]
-    if name in rows.REDUCING.values() and rows.of(x) is not None:
+    if name in rows.ALONG_ROWS and rows.of(x) is not None:
         return Batch(x.n, method=(x, name))  # (``torch.stack(hs).mean(0)``: see ``rows.reduced``)
     if x.owner == "items" and name.endswith("_") and not name.endswith("__") \
             and callable(getattr(torch.Tensor, name, None)) and all(type(v) is torch.Tensor for v in x.items):

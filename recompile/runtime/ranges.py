@@ -52,22 +52,12 @@ def of(value):
     return value.items
 
 
-def _ints(n, value):
-    """Each instance's value of a range argument (ints for an integer tensor, one host read)."""
-    if type(value) is not Batch:
-        return [value] * n
-    t = bt.tensor_of(value)
-    if t is not None and t.dim() == 1 and not (t.is_floating_point() or t.is_complex()):
-        return t.tolist()
-    return bt.items_of(value)
-
-
 def build(n, fn, args, kwargs):
     """``range(*args)`` where an argument differs per instance: a batch of ranges."""
     if kwargs or not args:
         return NotImplemented
     try:
-        ranges = [range(*row) for row in zip(*[_ints(n, a) for a in args])]
+        ranges = [range(*row) for row in zip(*[bt.instance_ints(n, a) for a in args])]
     except (TypeError, ValueError):
         return NotImplemented  # each instance raises its own error, as Python would
     value = bt.from_items(ranges)

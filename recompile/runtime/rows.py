@@ -61,17 +61,7 @@ def slices(n, fn, args, kwargs):
     they are integer tensors (one host read; an index reads them as ints either way)."""
     if kwargs or not 1 <= len(args) <= 3:
         return NotImplemented
-    return bt.from_items([slice(*row) for row in zip(*[_ints(n, a) for a in args])])
-
-
-def _ints(n, value):
-    """Each instance's value of ``value``: Python ints for a batch of integer tensors of one element."""
-    if type(value) is not Batch:
-        return [value] * n
-    t = bt.tensor_of(value)
-    if t is not None and t.dim() == 1 and not (t.is_floating_point() or t.is_complex() or t.dtype is torch.bool):
-        return t.tolist()
-    return bt.items_of(value)
+    return bt.from_items([slice(*row) for row in zip(*[bt.instance_ints(n, a) for a in args])])
 
 
 def stretch(n, x, index):
@@ -256,7 +246,8 @@ def last_items(seq, i):
 
 
 _REDUCTIONS = {"sum", "mean", "max", "min", "amax", "amin"}
-REDUCING = {getattr(torch, name): name for name in (*_REDUCTIONS, "flip")}  # (the torch functions of these names)
+ALONG_ROWS = frozenset({*_REDUCTIONS, "flip"})  # (the Tensor methods ``along_rows`` runs)
+REDUCING = {getattr(torch, name): name for name in ALONG_ROWS}  # (the torch functions of these names)
 
 
 def along_rows(n, name, seq, args, kwargs, method=False):
