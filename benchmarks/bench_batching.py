@@ -243,6 +243,10 @@ def gradients(model, loss):
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+def on_cpu(grads):
+    return {name: g.cpu() for name, g in grads.items()}
+
+
 def check_hand_batched(model, trees, hand=None):
     """Raise unless ``hand`` (by default hand_batched) gives the eager twin's loss and parameter gradients
     (float64)."""

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 from bench_batching import (arguments, by_reader, check_hand_batched, chunks, eager_twin, gradients,  # noqa: E402
-                            hand_batched, inputs, level_plan, sst_trees, throughputs)
+                            hand_batched, inputs, level_plan, on_cpu, sst_trees, throughputs)
 from rntn import RNTN  # noqa: E402
 from sst_runner import SentimentModel  # noqa: E402
 from tree_lstm import TreeLSTM  # noqa: E402
@@ -460,21 +460,22 @@ RNTN_SPELLINGS = {"RNTN einsum (example)": RNTN, "RNTN linear of V.view": RNTNLi
 CELL_SPELLINGS = {"nn.LSTMCell": CellTreeLSTM}
 
 
-def check(cls, base, trees):
-    """Raise unless ``cls``, over a forest through recompile.vmap, gives its eager twin's per-tree values
-    and parameter gradients (float64); returns its per-instance op counts."""
+def check(cls, base, trees, device="cpu"):
+    """Raise unless ``cls``, over a forest through recompile.vmap (on ``device``), gives its eager twin's per-tree
+    values and parameter gradients (float64, on the CPU); returns its per-instance op counts."""
     eager = eager_twin(cls)(base.embed.num_embeddings).double()
     eager.load_state_dict(base.state_dict())
-    model = cls(base.embed.num_embeddings).double()
+    model = cls(base.embed.num_embeddings).double().to(device)
     model.load_state_dict(base.state_dict())
     cls.encode.stats.reset()
     want = [eager.encode(tree, tree.root) for tree in trees]
     want_grads = gradients(eager, sum(w[-1] for w in want))
-    forest = Forest.from_trees(trees)
+    forest = Forest.from_trees(trees).to(device)
     got = recompile.vmap(model.encode, in_dims=(None, 0))(forest, forest.roots)
     for value, wanted in zip(got, zip(*want)):
-        torch.testing.assert_close(value, torch.stack(wanted).detach(), rtol=1e-7, atol=1e-9)
-    torch.testing.assert_close(gradients(model, got[-1].sum()), want_grads, rtol=1e-7, atol=1e-9)
+        assert value.device.type == torch.device(device).type
+        torch.testing.assert_close(value.cpu(), torch.stack(wanted).detach(), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(on_cpu(gradients(model, got[-1].sum())), want_grads, rtol=1e-7, atol=1e-9)
     return dict(cls.encode.stats.get("per_instance", {}))
 
 

@@ -33,7 +33,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_batching import arguments, chunks, gradients, sst_trees, throughputs  # noqa: E402
+from bench_batching import arguments, chunks, gradients, on_cpu, sst_trees, throughputs  # noqa: E402
 
 import recompile  # noqa: E402
 
@@ -49,8 +49,8 @@ class SentenceLSTM(nn.Module):
 
     def classify(self, words, n, label):
         """Cross-entropy of the sentence ``words[:n]`` (``for t in range(n)``)."""
-        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
-        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
         for t in range(n):
             h, c = self.cell(self.embed(words[t]), (h, c))
         return F.cross_entropy(self.out(h), label)
@@ -59,8 +59,8 @@ class SentenceLSTM(nn.Module):
 class SentenceLSTMWhile(SentenceLSTM):
     def classify(self, words, n, label):
         """The same loop as ``while t < n``."""
-        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
-        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
         t = 0
         while t < n:
             h, c = self.cell(self.embed(words[t]), (h, c))
@@ -71,8 +71,8 @@ class SentenceLSTMWhile(SentenceLSTM):
 class SentenceLSTMPrefix(SentenceLSTM):
     def classify(self, words, n, label):
         """The same loop as ``for w in words[:n]``."""
-        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
-        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
         for w in words[:n]:
             h, c = self.cell(self.embed(w), (h, c))
         return F.cross_entropy(self.out(h), label)
@@ -81,8 +81,8 @@ class SentenceLSTMPrefix(SentenceLSTM):
 class SentenceLSTMEmbedded(SentenceLSTM):
     def classify(self, words, n, label):
         """The sentence embedded first, ``for x in self.embed(words[:n])``."""
-        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
-        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
         for x in self.embed(words[:n]):
             h, c = self.cell(x, (h, c))
         return F.cross_entropy(self.out(h), label)
@@ -113,10 +113,10 @@ class TwoLayerLSTM(SentenceLSTM):
 
     def classify(self, words, n, label):
         """Two LSTMCell layers, ``while t < n``."""
-        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
-        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
-        h2 = torch.zeros(self.cell2.hidden_size, dtype=self.out.weight.dtype)
-        c2 = torch.zeros(self.cell2.hidden_size, dtype=self.out.weight.dtype)
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        h2 = torch.zeros(self.cell2.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        c2 = torch.zeros(self.cell2.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
         t = 0
         while t < n:
             h, c = self.cell(self.embed(words[t]), (h, c))
@@ -128,8 +128,8 @@ class TwoLayerLSTM(SentenceLSTM):
 class PooledLSTM(SentenceLSTM):
     def classify(self, words, n, label):
         """The states averaged over the sentence (``total = total + h``, then ``total / n``)."""
-        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
-        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
         total = torch.zeros_like(h)
         for t in range(n):
             h, c = self.cell(self.embed(words[t]), (h, c))
@@ -140,8 +140,8 @@ class PooledLSTM(SentenceLSTM):
 class CollectedLSTM(SentenceLSTM):
     def classify(self, words, n, label):
         """The states collected in a list and averaged (``hs.append(h)``, then ``torch.stack(hs).mean(0)``)."""
-        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
-        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype)
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
         hs = []
         for t in range(n):
             h, c = self.cell(self.embed(words[t]), (h, c))
@@ -207,23 +207,40 @@ def recompile_sentences(model):
     return lambda batch: classify(batch.words, batch.lengths, batch.labels).sum()
 
 
-def check_sentences(cls, base, batch, hand_batched=hand_batched_sentences):
-    """Raise unless ``cls`` through recompile.vmap and the packed nn.LSTM (``hand_batched``) give eager's
-    per-sentence losses and parameter gradients (float64); returns the per-instance op counts."""
+def check_sentences(cls, base, batch, hand_batched=hand_batched_sentences, device="cpu"):
+    """Raise unless ``cls`` through recompile.vmap (on ``device``) and the packed nn.LSTM (``hand_batched``)
+    give eager's per-sentence losses and parameter gradients (float64, on the CPU); returns the per-instance op
+    counts."""
     eager = cls(base.embed.num_embeddings).double()
     eager.load_state_dict(base.state_dict())
-    model = compiled(cls)(base.embed.num_embeddings).double()
+    model = compiled(cls)(base.embed.num_embeddings).double().to(device)
     model.load_state_dict(base.state_dict())
     want = torch.stack([eager.classify(batch.words[k], int(batch.lengths[k]), batch.labels[k])
                         for k in range(len(batch))])
     want_grads = gradients(eager, want.sum())
-    got = recompile.vmap(model.classify, in_dims=(0, 0, 0))(batch.words, batch.lengths, batch.labels)
-    torch.testing.assert_close(got, want.detach(), rtol=1e-7, atol=1e-9)
-    torch.testing.assert_close(gradients(model, got.sum()), want_grads, rtol=1e-7, atol=1e-9)
+    got = recompile.vmap(model.classify, in_dims=(0, 0, 0))(*(t.to(device) for t in (batch.words, batch.lengths,
+                                                                                       batch.labels)))
+    assert got.device.type == torch.device(device).type
+    torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(on_cpu(gradients(model, got.sum())), want_grads, rtol=1e-7, atol=1e-9)
     hand = hand_batched(eager, packed_lstm(eager), batch)
     torch.testing.assert_close(hand, want.sum().detach(), rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(gradients(eager, hand), want_grads, rtol=1e-7, atol=1e-9)
     return dict(type(model).classify.stats.get("per_instance", {}))
+
+
+# (title, spellings, the packed nn.LSTM's version of the same model)
+SENTENCE_FAMILIES = (
+    ("Variable-length LSTM (embed 300, hidden 150) against one packed nn.LSTM",
+     {"LSTMCell, for range(n)": SentenceLSTM, "LSTMCell, while t < n": SentenceLSTMWhile,
+      "LSTMCell, for words[:n]": SentenceLSTMPrefix, "LSTMCell, embed(words[:n])": SentenceLSTMEmbedded,
+      "nn.LSTM per sentence": SentenceLSTMModule},
+     hand_batched_sentences),
+    ("States averaged over the sentence against one packed nn.LSTM's padded states",
+     {"LSTMCell, states summed": PooledLSTM, "LSTMCell, stack(hs).mean(0)": CollectedLSTM},
+     hand_batched_pooled),
+    ("Two layers against one packed 2-layer nn.LSTM", {"two LSTMCell layers": TwoLayerLSTM},
+     hand_batched_sentences))
 
 
 # -- the top-down model
@@ -270,17 +287,20 @@ def hand_batched_top_down(model, h, depth=0):
     return out.index_copy(0, grow, merged)
 
 
-def check_top_down(base, starts):
+def check_top_down(base, starts, device="cpu"):
+    """Raise unless the compiled top-down model through recompile.vmap (on ``device``) and the hand-batched one
+    give eager's values and parameter gradients (float64, on the CPU); returns the per-instance op counts."""
     eager = TopDown(base.leaf.in_features).double()
     eager.load_state_dict(base.state_dict())
-    model = TopDownCompiled(base.leaf.in_features).double()
+    model = TopDownCompiled(base.leaf.in_features).double().to(device)
     model.load_state_dict(base.state_dict())
     starts = starts.double()
     want = torch.stack([eager.expand(h, 0) for h in starts])
     want_grads = gradients(eager, want.sum())
-    got = recompile.vmap(model.expand, in_dims=(0, None))(starts, 0)
-    torch.testing.assert_close(got, want.detach(), rtol=1e-7, atol=1e-9)
-    torch.testing.assert_close(gradients(model, got.sum()), want_grads, rtol=1e-7, atol=1e-9)
+    got = recompile.vmap(model.expand, in_dims=(0, None))(starts.to(device), 0)
+    assert got.device.type == torch.device(device).type
+    torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(on_cpu(gradients(model, got.sum())), want_grads, rtol=1e-7, atol=1e-9)
     hand = hand_batched_top_down(eager, starts)
     torch.testing.assert_close(hand, want.detach(), rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(gradients(eager, hand.sum()), want_grads, rtol=1e-7, atol=1e-9)
@@ -349,17 +369,7 @@ def main(argv=None):
 
     check_batch = Sentences(*zip(*sentences[:8]))
     batches = {size: [Sentences(*zip(*chunk)) for chunk in chunks(sentences, size)] for size in args.batch}
-    for title, spellings, hand_batched in (
-            ("Variable-length LSTM (embed 300, hidden 150) against one packed nn.LSTM",
-             {"LSTMCell, for range(n)": SentenceLSTM, "LSTMCell, while t < n": SentenceLSTMWhile,
-              "LSTMCell, for words[:n]": SentenceLSTMPrefix, "LSTMCell, embed(words[:n])": SentenceLSTMEmbedded,
-              "nn.LSTM per sentence": SentenceLSTMModule},
-             hand_batched_sentences),
-            ("States averaged over the sentence against one packed nn.LSTM's padded states",
-             {"LSTMCell, states summed": PooledLSTM, "LSTMCell, stack(hs).mean(0)": CollectedLSTM},
-             hand_batched_pooled),
-            ("Two layers against one packed 2-layer nn.LSTM", {"two LSTMCell layers": TwoLayerLSTM},
-             hand_batched_sentences)):
+    for title, spellings, hand_batched in SENTENCE_FAMILIES:
         table(time_against_packed(vocab, spellings, hand_batched, check_batch, batches, args.repeats, title),
               "sent/s")
 

@@ -197,7 +197,7 @@ def _outcome(call, args):
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf]
     try:
         out = call(*args)
-        return out.detach(), torch.autograd.grad(out.sum(), leaves)
+        return out.detach(), torch.autograd.grad(out.sum(), leaves) if leaves else ()  # (older torch refuses none)
     except RuntimeError as exc:
         return type(exc)
 

@@ -1022,7 +1022,7 @@ class _Counted:
 
 @pytest.mark.parametrize("fn, slices", [(sliced_loss, 1), (sliced_twice_and_called, 1), (sliced_and_kept, 1),
                                         (sliced_minus, 1), (sliced_plus_equals, 2), (counted_plus_equals, 1),
-                                        (reads_its_own_loss, 0)], ids=lambda x: str(x))
+                                        (reads_its_own_loss, 0)], ids=lambda x: getattr(x, "__name__", str(x)))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_an_inline_node_loss_runs_once_for_every_depth_in_a_plain_run(fn, slices, dtype):
     """The ops that only make an addend of the loss (a node's loss written inline) are deferred in a plain

@@ -307,7 +307,8 @@ def _run_cell(cell, data, layout, state, outputs=False, one_row=False):
     row), and with ``outputs`` the packed states of every step (the input of a cell stepped above it), else
     None."""
     n = state[0].shape[0]
-    taking = layout.order[:layout.instances]
+    order = layout.order.to(state[0].device)  # (the layout's on the CPU: torch's packed RNN reads its sizes there)
+    taking = order[:layout.instances]
     hx = [s.index_select(0, taking) for s in state]
     weights = [cell.weight_ih, cell.weight_hh] + ([cell.bias_ih, cell.bias_hh] if cell.bias else [])
     if torch.is_grad_enabled() and any(t.requires_grad for t in (data, *hx, *weights)):
@@ -326,7 +327,7 @@ def _run_cell(cell, data, layout, state, outputs=False, one_row=False):
         ends = [e.clone() for e in ends]
         steps = steps.clone() if outputs else None
     if layout.instances == n:
-        back = torch.argsort(layout.order)
+        back = torch.argsort(order)
         finals = [e.index_select(0, back) for e in ends]
     else:  # (instances that take no step keep their state)
         finals = [s.index_copy(0, taking, e) for s, e in zip(state, ends)]
