@@ -28,7 +28,7 @@ from ..dynamo import opaque
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
-from . import cells, fallbacks, helpers, lazy_weights, ranges, rows, sharing
+from . import cells, fallbacks, helpers, lazy_weights, ranges, row_wise, rows, sharing
 from .batch import Batch
 
 # Batch rules, filed as the gradient rules are (``ops.table``): ``rule(n, fn, args, kwargs)`` for a callable
@@ -85,6 +85,8 @@ def call(n, fn, args, kwargs=None):
             found = rows.of(base)
             if found is not None:  # (``torch.stack(hs).mean(0)`` of lists of their own lengths)
                 out = rows.along_rows(n, name, found, args, kwargs or {}, method=True)
+                if out is NotImplemented:  # (``xs.tanh()``, ``xs.squeeze(-1)``: each row alone)
+                    out = row_wise.method(n, name, found, args, kwargs or {})
                 # (else each instance's own call: its views differ in shape, which vmap would pad)
                 return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
             return _vmapped_or_per_instance(n, fn, (base, *args), kwargs, method=name)
@@ -118,7 +120,11 @@ def call(n, fn, args, kwargs=None):
         name = rows.REDUCING.get(fn) if found is not None else None
         if name is not None:  # (``torch.max(torch.stack(hs), 0)``)
             out = rows.along_rows(n, name, found, args[1:], kwargs or {})
-            return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
+            if out is not NotImplemented:
+                return out
+    if row_wise.holds_rows(args):  # (``mlp(self.embed(words[:n]))``: each row alone)
+        out = row_wise.call(n, fn, args, kwargs or {})
+        return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
     return _vmapped_or_per_instance(n, fn, args, kwargs)
 
 
@@ -865,6 +871,11 @@ def gather(n, fn, args, kwargs):
             out = rows.sliced(n, found, index) if found is not None else NotImplemented
             if out is not NotImplemented:
                 return out
+        if x.items is not None and type(index) is tuple:
+            found = rows.of(x)  # (``xs[:, None]``, ``xs[..., :h]``: each row alone)
+            out = row_wise.indexed(n, found, index) if found is not None else NotImplemented
+            if out is not NotImplemented:
+                return out
         if x.items is not None and type(index) is int:
             found = rows.of(x)
             out = ranges.item(x, index) if found is None else \
@@ -1057,8 +1068,8 @@ def attribute(n, fn, args, kwargs):
         fields = getattr(kind, "_fields", None) or getattr(kind, "__match_args__", ())
         if name in fields:
             return parts[fields.index(name)]
-    if name in rows.ALONG_ROWS and rows.of(x) is not None:
-        return Batch(x.n, method=(x, name))  # (``torch.stack(hs).mean(0)``: see ``rows.reduced``)
+    if (name in rows.ALONG_ROWS or name in row_wise.METHODS) and rows.of(x) is not None:
+        return Batch(x.n, method=(x, name))  # (``torch.stack(hs).mean(0)``, ``xs.tanh()``: see ``rows``, ``row_wise``)
     if x.owner == "items" and name.endswith("_") and not name.endswith("__") \
             and callable(getattr(torch.Tensor, name, None)) and all(type(v) is torch.Tensor for v in x.items):
         # (``v.add_(...)`` of each instance's own tensor: run per instance on the Batch, which then forgets a

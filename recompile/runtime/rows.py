@@ -11,6 +11,7 @@ once.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import batch as bt
@@ -21,7 +22,7 @@ from .batch import Batch
 class Rows(list):
     """Instance k's value is ``source[row k][starts[k]:starts[k] + lengths[k]]`` (the list holds those views)."""
 
-    __slots__ = ("source", "rows", "starts", "lengths", "shortest", "longest", "_counts")
+    __slots__ = ("source", "rows", "starts", "lengths", "shortest", "longest", "_counts", "packed")
 
     def __init__(self, views, source, rows, starts, lengths):
         super().__init__(views)
@@ -30,6 +31,7 @@ class Rows(list):
         self.starts, self.lengths = starts, lengths
         self.shortest, self.longest = min(lengths), max(lengths)
         self._counts = None
+        self.packed = None  # the stretches end to end, once ``row_wise.packed`` made them
 
     def taken(self, positions):
         """The Rows of instances ``positions`` (a loop's instances that stay, a side of a branch)."""
@@ -246,8 +248,10 @@ def last_items(seq, i):
 
 
 _REDUCTIONS = {"sum", "mean", "max", "min", "amax", "amin"}
-ALONG_ROWS = frozenset({*_REDUCTIONS, "flip"})  # (the Tensor methods ``along_rows`` runs)
-REDUCING = {getattr(torch, name): name for name in ALONG_ROWS}  # (the torch functions of these names)
+_SOFTMAXES = {"softmax", "log_softmax"}
+ALONG_ROWS = frozenset({*_REDUCTIONS, *_SOFTMAXES, "flip"})  # (the Tensor methods ``along_rows`` runs)
+# (the torch functions of these names, and F's softmaxes)
+REDUCING = {getattr(torch, name): name for name in ALONG_ROWS} | {F.softmax: "softmax", F.log_softmax: "log_softmax"}
 
 
 def along_rows(n, name, seq, args, kwargs, method=False):
@@ -266,7 +270,27 @@ def along_rows(n, name, seq, args, kwargs, method=False):
         if type(dims) not in (tuple, list) or len(dims) != 1 or type(dims[0]) is not int or dims[0] not in (0, -rank):
             return NotImplemented
         return flipped(n, seq)
+    if name in _SOFTMAXES:
+        return softmaxed(n, name, seq, args, kwargs)
     return reduced(n, name, seq, args, kwargs)
+
+
+def softmaxed(n, name, seq, args, kwargs):
+    """``torch.softmax(xs, 0)``, ``xs.log_softmax(dim=0)`` of each instance's stretch, along its rows: over the
+    rows they lie in, those past an instance's end filled with -inf (they take no share, and get no gradient).
+    NotImplemented for other dims and options, and for an empty stretch (its instance's own op says)."""
+    dim = kwargs["dim"] if set(kwargs) == {"dim"} and not args else args[0] if len(args) == 1 and not kwargs \
+        else None
+    rank = seq.source.dim() - 1
+    if type(dim) is not int or dim not in (0, -rank) or seq.shortest == 0 or not seq.source.is_floating_point():
+        return NotImplemented
+    padded = _padded(seq)
+    device = padded.device
+    lengths = torch.tensor(seq.lengths, device=device)
+    mask = (torch.arange(padded.shape[1], device=device) < lengths[:, None]).view(n, -1, *[1] * (rank - 1))
+    out = getattr(torch, name)(torch.where(mask, padded, padded.new_full((), float("-inf"))), 1)
+    return Batch(n, items=Rows([out[k, :m] for k, m in enumerate(seq.lengths)], out, None, [0] * n,
+                               list(seq.lengths)))
 
 
 def reduced(n, name, seq, args, kwargs):

@@ -1,0 +1,218 @@
+"""Ops that act on each row of an instance's stretch alone (``Rows``), run once over every instance's rows.
+
+``mlp(self.embed(words[:n]))``, ``torch.tanh(xs)``, ``self.att(hs).squeeze(-1)``, ``a[:, None] * hs``: each row of
+the result is the op of the same row of its inputs alone — elementwise ops whose other operands do not reach the
+rows' dim, ``nn.Linear``, ``nn.LayerNorm`` of the last dims, a softmax or a sum along another dim, indexing that
+keeps the rows. The instances' stretches are laid end to end in one tensor of an instance's rank (``packed``: a
+view where they lie so already, else one index), the op runs once on it, and each instance's result is its
+stretch of the output. No row past a stretch's end is computed, so nothing there (a log of padding's zeros) can
+reach a value or a gradient.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import facts
+from ..ops.table import has_hooks
+from . import batch as bt
+from . import rows
+from .batch import Batch
+
+_MODULES = tuple(m for m in facts.ELEMENTWISE_MODULES if m is not nn.Dropout)
+_FUNCTIONS = facts.ELEMENTWISE - facts.DRAWS - {F.dropout}
+_SOFTMAX = {torch.softmax: "softmax", F.softmax: "softmax", torch.log_softmax: "log_softmax",
+            F.log_softmax: "log_softmax"}
+_ELEMENTWISE_METHODS = frozenset({"sigmoid", "tanh", "relu", "exp", "log", "sqrt", "abs", "neg", "clone", "float",
+                                  "double", "clamp", "clamp_min", "clamp_max", "clip", "pow", "lerp", "maximum",
+                                  "minimum", "add", "sub", "mul", "div", "square", "sin", "cos", "log1p", "expm1",
+                                  "erf", "reciprocal", "rsqrt", "sign", "floor", "ceil", "round", "trunc",
+                                  "nan_to_num", "masked_fill", "where"})
+_DIM_METHODS = frozenset({"softmax", "log_softmax", "sum", "mean", "amax", "amin", "logsumexp", "squeeze",
+                          "unsqueeze"})
+METHODS = _ELEMENTWISE_METHODS | _DIM_METHODS  # (the Tensor methods ``method`` may run)
+
+
+def holds_rows(args):
+    """Whether an argument is a batch of Rows."""
+    return any(type(a) is Batch and type(a.items) is rows.Rows for a in args)
+
+
+def packed(seq):
+    """Every instance's stretch of ``seq`` end to end, one tensor of an instance's rank (rows first)."""
+    if seq.packed is None:
+        offsets = [0]
+        for m in seq.lengths[:-1]:
+            offsets.append(offsets[-1] + m)
+        total = offsets[-1] + seq.lengths[-1]
+        if seq.rows is not None and seq.source.shape[0] == 1 and seq.starts == offsets:
+            seq.packed = seq.source[0, :total]  # (the stretches lie so already: a view)
+        else:
+            device = seq.source.device
+            lengths = torch.tensor(seq.lengths)
+            within = torch.arange(total) - torch.repeat_interleave(torch.tensor(offsets), lengths)
+            at = within + torch.repeat_interleave(torch.tensor(seq.starts), lengths)
+            row = torch.repeat_interleave(seq.row_index("cpu"), lengths)
+            seq.packed = seq.source[row.to(device), at.to(device)]
+    return seq.packed
+
+
+def from_packed(n, flat, lengths):
+    """The Batch whose instance k's value is its stretch of ``flat``'s rows (Rows of ``flat``, laid end to end)."""
+    offsets, views, at = [], [], 0
+    for m in lengths:
+        offsets.append(at)
+        views.append(flat[at:at + m])
+        at += m
+    out = rows.Rows(views, flat.unsqueeze(0), [0] * n, offsets, list(lengths))
+    out.packed = flat
+    return Batch(n, items=out)
+
+
+def call(n, fn, args, kwargs):
+    """``fn(*args, **kwargs)`` where an argument holds Rows, once on the rows packed; NotImplemented where
+    ``fn`` is not known to act on each row alone with these arguments."""
+    seq = next(rows.of(a) for a in args if type(a) is Batch and type(a.items) is rows.Rows)
+    if seq is None or seq.shortest == 0 or any(type(v) is Batch for v in kwargs.values()):
+        return NotImplemented
+    rank = seq.source.dim() - 1
+    if isinstance(fn, nn.Module):
+        if has_hooks(fn) or "forward" in fn.__dict__ or len(args) != 1 or kwargs:
+            return NotImplemented
+        if type(fn) is nn.Linear:
+            return _weighted(n, seq, F.linear, args[0], (fn.weight, fn.bias), {})
+        if type(fn) is nn.LayerNorm and len(fn.normalized_shape) >= rank:
+            return NotImplemented
+        if type(fn) is not nn.LayerNorm and not isinstance(fn, _MODULES) and not (
+                type(fn) is nn.Dropout and (not fn.training or fn.p == 0)):
+            return NotImplemented
+    elif fn in (F.linear, torch.matmul, operator.matmul):
+        return _weighted(n, seq, fn, args[0], args[1:], kwargs)
+    elif fn in _SOFTMAX:
+        dim = _dim(args[1:], kwargs, rank)
+        if dim is None or dim == 0 or rows.of(args[0]) is not seq:
+            return NotImplemented
+    elif fn is F.layer_norm:
+        shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+        if rows.of(args[0]) is not seq or type(shape) not in (tuple, list, torch.Size) or len(shape) >= rank:
+            return NotImplemented
+    else:
+        try:
+            known = fn in _FUNCTIONS
+        except TypeError:  # (an unhashable callable)
+            return NotImplemented
+        if not known:
+            return NotImplemented
+    values = _operands(n, seq, rank, args)
+    return NotImplemented if values is None else _rows_of(n, seq, fn(*values, **kwargs))
+
+
+def _weighted(n, seq, fn, first, rest, kwargs):
+    """``F.linear(xs, W, b)``, ``xs @ W`` of each instance's rows by a shared weight (1-d or 2-d, acting on
+    each row's last dim)."""
+    if type(first) is not Batch or rows.of(first) is not seq or seq.source.dim() < 3 or not rest or \
+            any(type(a) is Batch for a in rest) or not isinstance(rest[0], torch.Tensor) or rest[0].dim() not in (1, 2):
+        return NotImplemented
+    return _rows_of(n, seq, fn(packed(seq), *rest, **kwargs))
+
+
+def method(n, name, seq, args, kwargs):
+    """``xs.name(*args, **kwargs)`` of each instance's stretch ``seq``, once on the rows packed, where the method
+    acts on each row alone; NotImplemented otherwise."""
+    if seq.shortest == 0 or any(type(v) is Batch for v in kwargs.values()):
+        return NotImplemented
+    rank = seq.source.dim() - 1
+    if name in _DIM_METHODS:
+        if name == "unsqueeze":
+            dim = _dim(args, kwargs, rank + 1)
+        else:
+            dim = _dim(args, kwargs, rank)
+        if dim is None or dim == 0 or any(type(a) is Batch for a in args):
+            return NotImplemented
+        flat = packed(seq)
+        return _rows_of(n, seq, getattr(flat, name)(*args, **kwargs))
+    if name not in _ELEMENTWISE_METHODS:
+        return NotImplemented
+    values = _operands(n, seq, rank, args)
+    if values is None:
+        return NotImplemented
+    return _rows_of(n, seq, getattr(packed(seq), name)(*values, **kwargs))
+
+
+def indexed(n, seq, index):
+    """``xs[:, k]``, ``xs[:, None]``, ``xs[..., :h]`` of each instance's stretch: an index that keeps every row
+    (a full slice of them first, or an ellipsis that covers them), once on the rows packed; NotImplemented for
+    other indices."""
+    rank = seq.source.dim() - 1
+    if seq.shortest == 0 or not index or not all(type(i) in (int, slice, type(None)) or i is Ellipsis
+                                                 for i in index):
+        return NotImplemented
+    if index[0] is Ellipsis:
+        taken = sum(1 for i in index[1:] if i is not None)
+        if taken >= rank or Ellipsis in index[1:]:
+            return NotImplemented
+    elif index[0] != slice(None):
+        return NotImplemented
+    return _rows_of(n, seq, packed(seq)[index])
+
+
+def _rows_of(n, seq, out):
+    if type(out) is not torch.Tensor or out.dim() < 1 or out.shape[0] != sum(seq.lengths):
+        raise AssertionError(f"a row-wise op changed the rows: {tuple(out.shape)}")  # (a rule here is wrong)
+    return from_packed(n, out, seq.lengths)
+
+
+def _operands(n, seq, rank, args):
+    """The arguments as the packed op takes them, or None: Rows of the same lengths and rank packed; a batched
+    tensor of lower rank (or a leading 1) as each row's instance's value; shared values as they are, where they
+    do not reach the rows' dim."""
+    values, row_of = [], None
+    for a in args:
+        if type(a) is Batch:
+            other = rows.of(a)
+            if other is not None:
+                if other.lengths != seq.lengths or other.source.dim() != seq.source.dim():
+                    return None
+                values.append(packed(other))
+                continue
+            t = bt.tensor_of(a) if a.owner == "tensor" else None
+            if t is None:
+                return None
+            shape = t.shape[1:]
+            if not shape and t.dtype is not seq.source.dtype:
+                return None  # (an instance's 0-d tensor gives way in type promotion; a row's value would not)
+            if len(shape) == rank and shape[:1] == (1,):
+                shape = shape[1:]
+            elif len(shape) >= rank:
+                return None
+            if row_of is None:
+                lengths = torch.tensor(seq.lengths)
+                row_of = torch.repeat_interleave(torch.arange(n), lengths).to(t.device)
+            each = t.reshape(n, *shape).index_select(0, row_of)
+            values.append(each.view(each.shape[0], *[1] * (rank - 1 - len(shape)), *shape))
+        elif isinstance(a, torch.Tensor):
+            if a.dim() > rank or (a.dim() == rank and a.shape[0] != 1):
+                return None
+            values.append(a)
+        else:
+            values.append(a)
+    return values
+
+
+def _shared_matrix(w):
+    return isinstance(w, torch.Tensor) and w.dim() in (1, 2)
+
+
+def _dim(args, kwargs, rank):
+    """The one int dim of a method's or a softmax's arguments (positional or ``dim=``), made non-negative
+    against ``rank``; None where there is none, or others (a dtype, a tuple)."""
+    if set(kwargs) - {"dim", "keepdim", "dtype"} or ("dim" in kwargs) == bool(args) or len(args) > 2:
+        return None
+    dim = kwargs["dim"] if "dim" in kwargs else args[0]
+    if type(dim) is not int or not -rank <= dim < rank:
+        return None
+    return dim + rank if dim < 0 else dim

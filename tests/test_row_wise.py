@@ -1,0 +1,152 @@
+"""Ops acting on each row of an instance's stretch alone, run once over every instance's rows (runtime/row_wise.py).
+
+Each function runs through ``recompile.vmap`` over instances whose stretches (``words[:n]``, ``x[:n]``) differ in
+length, and is compared with the plain function run per instance (float64: values, and the gradients of the
+parameters and of the float input). Per-instance ops are an error here unless a test says otherwise.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import recompile
+from recompile import config
+from recompile.runtime import row_wise, rows
+
+VOCAB, EMBED, HIDDEN = 11, 5, 4
+LENGTHS = torch.tensor([3, 7, 1, 5, 2, 7])
+
+
+@pytest.fixture(autouse=True)
+def every_op_batched(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, EMBED)
+        self.mlp = nn.Sequential(nn.Linear(EMBED, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh())
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.att = nn.Linear(HIDDEN, 1)
+        self.cell = nn.LSTMCell(EMBED, HIDDEN)
+        self.w = nn.Parameter(torch.randn(HIDDEN, 3))
+        self.q = nn.Linear(EMBED, HIDDEN)
+
+
+def inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    words = torch.randint(0, VOCAB, (len(LENGTHS), 7), generator=g)
+    x = torch.rand(len(LENGTHS), 7, 3, generator=g, dtype=torch.float64) + 0.5
+    x[1:, 5:] = 0.0  # (padding past the shorter stretches: a log there would be -inf)
+    return words, x
+
+
+def compare(fn, per_instance=False):
+    """``fn(m, words, x, n)`` through recompile.vmap against per instance: values and gradients (float64)."""
+    torch.manual_seed(0)
+    model = Model().double()
+    words, x = inputs()
+    compiled = recompile.function(fn)
+    xs = x.clone().requires_grad_()
+    got = recompile.vmap(compiled, in_dims=(None, 0, 0, 0))(model, words, xs, LENGTHS)
+    got.sum().backward()
+    got_grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    xw = x.clone().requires_grad_()
+    want = torch.stack([fn(model, words[k], xw[k], int(LENGTHS[k])) for k in range(len(LENGTHS))])
+    want.sum().backward()
+    want_grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-9, atol=1e-12)
+    assert got_grads.keys() == want_grads.keys()
+    for k in want_grads:
+        torch.testing.assert_close(got_grads[k], want_grads[k], rtol=1e-9, atol=1e-12)
+    assert (xs.grad is None) == (xw.grad is None)
+    if xw.grad is not None:
+        torch.testing.assert_close(xs.grad, xw.grad, rtol=1e-9, atol=1e-12)  # (no NaN from the padding either)
+    return dict(compiled.stats.get("per_instance", {}))
+
+
+def mlp_then_max(m, words, x, n):
+    return m.mlp(m.embed(words[:n])).max(0).values
+
+
+def attention(m, words, x, n):
+    hs = m.norm(m.mlp(m.embed(words[:n])))
+    a = torch.softmax(m.att(hs).squeeze(-1), 0)
+    return (a[:, None] * hs).sum(0)
+
+
+def log_of_padded_input(m, words, x, n):
+    return torch.log(x[:n]).sum(0) + x[:n].sqrt().mean(0)
+
+
+def by_each_instances_query(m, words, x, n):
+    xs = m.embed(words[:n])
+    q = m.q(xs[0])  # (an instance's own vector, broadcast along its rows)
+    scores = (m.q(xs) * q).sum(-1)
+    return F.log_softmax(scores, dim=0)[0] + (torch.tanh(m.q(xs)) @ m.w).sum(0).sum()
+
+
+def methods(m, words, x, n):
+    xs = x[:n]
+    y = xs.tanh().unsqueeze(1).squeeze(1).softmax(-1) + xs.log_softmax(dim=0) + xs.clamp(max=1.2).mul(2.0)
+    return y.sum(-1).sum(0) + xs[:, None].sum(0).sum() + xs[..., :2].sum(0).sum() + xs[:, 1].mean(0)
+
+
+def elementwise_with_shared_and_numbers(m, words, x, n):
+    xs = m.embed(words[:n])
+    y = torch.where(xs > 0, xs * 2.0, F.relu(xs) - m.q.weight[0]) / 3.0
+    return F.linear(y, m.q.weight, m.q.bias).sum(0)
+
+
+@pytest.mark.parametrize("fn", [mlp_then_max, attention, log_of_padded_input, by_each_instances_query, methods,
+                                elementwise_with_shared_and_numbers])
+def test_ops_on_each_row_run_once_over_the_rows_packed(fn):
+    assert compare(fn) == {}
+
+
+def packed_twice(m, words, x, n):
+    xs = x[:n]
+    return (xs * 2.0).sum(0) + (xs + 1.0).sum(0)
+
+
+def test_the_rows_are_packed_once_and_a_packed_result_is_a_view():
+    words, x = inputs()
+    seq = rows.Rows([x[k, :m] for k, m in enumerate(LENGTHS.tolist())], x, None, [0] * 6, LENGTHS.tolist())
+    flat = row_wise.packed(seq)
+    assert row_wise.packed(seq) is flat and flat.shape == (int(LENGTHS.sum()), 3)
+    torch.testing.assert_close(flat, torch.cat([x[k, :m] for k, m in enumerate(LENGTHS.tolist())]))
+    out = row_wise.from_packed(6, flat * 2.0, LENGTHS.tolist()).items
+    again = row_wise.packed(out)
+    assert again.data_ptr() == out.source.data_ptr()  # (laid end to end already: no copy)
+    assert compare(packed_twice) == {}
+
+
+def rows_squeezed(m, words, x, n):
+    return x[:n].squeeze(0).sum()  # (a stretch of one row loses its rows: not each row alone)
+
+
+def shared_times_rows(m, words, x, n):
+    return (m.w[:3, :3] @ x[:n].t()).sum(-1)  # (a shared matrix first: it reaches across the rows)
+
+
+@pytest.mark.parametrize("fn", [rows_squeezed, shared_times_rows])
+def test_ops_that_reach_across_the_rows_run_per_instance_with_eagers_values(fn, monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
+    assert compare(fn) != {}
+
+
+def zero_dim_promotes(m, words, x, n):
+    xs = x[:n].float()
+    return (xs * x[0, 0]).sum(0).double()  # (a 0-d float64 tensor per instance gives way to float32 rows)
+
+
+def test_an_instances_zero_dim_tensor_keeps_its_type_promotion(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
+    torch.manual_seed(0)
+    words, x = inputs()
+    got = recompile.vmap(recompile.function(zero_dim_promotes), in_dims=(None, 0, 0, 0))(None, words, x, LENGTHS)
+    want = torch.stack([zero_dim_promotes(None, words[k], x[k], int(LENGTHS[k])) for k in range(6)])
+    torch.testing.assert_close(got, want)
