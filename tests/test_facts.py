@@ -195,8 +195,9 @@ GROWN = {
     "batching.LAZY_FLOW": (_names(intrinsics.build_dict), set()),
     # Python's math functions are pure: ``math.sqrt(H)`` of a constant runs once for every instance
     # (and the read of ``enumerate`` a for over it as an index loop checks: it hands the builtin back)
-    "semantics.PURE": (_names(*facts.MATH, intrinsics.builtin_read), set()),
-    "plan._MOVABLE": (_names(*facts.MATH, intrinsics.builtin_read), set()),
+    # (and ``operator.index`` of a ``reversed(range(n))`` loop's bound, which the frontend counts down)
+    "semantics.PURE": (_names(*facts.MATH, intrinsics.builtin_read, operator.index), set()),
+    "plan._MOVABLE": (_names(*facts.MATH, intrinsics.builtin_read, operator.index), set()),
     # a slice, a range, a frozenset and ``...`` are values no call can change: every instance shares one
     "batch_rules._IMMUTABLE": (_names(slice, range, frozenset, type(Ellipsis)), set()),
     "batch_rules._ELEMENTWISE": (_names(*_ADDCMUL, *_BITWISE, *_MORE_ELEMENTWISE), set()),
@@ -211,6 +212,7 @@ GROWN = {
                                     (intrinsics.has_index, ranges.has_index), (operator.not_, batch_rules.negation),
                                     # ``words[:n]`` with n per instance: each instance's slice (runtime.rows)
                                     (slice, rows.slices), (reversed, rows.reversed_rows),
+                                    (operator.index, batch_rules.index_numbers),
                                     # ``state is None``: the rows of a tensor and a built tuple are not None
                                     (operator.is_, batch_rules.none_test), (operator.is_not, batch_rules.none_test),
                                     (sum, batch_rules.python_sum),
@@ -269,8 +271,9 @@ GROWN = {
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, slice,
                                     reversed, len, intrinsics.build_dict,
                                     *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE, *_FRESH,
-                                    int, float, bool)
+                                    int, float, bool, operator.index)
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),
+    "segments._OPERATORS": (_names(operator.index), set()),  # (pure: a trace may run its batch rule)
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
     # ``x op= y`` written out of place: the out-of-place op's gradient
     "grad_rules.FUNCTION_RULES": (_entries([(intrinsics.iadd_fresh, grad_rules._add_fresh),
@@ -292,15 +295,15 @@ GROWN = {
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: ())
                                  | _metadata_of({grad_rules._getitem}, False)),
     # ``type(x)`` of a shared x is read once for every instance (the class is the same object)
-    "batch_rules._SHAREABLE": (_names(type, intrinsics.fixed_cell, intrinsics.make_function, intrinsics.builtin_read),
-                               set()),
+    "batch_rules._SHAREABLE": (_names(type, intrinsics.fixed_cell, intrinsics.make_function, intrinsics.builtin_read,
+                                      operator.index), set()),
     # what a nested function, lambda or generator expression needs: cells, writes of globals
     "effects.MUTATING_CALLS": (_names(intrinsics.set_cell, intrinsics.delete_cell, intrinsics.write_global,
                                       intrinsics.delete_global), set()),
     "grad.NO_GRADIENT": (_names(*_CLOSURES, intrinsics.new_cell, intrinsics.write_global, intrinsics.delete_global,
-                                intrinsics.builtin_read), set()),
+                                intrinsics.builtin_read, operator.index), set()),
     "backprop._NO_GRADIENT": (_names(*_CLOSURES, intrinsics.new_cell, intrinsics.write_global,
-                                     intrinsics.delete_global, intrinsics.builtin_read), set()),
+                                     intrinsics.delete_global, intrinsics.builtin_read, operator.index), set()),
     # chunk, split and unbind of a batched tensor traced into a tuple of batched tensors
     "segments._METHODS": ({"'chunk' -> (1, False)", "'split' -> (1, False)", "'unbind' -> (0, False)"}, set()),
     "segments._FORMS": (_entries([*((f, segments._elementwise_form) for f in _ADDCMUL + _BITWISE),

@@ -1140,3 +1140,85 @@ def test_an_enumerate_imported_or_rebound_after_compiling():
             f("ab")
     finally:
         del G["enumerate"]
+
+
+# ---------------------------------------------------------------------------
+# 6. for over reversed(range(...)): a counter counting down
+# ---------------------------------------------------------------------------
+
+def counted_down(n):
+    out = []
+    for t in reversed(range(n)):
+        out.append(t * t)
+    return out, t
+
+
+def counted_down_between(a, b):
+    out = []
+    for t in reversed(range(a, b)):
+        if t == 5:
+            break
+        out.append(t)
+        t = -100  # (the next item is not the changed name's: the counter stays the loop's)
+    else:
+        out.append("done")
+    return out
+
+
+def counted_down_nothing(n):
+    out = [t for t in reversed(range(n))]
+    for t in reversed(range(n)):
+        out.append(t)
+    return out
+
+
+def counted_down_from_a_tensor(n):
+    total = 0.0
+    for t in reversed(range(n)):
+        total = total * 0.5 + t  # (t a Python int, as range gives it)
+    return total, type(t).__name__
+
+
+def counted_down_unpacked_wrongly(n):
+    for a, b in reversed(range(n)):
+        pass
+
+
+def test_for_over_reversed_range_runs_as_python_does():
+    for fn, cases in [(counted_down, [(4,), (1,)]), (counted_down_between, [(2, 9), (-3, 2), (4, 4), (7, 3)]),
+                      (counted_down_nothing, [(0,), (3,), (-2,)]),
+                      (counted_down_from_a_tensor, [(torch.tensor(3),), (2.5,), (torch.tensor(2.0),)]),
+                      (counted_down_unpacked_wrongly, [(2,)])]:
+        check(fn, *cases)
+
+
+def reversed_rows_total(xs, n):
+    h = torch.zeros(xs.shape[1], dtype=xs.dtype)
+    for t in reversed(range(n)):
+        h = torch.tanh(xs[t] + 0.5 * h)
+    return h
+
+
+def test_for_over_reversed_range_batches():
+    xs = torch.randn(4, 5, 3, dtype=F64)
+    check_vmap(reversed_rows_total, (0, 0), xs, torch.tensor([5, 2, 3, 1]))
+    check_grad(reversed_rows_total, xs[0].clone().requires_grad_(), 4)
+
+
+def reversed_rebound_later(n):
+    out = []
+    for t in reversed(range(n)):
+        out.append(t)
+    return out
+
+
+def test_a_reversed_or_range_rebound_after_compiling():
+    f = recompile.function(reversed_rebound_later, mode="sequential")
+    assert f(3) == [2, 1, 0]
+    for ident, value in (("reversed", lambda r: r), ("range", lambda k: [k])):
+        G[ident] = value  # (a module's own, bound after the function was compiled)
+        try:
+            with pytest.raises(RuntimeError, match=f"compiled as a loop over Python's builtin {ident}"):
+                f(3)
+        finally:
+            del G[ident]

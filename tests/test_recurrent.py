@@ -196,7 +196,16 @@ def reversed_strictly(m, words, n, h0):
     return h
 
 
-@pytest.mark.parametrize("fn", [reversed_gru, reversed_strictly, reversed_range])
+def reversed_builtin(m, words, n, h0):
+    h = h0
+    for t in reversed(range(n)):
+        h = m.cell(m.embed(words[t]), h)
+    for t in reversed(range(1, n)):  # (no cell: a loop of its own, not a recurrent one)
+        h = h * 0.5 + words[t].double()
+    return h
+
+
+@pytest.mark.parametrize("fn", [reversed_gru, reversed_strictly, reversed_range, reversed_builtin])
 def test_a_loop_counting_down_runs_its_sequences_backwards_as_one_rnn(fn):
     torch.manual_seed(10)
     model = Model(nn.GRUCell).double()

@@ -7,7 +7,8 @@ AST -> AST, before conversion to the IR:
 - statements after one that may jump are guarded by ``if not <flags>:`` —
   or, when one branch of an ``if`` always jumps, moved into the other branch.
 - ``for target in xs`` becomes an index loop over ``as_sequence(xs)`` while ``has_index(seq, i)``; ``for i, x in
-  enumerate(xs)`` the same loop over xs, i its index, and ``for x, y in zip(xs, ys)`` one over xs and ys.
+  enumerate(xs)`` the same loop over xs, i its index, ``for x, y in zip(xs, ys)`` one over xs and ys, and
+  ``for t in reversed(range(a, b))`` a counter from b - 1 down to a.
 - ``assert`` becomes ``if not test: raise AssertionError(msg)``.
 - ``with``, ``try``, ``match``, ``class`` and ``import`` become a call of a nested function holding the statement
   (``python_blocks``), then a return, break or continue where it says so.
@@ -30,6 +31,7 @@ RETFLAG = ".returned"
 AS_SEQUENCE = ".as_sequence"
 HAS_INDEX = ".has_index"
 BUILTIN_READ = ".builtin_read"
+INDEX = ".index"
 ASSERTION_ERROR = ".AssertionError"
 
 
@@ -237,6 +239,9 @@ class Canonicalizer:
         self.counter += 1
         n = self.counter
         idx = f".idx{n}"
+        bounds = self._reversed_range(s.iter)
+        if bounds is not None:
+            return self._counted_down(s, n, bounds)
         sources, item_of, lowered = self._iterated(s.iter)
         # (the iterables evaluated first, in order, then each made indexable, as zip and enumerate take them)
         held = [f".iter{n}_{k}" for k in range(len(sources))] if len(sources) > 1 else []
@@ -256,6 +261,41 @@ class Canonicalizer:
         item = item_of(iter(seqs), lambda: name(idx, at=s), s.target)
         bind = located(gast.Assign(targets=[s.target], value=item, type_comment=None), s.target)
         step = assign(idx, located(gast.BinOp(left=name(idx, at=s), op=gast.Add(), right=const(1, s)), s), s)
+        return self._loop(s, test, s.body, s.orelse, prelude, [bind, step])
+
+    def _reversed_range(self, it):
+        """The bounds (start or None, stop) of ``reversed(range(stop))`` or ``reversed(range(start, stop))``, where
+        both are the builtins (names no scope of the function binds); None for anything else."""
+        def builtin_call(x, ident, counts):
+            return isinstance(x, gast.Call) and isinstance(x.func, gast.Name) and x.func.id == ident \
+                and ident in self.builtins and not x.keywords and len(x.args) in counts \
+                and not any(isinstance(a, gast.Starred) for a in x.args)
+        if not builtin_call(it, "reversed", (1,)) or not builtin_call(it.args[0], "range", (1, 2)):
+            return None
+        args = it.args[0].args
+        return (None, args[0]) if len(args) == 1 else (args[0], args[1])
+
+    def _counted_down(self, s, n, bounds):
+        """``for t in reversed(range(a, b))`` as the loop counting down that it is: ``i = b - 1``, then while
+        ``i >= a``: ``t = i``, ``i = i - 1``, the body (the bounds read once, as Python ints, ``range`` taking them
+        by ``__index__``): the form a batched run steps as one RNN where the body steps a cell."""
+        start, stop = bounds
+        idx, low, high = f".idx{n}", f".low{n}", f".high{n}"
+        prelude = [located(gast.Expr(value=located(gast.Call(
+            func=name(BUILTIN_READ, at=s), args=[name(b, at=s), const(b, s)], keywords=[]), s)), s)
+            for b in ("reversed", "range")]  # (an error if either name now stands for another)
+
+        def as_index(x):
+            return located(gast.Call(func=name(INDEX, at=x), args=[x], keywords=[]), x)
+        if start is not None:
+            prelude.append(assign(low, as_index(start), s))
+        prelude.append(assign(high, as_index(stop), s))
+        prelude.append(assign(idx, located(gast.BinOp(left=name(high, at=s), op=gast.Sub(), right=const(1, s)), s),
+                              s))
+        test = located(gast.Compare(left=name(idx, at=s), ops=[gast.GtE()],
+                                    comparators=[name(low, at=s) if start is not None else const(0, s)]), s)
+        bind = located(gast.Assign(targets=[s.target], value=name(idx, at=s.target), type_comment=None), s.target)
+        step = assign(idx, located(gast.BinOp(left=name(idx, at=s), op=gast.Sub(), right=const(1, s)), s), s)
         return self._loop(s, test, s.body, s.orelse, prelude, [bind, step])
 
     def _iterated(self, it):

@@ -37,9 +37,10 @@ INPLACE = syntax.by_node(syntax.BINARY, gast, in_place=True)
 UNARY = syntax.by_node(syntax.UNARY, gast)
 COMPARE = syntax.by_node(syntax.COMPARE, gast)
 _SET = ".set"  # (a set comprehension's empty set, whatever the user calls set)
-_LOWERED_BUILTINS = frozenset({"enumerate", "zip"})  # (builtins a ``for`` over reads as its index loop: canonicalize)
+# (builtins a ``for`` over reads as its index loop, or as a counter: canonicalize)
+_LOWERED_BUILTINS = frozenset({"enumerate", "zip", "reversed", "range"})
 INTERNAL = {canon.AS_SEQUENCE: intrinsics.as_sequence, canon.HAS_INDEX: intrinsics.has_index,
-            canon.BUILTIN_READ: intrinsics.builtin_read,
+            canon.BUILTIN_READ: intrinsics.builtin_read, canon.INDEX: operator.index,
             canon.ASSERTION_ERROR: AssertionError, _SET: set}
 
 

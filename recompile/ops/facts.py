@@ -37,7 +37,7 @@ PURE = _pure_operators() | {
     operator.getitem, getattr, len, isinstance, slice, range, int, float, bool, abs, min, max, tuple,
     intrinsics.finds_in_class, intrinsics.build_tuple, intrinsics.build_list, intrinsics.build_dict,
     intrinsics.build_set, intrinsics.unpack, intrinsics.check_bound, intrinsics.as_sequence,
-    intrinsics.has_index, intrinsics.format_value, intrinsics.join_str, intrinsics.builtin_read,
+    intrinsics.has_index, intrinsics.format_value, intrinsics.join_str, intrinsics.builtin_read, operator.index,
 }
 
 
@@ -59,7 +59,7 @@ def pure(fn):
 SHAREABLE = frozenset({
     getattr, operator.getitem, intrinsics.unpack, intrinsics.build_tuple, intrinsics.check_bound,
     intrinsics.builtin_read, intrinsics.read_global, intrinsics.read_cell, intrinsics.finds_in_class, isinstance,
-    len, type, intrinsics.fixed_cell, intrinsics.make_function,
+    len, type, intrinsics.fixed_cell, intrinsics.make_function, operator.index,
 })
 
 # Calls that change their arguments in place (``passes.effects``: a compiled call that may run one keeps
@@ -115,7 +115,7 @@ NO_GRADIENT = MOVES | {
     intrinsics.delete_global,
     *(row.fn for row in syntax.COMPARE), operator.not_, operator.contains, operator.truth,
     print, len, isinstance, issubclass, slice, range, str, repr, format, int, float, bool, id, hash, type,
-    callable, hasattr, chr, ord, divmod, round, any, all,
+    callable, hasattr, chr, ord, divmod, round, any, all, operator.index,
 }
 # Tensor methods whose result carries no gradient: sizes, tests, integer results, conversions out of torch.
 NO_GRADIENT_METHODS = frozenset({

@@ -1142,6 +1142,17 @@ def python_numbers(n, fn, args, kwargs):
     return bt.from_items([fn(v) for v in numbers])
 
 
+@BATCH.register(operator.index)
+def index_numbers(n, fn, args, kwargs):
+    """``operator.index(t)`` of each instance's 0-d integer tensor (the bound of a ``reversed(range(t))`` loop):
+    every instance's int from one ``tolist`` of the rows; other values each instance's own call."""
+    x = args[0] if len(args) == 1 and not kwargs else None
+    t = x.tensor if type(x) is Batch and x.owner == "tensor" else None
+    if t is None or t.dim() != 1 or t.dtype not in facts.INTEGER_INDEX:
+        return NotImplemented
+    return bt.from_items(t.tolist())
+
+
 @BATCH.register("item")
 def item_numbers(n, x, args, kwargs):
     """``t.item()`` of each instance's one-element tensor: one ``tolist`` of the rows."""
