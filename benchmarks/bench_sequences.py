@@ -12,7 +12,9 @@ The idiom suite's models that are not bottom-up trees (``bench_idioms.py`` has t
   over the packed minibatch (``pack_padded_sequence``), the way a PyTorch user batches sentences of different
   lengths by hand. And the states averaged over the sentence, two ways (``total = total + h``, ``total / n``;
   ``hs.append(h)``, ``torch.stack(hs).mean(0)``), against the packed ``nn.LSTM``'s states padded with zeros
-  and summed.
+  and summed; two layers of cells, against a 2-layer ``nn.LSTM``; attention over the states (a softmax of
+  ``self.att(states)`` along the sentence), against the padded states with the softmax masked; and both
+  directions (a second cell over ``reversed(range(n))``), against a bidirectional ``nn.LSTM``.
 - A top-down model that grows a tree from a start state while ``depth < MAX_DEPTH and p > 0.5`` (its gate
   ``p`` computed from the state): per-instance trees of different shapes decided at run time. Against the
   same model batched by hand depth by depth (the instances that expand gathered, their children's states
@@ -149,6 +151,50 @@ class CollectedLSTM(SentenceLSTM):
         return F.cross_entropy(self.out(torch.stack(hs).mean(0)), label)
 
 
+class AttendedLSTM(SentenceLSTM):
+    """Attention over the sentence's states, a weight per word from ``self.att``."""
+
+    def __init__(self, vocab_size, embed=300, hidden=150, classes=5):
+        super().__init__(vocab_size, embed, hidden, classes)
+        self.att = nn.Linear(hidden, 1)
+
+    def classify(self, words, n, label):
+        """``hs.append(h)``, then a softmax of ``self.att(states).squeeze(-1)`` along the sentence weighting the
+        states (``weights[:, None] * states``)."""
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        hs = []
+        for t in range(n):
+            h, c = self.cell(self.embed(words[t]), (h, c))
+            hs.append(h)
+        states = torch.stack(hs)
+        weights = torch.softmax(self.att(states).squeeze(-1), 0)
+        return F.cross_entropy(self.out((weights[:, None] * states).sum(0)), label)
+
+
+class BiLSTM(SentenceLSTM):
+    """A second cell over the sentence backwards, the two last states classified together."""
+
+    def __init__(self, vocab_size, embed=300, hidden=150, classes=5):
+        super().__init__(vocab_size, embed, hidden, classes)
+        self.back = nn.LSTMCell(embed, hidden)
+        self.out = nn.Linear(2 * hidden, classes)
+
+    def classify(self, words, n, label):
+        """``for t in range(n)`` with one cell, ``for t in reversed(range(n))`` with the other, over
+        ``xs = self.embed(words[:n])``."""
+        xs = self.embed(words[:n])
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        for t in range(n):
+            h, c = self.cell(xs[t], (h, c))
+        hb = torch.zeros(self.back.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        cb = torch.zeros(self.back.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        for t in reversed(range(n)):
+            hb, cb = self.back(xs[t], (hb, cb))
+        return F.cross_entropy(self.out(torch.cat([h, hb])), label)
+
+
 def compiled(cls):
     return type(cls.__name__ + "Compiled", (cls,), {"classify": recompile.function(cls.classify)})
 
@@ -174,12 +220,17 @@ def sentence_of(tree):
 
 
 def packed_lstm(model):
-    """An ``nn.LSTM`` holding the very parameters of ``model.cell`` (and ``model.cell2``, as its second layer)."""
+    """An ``nn.LSTM`` holding the very parameters of ``model.cell`` (and ``model.cell2``, as its second layer;
+    ``model.back``, as its reverse direction)."""
     cells = [model.cell] + ([model.cell2] if hasattr(model, "cell2") else [])
-    lstm = nn.LSTM(model.cell.input_size, model.cell.hidden_size, num_layers=len(cells), batch_first=True)
+    back = getattr(model, "back", None)
+    lstm = nn.LSTM(model.cell.input_size, model.cell.hidden_size, num_layers=len(cells), batch_first=True,
+                   bidirectional=back is not None)
     for layer, cell in enumerate(cells):
         for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
             setattr(lstm, f"{name}_l{layer}", getattr(cell, name))
+            if back is not None:
+                setattr(lstm, f"{name}_l{layer}_reverse", getattr(back, name))
     return lstm.to(model.out.weight.dtype)
 
 
@@ -200,6 +251,29 @@ def hand_batched_pooled(model, lstm, batch):
     states, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
     mean = states.sum(1) / batch.lengths.unsqueeze(1)
     return F.cross_entropy(model.out(mean), batch.labels, reduction="sum")
+
+
+def hand_batched_attended(model, lstm, batch):
+    """``AttendedLSTM``'s minibatch loss by hand: one ``nn.LSTM`` over the packed sentences, the states padded,
+    the attention's softmax over each sentence's words (the padding masked with -inf)."""
+    packed = nn.utils.rnn.pack_padded_sequence(model.embed(batch.words), batch.lengths, batch_first=True,
+                                               enforce_sorted=False)
+    out, _ = lstm(packed)
+    states, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+    scores = model.att(states).squeeze(-1)
+    words = torch.arange(states.shape[1], device=states.device) < batch.lengths.to(states.device).unsqueeze(1)
+    weights = torch.softmax(scores.masked_fill(~words, float("-inf")), 1)
+    pooled = (weights.unsqueeze(-1) * states).sum(1)
+    return F.cross_entropy(model.out(pooled), batch.labels, reduction="sum")
+
+
+def hand_batched_bidirectional(model, lstm, batch):
+    """``BiLSTM``'s minibatch loss by hand: one bidirectional ``nn.LSTM`` over the packed sentences, the two
+    directions' last states classified together."""
+    packed = nn.utils.rnn.pack_padded_sequence(model.embed(batch.words), batch.lengths, batch_first=True,
+                                               enforce_sorted=False)
+    _, (h, _) = lstm(packed)
+    return F.cross_entropy(model.out(torch.cat([h[0], h[1]], -1)), batch.labels, reduction="sum")
 
 
 def recompile_sentences(model):
@@ -240,7 +314,11 @@ SENTENCE_FAMILIES = (
      {"LSTMCell, states summed": PooledLSTM, "LSTMCell, stack(hs).mean(0)": CollectedLSTM},
      hand_batched_pooled),
     ("Two layers against one packed 2-layer nn.LSTM", {"two LSTMCell layers": TwoLayerLSTM},
-     hand_batched_sentences))
+     hand_batched_sentences),
+    ("Attention over the states against one packed nn.LSTM's padded states, masked",
+     {"attention, softmax(.., 0)": AttendedLSTM}, hand_batched_attended),
+    ("Both directions against one packed bidirectional nn.LSTM", {"reversed(range(n))": BiLSTM},
+     hand_batched_bidirectional))
 
 
 # -- the top-down model

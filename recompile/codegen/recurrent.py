@@ -293,7 +293,7 @@ def _items_at(value, layout, counter, counters):
     taking the whole sequence for each row."""
     stretches = rows.of(value)
     if stretches is not None:
-        return rows.items_at(stretches, layout.instance, counters)
+        return rows.items_at(stretches, layout.index, counters)
     t = bt.tensor_of(value) if type(value) is Batch else value if type(value) is torch.Tensor else None
     if t is None or t.dim() < (2 if type(value) is Batch else 1):
         return batch_rules.item(layout.rows, layout.take(value), counter)

@@ -48,28 +48,30 @@ def packed(seq):
         offsets = [0]
         for m in seq.lengths[:-1]:
             offsets.append(offsets[-1] + m)
-        total = offsets[-1] + seq.lengths[-1]
+        device = seq.source.device
         if seq.rows is not None and seq.source.shape[0] == 1 and seq.starts == offsets:
-            seq.packed = seq.source[0, :total]  # (the stretches lie so already: a view)
+            seq.packed = seq.source[0, :offsets[-1] + seq.lengths[-1]]  # (the stretches lie so already: a view)
         else:
-            device = seq.source.device
-            lengths = torch.tensor(seq.lengths)
-            within = torch.arange(total) - torch.repeat_interleave(torch.tensor(offsets), lengths)
-            at = within + torch.repeat_interleave(torch.tensor(seq.starts), lengths)
-            row = torch.repeat_interleave(seq.row_index("cpu"), lengths)
-            seq.packed = seq.source[row.to(device), at.to(device)]
+            k, i = seq.where(device)
+            first = seq.starts[0]
+            if seq.rows is None and all(a == first for a in seq.starts):  # (each from one column of its row)
+                seq.packed = seq.source[k, i + first if first else i]
+            else:
+                starts = torch.tensor(seq.starts, device=device)
+                seq.packed = seq.source[seq.row_index(device)[k], i + starts[k]]
     return seq.packed
 
 
-def from_packed(n, flat, lengths):
-    """The Batch whose instance k's value is its stretch of ``flat``'s rows (Rows of ``flat``, laid end to end)."""
-    offsets, views, at = [], [], 0
-    for m in lengths:
+def from_packed(n, flat, seq):
+    """The Batch whose instance k's value is its stretch of ``flat``'s rows, of the lengths of Rows ``seq``
+    (Rows of ``flat``, laid end to end)."""
+    offsets, at = [], 0
+    for m in seq.lengths:
         offsets.append(at)
-        views.append(flat[at:at + m])
         at += m
-    out = rows.Rows(views, flat.unsqueeze(0), [0] * n, offsets, list(lengths))
+    out = rows.Rows(flat.split(seq.lengths), flat.unsqueeze(0), [0] * n, offsets, seq.lengths)
     out.packed = flat
+    out.same_layout(seq)
     return Batch(n, items=out)
 
 
@@ -163,7 +165,7 @@ def indexed(n, seq, index):
 def _rows_of(n, seq, out):
     if type(out) is not torch.Tensor or out.dim() < 1 or out.shape[0] != sum(seq.lengths):
         raise AssertionError(f"a row-wise op changed the rows: {tuple(out.shape)}")  # (a rule here is wrong)
-    return from_packed(n, out, seq.lengths)
+    return from_packed(n, out, seq)
 
 
 def _operands(n, seq, rank, args):

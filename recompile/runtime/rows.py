@@ -22,7 +22,8 @@ from .batch import Batch
 class Rows(list):
     """Instance k's value is ``source[row k][starts[k]:starts[k] + lengths[k]]`` (the list holds those views)."""
 
-    __slots__ = ("source", "rows", "starts", "lengths", "shortest", "longest", "_counts", "packed")
+    __slots__ = ("source", "rows", "starts", "lengths", "shortest", "longest", "_counts", "_mask", "_where",
+                 "packed")
 
     def __init__(self, views, source, rows, starts, lengths):
         super().__init__(views)
@@ -30,7 +31,7 @@ class Rows(list):
         self.rows = rows  # each instance's row of ``source``, or None: instance k's is row k
         self.starts, self.lengths = starts, lengths
         self.shortest, self.longest = min(lengths), max(lengths)
-        self._counts = None
+        self._counts = self._mask = self._where = None
         self.packed = None  # the stretches end to end, once ``row_wise.packed`` made them
 
     def taken(self, positions):
@@ -44,6 +45,26 @@ class Rows(list):
         if self._counts is None:
             self._counts = torch.tensor(self.lengths)
         return self._counts
+
+    def mask(self, device):
+        """(n, longest) bools: which of the first ``longest`` rows from each stretch's start are in it."""
+        if self._mask is None or self._mask.device != device:
+            self._mask = (torch.arange(self.longest) < self.counts()[:, None]).to(device)
+        return self._mask
+
+    def where(self, device):
+        """(k, i) LongTensors: for each row of the stretches laid end to end, its instance and its place in its
+        stretch (what a padded (n, longest) tensor's rows are at)."""
+        if self._where is None or self._where[0].device != device:
+            counts = self.counts()
+            k = torch.repeat_interleave(torch.arange(len(self.lengths)), counts)
+            i = torch.arange(len(k)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+            self._where = (k.to(device), i.to(device))
+        return self._where
+
+    def same_layout(self, other):
+        """Share ``other``'s tensors of the lengths (Rows of the same lengths)."""
+        self._counts, self._mask, self._where = other._counts, other._mask, other._where
 
     def row_index(self, device):
         """Each instance's row of ``source`` as a LongTensor."""
@@ -134,9 +155,9 @@ def items_at(seq, instances, steps):
     """``seq[t]`` for rows of (instance, t) at once (a recurrent loop's steps run ahead, which changes nothing
     in place): one index of the source, a copy; a negative t counts from the end of the instance's stretch. An
     IndexError where a t lies outside its stretch (the written loop then raises it at its step)."""
-    which = torch.tensor(instances)
+    which = instances if type(instances) is torch.Tensor else torch.tensor(instances)
     at = torch.tensor(steps)
-    lengths = torch.tensor(seq.lengths)[which]
+    lengths = seq.counts()[which]
     if bool(((at >= lengths) | (at < -lengths)).any()):
         raise IndexError("an item outside an instance's stretch of rows")
     at = torch.where(at < 0, at + lengths, at) + torch.tensor(seq.starts)[which]
@@ -285,12 +306,11 @@ def softmaxed(n, name, seq, args, kwargs):
     if type(dim) is not int or dim not in (0, -rank) or seq.shortest == 0 or not seq.source.is_floating_point():
         return NotImplemented
     padded = _padded(seq)
-    device = padded.device
-    lengths = torch.tensor(seq.lengths, device=device)
-    mask = (torch.arange(padded.shape[1], device=device) < lengths[:, None]).view(n, -1, *[1] * (rank - 1))
+    mask = seq.mask(padded.device).view(n, -1, *[1] * (rank - 1))
     out = getattr(torch, name)(torch.where(mask, padded, padded.new_full((), float("-inf"))), 1)
-    return Batch(n, items=Rows([out[k, :m] for k, m in enumerate(seq.lengths)], out, None, [0] * n,
-                               list(seq.lengths)))
+    found = Rows([out[k, :m] for k, m in enumerate(seq.lengths)], out, None, [0] * n, list(seq.lengths))
+    found.same_layout(seq)
+    return Batch(n, items=found)
 
 
 def reduced(n, name, seq, args, kwargs):
@@ -307,17 +327,25 @@ def reduced(n, name, seq, args, kwargs):
     keepdim = found[1]
     if name != "sum" and seq.shortest == 0:
         return NotImplemented  # (an empty stretch: its instance's own op says what it gives or raises)
+    if name in ("sum", "mean") and seq.packed is not None and (seq.packed.is_floating_point() or name == "sum") \
+            and seq.packed.dtype is not torch.bool:
+        flat = seq.packed  # (laid end to end: each instance's rows added into its own row, one op)
+        device = flat.device
+        total = flat.new_zeros(n, *flat.shape[1:]).index_add(0, seq.where(device)[0], flat)
+        if name == "mean":
+            total = total / seq.counts().to(device=device, dtype=total.dtype).view(n, *[1] * (total.dim() - 1))
+        return bt.from_tensor(total.unsqueeze(1) if keepdim else total)
     padded = _padded(seq)
     device = padded.device
-    lengths = torch.tensor(seq.lengths, device=device)
-    mask = (torch.arange(padded.shape[1], device=device) < lengths[:, None]).view(n, -1, *[1] * (rank - 1))
+    mask = seq.mask(device).view(n, -1, *[1] * (rank - 1))
     if name in ("sum", "mean"):
         if name == "mean" and not (padded.is_floating_point() or padded.is_complex()):
             return NotImplemented
         total = torch.where(mask, padded, padded.new_zeros(())).sum(1, keepdim=keepdim)
         if name == "sum":
             return bt.from_tensor(total)
-        return bt.from_tensor(total / lengths.to(total.dtype).view(n, *[1] * (total.dim() - 1)))
+        lengths = seq.counts().to(device=device, dtype=total.dtype)
+        return bt.from_tensor(total / lengths.view(n, *[1] * (total.dim() - 1)))
     if padded.dtype is torch.bool or padded.is_complex():
         return NotImplemented
     lowest = name in ("max", "amax")
@@ -352,6 +380,9 @@ def _padded(seq):
     if seq.rows is None and all(a == first for a in seq.starts):
         return seq.source[:, first:first + seq.longest]
     device = seq.source.device
+    if seq.packed is not None:  # (laid end to end: each stretch put in its row, zeros past its end)
+        flat = seq.packed
+        return flat.new_zeros(len(seq), seq.longest, *flat.shape[1:]).index_put(seq.where(device), flat)
     at = (torch.tensor(seq.starts, device=device)[:, None] + torch.arange(seq.longest, device=device)).clamp(
         max=seq.source.shape[1] - 1)
     return seq.source[seq.row_index(device)[:, None], at]
