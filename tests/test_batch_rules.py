@@ -247,6 +247,10 @@ OPS = {
     "lstm_cell_rows_shared_state": lambda w: (LSTM_CELL, (w(rand(N, 2, 3, seed=1)),
                                                           (rand(2, 5, seed=2), rand(2, 5, seed=3))), {}),
     "gru_cell_no_state": lambda w: (GRU_CELL, (w(rand(N, 3, seed=1)),), {}),
+    # (a shared input, each instance's own state: ``self.gru(zeros, hl + hr)``)
+    "gru_cell_shared_input": lambda w: (GRU_CELL, (rand(3, seed=1), w(rand(N, 5, seed=2))), {}),
+    "lstm_cell_shared_rows_input": lambda w: (LSTM_CELL, (rand(2, 3, seed=1), tup(w(rand(N, 2, 5, seed=2)),
+                                                                                   w(rand(N, 2, 5, seed=3)))), {}),
     # an nn.Sequential: each module by its rule (rows of an instance too)
     "sequential": lambda w: (SEQUENTIAL, (w(rand(N, 2, 3, seed=1)),), {}),
     "rnn_cell_hx_keyword": lambda w: (RNN_CELL, (w(rand(N, 3, seed=1)),), {"hx": w(rand(N, 5, seed=2))}),
@@ -553,6 +557,24 @@ def test_append_to_struct_list_then_stack():
     assert [len(v) for v in instances(xs, N)] == [2] * N
     out = br.call(N, torch.stack, (xs,))
     check_readers(out, [torch.stack([x[k], y[k]]) for k in range(N)], N)
+
+
+def test_extend_a_struct_list_and_each_instances_own_lists_then_sum():
+    """``xs.extend([...])`` of a list the program built, and of each instance's own lists (of their own lengths),
+    then ``sum(xs)``: one op for every instance's list, added from zero in order as Python's sum adds."""
+    x, y = rand(N, 3, seed=1), rand(N, 3, seed=2)
+    reset_counters()
+    xs = br.call(N, intrinsics.build_list, (Batch(N, tensor=x.clone()),))
+    br.call(N, br.call(N, getattr, (xs, "extend")), (br.call(N, intrinsics.build_tuple, (Batch(N, tensor=y), 2.0)),))
+    assert [len(v) for v in instances(xs, N)] == [3] * N and br.counters.per_instance == {}
+    own = Batch(N, items=[[x[k]] * (k + 1) for k in range(N)])  # (each instance's list, of its own length)
+    br.call(N, br.call(N, getattr, (own, "extend")), (br.call(N, intrinsics.build_list, (Batch(N, tensor=y),)),))
+    assert [len(v) for v in bt.items_of(own)] == [k + 2 for k in range(N)] and br.counters.per_instance == {}
+    out = br.call(N, sum, (own,))
+    check_readers(out, [sum([x[k]] * (k + 1) + [y[k]]) for k in range(N)], N)
+    assert br.counters.per_instance == {}
+    mixed = Batch(N, items=[[x[k], 1.0] for k in range(N)])  # (a Python number among them: each its own sum)
+    check_readers(br.call(N, sum, (mixed,)), [x[k] + 1.0 for k in range(N)], N)
 
 
 def test_setitem_in_struct_list_then_cat():

@@ -1222,3 +1222,21 @@ def test_a_reversed_or_range_rebound_after_compiling():
                 f(3)
         finally:
             del G[ident]
+
+
+def losses_listed(xs, n):
+    losses = []
+    for t in range(n):
+        if t % 2 == 0:
+            losses.extend([xs[t] * 2.0, xs[t].sin()])
+        else:
+            losses.append(xs[t].cos())
+    return sum(losses)
+
+
+def test_lists_extended_in_a_loop_and_summed_batch():
+    """Each instance's list of its own length (instances leave the loop at different steps), extended and
+    appended to, then ``sum``: no op once per instance."""
+    xs = torch.randn(4, 5, 3, dtype=F64)
+    check_vmap(losses_listed, (0, 0), xs, torch.tensor([5, 2, 3, 1]))
+    check_grad(losses_listed, xs[0].clone().requires_grad_(), 4)

@@ -1060,7 +1060,7 @@ def attribute(n, fn, args, kwargs):
             return bt.from_tensor(swapped.conj() if name == "mH" else swapped)
         if callable(getattr(torch.Tensor, name, None)):
             return Batch(x.n, method=(x, name))
-    if name == "append" and (x.struct is not None and x.owner is None and x.struct[0] is list or
+    if name in ("append", "extend") and (x.struct is not None and x.owner is None and x.struct[0] is list or
                              x.owner == "items" and all(type(v) is list for v in x.items)):
         return Batch(x.n, method=(x, name))  # (``hs.append(h)`` of lists the program built: see ``appended``)
     if x.struct is not None and x.owner is None:  # (a field of what an op returned: ``x.max(-1).values``)
@@ -1085,12 +1085,30 @@ def python_sum(n, fn, args, kwargs):
     if (kwargs and set(kwargs) != {"start"}) or not 1 <= len(args) + len(kwargs) <= 2:
         return NotImplemented
     xs = args[0]
+    total = args[1] if len(args) > 1 else kwargs.get("start", 0)
+    if type(xs) is Batch and xs.owner == "items" and type(total) is int and total == 0:
+        return _summed_lists(n, xs.items)
     if type(xs) is not Batch or xs.struct is None or xs.owner is not None:
         return NotImplemented
-    total = args[1] if len(args) > 1 else kwargs.get("start", 0)
     for item in xs.struct[1]:
         total = call(n, operator.add, (total, item))
     return total
+
+
+def _summed_lists(n, lists):
+    """``sum(xs)`` of each instance's own list of tensors of one shape and dtype (lists of their own lengths,
+    none empty): every instance's tensors stacked, added into its row in order (one ``index_add``, from zero, as
+    ``0 + a + b ...`` adds them); NotImplemented for anything else."""
+    if not all(type(each) is list and each for each in lists):
+        return NotImplemented
+    flat = [t for each in lists for t in each]
+    first = flat[0]
+    if type(first) is not torch.Tensor or not (first.is_floating_point() or first.is_complex()) or any(
+            type(t) is not torch.Tensor or t.shape != first.shape or t.dtype is not first.dtype
+            or t.device != first.device for t in flat):
+        return NotImplemented
+    rows = torch.repeat_interleave(torch.arange(n), torch.tensor([len(each) for each in lists])).to(first.device)
+    return bt.from_tensor(first.new_zeros(n, *first.shape).index_add(0, rows, torch.stack(flat)))
 
 
 # attributes of a batched tensor that are every instance's too
@@ -1130,6 +1148,30 @@ def appended(n, xs, args, kwargs):
         return NotImplemented
     xs.struct[1].append(args[0])
     return None
+
+
+@BATCH.register("extend")
+def extended(n, xs, args, kwargs):
+    """``xs.extend(ys)`` of a list the program built (held as its elements) by a list or tuple the program built
+    or a shared one: their elements its next ones; of each instance's own list, each instance's ys (``append``)."""
+    if kwargs or len(args) != 1 or type(xs) is not Batch:
+        return NotImplemented
+    ys = args[0]
+    built = xs.struct is not None and xs.owner is None and xs.struct[0] is list
+    if built and type(ys) is Batch and ys.struct is not None and ys.owner is None and ys.struct[0] in (list, tuple):
+        xs.struct[1].extend(list(ys.struct[1]))
+        return None
+    if built and type(ys) in (list, tuple):
+        xs.struct[1].extend(ys)
+        return None
+    if built and type(ys) is Batch:
+        bt.items_of(xs)  # (each instance's ys, of its own length maybe: each instance's own list from here)
+    if xs.owner == "items" and all(type(v) is list for v in xs.items):
+        each_ys = bt.items_of(ys) if type(ys) is Batch else [ys] * n
+        for each, more in zip(xs.items, each_ys):
+            each.extend(more)
+        return None
+    return NotImplemented
 
 
 @BATCH.register(int, float, bool)
@@ -1377,10 +1419,17 @@ def in_sequence(n, seq, args, kwargs):
 @BATCH.register(nn.RNNCell, nn.LSTMCell, nn.GRUCell)
 def recurrent_cell(n, cell, args, kwargs):
     """An RNN, LSTM or GRU cell on batched inputs: the instances' rows (an instance's input a vector, or a
-    matrix of rows) are one batch of rows for the cell; a shared state is every instance's."""
-    if len(args) > 2 or (kwargs and set(kwargs) != {"hx"}) or not args or type(args[0]) is not Batch:
+    matrix of rows) are one batch of rows for the cell; a shared state, or a shared input (``cell(zeros, h)``
+    of each instance's own state), is every instance's."""
+    if len(args) > 2 or (kwargs and set(kwargs) != {"hx"}) or not args:
         return NotImplemented
-    x = bt.tensor_of(args[0])
+    x = args[0]
+    if type(x) is Batch:
+        x = bt.tensor_of(x)
+    elif type(x) in PLAIN_TENSORS and x.dim() in (1, 2):
+        x = x.expand(n, *x.shape)
+    else:
+        return NotImplemented
     if x is None or x.dim() not in (2, 3):
         return NotImplemented
     rows = x.shape[:-1]  # (n,) or (n, B)
