@@ -272,6 +272,31 @@ def test_stacked_lists_of_their_own_lengths_run_batched_with_ties_and_infinities
     torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
 
 
+def concatenated(xs, n):
+    outs = []
+    for t in range(n):
+        outs.append(xs[t].unsqueeze(0) * (t + 1))
+        if t == 1:
+            outs.append(xs[:2] - 1.0)  # (two rows at once: each instance's tensors of one shape but dim 0)
+    states = torch.cat(outs, 0)
+    return states[-1] + states.sum(0) / states.shape[0] + states.ndim + torch.cat(outs).mean(0)
+
+
+def test_each_instances_list_of_its_own_length_concatenated_with_its_shape():
+    xs = torch.randn(4, 5, 3, dtype=torch.float64, requires_grad=True)
+    n = lengths(5, 1, 2, 3)
+    f = recompile.function(concatenated)
+    got = recompile.vmap(f)(xs, n)
+    want = torch.stack([concatenated(xs[k], int(n[k])) for k in range(4)])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+    config.PER_INSTANCE = "allow"
+    with pytest.raises(Exception) as eager:
+        concatenated(xs[1], 0)
+    with pytest.raises(eager.type, match="non-empty"):
+        recompile.vmap(f)(xs, lengths(2, 0, 4, 1))  # (an empty list: torch.cat raises, as each instance's)
+
+
 def test_an_empty_list_stacked_raises_as_torch_does_and_lists_alike_stack_as_one_tensor():
     f = recompile.function(pooled)
     config.PER_INSTANCE = "allow"

@@ -801,8 +801,8 @@ def join_along(n, fn, args, kwargs):
         if not args:
             return NotImplemented
     seq = args[0]
-    if fn is torch.stack and type(seq) is Batch and seq.owner == "items":
-        return rows.stacked(n, seq, args, kwargs)  # (each instance's list of its own length)
+    if type(seq) is Batch and seq.owner == "items":  # (each instance's list of its own length)
+        return rows.stacked(n, seq, args, kwargs) if fn is torch.stack else rows.concatenated(n, seq, args, kwargs)
     if type(seq) is not Batch or seq.struct is None or seq.owner is not None or len(args) > 2:
         return NotImplemented
     parts = []
@@ -1068,6 +1068,11 @@ def attribute(n, fn, args, kwargs):
         fields = getattr(kind, "_fields", None) or getattr(kind, "__match_args__", ())
         if name in fields:
             return parts[fields.index(name)]
+    if name in ("shape", "ndim") and rows.of(x) is not None:  # (``xs.shape[0]``: each instance's length)
+        seq = rows.of(x)
+        rest = list(seq.source.shape[2:])
+        return seq.source.dim() - 1 if name == "ndim" else \
+            bt.from_struct(torch.Size, [bt.from_items(list(seq.lengths)), *rest], x.n)
     if (name in rows.ALONG_ROWS or name in row_wise.METHODS) and rows.of(x) is not None:
         return Batch(x.n, method=(x, name))  # (``torch.stack(hs).mean(0)``, ``xs.tanh()``: see ``rows``, ``row_wise``)
     if x.owner == "items" and name.endswith("_") and not name.endswith("__") \

@@ -65,12 +65,7 @@ def packed(seq):
 def from_packed(n, flat, seq):
     """The Batch whose instance k's value is its stretch of ``flat``'s rows, of the lengths of Rows ``seq``
     (Rows of ``flat``, laid end to end)."""
-    offsets, at = [], 0
-    for m in seq.lengths:
-        offsets.append(at)
-        at += m
-    out = rows.Rows(flat.split(seq.lengths), flat.unsqueeze(0), [0] * n, offsets, seq.lengths)
-    out.packed = flat
+    out = rows.packed_rows(n, flat, seq.lengths)
     out.same_layout(seq)
     return Batch(n, items=out)
 

@@ -220,6 +220,35 @@ def stacked(n, seqs, args, kwargs):
     return Batch(n, items=Rows([padded[k, :m] for k, m in enumerate(lengths)], padded, None, [0] * n, lengths))
 
 
+def concatenated(n, seqs, args, kwargs):
+    """``torch.cat(xs)`` (along dim 0) of each instance's own list of tensors of one shape but dim 0, of a length
+    of its own (``outs.append(h.unsqueeze(0))`` in a loop), in a run that changes nothing in place: one cat of every
+    instance's tensors, each instance's result its stretch of it (Rows, laid end to end)."""
+    if not sharing.state.fresh or len(args) > 2 or set(kwargs) - {"dim"} or \
+            kwargs.get("dim", args[1] if len(args) > 1 else 0) != 0:
+        return NotImplemented
+    lists = bt.items_of(seqs)
+    if type(lists) is Appended:
+        lists.fill()
+    if not all(type(s) in (list, tuple) and s for s in lists):
+        return NotImplemented  # (an empty one: its instance raises, as torch.cat does)
+    flat = [t for s in lists for t in s]
+    if not all(type(t) is torch.Tensor and t.dim() for t in flat) or not bt.same_kind(flat, 1):
+        return NotImplemented
+    return Batch(n, items=packed_rows(n, torch.cat(flat), [sum(t.shape[0] for t in s) for s in lists]))
+
+
+def packed_rows(n, flat, lengths):
+    """The Rows of stretches of ``lengths`` laid end to end in ``flat``'s rows."""
+    offsets, at = [], 0
+    for m in lengths:
+        offsets.append(at)
+        at += m
+    found = Rows(flat.split(lengths), flat.unsqueeze(0), [0] * n, offsets, lengths)
+    found.packed = flat
+    return found
+
+
 class Appended(list):
     """Each instance's list (a Batch's items) that a loop run as one RNN (``codegen.recurrent``) appended each
     step's state to, starting empty: the lists hold rows of one packed tensor of states, and while they hold
