@@ -150,3 +150,75 @@ def test_an_instances_zero_dim_tensor_keeps_its_type_promotion(monkeypatch):
     got = recompile.vmap(recompile.function(zero_dim_promotes), in_dims=(None, 0, 0, 0))(None, words, x, LENGTHS)
     want = torch.stack([zero_dim_promotes(None, words[k], x[k], int(LENGTHS[k])) for k in range(6)])
     torch.testing.assert_close(got, want)
+
+
+class Scaled:
+    """A callable the program calls that cannot be hashed (``__eq__`` without ``__hash__``)."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def __eq__(self, other):
+        return isinstance(other, Scaled) and other.k == self.k
+
+    def __call__(self, a, b):
+        return a * self.k + b
+
+
+class Centred(nn.ReLU):
+    def forward(self, x):
+        return x - x.mean(0)  # (across the rows: not each row alone)
+
+
+RELU_IN_PLACE, CENTRED = nn.ReLU(inplace=True), Centred()
+
+
+def changed_in_place_by_a_module(m, words, x, n):
+    z = x.detach() - 1.0  # (the values: each instance's relu_ of a view of one batched tensor moves its version)
+    RELU_IN_PLACE(z[:n])
+    return z.sum(0) * m.w[0, :3]
+
+
+def changed_in_place_by_position(m, words, x, n):
+    z = x - 1.0
+    xs = z[:n]
+    F.hardtanh(xs, -0.1, 0.1, True)
+    return z.sum(0) + xs[0] + xs[-1]
+
+
+def a_subclass_with_its_own_forward(m, words, x, n):
+    return CENTRED(x[:n]).sum(0)
+
+
+def a_shared_tensor_by_keyword(m, words, x, n):
+    return torch.clamp(x[:n], min=m.w[:3, :3].unsqueeze(1)).sum(1).sum(0) + x[:n].mul(other=m.w[:1, :3]).sum(0)
+
+
+def an_instances_value_the_op_does_not_broadcast(m, words, x, n):
+    xs = x[:n]
+    return xs.masked_fill(xs > 1.0, x[0, 0]).sum(0) + F.layer_norm(xs, (3,), x[1]).sum(0)
+
+
+def indices_of_a_condition(m, words, x, n):
+    return torch.where(x[:n] > 0.7)[0].sum().double() + Scaled(2.0)(1.0, x[:n]).sum()
+
+
+@pytest.mark.parametrize("fn", [changed_in_place_by_a_module, changed_in_place_by_position,
+                                a_subclass_with_its_own_forward, a_shared_tensor_by_keyword,
+                                an_instances_value_the_op_does_not_broadcast, indices_of_a_condition])
+def test_ops_that_change_in_place_reach_across_rows_or_take_no_rows_run_per_instance(fn, monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
+    compare(fn)
+
+
+def integer_rows_summed(m, words, x, n):
+    return (words.int()[:n] + 1).sum(0)  # (torch sums int32 to int64)
+
+
+def test_integer_rows_summed_along_them_give_torchs_dtype(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
+    words, x = inputs()
+    got = recompile.vmap(recompile.function(integer_rows_summed), in_dims=(None, 0, 0, 0))(None, words, x, LENGTHS)
+    want = torch.stack([integer_rows_summed(None, words[k], x[k], int(LENGTHS[k])) for k in range(6)])
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want)

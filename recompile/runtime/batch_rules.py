@@ -117,7 +117,10 @@ def call(n, fn, args, kwargs=None):
             return out
     if args and type(args[0]) is Batch and args[0].owner == "items":
         found = rows.of(args[0])
-        name = rows.REDUCING.get(fn) if found is not None else None
+        try:
+            name = rows.REDUCING.get(fn) if found is not None else None
+        except TypeError:  # (an unhashable callable)
+            name = None
         if name is not None:  # (``torch.max(torch.stack(hs), 0)``)
             out = rows.along_rows(n, name, found, args[1:], kwargs or {})
             if out is not NotImplemented:

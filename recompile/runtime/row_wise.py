@@ -74,21 +74,29 @@ def call(n, fn, args, kwargs):
     """``fn(*args, **kwargs)`` where an argument holds Rows, once on the rows packed; NotImplemented where
     ``fn`` is not known to act on each row alone with these arguments."""
     seq = next(rows.of(a) for a in args if type(a) is Batch and type(a.items) is rows.Rows)
-    if seq is None or seq.shortest == 0 or any(type(v) is Batch for v in kwargs.values()):
+    if seq is None or seq.shortest == 0 or not _plain_options(kwargs):
         return NotImplemented
     rank = seq.source.dim() - 1
+    try:
+        hash(fn)
+    except TypeError:  # (an unhashable callable: no rule names it)
+        return NotImplemented
     if isinstance(fn, nn.Module):
-        if has_hooks(fn) or "forward" in fn.__dict__ or len(args) != 1 or kwargs:
+        if has_hooks(fn) or "forward" in fn.__dict__ or len(args) != 1 or kwargs or getattr(fn, "inplace", False):
             return NotImplemented
         if type(fn) is nn.Linear:
             return _weighted(n, seq, F.linear, args[0], (fn.weight, fn.bias), {})
         if type(fn) is nn.LayerNorm and len(fn.normalized_shape) >= rank:
             return NotImplemented
-        if type(fn) is not nn.LayerNorm and not isinstance(fn, _MODULES) and not (
+        if type(fn) is not nn.LayerNorm and type(fn) not in _MODULES and not (
                 type(fn) is nn.Dropout and (not fn.training or fn.p == 0)):
-            return NotImplemented
+            return NotImplemented  # (exactly these types: a subclass's forward may reach across the rows)
     elif fn in (F.linear, torch.matmul, operator.matmul):
         return _weighted(n, seq, fn, args[0], args[1:], kwargs)
+    elif any(a is True for a in args[1:]) and getattr(fn, "__module__", None) == F.__name__:
+        return NotImplemented  # (``F.hardtanh(xs, -1, 1, True)``: in place, by position)
+    elif fn is torch.where and len(args) != 3:
+        return NotImplemented  # (``torch.where(cond)``: the indices, not a value per row)
     elif fn in _SOFTMAX:
         dim = _dim(args[1:], kwargs, rank)
         if dim is None or dim == 0 or rows.of(args[0]) is not seq:
@@ -97,15 +105,19 @@ def call(n, fn, args, kwargs):
         shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
         if rows.of(args[0]) is not seq or type(shape) not in (tuple, list, torch.Size) or len(shape) >= rank:
             return NotImplemented
-    else:
-        try:
-            known = fn in _FUNCTIONS
-        except TypeError:  # (an unhashable callable)
-            return NotImplemented
-        if not known:
-            return NotImplemented
-    values = _operands(n, seq, rank, args)
+    elif fn not in _FUNCTIONS:
+        return NotImplemented
+    # (an instance's own tensor only where the op broadcasts it along the rows: not a layer norm's weight, nor
+    # a bound of F's activations, which take numbers)
+    values = _operands(n, seq, rank, args, getattr(fn, "__module__", None) != F.__name__)
     return NotImplemented if values is None else _rows_of(n, seq, fn(*values, **kwargs))
+
+
+def _plain_options(kwargs):
+    """Whether keyword arguments hold no tensor (a shared one could reach the rows' dim, ``clamp(min=W)``), no
+    batch and no ``inplace`` (the op would change a copy: the rows packed)."""
+    return not any(isinstance(v, torch.Tensor) or type(v) is Batch for v in kwargs.values()) and \
+        not kwargs.get("inplace", False)
 
 
 def _weighted(n, seq, fn, first, rest, kwargs):
@@ -120,7 +132,7 @@ def _weighted(n, seq, fn, first, rest, kwargs):
 def method(n, name, seq, args, kwargs):
     """``xs.name(*args, **kwargs)`` of each instance's stretch ``seq``, once on the rows packed, where the method
     acts on each row alone; NotImplemented otherwise."""
-    if seq.shortest == 0 or any(type(v) is Batch for v in kwargs.values()):
+    if seq.shortest == 0 or not _plain_options(kwargs):
         return NotImplemented
     rank = seq.source.dim() - 1
     if name in _DIM_METHODS:
@@ -134,7 +146,7 @@ def method(n, name, seq, args, kwargs):
         return _rows_of(n, seq, getattr(flat, name)(*args, **kwargs))
     if name not in _ELEMENTWISE_METHODS:
         return NotImplemented
-    values = _operands(n, seq, rank, args)
+    values = _operands(n, seq, rank, args, name != "masked_fill")  # (its value a number or a 0-d tensor)
     if values is None:
         return NotImplemented
     return _rows_of(n, seq, getattr(packed(seq), name)(*values, **kwargs))
@@ -158,15 +170,17 @@ def indexed(n, seq, index):
 
 
 def _rows_of(n, seq, out):
+    """Each instance's stretch of ``out``, the op's result on the rows packed; NotImplemented where it did not
+    keep them (each instance then runs its own: the op changes nothing, so running it again is safe)."""
     if type(out) is not torch.Tensor or out.dim() < 1 or out.shape[0] != sum(seq.lengths):
-        raise AssertionError(f"a row-wise op changed the rows: {tuple(out.shape)}")  # (a rule here is wrong)
+        return NotImplemented
     return from_packed(n, out, seq)
 
 
-def _operands(n, seq, rank, args):
+def _operands(n, seq, rank, args, broadcasts=True):
     """The arguments as the packed op takes them, or None: Rows of the same lengths and rank packed; a batched
-    tensor of lower rank (or a leading 1) as each row's instance's value; shared values as they are, where they
-    do not reach the rows' dim."""
+    tensor of lower rank (or a leading 1) as each row's instance's value (where the op ``broadcasts`` its
+    operands); shared values as they are, where they do not reach the rows' dim."""
     values, row_of = [], None
     for a in args:
         if type(a) is Batch:
@@ -176,7 +190,7 @@ def _operands(n, seq, rank, args):
                     return None
                 values.append(packed(other))
                 continue
-            t = bt.tensor_of(a) if a.owner == "tensor" else None
+            t = bt.tensor_of(a) if a.owner == "tensor" and broadcasts else None
             if t is None:
                 return None
             shape = t.shape[1:]
