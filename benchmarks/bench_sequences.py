@@ -159,8 +159,9 @@ class AttendedLSTM(SentenceLSTM):
         self.att = nn.Linear(hidden, 1)
 
     def classify(self, words, n, label):
-        """``hs.append(h)``, then a softmax of ``self.att(states).squeeze(-1)`` along the sentence weighting the
-        states (``weights[:, None] * states``)."""
+        """Attention: ``hs.append(h)``, a softmax of ``self.att(states)`` along the sentence.
+
+        The weights scale the states (``weights[:, None] * states``), summed."""
         h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
         c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
         hs = []
@@ -181,8 +182,9 @@ class BiLSTM(SentenceLSTM):
         self.out = nn.Linear(2 * hidden, classes)
 
     def classify(self, words, n, label):
-        """``for t in range(n)`` with one cell, ``for t in reversed(range(n))`` with the other, over
-        ``xs = self.embed(words[:n])``."""
+        """Both directions: ``for t in range(n)``, then ``for t in reversed(range(n))``.
+
+        One cell each, over ``xs = self.embed(words[:n])``."""
         xs = self.embed(words[:n])
         h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
         c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
