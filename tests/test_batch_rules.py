@@ -573,6 +573,10 @@ def test_extend_a_struct_list_and_each_instances_own_lists_then_sum():
     out = br.call(N, sum, (own,))
     check_readers(out, [sum([x[k]] * (k + 1) + [y[k]]) for k in range(N)], N)
     assert br.counters.per_instance == {}
+    g = torch.Generator().manual_seed(5)
+    halves = [[(torch.randn(3, generator=g) * 100).half() for _ in range(3 * k + 1)] for k in range(N)]
+    got = bt.items_of(br.call(N, sum, (Batch(N, items=[list(h) for h in halves]),)))
+    assert all(torch.equal(a, sum(h)) for a, h in zip(got, halves))  # (rounded after each +, as Python's sum)
     mixed = Batch(N, items=[[x[k], 1.0] for k in range(N)])  # (a Python number among them: each its own sum)
     check_readers(br.call(N, sum, (mixed,)), [x[k] + 1.0 for k in range(N)], N)
 

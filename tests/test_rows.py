@@ -295,6 +295,15 @@ def test_each_instances_list_of_its_own_length_concatenated_with_its_shape():
         concatenated(xs[1], 0)
     with pytest.raises(eager.type, match="non-empty"):
         recompile.vmap(f)(xs, lengths(2, 0, 4, 1))  # (an empty list: torch.cat raises, as each instance's)
+    with pytest.raises(TypeError):
+        recompile.vmap(recompile.function(concatenated_along_a_float))(xs, n)  # (a dim of 0.0: torch refuses it)
+
+
+def concatenated_along_a_float(xs, n):
+    outs = []
+    for t in range(n):
+        outs.append(xs[t].unsqueeze(0))
+    return torch.cat(outs, 0.0).sum(0)
 
 
 def test_an_empty_list_stacked_raises_as_torch_does_and_lists_alike_stack_as_one_tensor():

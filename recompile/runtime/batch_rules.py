@@ -1105,8 +1105,9 @@ def python_sum(n, fn, args, kwargs):
 
 def _summed_lists(n, lists):
     """``sum(xs)`` of each instance's own list of tensors of one shape and dtype (lists of their own lengths,
-    none empty): every instance's tensors stacked, added into its row in order (one ``index_add``, from zero, as
-    ``0 + a + b ...`` adds them); NotImplemented for anything else."""
+    none empty): position by position, every instance's j-th tensor added to its total at once, from zero, so
+    that each total rounds as ``0 + a + b ...`` does (and the same way every run, on any device);
+    NotImplemented for anything else."""
     if not all(type(each) is list and each for each in lists):
         return NotImplemented
     flat = [t for each in lists for t in each]
@@ -1115,8 +1116,16 @@ def _summed_lists(n, lists):
             type(t) is not torch.Tensor or t.shape != first.shape or t.dtype is not first.dtype
             or t.device != first.device for t in flat):
         return NotImplemented
-    rows = torch.repeat_interleave(torch.arange(n), torch.tensor([len(each) for each in lists])).to(first.device)
-    return bt.from_tensor(first.new_zeros(n, *first.shape).index_add(0, rows, torch.stack(flat)))
+    total = first.new_zeros(n, *first.shape)
+    for j in range(max(len(each) for each in lists)):
+        taking = [k for k, each in enumerate(lists) if len(each) > j]
+        step = torch.stack([lists[k][j] for k in taking])
+        if len(taking) == n:
+            total = total + step
+        else:
+            at = torch.tensor(taking, device=first.device)
+            total = total.index_put((at,), total[at] + step)
+    return bt.from_tensor(total)
 
 
 # attributes of a batched tensor that are every instance's too

@@ -192,7 +192,7 @@ def stacked(n, seqs, args, kwargs):
     laid out in one tensor padded with zeros, whose stretches are the instances' results (Rows); one tensor of
     them where every list is as long."""
     if not sharing.state.fresh or len(args) > 2 or set(kwargs) - {"dim"} or \
-            kwargs.get("dim", args[1] if len(args) > 1 else 0) != 0:
+            not _dim_zero(kwargs.get("dim", args[1] if len(args) > 1 else 0)):
         if type(seqs.items) is Appended:
             seqs.items.fill()
         return NotImplemented
@@ -225,7 +225,7 @@ def concatenated(n, seqs, args, kwargs):
     of its own (``outs.append(h.unsqueeze(0))`` in a loop), in a run that changes nothing in place: one cat of every
     instance's tensors, each instance's result its stretch of it (Rows, laid end to end)."""
     if not sharing.state.fresh or len(args) > 2 or set(kwargs) - {"dim"} or \
-            kwargs.get("dim", args[1] if len(args) > 1 else 0) != 0:
+            not _dim_zero(kwargs.get("dim", args[1] if len(args) > 1 else 0)):
         return NotImplemented
     lists = bt.items_of(seqs)
     if type(lists) is Appended:
@@ -236,6 +236,11 @@ def concatenated(n, seqs, args, kwargs):
     if not all(type(t) is torch.Tensor and t.dim() for t in flat) or not bt.same_kind(flat, 1):
         return NotImplemented
     return Batch(n, items=packed_rows(n, torch.cat(flat), [sum(t.shape[0] for t in s) for s in lists]))
+
+
+def _dim_zero(dim):
+    """Whether a join's ``dim`` is the int 0 (not ``0.0`` or ``False``, which torch refuses)."""
+    return type(dim) is int and dim == 0
 
 
 def packed_rows(n, flat, lengths):
