@@ -361,8 +361,9 @@ def reduced(n, name, seq, args, kwargs):
     keepdim = found[1]
     if name != "sum" and seq.shortest == 0:
         return NotImplemented  # (an empty stretch: its instance's own op says what it gives or raises)
-    if name in ("sum", "mean") and seq.packed is not None and (seq.packed.is_floating_point() or
-                                                                seq.packed.is_complex()):  # (an int sum: int64)
+    if name in ("sum", "mean") and seq.packed is not None and seq.packed.is_cpu and (
+            seq.packed.is_floating_point() or seq.packed.is_complex()):  # (an int sum: int64; CUDA's index_add
+        # adds in no fixed order)
         flat = seq.packed  # (laid end to end: each instance's rows added into its own row, one op)
         device = flat.device
         total = flat.new_zeros(n, *flat.shape[1:]).index_add(0, seq.where(device)[0], flat)
