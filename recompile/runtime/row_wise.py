@@ -214,10 +214,6 @@ def _operands(n, seq, rank, args, broadcasts=True):
     return values
 
 
-def _shared_matrix(w):
-    return isinstance(w, torch.Tensor) and w.dim() in (1, 2)
-
-
 def _dim(args, kwargs, rank):
     """The one int dim of a method's or a softmax's arguments (positional or ``dim=``), made non-negative
     against ``rank``; None where there is none, or others (a dtype, a tuple)."""
