@@ -222,3 +222,28 @@ def test_integer_rows_summed_along_them_give_torchs_dtype(monkeypatch):
     want = torch.stack([integer_rows_summed(None, words[k], x[k], int(LENGTHS[k])) for k in range(6)])
     assert got.dtype == want.dtype
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("mode", ["batched", "sequential", "threaded"])
+def test_row_wise_programs_called_one_instance_at_a_time_in_every_mode_give_eagers_gradients(mode, monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
+    torch.manual_seed(0)
+    model = Model().double()
+    words, x = inputs()
+    for fn in (attention, log_of_padded_input, by_each_instances_query, methods):
+        compiled = recompile.function(fn, mode=mode)
+        for call in (compiled, fn):
+            model.zero_grad()
+            xs = x.clone().requires_grad_()
+            out = torch.stack([call(model, words[k], xs[k], int(LENGTHS[k])) for k in range(len(LENGTHS))])
+            out.sum().backward()
+            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+            if call is compiled:
+                got, got_grads, got_x = out.detach(), grads, xs.grad
+        torch.testing.assert_close(got, out.detach(), rtol=1e-9, atol=1e-12)
+        assert got_grads.keys() == grads.keys()
+        for k in grads:
+            torch.testing.assert_close(got_grads[k], grads[k], rtol=1e-9, atol=1e-12)
+        assert (got_x is None) == (xs.grad is None)
+        if xs.grad is not None:
+            torch.testing.assert_close(got_x, xs.grad, rtol=1e-9, atol=1e-12)

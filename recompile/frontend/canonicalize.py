@@ -246,9 +246,7 @@ class Canonicalizer:
         # (the iterables evaluated first, in order, then each made indexable, as zip and enumerate take them)
         held = [f".iter{n}_{k}" for k in range(len(sources))] if len(sources) > 1 else []
         seqs = [f".seq{n}" if len(sources) == 1 else f".seq{n}_{k}" for k in range(len(sources))]
-        prelude = [located(gast.Expr(value=located(gast.Call(
-            func=name(BUILTIN_READ, at=s), args=[name(b, at=s), const(b, s)], keywords=[]), s)), s)
-            for b in sorted(lowered)]  # (an error if the name now stands for another)
+        prelude = _builtin_reads(sorted(lowered), s)
         prelude += [assign(h, x, s) for h, x in zip(held, sources)]
         for k, (seq, x) in enumerate(zip(seqs, sources)):
             over = name(held[k], at=x) if held else x
@@ -281,9 +279,7 @@ class Canonicalizer:
         by ``__index__``): the form a batched run steps as one RNN where the body steps a cell."""
         start, stop = bounds
         idx, low, high = f".idx{n}", f".low{n}", f".high{n}"
-        prelude = [located(gast.Expr(value=located(gast.Call(
-            func=name(BUILTIN_READ, at=s), args=[name(b, at=s), const(b, s)], keywords=[]), s)), s)
-            for b in ("reversed", "range")]  # (an error if either name now stands for another)
+        prelude = _builtin_reads(("reversed", "range"), s)
 
         def as_index(x):
             return located(gast.Call(func=name(INDEX, at=x), args=[x], keywords=[]), x)
@@ -360,6 +356,13 @@ class Canonicalizer:
                 guard.append(not_(name(RETFLAG, at=s), s))
             out.extend([located(gast.If(test=and_(guard, s), body=new_else, orelse=[]), s)] if guard else new_else)
         return out
+
+
+def _builtin_reads(names, at):
+    """``builtin_read(enumerate, "enumerate")`` ... for each builtin a loop was lowered for: an error if the name
+    now stands for another."""
+    return [located(gast.Expr(value=located(gast.Call(
+        func=name(BUILTIN_READ, at=at), args=[name(b, at=at), const(b, at)], keywords=[]), at)), at) for b in names]
 
 
 def _breaks_out(stmts):

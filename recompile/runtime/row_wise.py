@@ -181,7 +181,7 @@ def _operands(n, seq, rank, args, broadcasts=True):
     """The arguments as the packed op takes them, or None: Rows of the same lengths and rank packed; a batched
     tensor of lower rank (or a leading 1) as each row's instance's value (where the op ``broadcasts`` its
     operands); shared values as they are, where they do not reach the rows' dim."""
-    values, row_of = [], None
+    values = []
     for a in args:
         if type(a) is Batch:
             other = rows.of(a)
@@ -200,10 +200,7 @@ def _operands(n, seq, rank, args, broadcasts=True):
                 shape = shape[1:]
             elif len(shape) >= rank:
                 return None
-            if row_of is None:
-                lengths = torch.tensor(seq.lengths)
-                row_of = torch.repeat_interleave(torch.arange(n), lengths).to(t.device)
-            each = t.reshape(n, *shape).index_select(0, row_of)
+            each = t.reshape(n, *shape).index_select(0, seq.where(t.device)[0])  # (each row's instance's)
             values.append(each.view(each.shape[0], *[1] * (rank - 1 - len(shape)), *shape))
         elif isinstance(a, torch.Tensor):
             if a.dim() > rank or (a.dim() == rank and a.shape[0] != 1):

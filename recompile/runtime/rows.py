@@ -56,9 +56,7 @@ class Rows(list):
         """(k, i) LongTensors: for each row of the stretches laid end to end, its instance and its place in its
         stretch (what a padded (n, longest) tensor's rows are at)."""
         if self._where is None or self._where[0].device != device:
-            counts = self.counts()
-            k = torch.repeat_interleave(torch.arange(len(self.lengths)), counts)
-            i = torch.arange(len(k)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+            k, i = _spread(self.counts())
             self._where = (k.to(device), i.to(device))
         return self._where
 
@@ -209,15 +207,13 @@ def stacked(n, seqs, args, kwargs):
         if not all(type(t) is torch.Tensor for t in flat) or not bt.same_kind(flat, 0):
             return NotImplemented
         data = torch.stack(flat)
-        counts = torch.tensor(lengths)
-        instance = torch.repeat_interleave(torch.arange(n), counts)
-        position = torch.arange(len(flat)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        instance, position = _spread(torch.tensor(lengths))
     longest = max(lengths)
     if min(lengths) == longest and type(lists) is not Appended:
         return bt.from_tensor(data.view(n, longest, *data.shape[1:]))
     device = data.device
     padded = data.new_zeros(n, longest, *data.shape[1:]).index_put((instance.to(device), position.to(device)), data)
-    return Batch(n, items=Rows([padded[k, :m] for k, m in enumerate(lengths)], padded, None, [0] * n, lengths))
+    return Batch(n, items=padded_rows(n, padded, lengths))
 
 
 def concatenated(n, seqs, args, kwargs):
@@ -241,6 +237,18 @@ def concatenated(n, seqs, args, kwargs):
 def _dim_zero(dim):
     """Whether a join's ``dim`` is the int 0 (not ``0.0`` or ``False``, which torch refuses)."""
     return type(dim) is int and dim == 0
+
+
+def padded_rows(n, padded, lengths):
+    """The Rows whose instance k's value is the first ``lengths[k]`` rows of ``padded``'s row k."""
+    return Rows([padded[k, :m] for k, m in enumerate(lengths)], padded, None, [0] * n, list(lengths))
+
+
+def _spread(counts):
+    """(k, i) LongTensors of stretches of ``counts`` rows laid end to end: each row's instance, and its place in
+    its stretch."""
+    k = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    return k, torch.arange(len(k)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
 
 
 def packed_rows(n, flat, lengths):
@@ -342,7 +350,7 @@ def softmaxed(n, name, seq, args, kwargs):
     padded = _padded(seq)
     mask = seq.mask(padded.device).view(n, -1, *[1] * (rank - 1))
     out = getattr(torch, name)(torch.where(mask, padded, padded.new_full((), float("-inf"))), 1)
-    found = Rows([out[k, :m] for k, m in enumerate(seq.lengths)], out, None, [0] * n, list(seq.lengths))
+    found = padded_rows(n, out, seq.lengths)
     found.same_layout(seq)
     return Batch(n, items=found)
 
@@ -433,8 +441,7 @@ def through_rnn(n, module, seq, states):
     packed = nn.utils.rnn.pack_padded_sequence(_padded(seq), lengths, batch_first=True, enforce_sorted=False)
     out, ends = module(packed, states)
     out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
-    outputs = Batch(n, items=Rows([out[k, :m] for k, m in enumerate(seq.lengths)], out, None, [0] * n,
-                                  list(seq.lengths)))
+    outputs = Batch(n, items=padded_rows(n, out, seq.lengths))
     finals = [bt.from_tensor(e.transpose(0, 1)) for e in (ends if type(module) is nn.LSTM else (ends,))]
     return bt.from_struct(tuple, [outputs, bt.from_struct(tuple, finals, n) if len(finals) == 2 else finals[0]], n)
 
@@ -462,5 +469,4 @@ def flipped(n, seq):
     at = torch.maximum(last[:, None] - torch.arange(seq.longest, device=device), first[:, None]).clamp(
         max=seq.source.shape[1] - 1)  # (a stretch of none may start at the row's end)
     out = seq.source[seq.row_index(device)[:, None], at]
-    return Batch(n, items=Rows([out[k, :m] for k, m in enumerate(seq.lengths)], out, None, [0] * n,
-                               list(seq.lengths)))
+    return Batch(n, items=padded_rows(n, out, seq.lengths))
