@@ -92,13 +92,15 @@ class DrawnSequence:
 
 def builtin_read(value, ident):
     """``value``, the name ``ident`` read where the frontend wrote a loop over Python's builtin of that name as an
-    index loop (``for i, x in enumerate(xs)``): an error if the name now stands for something else (the
-    module's own, bound after the function was compiled), whose call the loop does not make."""
+    index loop (``for i, x in enumerate(xs)``), or gave it a list for a generator (``sum(h for h in hs)``): an
+    error if the name now stands for something else (the module's own, bound after the function was compiled),
+    which the compiled code does not call as written."""
     if value is not getattr(builtins, ident):
         raise RuntimeError(
-            f"recompile: a for over {ident}(...) was compiled as a loop over Python's builtin {ident}, but "
-            f"{ident} now names {value!r} (bound after the function was compiled); compile the function again "
-            f"(recompile.function) once {ident} is bound, or give that {ident} another name")
+            f"recompile: {ident}(...) was compiled as Python's builtin {ident} (a for over it as an index loop, "
+            f"a generator given to it as a list), but {ident} now names {value!r} (bound after the function was "
+            f"compiled); compile the function again (recompile.function) once {ident} is bound, or give that "
+            f"{ident} another name")
     return value
 
 

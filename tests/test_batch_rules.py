@@ -469,13 +469,19 @@ def test_op_without_rule_runs_per_instance(name, form):
 def test_shared_operands_run_once():
     reset_counters()
     x = rand(3, seed=1)
-    # an immutable result is shared; a fresh tensor per instance, as n separate runs would make
+    # an immutable result is shared; a fresh tensor computed once, each instance its own row of one copy, as
+    # n separate runs would each make their own (a run that may change values in place)
     assert br.call(N, operator.add, (2, 3)) == 5
     assert br.call(N, getattr, (x, "shape")) == x.shape
     out = br.call(N, torch.tanh, (x,))
     assert type(out) is Batch and out.n == N
     assert all(torch.equal(t, torch.tanh(x)) for t in bt.items_of(out))
-    assert len({id(t) for t in bt.items_of(out)}) == N
+    bt.instance(out, 0).add_(1.0)  # (a change of one instance's stays its own)
+    assert torch.equal(bt.instance(out, 1), torch.tanh(x)) and torch.equal(bt.instance(out, 0), torch.tanh(x) + 1)
+    assert br.counters.per_instance == {}
+    # a random draw: each instance its own, as n runs would make
+    out = br.call(N, torch.rand, (3,))
+    assert len({tuple(t.tolist()) for t in bt.items_of(out)}) == N
     assert br.counters.per_instance  # counted
     reset_counters()
 
@@ -959,8 +965,11 @@ def test_torch_ops_of_shared_values_are_computed_once_in_a_run_that_changes_noth
     linear = br.call(N, nn.Linear(2, 2).double(), (rand(2, seed=2),))
     assert all(type(v) is torch.Tensor for v in (zeros, view, linear)) and br.counters.per_instance == {}
     assert torch.equal(view, w.t())
-    sharing.fresh = False  # (a run that may change a value in place: one tensor per instance, as before)
-    assert type(br.call(N, torch.zeros, (3,))) is Batch and sum(br.counters.per_instance.values()) == N
+    sharing.fresh = False  # (a run that may change a value in place: computed once, each instance its own row)
+    zeros = br.call(N, torch.zeros, (3,))
+    assert type(zeros) is Batch and zeros.owner == "tensor" and br.counters.per_instance == {}
+    views = br.call(N, w.t, ())  # (a view: each instance's call views w itself, so a change reaches w)
+    assert all(v._base is w for v in bt.items_of(views))
 
 
 @pytest.mark.parametrize("rows", [torch.tensor([3, -1, 0, 7]), torch.tensor([[2.75], [-2.5], [0.0], [-0.0]]),

@@ -644,10 +644,13 @@ def lambda_of_a_parameter(x):
 
 def test_nested_scopes_batched_and_gradients():
     # a nested function runs once per instance in a batched run, and says so
-    for fn in (closure_of_a_tensor, nonlocal_accumulates, generator_sum, lambda_of_a_parameter):
+    for fn in (closure_of_a_tensor, nonlocal_accumulates, lambda_of_a_parameter):
         with pytest.warns(recompile.PerInstanceWarning, match="nested function, lambda or generator"):
             check_vmap(fn, (0,), ROWS, per_instance=True)
         check_grad(fn, T(1.5, -0.5))
+    # a generator that sum consumes whole is its list comprehension: batched
+    check_vmap(generator_sum, (0,), ROWS)
+    check_grad(generator_sum, T(1.5, -0.5))
 
 
 # ---------------------------------------------------------------------------
@@ -1136,7 +1139,7 @@ def test_an_enumerate_imported_or_rebound_after_compiling():
     assert f("ab") == [(0, "a"), (1, "b")]
     G["enumerate"] = lambda v: zip(v, v)  # (a module's own, bound after the function was compiled)
     try:
-        with pytest.raises(RuntimeError, match="compiled as a loop over Python's builtin enumerate"):
+        with pytest.raises(RuntimeError, match="compiled as Python's builtin enumerate"):
             f("ab")
     finally:
         del G["enumerate"]
@@ -1218,7 +1221,7 @@ def test_a_reversed_or_range_rebound_after_compiling():
     for ident, value in (("reversed", lambda r: r), ("range", lambda k: [k])):
         G[ident] = value  # (a module's own, bound after the function was compiled)
         try:
-            with pytest.raises(RuntimeError, match=f"compiled as a loop over Python's builtin {ident}"):
+            with pytest.raises(RuntimeError, match=f"compiled as Python's builtin {ident}"):
                 f(3)
         finally:
             del G[ident]
@@ -1240,3 +1243,62 @@ def test_lists_extended_in_a_loop_and_summed_batch():
     xs = torch.randn(4, 5, 3, dtype=F64)
     check_vmap(losses_listed, (0, 0), xs, torch.tensor([5, 2, 3, 1]))
     check_grad(losses_listed, xs[0].clone().requires_grad_(), 4)
+
+
+# ---------------------------------------------------------------------------
+# 7. a generator a builtin consumes whole: its list comprehension
+# ---------------------------------------------------------------------------
+
+def generators_consumed(xs, k):
+    pairs = sum(x * y for x in xs for y in xs if x < y)
+    nested = sum(sum(x for x in xs[:j]) for j in range(k))
+    return (pairs, nested, sum((x for x in xs), 10), min(x for x in xs if x > 0), max((x for x in xs), default=-1),
+            sorted((x for x in xs), key=lambda v: -v), tuple(2 * x for x in xs), list(x for x in xs if x % 2),
+            set(x % 3 for x in xs), frozenset(x for x in xs), sum(v for v in (x for x in xs)))
+
+
+def generators_still_lazy(xs):
+    seen = []
+    found = any(seen.append(x) or x > 1 for x in xs)
+    return found, seen, all(x < 2 for x in xs), (lambda v: sum(y for y in v))(xs)
+
+
+def generator_raising_midway(xs):
+    return sum(10 // x for x in xs)
+
+
+def test_a_generator_consumed_whole_is_a_list_comprehension():
+    check(generators_consumed, ([3, 1, 4, 1, 5], 3), ([2], 0))
+    check(generators_still_lazy, ([0, 5, 1],), ([],))
+    check(generator_raising_midway, ([1, 2, 0, 5],), ([5, 2],))
+    assert "genexpr" not in recompile.function(generator_sum).dump()
+
+
+def stepped_states_summed(xs, n):
+    hs = []
+    h = torch.zeros(xs.shape[1], dtype=xs.dtype)
+    for t in range(n):
+        h = torch.tanh(xs[t] + 0.5 * h)
+        hs.append(h)
+    return sum(h * h for h in hs) + sum(h.sum() for h in hs) + torch.stack(tuple(h.sin() for h in hs)).sum(0)
+
+
+def test_a_generator_consumed_whole_batches():
+    xs = torch.randn(4, 5, 3, dtype=F64)
+    check_vmap(stepped_states_summed, (0, 0), xs, torch.tensor([5, 2, 3, 1]))
+    check_grad(stepped_states_summed, xs[0].clone().requires_grad_(), 4)
+
+
+def summed_rebound_later(xs):
+    return sum(x for x in xs)
+
+
+def test_a_consuming_builtin_rebound_after_compiling():
+    f = recompile.function(summed_rebound_later, mode="sequential")
+    assert f([1, 2]) == 3
+    G["sum"] = lambda v: "own"  # (a module's own, bound after the function was compiled)
+    try:
+        with pytest.raises(RuntimeError, match="compiled as Python's builtin sum"):
+            f([1, 2])
+    finally:
+        del G["sum"]

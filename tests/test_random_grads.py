@@ -985,12 +985,7 @@ KNOWN_BUGS = {
 
 # Known bugs that only values every instance of a vmap shares meet: a program with the feature is compared
 # under vmap with every argument batched (in_dims 0), none shared.
-KNOWN_SHARED_BUGS = {
-    "in_place_hazards_on_shared_values": (
-        "inplace_hazard",
-        "an in-place change of a value every instance shares (made from an argument with in_dims None) after an "
-        "op read it, under vmap: a change eager refuses is not refused (each instance changes a copy)"),
-}
+KNOWN_SHARED_BUGS = {}  # (none known now; each entry {name: (the generator's feature, what goes wrong)})
 
 # Known refusals where eager computes: {name: (feature, modes, what)}. In those modes a program with the feature
 # may raise RuntimeError ("modified by an inplace operation") in the backward where eager gives gradients; where
@@ -1537,10 +1532,9 @@ def kb_shared_saved_then_changed(x, w):
     return x + v * s
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known: KNOWN_SHARED_BUGS['in_place_hazards_on_shared_values']: under vmap, a value every instance shares that an op saved and "
-    "that is then changed in place is not refused (each instance changes a copy); eager refuses the backward"))
-def test_known_change_of_a_saved_shared_value_under_vmap_is_refused_like_eager():
+def test_a_change_of_a_saved_shared_value_under_vmap_is_refused_like_eager():
+    """A tensor computed once from a shared argument in a run that changes values in place is each instance's
+    own rows of one batch, whose backward sees the change eager sees."""
     x, w = torch.zeros(3, 2, dtype=F64, requires_grad=True), _leaf([1.0, 2.0])
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _grads(lambda x, w: torch.stack([kb_shared_saved_then_changed(r, w) for r in x]), x, w)

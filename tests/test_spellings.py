@@ -516,6 +516,23 @@ def idiom_built_lists(x, k):
     return torch.stack(list(x.split(2)) + list(x.split(2))).sum(0).repeat(2) + torch.cat(hs)[:H] * x.new_tensor(ones)
 
 
+def zeros_of(size):  # an undecorated helper given only shared values (a state's start)
+    return torch.zeros(size, dtype=torch.float64)
+
+
+def idiom_helper_of_shared_values(x, k):
+    h, c = zeros_of(H), zeros_of(H)
+    for _ in range(2):
+        h, c = torch.tanh(x + h), c + h
+    return h.add(c)
+
+
+def idiom_helper_of_shared_values_changed(x, k):
+    h = zeros_of(H)
+    h += x  # (an in-place change of the helper's result: each instance its own row)
+    return h * 2 + zeros_of(H)
+
+
 def list_appended_in_a_branch(x, k):
     hs = [x]
     if x.sum() > 0:
@@ -700,3 +717,18 @@ def test_a_sequential_changing_its_input_in_place_is_run_once():
     got = recompile.vmap(recompile.function(InPlaceInSequence.forward).__get__(model))(got_x)
     torch.testing.assert_close(got_x, want_x)
     torch.testing.assert_close(got, want)
+
+
+def noise_of(size):  # an undecorated helper that draws: each call its own numbers
+    return torch.rand(size, dtype=torch.float64)
+
+
+def noisy(x):
+    return x + noise_of(H)
+
+
+def test_a_helper_of_shared_values_that_draws_draws_for_each_instance():
+    """A helper given only shared values runs once for the group, and the draw inside it, as eager code makes
+    it, is each instance's own."""
+    got = recompile.vmap(recompile.function(noisy))(torch.zeros(5, H, dtype=torch.float64))
+    assert len({tuple(row.tolist()) for row in got}) == 5

@@ -155,12 +155,12 @@ def _how(reading, op):
         return BY_TYPE, None
     if _own_per_instance(fn):
         return BATCHED, None
+    if helpers.kind(fn) is not None and (not varies or not _batches(fn)):
+        return BATCHED, "an undecorated helper, compiled and run once for the group (it changes nothing in place)"
     if not varies:
         return _once(fn)
     if _batches(fn):
         return BATCHED, None
-    if helpers.kind(fn) is not None:
-        return BATCHED, "an undecorated helper, compiled and run once for the group (it changes nothing in place)"
     why, instead = fallbacks.reason(fn)
     return PER_INSTANCE, f"{why}; {instead}"
 

@@ -117,9 +117,12 @@ class Canonicalizer:
         first = (fdef.args.posonlyargs + fdef.args.args)[:1]
         self.first_param = first[0].id if first else None
         body = [s for i, s in enumerate(fdef.body) if not (i == 0 and _is_docstring(s))]
+        consumed = _GeneratorsConsumed(self.builtins)
+        body = [consumed.visit(s) for s in body]
         new_body = self.block(body)
         at = fdef
-        prelude = [assign(RETVAL, const(None, at), at), assign(RETFLAG, const(False, at), at)]
+        prelude = _builtin_reads(sorted(consumed.lowered), at)
+        prelude += [assign(RETVAL, const(None, at), at), assign(RETFLAG, const(False, at), at)]
         end = located(gast.Return(value=name(RETVAL, at=at)), body[-1] if body else at)
         fdef.body = _drop_unread_flags(prelude + new_body + [end], self.flags)
         return fdef
@@ -356,6 +359,41 @@ class Canonicalizer:
                 guard.append(not_(name(RETFLAG, at=s), s))
             out.extend([located(gast.If(test=and_(guard, s), body=new_else, orelse=[]), s)] if guard else new_else)
         return out
+
+
+# builtins that consume the whole of the one iterable they are given (and how many positional arguments each
+# takes with it): ``sum(h for h in hs)`` gives what ``sum([h for h in hs])`` gives
+CONSUMERS = {"sum": (1, 2), "min": (1,), "max": (1,), "sorted": (1,), "tuple": (1,), "list": (1,), "set": (1,),
+             "frozenset": (1,)}
+
+
+class _GeneratorsConsumed(gast.NodeTransformer):
+    """A generator expression that a builtin consumes whole (``CONSUMERS``; the names no scope of the function
+    binds) becomes a list comprehension: converted in place as a loop, which a batched run steps for every
+    instance at once, where a generator runs as Python once per instance. (Not ``any``/``all``, which stop at the
+    first item that decides; not inside a nested function, which runs as Python.) ``lowered``: the builtins
+    so called, read at the function's start by ``builtin_read``."""
+
+    def __init__(self, builtins):
+        self.builtins = builtins
+        self.lowered = set()
+
+    def visit_Call(self, node):
+        f = node.func
+        if (isinstance(f, gast.Name) and f.id in CONSUMERS and f.id in self.builtins and node.args
+                and isinstance(node.args[0], gast.GeneratorExp) and len(node.args) in CONSUMERS[f.id]
+                and not any(isinstance(a, gast.Starred) for a in node.args)
+                and all(k.arg is not None for k in node.keywords)):
+            gen = node.args[0]
+            node.args[0] = gast.copy_location(gast.ListComp(elt=gen.elt, generators=gen.generators), gen)
+            self.lowered.add(f.id)
+        self.generic_visit(node)
+        return node
+
+    def _nested(self, node):
+        return node  # (a scope of its own, compiled as Python)
+
+    visit_Lambda = visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = visit_GeneratorExp = _nested
 
 
 def _builtin_reads(names, at):

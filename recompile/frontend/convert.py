@@ -37,8 +37,9 @@ INPLACE = syntax.by_node(syntax.BINARY, gast, in_place=True)
 UNARY = syntax.by_node(syntax.UNARY, gast)
 COMPARE = syntax.by_node(syntax.COMPARE, gast)
 _SET = ".set"  # (a set comprehension's empty set, whatever the user calls set)
-# (builtins a ``for`` over reads as its index loop, or as a counter: canonicalize)
-_LOWERED_BUILTINS = frozenset({"enumerate", "zip", "reversed", "range"})
+# (builtins a ``for`` over reads as its index loop, or as a counter; builtins a generator given to is a list
+# comprehension: canonicalize)
+_LOWERED_BUILTINS = frozenset({"enumerate", "zip", "reversed", "range", *canon.CONSUMERS})
 INTERNAL = {canon.AS_SEQUENCE: intrinsics.as_sequence, canon.HAS_INDEX: intrinsics.has_index,
             canon.BUILTIN_READ: intrinsics.builtin_read, canon.INDEX: operator.index,
             canon.ASSERTION_ERROR: AssertionError, _SET: set}

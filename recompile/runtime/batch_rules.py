@@ -241,6 +241,12 @@ def _unbatched(n, fn, args, kwargs):
             (sharing.state.fresh and computes_alike(fn, kwargs))
     except TypeError:  # unhashable callable
         reads = known = False
+    if not known and helpers.kind(fn) is not None:
+        # an undecorated helper of shared values (``init_state(self)``): its compiled program run once for the
+        # group, where each op inside is computed once or per instance as that op needs
+        out = _run_helper(n, fn, args, kwargs)
+        if out is not NotImplemented:
+            return out
     if not known and sharing.any_fresh((*args, *(kwargs.values() if kwargs else ()))):
         # Python code of a tensor computed once for every instance: each instance its own copy (``own``)
         _count(fn, n, fallbacks.FRESH if sharing.state.fresh else fallbacks.FRESH_CHANGED)
@@ -258,6 +264,17 @@ def _unbatched(n, fn, args, kwargs):
         elif not reads and not facts.immutable(first):
             sharing.mark_fresh(first)
         return first
+    if not sharing.state.fresh and _new_tensor(first, args) and (known or computes_alike(fn, kwargs)):
+        # a run that changes values in place: each instance its own row. Where the result has a gradient, the op
+        # runs over every instance's rows, so that an in-place change of a result its backward reads is refused
+        # as eager refuses it (a copy of one result would hide the change)
+        receiver, name = getattr(fn, "__self__", None), tensor_method(fn)
+        if first.grad_fn is not None and isinstance(receiver, torch.Tensor) and name is not None:
+            return call(n, Batch(n, method=(_rows_of_each(n, receiver), name)),
+                        [_rows_of_each(n, a) for a in args], kwargs)
+        if first.grad_fn is not None and any(isinstance(a, torch.Tensor) for a in args):
+            return call(n, fn, [_rows_of_each(n, a) for a in args], kwargs)
+        return _made_once(n, first)
     # a side effect, a random draw or a fresh object (a tensor, a list) per instance, as n runs would make
     _count(fn, n, fallbacks.FRESH if sharing.state.fresh else fallbacks.FRESH_CHANGED)
     results = [first] + [fn(*args, **kwargs) if kwargs else fn(*args) for _ in range(n - 1)]
@@ -270,6 +287,21 @@ def _copied(x, out):
     """Whether ``out = x[index]`` of a tensor x is a new tensor (an index of a tensor, a list, an array, a range),
     not a view of x (ints, slices, ``...``, ``None``, a 0-d integer tensor)."""
     return isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and not out._is_view()
+
+
+def _rows_of_each(n, value):
+    """A shared tensor as n instances' rows of their own (other values as they are)."""
+    return Batch(n, tensor=value.unsqueeze(0).expand(n, *value.shape).clone()) if isinstance(value, torch.Tensor) \
+        else value
+
+
+def _new_tensor(out, args):
+    """Whether ``out`` is a tensor in memory of its own: no view, and none of the tensors in ``args``; not a 0-d
+    integer tensor either (an index that views what it indexes, which an instance's rows of one batch cannot)."""
+    if type(out) is not torch.Tensor or out._is_view() or (out.dim() == 0 and not out.is_floating_point()):
+        return False
+    place = out.untyped_storage().data_ptr()
+    return not any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == place for a in args)
 
 
 def _made_once(n, t):
@@ -360,6 +392,24 @@ def _shared_structs(values):
     return out if found else None
 
 
+def _run_helper(n, fn, args, kwargs):
+    """Undecorated helper ``fn`` compiled and run once for the group (``runtime.helpers``), or NotImplemented.
+    The helper's run changes nothing in place, so it may hand back tensors it computed once for every instance;
+    where this run changes values in place, each instance gets its own rows of them."""
+    out = helpers.run(n, fn, args, kwargs or {})
+    if out is NotImplemented:
+        return out
+    add_counts(counters.per_instance, out[1])  # (the helper's run's, counted as this run's)
+    return out[0] if sharing.state.fresh else _owned(n, out[0])
+
+
+def _owned(n, value):
+    """``value`` with each tensor computed once for every instance made each instance's own rows."""
+    if type(value) is tuple:
+        return tuple(_owned(n, v) for v in value)
+    return _made_once(n, value) if sharing.any_fresh((value,)) else value
+
+
 def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
     bound = tensor_method(fn) if method is None else None  # (``base.scatter_add``: a shared tensor's method)
     torch_op = method is not None or bound is not None or torch_callable(fn)
@@ -380,10 +430,9 @@ def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
     if method is not None:
         return per_instance(n, fn, args[1:], kwargs)
     if bound is None:  # (an undecorated helper of the user's, a method of a module too: compiled, one run)
-        out = helpers.run(n, fn, args, kwargs or {})
+        out = _run_helper(n, fn, args, kwargs)
         if out is not NotImplemented:
-            add_counts(counters.per_instance, out[1])  # (the helper's run's, counted as this run's)
-            return out[0]
+            return out
     return per_instance(n, fn, args, kwargs)
 
 
@@ -595,7 +644,8 @@ def dict_display(n, fn, args, kwargs):
 @BATCH.register(list, tuple)
 def container(n, fn, args, kwargs):
     """``list(xs)`` / ``tuple(xs)`` of a tuple or list the program built (its elements, in a new container of
-    each instance's own), or of a batched tensor (its rows: each row every instance's at once)."""
+    each instance's own), of a batched tensor (its rows: each row every instance's at once), or of each
+    instance's own list or tuple."""
     if kwargs or len(args) != 1 or type(args[0]) is not Batch:
         return NotImplemented
     xs = bt.ready(args[0])
@@ -603,6 +653,8 @@ def container(n, fn, args, kwargs):
         return bt.from_struct(fn, list(xs.struct[1]), n)
     if xs.owner == "tensor" and xs.tensor.dim() >= 2:
         return bt.from_struct(fn, [bt.from_tensor(row) for row in xs.tensor.unbind(1)], n)
+    if xs.owner == "items" and xs.thunk is None and all(type(x) in (list, tuple) for x in xs.items):
+        return bt.from_items([fn(x) for x in xs.items])  # (each instance's own list: a new one of its items)
     return NotImplemented
 
 
@@ -881,7 +933,8 @@ def gather(n, fn, args, kwargs):
                 return out
         if x.items is not None and type(index) is int:
             found = rows.of(x)
-            out = ranges.item(x, index) if found is None else \
+            out = rows.listed_item(n, x.items, index) if type(x.items) is rows.Listed else \
+                ranges.item(x, index) if found is None else \
                 rows.item(found, index) if index >= 0 else rows.last_items(found, index)
             if out is not NotImplemented:
                 return out

@@ -15,7 +15,7 @@ import torch
 
 from ..ops import facts
 from . import batch as bt
-from . import rows
+from . import rows, sharing
 from .batch import Batch
 
 
@@ -72,7 +72,9 @@ def as_sequence(n, fn, args, kwargs):
         return seq
     if _built(seq) or rows.of(seq) is not None:  # (a tuple or list the program built, ``words[:n]``: as it is)
         return seq
-    return seq if type(seq) is Batch and of(seq) is not None else NotImplemented
+    if type(seq) is Batch and of(seq) is not None:
+        return seq
+    return rows.listed(n, seq) if sharing.state.fresh else NotImplemented  # (``for h in hs``, each its own list)
 
 
 def has_index(n, fn, args, kwargs):
@@ -85,6 +87,8 @@ def has_index(n, fn, args, kwargs):
     stretches = rows.of(seq)
     if stretches is not None and type(i) is int and i >= 0:
         return rows.has_index(stretches, i)
+    if type(seq) is Batch and type(seq.items) is rows.Listed and type(i) is int and i >= 0:
+        return rows.listed_has_index(seq.items, i)
     ranges = of(seq) if type(seq) is Batch and type(i) is int and i >= 0 else None
     if ranges is None:
         return NotImplemented

@@ -300,6 +300,66 @@ class Appended(list):
                    for x, (m, first, last) in zip(self, self._ends))
 
 
+class Listed(list):
+    """Each instance's own list of tensors (a Batch's items) that a ``for`` iterates (``for h in hs``), with the
+    same tensors stacked (``stacked``) where each has one of a shape and dtype: while every list holds just what
+    it held when the loop began (in a run that changes nothing in place, a list only grows), the loop's test is a
+    comparison of lengths and item i of every instance one index of the stack (a copy, as ``Rows`` items are);
+    after an append, each instance reads its own list."""
+
+    __slots__ = ("stack", "_ends")
+
+    def __init__(self, lists, stack, ends=None):
+        super().__init__(lists)
+        self.stack = stack  # a Batch: every instance's tensor, or Rows of them
+        self._ends = ends if ends is not None else [(len(x), x[0] if x else None, x[-1] if x else None)
+                                                    for x in lists]
+
+    def taken(self, positions):
+        """The Listed of instances ``positions`` (a loop's instances that stay)."""
+        positions = list(positions)
+        stack = bt.take(self.stack, torch.tensor(positions), positions)
+        return Listed([self[k] for k in positions], stack, [self._ends[k] for k in positions])
+
+    def unchanged(self):
+        return all(len(x) == m and (not m or x[0] is first and x[-1] is last)
+                   for x, (m, first, last) in zip(self, self._ends))
+
+
+def listed(n, seq):
+    """What a ``for`` over each instance's own list iterates (``as_sequence``): the lists, kept with their stack
+    (``Listed``); NotImplemented where they are no lists of tensors one stack holds (each instance then iterates
+    its own)."""
+    lists = seq.items if type(seq) is Batch and seq.owner == "items" and seq.thunk is None else None
+    if lists is None or type(lists) not in (list, Appended) or not all(type(x) is list for x in lists):
+        return NotImplemented
+    stack = stacked(n, seq, (), {})
+    if stack is NotImplemented:
+        return NotImplemented
+    return Batch(n, items=Listed(lists, stack))
+
+
+def listed_item(n, seq, i):
+    """``seq[i]`` of each instance's list at the shared position i (``Listed``), or NotImplemented."""
+    if not seq.unchanged():
+        return NotImplemented
+    stack = seq.stack
+    if stack.owner == "tensor":
+        return bt.from_tensor(stack.tensor[:, i]) if -stack.tensor.shape[1] <= i < stack.tensor.shape[1] \
+            else NotImplemented
+    return item(stack.items, i) if i >= 0 else last_items(stack.items, i)
+
+
+def listed_has_index(seq, i):
+    """Whether each instance's list (``Listed``) has an item at the shared position i (≥ 0), or NotImplemented."""
+    if not seq.unchanged():
+        return NotImplemented
+    stack = seq.stack
+    if stack.owner == "tensor":
+        return i < stack.tensor.shape[1]
+    return has_index(stack.items, i)
+
+
 def last_items(seq, i):
     """``seq[i]`` of every instance at a shared position i counted from its end (``hs[-1]``), where each has one:
     one index of the rows (a copy; the program changes nothing in place)."""
