@@ -15,6 +15,10 @@ The idiom suite's models that are not bottom-up trees (``bench_idioms.py`` has t
   and summed; two layers of cells, against a 2-layer ``nn.LSTM``; attention over the states (a softmax of
   ``self.att(states)`` along the sentence), against the padded states with the softmax masked; and both
   directions (a second cell over ``reversed(range(n))``), against a bidirectional ``nn.LSTM``.
+- A tagger: a tag per word (each SST leaf's sentiment), the loss summed over the words. Written as PyTorch's
+  LSTM tagger tutorial writes it (``self.lstm(embeds.view(n, 1, -1))``, ``lstm_out.view(n, -1)``, ``log_softmax``
+  and ``nll_loss`` of ``tags[:n]``) and as a cell's loop adding each step's loss; against the packed ``nn.LSTM``
+  whose packed outputs are scored as they lie.
 - A top-down model that grows a tree from a start state while ``depth < MAX_DEPTH and p > 0.5`` (its gate
   ``p`` computed from the state): per-instance trees of different shapes decided at run time. Against the
   same model batched by hand depth by depth (the instances that expand gathered, their children's states
@@ -197,28 +201,65 @@ class BiLSTM(SentenceLSTM):
         return F.cross_entropy(self.out(torch.cat([h, hb])), label)
 
 
+class TaggerLSTM(SentenceLSTMModule):
+    def classify(self, words, n, tags):
+        """A tag per word as PyTorch's tutorial writes it: ``self.lstm(embeds.view(n, 1, -1))``.
+
+        The scores ``self.out(lstm_out.view(n, -1))``, ``F.nll_loss`` of their ``log_softmax`` and ``tags[:n]``,
+        summed over the words."""
+        embeds = self.embed(words[:n])
+        lstm_out, _ = self.lstm(embeds.view(n, 1, -1))
+        tag_space = self.out(lstm_out.view(n, -1))
+        tag_scores = F.log_softmax(tag_space, dim=1)
+        return F.nll_loss(tag_scores, tags[:n], reduction="sum")
+
+
+class TaggerCell(SentenceLSTM):
+    def classify(self, words, n, tags):
+        """A tag per word, a cell's loop adding each step's cross-entropy (``loss = loss + ...``)."""
+        h = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        c = torch.zeros(self.cell.hidden_size, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        loss = torch.zeros((), dtype=self.out.weight.dtype, device=self.out.weight.device)
+        for t in range(n):
+            h, c = self.cell(self.embed(words[t]), (h, c))
+            loss = loss + F.cross_entropy(self.out(h), tags[t])
+        return loss
+
+
 def compiled(cls):
     return type(cls.__name__ + "Compiled", (cls,), {"classify": recompile.function(cls.classify)})
 
 
 class Sentences:
-    """A minibatch of sentences: word ids padded to the longest (rows), lengths, labels."""
+    """A minibatch of sentences: word ids padded to the longest (rows), lengths, labels (one per sentence, or a
+    tag per word: padded as the words are)."""
 
     def __init__(self, sentences, labels):
         self.lengths = torch.tensor([len(s) for s in sentences])
-        self.words = torch.zeros(len(sentences), int(self.lengths.max()), dtype=torch.long)
-        for k, s in enumerate(sentences):
-            self.words[k, :len(s)] = torch.tensor(s)
-        self.labels = torch.tensor(labels)
+        self.words = _padded(sentences, int(self.lengths.max()))
+        self.labels = _padded(labels, int(self.lengths.max())) if type(labels[0]) is list else torch.tensor(labels)
 
     def __len__(self):
         return len(self.labels)
+
+
+def _padded(rows, width):
+    out = torch.zeros(len(rows), width, dtype=torch.long)
+    for k, row in enumerate(rows):
+        out[k, :len(row)] = torch.tensor(row)
+    return out
 
 
 def sentence_of(tree):
     """A tree's words in sentence order (its leaves, post-order), and its root's label."""
     leaves = tree.is_leaf.nonzero().view(-1)
     return tree.words[leaves].tolist(), int(tree.labels[tree.root])
+
+
+def tagged_sentence_of(tree):
+    """A tree's words in sentence order, and each word's tag (its leaf's label)."""
+    leaves = tree.is_leaf.nonzero().view(-1)
+    return tree.words[leaves].tolist(), tree.labels[leaves].tolist()
 
 
 def packed_lstm(model):
@@ -278,6 +319,16 @@ def hand_batched_bidirectional(model, lstm, batch):
     return F.cross_entropy(model.out(torch.cat([h[0], h[1]], -1)), batch.labels, reduction="sum")
 
 
+def hand_batched_tagger(model, lstm, batch):
+    """A tagger's minibatch loss by hand: one ``nn.LSTM`` over the packed sentences, its packed outputs scored as
+    they lie against the tags packed alike."""
+    packed = nn.utils.rnn.pack_padded_sequence(model.embed(batch.words), batch.lengths, batch_first=True,
+                                               enforce_sorted=False)
+    out, _ = lstm(packed)
+    tags = nn.utils.rnn.pack_padded_sequence(batch.labels, batch.lengths, batch_first=True, enforce_sorted=False)
+    return F.cross_entropy(model.out(out.data), tags.data, reduction="sum")
+
+
 def recompile_sentences(model):
     classify = recompile.vmap(model.classify, in_dims=(0, 0, 0))
     return lambda batch: classify(batch.words, batch.lengths, batch.labels).sum()
@@ -321,6 +372,9 @@ SENTENCE_FAMILIES = (
      {"attention, softmax(.., 0)": AttendedLSTM}, hand_batched_attended),
     ("Both directions against one packed bidirectional nn.LSTM", {"reversed(range(n))": BiLSTM},
      hand_batched_bidirectional))
+# (taggers: a tag per word, the sentences read by ``tagged_sentence_of``)
+TAGGER_FAMILY = ("A tag per word against one packed nn.LSTM's packed outputs",
+                 {"tutorial, view(n, 1, -1)": TaggerLSTM, "LSTMCell, loss per step": TaggerCell}, hand_batched_tagger)
 
 
 # -- the top-down model
@@ -443,15 +497,16 @@ def main(argv=None):
     args = arguments(__doc__).parse_args(argv)
     data, sst, trees = sst_trees(args)
     vocab = len(sst.vocab)
-    sentences = [sentence_of(t) for t in trees]
-    print(f"{len(sentences)} SST sentences from {data}, {args.threads} torch thread(s); each model checked "
+    print(f"{len(trees)} SST sentences from {data}, {args.threads} torch thread(s); each model checked "
           "against eager (float64: per-instance values and parameter gradients) before it is timed")
 
-    check_batch = Sentences(*zip(*sentences[:8]))
-    batches = {size: [Sentences(*zip(*chunk)) for chunk in chunks(sentences, size)] for size in args.batch}
-    for title, spellings, hand_batched in SENTENCE_FAMILIES:
-        table(time_against_packed(vocab, spellings, hand_batched, check_batch, batches, args.repeats, title),
-              "sent/s")
+    for reading, families in ((sentence_of, SENTENCE_FAMILIES), (tagged_sentence_of, (TAGGER_FAMILY,))):
+        sentences = [reading(t) for t in trees]
+        check_batch = Sentences(*zip(*sentences[:8]))
+        batches = {size: [Sentences(*zip(*chunk)) for chunk in chunks(sentences, size)] for size in args.batch}
+        for title, spellings, hand_batched in families:
+            table(time_against_packed(vocab, spellings, hand_batched, check_batch, batches, args.repeats, title),
+                  "sent/s")
 
     hidden = 150
     base = top_down_model(hidden)

@@ -464,6 +464,84 @@ def test_sums_of_the_steps_states_run_with_the_cells_as_one_rnn():
     assert compare_values[0][1].abs().sum() == 0  # (no steps: the start, zeros)
 
 
+def loss_per_step(m, words, n, tags):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    c = torch.zeros(HIDDEN, dtype=torch.float64)
+    loss = torch.zeros((), dtype=torch.float64)
+    scores = torch.zeros(3, dtype=torch.float64)
+    for t in range(n):
+        h, c = m.cell(m.embed(words[t]), (h, c))
+        loss = loss + F.cross_entropy(m.out(torch.tanh(h) * m.proj(m.embed(words[t])).sum()), tags[t])
+        scores = scores + m.out(h * t)  # (and the counter)
+    return loss, scores
+
+
+def loss_per_step_of_one_row(m, words, n, tags):
+    h = torch.zeros(1, HIDDEN, dtype=torch.float64)
+    loss = torch.zeros(1, dtype=torch.float64)
+    for t in range(n):
+        h = m.cell(m.embed(words[t]).unsqueeze(0), h)
+        loss += F.cross_entropy(m.out(h), tags[t].unsqueeze(0), reduction="none")  # (written out of place)
+    return loss
+
+
+def loss_halved(m, words, n, tags):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    loss = torch.zeros((), dtype=torch.float64)
+    for t in range(n):
+        h = m.cell(m.embed(words[t]), h)
+        loss = loss + 0.5 * F.cross_entropy(m.out(h), tags[t])  # (the sum's add kept out of the product's fusion)
+    return loss
+
+
+def loss_of_the_state_before_the_step(m, words, n, tags):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    loss = torch.zeros((), dtype=torch.float64)
+    for t in range(n):
+        before = h
+        h = m.cell(m.embed(words[t]), h)
+        loss = loss + (m.out(before) * m.out(h)).sum()  # (reads the state before the step: as written)
+    return loss
+
+
+def loss_of_an_lstms_c(m, words, n, tags):
+    h, c = torch.zeros(HIDDEN, dtype=torch.float64), torch.zeros(HIDDEN, dtype=torch.float64)
+    loss = torch.zeros((), dtype=torch.float64)
+    for t in range(n):
+        h, c = m.cell(m.embed(words[t]), (h, c))
+        loss = loss + m.out(c).sum()  # (the packed steps hold each step's h, not its c: as written)
+    return loss
+
+
+def loss_started_as_a_number(m, words, n, tags):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    loss = 0.0
+    for t in range(n):
+        h = m.cell(m.embed(words[t]), h)
+        loss = loss + m.out(h).sum()  # (a number's sum: as written)
+    return loss
+
+
+def test_sums_of_values_computed_from_each_steps_state_run_with_the_cells_as_one_rnn():
+    """``loss = loss + F.cross_entropy(self.out(h), tags[t])``: what each step adds, computed from the new state,
+    the step's inputs and what the loop does not change, runs for every step at once after the cells, each
+    instance's values added to its start in step order (a tagger's loss per word)."""
+    torch.manual_seed(3)
+    model = Model().double()
+    model.out = nn.Linear(HIDDEN, 3).double()
+    tags = torch.randint(0, 3, (5, 6), generator=torch.Generator().manual_seed(1))
+    compare(model, loss_per_step, (sentences(5, 6), lengths(6, 2, 0, 4, 1), tags), (None, 0, 0, 0))
+    gru = Model(nn.GRUCell).double()
+    gru.out = nn.Linear(HIDDEN, 3).double()
+    compare(gru, loss_per_step_of_one_row, (sentences(4, 5), lengths(5, 1, 3, 5), tags[:4, :5]), (None, 0, 0, 0))
+    compare(gru, loss_halved, (sentences(4, 5), lengths(5, 1, 3, 5), tags[:4, :5]), (None, 0, 0, 0))
+    for fn in (loss_of_the_state_before_the_step, loss_started_as_a_number):
+        compare(gru, fn, (sentences(4, 5), lengths(5, 1, 3, 5), tags[:4, :5]), (None, 0, 0, 0),
+                expect_runs=None if fn is loss_of_the_state_before_the_step else False)
+    compare(model, loss_of_an_lstms_c, (sentences(4, 5), lengths(5, 1, 3, 5), tags[:4, :5]), (None, 0, 0, 0),
+            expect_runs=None)
+
+
 def state_from_none(m, words, n):
     state = None
     for t in range(n):

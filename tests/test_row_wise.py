@@ -33,6 +33,9 @@ class Model(nn.Module):
         self.cell = nn.LSTMCell(EMBED, HIDDEN)
         self.w = nn.Parameter(torch.randn(HIDDEN, 3))
         self.q = nn.Linear(EMBED, HIDDEN)
+        self.lstm = nn.LSTM(EMBED, HIDDEN)
+        self.gru = nn.GRU(EMBED, HIDDEN, num_layers=2)
+        self.tags = nn.Linear(HIDDEN, 3)
 
 
 def inputs(seed=0):
@@ -124,6 +127,39 @@ def test_the_rows_are_packed_once_and_a_packed_result_is_a_view():
     assert compare(packed_twice) == {}
 
 
+def tagged(m, words, x, n):
+    """PyTorch's LSTM tagger tutorial, written as it writes it: an ``nn.LSTM`` over the sentence as a batch of
+    one (``view(n, 1, -1)``), a tag's score per word, the loss summed over the words."""
+    embeds = m.embed(words[:n])
+    lstm_out, _ = m.lstm(embeds.view(n, 1, -1))
+    tag_space = m.tags(lstm_out.view(n, -1))
+    tag_scores = F.log_softmax(tag_space, dim=1)
+    return F.nll_loss(tag_scores, words[:n] % 3, reduction="sum")
+
+
+def tagged_by_gru_averaged(m, words, x, n):
+    out, h = m.gru(m.embed(words[:n]).view(-1, 1, EMBED), torch.zeros(2, 1, HIDDEN, dtype=torch.float64))
+    scores = m.tags(out.reshape(n, HIDDEN))
+    targets = torch.where(words[:n] > 9, -100, words[:n] % 3)  # (-100: ignored, and left out of the mean)
+    losses = F.cross_entropy(scores, targets, reduction="none")
+    return F.cross_entropy(scores, targets) + losses.sum(0) + h[-1, 0].sum()
+
+
+def reshaped_rows(m, words, x, n):
+    xs = x[:n]
+    return xs.reshape(-1, 3, 1).squeeze(-1).sum(0) + xs.view(n, 1, 3).view(n, -1).mean(0) + xs.reshape(-1, 3).sum(0)
+
+
+def test_a_tagger_as_pytorchs_tutorial_writes_it_runs_once_over_the_words():
+    assert compare(tagged) == {}
+    assert compare(tagged_by_gru_averaged) == {}
+    assert compare(reshaped_rows) == {}
+
+
+def rows_flattened(m, words, x, n):
+    return x[:n].view(-1).cumsum(0).sum() + x[:n].reshape(n * 3, 1).sum()  # (across the rows: not each alone)
+
+
 def rows_squeezed(m, words, x, n):
     return x[:n].squeeze(0).sum()  # (a stretch of one row loses its rows: not each row alone)
 
@@ -132,7 +168,7 @@ def shared_times_rows(m, words, x, n):
     return (m.w[:3, :3] @ x[:n].t()).sum(-1)  # (a shared matrix first: it reaches across the rows)
 
 
-@pytest.mark.parametrize("fn", [rows_squeezed, shared_times_rows])
+@pytest.mark.parametrize("fn", [rows_squeezed, shared_times_rows, rows_flattened])
 def test_ops_that_reach_across_the_rows_run_per_instance_with_eagers_values(fn, monkeypatch):
     monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
     assert compare(fn) != {}

@@ -23,7 +23,9 @@ in C++. ``RecurrentLoop`` finds the loops that are exactly this, and runs them s
 A loop is taken when, after the step inputs, its body is the cell call alone on its carried state (or several
 cells, each stepping over the state the one below just made; a state may start as None, the cell's zeros, and
 inputs and states may be matrices of one row each, ``x.unsqueeze(0)``), with sums of a cell's new state
-(``total = total + h``: its start plus the instance's packed states, ``index_add``ed, in step order on the CPU),
+(``total = total + h``: its start plus the instance's packed states, ``index_add``ed, in step order on the CPU)
+or of values computed from the new states (``loss = loss + F.cross_entropy(self.out(h), tags[t])``: computed for
+every step at once after the cells, ``added_sg``, and added alike),
 its counter moves by 1 and its test is ``counter < end`` (``counter > end`` or ``>= end`` counting down) or a
 ``for`` over a range, each instance's rows, or each instance's stretch of them (``words[:n]``). At run time
 each cell must be an ``nn.LSTMCell``, ``nn.GRUCell`` or ``nn.RNNCell`` of its own (no hooks, no forward of its
@@ -65,7 +67,7 @@ class RecurrentLoop:
     loop's initial values, it returns the loop's final ones, or NotImplemented where the run does not fit."""
 
     def __init__(self, op, counter, end, layers, chain_sg, reads_sg, var_sources, indexed, appended=(),
-                 stacked_only=()):
+                 stacked_only=(), added_sg=None, added_layers=()):
         self.loc = op.loc
         self.counter = counter  # the counter's position among the loop variables
         self.end = end  # (kind, invariant position | Const): see ``ranges.trip_counts``
@@ -85,9 +87,15 @@ class RecurrentLoop:
         # the program reads that list only by ``torch.stack(xs)`` (its rows then go in only if needed)
         self.appended = list(appended)
         self.stacked_only = list(stacked_only) or [False] * len(self.appended)
-        used = {x for o in chain_sg.ops for x in o.operands()}
-        self.used = [v in used for v in chain_sg.inputs[1:len(chain_sg.inputs) - len(indexed)]]
-        self.reads = self.chain = None  # their batched functions (``compile``)
+        # (counter, *invariants, *the items read, *the states of ``added_layers``) -> what each step adds to a sum
+        # that is not a state's h (``loss = loss + F.cross_entropy(self.out(h), tags[t])``), or None
+        self.added_sg, self.added_layers = added_sg, list(added_layers)
+        used = {x for sg in (chain_sg, added_sg) if sg is not None for o in sg.ops for x in o.operands()}
+        chain_used = [v in used for v in chain_sg.inputs[1:len(chain_sg.inputs) - len(indexed)]]
+        added_used = [v in used for v in added_sg.inputs[1:len(chain_sg.inputs) - len(indexed)]] \
+            if added_sg is not None else chain_used
+        self.used = [a or b for a, b in zip(chain_used, added_used)]
+        self.reads = self.chain = self.added = None  # their batched functions (``compile``)
         self.runs = 0  # loops run as one RNN
         self.declined = 0  # loops run as written
 
@@ -98,6 +106,8 @@ class RecurrentLoop:
         """Its two functions, batched code made by ``generate`` (``codegen.batched.generate_batched``)."""
         self.reads = generate(self.reads_sg).functions[self.reads_sg.name]
         self.chain = generate(self.chain_sg).functions[self.chain_sg.name]
+        if self.added_sg is not None:
+            self.added = generate(self.added_sg).functions[self.added_sg.name]
 
     def __call__(self, n, loop_vars, invariants):
         out = self._run(n, list(loop_vars), list(invariants)) if config.RECURRENT_LOOPS else NotImplemented
@@ -130,6 +140,7 @@ class RecurrentLoop:
         starts_of = {j: _sum_start(n, loop_vars[j], cells[i], self.layers[i]) for j, i in summed.items()}
         if any(v is None for v in starts_of.values()):
             return NotImplemented
+        added_to = {j: source[1] for j, source in enumerate(self.var_sources) if source[0] == "added"}
         layout = _Layout(steps)
         way = ranges.direction(self.end[0])
         counters = [starts[k] + way * j for k, j in zip(layout.instance, layout.step)]
@@ -164,10 +175,15 @@ class RecurrentLoop:
             return NotImplemented
         finals, every = [], []
         for i, (cell, state) in enumerate(zip(cells, states)):
-            outputs = i + 1 < len(cells) or i in summed.values() or any(i == layer for _, layer in self.appended)
+            outputs = i + 1 < len(cells) or i in summed.values() or any(i == layer for _, layer in self.appended) \
+                or i in self.added_layers
             ends, data = _run_cell(cell, data, layout, state, outputs, one_row)
             finals.append(ends)
             every.append(data)
+        added = self._added(n, layout, args, every, one_row, {j: loop_vars[j] for j in added_to}) \
+            if added_to else {}
+        if added is None:
+            return NotImplemented
         for each, (p, layer), stacked in zip(lists, self.appended, self.stacked_only):
             packed = every[layer].unsqueeze(1) if one_row else every[layer]
             if not any(each) and type(invariants[p]) is Batch:  # (their stack: one index of the packed states)
@@ -181,7 +197,35 @@ class RecurrentLoop:
                 each[k].append(states[r])
         sums = {j: start.index_add(0, layout.index.to(start.device), every[i])  # (in step order on the CPU)
                 for (j, i), start in zip(summed.items(), starts_of.values())}
+        sums.update(added)
         return self._results(n, loop_vars, starts, steps, layout, finals, outs[1:], sums)
+
+    def _added(self, n, layout, args, every, one_row, starts):
+        """{loop variable: its sum} of each sum whose steps add a value computed from the new state (``loss +
+        F.cross_entropy(self.out(h), tags[t])``): those values for every row at once (``added_sg``), each
+        instance's added to its start in step order (``index_add``: on the CPU, in the rows' order, as the loop
+        adds them); None where a start or a value is not a tensor of one dtype and shape."""
+        states = [bt.from_tensor(every[i].unsqueeze(1) if one_row else every[i]) for i in self.added_layers]
+        try:
+            values = _tuple(self.added(layout.rows, *args, *states), len(self.added_sg.outputs))
+        except Exception:  # (the written loop raises it at its step, from the user's line)
+            return None
+        found = {}
+        for (j, start), value in zip(starts.items(), values):
+            rows = bt.tensor_of(value) if type(value) is Batch else None
+            if rows is None or rows.shape[0] != layout.rows:
+                return None
+            if type(start) is Batch:
+                total = bt.tensor_of(start)
+            elif type(start) is torch.Tensor:
+                total = start.unsqueeze(0).expand(n, *start.shape)
+            else:
+                return None
+            if total is None or total.shape[1:] != rows.shape[1:] or total.dtype != rows.dtype \
+                    or total.device != rows.device:
+                return None
+            found[j] = total.index_add(0, layout.index.to(rows.device), rows)
+        return found
 
     def range_items(self, invariants, layout, counters):
         """Each row's item ``t = seq[i]`` of a ``for t in range(...)``: its instance's range at its position."""
@@ -445,6 +489,10 @@ def plan(op, holder=None):
     rest = [o for o in rest if o not in sums.values()]
     appends = _appends(rest, body, invariant_params)
     rest = [o for o in rest if o not in appends]
+    added = _added_ops(rest, body, sums, chain, {counter_param, *invariant_params}, k)
+    if added is None:
+        return None
+    rest = [o for o in rest if o not in added]
     layers = _cell_calls(rest, body, params[:k], counter)
     if layers is None:
         return None
@@ -469,10 +517,13 @@ def plan(op, holder=None):
         if j == counter:
             var_sources.append("counter")
         elif j in sums:
-            added = sums[j].args[1] if sums[j].args[0] is param else sums[j].args[0]
-            if added not in tops:
+            value = sums[j].args[1] if sums[j].args[0] is param else sums[j].args[0]
+            if value in tops:
+                var_sources.append(("sum", tops[value]))
+            elif isinstance(value, ir.Value) and value.op in added:  # (a value computed from the new states)
+                var_sources.append(("added", value))
+            else:
                 return None
-            var_sources.append(("sum", tops[added]))
         elif j in states:
             var_sources.append(states[j])
         elif out is param:
@@ -493,10 +544,18 @@ def plan(op, holder=None):
     reads = _needed([*cell_values, *callees], chain)
     if reads is None or any(not _is_read(o) for o in reads) or counter_param in _params(reads):
         return None
-    steps = _needed([x, *chained], chain)
-    if steps is None:
+    added_values = [source[1] for source in var_sources if source[0] == "added"]
+    # (the new states the added values read: each a layer's top)
+    state_values = sorted({v for o in added for v in o.operands() if isinstance(v, ir.Value) and v.op not in added
+                           and v.op not in chain and v not in params}, key=body.outputs.index)
+    if any(v not in tops for v in state_values):
         return None
-    if any(isinstance(o, ir.Call) and isinstance(o.fn, ir.Value) for o in chain - steps - reads):
+    added_chain = _needed([v for o in added for v in o.operands() if isinstance(v, ir.Value) and v.op in chain],
+                          chain)
+    steps = _needed([x, *chained], chain)
+    if steps is None or added_chain is None:
+        return None
+    if any(isinstance(o, ir.Call) and isinstance(o.fn, ir.Value) for o in chain - steps - reads - added_chain):
         return None  # (a call of what the loop reads, its result not needed: run for an effect, which must run)
     name = body.name + ".steps"
     # ``x[t]`` of a sequence the loop does not change: each row's item read at once, as the chain's input
@@ -504,18 +563,26 @@ def plan(op, holder=None):
     seq = invariant_params[end[1]] if end[0] == "range" else None
     range_items = {o.output for o in steps if _const_fn(o) is operator.getitem and not o.kwargs
                    and o.args == [seq, counter_param]}
-    items = [o for o in body.ops if o in steps and _const_fn(o) is operator.getitem and not o.kwargs
-             and o.args[0] in invariant_params and (o.args[1] is counter_param or
-                                                    o.args[1] in range_items and o.args[0] is not seq)]
-    chain_sg = _subgraph(name, [counter_param, *invariant_params, *(o.output for o in items)],
-                         [o for o in body.ops if o in steps and o not in items], [x, *chained], body.loc)
+    range_items |= {o.output for o in added_chain if _const_fn(o) is operator.getitem and not o.kwargs
+                    and o.args == [seq, counter_param]}
+    items = [o for o in body.ops if (o in steps or o in added_chain) and _const_fn(o) is operator.getitem
+             and not o.kwargs and o.args[0] in invariant_params and (
+                 o.args[1] is counter_param or o.args[1] in range_items and o.args[0] is not seq)]
+    given = [counter_param, *invariant_params, *(o.output for o in items)]
+    chain_sg = _subgraph(name, given, [o for o in body.ops if o in steps and o not in items], [x, *chained],
+                         body.loc)
+    added_sg = _subgraph(name + ".added", [*given, *state_values], [
+        o for o in body.ops if (o in added_chain and o not in items) or o in added], added_values, body.loc) \
+        if added_values else None
+    var_sources = [("added", added_values.index(source[1])) if source[0] == "added" else source
+                   for source in var_sources]
     reads_sg = _subgraph(name + ".callables", invariant_params, [o for o in body.ops if o in reads],
                          [*cell_values, *callees], body.loc)
     indexed = [(invariant_params.index(o.args[0]), "item" if o.output in range_items else
                 "counter" if o.args[1] is counter_param else "range") for o in items]
     stacked_only = [_only_stacked(op.invariants[p], op, holder) for p, _ in appended]
     return RecurrentLoop(op, counter, end, [form for _, form in layers], chain_sg, reads_sg, var_sources, indexed,
-                         appended, stacked_only)
+                         appended, stacked_only, added_sg, [tops[v] for v in state_values])
 
 
 def _only_stacked(value, loop, holder):
@@ -576,13 +643,7 @@ def _chain(body, given):
     that may be run ahead of their step: calls without unpacking, captures, fused ops."""
     known, chain = set(given), set()
     for o in body.ops:
-        if isinstance(o, ir.Call):
-            ok = not o.star and all(k is not None for k, _ in o.kwargs) and not op_mutates(o) and (
-                isinstance(o.fn, ir.Value) or segments.rerunnable(o.fn.value))
-        else:
-            ok = isinstance(o, (ir.Capture, ir.Fused)) and not (isinstance(o, ir.Capture)
-                                                               and o.source_kind == "free")
-        if ok and all(not isinstance(v, ir.Value) or v in known for v in o.operands()):
+        if _runs_ahead(o) and all(not isinstance(v, ir.Value) or v in known for v in o.operands()):
             chain.add(o)
             known.update(o.outputs)
     return chain
@@ -605,6 +666,42 @@ def _sums(rest, body, params, counter):
                 found[j] = o
                 break
     return found
+
+
+def _added_ops(rest, body, sums, chain, given, k):
+    """The ops of ``rest`` that compute what a sum adds at each step where that is not a new state itself but
+    computed from the new states (``F.cross_entropy(self.out(h), tags[t])``: the body's new values of its
+    variables), the step's inputs (the chain) and what the loop does not change; read by nothing else, and each
+    one that may run ahead of its step (as the chain's ops). An empty set where there is none; None where a sum
+    adds a value that reads something else (a variable's value before the step)."""
+    states = {v for v in body.outputs[:k] if isinstance(v, ir.Value)}
+    found = set()
+    for j, o in sums.items():
+        value = o.args[1] if o.args[0] is body.inputs[j] else o.args[0]
+        pending = [value] if isinstance(value, ir.Value) and value not in states else []
+        while pending:
+            v = pending.pop()
+            if v in given or v.op in chain or v in states or v.op in found:
+                continue
+            producer = v.op
+            if producer not in rest or not _runs_ahead(producer):
+                return None
+            found.add(producer)
+            pending.extend(x for x in producer.operands() if isinstance(x, ir.Value))
+    made = {v for o in found for v in o.outputs}
+    readers = [o for o in body.ops if o not in found and o not in sums.values()]
+    if any(v in made for o in readers for v in o.operands()) or any(v in made for v in body.outputs):
+        return None
+    return found
+
+
+def _runs_ahead(o):
+    """Whether op ``o`` may be run for every step at once, ahead of or after its step: a call without unpacking
+    that changes nothing (of a callable the program reads, or one that runs again alike), a capture, a fused op."""
+    if isinstance(o, ir.Call):
+        return not o.star and all(key is not None for key, _ in o.kwargs) and not op_mutates(o) and (
+            isinstance(o.fn, ir.Value) or segments.rerunnable(o.fn.value))
+    return isinstance(o, (ir.Capture, ir.Fused)) and not (isinstance(o, ir.Capture) and o.source_kind == "free")
 
 
 def _appends(rest, body, invariant_params):

@@ -22,8 +22,9 @@ bakes the resolved callables in checks them when it runs, so rebinding
 from __future__ import annotations
 
 import copy
+import operator
 
-from .. import ir
+from .. import intrinsics, ir
 from ..ops import facts
 from .effects import resolve
 BACKENDS = ("python", "compile")
@@ -81,6 +82,15 @@ def _inert(op):
             and len(op.args) == 2 and not op.kwargs and isinstance(op.args[1], ir.Const))
 
 
+def _running_sum(s, op):
+    """Whether ``op`` is a loop body's ``total = total + x`` (its variable's new value, from its value at the step's
+    start): kept out of fusion groups, so that a loop stepping a cell sees the sum (``codegen.recurrent``)."""
+    if s.kind != "body" or resolve(op.fn) not in (operator.add, intrinsics.iadd_fresh) or len(op.args) != 2:
+        return False
+    return any(a in s.inputs and s.inputs.index(a) < len(s.outputs) and s.outputs[s.inputs.index(a)] is op.output
+               for a in op.args)
+
+
 def _can_place(ops, members):
     """Whether ``members`` (sorted positions) may run as one op at the last one's position: every op
     between them that is not a member is inert and uses no member's result."""
@@ -95,7 +105,8 @@ def _can_place(ops, members):
 
 def _fuse_subgraph(s, backend):
     ops = s.ops
-    resolved = {i: fn for i, op in enumerate(ops) if (fn := _elementwise_fn(op)) is not None}
+    resolved = {i: fn for i, op in enumerate(ops) if (fn := _elementwise_fn(op)) is not None
+                and not _running_sum(s, op)}
     producer = {v: i for i, op in enumerate(ops) for v in op.outputs}
     groups = _Groups()
     for i in sorted(resolved):

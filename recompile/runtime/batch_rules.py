@@ -1346,27 +1346,50 @@ def cross_entropy(n, fn, args, kwargs):
     """cross_entropy / nll_loss: an instance's (C) or (B, C) input becomes rows of one (n·B, C) input."""
     if len(args) != 2 or not {"reduction"}.issuperset(kwargs) or type(args[0]) is not Batch:
         return NotImplemented
+    if rows.of(args[0]) is not None:  # (a loss per word of each sentence: ``F.nll_loss(scores, tags[:n])``)
+        return _stretch_losses(n, fn, rows.of(args[0]), args[1], kwargs.get("reduction", "mean"))
     values = _tensor_args(n, args)
     if values is None or type(args[1]) is not Batch:
         return NotImplemented
     x, target = values
     reduction = kwargs.get("reduction", "mean")
     if x.dim() == 2 and target.dim() == 1:  # one row per instance
-        rows = _row_losses(fn, x, target)
+        losses = _row_losses(fn, x, target)
         if reduction == "mean":  # (an ignored target's mean is 0 / 0, as torch's)
-            rows = rows / (target != -100).to(rows.dtype)
-        return bt.from_tensor(rows)
+            losses = losses / (target != -100).to(losses.dtype)
+        return bt.from_tensor(losses)
     if x.dim() != 3 or target.dim() != 2 or target.dtype not in (torch.long, torch.int):
         return NotImplemented  # class probabilities, or extra dims: leave it to vmap
     b = x.shape[1]
-    rows = _row_losses(fn, x.reshape(n * b, x.shape[2]), target.reshape(n * b)).reshape(n, b)
+    losses = _row_losses(fn, x.reshape(n * b, x.shape[2]), target.reshape(n * b)).reshape(n, b)
     if reduction == "none":
-        return bt.from_tensor(rows)
+        return bt.from_tensor(losses)
     if reduction == "sum":
-        return bt.from_tensor(rows.sum(1))
+        return bt.from_tensor(losses.sum(1))
     if reduction == "mean":  # (over each instance's targets that are not ignored, as torch's mean)
-        return bt.from_tensor(rows.sum(1) / (target != -100).sum(1).to(rows.dtype))
+        return bt.from_tensor(losses.sum(1) / (target != -100).sum(1).to(losses.dtype))
     return NotImplemented
+
+
+def _stretch_losses(n, fn, scores, targets, reduction):
+    """cross_entropy / nll_loss of each instance's stretch of rows (L, C) and its stretch of class indices (L):
+    one loss over every instance's rows packed, each row's loss then summed (or averaged over the targets that are
+    not ignored, or kept: Rows) per instance."""
+    labels = rows.of(targets) if type(targets) is Batch else None
+    if labels is None or labels.lengths != scores.lengths or scores.source.dim() != 3 or \
+            labels.source.dim() != 2 or labels.source.dtype not in (torch.long, torch.int) or scores.shortest == 0 \
+            or reduction not in ("none", "sum", "mean"):
+        return NotImplemented
+    target = row_wise.packed(labels)
+    losses = row_wise.from_packed(n, _row_losses(fn, row_wise.packed(scores), target), scores)
+    if reduction == "none":
+        return losses
+    total = rows.reduced(n, "sum", rows.of(losses), (0,), {})
+    if reduction == "sum" or total is NotImplemented:
+        return total
+    counted = rows.reduced(n, "sum", rows.of(row_wise.from_packed(n, (target != -100).to(total.tensor.dtype),
+                                                                  scores)), (0,), {})
+    return bt.from_tensor(total.tensor / counted.tensor)  # (over each instance's targets not ignored, as torch's)
 
 
 def _row_losses(fn, x, target):
@@ -1565,6 +1588,8 @@ def recurrent_layer(n, module, args, kwargs):
             states.append(t.transpose(0, 1).reshape(t.shape[1], sequences, t.shape[-1]))
     states = None if states is None else tuple(states) if lstm else states[0]
     if stretches is not None:
+        if rank == 3 and not first and x.shape[2] == 1:  # (``self.lstm(xs.view(n, 1, -1))``: a batch of one)
+            return _one_sequence_each(n, module, args[0], states)
         return rows.through_rnn(n, module, stretches, states) if rank == 2 else NotImplemented
     out, ends = module(flat, states)
 
@@ -1578,6 +1603,22 @@ def recurrent_layer(n, module, args, kwargs):
             out.reshape(out.shape[0], n, -1, out.shape[-1]).transpose(0, 1)
     ends = bt.from_struct(tuple, [per_instance_state(e) for e in ends], n) if lstm else per_instance_state(ends)
     return bt.from_struct(tuple, [bt.from_tensor(out), ends], n)
+
+
+def _one_sequence_each(n, module, seq, states):
+    """An RNN module over each instance's stretch of rows (L, 1, D), a batch of one sequence: as over (L, D),
+    its outputs (L, 1, H) and final states (layers, 1, H)."""
+    squeezed = row_wise.method(n, "squeeze", rows.of(seq), (1,), {})
+    if squeezed is NotImplemented:
+        return NotImplemented
+    out = rows.through_rnn(n, module, rows.of(squeezed), states)
+    if out is NotImplemented:
+        return out
+    outputs, ends = out.struct[1]
+    outputs = row_wise.method(n, "unsqueeze", rows.of(bt.ready(outputs)), (1,), {})
+    parts = list(ends.struct[1]) if type(module) is nn.LSTM else [ends]
+    parts = [bt.from_tensor(bt.tensor_of(e).unsqueeze(2)) for e in parts]
+    return bt.from_struct(tuple, [outputs, bt.from_struct(tuple, parts, n) if len(parts) == 2 else parts[0]], n)
 
 
 @BATCH.register(isinstance)

@@ -11,6 +11,7 @@ reach a value or a gradient.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -34,7 +35,8 @@ _ELEMENTWISE_METHODS = frozenset({"sigmoid", "tanh", "relu", "exp", "log", "sqrt
                                   "nan_to_num", "masked_fill", "where"})
 _DIM_METHODS = frozenset({"softmax", "log_softmax", "sum", "mean", "amax", "amin", "logsumexp", "squeeze",
                           "unsqueeze"})
-METHODS = _ELEMENTWISE_METHODS | _DIM_METHODS  # (the Tensor methods ``method`` may run)
+_SHAPING_METHODS = frozenset({"view", "reshape"})
+METHODS = _ELEMENTWISE_METHODS | _DIM_METHODS | _SHAPING_METHODS  # (the Tensor methods ``method`` may run)
 
 
 def holds_rows(args):
@@ -135,6 +137,8 @@ def method(n, name, seq, args, kwargs):
     if seq.shortest == 0 or not _plain_options(kwargs):
         return NotImplemented
     rank = seq.source.dim() - 1
+    if name in _SHAPING_METHODS:
+        return _reshaped(n, name, seq, args, kwargs)
     if name in _DIM_METHODS:
         if name == "unsqueeze":
             dim = _dim(args, kwargs, rank + 1)
@@ -142,6 +146,11 @@ def method(n, name, seq, args, kwargs):
             dim = _dim(args, kwargs, rank)
         if dim is None or dim == 0 or any(type(a) is Batch for a in args):
             return NotImplemented
+        if name in ("squeeze", "unsqueeze") and not kwargs:  # (each row's shape: the source's rows alike)
+            row = getattr(torch.empty(seq.source.shape[2:], device="meta"), name)(dim - 1).shape
+            out = rows.rows_reshaped(n, seq, row)
+            if out is not None:
+                return out
         flat = packed(seq)
         return _rows_of(n, seq, getattr(flat, name)(*args, **kwargs))
     if name not in _ELEMENTWISE_METHODS:
@@ -150,6 +159,39 @@ def method(n, name, seq, args, kwargs):
     if values is None:
         return NotImplemented
     return _rows_of(n, seq, getattr(packed(seq), name)(*values, **kwargs))
+
+
+def _reshaped(n, name, seq, args, kwargs):
+    """``xs.view(n, 1, -1)``, ``xs.reshape(-1, H)`` of each instance's stretch where the first size is each
+    instance's length (its own ``n``, or -1 with the rest a row's size) and the rest reshape each row alone:
+    once on the rows packed; NotImplemented for any other shape."""
+    sizes = args[0] if len(args) == 1 and type(args[0]) in (tuple, list, torch.Size) else args
+    if kwargs or not sizes or any(type(r) is not int for r in sizes[1:]) or list(sizes[1:]).count(-1) > 1:
+        return NotImplemented
+    first, rest = sizes[0], list(sizes[1:])
+    if type(first) is Batch:
+        try:
+            lengths = [int(k) for k in bt.instance_ints(n, first)]
+        except (TypeError, ValueError, RuntimeError):
+            return NotImplemented
+        if lengths != seq.lengths:
+            return NotImplemented
+    elif first != -1 and not (type(first) is int and seq.shortest == first == seq.longest):
+        return NotImplemented
+    if first == -1 and -1 in rest:
+        return NotImplemented
+    size = math.prod(seq.source.shape[2:])  # (a row's)
+    known = math.prod(r for r in rest if r != -1)
+    if known <= 0 or size % known:
+        return NotImplemented
+    rest = [size // known if r == -1 else r for r in rest]
+    if math.prod(rest) != size:
+        return NotImplemented
+    out = rows.rows_reshaped(n, seq, rest, name)
+    if out is None:  # (a view the source's memory does not allow: each row of the rows packed)
+        flat = packed(seq)
+        return _rows_of(n, seq, getattr(flat, name)(flat.shape[0], *rest))
+    return out
 
 
 def indexed(n, seq, index):

@@ -244,6 +244,21 @@ def padded_rows(n, padded, lengths):
     return Rows([padded[k, :m] for k, m in enumerate(lengths)], padded, None, [0] * n, list(lengths))
 
 
+def rows_reshaped(n, seq, rest, method="view"):
+    """Each instance's stretch with each row reshaped to ``rest`` (``xs.view(n, 1, -1)``): the source's rows
+    reshaped alike (and the rows laid end to end, where they are), views where ``method`` is ``view``; None where
+    the source does not take it."""
+    try:
+        source = getattr(seq.source, method)(*seq.source.shape[:2], *rest)
+        flat = getattr(seq.packed, method)(seq.packed.shape[0], *rest) if seq.packed is not None else None
+    except RuntimeError:  # (a view of memory laid out otherwise)
+        return None
+    out = Rows([getattr(v, method)(v.shape[0], *rest) for v in seq], source, seq.rows, seq.starts, seq.lengths)
+    out.packed = flat
+    out.same_layout(seq)
+    return Batch(n, items=out)
+
+
 def _spread(counts):
     """(k, i) LongTensors of stretches of ``counts`` rows laid end to end: each row's instance, and its place in
     its stretch."""
@@ -493,17 +508,56 @@ def _padded(seq):
 
 def through_rnn(n, module, seq, states):
     """An ``nn.RNN``, ``LSTM`` or ``GRU`` over each instance's stretch (an unbatched sequence of its own length):
-    one run over them packed (``pack_padded_sequence``), the module's states given as (layers, n, H); each
-    instance's output its stretch of the padded outputs (Rows), and its final states (layers, H) a batch."""
+    one run over them packed, the module's states given as (layers, n, H); each instance's output its stretch of
+    the outputs (Rows, laid end to end, made when first read), and its final states (layers, H) a batch. Rows laid
+    end to end already go into the packed sequence by one index (else they are packed from the padded rows)."""
     if seq.shortest == 0:
         return NotImplemented  # (an empty sequence: its instance's own call says what it does)
-    lengths = torch.tensor(seq.lengths)
-    packed = nn.utils.rnn.pack_padded_sequence(_padded(seq), lengths, batch_first=True, enforce_sorted=False)
+    lengths = seq.counts()
+    if seq.packed is not None:
+        device = seq.packed.device
+        order = torch.sort(lengths, descending=True, stable=True).indices
+        sizes = torch.bincount(lengths - 1, minlength=seq.longest).flip(0).cumsum(0).flip(0)  # (rows at step t)
+        at = _stepwise(lengths, sizes, order).to(device)
+        packed = nn.utils.rnn.PackedSequence(seq.packed.index_select(0, at), sizes, order.to(device),
+                                             torch.argsort(order).to(device))
+    else:
+        packed = nn.utils.rnn.pack_padded_sequence(_padded(seq), lengths, batch_first=True, enforce_sorted=False)
+        at = None
     out, ends = module(packed, states)
-    out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
-    outputs = Batch(n, items=padded_rows(n, out, seq.lengths))
+    outputs = Batch(n, thunk=_Unpacked(n, out, seq.lengths, at))  # (``_, (h, c) = ...``: never laid out)
     finals = [bt.from_tensor(e.transpose(0, 1)) for e in (ends if type(module) is nn.LSTM else (ends,))]
     return bt.from_struct(tuple, [outputs, bt.from_struct(tuple, finals, n) if len(finals) == 2 else finals[0]], n)
+
+
+def _stepwise(lengths, sizes, order):
+    """For each row of a PackedSequence (step by step, the sequences of each step in ``order``), its row among
+    the sequences of ``lengths`` laid end to end."""
+    step = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+    place = torch.arange(len(step)) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
+    return (lengths.cumsum(0) - lengths)[order[place.to(order.device)].cpu()] + step
+
+
+class _Unpacked:
+    """An RNN module's packed outputs as each instance's stretch of them (Rows laid end to end), computed when
+    first read."""
+
+    __slots__ = ("n", "out", "lengths", "at")
+
+    def __init__(self, n, out, lengths, at):
+        self.n, self.out, self.lengths = n, out, lengths
+        self.at = at  # each packed row's row end to end, or None (``_stepwise``)
+
+    def depends_on(self):
+        return []
+
+    def compute(self):
+        out = self.out
+        at = self.at if self.at is not None else _stepwise(torch.tensor(self.lengths), out.batch_sizes,
+                                                           out.sorted_indices).to(out.data.device)
+        back = torch.empty_like(at)
+        back[at] = torch.arange(len(at), device=at.device)
+        return Batch(self.n, items=packed_rows(self.n, out.data.index_select(0, back), self.lengths))
 
 
 def reversed_rows(n, fn, args, kwargs):
