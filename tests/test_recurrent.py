@@ -540,6 +540,11 @@ def test_sums_of_values_computed_from_each_steps_state_run_with_the_cells_as_one
                 expect_runs=None if fn is loss_of_the_state_before_the_step else False)
     compare(model, loss_of_an_lstms_c, (sentences(4, 5), lengths(5, 1, 3, 5), tags[:4, :5]), (None, 0, 0, 0),
             expect_runs=None)
+    seen = []
+    gru.out.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))  # (as written: a step each)
+    compare(gru, loss_halved, (sentences(4, 5), lengths(5, 1, 3, 5), tags[:4, :5]), (None, 0, 0, 0),
+            expect_runs=False)
+    assert len(seen) == 5 + 14  # (the loop's five steps, then eager's fourteen calls)
 
 
 def state_from_none(m, words, n):

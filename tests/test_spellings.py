@@ -732,3 +732,62 @@ def test_a_helper_of_shared_values_that_draws_draws_for_each_instance():
     it, is each instance's own."""
     got = recompile.vmap(recompile.function(noisy))(torch.zeros(5, H, dtype=torch.float64))
     assert len({tuple(row.tolist()) for row in got}) == 5
+
+
+# -- a run that changes values in place: what it changes is each instance's own, or the caller's, as in eager code
+
+def two_zeros():  # (helpers of no argument, their results changed in place by the caller)
+    return [torch.zeros(H, dtype=torch.float64), {"h": torch.zeros(H, dtype=torch.float64)}]
+
+
+def zeros_row():
+    return torch.zeros(2, H, dtype=torch.float64)[0]  # (a view of a tensor the helper made)
+
+
+def helper_results_changed(x):
+    hs = two_zeros()
+    hs[0].add_(x)
+    hs[1]["h"].add_(x * 2)
+    v = zeros_row()
+    v.add_(x)
+    return hs[0] + hs[1]["h"] + v
+
+
+def test_what_a_helper_of_shared_values_hands_back_is_each_instances_own_to_change():
+    xs = torch.arange(4 * H, dtype=torch.float64).reshape(4, H)
+    got = recompile.vmap(recompile.function(helper_results_changed))(xs)
+    torch.testing.assert_close(got, torch.stack([helper_results_changed(x) for x in xs]))
+
+
+def changes_the_shared_argument(x, w):
+    d = w.to(torch.float64)  # (w itself, as eager's)
+    d.add_(1.0)
+    m = max([w, w * 0.5], key=lambda t: float(t.sum()))  # (w again)
+    m.mul_(1.0)
+    return x + 0.0 * d
+
+
+def changes_a_leaf(x):
+    z = torch.zeros(H, dtype=torch.float64, requires_grad=True)
+    z.add_(x)  # (eager refuses: a leaf that requires grad)
+    return z
+
+
+def changes_what_exp_saved(x, w):
+    v = torch.exp(input=w)  # (by keyword: exp's backward reads its result)
+    v.mul_(2.0)
+    return x * v
+
+
+def test_a_shared_result_that_is_an_argument_or_a_leaf_or_saved_is_changed_as_eager_changes_it():
+    xs = torch.arange(3 * H, dtype=torch.float64).reshape(3, H)
+    w = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+        recompile.vmap(recompile.function(changes_the_shared_argument), in_dims=(0, None))(xs, w)
+    assert torch.equal(w, torch.tensor([4.0, 5.0, 6.0, 7.0], dtype=torch.float64))  # (each instance's add_)
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        recompile.vmap(recompile.function(changes_a_leaf))(xs)
+    w = w.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        recompile.vmap(recompile.function(changes_what_exp_saved), in_dims=(0, None))(xs, w).sum().backward()

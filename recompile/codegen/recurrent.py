@@ -205,24 +205,22 @@ class RecurrentLoop:
         F.cross_entropy(self.out(h), tags[t])``): those values for every row at once (``added_sg``), each
         instance's added to its start in step order (``index_add``: on the CPU, in the rows' order, as the loop
         adds them); None where a start or a value is not a tensor of one dtype and shape."""
+        totals = []
+        for start in starts.values():  # (checked first: a loop given up runs its callables again, as written)
+            total = bt.tensor_of(start) if type(start) is Batch else \
+                start.unsqueeze(0).expand(n, *start.shape) if type(start) is torch.Tensor else None
+            if total is None or total.dtype != every[0].dtype or total.device != every[0].device:
+                return None
+            totals.append(total)
         states = [bt.from_tensor(every[i].unsqueeze(1) if one_row else every[i]) for i in self.added_layers]
         try:
             values = _tuple(self.added(layout.rows, *args, *states), len(self.added_sg.outputs))
         except Exception:  # (the written loop raises it at its step, from the user's line)
             return None
         found = {}
-        for (j, start), value in zip(starts.items(), values):
+        for j, total, value in zip(starts, totals, values):
             rows = bt.tensor_of(value) if type(value) is Batch else None
-            if rows is None or rows.shape[0] != layout.rows:
-                return None
-            if type(start) is Batch:
-                total = bt.tensor_of(start)
-            elif type(start) is torch.Tensor:
-                total = start.unsqueeze(0).expand(n, *start.shape)
-            else:
-                return None
-            if total is None or total.shape[1:] != rows.shape[1:] or total.dtype != rows.dtype \
-                    or total.device != rows.device:
+            if rows is None or rows.shape != (layout.rows, *total.shape[1:]) or rows.dtype != total.dtype:
                 return None
             found[j] = total.index_add(0, layout.index.to(rows.device), rows)
         return found
@@ -536,6 +534,10 @@ def plan(op, holder=None):
         else:
             return None
     callees = [o.fn for o in chain if isinstance(o, ir.Call) and isinstance(o.fn, ir.Value)]
+    added_callees = [o.fn for o in added if isinstance(o, ir.Call) and isinstance(o.fn, ir.Value)]
+    if any(c.op not in chain and not _pure_method(c) for c in added_callees):
+        return None  # (a callable the step computes: a method of its value, ``self.out(h).sum``, that changes nothing)
+    callees += [c for c in added_callees if c.op in chain]  # (read before the loop, and checked, as the steps')
     # a method of a step's value (``x.unsqueeze``) is read with it, step by step: by its name, one that changes
     # nothing; every other callable is read once, before the loop, from what the loop does not change
     methods = [c for c in callees if _pure_method(c) and counter_param in _params(_needed([c], chain) or ())]

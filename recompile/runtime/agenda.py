@@ -129,7 +129,8 @@ def run(target, args, n=1, pool=None, parent=None, site=None):
     counters = batch_rules.counters
     saved, counters.per_instance = counters.per_instance, {}
     mutates = getattr(target, "may_mutate", True)
-    saved_sharing, sharing.state.fresh = sharing.state.fresh, getattr(target, "shares_computed_once", not mutates)
+    saved_sharing, sharing.state.fresh = sharing.state.fresh, getattr(target, "shares_computed_once", not mutates) \
+        and not sharing.state.never
     saved_weights, lazy_weights.runs.weights = lazy_weights.runs.weights, {}
     try:
         run = _Run.of(stats, pool, args, mutates)

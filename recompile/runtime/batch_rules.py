@@ -264,16 +264,17 @@ def _unbatched(n, fn, args, kwargs):
         elif not reads and not facts.immutable(first):
             sharing.mark_fresh(first)
         return first
-    if not sharing.state.fresh and _new_tensor(first, args) and (known or computes_alike(fn, kwargs)):
+    if not sharing.state.fresh and _new_tensor(first, fn, args, kwargs) and (known or computes_alike(fn, kwargs)):
         # a run that changes values in place: each instance its own row. Where the result has a gradient, the op
         # runs over every instance's rows, so that an in-place change of a result its backward reads is refused
         # as eager refuses it (a copy of one result would hide the change)
         receiver, name = getattr(fn, "__self__", None), tensor_method(fn)
+        spread_kwargs = {k: _rows_of_each(n, v) for k, v in kwargs.items()} if kwargs else None
         if first.grad_fn is not None and isinstance(receiver, torch.Tensor) and name is not None:
             return call(n, Batch(n, method=(_rows_of_each(n, receiver), name)),
-                        [_rows_of_each(n, a) for a in args], kwargs)
-        if first.grad_fn is not None and any(isinstance(a, torch.Tensor) for a in args):
-            return call(n, fn, [_rows_of_each(n, a) for a in args], kwargs)
+                        [_rows_of_each(n, a) for a in args], spread_kwargs)
+        if first.grad_fn is not None and _tensors_in((*args, *(kwargs.values() if kwargs else ()))):
+            return call(n, fn, [_rows_of_each(n, a) for a in args], spread_kwargs)
         return _made_once(n, first)
     # a side effect, a random draw or a fresh object (a tensor, a list) per instance, as n runs would make
     _count(fn, n, fallbacks.FRESH if sharing.state.fresh else fallbacks.FRESH_CHANGED)
@@ -290,18 +291,33 @@ def _copied(x, out):
 
 
 def _rows_of_each(n, value):
-    """A shared tensor as n instances' rows of their own (other values as they are)."""
+    """A shared tensor as n instances' rows of their own, in a list or tuple too (other values as they are)."""
+    if type(value) in (list, tuple) and _tensors_in(value):
+        return bt.from_struct(type(value), [_rows_of_each(n, v) for v in value], n)  # (``torch.cat([w, w])``)
     return Batch(n, tensor=value.unsqueeze(0).expand(n, *value.shape).clone()) if isinstance(value, torch.Tensor) \
         else value
 
 
-def _new_tensor(out, args):
-    """Whether ``out`` is a tensor in memory of its own: no view, and none of the tensors in ``args``; not a 0-d
-    integer tensor either (an index that views what it indexes, which an instance's rows of one batch cannot)."""
-    if type(out) is not torch.Tensor or out._is_view() or (out.dim() == 0 and not out.is_floating_point()):
+def _tensors_in(values):
+    """The tensors among ``values`` and in the lists, tuples and dicts among them (one level)."""
+    found = []
+    for v in values:
+        inner = v.values() if type(v) is dict else v if type(v) in (list, tuple) else (v,)
+        found.extend(t for t in inner if isinstance(t, torch.Tensor))
+    return found
+
+
+def _new_tensor(out, fn, args, kwargs):
+    """Whether ``out`` = ``fn(*args, **kwargs)`` is a tensor in memory of its own: no view, none of the tensors
+    the call was given (its receiver, those in its arguments' lists too); not a 0-d integer tensor (an index that
+    views what it indexes, which an instance's rows of one batch cannot) nor a leaf that requires grad (which eager
+    code may not change in place; an instance's rows of one batch are no leaf)."""
+    if type(out) is not torch.Tensor or out._is_view() or (out.dim() == 0 and not out.is_floating_point()) \
+            or (out.requires_grad and out.grad_fn is None):
         return False
     place = out.untyped_storage().data_ptr()
-    return not any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == place for a in args)
+    given = _tensors_in((*args, *(kwargs.values() if kwargs else ()), getattr(fn, "__self__", None)))
+    return not any(t.untyped_storage().data_ptr() == place for t in given)
 
 
 def _made_once(n, t):
@@ -394,20 +410,14 @@ def _shared_structs(values):
 
 def _run_helper(n, fn, args, kwargs):
     """Undecorated helper ``fn`` compiled and run once for the group (``runtime.helpers``), or NotImplemented.
-    The helper's run changes nothing in place, so it may hand back tensors it computed once for every instance;
-    where this run changes values in place, each instance gets its own rows of them."""
-    out = helpers.run(n, fn, args, kwargs or {})
+    The helper changes nothing in place, but where this run does, the helper's run shares nothing either: what it
+    hands back (a tensor, in a list or a view of one) this run may change, each instance its own."""
+    with sharing.unshared(not sharing.state.fresh):
+        out = helpers.run(n, fn, args, kwargs or {})
     if out is NotImplemented:
         return out
     add_counts(counters.per_instance, out[1])  # (the helper's run's, counted as this run's)
-    return out[0] if sharing.state.fresh else _owned(n, out[0])
-
-
-def _owned(n, value):
-    """``value`` with each tensor computed once for every instance made each instance's own rows."""
-    if type(value) is tuple:
-        return tuple(_owned(n, v) for v in value)
-    return _made_once(n, value) if sharing.any_fresh((value,)) else value
+    return out[0]
 
 
 def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
@@ -931,6 +941,10 @@ def gather(n, fn, args, kwargs):
             out = row_wise.indexed(n, found, index) if found is not None else NotImplemented
             if out is not NotImplemented:
                 return out
+            if found is not None and len(index) > 1 and type(index[0]) is int:  # (``out[-1, 0]``: a row, then in it)
+                row = gather(n, operator.getitem, (x, index[0]), {})
+                if row is not NotImplemented:
+                    return call(n, operator.getitem, (row, index[1:] if len(index) > 2 else index[1]))
         if x.items is not None and type(index) is int:
             found = rows.of(x)
             out = rows.listed_item(n, x.items, index) if type(x.items) is rows.Listed else \

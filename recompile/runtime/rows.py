@@ -348,6 +348,8 @@ def listed(n, seq):
     lists = seq.items if type(seq) is Batch and seq.owner == "items" and seq.thunk is None else None
     if lists is None or type(lists) not in (list, Appended) or not all(type(x) is list for x in lists):
         return NotImplemented
+    if type(lists) is Appended:
+        lists.fill()  # (the loop's items are the lists' own)
     stack = stacked(n, seq, (), {})
     if stack is NotImplemented:
         return NotImplemented

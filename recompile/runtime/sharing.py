@@ -9,6 +9,7 @@ what it is given) gets a copy of its own (``own``), so that a change it makes st
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 import weakref
@@ -20,13 +21,27 @@ from ..ops import facts
 
 
 class State(threading.local):
-    """Per thread: ``fresh``, whether the run going on changes nothing in place (set by ``runtime.agenda``)."""
+    """Per thread: ``fresh``, whether the run going on changes nothing in place (set by ``runtime.agenda``);
+    ``never``, whether runs started now share nothing whatever they change (``unshared``)."""
 
     def __init__(self):
         self.fresh = False
+        self.never = False
 
 
 state = State()
+
+
+@contextlib.contextmanager
+def unshared(when=True):
+    """Runs started inside (a helper's, called from a run that changes values in place) share nothing computed
+    once: their results may be changed in place by the run that called them."""
+    saved = state.never
+    state.never = state.never or when
+    try:
+        yield
+    finally:
+        state.never = saved
 
 
 def shareable_result(value):
