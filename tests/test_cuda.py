@@ -42,16 +42,19 @@ def test_tree_spellings_on_cuda_equal_eager_on_cpu(name, trees):
     assert bench_idioms.check(cls, cls(vocab), sample, device="cuda") == {}  # (no per-instance op)
 
 
-SENTENCE_SPELLINGS = {name: (cls, hand) for _, spellings, hand in bench_sequences.SENTENCE_FAMILIES
-                      for name, cls in spellings.items()}
+# (name -> class, its hand-batched twin, how a tree becomes a sentence: the taggers read a tag per word)
+SENTENCE_SPELLINGS = {name: (cls, hand, reading) for reading, families in (
+    (bench_sequences.sentence_of, bench_sequences.SENTENCE_FAMILIES),
+    (bench_sequences.tagged_sentence_of, (bench_sequences.TAGGER_FAMILY,)))
+    for _, spellings, hand in families for name, cls in spellings.items()}
 
 
 @pytest.mark.parametrize("name", list(SENTENCE_SPELLINGS))
 def test_sentence_models_on_cuda_equal_eager_on_cpu(name, trees):
     vocab, sample = trees
     torch.manual_seed(0)
-    cls, hand = SENTENCE_SPELLINGS[name]
-    batch = bench_sequences.Sentences(*zip(*(bench_sequences.sentence_of(t) for t in sample)))
+    cls, hand, reading = SENTENCE_SPELLINGS[name]
+    batch = bench_sequences.Sentences(*zip(*(reading(t) for t in sample)))
     assert bench_sequences.check_sentences(cls, cls(vocab), batch, hand, device="cuda") == {}
 
 
