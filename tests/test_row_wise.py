@@ -150,6 +150,12 @@ def last_output_of_a_batch_of_one(m, words, x, n):
     return out[-1, 0] + h[0, 0] * c[0, 0] + out[0, 0, :2].sum()  # (a row of each stretch, then in it)
 
 
+def outputs_read_by_index(m, words, x, n):
+    out, _ = m.lstm(m.embed(words[:n]))  # (laid out when first read: here by an index)
+    ends, _ = m.lstm(m.embed(words[:n]).view(n, 1, -1))
+    return out[-1] + out[0, :2].sum() + ends[-1][0]
+
+
 def reshaped_rows(m, words, x, n):
     xs = x[:n]
     return xs.reshape(-1, 3, 1).squeeze(-1).sum(0) + xs.view(n, 1, 3).view(n, -1).mean(0) + xs.reshape(-1, 3).sum(0)
@@ -160,6 +166,7 @@ def test_a_tagger_as_pytorchs_tutorial_writes_it_runs_once_over_the_words():
     assert compare(tagged_by_gru_averaged) == {}
     assert compare(reshaped_rows) == {}
     assert compare(last_output_of_a_batch_of_one) == {}
+    assert compare(outputs_read_by_index) == {}
 
 
 def rows_flattened(m, words, x, n):

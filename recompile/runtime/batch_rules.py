@@ -175,6 +175,8 @@ def item(n, x, index):
     if type(x) is Batch and x.struct is not None:
         return call(n, operator.getitem, (x, index))  # (a tuple's or dict's item: its rule picks the part)
     # (call's path for getitem, without its dispatch: the gather rule, else vmap or one by one)
+    if type(x) is Batch and x.thunk is not None:  # (an RNN module's outputs, laid out when first read)
+        bt.force(x)
     out = gather(n, operator.getitem, (x, index), None)
     if out is NotImplemented:
         out = _vmapped_or_per_instance(n, operator.getitem, (x, index), None)
@@ -1629,10 +1631,26 @@ def _one_sequence_each(n, module, seq, states):
     if out is NotImplemented:
         return out
     outputs, ends = out.struct[1]
-    outputs = row_wise.method(n, "unsqueeze", rows.of(bt.ready(outputs)), (1,), {})
+    outputs = Batch(n, thunk=_BatchOfOne(n, outputs))  # (laid out only when read, as ``through_rnn``'s)
     parts = list(ends.struct[1]) if type(module) is nn.LSTM else [ends]
     parts = [bt.from_tensor(bt.tensor_of(e).unsqueeze(2)) for e in parts]
     return bt.from_struct(tuple, [outputs, bt.from_struct(tuple, parts, n) if len(parts) == 2 else parts[0]], n)
+
+
+class _BatchOfOne:
+    """Each instance's RNN outputs (L, H), a lazy batch of Rows, as the (L, 1, H) of a batch of one sequence."""
+
+    __slots__ = ("n", "outputs")
+
+    def __init__(self, n, outputs):
+        self.n, self.outputs = n, outputs
+
+    def depends_on(self):
+        return bt.lazies_in(self.outputs)
+
+    def compute(self):
+        out = row_wise.method(self.n, "unsqueeze", rows.of(self.outputs), (1,), {})
+        return out if out is not NotImplemented else bt.from_items([v.unsqueeze(1) for v in self.outputs.items])
 
 
 @BATCH.register(isinstance)
