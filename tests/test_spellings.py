@@ -533,6 +533,11 @@ def idiom_helper_of_shared_values_changed(x, k):
     return h * 2 + zeros_of(H)
 
 
+def idiom_items_of_each_instances_list(x, k):
+    hs = [x * (j + 1) for j in range(k)]  # (each instance's own length)
+    return hs[-1] + hs[0] + tuple(hs)[-1]
+
+
 def list_appended_in_a_branch(x, k):
     hs = [x]
     if x.sum() > 0:

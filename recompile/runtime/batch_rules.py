@@ -954,6 +954,11 @@ def gather(n, fn, args, kwargs):
                 rows.item(found, index) if index >= 0 else rows.last_items(found, index)
             if out is not NotImplemented:
                 return out
+            if found is None and x.owner == "items" and all(type(each) in (list, tuple) for each in x.items):
+                try:  # (``hs[-1]`` of each instance's own list: each instance's item, as its own index reads it)
+                    return bt.from_items([each[index] for each in x.items])
+                except IndexError:
+                    return NotImplemented  # (each instance raises its own, or not)
         if x.struct is not None and x.owner is None and issubclass(x.struct[0], bt.Keyed):
             keys = x.struct[0].keys_
             try:
