@@ -547,6 +547,32 @@ def test_sums_of_values_computed_from_each_steps_state_run_with_the_cells_as_one
     assert len(seen) == 5 + 14  # (the loop's five steps, then eager's fourteen calls)
 
 
+@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+def test_sums_of_values_computed_from_each_steps_state_in_every_mode(mode, monkeypatch):
+    """The same loops called one instance at a time in sequential and threaded mode: eager's values and float64
+    gradients (their derived gradient programs, not the batched RNN)."""
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    torch.manual_seed(3)
+    model = Model(nn.GRUCell).double()
+    model.out = nn.Linear(HIDDEN, 3).double()
+    words, n = sentences(3, 5), lengths(5, 1, 3)
+    tags = torch.randint(0, 3, (3, 5), generator=torch.Generator().manual_seed(1))
+    for fn in (loss_per_step_of_one_row, loss_halved):
+        compiled = recompile.function(fn, mode=mode)
+        results = []
+        for call in (compiled, fn):
+            model.zero_grad()
+            out = torch.stack([call(model, words[k], int(n[k]), tags[k]).sum() for k in range(3)])
+            out.sum().backward()
+            results.append((out.detach(), {k: p.grad.clone() for k, p in model.named_parameters()
+                                           if p.grad is not None}))
+        (got, got_grads), (want, want_grads) = results
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+        assert got_grads.keys() == want_grads.keys()
+        for k in want_grads:
+            torch.testing.assert_close(got_grads[k], want_grads[k], rtol=1e-9, atol=1e-12)
+
+
 def state_from_none(m, words, n):
     state = None
     for t in range(n):

@@ -279,7 +279,8 @@ def test_row_wise_programs_called_one_instance_at_a_time_in_every_mode_give_eage
     torch.manual_seed(0)
     model = Model().double()
     words, x = inputs()
-    for fn in (attention, log_of_padded_input, by_each_instances_query, methods):
+    for fn in (attention, log_of_padded_input, by_each_instances_query, methods, tagged, tagged_by_gru_averaged,
+               reshaped_rows, last_output_of_a_batch_of_one, outputs_read_by_index):
         compiled = recompile.function(fn, mode=mode)
         for call in (compiled, fn):
             model.zero_grad()

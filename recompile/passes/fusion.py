@@ -87,8 +87,7 @@ def _running_sum(s, op):
     start): kept out of fusion groups, so that a loop stepping a cell sees the sum (``codegen.recurrent``)."""
     if s.kind != "body" or resolve(op.fn) not in (operator.add, intrinsics.iadd_fresh) or len(op.args) != 2:
         return False
-    return any(a in s.inputs and s.inputs.index(a) < len(s.outputs) and s.outputs[s.inputs.index(a)] is op.output
-               for a in op.args)
+    return any(s.outputs[j] is op.output and param in op.args for j, param in enumerate(s.inputs[:len(s.outputs)]))
 
 
 def _can_place(ops, members):

@@ -296,8 +296,12 @@ def _rows_of_each(n, value):
     """A shared tensor as n instances' rows of their own, in a list or tuple too (other values as they are)."""
     if type(value) in (list, tuple) and _tensors_in(value):
         return bt.from_struct(type(value), [_rows_of_each(n, v) for v in value], n)  # (``torch.cat([w, w])``)
-    return Batch(n, tensor=value.unsqueeze(0).expand(n, *value.shape).clone()) if isinstance(value, torch.Tensor) \
-        else value
+    return _copies(n, value) if isinstance(value, torch.Tensor) else value
+
+
+def _copies(n, t):
+    """Tensor ``t`` as n instances' rows, each a copy of its own."""
+    return bt.from_tensor(t.unsqueeze(0).expand(n, *t.shape).clone())
 
 
 def _tensors_in(values):
@@ -328,7 +332,7 @@ def _made_once(n, t):
     instance's own call would make its own tensor."""
     if sharing.state.fresh:
         return sharing.mark_fresh(t)
-    return bt.from_tensor(t.unsqueeze(0).expand(n, *t.shape).clone())
+    return _copies(n, t)
 
 
 def per_instance(n, fn, args, kwargs=None, why=None):

@@ -147,7 +147,11 @@ def method(n, name, seq, args, kwargs):
         if dim is None or dim == 0 or any(type(a) is Batch for a in args):
             return NotImplemented
         if name in ("squeeze", "unsqueeze") and not kwargs:  # (each row's shape: the source's rows alike)
-            row = getattr(torch.empty(seq.source.shape[2:], device="meta"), name)(dim - 1).shape
+            row = list(seq.source.shape[2:])  # (each row's dims: the instance's dim - 1)
+            if name == "unsqueeze":
+                row.insert(dim - 1, 1)
+            elif row[dim - 1] == 1:
+                del row[dim - 1]
             out = rows.rows_reshaped(n, seq, row)
             if out is not None:
                 return out

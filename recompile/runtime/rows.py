@@ -292,10 +292,7 @@ class Appended(list):
         self.instance, self.step = instance, step  # each row's instance and step (LongTensors)
         self.lengths = lengths  # each instance's number of rows
         self.pending = pending  # the rows not in the lists yet
-        self._ends = None if pending else self._seen()
-
-    def _seen(self):
-        return [(len(x), x[0], x[-1]) if x else (0, None, None) for x in self]
+        self._ends = None if pending else _ends_of(self)
 
     def fill(self):
         """Put the rows in the lists, each instance's in step order (where they are pending)."""
@@ -304,15 +301,24 @@ class Appended(list):
             for r, k in enumerate(self.instance.tolist()):
                 self[k].append(states[r])
             self.pending = False
-            self._ends = self._seen()
+            self._ends = _ends_of(self)
 
     def holds_its_rows_alone(self):
         """Whether each list still holds just the rows appended to it (nothing appended, inserted or taken
         since: in a run that changes nothing in place, a list only grows), or none while they are pending."""
         if self.pending:
             return all(not x for x in self)
-        return all(len(x) == m and (not m or x[0] is first and x[-1] is last)
-                   for x, (m, first, last) in zip(self, self._ends))
+        return _unchanged(self, self._ends)
+
+
+def _ends_of(lists):
+    """Each list's length, first and last item: what ``_unchanged`` compares (a list that only grows)."""
+    return [(len(x), x[0], x[-1]) if x else (0, None, None) for x in lists]
+
+
+def _unchanged(lists, ends):
+    """Whether each list still holds what it held at ``ends`` (``_ends_of``)."""
+    return all(len(x) == m and (not m or x[0] is first and x[-1] is last) for x, (m, first, last) in zip(lists, ends))
 
 
 class Listed(list):
@@ -327,8 +333,7 @@ class Listed(list):
     def __init__(self, lists, stack, ends=None):
         super().__init__(lists)
         self.stack = stack  # a Batch: every instance's tensor, or Rows of them
-        self._ends = ends if ends is not None else [(len(x), x[0] if x else None, x[-1] if x else None)
-                                                    for x in lists]
+        self._ends = ends if ends is not None else _ends_of(lists)
 
     def taken(self, positions):
         """The Listed of instances ``positions`` (a loop's instances that stay)."""
@@ -337,8 +342,7 @@ class Listed(list):
         return Listed([self[k] for k in positions], stack, [self._ends[k] for k in positions])
 
     def unchanged(self):
-        return all(len(x) == m and (not m or x[0] is first and x[-1] is last)
-                   for x, (m, first, last) in zip(self, self._ends))
+        return _unchanged(self, self._ends)
 
 
 def listed(n, seq):
