@@ -77,7 +77,7 @@ _MORE_ELEMENTWISE = (F.relu6, F.hardtanh, F.hardsigmoid, F.hardswish, F.logsigmo
                      F.selu, F.celu, F.hardshrink, F.softshrink, F.threshold, torch.fmax, torch.fmin)
 _MORE_ACTIVATIONS = (nn.ReLU6, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.LogSigmoid, nn.Softsign, nn.Tanhshrink,
                      nn.Mish, nn.SELU, nn.CELU, nn.Hardshrink, nn.Softshrink, nn.Threshold, nn.Identity)
-_MORE_RULES = {"_dim_function", "products", "outer", "like", "reshaped", "padded", "normalize", "one_hot",
+_MORE_RULES = {"_dim_function", "products", "outer", "like", "reshaped", "constant_padded", "normalize", "one_hot",
                "pointwise_loss", "similarity", "flatten", "addmm", "gather_along",
                "_as_function.<locals>.rule", "softmax_module", "loss_module", "bilinear"}
 _MORE_METHOD_RULES = {"_dim_method.<locals>.rule", "_whole_or_dims.<locals>.rule", "_product_method.<locals>.rule",

@@ -28,7 +28,7 @@ from ..dynamo import opaque
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
-from . import cells, fallbacks, helpers, lazy_weights, ranges, row_wise, rows, sharing
+from . import cells, fallbacks, helpers, lazy_weights, padded, ranges, row_wise, rows, sharing
 from .batch import Batch
 
 # Batch rules, filed as the gradient rules are (``ops.table``): ``rule(n, fn, args, kwargs)`` for a callable
@@ -82,11 +82,17 @@ def call(n, fn, args, kwargs=None):
                 out = rule(n, base, args, kwargs or {})
                 if out is not NotImplemented:
                     return out
+            found = padded.of(base)
+            if found is not None:  # (``x.t().unsqueeze(0)`` of each instance's rows: a Conv1d's input)
+                out = padded.method(n, name, found, args, kwargs or {})
+                return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
             found = rows.of(base)
             if found is not None:  # (``torch.stack(hs).mean(0)`` of lists of their own lengths)
                 out = rows.along_rows(n, name, found, args, kwargs or {}, method=True)
                 if out is NotImplemented:  # (``xs.tanh()``, ``xs.squeeze(-1)``: each row alone)
                     out = row_wise.method(n, name, found, args, kwargs or {})
+                if out is NotImplemented:  # (``xs.t()``, ``xs.unsqueeze(0)``: the rows' dim moved)
+                    out = padded.rows_method(n, name, found, args, kwargs or {})
                 # (else each instance's own call: its views differ in shape, which vmap would pad)
                 return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
             return _vmapped_or_per_instance(n, fn, (base, *args), kwargs, method=name)
@@ -125,8 +131,13 @@ def call(n, fn, args, kwargs=None):
             out = rows.along_rows(n, name, found, args[1:], kwargs or {})
             if out is not NotImplemented:
                 return out
+    if padded.holds(args):  # (``F.relu(self.conv(xs.t()))``: lengths along another dim)
+        out = padded.call(n, fn, args, kwargs or {})
+        return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
     if row_wise.holds_rows(args):  # (``mlp(self.embed(words[:n]))``: each row alone)
         out = row_wise.call(n, fn, args, kwargs or {})
+        if out is NotImplemented:  # (``torch.transpose(xs, 0, 1)``: the rows' dim moved)
+            out = padded.rows_call(n, fn, args, kwargs or {})
         return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
     return _vmapped_or_per_instance(n, fn, args, kwargs)
 
@@ -942,6 +953,13 @@ def gather(n, fn, args, kwargs):
             out = rows.sliced(n, found, index) if found is not None else NotImplemented
             if out is not NotImplemented:
                 return out
+        if x.items is not None and padded.of(x) is not None:  # (``x[0]`` of a Conv1d's (1, C, L) output)
+            found = padded.of(x)
+            return padded.indexed(n, found.tensor, found.dim, found.lengths, index, found.zeroed)
+        if x.items is not None and (index is None or type(index) is tuple and index[:1] == (None,)):
+            found = rows.of(x)  # (``xs[None]``: the rows' dim moved)
+            if found is not None and found.shortest:
+                return padded.indexed(n, rows.as_padded(found), 0, found.lengths, index)
         if x.items is not None and type(index) is tuple:
             found = rows.of(x)  # (``xs[:, None]``, ``xs[..., :h]``: each row alone)
             out = row_wise.indexed(n, found, index) if found is not None else NotImplemented
@@ -1154,7 +1172,16 @@ def attribute(n, fn, args, kwargs):
         rest = list(seq.source.shape[2:])
         return seq.source.dim() - 1 if name == "ndim" else \
             bt.from_struct(torch.Size, [bt.from_items(list(seq.lengths)), *rest], x.n)
-    if (name in rows.ALONG_ROWS or name in row_wise.METHODS) and rows.of(x) is not None:
+    if padded.of(x) is not None:  # (``x.t().unsqueeze(0)`` of each instance's rows, and what follows)
+        if name in SHARED_ATTRS:
+            return getattr(padded.of(x).tensor, name)
+        found = padded.attribute(x.n, name, padded.of(x))
+        if found is not NotImplemented:
+            return found
+        return Batch(x.n, method=(x, name)) if name in padded.METHODS else NotImplemented
+    if name == "T" and rows.of(x) is not None and rows.of(x).source.dim() == 3:
+        return padded.rows_method(x.n, "t", rows.of(x), (), {})
+    if (name in rows.ALONG_ROWS or name in row_wise.METHODS or name in padded.MOVES) and rows.of(x) is not None:
         return Batch(x.n, method=(x, name))  # (``torch.stack(hs).mean(0)``, ``xs.tanh()``: see ``rows``, ``row_wise``)
     if x.owner == "items" and name.endswith("_") and not name.endswith("__") \
             and callable(getattr(torch.Tensor, name, None)) and all(type(v) is torch.Tensor for v in x.items):
@@ -1584,13 +1611,17 @@ def recurrent_layer(n, module, args, kwargs):
             or "forward" in module.__dict__ or (module.dropout and module.training):
         return NotImplemented
     stretches = rows.of(args[0])  # (``self.lstm(self.embed(words[:n]))``: sequences of their own lengths)
+    seq, one = args[0], padded.of(args[0])
+    first = module.batch_first
+    if one is not None and first and one.dim == 1 and one.tensor.dim() == 4 and one.tensor.shape[1] == 1:
+        seq = padded.moved(n, "transpose", one.tensor, 1, one.lengths, (0, 1), {})  # ((1, L, D) as (L, 1, D))
+        stretches = rows.of(seq)
     if args[0].owner != "tensor" and stretches is None:
         return NotImplemented
     x = args[0].tensor if stretches is None else stretches.source
     rank = x.dim() - 1  # (an instance's: 2, one unbatched sequence; 3, a batch of them)
     if rank not in (2, 3) or x.shape[-1] != module.input_size:
         return NotImplemented
-    first = module.batch_first
     if rank == 2:  # (n, L, D): the instances are the module's batch
         flat = x if first else x.transpose(0, 1)
     else:  # (n, B, L, D) or (n, L, B, D): instances times their batches
@@ -1613,8 +1644,9 @@ def recurrent_layer(n, module, args, kwargs):
             states.append(t.transpose(0, 1).reshape(t.shape[1], sequences, t.shape[-1]))
     states = None if states is None else tuple(states) if lstm else states[0]
     if stretches is not None:
-        if rank == 3 and not first and x.shape[2] == 1:  # (``self.lstm(xs.view(n, 1, -1))``: a batch of one)
-            return _one_sequence_each(n, module, args[0], states)
+        if rank == 3 and (not first or seq is not args[0]) and x.shape[2] == 1:
+            # (``self.lstm(xs.view(n, 1, -1))``, ``self.gru(xs[None])`` batch first: a batch of one)
+            return _one_sequence_each(n, module, seq, states, 0 if first else 1)
         return rows.through_rnn(n, module, stretches, states) if rank == 2 else NotImplemented
     out, ends = module(flat, states)
 
@@ -1630,9 +1662,9 @@ def recurrent_layer(n, module, args, kwargs):
     return bt.from_struct(tuple, [bt.from_tensor(out), ends], n)
 
 
-def _one_sequence_each(n, module, seq, states):
+def _one_sequence_each(n, module, seq, states, at):
     """An RNN module over each instance's stretch of rows (L, 1, D), a batch of one sequence: as over (L, D),
-    its outputs (L, 1, H) and final states (layers, 1, H)."""
+    its outputs (L, 1, H), or (1, L, H) where ``at`` is 0 (batch first), and final states (layers, 1, H)."""
     squeezed = row_wise.method(n, "squeeze", rows.of(seq), (1,), {})
     if squeezed is NotImplemented:
         return NotImplemented
@@ -1640,26 +1672,30 @@ def _one_sequence_each(n, module, seq, states):
     if out is NotImplemented:
         return out
     outputs, ends = out.struct[1]
-    outputs = Batch(n, thunk=_BatchOfOne(n, outputs))  # (laid out only when read, as ``through_rnn``'s)
+    outputs = Batch(n, thunk=_BatchOfOne(n, outputs, at))  # (laid out only when read, as ``through_rnn``'s)
     parts = list(ends.struct[1]) if type(module) is nn.LSTM else [ends]
     parts = [bt.from_tensor(bt.tensor_of(e).unsqueeze(2)) for e in parts]
     return bt.from_struct(tuple, [outputs, bt.from_struct(tuple, parts, n) if len(parts) == 2 else parts[0]], n)
 
 
 class _BatchOfOne:
-    """Each instance's RNN outputs (L, H), a lazy batch of Rows, as the (L, 1, H) of a batch of one sequence."""
+    """Each instance's RNN outputs (L, H), a lazy batch of Rows, as the (L, 1, H) of a batch of one sequence (or
+    (1, L, H) where ``at`` is 0)."""
 
-    __slots__ = ("n", "outputs")
+    __slots__ = ("n", "outputs", "at")
 
-    def __init__(self, n, outputs):
-        self.n, self.outputs = n, outputs
+    def __init__(self, n, outputs, at):
+        self.n, self.outputs, self.at = n, outputs, at
 
     def depends_on(self):
         return bt.lazies_in(self.outputs)
 
     def compute(self):
-        out = row_wise.method(self.n, "unsqueeze", rows.of(self.outputs), (1,), {})
-        return out if out is not NotImplemented else bt.from_items([v.unsqueeze(1) for v in self.outputs.items])
+        seq = rows.of(self.outputs)
+        out = row_wise.method(self.n, "unsqueeze", seq, (1,), {}) if self.at else \
+            padded.rows_method(self.n, "unsqueeze", seq, (0,), {})
+        return out if out is not NotImplemented else \
+            bt.from_items([v.unsqueeze(self.at) for v in self.outputs.items])
 
 
 @BATCH.register(isinstance)
@@ -2285,7 +2321,7 @@ def reshaped(n, fn, args, kwargs):
 
 
 @BATCH.register(F.pad)
-def padded(n, fn, args, kwargs):
+def constant_padded(n, fn, args, kwargs):
     """``F.pad(x, pad)`` of a batched x, constant mode: the pad reaches only the instance's last dims."""
     pad = args[1] if len(args) > 1 else kwargs.get("pad")
     if type(args[0]) is not Batch or type(pad) not in (tuple, list) or kwargs.get("mode", "constant") != "constant" \

@@ -428,7 +428,7 @@ def softmaxed(n, name, seq, args, kwargs):
     rank = seq.source.dim() - 1
     if type(dim) is not int or dim not in (0, -rank) or seq.shortest == 0 or not seq.source.is_floating_point():
         return NotImplemented
-    padded = _padded(seq)
+    padded = as_padded(seq)
     mask = seq.mask(padded.device).view(n, -1, *[1] * (rank - 1))
     out = getattr(torch, name)(torch.where(mask, padded, padded.new_full((), float("-inf"))), 1)
     found = padded_rows(n, out, seq.lengths)
@@ -459,7 +459,7 @@ def reduced(n, name, seq, args, kwargs):
         if name == "mean":
             total = total / seq.counts().to(device=device, dtype=total.dtype).view(n, *[1] * (total.dim() - 1))
         return bt.from_tensor(total.unsqueeze(1) if keepdim else total)
-    padded = _padded(seq)
+    padded = as_padded(seq)
     device = padded.device
     mask = seq.mask(device).view(n, -1, *[1] * (rank - 1))
     if name in ("sum", "mean"):
@@ -497,7 +497,7 @@ def _along(args, kwargs):
     return (dim, keepdim) if type(dim) is int and type(keepdim) is bool else None
 
 
-def _padded(seq):
+def as_padded(seq):
     """Each instance's stretch as the first rows of one (n, longest, ...) tensor, the rest of each row whatever
     lies there: a view where the stretches start alike in the source's own rows, else one index (a copy)."""
     first = seq.starts[0]
@@ -528,7 +528,7 @@ def through_rnn(n, module, seq, states):
         packed = nn.utils.rnn.PackedSequence(seq.packed.index_select(0, at), sizes, order.to(device),
                                              torch.argsort(order).to(device))
     else:
-        packed = nn.utils.rnn.pack_padded_sequence(_padded(seq), lengths, batch_first=True, enforce_sorted=False)
+        packed = nn.utils.rnn.pack_padded_sequence(as_padded(seq), lengths, batch_first=True, enforce_sorted=False)
         at = None
     out, ends = module(packed, states)
     outputs = Batch(n, thunk=_Unpacked(n, out, seq.lengths, at))  # (``_, (h, c) = ...``: never laid out)

@@ -1,0 +1,642 @@
+"""Each instance's value of its own length along a dim that is not its first, batched (``Padded``): the
+(1, D, L) of ``self.embed(words[:n]).t().unsqueeze(0)`` that a ``Conv1d`` reads, the conv's output, its pooling.
+
+``Rows`` keeps each instance's stretch along its first dim. An op that moves that dim (``t``, ``transpose``,
+``permute``, ``unsqueeze(0)``, ``x[None]``) gives a ``Padded``: instance k's value is ``tensor[k]`` cut to
+``lengths[k]`` along ``dim``, the rest of the row past its end whatever the ops made of it. Ops that move dims,
+ops finite at every finite input with finite gradients (``relu``, ``tanh``, adding a shared bias), convolutions
+along the dim (reading zeros past each end, as their own zero padding), pooling, and reductions along the dim
+run once on the padded tensor; a reduction along the dim leaves out what lies past each end (``torch.where``),
+so nothing there reaches a value, nor a gradient but times a zero. An op whose result has the lengths along
+its first dim again gives ``Rows``. Everything else runs per instance (and says so).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import facts
+from ..ops.table import has_hooks
+from . import batch as bt
+from . import rows, sharing
+from .batch import Batch
+
+
+class Padded(list):
+    """Instance k's value is ``tensor[k].narrow(dim, 0, lengths[k])`` (the list holds those views); ``dim`` ≥ 1
+    (an instance's)."""
+
+    __slots__ = ("tensor", "dim", "lengths", "zeroed", "_mask")
+
+    def __init__(self, tensor, dim, lengths, zeroed=False):
+        super().__init__(tensor[k].narrow(dim, 0, m) for k, m in enumerate(lengths))
+        self.tensor, self.dim, self.lengths = tensor, dim, list(lengths)
+        self.zeroed = zeroed  # whether what lies past each end is zeros
+        self._mask = None
+
+    def taken(self, positions):
+        """The Padded of instances ``positions``."""
+        positions = list(positions)
+        index = torch.tensor(positions, device=self.tensor.device)
+        return Padded(self.tensor.index_select(0, index), self.dim, [self.lengths[k] for k in positions],
+                      self.zeroed)
+
+    def mask(self):
+        if self._mask is None:
+            self._mask = _mask(self.tensor, self.dim, self.lengths)
+        return self._mask
+
+    def zeros_past_ends(self):
+        """``tensor`` with zeros past each instance's end (what a convolution's zero padding reads)."""
+        return self.tensor if self.zeroed else torch.where(self.mask(), self.tensor, self.tensor.new_zeros(()))
+
+
+def _mask(t, dim, lengths):
+    """Bools shaped to broadcast against ``t``: which places along (an instance's) ``dim`` lie in each
+    instance's value."""
+    longest = t.shape[dim + 1]
+    inside = torch.arange(longest, device=t.device) < torch.tensor(lengths, device=t.device)[:, None]
+    return inside.view(len(lengths), *[1] * dim, longest, *[1] * (t.dim() - dim - 2))
+
+
+def of(value):
+    """The Padded a Batch holds as its instances' values, in a run that changes nothing in place, else None."""
+    items = value.items if type(value) is Batch else None
+    return items if type(items) is Padded and value.owner == "items" and value.thunk is None and \
+        sharing.state.fresh else None
+
+
+def holds(args):
+    """Whether an argument is a batch of Padded values."""
+    return any(type(a) is Batch and type(a.items) is Padded for a in args)
+
+
+def _result(n, tensor, dim, lengths, zeroed=False):
+    """The Batch of values of ``lengths`` along ``dim`` of ``tensor``'s rows: Rows where dim is an instance's
+    first."""
+    if dim == 0:
+        return Batch(n, items=rows.padded_rows(n, tensor, lengths))
+    return Batch(n, items=Padded(tensor, dim, lengths, zeroed))
+
+
+def _as_rows(seq):
+    """Rows ``seq`` as (tensor, dim, lengths) of one tensor (n, longest, ...)."""
+    return rows.as_padded(seq), 0, seq.lengths
+
+
+# ---- ops that move dims ------------------------------------------------------------------------------------
+
+WHOLE = frozenset({"sum", "mean", "max", "min", "amax", "amin"})  # (reductions over an instance's whole value)
+MOVES = frozenset({"t", "transpose", "swapaxes", "swapdims", "permute", "movedim", "unsqueeze", "squeeze",
+                   "contiguous"})
+
+
+def _order_of(name, rank, args, kwargs):
+    """The instance's dims in the order ``name`` leaves them (a permutation), or None for other forms."""
+    if kwargs:
+        return None
+    order = list(range(rank))
+    if name == "t":
+        return order[::-1] if rank == 2 and not args else None
+    if name == "contiguous":
+        return order if not args else None
+    if name in ("transpose", "swapaxes", "swapdims"):
+        dims = [_dim(d, rank) for d in args] if len(args) == 2 else [None]
+        if None in dims:
+            return None
+        a, b = dims
+        order[a], order[b] = order[b], order[a]
+        return order
+    if name == "permute":
+        dims = list(args[0]) if len(args) == 1 and type(args[0]) in (tuple, list, torch.Size) else list(args)
+        dims = [_dim(d, rank) for d in dims]
+        return dims if len(dims) == rank and sorted(dims) == order else None
+    if name == "movedim":
+        if len(args) != 2:
+            return None
+        a, b = (_dim(d, rank) for d in args)
+        if a is None or b is None:
+            return None
+        order.remove(a)
+        order.insert(b, a)
+        return order
+    return None
+
+
+def _dim(d, rank):
+    """``d`` made non-negative against ``rank``, or None where it is no int dim of it."""
+    return d + rank if type(d) is int and -rank <= d < 0 else d if type(d) is int and 0 <= d < rank else None
+
+
+def moved(n, name, tensor, dim, lengths, args, kwargs, zeroed=False):
+    """``x.name(*args)`` that moves, adds or drops dims, of values of ``lengths`` along ``dim``: once on their
+    tensor (views); NotImplemented for other forms, and for a squeeze of the lengths' dim."""
+    rank = tensor.dim() - 1
+    if name in ("unsqueeze", "squeeze"):
+        if kwargs or len(args) > 1:
+            return NotImplemented
+        if name == "unsqueeze":
+            at = _dim(args[0], rank + 1) if args else None
+            if at is None:
+                return NotImplemented
+            return _result(n, tensor.unsqueeze(at + 1), dim + (at <= dim), lengths, zeroed)
+        drop = [_dim(args[0], rank)] if args else [d for d in range(rank) if d != dim and tensor.shape[d + 1] == 1]
+        if None in drop or dim in drop or (not args and min(lengths) == 1):
+            return NotImplemented  # (the lengths' dim: squeezed in an instance of length 1 only)
+        drop = [d for d in drop if tensor.shape[d + 1] == 1]
+        return _result(n, tensor.squeeze([d + 1 for d in drop]) if drop else tensor,
+                       dim - sum(d < dim for d in drop), lengths, zeroed)
+    order = _order_of(name, rank, args, kwargs)
+    if order is None:
+        return NotImplemented
+    out = tensor.contiguous() if name == "contiguous" else tensor.permute(0, *[d + 1 for d in order])
+    return _result(n, out, order.index(dim), lengths, zeroed)
+
+
+def rows_method(n, name, seq, args, kwargs):
+    """``xs.t()``, ``xs.transpose(0, 1)``, ``xs.unsqueeze(0)`` ... of each instance's stretch (Rows) that move
+    its rows' dim: Padded (or Rows again); ``xs.sum()``, ``xs.max()`` over all of it; NotImplemented for other
+    ops."""
+    if seq.shortest == 0:
+        return NotImplemented
+    if name in WHOLE and not args and not kwargs:
+        t = rows.as_padded(seq)
+        return whole(n, name, t, 0, seq.lengths, _mask(t, 0, seq.lengths))
+    if name not in MOVES:
+        return NotImplemented
+    return moved(n, name, *_as_rows(seq), args, kwargs)
+
+
+def indexed(n, tensor, dim, lengths, index, zeroed=False):
+    """``x[None]``, ``x[0]``, ``x[:, None]``, ``x[..., :k]``: an index of ``None``, ints, slices and an ellipsis
+    that keeps the lengths' dim whole; NotImplemented for others."""
+    index = index if type(index) is tuple else (index,)
+    if not all(i is None or i is Ellipsis or type(i) in (int, slice) for i in index) or index.count(Ellipsis) > 1:
+        return NotImplemented
+    rank = tensor.dim() - 1
+    taken = sum(1 for i in index if i is not None and i is not Ellipsis)
+    if taken > rank:
+        return NotImplemented
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (rank - taken) + index[at + 1:]
+    else:
+        index = index + (slice(None),) * (rank - taken)
+    source_dim, new_dim = 0, 0  # (walking the instance's dims and the result's)
+    for place, i in enumerate(index):
+        if i is None:
+            new_dim += 1
+            continue
+        if source_dim == dim:
+            if type(i) is int:  # (``out[0, -1]``: each instance's item along the dim, after the rest)
+                kept = indexed(n, tensor, dim, lengths, index[:place] + (slice(None),) + index[place + 1:])
+                return NotImplemented if kept is NotImplemented else _item(n, kept, new_dim, lengths, i)
+            if i != slice(None):  # (``out[:, 1:]``: a slice each instance starts at the same place)
+                try:
+                    bounds = [i.indices(m) for m in lengths]
+                except TypeError:  # (a bound that is not an index: each instance raises its own)
+                    return NotImplemented
+                start = bounds[0][0]
+                if any(step != 1 or a != start for a, _, step in bounds):
+                    return NotImplemented
+                index = index[:place] + (slice(start, None),) + index[place + 1:]
+                lengths = [max(0, b - a) for a, b, _ in bounds]
+            found = new_dim
+        if type(i) is slice:
+            new_dim += 1
+        source_dim += 1
+    return _result(n, tensor[(slice(None), *index)], found, lengths, zeroed)
+
+
+def _item(n, kept, dim, lengths, i):
+    """Item i (from the end where negative) of each instance's value along its lengths' ``dim`` (of Batch
+    ``kept``), where each has one; NotImplemented otherwise (each instance raises its own IndexError)."""
+    at = [i if i >= 0 else m + i for m in lengths]
+    if not all(0 <= a < m for a, m in zip(at, lengths)):
+        return NotImplemented
+    found = of(kept)
+    t = found.tensor.movedim(dim + 1, 1) if found is not None else rows.of(kept).source
+    device = t.device
+    return bt.from_tensor(t[torch.arange(n, device=device), torch.tensor(at, device=device)])
+
+
+# ---- ops finite everywhere ------------------------------------------------------------------------------
+
+_FINITE_FUNCTIONS = frozenset({
+    torch.relu, F.relu, torch.tanh, F.tanh, torch.sigmoid, F.sigmoid, F.gelu, F.silu, F.elu, F.selu, F.celu,
+    F.leaky_relu, F.hardtanh, F.relu6, F.softplus, F.mish, F.logsigmoid, F.softsign, F.hardsigmoid, F.hardswish,
+    torch.neg, torch.abs, torch.clamp, torch.sin, torch.cos, torch.add, torch.sub, torch.mul, operator.add,
+    operator.sub, operator.mul, operator.neg, operator.truediv, torch.div})
+_FINITE_METHODS = frozenset({"relu", "tanh", "sigmoid", "neg", "abs", "clamp", "clamp_min", "clamp_max", "clip",
+                             "sin", "cos", "add", "sub", "mul", "div", "float", "double", "clone", "__add__",
+                             "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__"})
+_DIVISIONS = frozenset({operator.truediv, torch.div, "div", "__truediv__"})
+_MODULES = tuple(m for m in facts.ELEMENTWISE_MODULES if m is not nn.Dropout)
+
+
+def _finite_op(n, fn, x, args, kwargs):
+    """``fn(*args, **kwargs)``, finite at finite inputs with finite gradients (a name: ``x``'s method), once
+    on the padded tensor; its other operands numbers, shared tensors that do not reach the lengths' dim (or
+    are 1 there), or values of the same lengths and shape (not as a divisor); NotImplemented otherwise."""
+    if any(isinstance(v, torch.Tensor) or type(v) is Batch for v in kwargs.values()) or kwargs.get("inplace"):
+        return NotImplemented
+    if type(fn) is not str and getattr(fn, "__module__", None) == F.__name__ and any(a is True for a in args[1:]):
+        return NotImplemented  # (``F.relu(x, True)``: in place, by position)
+    rank = x.tensor.dim() - 1
+    values = []
+    for position, a in enumerate(args):
+        if a is x.tensor:  # (a method's own tensor)
+            values.append(a)
+        elif type(a) is Batch:
+            other = of(a)
+            if fn in _DIVISIONS and position == 1 or other is not x and (
+                    other is None or other.dim != x.dim or other.lengths != x.lengths or
+                    other.tensor.shape != x.tensor.shape):
+                return NotImplemented  # (a divisor: past an end, a zero there)
+            values.append(other.tensor)
+        elif isinstance(a, torch.Tensor):
+            reach = a.dim() - (rank - x.dim)  # (the dims it covers, right-aligned: the lengths' dim among them?)
+            if a.dim() > rank or (reach > 0 and a.shape[-(rank - x.dim)] != 1):
+                return NotImplemented
+            values.append(a)
+        elif type(a) in (int, float, bool) or a is None:
+            values.append(a)
+        else:
+            return NotImplemented
+    out = getattr(values[0], fn)(*values[1:], **kwargs) if type(fn) is str else fn(*values, **kwargs)
+    if type(out) is not torch.Tensor or out.shape != x.tensor.shape:
+        return NotImplemented
+    return _result(n, out, x.dim, x.lengths)
+
+
+# ---- convolution and pooling along the lengths' dim --------------------------------------------------------
+
+_CONVS = {nn.Conv1d: 1, nn.Conv2d: 2}
+_CONV_FUNCTIONS = {F.conv1d: 1, F.conv2d: 2}
+
+
+def _pair(value, count):
+    return tuple(value) if type(value) in (tuple, list) else (value,) * count
+
+
+def convolved(n, x, conv, weight, bias, stride, padding, dilation, groups, spatial):
+    """A convolution over each instance's value whose lengths' dim is one of its ``spatial`` dims (unbatched
+    (C, *S), or a batch of its own (B, C, *S)): one convolution of the padded tensor, zeros past each end (what
+    its zero padding reads), each instance's output as long as its own convolution's. NotImplemented where an
+    output would be empty (its instance's conv raises)."""
+    t = x.tensor
+    rank = t.dim() - 1
+    if rank not in (spatial + 1, spatial + 2) or x.dim < rank - spatial:
+        return NotImplemented
+    along = x.dim - (rank - spatial)  # (which spatial dim)
+    stride, dilation = _pair(stride, spatial)[along], _pair(dilation, spatial)[along]
+    kernel = weight.shape[2 + along]
+    if padding == "same":
+        lengths = list(x.lengths)
+    else:
+        pad = 0 if padding == "valid" else _pair(padding, spatial)[along]
+        lengths = [(m + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1 for m in x.lengths]
+    if min(lengths) < 1:
+        return NotImplemented
+    source = x.zeros_past_ends()
+    flat = source.reshape(-1, *source.shape[-spatial - 1:])  # (instances times their batches)
+    out = conv(flat, weight, bias, stride, padding, dilation, groups)
+    out = out.view(*source.shape[:-spatial - 1], *out.shape[1:])
+    return _result(n, out, x.dim, lengths)
+
+
+def pooled(n, x, fn, kind, kernel, stride, padding, ceil_mode, spatial=1):
+    """``F.max_pool1d``/``avg_pool1d`` along the lengths' dim (the last): a kernel as long as each instance's
+    value is its max or mean there (``kernel_size=n``, ``x.size(2)``); a shared kernel without padding pools
+    the padded tensor, each output as long as its instance's own. NotImplemented for other forms."""
+    t = x.tensor
+    rank = t.dim() - 1
+    if x.dim != rank - 1 or rank not in (spatial + 1, spatial + 2) or padding != 0 or ceil_mode:
+        return NotImplemented
+    kernels = bt.instance_ints(n, kernel)
+    if kernels == x.lengths and stride in (None, kernel, ()):
+        return _pooled_whole(n, x, kind == "max")
+    if type(kernel) is not int or type(stride) not in (int, type(None)):
+        return NotImplemented
+    step = kernel if stride is None else stride
+    lengths = [(m - kernel) // step + 1 for m in x.lengths]
+    if min(lengths) < 1:
+        return NotImplemented
+    return _result(n, fn(t.reshape(-1, *t.shape[-2:]), kernel, step).view(*t.shape[:-1], -1), x.dim, lengths)
+
+
+# ---- reductions ------------------------------------------------------------------------------------------
+
+_REDUCTIONS = frozenset({"sum", "mean", "max", "min", "amax", "amin", "softmax", "log_softmax"})
+
+
+def _along(n, x, name, keepdim, dim_args=None):
+    """``name`` along the lengths' dim of each instance's value: that dim moved first, as Rows (``rows``'
+    reductions, which leave out what lies past each end), the result's dims put back."""
+    seq = rows.padded_rows(n, x.tensor.movedim(x.dim + 1, 1), x.lengths)
+    out = rows.along_rows(n, name, seq, (0,) + ((keepdim,) if name not in ("softmax", "log_softmax") else ()), {})
+    if out is NotImplemented:
+        return out
+    if name in ("softmax", "log_softmax"):
+        found = rows.of(out)
+        return _result(n, found.source.movedim(1, x.dim + 1), x.dim, x.lengths)
+
+    def put_back(part):
+        t = bt.tensor_of(part)
+        return bt.from_tensor(t.movedim(1, x.dim + 1) if keepdim else t)
+
+    if out.struct is not None and out.owner is None:  # (``max(dim)``: values and indices)
+        kind, parts = out.struct
+        return bt.from_struct(kind, [put_back(p) for p in parts], n)
+    return put_back(out)
+
+
+def reduced(n, name, x, args, kwargs):
+    """``x.sum(d)``, ``x.max(dim=d)``, ``torch.softmax(x, d)``, ``x.sum()`` ... of each instance's value: along
+    the lengths' dim through ``_along``; along another, once on the padded tensor; over everything, what lies
+    past each end left out. NotImplemented for other forms."""
+    rank = x.tensor.dim() - 1
+    if set(kwargs) - {"dim", "keepdim"} or len(args) > 2 or ("dim" in kwargs and args):
+        return NotImplemented
+    dim = kwargs.get("dim", args[0] if args else None)
+    keepdim = kwargs.get("keepdim", args[1] if len(args) > 1 else False)
+    if type(keepdim) is not bool or (name in ("softmax", "log_softmax") and (dim is None or "keepdim" in kwargs
+                                                                           or len(args) > 1)):
+        return NotImplemented
+    if dim is None:
+        return whole(n, name, x.tensor, x.dim, x.lengths, x.mask()) if not keepdim and not args else NotImplemented
+    dim = _dim(dim, rank)
+    if dim is None:
+        return NotImplemented
+    if dim == x.dim:
+        return _along(n, x, name, keepdim)
+    out = getattr(x.tensor, name)(dim + 1, keepdim) if name not in ("softmax", "log_softmax") else \
+        getattr(x.tensor, name)(dim + 1)
+    at = x.dim - (dim < x.dim and not keepdim and name not in ("softmax", "log_softmax"))
+    if type(out) is torch.Tensor:
+        return _result(n, out, at, x.lengths)
+    return bt.from_struct(type(out), [_result(n, out.values, at, x.lengths),
+                                      _result(n, out.indices, at, x.lengths)], n)
+
+
+def whole(n, name, t, dim, lengths, mask):
+    """``x.sum()``, ``x.max()`` ... over each instance's whole value (of ``lengths`` along ``dim`` of ``t``), in
+    one reduction of the padded tensor over all of an instance's dims, what lies past each end left out (a full
+    max's gradient is shared by every tie, as eager's; an inf tying with the fill, which would take a share,
+    runs per instance). NotImplemented for other reductions."""
+    dims = tuple(range(1, t.dim()))
+    if name in ("sum", "mean"):
+        if name == "mean" and not t.is_floating_point() or name == "sum" and t.dtype is torch.bool:
+            return NotImplemented
+        total = torch.where(mask, t, t.new_zeros(())).sum(dims)
+        if name == "sum":
+            return bt.from_tensor(total)
+        count = torch.tensor(lengths, device=t.device, dtype=t.dtype) * (t[0].numel() // t.shape[dim + 1])
+        return bt.from_tensor(total / count)
+    if name not in ("max", "min", "amax", "amin") or t.dtype is torch.bool or t.is_complex() or min(lengths) == 0:
+        return NotImplemented
+    highest = name in ("max", "amax")
+    if t.is_floating_point():
+        fill = float("-inf") if highest else float("inf")
+    else:
+        info = torch.iinfo(t.dtype)
+        fill = info.min if highest else info.max
+    if t.requires_grad and torch.is_grad_enabled() and bool((torch.where(mask, t, 0) == fill).any()):
+        return NotImplemented
+    filled = torch.where(mask, t, t.new_full((), fill))
+    return bt.from_tensor(filled.amax(dims) if highest else filled.amin(dims))
+
+
+# ---- the entry points batch_rules calls ----------------------------------------------------------------
+
+METHODS = MOVES | _FINITE_METHODS | _REDUCTIONS | {"size", "dim"}
+
+
+def method(n, name, x, args, kwargs):
+    """``xs.name(*args, **kwargs)`` of each instance's Padded value, or NotImplemented."""
+    if name in MOVES:
+        return moved(n, name, x.tensor, x.dim, x.lengths, args, kwargs, x.zeroed)
+    if name in _REDUCTIONS:
+        return reduced(n, name, x, args, kwargs)
+    if name == "size":
+        return size(n, x, *args) if len(args) <= 1 and not kwargs else NotImplemented
+    if name == "dim":
+        return x.tensor.dim() - 1 if not args and not kwargs else NotImplemented
+    if name in _FINITE_METHODS:
+        return _finite_op(n, name, x, (x.tensor, *args), kwargs)
+    return NotImplemented
+
+
+def size(n, x, dim=None):
+    """``x.size()``, ``x.size(d)``: each instance's lengths along its dim, the rest shared."""
+    shape = list(x.tensor.shape[1:])
+    if dim is None:
+        return bt.from_struct(torch.Size, [bt.from_items(list(x.lengths)) if d == x.dim else s
+                                           for d, s in enumerate(shape)], n)
+    d = _dim(dim, len(shape))
+    if d is None:
+        return NotImplemented
+    return bt.from_items(list(x.lengths)) if d == x.dim else shape[d]
+
+
+def attribute(n, name, x):
+    """``x.shape``, ``x.ndim``, ``x.T`` of each instance's Padded value, or NotImplemented."""
+    if name == "shape":
+        return size(n, x)
+    if name == "ndim":
+        return x.tensor.dim() - 1
+    if name == "T" and x.tensor.dim() == 3:
+        return moved(n, "t", x.tensor, x.dim, x.lengths, (), {}, x.zeroed)
+    return NotImplemented
+
+
+def call(n, fn, args, kwargs):
+    """``fn(*args, **kwargs)`` where an argument holds Padded values, or NotImplemented."""
+    if fn in (operator.matmul, torch.matmul, F.linear):
+        return _weighted(n, fn, args, kwargs)
+    x = of(args[0]) if args and type(args[0]) is Batch else None
+    if x is None:
+        if fn in (operator.add, operator.mul, torch.add, torch.mul) and len(args) == 2 and of(args[1]) is not None:
+            return call(n, fn, (args[1], args[0]), kwargs)  # (``b + x``: the same for these)
+        if fn in (operator.sub, torch.sub) and len(args) == 2 and of(args[1]) is not None and not kwargs:
+            negated = call(n, operator.neg, (args[1],), {})
+            return NotImplemented if negated is NotImplemented else call(n, operator.add, (negated, args[0]), {})
+        return NotImplemented
+    try:
+        hash(fn)
+    except TypeError:
+        return NotImplemented
+    if isinstance(fn, nn.Module):
+        if has_hooks(fn) or "forward" in fn.__dict__ or len(args) != 1 or kwargs or getattr(fn, "inplace", False):
+            return NotImplemented
+        kind = type(fn)
+        if kind in _ENCODERS:
+            return encoded(n, fn, args, kwargs)
+        if kind in _CONVS:
+            if fn.padding_mode != "zeros" or any(type(a) is Batch for a in (fn.weight, fn.bias)):
+                return NotImplemented
+            conv = F.conv1d if kind is nn.Conv1d else F.conv2d
+            return convolved(n, x, conv, fn.weight, fn.bias, fn.stride, fn.padding, fn.dilation, fn.groups,
+                             _CONVS[kind])
+        if kind in (nn.MaxPool1d, nn.AvgPool1d):
+            if kind is nn.MaxPool1d and (fn.dilation != 1 or fn.return_indices):
+                return NotImplemented
+            if kind is nn.AvgPool1d and (fn.count_include_pad is not True and fn.padding != 0):
+                return NotImplemented
+            pool = F.max_pool1d if kind is nn.MaxPool1d else F.avg_pool1d
+            return pooled(n, x, pool, "max" if kind is nn.MaxPool1d else "avg", _one(fn.kernel_size),
+                          _one(fn.stride), _one(fn.padding), fn.ceil_mode)
+        if kind in (nn.AdaptiveMaxPool1d, nn.AdaptiveAvgPool1d):
+            return _adaptive(n, x, kind is nn.AdaptiveMaxPool1d, fn.output_size,
+                             getattr(fn, "return_indices", False))
+        if kind in _MODULES or (kind is nn.Dropout and (not fn.training or fn.p == 0)):
+            return _finite_op(n, fn, x, (x.tensor,), {})
+        return NotImplemented
+    if fn in _CONV_FUNCTIONS:
+        return _conv_call(n, fn, x, args, kwargs)
+    if fn in (F.max_pool1d, F.avg_pool1d):
+        return _pool_call(n, fn, x, args, kwargs)
+    if fn in (F.adaptive_max_pool1d, F.adaptive_avg_pool1d):
+        if len(args) != 2 or set(kwargs) - {"return_indices"}:
+            return NotImplemented
+        return _adaptive(n, x, fn is F.adaptive_max_pool1d, args[1], kwargs.get("return_indices", False))
+    name = rows.REDUCING.get(fn)
+    if name is not None and name in _REDUCTIONS:
+        return reduced(n, name, x, args[1:], kwargs)
+    if fn in _MOVING_FUNCTIONS:
+        return moved(n, _MOVING_FUNCTIONS[fn], x.tensor, x.dim, x.lengths, args[1:], kwargs, x.zeroed)
+    if fn in _FINITE_FUNCTIONS:
+        return _finite_op(n, fn, x, args, kwargs)
+    return NotImplemented
+
+
+def _weighted(n, fn, args, kwargs):
+    """``x @ W``, ``F.linear(x, W, b)`` of each instance's value whose lengths' dim is not its last, ``W @ x``
+    of one whose lengths' dim is its last (not the one ``@`` sums over), by shared weights of 1 or 2 dims: once
+    on the padded tensor. NotImplemented for other forms."""
+    if kwargs or len(args) not in (2, 3) or (len(args) == 3 and fn is not F.linear):
+        return NotImplemented
+    first = of(args[0]) if type(args[0]) is Batch else None
+    x, weight = (first, args[1]) if first is not None else (of(args[1]) if type(args[1]) is Batch else None, args[0])
+    if x is None or type(weight) not in (torch.Tensor, nn.Parameter) or weight.dim() not in (1, 2) or \
+            (len(args) == 3 and args[2] is not None and type(args[2]) not in (torch.Tensor, nn.Parameter)):
+        return NotImplemented
+    rank = x.tensor.dim() - 1
+    if first is not None:
+        if x.dim == rank - 1:
+            return NotImplemented
+        return _result(n, fn(x.tensor, *args[1:]), x.dim, x.lengths)
+    if fn is F.linear or x.dim != rank - 1 or rank < 2:
+        return NotImplemented
+    out = fn(weight, x.tensor)
+    return _result(n, out, out.dim() - 2, x.lengths)
+
+
+def _one(value):
+    return value[0] if type(value) in (tuple, list) and len(value) == 1 else value
+
+
+def _adaptive(n, x, maximum, output_size, return_indices):
+    """``F.adaptive_max_pool1d(x, 1)``: the max (or mean) along the lengths' dim, kept."""
+    if _one(output_size) != 1 or return_indices or x.dim != x.tensor.dim() - 2:
+        return NotImplemented
+    return _pooled_whole(n, x, maximum)
+
+
+def _pooled_whole(n, x, maximum):
+    """A pooling window as long as each instance's value: its max along the lengths' dim (the gradient to the
+    first of tied maxima, as a max pool's), or its mean; the dim kept."""
+    if not maximum:
+        return _along(n, x, "mean", True)
+    out = _along(n, x, "max", True)
+    return out if out is NotImplemented else out.struct[1][0]
+
+
+def _bound(fn, args, kwargs, names, defaults):
+    """``fn``'s arguments after the input by ``names`` (positional, then by keyword), or None for others."""
+    if len(args) > len(names) + 1 or set(kwargs) - set(names):
+        return None
+    found = dict(zip(names, defaults))
+    found.update(zip(names, args[1:]))
+    for key, value in kwargs.items():
+        if names.index(key) < len(args) - 1:
+            return None
+        found[key] = value
+    return found
+
+
+def _conv_call(n, fn, x, args, kwargs):
+    bound = _bound(fn, args, kwargs, ("weight", "bias", "stride", "padding", "dilation", "groups"),
+                   (None, None, 1, 0, 1, 1))
+    if bound is None or not isinstance(bound["weight"], torch.Tensor) or type(bound["bias"]) is Batch or \
+            any(type(v) is Batch for v in bound.values()):
+        return NotImplemented
+    return convolved(n, x, fn, *bound.values(), _CONV_FUNCTIONS[fn])
+
+
+def _pool_call(n, fn, x, args, kwargs):
+    names = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad") if fn is F.avg_pool1d else \
+        ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+    bound = _bound(fn, args, kwargs, names, (None, None, 0, False, True) if fn is F.avg_pool1d else
+                   (None, None, 0, 1, False, False))
+    if bound is None or bound.get("dilation", 1) != 1 or bound.get("return_indices") or \
+            bound.get("count_include_pad", True) is not True or type(bound["stride"]) is Batch:
+        return NotImplemented
+    return pooled(n, x, fn, "max" if fn is F.max_pool1d else "avg", _one(bound["kernel_size"]),
+                  _one(bound["stride"]), _one(bound["padding"]), bound["ceil_mode"])
+
+
+_MOVING_FUNCTIONS = {torch.t: "t", torch.transpose: "transpose", torch.permute: "permute", torch.movedim: "movedim",
+                     torch.unsqueeze: "unsqueeze", torch.squeeze: "squeeze", torch.swapaxes: "swapaxes",
+                     torch.swapdims: "swapdims"}
+
+
+def rows_call(n, fn, args, kwargs):
+    """``torch.transpose(xs, 0, 1)``, ``torch.unsqueeze(xs, 0)``, ``torch.sum(xs)`` of each instance's stretch
+    (Rows) moving its rows' dim or reducing all of it, a transformer encoder over it; or NotImplemented."""
+    if type(fn) in _ENCODERS:
+        return encoded(n, fn, args, kwargs)
+    try:
+        name = _MOVING_FUNCTIONS.get(fn) or rows.REDUCING.get(fn)
+    except TypeError:
+        return NotImplemented
+    seq = rows.of(args[0]) if name is not None and type(args[0]) is Batch else None
+    return NotImplemented if seq is None else rows_method(n, name, seq, args[1:], kwargs)
+
+
+_ENCODERS = (nn.TransformerEncoderLayer, nn.TransformerEncoder)
+
+
+def encoded(n, module, args, kwargs):
+    """An ``nn.TransformerEncoderLayer`` or ``TransformerEncoder`` over each instance's sequence of its own
+    length, unbatched (L, D) or a batch of one ((L, 1, D); (1, L, D) batch first): once over the sequences
+    padded, the places past each end masked out of attention (``src_key_padding_mask``), each instance's output
+    laid out as its input. Not with masks of the user's, nor with dropout while training (each instance draws
+    its own); NotImplemented then, and for other forms."""
+    layer = module if type(module) is nn.TransformerEncoderLayer else module.layers[0]
+    if len(args) != 1 or kwargs or has_hooks(module) or "forward" in module.__dict__ or type(args[0]) is not Batch \
+            or (module.training and any(type(m) is nn.Dropout and m.p > 0 for m in module.modules())):
+        return NotImplemented
+    first = layer.self_attn.batch_first
+    seq, x = rows.of(args[0]), of(args[0])
+    if seq is not None and seq.shortest and seq.source.dim() in (3, 4):
+        t = rows.as_padded(seq)
+        if t.dim() == 4 and (first or t.shape[2] != 1):
+            return NotImplemented
+        source, kept = (t if t.dim() == 3 else t.squeeze(2)), t.dim() == 4
+    elif x is not None and first and x.dim == 1 and x.tensor.dim() == 4 and x.tensor.shape[1] == 1 \
+            and min(x.lengths) > 0:
+        source, kept = x.tensor.squeeze(1), True
+    else:
+        return NotImplemented
+    lengths = seq.lengths if seq is not None else x.lengths
+    ignored = ~_mask(source, 0, lengths).view(n, -1)
+    out = module(source if first else source.transpose(0, 1), src_key_padding_mask=ignored)
+    out = out if first else out.transpose(0, 1)
+    if seq is not None:
+        return Batch(n, items=rows.padded_rows(n, out.unsqueeze(2) if kept else out, lengths))
+    return _result(n, out.unsqueeze(1), 1, lengths)
