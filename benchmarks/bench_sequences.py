@@ -15,6 +15,10 @@ The idiom suite's models that are not bottom-up trees (``bench_idioms.py`` has t
   and summed; two layers of cells, against a 2-layer ``nn.LSTM``; attention over the states (a softmax of
   ``self.att(states)`` along the sentence), against the padded states with the softmax masked; and both
   directions (a second cell over ``reversed(range(n))``), against a bidirectional ``nn.LSTM``.
+- A text CNN (Kim 2014): convolutions of widths 3, 4 and 5 over each sentence's embedded words, each filter's
+  largest output over the sentence; written ``conv(self.embed(words[:n]).t().unsqueeze(0))``, ``.max(dim=2)``
+  and ``xs[None].transpose(1, 2)``, ``F.max_pool1d(y, y.size(2))``; against the convolutions over the padded
+  minibatch, the padding's words zeroed and the outputs past each end masked out of the max.
 - A tagger: a tag per word (each SST leaf's sentiment), the loss summed over the words. Written as PyTorch's
   LSTM tagger tutorial writes it (``self.lstm(embeds.view(n, 1, -1))``, ``lstm_out.view(n, -1)``, ``log_softmax``
   and ``nll_loss`` of ``tags[:n]``) and as a cell's loop adding each step's loss; against the packed ``nn.LSTM``
@@ -226,6 +230,34 @@ class TaggerCell(SentenceLSTM):
         return loss
 
 
+class TextCNN(nn.Module):
+    """Kim's (2014) sentence CNN: convolutions of widths 3, 4 and 5 over the sentence's embedded words, each
+    filter's largest output over the sentence, classified."""
+
+    def __init__(self, vocab_size, embed=300, filters=100, widths=(3, 4, 5), classes=5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, embed)
+        self.convs = nn.ModuleList([nn.Conv1d(embed, filters, k, padding=k // 2) for k in widths])
+        self.out = nn.Linear(filters * len(widths), classes)
+
+    def classify(self, words, n, label):
+        """Cross-entropy of the sentence ``words[:n]`` (``Conv1d`` over ``xs.t().unsqueeze(0)``)."""
+        x = self.embed(words[:n]).t().unsqueeze(0)  # (1, embed, n)
+        features = [F.relu(conv(x)).max(dim=2).values for conv in self.convs]
+        return F.cross_entropy(self.out(torch.cat(features, 1)), label.unsqueeze(0))
+
+
+class TextCNN2d(TextCNN):
+    def classify(self, words, n, label):
+        """Cross-entropy of the sentence ``words[:n]`` (``xs[None].transpose(1, 2)``, ``max_pool1d``)."""
+        x = self.embed(words[:n])[None].transpose(1, 2)  # (1, embed, n)
+        features = []
+        for conv in self.convs:
+            y = F.relu(conv(x))
+            features.append(F.max_pool1d(y, y.size(2)).squeeze(2))
+        return F.cross_entropy(self.out(torch.cat(features, 1)), label.view(1))
+
+
 def compiled(cls):
     return type(cls.__name__ + "Compiled", (cls,), {"classify": recompile.function(cls.classify)})
 
@@ -264,7 +296,9 @@ def tagged_sentence_of(tree):
 
 def packed_lstm(model):
     """An ``nn.LSTM`` holding the very parameters of ``model.cell`` (and ``model.cell2``, as its second layer;
-    ``model.back``, as its reverse direction)."""
+    ``model.back``, as its reverse direction); None for a model without cells (a CNN)."""
+    if not hasattr(model, "cell"):
+        return None
     cells = [model.cell] + ([model.cell2] if hasattr(model, "cell2") else [])
     back = getattr(model, "back", None)
     lstm = nn.LSTM(model.cell.input_size, model.cell.hidden_size, num_layers=len(cells), batch_first=True,
@@ -329,6 +363,21 @@ def hand_batched_tagger(model, lstm, batch):
     return F.cross_entropy(model.out(out.data), tags.data, reduction="sum")
 
 
+def hand_batched_cnn(model, lstm, batch):
+    """``TextCNN``'s minibatch loss by hand: each convolution over the padded sentences (the padding's words
+    zeroed, as a convolution's own padding), its outputs past each sentence's end masked out of the max."""
+    lengths = batch.lengths.to(batch.words.device)
+    words = torch.arange(batch.words.shape[1], device=lengths.device) < lengths.unsqueeze(1)
+    x = (model.embed(batch.words) * words.unsqueeze(-1)).transpose(1, 2)  # (B, embed, longest)
+    features = []
+    for conv in model.convs:
+        y = F.relu(conv(x))
+        k, pad = conv.kernel_size[0], conv.padding[0]
+        kept = torch.arange(y.shape[2], device=y.device) < (lengths + 2 * pad - k + 1).unsqueeze(1)
+        features.append(y.masked_fill(~kept.unsqueeze(1), float("-inf")).max(2).values)
+    return F.cross_entropy(model.out(torch.cat(features, 1)), batch.labels, reduction="sum")
+
+
 def recompile_sentences(model):
     classify = recompile.vmap(model.classify, in_dims=(0, 0, 0))
     return lambda batch: classify(batch.words, batch.lengths, batch.labels).sum()
@@ -371,7 +420,9 @@ SENTENCE_FAMILIES = (
     ("Attention over the states against one packed nn.LSTM's padded states, masked",
      {"attention, softmax(.., 0)": AttendedLSTM}, hand_batched_attended),
     ("Both directions against one packed bidirectional nn.LSTM", {"reversed(range(n))": BiLSTM},
-     hand_batched_bidirectional))
+     hand_batched_bidirectional),
+    ("A text CNN (Kim 2014: widths 3, 4, 5, 100 filters each) against its convolutions over the padded sentences",
+     {"Conv1d, xs.t(), max(2)": TextCNN, "xs[None], max_pool1d": TextCNN2d}, hand_batched_cnn))
 # (taggers: a tag per word, the sentences read by ``tagged_sentence_of``)
 TAGGER_FAMILY = ("A tag per word against one packed nn.LSTM's packed outputs",
                  {"tutorial, view(n, 1, -1)": TaggerLSTM, "LSTMCell, loss per step": TaggerCell}, hand_batched_tagger)

@@ -86,6 +86,13 @@ def test_ops_on_values_of_their_own_length_along_a_later_dim_run_once(fn):
     assert compare(fn) == {}
 
 
+@pytest.mark.parametrize("share", [0.0, 100.0])  # (never, always laid end to end)
+@pytest.mark.parametrize("fn", [text_cnn, kim_with_conv2d, functional_forms])
+def test_convolutions_over_sequences_padded_or_laid_end_to_end_give_eagers_values(fn, share, monkeypatch):
+    monkeypatch.setattr(padded, "_PACKED_SHARE", share)
+    assert compare(fn) == {}
+
+
 def log_of_padding(m, words, x, n):
     return torch.log(x[:n].t()).sum(1)  # (log is not finite at every input: per instance)
 

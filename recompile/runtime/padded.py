@@ -13,6 +13,7 @@ its first dim again gives ``Rows``. Everything else runs per instance (and says 
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -30,13 +31,15 @@ class Padded(list):
     """Instance k's value is ``tensor[k].narrow(dim, 0, lengths[k])`` (the list holds those views); ``dim`` ≥ 1
     (an instance's)."""
 
-    __slots__ = ("tensor", "dim", "lengths", "zeroed", "_mask")
+    __slots__ = ("tensor", "dim", "lengths", "zeroed", "_mask", "_zeros")
 
     def __init__(self, tensor, dim, lengths, zeroed=False):
-        super().__init__(tensor[k].narrow(dim, 0, m) for k, m in enumerate(lengths))
+        # (views of one unbind: in a run that changes nothing in place, no view of them is changed)
+        longest = tensor.shape[dim + 1]
+        super().__init__(row if m == longest else row.narrow(dim, 0, m) for row, m in zip(tensor.unbind(0), lengths))
         self.tensor, self.dim, self.lengths = tensor, dim, list(lengths)
         self.zeroed = zeroed  # whether what lies past each end is zeros
-        self._mask = None
+        self._mask = self._zeros = None
 
     def taken(self, positions):
         """The Padded of instances ``positions``."""
@@ -52,7 +55,11 @@ class Padded(list):
 
     def zeros_past_ends(self):
         """``tensor`` with zeros past each instance's end (what a convolution's zero padding reads)."""
-        return self.tensor if self.zeroed else torch.where(self.mask(), self.tensor, self.tensor.new_zeros(()))
+        if self.zeroed:
+            return self.tensor
+        if self._zeros is None:  # (once for every convolution of it)
+            self._zeros = torch.where(self.mask(), self.tensor, self.tensor.new_zeros(()))
+        return self._zeros
 
 
 def _mask(t, dim, lengths):
@@ -295,18 +302,53 @@ def convolved(n, x, conv, weight, bias, stride, padding, dilation, groups, spati
     along = x.dim - (rank - spatial)  # (which spatial dim)
     stride, dilation = _pair(stride, spatial)[along], _pair(dilation, spatial)[along]
     kernel = weight.shape[2 + along]
+    reach = dilation * (kernel - 1)  # (a window's width less one)
     if padding == "same":
-        lengths = list(x.lengths)
+        lengths, left = list(x.lengths), reach // 2
     else:
-        pad = 0 if padding == "valid" else _pair(padding, spatial)[along]
-        lengths = [(m + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1 for m in x.lengths]
+        left = 0 if padding == "valid" else _pair(padding, spatial)[along]
+        lengths = [(m + 2 * left - reach - 1) // stride + 1 for m in x.lengths]
     if min(lengths) < 1:
         return NotImplemented
-    source = x.zeros_past_ends()
-    flat = source.reshape(-1, *source.shape[-spatial - 1:])  # (instances times their batches)
-    out = conv(flat, weight, bias, stride, padding, dilation, groups)
-    out = out.view(*source.shape[:-spatial - 1], *out.shape[1:])
+    t = x.tensor
+    right = reach - left if padding == "same" else left
+    if math.prod(t.shape[1:-spatial - 1]) == 1 and stride == 1 and (spatial == 1 or type(padding) is not str) and \
+            sum(x.lengths) + n * (left + right) <= _PACKED_SHARE * n * (t.shape[x.dim + 1] + left + right):
+        flat = t.reshape(n, *t.shape[-spatial - 1:])  # (one sequence each)
+        out = _end_to_end(flat, x.lengths, conv, weight, bias, padding, dilation, groups, spatial, along, left,
+                          right, lengths)
+    else:
+        source = x.zeros_past_ends()
+        flat = source.reshape(-1, *source.shape[-spatial - 1:])  # (instances times their batches)
+        out = conv(flat, weight, bias, stride, padding, dilation, groups)
+    out = out.view(*t.shape[:-spatial - 1], *out.shape[1:])
     return _result(n, out, x.dim, lengths)
+
+
+_PACKED_SHARE = 0.8  # (sequences laid end to end where that is this share of their padded length, or less)
+
+
+def _end_to_end(flat, lengths, conv, weight, bias, padding, dilation, groups, spatial, along, left, right, out_lengths):
+    """A convolution (stride 1) of each instance's sequence along spatial dim ``along`` of ``flat`` (n, C, *S),
+    zeros past each end: the sequences laid end to end, each between its own padding's zeros, as one sequence
+    of one convolution that pads nothing along that dim; each instance's outputs (the windows within its
+    stretch) gathered back into rows padded to the longest. No padding's worth of compute past the shorter
+    sequences' ends; the windows that straddle two sequences are computed and never read."""
+    ax = 2 + along
+    counts = torch.tensor(lengths)
+    spans = counts + (left + right)
+    starts = spans.cumsum(0) - spans
+    k, i = rows.spread(counts)  # (each instance's places, and where they go among the sequences end to end)
+    device = flat.device
+    places = flat.movedim(ax, 1)[k.to(device), i.to(device)]  # (its places: (sum of lengths, C, *rest))
+    joined = places.new_zeros(int(spans.sum()), *places.shape[1:]).index_put_(((starts[k] + left + i).to(device),),
+                                                                           places)
+    joined = joined.movedim(0, ax - 1).unsqueeze(0)  # (1, C, *S): one sequence
+    pads = [0 if a == along else p for a, p in enumerate(_pair(0 if type(padding) is str else padding, spatial))]
+    out = conv(joined, weight, bias, 1, pads, dilation, groups)[0].movedim(ax - 1, 0)  # (T, C', *rest)
+    longest = max(out_lengths)
+    at = (starts[:, None] + torch.arange(longest)).clamp(max=out.shape[0] - 1)  # (n, longest): past an end, a copy
+    return out[at.to(out.device)].movedim(1, ax)
 
 
 def pooled(n, x, fn, kind, kernel, stride, padding, ceil_mode, spatial=1):
@@ -334,25 +376,17 @@ def pooled(n, x, fn, kind, kernel, stride, padding, ceil_mode, spatial=1):
 _REDUCTIONS = frozenset({"sum", "mean", "max", "min", "amax", "amin", "softmax", "log_softmax"})
 
 
-def _along(n, x, name, keepdim, dim_args=None):
-    """``name`` along the lengths' dim of each instance's value: that dim moved first, as Rows (``rows``'
-    reductions, which leave out what lies past each end), the result's dims put back."""
-    seq = rows.padded_rows(n, x.tensor.movedim(x.dim + 1, 1), x.lengths)
-    out = rows.along_rows(n, name, seq, (0,) + ((keepdim,) if name not in ("softmax", "log_softmax") else ()), {})
-    if out is NotImplemented:
-        return out
+def _along(n, x, name, keepdim):
+    """``name`` along the lengths' dim of each instance's value, what lies past each end left out (``rows``'
+    reductions and softmaxes within a mask)."""
+    t = x.tensor
     if name in ("softmax", "log_softmax"):
-        found = rows.of(out)
-        return _result(n, found.source.movedim(1, x.dim + 1), x.dim, x.lengths)
-
-    def put_back(part):
-        t = bt.tensor_of(part)
-        return bt.from_tensor(t.movedim(1, x.dim + 1) if keepdim else t)
-
-    if out.struct is not None and out.owner is None:  # (``max(dim)``: values and indices)
-        kind, parts = out.struct
-        return bt.from_struct(kind, [put_back(p) for p in parts], n)
-    return put_back(out)
+        if min(x.lengths) == 0 or not t.is_floating_point():
+            return NotImplemented
+        return _result(n, rows.softmax_within(name, t, x.dim + 1, x.mask()), x.dim, x.lengths)
+    if name != "sum" and min(x.lengths) == 0:
+        return NotImplemented  # (an empty one: its instance's own op says what it gives or raises)
+    return rows.reduced_within(n, name, t, x.dim + 1, x.mask(), torch.tensor(x.lengths), keepdim)
 
 
 def reduced(n, name, x, args, kwargs):

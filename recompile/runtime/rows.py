@@ -56,7 +56,7 @@ class Rows(list):
         """(k, i) LongTensors: for each row of the stretches laid end to end, its instance and its place in its
         stretch (what a padded (n, longest) tensor's rows are at)."""
         if self._where is None or self._where[0].device != device:
-            k, i = _spread(self.counts())
+            k, i = spread(self.counts())
             self._where = (k.to(device), i.to(device))
         return self._where
 
@@ -207,7 +207,7 @@ def stacked(n, seqs, args, kwargs):
         if not all(type(t) is torch.Tensor for t in flat) or not bt.same_kind(flat, 0):
             return NotImplemented
         data = torch.stack(flat)
-        instance, position = _spread(torch.tensor(lengths))
+        instance, position = spread(torch.tensor(lengths))
     longest = max(lengths)
     if min(lengths) == longest and type(lists) is not Appended:
         return bt.from_tensor(data.view(n, longest, *data.shape[1:]))
@@ -259,7 +259,7 @@ def rows_reshaped(n, seq, rest, method="view"):
     return Batch(n, items=out)
 
 
-def _spread(counts):
+def spread(counts):
     """(k, i) LongTensors of stretches of ``counts`` rows laid end to end: each row's instance, and its place in
     its stretch."""
     k = torch.repeat_interleave(torch.arange(len(counts)), counts)
@@ -429,11 +429,16 @@ def softmaxed(n, name, seq, args, kwargs):
     if type(dim) is not int or dim not in (0, -rank) or seq.shortest == 0 or not seq.source.is_floating_point():
         return NotImplemented
     padded = as_padded(seq)
-    mask = seq.mask(padded.device).view(n, -1, *[1] * (rank - 1))
-    out = getattr(torch, name)(torch.where(mask, padded, padded.new_full((), float("-inf"))), 1)
+    out = softmax_within(name, padded, 1, seq.mask(padded.device).view(n, -1, *[1] * (rank - 1)))
     found = padded_rows(n, out, seq.lengths)
     found.same_layout(seq)
     return Batch(n, items=found)
+
+
+def softmax_within(name, padded, dim, mask):
+    """``softmax``/``log_softmax`` along ``dim`` of ``padded`` where ``mask`` (broadcast) marks each instance's
+    places: the rest filled with -inf (they take no share, and get no gradient)."""
+    return getattr(torch, name)(torch.where(mask, padded, padded.new_full((), float("-inf"))), dim)
 
 
 def reduced(n, name, seq, args, kwargs):
@@ -460,15 +465,23 @@ def reduced(n, name, seq, args, kwargs):
             total = total / seq.counts().to(device=device, dtype=total.dtype).view(n, *[1] * (total.dim() - 1))
         return bt.from_tensor(total.unsqueeze(1) if keepdim else total)
     padded = as_padded(seq)
+    return reduced_within(n, name, padded, 1, seq.mask(padded.device).view(n, -1, *[1] * (rank - 1)), seq.counts(),
+                          keepdim)
+
+
+def reduced_within(n, name, padded, dim, mask, counts, keepdim):
+    """Reduction ``name`` (``_REDUCTIONS``) along ``dim`` of ``padded`` (the batch's tensor) where ``mask``
+    (broadcast) marks each instance's places, ``counts`` (a LongTensor) how many each has there: the rest left
+    out (``torch.where``: none of their values, not even an inf, reaches a result or a gradient; an amax with
+    grad of an inf, whose gradient a tie with the fill would share, is NotImplemented)."""
     device = padded.device
-    mask = seq.mask(device).view(n, -1, *[1] * (rank - 1))
     if name in ("sum", "mean"):
         if name == "mean" and not (padded.is_floating_point() or padded.is_complex()):
             return NotImplemented
-        total = torch.where(mask, padded, padded.new_zeros(())).sum(1, keepdim=keepdim)
+        total = torch.where(mask, padded, padded.new_zeros(())).sum(dim, keepdim=keepdim)
         if name == "sum":
             return bt.from_tensor(total)
-        lengths = seq.counts().to(device=device, dtype=total.dtype)
+        lengths = counts.to(device=device, dtype=total.dtype)
         return bt.from_tensor(total / lengths.view(n, *[1] * (total.dim() - 1)))
     if padded.dtype is torch.bool or padded.is_complex():
         return NotImplemented
@@ -482,7 +495,7 @@ def reduced(n, name, seq, args, kwargs):
     if name in ("amax", "amin") and padded.requires_grad and torch.is_grad_enabled() and \
             bool((torch.where(mask, padded, 0) == fill).any()):
         return NotImplemented  # (an inf tying with the fill: amax's gradient, shared by ties, would reach it)
-    out = getattr(filled, name)(1, keepdim=keepdim)
+    out = getattr(filled, name)(dim, keepdim=keepdim)
     if name in ("amax", "amin"):
         return bt.from_tensor(out)
     return bt.from_struct(type(out), [bt.from_tensor(out.values), bt.from_tensor(out.indices)], n)
