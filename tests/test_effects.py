@@ -38,6 +38,20 @@ def comprehension(xs, n):
     return torch.stack(squares).sum(0)
 
 
+def stacked_by_keywords(xs, n):
+    hs = []
+    for t in range(n):
+        hs.append(xs[t])
+    return torch.stack(hs, dim=1).sum(1)
+
+
+def given_by_keyword(xs, n):
+    hs = []
+    for t in range(n):
+        hs.append(xs[t])
+    return torch.stack(tensors=hs).sum(0)
+
+
 def handed_to_a_helper(xs, n):
     hs = []
     for t in range(n):
@@ -71,6 +85,7 @@ def stored(self, xs):
 
 
 @pytest.mark.parametrize("fn, local", [(collected, True), (collected_in_branches, True), (comprehension, True),
+                                       (stacked_by_keywords, True), (given_by_keyword, False),
                                        (handed_to_a_helper, False), (appended_to_an_argument, False),
                                        (renamed_in_the_loop, False), (stored, False)],
                          ids=lambda v: getattr(v, "__name__", str(v)))

@@ -79,7 +79,14 @@ def batch_first_rnn(m, words, x, n):
     return out[0, -1] + h[:, 0].sum(0) + out[0, 0] * out.sum(1)[0] + out[:, 1:].sum(1)[0]
 
 
-@pytest.mark.parametrize("fn", [text_cnn, kim_with_conv2d, transformer_encoders, batch_first_rnn, functional_forms,
+def stacked_along_a_later_dim(m, words, x, n):
+    hs = []
+    for t in range(n):
+        hs.append(torch.tanh(x[t] * 2.0))
+    return torch.stack(hs, dim=1).sum(1) + torch.stack(hs, -1).amax(-1) + torch.stack([x[0], x[1]], 1).sum(1)
+
+
+@pytest.mark.parametrize("fn", [text_cnn, kim_with_conv2d, transformer_encoders, stacked_along_a_later_dim, batch_first_rnn, functional_forms,
                                 moves_and_indices, elementwise_with_shared_values, whole_reductions,
                                 matmul_by_shared_matrices])
 def test_ops_on_values_of_their_own_length_along_a_later_dim_run_once(fn):

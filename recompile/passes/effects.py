@@ -151,8 +151,8 @@ def _appends_of(built, uses, sg):
                         return None
                     j = o.args.index(value)
                     pending += [o.then_sg.inputs[j], o.else_sg.inputs[j]]
-                elif not isinstance(o, ir.Call) or o.kwargs or o.star or o.fn is value:
-                    return None
+                elif not isinstance(o, ir.Call) or o.star or o.fn is value or any(v is value for _, v in o.kwargs):
+                    return None  # (the list by keyword, ``torch.stack(tensors=hs)``; not other keywords, ``dim=1``)
                 elif _is_appender(o, value):
                     callers = uses.get(o.output, ())
                     if not all(isinstance(c, ir.Call) and c.fn is o.output and o.output not in c.args

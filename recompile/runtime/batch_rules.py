@@ -884,6 +884,9 @@ def join_along(n, fn, args, kwargs):
             return NotImplemented
     seq = args[0]
     if type(seq) is Batch and seq.owner == "items":  # (each instance's list of its own length)
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        if fn is torch.stack and type(dim) is int and dim != 0 and len(args) <= 2 and set(kwargs) <= {"dim"}:
+            return _stacked_along(n, seq, dim)
         return rows.stacked(n, seq, args, kwargs) if fn is torch.stack else rows.concatenated(n, seq, args, kwargs)
     if type(seq) is not Batch or seq.struct is None or seq.owner is not None or len(args) > 2:
         return NotImplemented
@@ -1002,6 +1005,19 @@ def gather(n, fn, args, kwargs):
     if type(x) is Batch and type(index) is Batch or type(x) in (range, tuple) and type(index) is Batch:
         return _gather_each(n, x, index)
     return NotImplemented
+
+
+def _stacked_along(n, seqs, dim):
+    """``torch.stack(hs, dim=1)`` of each instance's own list (``rows.stacked``, the new dim first) with the
+    new dim moved to ``dim``: each instance's value then of its own length along that dim (``padded``)."""
+    out = rows.stacked(n, seqs, (seqs,), {})
+    if out is NotImplemented:
+        return out
+    found = rows.of(out) if out.owner != "tensor" else None
+    if found is None:  # (every list as long: one tensor)
+        t = out.tensor
+        return bt.from_tensor(t.movedim(1, dim + 1 if dim >= 0 else dim + t.dim()))
+    return padded.rows_method(n, "movedim", found, (0, dim), {})
 
 
 def _gather_each(n, x, index):
