@@ -149,3 +149,34 @@ def test_programs_collecting_lists_give_eager_gradients_in_every_mode(fn, mode):
         want = fn(xs, n)
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+
+
+def sorted_tensor(xs, opts):
+    return xs.sort(descending=True).values + xs.sort(0).values + xs.add(xs, alpha=2.0)
+
+
+def sorted_list(xs, opts):
+    order = [3, 1, 2]
+    order.sort()
+    return xs * order[0]
+
+
+def sorted_by_options(xs, opts):
+    order = [3, 1, 2]
+    order.sort(**opts)
+    return xs * order[0]
+
+
+def added_to_a_set(xs, opts):
+    seen = set()
+    seen.add(1)
+    return xs * len(seen)
+
+
+@pytest.mark.parametrize("fn, mutates", [(sorted_tensor, False), (sorted_list, True), (sorted_by_options, True),
+                                         (added_to_a_set, True)], ids=lambda v: getattr(v, "__name__", str(v)))
+def test_a_method_a_tensor_shares_with_a_list_or_set_changes_something_only_as_theirs_can(fn, mutates):
+    f = recompile.function(fn)
+    assert f.callee(None).may_mutate is mutates
+    x = torch.tensor([2.0, 1.0, 3.0])
+    torch.testing.assert_close(f(x, {"reverse": True}), fn(x, {"reverse": True}))

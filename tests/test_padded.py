@@ -140,3 +140,74 @@ def test_past_each_end_a_convolution_reads_zeros_and_reductions_read_nothing():
     torch.testing.assert_close(got.tensor, torch.tensor([-7.0, -7.0]))
     taken = seq.taken([1])
     assert taken.lengths == [4] and taken[0].shape == (3, 4)
+
+
+def log_softmax_squared(x, n, w):
+    z = F.log_softmax(x[:n].t(), dim=1)  # (-inf past each end of the softmax's: zeros here)
+    return (z * z).sum(1)
+
+
+def times_a_shared_weight(x, n, w):
+    a = x[:n].t()
+    return (a * w).sum(1) + (w.t() @ a).sum(-1) + (a * w).sum() + (torch.tanh(a) * w).amax(1)
+
+
+def conv2d_strided_across(x, n, w):
+    y = x[:n][None, None]  # (1, 1, n, 3)
+    k = w.view(1, 1, 3, 1).expand(2, 1, 3, 2)
+    return F.conv2d(y, k, stride=(1, 2), padding=1).sum((0, 2, 3)) + \
+        F.conv2d(y, k, dilation=(1, 2), padding=1).sum((0, 2, 3)) + F.conv2d(y, k, padding=(1, 0)).sum((0, 2, 3))
+
+
+@pytest.mark.parametrize("fn", [log_softmax_squared, times_a_shared_weight, conv2d_strided_across])
+def test_what_lies_past_an_end_reaches_no_value_and_no_gradient(fn, monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
+    _, x = inputs()
+    for k, m in enumerate(LENGTHS.tolist()):
+        x[k, m:] = float("nan")  # (eager never reads it)
+    w = torch.randn(3, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    xs, ws, xe, we = (t.clone().requires_grad_() for t in (x, w, x, w))
+    got = recompile.vmap(recompile.function(fn), in_dims=(0, 0, None))(xs, LENGTHS, ws)
+    got.sum().backward()
+    want = torch.stack([fn(xe[k], int(m), we) for k, m in enumerate(LENGTHS.tolist())])
+    want.sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(xs.grad, xe.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(ws.grad, we.grad, rtol=1e-9, atol=1e-12)
+
+
+def plus_a_vector_as_long_as_the_longest(x, n):
+    return (x[:n].t() + torch.ones(7, dtype=x.dtype)).sum(1)  # (the shorter ones: sizes that do not match)
+
+
+def added_with_alpha(x, n, op):
+    return op(torch.ones(3, 1, dtype=x.dtype), x[:n].t(), alpha=2.0).sum(1)
+
+
+def permuted_out_of_range(x, n):
+    return x[:n].t().permute(0, 2)
+
+
+def pooled_by_stride_zero(x, n):
+    return F.max_pool1d(x[:n].t(), 2, 0)
+
+
+def integers_max_pooled(x, n):
+    y = x[:n].t().long()
+    return F.max_pool1d(y, y.size(1)).view(-1)
+
+
+@pytest.mark.parametrize("fn", [plus_a_vector_as_long_as_the_longest, permuted_out_of_range, pooled_by_stride_zero,
+                                integers_max_pooled, added_with_alpha])
+def test_forms_eager_refuses_or_reads_otherwise_give_eagers_result_or_error(fn, monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
+    _, x = inputs()
+    extra = (torch.add,) if fn is added_with_alpha else ()
+    try:
+        want = torch.stack([fn(x[k], int(m), *extra) for k, m in enumerate(LENGTHS.tolist())])
+    except Exception as error:  # (the first instance eager refuses)
+        with pytest.raises(type(error)):
+            recompile.vmap(recompile.function(fn), in_dims=(0, 0) + (None,) * len(extra))(x, LENGTHS, *extra)
+        return
+    got = recompile.vmap(recompile.function(fn), in_dims=(0, 0) + (None,) * len(extra))(x, LENGTHS, *extra)
+    torch.testing.assert_close(got, want)

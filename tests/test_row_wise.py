@@ -110,8 +110,14 @@ def elementwise_with_shared_and_numbers(m, words, x, n):
     return F.linear(y, m.q.weight, m.q.bias).sum(0)
 
 
-@pytest.mark.parametrize("fn", [mlp_then_max, attention, log_of_padded_input, by_each_instances_query, methods,
-                                elementwise_with_shared_and_numbers])
+def dot_product_attention(m, words, x, n):
+    hs = m.q(m.embed(words[:n]))
+    a = torch.softmax(hs @ m.q(m.embed(words[0])), 0)  # (a score per row: by each instance's own query)
+    return a @ hs + torch.matmul(a, x[:n]).sum() + a @ a
+
+
+@pytest.mark.parametrize("fn", [mlp_then_max, attention, dot_product_attention, log_of_padded_input,
+                                by_each_instances_query, methods, elementwise_with_shared_and_numbers])
 def test_ops_on_each_row_run_once_over_the_rows_packed(fn):
     assert compare(fn) == {}
 

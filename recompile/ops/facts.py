@@ -90,6 +90,21 @@ def mutating_method(name):
     return isinstance(name, str) and (name in MUTATING_METHODS or (name.endswith("_") and not name.endswith("__")))
 
 
+# Mutating methods whose name a Tensor method shares, and the calls that can only be the list's or set's:
+# ``list.sort(*, key, reverse)`` takes no positional argument, ``set.add(x)`` one and no keyword; so
+# ``s.sort(descending=True)``, ``s.sort(0)`` and ``x.add(y, alpha=2)`` are a tensor's, which changes nothing.
+_SHARED_NAMES = {"sort": (0, {"key", "reverse"}), "add": (1, set())}
+
+
+def mutating_call(name, positional, keywords):
+    """Whether a call of a method of this name, with ``positional`` arguments and these ``keywords``, may change
+    what it is called on (``mutating_method``, less the calls only a tensor's method takes)."""
+    if name in _SHARED_NAMES:
+        count, allowed = _SHARED_NAMES[name]
+        return positional == count and set(keywords) <= allowed
+    return mutating_method(name)
+
+
 # Augmented assignments a tensor takes in place, with the gradient of its old value (``autodiff.backprop``)
 # and, batched, on the batch's tensor (``runtime.batch_rules``).
 IN_PLACE = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow)

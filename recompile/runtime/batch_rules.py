@@ -1197,7 +1197,7 @@ def attribute(n, fn, args, kwargs):
         return Batch(x.n, method=(x, name)) if name in padded.METHODS else NotImplemented
     if name == "T" and rows.of(x) is not None and rows.of(x).source.dim() == 3:
         return padded.rows_method(x.n, "t", rows.of(x), (), {})
-    if (name in rows.ALONG_ROWS or name in row_wise.METHODS or name in padded.MOVES) and rows.of(x) is not None:
+    if (name in rows.ALONG_ROWS or name in row_wise.METHODS or name in padded.ROWS_METHODS) and rows.of(x) is not None:
         return Batch(x.n, method=(x, name))  # (``torch.stack(hs).mean(0)``, ``xs.tanh()``: see ``rows``, ``row_wise``)
     if x.owner == "items" and name.endswith("_") and not name.endswith("__") \
             and callable(getattr(torch.Tensor, name, None)) and all(type(v) is torch.Tensor for v in x.items):

@@ -90,9 +90,12 @@ def _result(n, tensor, dim, lengths, zeroed=False):
     return Batch(n, items=Padded(tensor, dim, lengths, zeroed))
 
 
-def _as_rows(seq):
-    """Rows ``seq`` as (tensor, dim, lengths) of one tensor (n, longest, ...)."""
-    return rows.as_padded(seq), 0, seq.lengths
+def from_rows(seq):
+    """Rows ``seq`` as (tensor, dim, lengths, zeroed) of one tensor (n, longest, ...) with zeros past each end:
+    what lies there in the rows (another instance's data, a NaN, a softmax's -inf) must not reach a gradient
+    through the ops that run on it here."""
+    t = rows.as_padded(seq)
+    return torch.where(_mask(t, 0, seq.lengths), t, t.new_zeros(())), 0, seq.lengths, True
 
 
 # ---- ops that move dims ------------------------------------------------------------------------------------
@@ -121,7 +124,7 @@ def _order_of(name, rank, args, kwargs):
     if name == "permute":
         dims = list(args[0]) if len(args) == 1 and type(args[0]) in (tuple, list, torch.Size) else list(args)
         dims = [_dim(d, rank) for d in dims]
-        return dims if len(dims) == rank and sorted(dims) == order else None
+        return dims if len(dims) == rank and None not in dims and sorted(dims) == order else None
     if name == "movedim":
         if len(args) != 2:
             return None
@@ -168,6 +171,10 @@ def rows_method(n, name, seq, args, kwargs):
     """``xs.t()``, ``xs.transpose(0, 1)``, ``xs.unsqueeze(0)`` ... of each instance's stretch (Rows) that move
     its rows' dim: Padded (or Rows again); ``xs.sum()``, ``xs.max()`` over all of it; NotImplemented for other
     ops."""
+    if name == "size" and len(args) <= 1 and not kwargs:  # (``out.size(0)``: each instance's length)
+        return size(n, seq.source.shape[1:], 0, seq.lengths, *args)
+    if name == "dim" and not args and not kwargs:
+        return seq.source.dim() - 1
     if seq.shortest == 0:
         return NotImplemented
     if name in WHOLE and not args and not kwargs:
@@ -175,7 +182,8 @@ def rows_method(n, name, seq, args, kwargs):
         return whole(n, name, t, 0, seq.lengths, _mask(t, 0, seq.lengths))
     if name not in MOVES:
         return NotImplemented
-    return moved(n, name, *_as_rows(seq), args, kwargs)
+    tensor, dim, lengths, zeroed = from_rows(seq)
+    return moved(n, name, tensor, dim, lengths, args, kwargs, zeroed)
 
 
 def indexed(n, tensor, dim, lengths, index, zeroed=False):
@@ -266,8 +274,8 @@ def _finite_op(n, fn, x, args, kwargs):
                 return NotImplemented  # (a divisor: past an end, a zero there)
             values.append(other.tensor)
         elif isinstance(a, torch.Tensor):
-            reach = a.dim() - (rank - x.dim)  # (the dims it covers, right-aligned: the lengths' dim among them?)
-            if a.dim() > rank or (reach > 0 and a.shape[-(rank - x.dim)] != 1):
+            reach = a.dim() - (rank - x.dim)  # (≥ 0: right-aligned, its dim ``reach`` meets the lengths' dim)
+            if a.dim() > rank or (reach >= 0 and a.shape[reach] != 1):
                 return NotImplemented
             values.append(a)
         elif type(a) in (int, float, bool) or a is None:
@@ -300,23 +308,22 @@ def convolved(n, x, conv, weight, bias, stride, padding, dilation, groups, spati
     if rank not in (spatial + 1, spatial + 2) or x.dim < rank - spatial:
         return NotImplemented
     along = x.dim - (rank - spatial)  # (which spatial dim)
-    stride, dilation = _pair(stride, spatial)[along], _pair(dilation, spatial)[along]
+    step, spread = _pair(stride, spatial)[along], _pair(dilation, spatial)[along]  # (along that dim)
     kernel = weight.shape[2 + along]
-    reach = dilation * (kernel - 1)  # (a window's width less one)
+    reach = spread * (kernel - 1)  # (a window's width less one)
     if padding == "same":
         lengths, left = list(x.lengths), reach // 2
     else:
         left = 0 if padding == "valid" else _pair(padding, spatial)[along]
-        lengths = [(m + 2 * left - reach - 1) // stride + 1 for m in x.lengths]
+        lengths = [(m + 2 * left - reach - 1) // step + 1 for m in x.lengths]
     if min(lengths) < 1:
         return NotImplemented
-    t = x.tensor
     right = reach - left if padding == "same" else left
-    if math.prod(t.shape[1:-spatial - 1]) == 1 and stride == 1 and (spatial == 1 or type(padding) is not str) and \
+    if math.prod(t.shape[1:-spatial - 1]) == 1 and step == 1 and (spatial == 1 or type(padding) is not str) and \
             sum(x.lengths) + n * (left + right) <= _PACKED_SHARE * n * (t.shape[x.dim + 1] + left + right):
         flat = t.reshape(n, *t.shape[-spatial - 1:])  # (one sequence each)
-        out = _end_to_end(flat, x.lengths, conv, weight, bias, padding, dilation, groups, spatial, along, left,
-                          right, lengths)
+        out = _end_to_end(flat, x.lengths, conv, weight, bias, stride, padding, dilation, groups, spatial, along,
+                          left, right, lengths)
     else:
         source = x.zeros_past_ends()
         flat = source.reshape(-1, *source.shape[-spatial - 1:])  # (instances times their batches)
@@ -328,12 +335,14 @@ def convolved(n, x, conv, weight, bias, stride, padding, dilation, groups, spati
 _PACKED_SHARE = 0.8  # (sequences laid end to end where that is this share of their padded length, or less)
 
 
-def _end_to_end(flat, lengths, conv, weight, bias, padding, dilation, groups, spatial, along, left, right, out_lengths):
-    """A convolution (stride 1) of each instance's sequence along spatial dim ``along`` of ``flat`` (n, C, *S),
-    zeros past each end: the sequences laid end to end, each between its own padding's zeros, as one sequence
-    of one convolution that pads nothing along that dim; each instance's outputs (the windows within its
-    stretch) gathered back into rows padded to the longest. No padding's worth of compute past the shorter
-    sequences' ends; the windows that straddle two sequences are computed and never read."""
+def _end_to_end(flat, lengths, conv, weight, bias, stride, padding, dilation, groups, spatial, along, left, right,
+                out_lengths):
+    """A convolution (stride 1 along the dim) of each instance's sequence along spatial dim ``along`` of ``flat``
+    (n, C, *S), what lies past each end never read: the sequences laid end to end, each between its own
+    padding's zeros, as one sequence of one convolution that pads nothing along that dim; each instance's
+    outputs (the windows within its stretch) gathered back into rows padded to the longest. No padding's worth
+    of compute past the shorter sequences' ends; the windows that straddle two sequences are computed and never
+    read."""
     ax = 2 + along
     counts = torch.tensor(lengths)
     spans = counts + (left + right)
@@ -345,7 +354,7 @@ def _end_to_end(flat, lengths, conv, weight, bias, padding, dilation, groups, sp
                                                                            places)
     joined = joined.movedim(0, ax - 1).unsqueeze(0)  # (1, C, *S): one sequence
     pads = [0 if a == along else p for a, p in enumerate(_pair(0 if type(padding) is str else padding, spatial))]
-    out = conv(joined, weight, bias, 1, pads, dilation, groups)[0].movedim(ax - 1, 0)  # (T, C', *rest)
+    out = conv(joined, weight, bias, stride, pads, dilation, groups)[0].movedim(ax - 1, 0)  # (T, C', *rest)
     longest = max(out_lengths)
     at = (starts[:, None] + torch.arange(longest)).clamp(max=out.shape[0] - 1)  # (n, longest): past an end, a copy
     return out[at.to(out.device)].movedim(1, ax)
@@ -357,12 +366,14 @@ def pooled(n, x, fn, kind, kernel, stride, padding, ceil_mode, spatial=1):
     the padded tensor, each output as long as its instance's own. NotImplemented for other forms."""
     t = x.tensor
     rank = t.dim() - 1
-    if x.dim != rank - 1 or rank not in (spatial + 1, spatial + 2) or padding != 0 or ceil_mode:
+    if x.dim != rank - 1 or rank not in (spatial + 1, spatial + 2) or padding != 0 or ceil_mode or \
+            not t.is_floating_point():  # (an integer pooling: each instance raises torch's error)
         return NotImplemented
     kernels = bt.instance_ints(n, kernel)
     if kernels == x.lengths and stride in (None, kernel, ()):
         return _pooled_whole(n, x, kind == "max")
-    if type(kernel) is not int or type(stride) not in (int, type(None)):
+    if type(kernel) is not int or type(stride) not in (int, type(None)) or kernel < 1 or \
+            (stride is not None and stride < 1):
         return NotImplemented
     step = kernel if stride is None else stride
     lengths = [(m - kernel) // step + 1 for m in x.lengths]
@@ -383,7 +394,10 @@ def _along(n, x, name, keepdim):
     if name in ("softmax", "log_softmax"):
         if min(x.lengths) == 0 or not t.is_floating_point():
             return NotImplemented
-        return _result(n, rows.softmax_within(name, t, x.dim + 1, x.mask()), x.dim, x.lengths)
+        out = rows.softmax_within(name, t, x.dim + 1, x.mask())
+        if name == "log_softmax":  # (-inf past each end: finite there, zeros)
+            out = torch.where(x.mask(), out, out.new_zeros(()))
+        return _result(n, out, x.dim, x.lengths, zeroed=True)
     if name != "sum" and min(x.lengths) == 0:
         return NotImplemented  # (an empty one: its instance's own op says what it gives or raises)
     return rows.reduced_within(n, name, t, x.dim + 1, x.mask(), torch.tensor(x.lengths), keepdim)
@@ -448,6 +462,7 @@ def whole(n, name, t, dim, lengths, mask):
 # ---- the entry points batch_rules calls ----------------------------------------------------------------
 
 METHODS = MOVES | _FINITE_METHODS | _REDUCTIONS | {"size", "dim"}
+ROWS_METHODS = MOVES | WHOLE | {"size", "dim"}  # (a stretch's methods ``rows_method`` runs)
 
 
 def method(n, name, x, args, kwargs):
@@ -457,7 +472,8 @@ def method(n, name, x, args, kwargs):
     if name in _REDUCTIONS:
         return reduced(n, name, x, args, kwargs)
     if name == "size":
-        return size(n, x, *args) if len(args) <= 1 and not kwargs else NotImplemented
+        return size(n, x.tensor.shape[1:], x.dim, x.lengths, *args) if len(args) <= 1 and not kwargs else \
+            NotImplemented
     if name == "dim":
         return x.tensor.dim() - 1 if not args and not kwargs else NotImplemented
     if name in _FINITE_METHODS:
@@ -465,22 +481,22 @@ def method(n, name, x, args, kwargs):
     return NotImplemented
 
 
-def size(n, x, dim=None):
-    """``x.size()``, ``x.size(d)``: each instance's lengths along its dim, the rest shared."""
-    shape = list(x.tensor.shape[1:])
+def size(n, shape, along, lengths, dim=None):
+    """``x.size()``, ``x.size(d)`` of values of ``shape`` (an instance's, padded) and ``lengths`` along dim
+    ``along``: each instance's length there, the rest shared."""
     if dim is None:
-        return bt.from_struct(torch.Size, [bt.from_items(list(x.lengths)) if d == x.dim else s
+        return bt.from_struct(torch.Size, [bt.from_items(list(lengths)) if d == along else s
                                            for d, s in enumerate(shape)], n)
     d = _dim(dim, len(shape))
     if d is None:
         return NotImplemented
-    return bt.from_items(list(x.lengths)) if d == x.dim else shape[d]
+    return bt.from_items(list(lengths)) if d == along else shape[d]
 
 
 def attribute(n, name, x):
     """``x.shape``, ``x.ndim``, ``x.T`` of each instance's Padded value, or NotImplemented."""
     if name == "shape":
-        return size(n, x)
+        return size(n, x.tensor.shape[1:], x.dim, x.lengths)
     if name == "ndim":
         return x.tensor.dim() - 1
     if name == "T" and x.tensor.dim() == 3:
@@ -494,7 +510,8 @@ def call(n, fn, args, kwargs):
         return _weighted(n, fn, args, kwargs)
     x = of(args[0]) if args and type(args[0]) is Batch else None
     if x is None:
-        if fn in (operator.add, operator.mul, torch.add, torch.mul) and len(args) == 2 and of(args[1]) is not None:
+        if fn in (operator.add, operator.mul, torch.add, torch.mul) and len(args) == 2 and of(args[1]) is not None \
+                and not kwargs:
             return call(n, fn, (args[1], args[0]), kwargs)  # (``b + x``: the same for these)
         if fn in (operator.sub, torch.sub) and len(args) == 2 and of(args[1]) is not None and not kwargs:
             negated = call(n, operator.neg, (args[1],), {})
@@ -576,7 +593,7 @@ def _one(value):
 
 def _adaptive(n, x, maximum, output_size, return_indices):
     """``F.adaptive_max_pool1d(x, 1)``: the max (or mean) along the lengths' dim, kept."""
-    if _one(output_size) != 1 or return_indices or x.dim != x.tensor.dim() - 2:
+    if _one(output_size) != 1 or return_indices or x.dim != x.tensor.dim() - 2 or not x.tensor.is_floating_point():
         return NotImplemented
     return _pooled_whole(n, x, maximum)
 

@@ -94,6 +94,8 @@ def call(n, fn, args, kwargs):
                 type(fn) is nn.Dropout and (not fn.training or fn.p == 0)):
             return NotImplemented  # (exactly these types: a subclass's forward may reach across the rows)
     elif fn in (F.linear, torch.matmul, operator.matmul):
+        if fn is not F.linear and len(args) == 2 and not kwargs and any(type(a) is Batch for a in args[1:]):
+            return _products(n, seq, args[0], args[1])
         return _weighted(n, seq, fn, args[0], args[1:], kwargs)
     elif any(a is True for a in args[1:]) and getattr(fn, "__module__", None) == F.__name__:
         return NotImplemented  # (``F.hardtanh(xs, -1, 1, True)``: in place, by position)
@@ -129,6 +131,31 @@ def _weighted(n, seq, fn, first, rest, kwargs):
             any(type(a) is Batch for a in rest) or not isinstance(rest[0], torch.Tensor) or rest[0].dim() not in (1, 2):
         return NotImplemented
     return _rows_of(n, seq, fn(packed(seq), *rest, **kwargs))
+
+
+def _products(n, seq, first, second):
+    """``xs @ q`` of each instance's rows by its own vector (a score per row), and ``a @ xs`` of a weight per
+    row and the rows of the same lengths (their weighted sum): once on the rows packed; NotImplemented for
+    other operands."""
+    other = rows.of(second) if type(second) is Batch else None
+    if rows.of(first) is seq and other is None and type(second) is Batch:
+        q = bt.tensor_of(second)
+        if q is None or q.dim() != 2 or seq.source.dim() != 3 or q.shape[1] != seq.source.shape[2] or \
+                q.dtype is not seq.source.dtype:
+            return NotImplemented
+        flat = packed(seq)
+        return _rows_of(n, seq, (flat * q.index_select(0, seq.where(q.device)[0])).sum(-1))
+    if rows.of(first) is seq and other is not None and seq.source.dim() == 2 and other.lengths == seq.lengths \
+            and other.source.dim() in (2, 3) and other.source.dtype is seq.source.dtype and seq.shortest:
+        weights, values = packed(seq), packed(other)
+        if not weights.is_cpu:  # (CUDA's index_add adds in no fixed order: the rows padded, past each end none)
+            device = weights.device
+            each = rows.as_padded(seq).view(n, -1, *[1] * (values.dim() - 1)) * rows.as_padded(other)
+            inside = seq.mask(device).view(n, -1, *[1] * (values.dim() - 1))
+            return bt.from_tensor(torch.where(inside, each, each.new_zeros(())).sum(1))
+        each = weights.view(-1, *[1] * (values.dim() - 1)) * values
+        return bt.from_tensor(each.new_zeros(n, *values.shape[1:]).index_add(0, seq.where(each.device)[0], each))
+    return NotImplemented
 
 
 def method(n, name, seq, args, kwargs):
