@@ -162,6 +162,10 @@ def conv2d_strided_across(x, n, w):
 @pytest.mark.parametrize("fn", [log_softmax_squared, times_a_shared_weight, conv2d_strided_across])
 def test_what_lies_past_an_end_reaches_no_value_and_no_gradient(fn, monkeypatch):
     monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
+    _same_as_eager_with_nan_past_each_end(fn)
+
+
+def _same_as_eager_with_nan_past_each_end(fn):
     _, x = inputs()
     for k, m in enumerate(LENGTHS.tolist()):
         x[k, m:] = float("nan")  # (eager never reads it)
@@ -211,3 +215,16 @@ def test_forms_eager_refuses_or_reads_otherwise_give_eagers_result_or_error(fn, 
         return
     got = recompile.vmap(recompile.function(fn), in_dims=(0, 0) + (None,) * len(extra))(x, LENGTHS, *extra)
     torch.testing.assert_close(got, want)
+
+
+def encoded_and_indexed(x, n, w):
+    xs = x[:n]  # (n, 3): the rows past each end NaN
+    return _ENCODER(xs).sum(0) + _ENCODER(xs.unsqueeze(1)).sum((0, 1)) + (xs[None] * w[0]).sum((0, 1))
+
+
+_ENCODER = torch.nn.TransformerEncoderLayer(3, 3, 8, 0.0).double()
+
+
+def test_an_encoder_reads_nothing_past_an_end():
+    _same_as_eager_with_nan_past_each_end(encoded_and_indexed)  # (every op batched)
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in _ENCODER.parameters())

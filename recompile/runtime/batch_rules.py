@@ -962,7 +962,7 @@ def gather(n, fn, args, kwargs):
         if x.items is not None and (index is None or type(index) is tuple and index[:1] == (None,)):
             found = rows.of(x)  # (``xs[None]``: the rows' dim moved)
             if found is not None and found.shortest:
-                return padded.indexed(n, rows.as_padded(found), 0, found.lengths, index)
+                return padded.indexed(n, *padded.from_rows(found)[:3], index, True)
         if x.items is not None and type(index) is tuple:
             found = rows.of(x)  # (``xs[:, None]``, ``xs[..., :h]``: each row alone)
             out = row_wise.indexed(n, found, index) if found is not None else NotImplemented

@@ -180,6 +180,8 @@ def rows_method(n, name, seq, args, kwargs):
     if name in WHOLE and not args and not kwargs:
         t = rows.as_padded(seq)
         return whole(n, name, t, 0, seq.lengths, _mask(t, 0, seq.lengths))
+    if name in WHOLE and type(kwargs.get("dim", args[0] if args else None)) in (tuple, list):  # (``xs.sum((0, 1))``)
+        return reduced(n, name, Padded(*from_rows(seq)), args, kwargs)
     if name not in MOVES:
         return NotImplemented
     tensor, dim, lengths, zeroed = from_rows(seq)
@@ -417,6 +419,14 @@ def reduced(n, name, x, args, kwargs):
         return NotImplemented
     if dim is None:
         return whole(n, name, x.tensor, x.dim, x.lengths, x.mask()) if not keepdim and not args else NotImplemented
+    if type(dim) in (tuple, list) and name in ("sum", "mean", "amax", "amin"):  # (``x.sum((0, 1))``)
+        dims = [_dim(d, rank) for d in dim]
+        if None in dims or len(set(dims)) < len(dims) or not dims:
+            return NotImplemented
+        if x.dim in dims:
+            return whole(n, name, x.tensor, x.dim, x.lengths, x.mask(), dims, keepdim)
+        out = getattr(x.tensor, name)([d + 1 for d in dims], keepdim)
+        return _result(n, out, x.dim - (0 if keepdim else sum(d < x.dim for d in dims)), x.lengths)
     dim = _dim(dim, rank)
     if dim is None:
         return NotImplemented
@@ -431,20 +441,21 @@ def reduced(n, name, x, args, kwargs):
                                       _result(n, out.indices, at, x.lengths)], n)
 
 
-def whole(n, name, t, dim, lengths, mask):
-    """``x.sum()``, ``x.max()`` ... over each instance's whole value (of ``lengths`` along ``dim`` of ``t``), in
-    one reduction of the padded tensor over all of an instance's dims, what lies past each end left out (a full
-    max's gradient is shared by every tie, as eager's; an inf tying with the fill, which would take a share,
-    runs per instance). NotImplemented for other reductions."""
-    dims = tuple(range(1, t.dim()))
+def whole(n, name, t, dim, lengths, mask, over=None, keepdim=False):
+    """``x.sum()``, ``x.max()``, ``x.sum((0, 1))`` ... over each instance's whole value (of ``lengths`` along
+    ``dim`` of ``t``), or over its dims ``over`` (the lengths' dim among them), in one reduction of the padded
+    tensor, what lies past each end left out (a full max's gradient is shared by every tie, as eager's; an inf
+    tying with the fill, which would take a share, runs per instance). NotImplemented for other reductions."""
+    dims = tuple(range(1, t.dim())) if over is None else tuple(d + 1 for d in over)
     if name in ("sum", "mean"):
         if name == "mean" and not t.is_floating_point() or name == "sum" and t.dtype is torch.bool:
             return NotImplemented
-        total = torch.where(mask, t, t.new_zeros(())).sum(dims)
+        total = torch.where(mask, t, t.new_zeros(())).sum(dims, keepdim=keepdim)
         if name == "sum":
             return bt.from_tensor(total)
-        count = torch.tensor(lengths, device=t.device, dtype=t.dtype) * (t[0].numel() // t.shape[dim + 1])
-        return bt.from_tensor(total / count)
+        rest = math.prod(t.shape[d] for d in dims if d != dim + 1)  # (the other dims' sizes, shared)
+        count = torch.tensor(lengths, device=t.device, dtype=t.dtype) * rest
+        return bt.from_tensor(total / count.view(n, *[1] * (total.dim() - 1)))
     if name not in ("max", "min", "amax", "amin") or t.dtype is torch.bool or t.is_complex() or min(lengths) == 0:
         return NotImplemented
     highest = name in ("max", "amax")
@@ -456,7 +467,7 @@ def whole(n, name, t, dim, lengths, mask):
     if t.requires_grad and torch.is_grad_enabled() and bool((torch.where(mask, t, 0) == fill).any()):
         return NotImplemented
     filled = torch.where(mask, t, t.new_full((), fill))
-    return bt.from_tensor(filled.amax(dims) if highest else filled.amin(dims))
+    return bt.from_tensor(filled.amax(dims, keepdim) if highest else filled.amin(dims, keepdim))
 
 
 # ---- the entry points batch_rules calls ----------------------------------------------------------------
@@ -675,7 +686,7 @@ def encoded(n, module, args, kwargs):
     first = layer.self_attn.batch_first
     seq, x = rows.of(args[0]), of(args[0])
     if seq is not None and seq.shortest and seq.source.dim() in (3, 4):
-        t = rows.as_padded(seq)
+        t = from_rows(seq)[0]  # (zeros past each end: a NaN there would reach the weights' gradients)
         if t.dim() == 4 and (first or t.shape[2] != 1):
             return NotImplemented
         source, kept = (t if t.dim() == 3 else t.squeeze(2)), t.dim() == 4
