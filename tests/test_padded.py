@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import recompile
 from recompile import config
 from recompile.runtime import padded
-from test_row_wise import LENGTHS, Model, compare, inputs
+from test_row_wise import HIDDEN, LENGTHS, Model, compare, inputs
 
 
 @pytest.fixture(autouse=True)
@@ -86,7 +86,37 @@ def stacked_along_a_later_dim(m, words, x, n):
     return torch.stack(hs, dim=1).sum(1) + torch.stack(hs, -1).amax(-1) + torch.stack([x[0], x[1]], 1).sum(1)
 
 
-@pytest.mark.parametrize("fn", [text_cnn, kim_with_conv2d, transformer_encoders, stacked_along_a_later_dim, batch_first_rnn, functional_forms,
+def self_attention(m, words, x, n):
+    xs = m.embed(words[:n])[None]  # (1, n, EMBED)
+    out, weights = m.attend(xs, xs, xs)
+    ys = x[:n]  # (n, 3), unbatched
+    both, _ = m.attend_x(ys, ys * 2.0, ys, average_attn_weights=False)
+    alone = m.attend_x(ys, ys, ys, need_weights=False)[0]
+    return out.mean(1)[0] + both.amax(0).sum() + alone.sum(0).sum()
+
+
+def attention_weights(m, words, x, n):
+    xs = m.embed(words[:n])[None]
+    _, weights = m.attend(xs, xs, xs)  # (1, n, n): each instance's own view
+    _, each = m.attend_x(x[:n], x[:n], x[:n], average_attn_weights=False)  # (3, n, n)
+    return weights.sum((1, 2)) * 2.0 + each.amax((0, 1))[:1]
+
+
+def test_attention_weights_are_each_instances_own_view(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
+    counts = compare(attention_weights)
+    assert "MultiheadAttention" not in counts  # (the attention once; its (n, n) weights read per instance)
+
+
+def gated_and_normalized(m, words, x, n):
+    y = m.frozen_norm(m.conv(m.embed(words[:n]).t()[None]))  # (1, HIDDEN, n)
+    gate, value = y.chunk(2, dim=1)
+    first, second = torch.split(y, [1, HIDDEN - 1], 1)
+    return (torch.sigmoid(gate) * value).sum(-1)[0] + F.glu(y, 1).amax(-1)[0] + first.sum() + second.mean()
+
+
+@pytest.mark.parametrize("fn", [text_cnn, kim_with_conv2d, transformer_encoders, stacked_along_a_later_dim,
+                                self_attention, gated_and_normalized, batch_first_rnn, functional_forms,
                                 moves_and_indices, elementwise_with_shared_values, whole_reductions,
                                 matmul_by_shared_matrices])
 def test_ops_on_values_of_their_own_length_along_a_later_dim_run_once(fn):

@@ -40,6 +40,11 @@ class Model(nn.Module):
         self.strided = nn.Conv1d(EMBED, HIDDEN, 2, stride=2, padding=1, dilation=1)
         self.conv2d = nn.Conv2d(1, HIDDEN, (2, EMBED), padding=(1, 0))
         self.first_gru = nn.GRU(EMBED, HIDDEN, batch_first=True)
+        self.attend = nn.MultiheadAttention(EMBED, 1, batch_first=True)
+        self.attend_x = nn.MultiheadAttention(3, 3)
+        self.frozen_norm = nn.BatchNorm1d(HIDDEN).eval()  # (by its running statistics)
+        self.frozen_norm.running_mean.uniform_(-1, 1)
+        self.frozen_norm.running_var.uniform_(0.5, 2)
         self.encoder = nn.TransformerEncoderLayer(EMBED - 1, 2, 8, dropout=0.0)
         self.encoders = nn.TransformerEncoder(nn.TransformerEncoderLayer(EMBED - 1, 2, 6, 0.0, batch_first=True), 2)
 

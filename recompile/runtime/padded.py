@@ -472,7 +472,7 @@ def whole(n, name, t, dim, lengths, mask, over=None, keepdim=False):
 
 # ---- the entry points batch_rules calls ----------------------------------------------------------------
 
-METHODS = MOVES | _FINITE_METHODS | _REDUCTIONS | {"size", "dim"}
+METHODS = MOVES | _FINITE_METHODS | _REDUCTIONS | {"size", "dim", "chunk", "split"}
 ROWS_METHODS = MOVES | WHOLE | {"size", "dim"}  # (a stretch's methods ``rows_method`` runs)
 
 
@@ -487,6 +487,8 @@ def method(n, name, x, args, kwargs):
             NotImplemented
     if name == "dim":
         return x.tensor.dim() - 1 if not args and not kwargs else NotImplemented
+    if name in ("chunk", "split"):
+        return _pieces(n, name, x, args, kwargs)
     if name in _FINITE_METHODS:
         return _finite_op(n, name, x, (x.tensor, *args), kwargs)
     return NotImplemented
@@ -533,11 +535,11 @@ def call(n, fn, args, kwargs):
     except TypeError:
         return NotImplemented
     if isinstance(fn, nn.Module):
-        if has_hooks(fn) or "forward" in fn.__dict__ or len(args) != 1 or kwargs or getattr(fn, "inplace", False):
-            return NotImplemented
         kind = type(fn)
         if kind in _ENCODERS:
             return encoded(n, fn, args, kwargs)
+        if has_hooks(fn) or "forward" in fn.__dict__ or len(args) != 1 or kwargs or getattr(fn, "inplace", False):
+            return NotImplemented
         if kind in _CONVS:
             if fn.padding_mode != "zeros" or any(type(a) is Batch for a in (fn.weight, fn.bias)):
                 return NotImplemented
@@ -557,9 +559,19 @@ def call(n, fn, args, kwargs):
                              getattr(fn, "return_indices", False))
         if kind in _MODULES or (kind is nn.Dropout and (not fn.training or fn.p == 0)):
             return _finite_op(n, fn, x, (x.tensor,), {})
+        if kind is nn.GLU:
+            return _halved(n, x, fn.dim)
+        if kind is nn.BatchNorm1d and not fn.training and fn.track_running_stats and x.tensor.dim() == 4 and \
+                x.tensor.shape[1] == 1 and x.dim == 2:  # (a batch of one (1, C, L), by the running statistics)
+            return _result(n, fn(x.tensor.squeeze(1)).unsqueeze(1), x.dim, x.lengths)
         return NotImplemented
     if fn in _CONV_FUNCTIONS:
         return _conv_call(n, fn, x, args, kwargs)
+    if fn is F.glu:
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else -1)
+        return _halved(n, x, dim) if len(args) <= 2 and set(kwargs) <= {"dim"} else NotImplemented
+    if fn in (torch.chunk, torch.split):
+        return _pieces(n, fn.__name__, x, args[1:], kwargs)
     if fn in (F.max_pool1d, F.avg_pool1d):
         return _pool_call(n, fn, x, args, kwargs)
     if fn in (F.adaptive_max_pool1d, F.adaptive_avg_pool1d):
@@ -596,6 +608,34 @@ def _weighted(n, fn, args, kwargs):
         return NotImplemented
     out = fn(weight, x.tensor)
     return _result(n, out, out.dim() - 2, x.lengths)
+
+
+def _halved(n, x, dim):
+    """``F.glu(x, dim)`` along a dim not the lengths': once on the padded tensor."""
+    d = _dim(dim, x.tensor.dim() - 1)
+    if d is None or d == x.dim or x.tensor.shape[d + 1] % 2:
+        return NotImplemented  # (an odd size: each instance raises torch's error)
+    return _result(n, F.glu(x.tensor, d + 1), x.dim, x.lengths)
+
+
+def _pieces(n, name, x, args, kwargs):
+    """``x.chunk(2, dim=1)``, ``x.split(h, 1)``, ``x.split([a, b], 1)`` along a dim not the lengths': the
+    padded tensor's pieces, each instance's of each."""
+    if len(args) not in (1, 2) or set(kwargs) - {"dim"} or (len(args) == 2 and kwargs):
+        return NotImplemented
+    size = args[0]
+    if type(size) is Batch and size.struct is not None and size.owner is None and size.struct[0] is list and \
+            not any(type(p) is Batch for p in size.struct[1]):
+        size = list(size.struct[1])  # (``[1, h - 1]``: a list the program built of what every instance shares)
+    d = _dim(kwargs.get("dim", args[1] if len(args) > 1 else 0), x.tensor.dim() - 1)
+    if d is None or d == x.dim or not (type(size) is int or type(size) in (list, tuple) and name == "split" and all(
+            type(s) is int for s in size)):
+        return NotImplemented
+    try:
+        parts = getattr(x.tensor, name)(list(size) if type(size) is not int else size, d + 1)
+    except RuntimeError:  # (sizes that do not add up: each instance raises torch's error)
+        return NotImplemented
+    return bt.from_struct(tuple, [_result(n, part, x.dim, x.lengths) for part in parts], n)
 
 
 def _one(value):
@@ -670,35 +710,80 @@ def rows_call(n, fn, args, kwargs):
     return NotImplemented if seq is None else rows_method(n, name, seq, args[1:], kwargs)
 
 
-_ENCODERS = (nn.TransformerEncoderLayer, nn.TransformerEncoder)
+_ENCODERS = (nn.TransformerEncoderLayer, nn.TransformerEncoder, nn.MultiheadAttention)
 
 
-def encoded(n, module, args, kwargs):
-    """An ``nn.TransformerEncoderLayer`` or ``TransformerEncoder`` over each instance's sequence of its own
-    length, unbatched (L, D) or a batch of one ((L, 1, D); (1, L, D) batch first): once over the sequences
-    padded, the places past each end masked out of attention (``src_key_padding_mask``), each instance's output
-    laid out as its input. Not with masks of the user's, nor with dropout while training (each instance draws
-    its own); NotImplemented then, and for other forms."""
-    layer = module if type(module) is nn.TransformerEncoderLayer else module.layers[0]
-    if len(args) != 1 or kwargs or has_hooks(module) or "forward" in module.__dict__ or type(args[0]) is not Batch \
-            or (module.training and any(type(m) is nn.Dropout and m.p > 0 for m in module.modules())):
-        return NotImplemented
-    first = layer.self_attn.batch_first
-    seq, x = rows.of(args[0]), of(args[0])
+def _sequences(value, first):
+    """Each instance's sequence of its own length in ``value``, unbatched (L, D) or a batch of one ((L, 1, D);
+    (1, L, D) where ``first``, batch first), as (padded (n, longest, D) with zeros past each end, its form,
+    lengths), or None for other values."""
+    seq, x = rows.of(value), of(value)
     if seq is not None and seq.shortest and seq.source.dim() in (3, 4):
         t = from_rows(seq)[0]  # (zeros past each end: a NaN there would reach the weights' gradients)
         if t.dim() == 4 and (first or t.shape[2] != 1):
-            return NotImplemented
-        source, kept = (t if t.dim() == 3 else t.squeeze(2)), t.dim() == 4
-    elif x is not None and first and x.dim == 1 and x.tensor.dim() == 4 and x.tensor.shape[1] == 1 \
+            return None
+        return (t, "rows", seq.lengths) if t.dim() == 3 else (t.squeeze(2), "rows of one", seq.lengths)
+    if x is not None and first and x.dim == 1 and x.tensor.dim() == 4 and x.tensor.shape[1] == 1 \
             and min(x.lengths) > 0:
-        source, kept = x.tensor.squeeze(1), True
-    else:
+        return x.zeros_past_ends().squeeze(1), "batch first", x.lengths
+    return None
+
+
+def _laid_out(n, out, form, lengths):
+    """A module's output (n, longest, D) over ``_sequences`` of ``form``, laid out as they were."""
+    if form == "batch first":
+        return _result(n, out.unsqueeze(1), 1, lengths)
+    return Batch(n, items=rows.padded_rows(n, out.unsqueeze(2) if form == "rows of one" else out, lengths))
+
+
+def encoded(n, module, args, kwargs):
+    """An ``nn.TransformerEncoderLayer``, ``TransformerEncoder`` or ``MultiheadAttention`` over each instance's
+    sequence of its own length (``_sequences``): once over the sequences padded, the places past each end masked
+    out of attention (``src_key_padding_mask``, ``key_padding_mask``), each instance's output laid out as its
+    input (an attention's weights each instance's own view of them). Not with masks of the user's, nor with
+    dropout while training (each instance draws its own); NotImplemented then, and for other forms."""
+    if has_hooks(module) or "forward" in module.__dict__ or (module.training and any(
+            type(m) is nn.Dropout and m.p > 0 for m in module.modules())):
         return NotImplemented
-    lengths = seq.lengths if seq is not None else x.lengths
+    if type(module) is nn.MultiheadAttention:
+        return _attended(n, module, args, kwargs)
+    layer = module if type(module) is nn.TransformerEncoderLayer else module.layers[0]
+    first = layer.self_attn.batch_first
+    found = _sequences(args[0], first) if len(args) == 1 and not kwargs and type(args[0]) is Batch else None
+    if found is None:
+        return NotImplemented
+    source, form, lengths = found
     ignored = ~_mask(source, 0, lengths).view(n, -1)
     out = module(source if first else source.transpose(0, 1), src_key_padding_mask=ignored)
-    out = out if first else out.transpose(0, 1)
-    if seq is not None:
-        return Batch(n, items=rows.padded_rows(n, out.unsqueeze(2) if kept else out, lengths))
-    return _result(n, out.unsqueeze(1), 1, lengths)
+    return _laid_out(n, out if first else out.transpose(0, 1), form, lengths)
+
+
+_ATTENTION_OPTIONS = {"need_weights": True, "average_attn_weights": True, "key_padding_mask": None,
+                      "attn_mask": None, "is_causal": False}
+
+
+def _attended(n, module, args, kwargs):
+    """``attention(q, k, v)`` of an ``nn.MultiheadAttention`` over each instance's sequences (``encoded``)."""
+    names = ("query", "key", "value", *_ATTENTION_OPTIONS)
+    if len(args) > len(names) or set(kwargs) - set(names) or any(name in kwargs for name in names[:len(args)]):
+        return NotImplemented
+    given = {**_ATTENTION_OPTIONS, **dict(zip(names, args)), **kwargs}
+    if any(given[key] is not None for key in ("key_padding_mask", "attn_mask")) or given["is_causal"] is not False \
+            or type(given["need_weights"]) is not bool or type(given["average_attn_weights"]) is not bool:
+        return NotImplemented
+    first = module.batch_first
+    found = [_sequences(given[key], first) if type(given.get(key)) is Batch else None
+             for key in ("query", "key", "value")]
+    if None in found or len({form for _, form, _ in found}) != 1 or any(m[2] != found[0][2] for m in found):
+        return NotImplemented
+    (q, form, lengths), (k, _, _), (v, _, _) = found
+    ignored = ~_mask(q, 0, lengths).view(n, -1)
+    if not first:
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    out, weights = module(q, k, v, key_padding_mask=ignored, need_weights=given["need_weights"],
+                          average_attn_weights=given["average_attn_weights"])
+    out = _laid_out(n, out if first else out.transpose(0, 1), form, lengths)
+    if weights is not None:  # (each instance's (L, L): its own view)
+        weights = bt.from_items([weights[j, ..., :m, :m] if form == "rows" else weights[j:j + 1, ..., :m, :m]
+                                 for j, m in enumerate(lengths)])
+    return bt.from_struct(tuple, [out, weights], n)
