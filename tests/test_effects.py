@@ -152,7 +152,7 @@ def test_programs_collecting_lists_give_eager_gradients_in_every_mode(fn, mode):
 
 
 def sorted_tensor(xs, opts):
-    return xs.sort(descending=True).values + xs.sort(0).values + xs.add(xs, alpha=2.0)
+    return xs.sort(descending=True).values + xs.sort(dim=0).values + xs.add(xs, alpha=2.0)
 
 
 def sorted_list(xs, opts):
@@ -167,6 +167,26 @@ def sorted_by_options(xs, opts):
     return xs * order[0]
 
 
+def sorted_unbound(xs, opts):
+    order = [3, 1, 2]
+    list.sort(order, reverse=True)
+    return xs * order[0]
+
+
+class Bag:
+    def __init__(self):
+        self.items = []
+
+    def add(self, v, w):
+        self.items.append(v * w)
+
+
+def added_to_a_bag(xs, opts):
+    bag = Bag()
+    bag.add(xs, 2.0)
+    return xs * len(bag.items)
+
+
 def added_to_a_set(xs, opts):
     seen = set()
     seen.add(1)
@@ -174,9 +194,34 @@ def added_to_a_set(xs, opts):
 
 
 @pytest.mark.parametrize("fn, mutates", [(sorted_tensor, False), (sorted_list, True), (sorted_by_options, True),
-                                         (added_to_a_set, True)], ids=lambda v: getattr(v, "__name__", str(v)))
+                                         (sorted_unbound, True), (added_to_a_bag, True), (added_to_a_set, True)],
+                         ids=lambda v: getattr(v, "__name__", str(v)))
 def test_a_method_a_tensor_shares_with_a_list_or_set_changes_something_only_as_theirs_can(fn, mutates):
     f = recompile.function(fn)
     assert f.callee(None).may_mutate is mutates
     x = torch.tensor([2.0, 1.0, 3.0])
     torch.testing.assert_close(f(x, {"reverse": True}), fn(x, {"reverse": True}))
+
+
+@recompile.function
+def sort_unbound(order):
+    list.sort(order)
+    return 1.0
+
+
+@recompile.function
+def doubled(v):
+    return v * 2.0
+
+
+def read_after_a_helper_sorts(x):
+    order = [5, 3, 2]
+    a = sort_unbound(order)
+    return a * doubled(x * order[0])  # (order[0] is 2 once sorted: read after the helper ran)
+
+
+def test_a_helper_that_sorts_a_list_keeps_its_place_before_what_reads_the_list():
+    x = torch.tensor([1.0, 2.0])
+    compiled = recompile.function(read_after_a_helper_sorts)
+    torch.testing.assert_close(compiled(x[0]), read_after_a_helper_sorts(x[0]))
+    torch.testing.assert_close(recompile.vmap(compiled)(x), torch.stack([read_after_a_helper_sorts(v) for v in x]))

@@ -614,6 +614,16 @@ def _mean(fn, g, out, input, dim=None, keepdim=False, dtype=None, **aliases):
     yield input, unbroadcast(_restore(g, input, dim, keepdim) / count, input)
 
 
+def shared_by_ties(grad, tied):
+    """``grad`` (broadcast) shared evenly among the places ``tied`` marks (summed over its last dim), as torch's
+    full max, min and median share theirs: on the CPU into zeros, so an inf cotangent leaves the others 0; on
+    CUDA as ``tied * share``, as there (and as ``amax`` everywhere), where they get ``0 * inf``, NaN."""
+    share = grad / tied.sum(-1, keepdim=True)
+    if tied.is_cuda:
+        return tied * share
+    return torch.where(tied, share, torch.zeros((), dtype=share.dtype, device=share.device))
+
+
 def _extreme(fn, g, out, input, dim, keepdim, other, aliases, pairwise):
     """torch.max/min: of all elements, along a dim (values and indices), or of two tensors."""
     if other is not None or is_tensor(dim):
@@ -621,7 +631,7 @@ def _extreme(fn, g, out, input, dim, keepdim, other, aliases, pairwise):
     dim, keepdim = _dim_kw(dim, keepdim, aliases)
     if dim is None:  # ties share the cotangent evenly (a NaN result is every NaN's)
         mask = (input == out) | (input.isnan() & out.isnan())
-        return ((input, mask * (g / mask.sum())),)
+        return ((input, shared_by_ties(g, mask.reshape(-1)).view(input.shape)),)
     gv, indices = g[0], out[1]
     if gv is None:
         return ()

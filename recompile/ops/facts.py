@@ -90,18 +90,17 @@ def mutating_method(name):
     return isinstance(name, str) and (name in MUTATING_METHODS or (name.endswith("_") and not name.endswith("__")))
 
 
-# Mutating methods whose name a Tensor method shares, and the calls that can only be the list's or set's:
-# ``list.sort(*, key, reverse)`` takes no positional argument, ``set.add(x)`` one and no keyword; so
-# ``s.sort(descending=True)``, ``s.sort(0)`` and ``x.add(y, alpha=2)`` are a tensor's, which changes nothing.
-_SHARED_NAMES = {"sort": (0, {"key", "reverse"}), "add": (1, set())}
+# Mutating methods whose name a Tensor method shares, and keywords only the Tensor method takes: with one of them
+# the call is a tensor's, which changes nothing (``s.sort(descending=True)``, ``x.add(y, alpha=2)``); any other
+# call may be the list's, the set's, or another object's that changes it (``list.sort(xs)``, ``bag.add(v, w)``).
+_TENSOR_KEYWORDS = {"sort": {"dim", "descending", "stable"}, "add": {"alpha"}}
 
 
-def mutating_call(name, positional, keywords):
-    """Whether a call of a method of this name, with ``positional`` arguments and these ``keywords``, may change
-    what it is called on (``mutating_method``, less the calls only a tensor's method takes)."""
-    if name in _SHARED_NAMES:
-        count, allowed = _SHARED_NAMES[name]
-        return positional == count and set(keywords) <= allowed
+def mutating_call(name, keywords):
+    """Whether a call of a method of this name, given these ``keywords``, may change what it is called on
+    (``mutating_method``, less the calls only a tensor's method takes)."""
+    if name in _TENSOR_KEYWORDS and _TENSOR_KEYWORDS[name] & set(keywords):
+        return False
     return mutating_method(name)
 
 

@@ -37,10 +37,7 @@ def op_mutates(op):
     producer = fn.op
     if (isinstance(producer, ir.Call) and isinstance(producer.fn, ir.Const) and producer.fn.value is getattr
             and isinstance(producer.args[1], ir.Const)):
-        name = producer.args[1].value
-        if op.star or any(key is None for key, _ in op.kwargs):
-            return facts.mutating_method(name)  # (arguments known only when run: any method of the name)
-        return facts.mutating_call(name, len(op.args), [key for key, _ in op.kwargs])  # obj.append(...)
+        return facts.mutating_call(producer.args[1].value, [key for key, _ in op.kwargs])  # obj.append(...)
     if isinstance(producer, ir.Capture):
         if producer.source_kind == "attr":
             return facts.mutating_method(producer.source)  # self.append(...) in a list subclass

@@ -28,7 +28,7 @@ from ..dynamo import opaque
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
-from . import cells, fallbacks, helpers, lazy_weights, padded, ranges, row_wise, rows, sharing
+from . import cells, extremes, fallbacks, helpers, lazy_weights, padded, ranges, row_wise, rows, sharing
 from .batch import Batch
 
 # Batch rules, filed as the gradient rules are (``ops.table``): ``rule(n, fn, args, kwargs)`` for a callable
@@ -1851,34 +1851,10 @@ def _whole_of(t, kind):
     """Each instance's (row's) max, min or median over all its elements, its gradient shared among ties."""
     if t.dim() == 1:  # (each instance's 0-d tensor is its own maximum)
         return t.clone()
-    if kind != "median":
-        dims = tuple(range(1, t.dim()))
-        return t.amax(dim=dims) if kind == "max" else t.amin(dim=dims)
     flat = t.reshape(t.shape[0], -1)
-    if not (flat.is_floating_point() or flat.is_complex()):
-        return flat.median(dim=1).values  # (no gradient to share: an integer median stays an integer)
-    return _RowMedian.apply(flat)
-
-
-class _RowMedian(torch.autograd.Function):
-    """Each row's median, its gradient shared evenly among the row's tied elements, as torch's ``median()``
-    shares it. It keeps its input and result for the backward, as torch's does: a change of either in place
-    refuses the backward, as eager's refuses it."""
-
-    @staticmethod
-    def forward(ctx, flat):
-        m = flat.median(dim=1).values
-        ctx.save_for_backward(flat, m)
-        return m
-
-    @staticmethod
-    @opaque  # under torch.compile: run as without it, not traced
-    def backward(ctx, grad):
-        flat, m = ctx.saved_tensors
-        m = m.unsqueeze(1)
-        tied = (flat == m) | (flat.isnan() & m.isnan())  # (a NaN median is the NaN element's, as torch's)
-        return torch.where(tied, (grad.unsqueeze(1) / tied.sum(1, keepdim=True)).to(flat.dtype),
-                           torch.zeros((), dtype=flat.dtype, device=flat.device))
+    if not (flat.is_floating_point() or flat.is_complex()):  # (no gradient to share: integers stay integers)
+        return flat.median(dim=1).values if kind == "median" else flat.amax(1) if kind == "max" else flat.amin(1)
+    return extremes.RowExtreme.apply(flat, kind)
 
 
 def _extreme_method(kind):

@@ -23,7 +23,7 @@ from torch import nn
 from ..ops import facts
 from ..ops.table import has_hooks
 from . import batch as bt
-from . import rows, sharing
+from . import extremes, rows, sharing
 from .batch import Batch
 
 
@@ -467,6 +467,8 @@ def whole(n, name, t, dim, lengths, mask, over=None, keepdim=False):
     if t.requires_grad and torch.is_grad_enabled() and bool((torch.where(mask, t, 0) == fill).any()):
         return NotImplemented
     filled = torch.where(mask, t, t.new_full((), fill))
+    if over is None and t.is_floating_point() and name in ("max", "min"):  # (``x.max()``: torch's shares of ties)
+        return bt.from_tensor(extremes.RowExtreme.apply(filled.reshape(n, -1), name))
     return bt.from_tensor(filled.amax(dims, keepdim) if highest else filled.amin(dims, keepdim))
 
 
@@ -743,7 +745,8 @@ def encoded(n, module, args, kwargs):
     input (an attention's weights each instance's own view of them). Not with masks of the user's, nor with
     dropout while training (each instance draws its own); NotImplemented then, and for other forms."""
     if has_hooks(module) or "forward" in module.__dict__ or (module.training and any(
-            type(m) is nn.Dropout and m.p > 0 for m in module.modules())):
+            type(m) is nn.Dropout and m.p > 0 or type(m) is nn.MultiheadAttention and m.dropout > 0
+            for m in module.modules())):
         return NotImplemented
     if type(module) is nn.MultiheadAttention:
         return _attended(n, module, args, kwargs)
