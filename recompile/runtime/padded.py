@@ -459,11 +459,7 @@ def whole(n, name, t, dim, lengths, mask, over=None, keepdim=False):
     if name not in ("max", "min", "amax", "amin") or t.dtype is torch.bool or t.is_complex() or min(lengths) == 0:
         return NotImplemented
     highest = name in ("max", "amax")
-    if t.is_floating_point():
-        fill = float("-inf") if highest else float("inf")
-    else:
-        info = torch.iinfo(t.dtype)
-        fill = info.min if highest else info.max
+    fill = rows.extreme_fill(t, highest)
     if t.requires_grad and torch.is_grad_enabled() and bool((torch.where(mask, t, 0) == fill).any()):
         return NotImplemented
     filled = torch.where(mask, t, t.new_full((), fill))

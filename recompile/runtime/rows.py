@@ -485,12 +485,7 @@ def reduced_within(n, name, padded, dim, mask, counts, keepdim):
         return bt.from_tensor(total / lengths.view(n, *[1] * (total.dim() - 1)))
     if padded.dtype is torch.bool or padded.is_complex():
         return NotImplemented
-    lowest = name in ("max", "amax")
-    if padded.is_floating_point():
-        fill = float("-inf") if lowest else float("inf")
-    else:
-        info = torch.iinfo(padded.dtype)
-        fill = info.min if lowest else info.max
+    fill = extreme_fill(padded, name in ("max", "amax"))
     filled = torch.where(mask, padded, padded.new_full((), fill))
     if name in ("amax", "amin") and padded.requires_grad and torch.is_grad_enabled() and \
             bool((torch.where(mask, padded, 0) == fill).any()):
@@ -499,6 +494,15 @@ def reduced_within(n, name, padded, dim, mask, counts, keepdim):
     if name in ("amax", "amin"):
         return bt.from_tensor(out)
     return bt.from_struct(type(out), [bt.from_tensor(out.values), bt.from_tensor(out.indices)], n)
+
+
+def extreme_fill(t, highest):
+    """What fills the places past each end of ``t`` for a max (``highest``) or a min: the lowest (highest) value
+    of its dtype, which no instance's value loses to."""
+    if t.is_floating_point():
+        return float("-inf") if highest else float("inf")
+    info = torch.iinfo(t.dtype)
+    return info.min if highest else info.max
 
 
 def _along(args, kwargs):
