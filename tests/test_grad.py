@@ -2178,6 +2178,44 @@ def test_an_in_place_change_after_an_if_to_a_value_a_branch_read_is_refused_as_e
             torch.autograd.grad(run(a, y, True), y)
 
 
+def gv_items_read_in_a_loop(w):
+    v = w.sum(0) * 0.5 + 2.0
+    acc = []
+    for j in range(3):
+        acc.append(w[j] * v[j])  # (v[j], a view of what the body is given: the write below changes it)
+    v[1:] = torch.stack(acc).sum(0)[:2]
+    return v.sum()
+
+
+def gv_items_read_in_a_comprehension(w):
+    v = w.sum(0) * 0.5 + 2.0
+    v[1:] = torch.stack([w[j] * v[j] for j in range(3)]).sum(0)[:2]
+    return v.sum()
+
+
+def gv_items_read_in_a_loop_unchanged(w):
+    v = w.sum(0) * 0.5 + 2.0
+    total = w[0] * 0.0
+    for j in range(3):
+        total = total + w[j] * v[j]
+    return total.sum() + v.sum()
+
+
+@pytest.mark.parametrize("fn", [gv_items_read_in_a_loop, gv_items_read_in_a_comprehension])
+def test_a_change_after_a_loop_to_a_value_whose_items_the_body_read_is_refused_as_eager_refuses(fn):
+    for run in (fn, sequential(fn), recompile.function(fn, mode="threaded")):
+        w = torch.tensor([[0.5, 3.0, 1.0], [2.0, -1.0, -1.0], [1.0, 0.5, 2.0]], dtype=F64, requires_grad=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            run(w).backward()
+
+
+def test_items_read_in_a_loop_and_left_unchanged_keep_eagers_gradient():
+    w = torch.tensor([[0.5, 3.0, 1.0], [2.0, -1.0, -1.0], [1.0, 0.5, 2.0]], dtype=F64, requires_grad=True)
+    want = torch.autograd.grad(gv_items_read_in_a_loop_unchanged(w), w)[0]
+    got = torch.autograd.grad(sequential(gv_items_read_in_a_loop_unchanged)(w), w)[0]
+    torch.testing.assert_close(got, want)
+
+
 def test_a_callers_in_place_change_to_a_value_returned_in_a_list_is_refused_as_eager_refuses():
     for run in (gv_listed, sequential(gv_listed)):
         x = torch.tensor([0.5, -1.0], dtype=F64, requires_grad=True)

@@ -397,6 +397,10 @@ def _changed_later(ops, outputs=(), inputs=()):
                 if read:
                     guarded.setdefault(earlier, []).extend(read)
     outside = _returned_values(outputs) | set(inputs)
+    for op in ops if inputs else ():  # (a view of an input, ``x[j]`` in a loop body, shares its version too)
+        base = _viewed(op)
+        if base is not None and base in outside:
+            outside.update(op.outputs)
     for op in ops if outside else ():
         for v in (*_reads(op), *op.outputs):
             if v in outside and v not in guarded.get(op, ()):
