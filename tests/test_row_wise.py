@@ -121,7 +121,17 @@ def dot_product_attention(m, words, x, n):
     return a @ hs + torch.matmul(a, x[:n]).sum() + a @ a
 
 
-@pytest.mark.parametrize("fn", [mlp_then_max, attention, dot_product_attention, log_of_padded_input,
+def norms_and_running_sums(m, words, x, n):
+    xs = m.embed(words[:n])
+    unit = F.normalize(xs, dim=-1)
+    near = F.cosine_similarity(xs, m.embed(words[0])[None], dim=-1)  # (each instance's own word against its rows)
+    lengths = xs.norm(dim=1) + torch.linalg.vector_norm(xs, 2, dim=-1) + torch.norm(xs, 2, 1) + xs.norm(1, -1)
+    return unit.sum(0) + (near * lengths).sum() + xs.cumsum(1).sum(0) + torch.cumsum(xs, dim=0)[-1] + \
+        torch.logsumexp(xs, 0) + xs.logsumexp(-1).mean() + x[:n].cumsum(0).sum(0).sum()
+
+
+@pytest.mark.parametrize("fn", [mlp_then_max, attention, dot_product_attention, norms_and_running_sums,
+                                log_of_padded_input,
                                 by_each_instances_query, methods, elementwise_with_shared_and_numbers])
 def test_ops_on_each_row_run_once_over_the_rows_packed(fn):
     assert compare(fn) == {}

@@ -36,7 +36,11 @@ _ELEMENTWISE_METHODS = frozenset({"sigmoid", "tanh", "relu", "exp", "log", "sqrt
 _DIM_METHODS = frozenset({"softmax", "log_softmax", "sum", "mean", "amax", "amin", "logsumexp", "squeeze",
                           "unsqueeze"})
 _SHAPING_METHODS = frozenset({"view", "reshape"})
-METHODS = _ELEMENTWISE_METHODS | _DIM_METHODS | _SHAPING_METHODS  # (the Tensor methods ``method`` may run)
+# Functions (and Tensor methods) acting along the dim they are given, each row alone where it is not the rows':
+# callable -> (the dim's position after the input, its default)
+_ALONG_A_DIM = {F.normalize: (2, 1), F.cosine_similarity: (2, 1), torch.norm: (2, None),
+                torch.linalg.vector_norm: (2, None), torch.cumsum: (1, None), "norm": (1, None), "cumsum": (0, None)}
+METHODS = _ELEMENTWISE_METHODS | _DIM_METHODS | _SHAPING_METHODS | {"norm", "cumsum"}  # (those ``method`` runs)
 
 
 def holds_rows(args):
@@ -101,6 +105,9 @@ def call(n, fn, args, kwargs):
         return NotImplemented  # (``F.hardtanh(xs, -1, 1, True)``: in place, by position)
     elif fn is torch.where and len(args) != 3:
         return NotImplemented  # (``torch.where(cond)``: the indices, not a value per row)
+    elif fn in _ALONG_A_DIM:
+        if not _along_another_dim(fn, args[1:], kwargs, rank) or rows.of(args[0]) is not seq:
+            return NotImplemented
     elif fn in _SOFTMAX:
         dim = _dim(args[1:], kwargs, rank)
         if dim is None or dim == 0 or rows.of(args[0]) is not seq:
@@ -184,6 +191,10 @@ def method(n, name, seq, args, kwargs):
                 return out
         flat = packed(seq)
         return _rows_of(n, seq, getattr(flat, name)(*args, **kwargs))
+    if name in ("norm", "cumsum"):
+        if not _along_another_dim(name, args, kwargs, rank) or any(type(a) is Batch for a in args):
+            return NotImplemented
+        return _rows_of(n, seq, getattr(packed(seq), name)(*args, **kwargs))
     if name not in _ELEMENTWISE_METHODS:
         return NotImplemented
     values = _operands(n, seq, rank, args, name != "masked_fill")  # (its value a number or a 0-d tensor)
@@ -282,6 +293,14 @@ def _operands(n, seq, rank, args, broadcasts=True):
         else:
             values.append(a)
     return values
+
+
+def _along_another_dim(fn, args, kwargs, rank):
+    """Whether ``fn`` (``_ALONG_A_DIM``), given ``args`` after its input, acts along one int dim that is not the
+    rows' (``F.normalize(xs, dim=-1)``, ``xs.norm(dim=1)``, ``xs.cumsum(1)``)."""
+    position, default = _ALONG_A_DIM[fn]
+    dim = kwargs["dim"] if "dim" in kwargs else args[position - 1] if len(args) >= position else default
+    return type(dim) is int and -rank <= dim < rank and dim % rank != 0
 
 
 def _dim(args, kwargs, rank):

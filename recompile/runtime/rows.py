@@ -393,7 +393,7 @@ def last_items(seq, i):
 
 _REDUCTIONS = {"sum", "mean", "max", "min", "amax", "amin"}
 _SOFTMAXES = {"softmax", "log_softmax"}
-ALONG_ROWS = frozenset({*_REDUCTIONS, *_SOFTMAXES, "flip"})  # (the Tensor methods ``along_rows`` runs)
+ALONG_ROWS = frozenset({*_REDUCTIONS, *_SOFTMAXES, "flip", "logsumexp", "cumsum"})  # (Tensor methods it runs)
 # (the torch functions of these names, and F's softmaxes)
 REDUCING = {getattr(torch, name): name for name in ALONG_ROWS} | {F.softmax: "softmax", F.log_softmax: "log_softmax"}
 
@@ -416,7 +416,26 @@ def along_rows(n, name, seq, args, kwargs, method=False):
         return flipped(n, seq)
     if name in _SOFTMAXES:
         return softmaxed(n, name, seq, args, kwargs)
+    if name in ("logsumexp", "cumsum"):
+        return _running_or_log_summed(n, name, seq, args, kwargs)
     return reduced(n, name, seq, args, kwargs)
+
+
+def _running_or_log_summed(n, name, seq, args, kwargs):
+    """``xs.cumsum(0)`` (each instance's running sums, Rows of a new tensor) and ``torch.logsumexp(xs, 0)`` of
+    each instance's stretch along its rows: over the rows they lie in, those past an end as zeros (a cumsum's,
+    never read) or -inf (taking no share, and no gradient). NotImplemented for other dims and forms."""
+    found = _along(args, kwargs) if name == "logsumexp" or len(args) <= 1 and set(kwargs) <= {"dim"} else None
+    rank = seq.source.dim() - 1
+    if found is None or found[0] not in (0, -rank) or seq.shortest == 0 or not seq.source.is_floating_point():
+        return NotImplemented
+    padded = as_padded(seq)
+    mask = seq.mask(padded.device).view(n, -1, *[1] * (rank - 1))
+    if name == "cumsum":
+        found_rows = padded_rows(n, torch.where(mask, padded, padded.new_zeros(())).cumsum(1), seq.lengths)
+        found_rows.same_layout(seq)
+        return Batch(n, items=found_rows)
+    return bt.from_tensor(torch.where(mask, padded, padded.new_full((), float("-inf"))).logsumexp(1, found[1]))
 
 
 def softmaxed(n, name, seq, args, kwargs):
