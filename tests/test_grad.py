@@ -2203,7 +2203,7 @@ def gv_items_read_in_a_loop_unchanged(w):
 
 @pytest.mark.parametrize("fn", [gv_items_read_in_a_loop, gv_items_read_in_a_comprehension])
 def test_a_change_after_a_loop_to_a_value_whose_items_the_body_read_is_refused_as_eager_refuses(fn):
-    for run in (fn, sequential(fn), recompile.function(fn, mode="threaded")):
+    for run in (fn, sequential(fn), recompile.function(fn, mode="threaded"), recompile.function(fn, mode="batched")):
         w = torch.tensor([[0.5, 3.0, 1.0], [2.0, -1.0, -1.0], [1.0, 0.5, 2.0]], dtype=F64, requires_grad=True)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             run(w).backward()
@@ -2212,8 +2212,9 @@ def test_a_change_after_a_loop_to_a_value_whose_items_the_body_read_is_refused_a
 def test_items_read_in_a_loop_and_left_unchanged_keep_eagers_gradient():
     w = torch.tensor([[0.5, 3.0, 1.0], [2.0, -1.0, -1.0], [1.0, 0.5, 2.0]], dtype=F64, requires_grad=True)
     want = torch.autograd.grad(gv_items_read_in_a_loop_unchanged(w), w)[0]
-    got = torch.autograd.grad(sequential(gv_items_read_in_a_loop_unchanged)(w), w)[0]
-    torch.testing.assert_close(got, want)
+    for mode in ("sequential", "threaded", "batched"):
+        got = torch.autograd.grad(recompile.function(gv_items_read_in_a_loop_unchanged, mode=mode)(w), w)[0]
+        torch.testing.assert_close(got, want)
 
 
 def test_a_callers_in_place_change_to_a_value_returned_in_a_list_is_refused_as_eager_refuses():

@@ -193,6 +193,17 @@ DRAWS = frozenset({
     torch.randint_like, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson,
 })
 DRAWING_METHODS = frozenset({"bernoulli", "multinomial"})
+# Calls finite at every finite input, with finite gradients there (and the Tensor methods of such ops, by name):
+# ``runtime.padded`` runs them on what lies past each instance's end too, which then stays finite, so that a
+# zero cotangent there adds nothing to a gradient (``log`` or a division by such values would not).
+FINITE_EVERYWHERE = frozenset({
+    torch.relu, F.relu, torch.tanh, F.tanh, torch.sigmoid, F.sigmoid, F.gelu, F.silu, F.elu, F.selu, F.celu,
+    F.leaky_relu, F.hardtanh, F.relu6, F.softplus, F.mish, F.logsigmoid, F.softsign, F.hardsigmoid, F.hardswish,
+    torch.neg, torch.abs, torch.clamp, torch.sin, torch.cos, torch.add, torch.sub, torch.mul, operator.add,
+    operator.sub, operator.mul, operator.neg, operator.truediv, torch.div})
+FINITE_METHODS = frozenset({"relu", "tanh", "sigmoid", "neg", "abs", "clamp", "clamp_min", "clamp_max", "clip",
+                            "sin", "cos", "add", "sub", "mul", "div", "float", "double", "clone", "__add__",
+                            "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__"})
 # Tensor methods (and torch functions of the same name) whose result is a view of the tensor, sharing its
 # version, or may be (``reshape``, ``flatten``, ``contiguous`` copy where they must)
 VIEW_METHODS = frozenset({"view", "view_as", "t", "transpose", "swapaxes", "permute", "narrow", "select", "squeeze",

@@ -243,14 +243,6 @@ def _item(n, kept, dim, lengths, i):
 
 # ---- ops finite everywhere ------------------------------------------------------------------------------
 
-_FINITE_FUNCTIONS = frozenset({
-    torch.relu, F.relu, torch.tanh, F.tanh, torch.sigmoid, F.sigmoid, F.gelu, F.silu, F.elu, F.selu, F.celu,
-    F.leaky_relu, F.hardtanh, F.relu6, F.softplus, F.mish, F.logsigmoid, F.softsign, F.hardsigmoid, F.hardswish,
-    torch.neg, torch.abs, torch.clamp, torch.sin, torch.cos, torch.add, torch.sub, torch.mul, operator.add,
-    operator.sub, operator.mul, operator.neg, operator.truediv, torch.div})
-_FINITE_METHODS = frozenset({"relu", "tanh", "sigmoid", "neg", "abs", "clamp", "clamp_min", "clamp_max", "clip",
-                             "sin", "cos", "add", "sub", "mul", "div", "float", "double", "clone", "__add__",
-                             "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__"})
 _DIVISIONS = frozenset({operator.truediv, torch.div, "div", "__truediv__"})
 _MODULES = tuple(m for m in facts.ELEMENTWISE_MODULES if m is not nn.Dropout)
 
@@ -447,30 +439,23 @@ def whole(n, name, t, dim, lengths, mask, over=None, keepdim=False):
     tensor, what lies past each end left out (a full max's gradient is shared by every tie, as eager's; an inf
     tying with the fill, which would take a share, runs per instance). NotImplemented for other reductions."""
     dims = tuple(range(1, t.dim())) if over is None else tuple(d + 1 for d in over)
-    if name in ("sum", "mean"):
-        if name == "mean" and not t.is_floating_point() or name == "sum" and t.dtype is torch.bool:
+    if name in ("max", "min") and (over is not None or not t.is_floating_point()):
+        name = "a" + name  # (the values alone: over several dims, or integers, with no gradient to share)
+    if name not in WHOLE or name != "sum" and min(lengths) == 0:
+        return NotImplemented
+    if name in ("max", "min"):  # (``x.max()``: torch's shares of ties)
+        fill = rows.extreme_fill(t, name == "max")
+        if t.requires_grad and torch.is_grad_enabled() and bool((torch.where(mask, t, 0) == fill).any()):
             return NotImplemented
-        total = torch.where(mask, t, t.new_zeros(())).sum(dims, keepdim=keepdim)
-        if name == "sum":
-            return bt.from_tensor(total)
-        rest = math.prod(t.shape[d] for d in dims if d != dim + 1)  # (the other dims' sizes, shared)
-        count = torch.tensor(lengths, device=t.device, dtype=t.dtype) * rest
-        return bt.from_tensor(total / count.view(n, *[1] * (total.dim() - 1)))
-    if name not in ("max", "min", "amax", "amin") or t.dtype is torch.bool or t.is_complex() or min(lengths) == 0:
-        return NotImplemented
-    highest = name in ("max", "amax")
-    fill = rows.extreme_fill(t, highest)
-    if t.requires_grad and torch.is_grad_enabled() and bool((torch.where(mask, t, 0) == fill).any()):
-        return NotImplemented
-    filled = torch.where(mask, t, t.new_full((), fill))
-    if over is None and t.is_floating_point() and name in ("max", "min"):  # (``x.max()``: torch's shares of ties)
+        filled = torch.where(mask, t, t.new_full((), fill))
         return bt.from_tensor(extremes.RowExtreme.apply(filled.reshape(n, -1), name))
-    return bt.from_tensor(filled.amax(dims, keepdim) if highest else filled.amin(dims, keepdim))
+    rest = math.prod(t.shape[d] for d in dims if d != dim + 1)  # (the other dims' sizes, shared)
+    return rows.reduced_within(n, name, t, dims, mask, torch.tensor(lengths) * rest, keepdim)
 
 
 # ---- the entry points batch_rules calls ----------------------------------------------------------------
 
-METHODS = MOVES | _FINITE_METHODS | _REDUCTIONS | {"size", "dim", "chunk", "split"}
+METHODS = MOVES | facts.FINITE_METHODS | _REDUCTIONS | {"size", "dim", "chunk", "split"}
 ROWS_METHODS = MOVES | WHOLE | {"size", "dim"}  # (a stretch's methods ``rows_method`` runs)
 
 
@@ -487,7 +472,7 @@ def method(n, name, x, args, kwargs):
         return x.tensor.dim() - 1 if not args and not kwargs else NotImplemented
     if name in ("chunk", "split"):
         return _pieces(n, name, x, args, kwargs)
-    if name in _FINITE_METHODS:
+    if name in facts.FINITE_METHODS:
         return _finite_op(n, name, x, (x.tensor, *args), kwargs)
     return NotImplemented
 
@@ -581,7 +566,7 @@ def call(n, fn, args, kwargs):
         return reduced(n, name, x, args[1:], kwargs)
     if fn in _MOVING_FUNCTIONS:
         return moved(n, _MOVING_FUNCTIONS[fn], x.tensor, x.dim, x.lengths, args[1:], kwargs, x.zeroed)
-    if fn in _FINITE_FUNCTIONS:
+    if fn in facts.FINITE_EVERYWHERE:
         return _finite_op(n, fn, x, args, kwargs)
     return NotImplemented
 
