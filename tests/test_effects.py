@@ -152,7 +152,8 @@ def test_programs_collecting_lists_give_eager_gradients_in_every_mode(fn, mode):
 
 
 def sorted_tensor(xs, opts):
-    return xs.sort(descending=True).values + xs.sort(dim=0).values + xs.add(xs, alpha=2.0)
+    return xs.sort(descending=True).values + xs.sort(dim=0).values + xs.add(xs, alpha=2.0) + xs.sort(0)[0] + \
+        xs.sort(-1).values
 
 
 def sorted_list(xs, opts):

@@ -62,6 +62,12 @@ def whole_reductions(m, words, x, n):
     return a.sum() + a.mean() + a.max() + a.amin() + torch.max(a) + a.mean(1).sum()
 
 
+def spreads_and_positions(m, words, x, n):
+    a = x[:n].t() * m.w[:3, :1]  # (3, n)
+    return a.std(1, correction=0) + a.var(-1, unbiased=False) + torch.std(a, 1, False, True)[:, 0] + a.var(0).sum() + \
+        a.prod(1) + a.nanmean(1) + (a.argmax(1) + a.argmin(dim=1) + (a > 0.7).any(1) + a.all(-1)).double()
+
+
 def matmul_by_shared_matrices(m, words, x, n):
     a = x[:n].t()  # (3, n)
     return (m.w[:3, :3] @ a).sum(-1) + torch.matmul(a.t(), m.w[:3]).sum(0)[:3] + \
@@ -118,7 +124,7 @@ def gated_and_normalized(m, words, x, n):
 @pytest.mark.parametrize("fn", [text_cnn, kim_with_conv2d, transformer_encoders, stacked_along_a_later_dim,
                                 self_attention, gated_and_normalized, batch_first_rnn, functional_forms,
                                 moves_and_indices, elementwise_with_shared_values, whole_reductions,
-                                matmul_by_shared_matrices])
+                                spreads_and_positions, matmul_by_shared_matrices])
 def test_ops_on_values_of_their_own_length_along_a_later_dim_run_once(fn):
     assert compare(fn) == {}
 

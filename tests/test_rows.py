@@ -5,6 +5,8 @@ Every function below runs through ``recompile.vmap`` and is compared with the pl
 each test also shows that the slice, the loop over it, its items and an embedding of it ran batched.
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -339,6 +341,68 @@ def test_an_rnn_module_over_each_instances_stretch_runs_once_over_them_packed(ki
     params = [*rnn.parameters(), embed.weight]
     for g, w in zip(torch.autograd.grad(got.sum(), params), torch.autograd.grad(want.sum(), params)):
         torch.testing.assert_close(g, w)
+
+
+def spreads(xs, n):
+    s = xs[:n]
+    return s.std(0) + s.var(0, unbiased=False) + torch.var(s, 0, correction=0, keepdim=True)[0] + \
+        torch.std(s, 0, False) + s.var(0, True, True)[0] + s.std(dim=-2, correction=0) + s.var(-2, correction=0.5)
+
+
+def products_and_nans(xs, n):
+    s = xs[:n]
+    return s.prod(0) + torch.prod(s, 0, keepdim=True)[0] + s.nansum(0) + s.nanmean(dim=0) + torch.nansum(s, -2)
+
+
+def positions(xs, n):
+    s = xs[:n]
+    return (s.argmax(0) + s.argmin(dim=0, keepdim=True)[0] * 10 + (s > 0).any(0) * 100 +
+            torch.all(s > -1, 0) * 1000 + torch.argmax(s, 0) * 10000).double()
+
+
+def nothing_needed(xs, n):
+    s = xs[:n]
+    return s.prod(0) + s.nansum(0) + s.any(0) + torch.all(s, 0)
+
+
+def running(xs, n):
+    s = xs[:n]
+    return (s.cumprod(0) + torch.cummax(s, 0).values * s.cummin(dim=0)[0] + s.cummax(0).indices +
+            torch.cumprod(s, dim=0) + s.cumsum(0)).sum(0)
+
+
+@pytest.mark.parametrize("fn", [spreads, products_and_nans, positions, nothing_needed, running])
+def test_spreads_products_and_positions_along_each_stretch_run_once_as_eager(fn):
+    xs = torch.tensor([[[1.0, 5.0], [1.0, float("nan")], [3.0, 0.0], [-2.0, 1.0]],  # (ties, a nan)
+                       [[2.0, 2.0], [2.0, 2.0], [9.0, 9.0], [9.0, 9.0]],  # (two rows alike: a std of 0)
+                       [[float("-inf"), 1.0], [0.0, -3.0], [0.0, -3.0], [0.0, 0.0]],  # (an inf, its grad nan)
+                       [[0.5, -0.5], [0.25, 4.0], [-1.0, 0.0], [7.0, -7.0]]], dtype=torch.float64,  # (one row)
+                      requires_grad=True)
+    n = lengths(3, 2, 4, 0 if fn is nothing_needed else 1)
+    f = recompile.function(fn)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = recompile.vmap(f)(xs, n)
+        want = torch.stack([fn(xs[k], int(n[k])) for k in range(4)])
+    said = [str(w.message) for w in caught if "degrees of freedom" in str(w.message)]
+    assert len(said) == (4 if fn is spreads else 0)  # (one row, a correction of 1: eager's warning, from each)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    if want.requires_grad:
+        torch.testing.assert_close(torch.autograd.grad(got.nansum(), xs)[0], torch.autograd.grad(want.nansum(), xs)[0],
+                                   equal_nan=True)
+
+
+def test_a_spread_of_an_integer_stretch_or_an_empty_one_raises_as_eager(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    ints, n = torch.arange(12).view(2, 3, 2), lengths(2, 3)
+    with pytest.raises(RuntimeError) as eager:
+        spreads(ints[0], 2)
+    with pytest.raises(eager.type, match="std and var"):
+        recompile.vmap(recompile.function(spreads))(ints, n)
+    with pytest.raises(Exception) as eager:
+        positions(ints[0], 0)
+    with pytest.raises(eager.type):
+        recompile.vmap(recompile.function(positions))(ints, lengths(2, 0))
 
 
 def test_the_amax_of_an_inf_tying_with_the_rows_past_an_end_shares_its_gradient_as_eager():

@@ -94,12 +94,18 @@ def mutating_method(name):
 # the call is a tensor's, which changes nothing (``s.sort(descending=True)``, ``x.add(y, alpha=2)``); any other
 # call may be the list's, the set's, or another object's that changes it (``list.sort(xs)``, ``bag.add(v, w)``).
 _TENSOR_KEYWORDS = {"sort": {"dim", "descending", "stable"}, "add": {"alpha"}}
+# ... and the same for a first positional argument: ``xs.sort(0)`` sorts along a dim, where a list's sort takes
+# no positional argument and ``list.sort(xs)`` is given the list.
+_TENSOR_FIRST_ARGUMENT = {"sort": int}
 
 
-def mutating_call(name, keywords):
-    """Whether a call of a method of this name, given these ``keywords``, may change what it is called on
-    (``mutating_method``, less the calls only a tensor's method takes)."""
+def mutating_call(name, keywords, first=None):
+    """Whether a call of a method of this name, given these ``keywords`` (and ``first``, its first positional
+    argument where the program gives it as a constant), may change what it is called on (``mutating_method``,
+    less the calls only a tensor's method takes)."""
     if name in _TENSOR_KEYWORDS and _TENSOR_KEYWORDS[name] & set(keywords):
+        return False
+    if name in _TENSOR_FIRST_ARGUMENT and type(first) is _TENSOR_FIRST_ARGUMENT[name]:
         return False
     return mutating_method(name)
 
@@ -200,10 +206,15 @@ FINITE_EVERYWHERE = frozenset({
     torch.relu, F.relu, torch.tanh, F.tanh, torch.sigmoid, F.sigmoid, F.gelu, F.silu, F.elu, F.selu, F.celu,
     F.leaky_relu, F.hardtanh, F.relu6, F.softplus, F.mish, F.logsigmoid, F.softsign, F.hardsigmoid, F.hardswish,
     torch.neg, torch.abs, torch.clamp, torch.sin, torch.cos, torch.add, torch.sub, torch.mul, operator.add,
-    operator.sub, operator.mul, operator.neg, operator.truediv, torch.div})
+    operator.sub, operator.mul, operator.neg, operator.truediv, torch.div,
+    # (comparisons and logic: a bool at every input, no gradient)
+    operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne, torch.lt, torch.le, torch.gt,
+    torch.ge, torch.eq, torch.ne, operator.and_, operator.or_, operator.invert, torch.logical_not,
+    torch.logical_and, torch.logical_or})
 FINITE_METHODS = frozenset({"relu", "tanh", "sigmoid", "neg", "abs", "clamp", "clamp_min", "clamp_max", "clip",
                             "sin", "cos", "add", "sub", "mul", "div", "float", "double", "clone", "__add__",
-                            "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__"})
+                            "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+                            "lt", "le", "gt", "ge", "eq", "ne", "logical_not", "logical_and", "logical_or"})
 # Tensor methods (and torch functions of the same name) whose result is a view of the tensor, sharing its
 # version, or may be (``reshape``, ``flatten``, ``contiguous`` copy where they must)
 VIEW_METHODS = frozenset({"view", "view_as", "t", "transpose", "swapaxes", "permute", "narrow", "select", "squeeze",

@@ -37,7 +37,8 @@ def op_mutates(op):
     producer = fn.op
     if (isinstance(producer, ir.Call) and isinstance(producer.fn, ir.Const) and producer.fn.value is getattr
             and isinstance(producer.args[1], ir.Const)):
-        return facts.mutating_call(producer.args[1].value, [key for key, _ in op.kwargs])  # obj.append(...)
+        first = op.args[0].value if op.args and isinstance(op.args[0], ir.Const) else None
+        return facts.mutating_call(producer.args[1].value, [key for key, _ in op.kwargs], first)  # obj.append(...)
     if isinstance(producer, ir.Capture):
         if producer.source_kind == "attr":
             return facts.mutating_method(producer.source)  # self.append(...) in a list subclass

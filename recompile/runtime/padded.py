@@ -378,10 +378,10 @@ def pooled(n, x, fn, kind, kernel, stride, padding, ceil_mode, spatial=1):
 
 # ---- reductions ------------------------------------------------------------------------------------------
 
-_REDUCTIONS = frozenset({"sum", "mean", "max", "min", "amax", "amin", "softmax", "log_softmax"})
+_REDUCTIONS = rows.REDUCTIONS | {"softmax", "log_softmax"}
 
 
-def _along(n, x, name, keepdim):
+def _along(n, x, name, keepdim, correction=1):
     """``name`` along the lengths' dim of each instance's value, what lies past each end left out (``rows``'
     reductions and softmaxes within a mask)."""
     t = x.tensor
@@ -392,9 +392,9 @@ def _along(n, x, name, keepdim):
         if name == "log_softmax":  # (-inf past each end: finite there, zeros)
             out = torch.where(x.mask(), out, out.new_zeros(()))
         return _result(n, out, x.dim, x.lengths, zeroed=True)
-    if name != "sum" and min(x.lengths) == 0:
+    if name not in rows.EMPTY_SAFE and min(x.lengths) == 0:
         return NotImplemented  # (an empty one: its instance's own op says what it gives or raises)
-    return rows.reduced_within(n, name, t, x.dim + 1, x.mask(), torch.tensor(x.lengths), keepdim)
+    return rows.reduced_within(n, name, t, x.dim + 1, x.mask(), torch.tensor(x.lengths), keepdim, correction)
 
 
 def reduced(n, name, x, args, kwargs):
@@ -402,15 +402,15 @@ def reduced(n, name, x, args, kwargs):
     the lengths' dim through ``_along``; along another, once on the padded tensor; over everything, what lies
     past each end left out. NotImplemented for other forms."""
     rank = x.tensor.dim() - 1
-    if set(kwargs) - {"dim", "keepdim"} or len(args) > 2 or ("dim" in kwargs and args):
+    found = rows.reduction_args(name, args, kwargs)
+    if found is None or (name in ("softmax", "log_softmax") and (found[0] is None or "keepdim" in kwargs
+                                                                 or len(args) > 1)):
         return NotImplemented
-    dim = kwargs.get("dim", args[0] if args else None)
-    keepdim = kwargs.get("keepdim", args[1] if len(args) > 1 else False)
-    if type(keepdim) is not bool or (name in ("softmax", "log_softmax") and (dim is None or "keepdim" in kwargs
-                                                                           or len(args) > 1)):
-        return NotImplemented
+    dim, keepdim, correction = found
     if dim is None:
-        return whole(n, name, x.tensor, x.dim, x.lengths, x.mask()) if not keepdim and not args else NotImplemented
+        if name in ("std", "var") or keepdim or args:
+            return NotImplemented
+        return whole(n, name, x.tensor, x.dim, x.lengths, x.mask())
     if type(dim) in (tuple, list) and name in ("sum", "mean", "amax", "amin"):  # (``x.sum((0, 1))``)
         dims = [_dim(d, rank) for d in dim]
         if None in dims or len(set(dims)) < len(dims) or not dims:
@@ -423,9 +423,10 @@ def reduced(n, name, x, args, kwargs):
     if dim is None:
         return NotImplemented
     if dim == x.dim:
-        return _along(n, x, name, keepdim)
-    out = getattr(x.tensor, name)(dim + 1, keepdim) if name not in ("softmax", "log_softmax") else \
-        getattr(x.tensor, name)(dim + 1)
+        return _along(n, x, name, keepdim, correction)
+    spread = {"correction": correction} if name in ("std", "var") else {}
+    out = getattr(x.tensor, name)(dim + 1, keepdim=keepdim, **spread) if name not in ("softmax", "log_softmax") \
+        else getattr(x.tensor, name)(dim + 1)
     at = x.dim - (dim < x.dim and not keepdim and name not in ("softmax", "log_softmax"))
     if type(out) is torch.Tensor:
         return _result(n, out, at, x.lengths)

@@ -10,6 +10,8 @@ once.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -391,9 +393,14 @@ def last_items(seq, i):
     return bt.from_tensor(seq.source[seq.row_index(device), at])
 
 
-_REDUCTIONS = {"sum", "mean", "max", "min", "amax", "amin"}
+# Reductions along a dim that run on the padded rows, what lies past each end left out (``reduced_within``).
+REDUCTIONS = frozenset({"sum", "mean", "max", "min", "amax", "amin", "std", "var", "prod", "argmax", "argmin",
+                        "any", "all", "nansum", "nanmean"})
 _SOFTMAXES = {"softmax", "log_softmax"}
-ALONG_ROWS = frozenset({*_REDUCTIONS, *_SOFTMAXES, "flip", "logsumexp", "cumsum"})  # (Tensor methods it runs)
+# Running ops along the rows, and what fills the rows past each end (never read: what is finite there, and adds
+# nothing to a gradient through a zero cotangent).
+_RUNNING = {"cumsum": 0, "cumprod": 1, "cummax": 0, "cummin": 0}
+ALONG_ROWS = frozenset({*REDUCTIONS, *_SOFTMAXES, *_RUNNING, "flip", "logsumexp"})  # (Tensor methods it runs)
 # (the torch functions of these names, and F's softmaxes)
 REDUCING = {getattr(torch, name): name for name in ALONG_ROWS} | {F.softmax: "softmax", F.log_softmax: "log_softmax"}
 
@@ -416,26 +423,35 @@ def along_rows(n, name, seq, args, kwargs, method=False):
         return flipped(n, seq)
     if name in _SOFTMAXES:
         return softmaxed(n, name, seq, args, kwargs)
-    if name in ("logsumexp", "cumsum"):
+    if name == "logsumexp" or name in _RUNNING:
         return _running_or_log_summed(n, name, seq, args, kwargs)
     return reduced(n, name, seq, args, kwargs)
 
 
 def _running_or_log_summed(n, name, seq, args, kwargs):
-    """``xs.cumsum(0)`` (each instance's running sums, Rows of a new tensor) and ``torch.logsumexp(xs, 0)`` of
-    each instance's stretch along its rows: over the rows they lie in, those past an end as zeros (a cumsum's,
-    never read) or -inf (taking no share, and no gradient). NotImplemented for other dims and forms."""
+    """``xs.cumsum(0)``, ``cumprod``, ``cummax``, ``cummin`` (each instance's running values, Rows of a new
+    tensor; its row t reads none past t) and ``torch.logsumexp(xs, 0)`` of each instance's stretch along its
+    rows: over the rows they lie in, those past an end filled (``_RUNNING``) or -inf (taking no share, and no
+    gradient). NotImplemented for other dims and forms."""
     found = _along(args, kwargs) if name == "logsumexp" or len(args) <= 1 and set(kwargs) <= {"dim"} else None
     rank = seq.source.dim() - 1
     if found is None or found[0] not in (0, -rank) or seq.shortest == 0 or not seq.source.is_floating_point():
         return NotImplemented
     padded = as_padded(seq)
     mask = seq.mask(padded.device).view(n, -1, *[1] * (rank - 1))
-    if name == "cumsum":
-        found_rows = padded_rows(n, torch.where(mask, padded, padded.new_zeros(())).cumsum(1), seq.lengths)
-        found_rows.same_layout(seq)
-        return Batch(n, items=found_rows)
-    return bt.from_tensor(torch.where(mask, padded, padded.new_full((), float("-inf"))).logsumexp(1, found[1]))
+    if name == "logsumexp":
+        return bt.from_tensor(torch.where(mask, padded, padded.new_full((), float("-inf"))).logsumexp(1, found[1]))
+    out = getattr(torch.where(mask, padded, padded.new_full((), _RUNNING[name])), name)(1)
+    if type(out) is torch.Tensor:
+        return Batch(n, items=_same_rows(n, out, seq))
+    return bt.from_struct(type(out), [Batch(n, items=_same_rows(n, part, seq)) for part in out], n)
+
+
+def _same_rows(n, padded, seq):
+    """The Rows of ``padded``'s first rows, as long as ``seq``'s."""
+    found = padded_rows(n, padded, seq.lengths)
+    found.same_layout(seq)
+    return found
 
 
 def softmaxed(n, name, seq, args, kwargs):
@@ -449,9 +465,7 @@ def softmaxed(n, name, seq, args, kwargs):
         return NotImplemented
     padded = as_padded(seq)
     out = softmax_within(name, padded, 1, seq.mask(padded.device).view(n, -1, *[1] * (rank - 1)))
-    found = padded_rows(n, out, seq.lengths)
-    found.same_layout(seq)
-    return Batch(n, items=found)
+    return Batch(n, items=_same_rows(n, out, seq))
 
 
 def softmax_within(name, padded, dim, mask):
@@ -465,14 +479,14 @@ def reduced(n, name, seq, args, kwargs):
     rows: over the rows they lie in, the rows past an instance's end left out (``torch.where``: none of their
     values, not even an inf, reaches a result or a gradient; an amax with grad of an inf, whose gradient a tie
     with the fill would share, runs per instance). NotImplemented for other ops and dims."""
-    if name not in _REDUCTIONS:
+    if name not in REDUCTIONS:
         return NotImplemented
-    found = _along(args, kwargs)
+    found = reduction_args(name, args, kwargs)
     rank = seq.source.dim() - 1  # (each instance's)
-    if found is None or found[0] not in (0, -rank) or rank < 1:
+    if found is None or type(found[0]) is not int or found[0] not in (0, -rank) or rank < 1:
         return NotImplemented
-    keepdim = found[1]
-    if name != "sum" and seq.shortest == 0:
+    keepdim, correction = found[1], found[2]
+    if name not in EMPTY_SAFE and seq.shortest == 0:
         return NotImplemented  # (an empty stretch: its instance's own op says what it gives or raises)
     if name in ("sum", "mean") and seq.packed is not None and seq.packed.is_cpu and (
             seq.packed.is_floating_point() or seq.packed.is_complex()):  # (an int sum: int64; CUDA's index_add
@@ -485,15 +499,29 @@ def reduced(n, name, seq, args, kwargs):
         return bt.from_tensor(total.unsqueeze(1) if keepdim else total)
     padded = as_padded(seq)
     return reduced_within(n, name, padded, 1, seq.mask(padded.device).view(n, -1, *[1] * (rank - 1)), seq.counts(),
-                          keepdim)
+                          keepdim, correction)
 
 
-def reduced_within(n, name, padded, dim, mask, counts, keepdim):
-    """Reduction ``name`` (``_REDUCTIONS``) along ``dim`` of ``padded`` (the batch's tensor) where ``mask``
+# Reductions that give what eager gives of an empty value (a sum's 0, a product's 1): the rest refuse one.
+EMPTY_SAFE = frozenset({"sum", "nansum", "prod", "any", "all"})
+# What fills the places past each end for a reduction that reads them as the value had nothing there.
+_NEUTRAL = {"prod": 1, "any": 0, "all": 1, "nansum": 0, "nanmean": float("nan")}
+
+
+def reduced_within(n, name, padded, dim, mask, counts, keepdim, correction=1):
+    """Reduction ``name`` (``REDUCTIONS``) along ``dim`` of ``padded`` (the batch's tensor) where ``mask``
     (broadcast) marks each instance's places, ``counts`` (a LongTensor) how many each has there: the rest left
     out (``torch.where``: none of their values, not even an inf, reaches a result or a gradient; an amax with
-    grad of an inf, whose gradient a tie with the fill would share, is NotImplemented)."""
+    grad of an inf, whose gradient a tie with the fill would share, is NotImplemented). ``correction``: a
+    ``std``'s or ``var``'s, subtracted from each count."""
     device = padded.device
+    if name in ("std", "var"):
+        return _spread_within(n, name, padded, dim, mask, counts, keepdim, correction)
+    if name in _NEUTRAL:
+        if padded.is_complex() or (name in ("nansum", "nanmean") and not padded.is_floating_point()):
+            return NotImplemented
+        filled = torch.where(mask, padded, padded.new_full((), _NEUTRAL[name]))
+        return bt.from_tensor(getattr(filled, name)(dim, keepdim=keepdim))
     if name in ("sum", "mean"):
         if name == "mean" and not (padded.is_floating_point() or padded.is_complex()):
             return NotImplemented
@@ -504,15 +532,37 @@ def reduced_within(n, name, padded, dim, mask, counts, keepdim):
         return bt.from_tensor(total / lengths.view(n, *[1] * (total.dim() - 1)))
     if padded.dtype is torch.bool or padded.is_complex():
         return NotImplemented
-    fill = extreme_fill(padded, name in ("max", "amax"))
+    fill = extreme_fill(padded, name in ("max", "amax", "argmax"))
     filled = torch.where(mask, padded, padded.new_full((), fill))
     if name in ("amax", "amin") and padded.requires_grad and torch.is_grad_enabled() and \
             bool((torch.where(mask, padded, 0) == fill).any()):
         return NotImplemented  # (an inf tying with the fill: amax's gradient, shared by ties, would reach it)
     out = getattr(filled, name)(dim, keepdim=keepdim)
-    if name in ("amax", "amin"):
+    if name in ("amax", "amin", "argmax", "argmin"):  # (an arg's ties: the first, within the value, as eager's)
         return bt.from_tensor(out)
     return bt.from_struct(type(out), [bt.from_tensor(out.values), bt.from_tensor(out.indices)], n)
+
+
+def _spread_within(n, name, padded, dim, mask, counts, keepdim, correction):
+    """``std``/``var`` along ``dim`` as ``reduced_within`` reduces: each instance's mean over its own places,
+    their squared distances from it summed there, divided by its count less ``correction`` (none below 0,
+    as eager's: an inf or nan where nothing is left)."""
+    if not padded.is_floating_point():
+        return NotImplemented
+    if bool((counts <= correction).any()):  # (eager's warning, once per op as eager gives it)
+        warnings.warn(f"{name}(): degrees of freedom is <= 0. Correction should be strictly less than the "
+                      "reduction factor (input numel divided by output numel).", UserWarning, stacklevel=2)
+    zero = padded.new_zeros(())
+    lengths = counts.to(device=padded.device, dtype=padded.dtype)
+    at = lengths.view(n, *[1] * (padded.dim() - 1))
+    mean = torch.where(mask, padded, zero).sum(dim, keepdim=True) / at
+    apart = torch.where(mask, padded - mean, zero)
+    total = (apart * apart).sum(dim, keepdim=keepdim)
+    out = total / (lengths - correction).clamp(min=0).view(n, *[1] * (total.dim() - 1))
+    if name == "std":  # (a std of 0 passes no gradient back, as eager's, where a root's would be nan)
+        none = out == 0
+        out = torch.where(none, zero, torch.where(none, 1.0, out).sqrt())
+    return bt.from_tensor(out)
 
 
 def extreme_fill(t, highest):
@@ -524,13 +574,29 @@ def extreme_fill(t, highest):
     return info.min if highest else info.max
 
 
+def reduction_args(name, args, kwargs):
+    """(dim, keepdim, correction) of a reduction's arguments, the dim as given (None where none is; a ``std``'s
+    or ``var``'s correction, or ``unbiased`` by name or place; else 1), or None for other arguments (a dtype)."""
+    spread = name in ("std", "var")
+    names = ("dim", "unbiased", "keepdim") if spread else ("dim", "keepdim")
+    if len(args) > len(names) or set(kwargs) - {*names, *(("correction",) if spread else ())}:
+        return None
+    found = dict(zip(names, args))
+    if found.keys() & kwargs.keys() or {"unbiased", "correction"} <= {*found, *kwargs}:
+        return None
+    found.update(kwargs)
+    unbiased, keepdim = found.get("unbiased", True), found.get("keepdim", False)
+    correction = found.get("correction", 1 if unbiased else 0)
+    if type(unbiased) is not bool or type(keepdim) is not bool or type(correction) not in (int, float) or \
+            type(found.get("dim")) is bool:  # (``x.var(False)``: unbiased, by place, over everything)
+        return None
+    return found.get("dim"), keepdim, correction
+
+
 def _along(args, kwargs):
     """(dim, keepdim) of a reduction's arguments, or None where they are others (a dtype, a dim tuple)."""
-    if set(kwargs) - {"dim", "keepdim"} or len(args) > 2 or ("dim" in kwargs and args):
-        return None
-    dim = kwargs.get("dim", args[0] if args else None)
-    keepdim = kwargs.get("keepdim", args[1] if len(args) > 1 else False)
-    return (dim, keepdim) if type(dim) is int and type(keepdim) is bool else None
+    found = reduction_args("sum", args, kwargs)
+    return found[:2] if found is not None and type(found[0]) is int else None
 
 
 def as_padded(seq):
