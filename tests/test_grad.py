@@ -2805,6 +2805,36 @@ def test_a_view_changed_in_place_is_refused_only_where_a_gradient_comes_through_
         recompile.function(bump_a_row_of_a_result, mode=mode)(x).backward()
 
 
+TIES = torch.tensor([1.0, 3.0, 3.0], dtype=torch.float64)
+
+
+def tanh_of(s, y):
+    v = torch.tanh(s)
+    v += y.sum()  # (tanh's gradient reads v: torch refuses this only where s needs a gradient)
+    return y * v
+
+
+def tanh_of_a_constant(y):
+    return tanh_of(TIES.min(), y)
+
+
+def tanh_of_the_input(y):
+    return tanh_of(y.min() * 1.0, y)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
+def test_a_value_changed_after_its_ops_gradient_read_it_is_refused_only_where_a_gradient_needs_it(mode):
+    y = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    want, = torch.autograd.grad(tanh_of_a_constant(y).sum(), y)
+    got, = torch.autograd.grad(recompile.function(tanh_of_a_constant, mode=mode)(y).sum(), y)
+    torch.testing.assert_close(got, want)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(tanh_of_the_input(y).sum(), y)
+    out = recompile.function(tanh_of_the_input, mode=mode)(y)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out.sum(), y)
+
+
 def unary_in_place_then_changed(x):
     v = x * 1
     v.sigmoid_()  # (its gradient reads its result, v)

@@ -40,13 +40,25 @@ def external(t):
     return t.requires_grad and (t.grad_fn is not None or not t._is_view() or not t._base.requires_grad)
 
 
+class _Carried(threading.local):
+    """Per thread, while one op's gradient runs: the refusal its popped cotangents carry (``GradContext.refuse``),
+    which every cotangent it adds carries on."""
+
+    def __init__(self):
+        self.refusal = None
+
+
+_carried = _Carried()
+
+
 class GradContext:
-    __slots__ = ("sources", "grads", "cotangents", "fallbacks", "modules", "lock", "__weakref__")
+    __slots__ = ("sources", "grads", "cotangents", "refusals", "fallbacks", "modules", "lock", "__weakref__")
 
     def __init__(self):
         self.sources = {}  # id -> tensor
         self.grads = {}  # id -> accumulated gradient of a source
         self.cotangents = {}  # id -> (tensor, cotangent); the tensor keeps its id from being reused
+        self.refusals = {}  # id -> the error a cotangent carries towards the sources (``refuse``)
         self.fallbacks = {}  # callable name -> calls recorded for torch.autograd
         self.modules = {}  # id -> a module whose parameters are noted, and (submodule, name, parameter) of each
         self.lock = threading.Lock()
@@ -75,13 +87,18 @@ class GradContext:
         if type(g) in DEFERRED and not (isinstance(obj, _Tensor) and external(obj)):
             g = g.tensor()  # only a source's gradient waits to be formed
         if isinstance(obj, _Tensor):
+            refusal = _carried.refusal
             if obj.requires_grad and external(obj):
+                if refusal is not None:
+                    raise refusal
                 self._add_source(obj, g)
             elif obj.is_floating_point() or obj.is_complex():
                 key = id(obj)
                 with self.lock:
                     entry = self.cotangents.get(key)
                     self.cotangents[key] = (obj, g if entry is None else entry[1] + g)
+                    if refusal is not None:
+                        self.refusals[key] = refusal
         elif isinstance(obj, (tuple, list)) and isinstance(g, (tuple, list)):
             for o, go in zip(obj, g):
                 self.add(o, go)
@@ -121,6 +138,8 @@ class GradContext:
         if isinstance(out, _Tensor):
             with self.lock:
                 entry = self.cotangents.pop(id(out), None)
+                if self.refusals and id(out) in self.refusals:
+                    _carried.refusal = self.refusals.pop(id(out))
             return None if entry is None else entry[1]
         if isinstance(out, (tuple, list)):
             gs = tuple(self.pop(o) for o in out)
@@ -134,6 +153,17 @@ class GradContext:
         if isinstance(out, (tuple, list)):
             return any(self.reaches(o) for o in out)
         return True  # (not known here: check)
+
+    def refuse(self, out, refusal):
+        """Let the cotangent of ``out`` (a tensor, or a tuple or list of them) carry ``refusal`` through every
+        gradient it reaches, raised where it would reach a source: as torch raises for a node it recorded, which
+        it did only where an input requires grad (``TIE.min()`` needs none: its cotangent reaches nothing)."""
+        if isinstance(out, _Tensor):
+            with self.lock:
+                self.refusals[id(out)] = refusal
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                self.refuse(o, refusal)
 
     def peek(self, tensor):
         entry = self.cotangents.get(id(tensor))
@@ -550,9 +580,9 @@ def check_version(ctx, out, t, expected, where, how, is_result, *args):
         return  # (torch.where(c, x, y) with x changed: only c's value is read)
     if not is_result and how.vjp in ITEM_READS and args and not isinstance(args[0], _Tensor):
         return  # (a list's item by a tensor index: the item is the object itself, no index is read)
-    raise RuntimeError(
+    ctx.refuse(out, RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"a tensor of shape {tuple(t.shape)} used at {where} was changed in place afterwards")
+        f"a tensor of shape {tuple(t.shape)} used at {where} was changed in place afterwards"))
 
 
 def _read_only(rule, args, kwargs):
@@ -589,12 +619,27 @@ def _read_for_a_gradient(t, args, kwargs, read_for_others):
 # gradient
 
 
+def _one_op(backward):
+    """``backward`` is one op's gradient: the refusal its popped cotangents carry goes to the ones it adds, and
+    no further."""
+    def run(ctx, *args, **kwargs):
+        _carried.refusal = None
+        try:
+            return backward(ctx, *args, **kwargs)
+        finally:
+            _carried.refusal = None
+    run.__name__, run.__qualname__, run.__doc__ = backward.__name__, backward.__qualname__, backward.__doc__
+    return run
+
+
+@_one_op
 def backward_of(ctx, how):
     """The gradient of a call whose way to differentiate was decided when it ran (see call_forward)."""
     if how is not None:
         how.backward(ctx)
 
 
+@_one_op
 def call_backward(ctx, how, out, fn, *args, **kwargs):
     """Apply the gradient of one forward call: ``how`` is its Rule, a Recorded call, or None."""
     if how is None:
@@ -615,6 +660,7 @@ def read_backward(ctx, how, out, fn, obj, *args):
         call_backward(ctx, how, out, fn, obj, *args)
 
 
+@_one_op
 def setitem_backward(ctx, obj, index, value):
     """``obj[index] = value`` on a tensor: value gets the cotangent of that region, which the old obj loses."""
     if not isinstance(obj, _Tensor):
@@ -622,6 +668,7 @@ def setitem_backward(ctx, obj, index, value):
     g = ctx.peek(obj)
     if g is None:
         return
+    _carried.refusal = ctx.refusals.get(id(obj))
     part = g[index]
     if isinstance(value, _Tensor):
         ctx.add(value, part.sum_to_size(value.shape) if part.shape != value.shape else part)
@@ -806,10 +853,37 @@ class Recorded:
                 grads.append(gr)
         if not outs or not self.inputs:
             return
+        try:
+            found = self._grads(outs, self.inputs, grads)
+        except RuntimeError as error:
+            if "modified by an inplace operation" not in str(error):
+                raise
+            self._input_by_input(ctx, outs, grads)
+            return
+        for target, gi in zip(self.targets, found):
+            ctx.add(target, gi)
+
+    @staticmethod
+    def _grads(outs, inputs, grads):
         with torch.enable_grad():
             # (retain_graph: the walk may have reached into a graph of the caller's, which must survive)
-            found = torch.autograd.grad(outs, self.inputs, grads, allow_unused=True, retain_graph=True)
-        for target, gi in zip(self.targets, found):
+            return torch.autograd.grad(outs, inputs, grads, allow_unused=True, retain_graph=True)
+
+    def _input_by_input(self, ctx, outs, grads):
+        """torch refused a gradient (a value it reads changed in place): each input's gradient alone, where the
+        refusal is on its way only to the inputs its walk reaches, and goes on with their cotangents towards the
+        sources (``GradContext.refuse``): an input no gradient needs (a constant's min) refuses nothing."""
+        carried = _carried.refusal
+        for inp, target in zip(self.inputs, self.targets):
+            try:
+                gi, = self._grads(outs, [inp], grads)
+            except RuntimeError as error:
+                if "modified by an inplace operation" not in str(error):
+                    raise
+                _carried.refusal = error
+                ctx.add(target, torch.zeros_like(inp))
+                _carried.refusal = carried
+                continue
             ctx.add(target, gi)
 
 

@@ -81,6 +81,7 @@ class CompiledCall(torch.autograd.Function):
         state.stats.record_backward()
         out = ctx.source_grads()
         ctx.cotangents.clear()
+        ctx.refusals.clear()
         ctx.grads.clear()
         return (None, *out)
 
