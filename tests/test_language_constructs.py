@@ -1070,6 +1070,11 @@ def zipped_and_enumerated(xs, ys):
     return out, i
 
 
+def comprehended(xs, d):
+    return [i * x for i, x in enumerate(xs)], {k: v for k, v in zip(d, xs)}, [p for p in enumerate(d, 1)], \
+        [(i, c) for i, c in enumerate(x * 2 for x in xs) if c > 2], {(a, b) for a, b in zip(xs, reversed(xs))}
+
+
 def zipped_unpacked_wrongly(xs):
     for a, b in zip(xs, xs, xs):
         pass
@@ -1085,7 +1090,8 @@ def test_for_over_enumerate_runs_as_python_does():
                       (enumerated_generator, [(4,), (0,)]), (enumerated_nothing, [([],), ([5, 6],)]),
                       (enumerated_one_name, [("xyz",)]), (enumerated_rows, [(ROWS,)]),
                       (zipped, [([1, 2, 3], "ab"), ([], [1]), (ROWS, ROWS)]), (zipped_draws_in_turn, [(3, 2), (2, 3)]),
-                      (zipped_and_enumerated, [([1, 2, 3], [4, 5])]), (zipped_unpacked_wrongly, [([1, 2],)])]:
+                      (zipped_and_enumerated, [([1, 2, 3], [4, 5])]), (zipped_unpacked_wrongly, [([1, 2],)]),
+                      (comprehended, [([1, 2, 3], {"a": 1, "b": 2}), ([], {}), ("xy", "abc")])]:
         check(fn, *cases)
 
 

@@ -244,14 +244,19 @@ def collected(xs, n):
             + states[1:].mean(0) * states[1:-1].sum(0))
 
 
+def same_as_each(fn, xs, n):
+    """``fn`` through recompile.vmap over rows ``xs`` and lengths ``n`` against each instance's own call:
+    values, and the gradient of ``xs``."""
+    got = recompile.vmap(recompile.function(fn))(xs, n)
+    want = torch.stack([fn(xs[k], int(n[k])) for k in range(len(n))])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+
+
 def test_each_instances_list_of_its_own_length_stacked_and_reduced_along_its_rows():
     xs = torch.randn(5, 6, 3, dtype=torch.float64, requires_grad=True)
     n = lengths(6, 2, 3, 6, 4)
-    f = recompile.function(collected)
-    got = recompile.vmap(f)(xs, n)
-    want = torch.stack([collected(xs[k], int(n[k])) for k in range(5)])
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+    same_as_each(collected, xs, n)
 
 
 def pooled(xs, n):
@@ -267,11 +272,7 @@ def test_stacked_lists_of_their_own_lengths_run_batched_with_ties_and_infinities
                        [[2.0, 2.0], [2.0, 2.0], [9.0, 9.0]],
                        [[float("-inf"), 1.0], [0.0, 0.0], [0.0, 0.0]]], dtype=torch.float64, requires_grad=True)
     n = lengths(2, 2, 1)  # (an instance's ties; rows past an end hold larger values)
-    f = recompile.function(pooled)
-    got = recompile.vmap(f)(xs, n)
-    want = torch.stack([pooled(xs[k], int(n[k])) for k in range(3)])
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+    same_as_each(pooled, xs, n)
 
 
 def concatenated(xs, n):
@@ -287,16 +288,13 @@ def concatenated(xs, n):
 def test_each_instances_list_of_its_own_length_concatenated_with_its_shape():
     xs = torch.randn(4, 5, 3, dtype=torch.float64, requires_grad=True)
     n = lengths(5, 1, 2, 3)
-    f = recompile.function(concatenated)
-    got = recompile.vmap(f)(xs, n)
-    want = torch.stack([concatenated(xs[k], int(n[k])) for k in range(4)])
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+    same_as_each(concatenated, xs, n)
     config.PER_INSTANCE = "allow"
     with pytest.raises(Exception) as eager:
         concatenated(xs[1], 0)
     with pytest.raises(eager.type, match="non-empty"):
-        recompile.vmap(f)(xs, lengths(2, 0, 4, 1))  # (an empty list: torch.cat raises, as each instance's)
+        # (an empty list: torch.cat raises, as each instance's)
+        recompile.vmap(recompile.function(concatenated))(xs, lengths(2, 0, 4, 1))
     with pytest.raises(TypeError):
         recompile.vmap(recompile.function(concatenated_along_a_float))(xs, n)  # (a dim of 0.0: torch refuses it)
 
@@ -403,6 +401,46 @@ def test_a_spread_of_an_integer_stretch_or_an_empty_one_raises_as_eager(monkeypa
         positions(ints[0], 0)
     with pytest.raises(eager.type):
         recompile.vmap(recompile.function(positions))(ints, lengths(2, 0))
+
+
+def counted_and_zipped(xs, n):
+    s = xs[:n]
+    weighted = torch.stack([x * (i + 1) for i, x in enumerate(s)]).sum(0)
+    paired = torch.stack([a * b for a, b in zip(s, s.flip(0))]).sum(0)
+    return weighted + paired + sum(x for _, x in enumerate(s, 2))
+
+
+def read_at_each_ones_own_place(xs, n):
+    s = xs[:n]
+    return s[len(s) - 1] * s[s.size(0) // 2] + s[-n] + s[n - 1] + s[torch.tensor(0)]
+
+
+@pytest.mark.parametrize("fn", [counted_and_zipped, read_at_each_ones_own_place])
+def test_comprehensions_over_enumerate_and_zip_and_a_place_per_instance_read_each_stretch_at_once(fn):
+    xs = torch.randn(4, 6, 3, dtype=torch.float64, requires_grad=True)
+    n = lengths(6, 1, 3, 4)
+    same_as_each(fn, xs, n)
+
+
+def past_its_end(xs, n):
+    s = xs[:n]
+    return s[len(s)]
+
+
+def by_a_mask(xs, n):
+    s = xs[:n]
+    return s[n > 2].sum()
+
+
+def test_a_place_per_instance_past_an_end_raises_and_a_mask_selects_as_eager(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    xs, n = torch.randn(3, 5, 2, dtype=torch.float64), lengths(5, 2, 3)
+    with pytest.raises(IndexError):
+        past_its_end(xs[0], 5)
+    with pytest.raises(IndexError):
+        recompile.vmap(recompile.function(past_its_end))(xs, n)
+    torch.testing.assert_close(recompile.vmap(recompile.function(by_a_mask))(xs, n),
+                               torch.stack([by_a_mask(xs[k], n[k]) for k in range(3)]))
 
 
 def test_the_amax_of_an_inf_tying_with_the_rows_past_an_end_shares_its_gradient_as_eager():

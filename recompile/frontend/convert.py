@@ -96,6 +96,7 @@ class Converter:
         self.env = None
         self.sg_names = Namer(reserved=(name,))  # the SubGraphs' names: branches and loops get unique ones
         self.comprehensions = 0
+        self.builtins = frozenset()  # (the builtin names a ``for`` lowers, that no scope of the function binds)
 
     # -- entry
 
@@ -103,7 +104,8 @@ class Converter:
         self.declared = closures.declarations(self.p.node.body)  # global and nonlocal names
         bound = {x for st in self.p.node.body for x in python_blocks.bound_by(st)} | set(self.p.params) | \
             set(self.p.freevars) | set(self.p.globals)  # (imports and match captures bind names too)
-        fdef = canon.canonicalize(copy.deepcopy(self.p.node), self.declared, _LOWERED_BUILTINS - bound)
+        self.builtins = _LOWERED_BUILTINS - bound
+        fdef = canon.canonicalize(copy.deepcopy(self.p.node), self.declared, self.builtins)
         self.locals = (set(_stored_names(fdef.body)) | set(self.p.params)) - set(self.declared)
         # (locals() lists parameters first, then variables in the order they are first bound)
         self.frame_order = [n for n in dict.fromkeys([*self.p.params, *_stored_names(self.p.node.body)])
@@ -613,7 +615,9 @@ class Converter:
             body = canon.located(gast.For(target=gen.target, iter=gen.iter, body=[body], orelse=[],
                                        type_comment=None), node)
         stmts = [canon.assign(acc, canon.located(empty, node), node), body]
-        lowering = canon.Canonicalizer()
+        # (``[f(i, x) for i, x in enumerate(xs)]`` is an index loop over xs, as the ``for`` statement is)
+        lowering = canon.Canonicalizer(builtins=self.builtins - {
+            n for gen in node.generators for n in _stored_names(gen.target)})
         lowering.counter = 100000 * self.comprehensions  # keep its synthetic names apart from the function's
         stmts = lowering.block(stmts)
         # the comprehension's own names (targets, synthetic); a walrus inside binds in the function

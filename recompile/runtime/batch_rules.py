@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import config, intrinsics
-from ..dynamo import opaque
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
@@ -890,6 +889,10 @@ def join_along(n, fn, args, kwargs):
         return rows.stacked(n, seq, args, kwargs) if fn is torch.stack else rows.concatenated(n, seq, args, kwargs)
     if type(seq) is not Batch or seq.struct is None or seq.owner is not None or len(args) > 2:
         return NotImplemented
+    if row_wise.holds_rows(seq.struct[1]) and set(kwargs) <= {"dim"}:  # (``torch.cat([fwd, bwd], 1)``)
+        out = row_wise.joined(n, fn, seq.struct[1], kwargs.get("dim", args[1] if len(args) > 1 else 0))
+        if out is not NotImplemented:
+            return out
     parts = []
     for p in seq.struct[1]:
         if type(p) is not Batch:
@@ -933,6 +936,10 @@ def gather(n, fn, args, kwargs):
             return _unbatched(n, operator.getitem, (x, index), None)
     if type(index) is Batch and index.owner == "items" and index.items and type(index.items[0]) is slice:
         return rows.stretch(n, x, index)  # (``words[:n]``, n per instance)
+    if type(x) is Batch and type(index) is Batch and rows.of(x) is not None and index.struct is None:
+        out = rows.item_each(rows.of(x), index)  # (``xs[len(xs) - 1]``: an int per instance)
+        if out is not NotImplemented:
+            return out
     if type(x) is not Batch and type(index) is Batch and type(x) in PLAIN_TENSORS:  # (``self.embed.weight[i]``)
         i = bt.tensor_of(index)
         if i is None:
@@ -1773,6 +1780,8 @@ def einsum(n, fn, args, kwargs):
         operands = operands[0]
     if len(operands) == 1 and type(operands[0]) is Batch and operands[0].struct is not None:
         operands = operands[0].struct[1]
+    if row_wise.holds_rows(operands):  # (``torch.einsum("nd,de->ne", xs, W)``: each row alone)
+        return row_wise.einsummed(n, args[0], operands)
     equation = batched_equation(args[0], [type(o) is Batch for o in operands])
     tensors = _tensor_args(n, operands)
     if equation is None or tensors is None or not all(isinstance(t, torch.Tensor) for t in tensors):

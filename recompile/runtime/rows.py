@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import facts
 from . import batch as bt
 from . import sharing
 from .batch import Batch
@@ -149,6 +150,21 @@ def item(seq, i):
         return bt.from_tensor(seq.source[:, first + i])
     device = seq.source.device
     return bt.from_tensor(seq.source[seq.row_index(device), torch.tensor(seq.starts, device=device) + i])
+
+
+def item_each(seq, index):
+    """``xs[i]`` with an int i per instance (``xs[len(xs) - 1]``, ``xs[n // 2]``), Python ints or 0-d integer
+    tensors: each instance's row, one index of the source (a copy, in a run that changes nothing in place);
+    NotImplemented where an i is no index of its stretch (each instance raises its own) or is not an int."""
+    t = bt.tensor_of(index) if index.owner != "items" or all(type(k) is not int for k in index.items) else None
+    if t is not None and (t.dim() != 1 or t.dtype not in facts.INTEGER_INDEX):
+        return NotImplemented  # (a bool or uint8 tensor is a mask, as eager reads it)
+    ks = t.tolist() if t is not None else index.items
+    if len(ks) != len(seq) or not all(type(k) is int and -m <= k < m for k, m in zip(ks, seq.lengths)):
+        return NotImplemented
+    device = seq.source.device
+    at = torch.tensor([a + (k if k >= 0 else k + m) for a, k, m in zip(seq.starts, ks, seq.lengths)], device=device)
+    return bt.from_tensor(seq.source[seq.row_index(device), at])
 
 
 def items_at(seq, instances, steps):
