@@ -130,8 +130,23 @@ def norms_and_running_sums(m, words, x, n):
         torch.logsumexp(xs, 0) + xs.logsumexp(-1).mean() + x[:n].cumsum(0).sum(0).sum()
 
 
+def products_by_shared_and_own(m, words, x, n):
+    a, w = x[:n], m.w[:3, :2]  # (n, 3), a shared (3, 2)
+    attended = F.softmax(a[0] @ a.t(), dim=-1) @ a  # (each instance's own query)
+    return a.mm(w).sum(0) + torch.mm(a, w).amax(0) + a.matmul(w[:, 0]).sum() + \
+        torch.einsum("nd,de->ne", a, w).mean(0) + torch.einsum("n d, d e -> n e", a, w).sum(0) + attended[:2] + \
+        torch.bmm(a[-1].view(1, 1, -1), a.t().unsqueeze(0)).sum() + (a[-1] @ a.t().unsqueeze(0)).amax()
+
+
+def joined_row_by_row(m, words, x, n):
+    a, b = m.embed(words[:n]), x[:n]  # (two stretches of the same lengths, from two tensors)
+    both = torch.cat([a, b * 2.0], 1)
+    return both.amax(0)[:3] + torch.stack([b, b.flip(0)], -1).sum((0, 2)) + torch.cat((b, b), dim=-1).mean(0)[1:4] + \
+        torch.concat([b.unsqueeze(1), b.unsqueeze(1)], 1).sum(0)[1]
+
+
 @pytest.mark.parametrize("fn", [mlp_then_max, attention, dot_product_attention, norms_and_running_sums,
-                                log_of_padded_input,
+                                log_of_padded_input, joined_row_by_row, products_by_shared_and_own,
                                 by_each_instances_query, methods, elementwise_with_shared_and_numbers])
 def test_ops_on_each_row_run_once_over_the_rows_packed(fn):
     assert compare(fn) == {}
@@ -320,3 +335,51 @@ def test_row_wise_programs_called_one_instance_at_a_time_in_every_mode_give_eage
         assert (got_x is None) == (xs.grad is None)
         if xs.grad is not None:
             torch.testing.assert_close(got_x, xs.grad, rtol=1e-9, atol=1e-12)
+
+
+def dropped(m, x, y, n, drop):
+    return torch.stack([drop(x[:n]).sum(0), F.dropout(y[:n] * 1.0, 0.5, m.training).sum(0)])
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_dropout_of_each_instances_rows_draws_one_mask_for_all_of_them_at_once(training):
+    torch.manual_seed(3)
+    model, drop = Model().double().train(training), nn.Dropout(0.5).train(training)
+    _, x = inputs()
+    xs, ys = x.clone().requires_grad_(), (x + 1.0).requires_grad_()
+    f = recompile.function(dropped)
+    got = recompile.vmap(f, in_dims=(None, 0, 0, 0, None))(model, xs, ys, LENGTHS, drop)
+    assert f.stats.get("per_instance", {}) == {}
+    gx, gy = torch.autograd.grad(got.sum(), (xs, ys))
+    inside = (torch.arange(7) < LENGTHS[:, None]).unsqueeze(-1).double()
+    if not training:
+        torch.testing.assert_close(gx, inside.expand_as(gx))
+    else:  # (each element dropped or kept and doubled: its gradient 0 or 2, as often as not)
+        for g in (gx, gy):
+            assert set(g.unique().tolist()) <= {0.0, 2.0} and not (g * (1 - inside)).any()
+            assert 0.25 < float((g == 2.0).double().sum() / (inside.sum() * 3)) < 0.75
+    torch.testing.assert_close(got[:, 0], (xs * gx).sum(1).detach())
+    torch.testing.assert_close(got[:, 1], (ys * gy).sum(1).detach())
+
+
+def rows_summed_by_einsum(m, words, x, n):
+    a = x[:n]
+    return torch.einsum("nd,nd->d", a, a) + torch.einsum("nd->d", a)  # (the rows' subscript summed over)
+
+
+def mm_by_a_vector(m, words, x, n):
+    return x[:n].mm(m.w[:3, 0])
+
+
+def bmm_that_does_not_meet(m, words, x, n):
+    return torch.bmm(x[:n][-1].view(1, 1, -1), x[:n].t().unsqueeze(0).expand(2, -1, -1))
+
+
+def test_products_across_the_rows_run_per_instance_and_shapes_that_do_not_meet_raise_as_eager(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
+    assert compare(rows_summed_by_einsum) != {}
+    for fn in (mm_by_a_vector, bmm_that_does_not_meet):
+        with pytest.raises(RuntimeError) as eager:
+            fn(Model().double(), None, inputs()[1][0], 3)
+        with pytest.raises(eager.type):
+            compare(fn)

@@ -503,8 +503,10 @@ def attribute(n, name, x):
 
 def call(n, fn, args, kwargs):
     """``fn(*args, **kwargs)`` where an argument holds Padded values, or NotImplemented."""
-    if fn in (operator.matmul, torch.matmul, F.linear):
-        return _weighted(n, fn, args, kwargs)
+    if fn in (operator.matmul, torch.matmul, F.linear, torch.bmm):
+        if fn is not F.linear and len(args) == 2 and not kwargs and type(args[0]) is Batch and of(args[0]) is None:
+            return _by_each(n, fn, args[0], of(args[1]))  # (``q @ xs.t()``: each instance's own q)
+        return _weighted(n, fn, args, kwargs) if fn is not torch.bmm else NotImplemented
     x = of(args[0]) if args and type(args[0]) is Batch else None
     if x is None:
         if fn in (operator.add, operator.mul, torch.add, torch.mul) and len(args) == 2 and of(args[1]) is not None \
@@ -591,6 +593,28 @@ def _weighted(n, fn, args, kwargs):
     if fn is F.linear or x.dim != rank - 1 or rank < 2:
         return NotImplemented
     out = fn(weight, x.tensor)
+    return _result(n, out, out.dim() - 2, x.lengths)
+
+
+def _by_each(n, fn, a, x):
+    """``q @ x``, ``torch.bmm(q, x)`` of each instance's own tensor q and its value x whose lengths' dim is its
+    last (not the one ``@`` sums over): one batched matmul; what lies past each end of x (finite) gives what
+    lies past each end of the result. NotImplemented for other operands."""
+    q = bt.tensor_of(a) if rows.of(a) is None else None
+    if x is None or q is None or q.dim() < 2:
+        return NotImplemented
+    rank = x.tensor.dim() - 1
+    if rank < 2 or x.dim != rank - 1 or q.shape[-1] != x.tensor.shape[-2] or q.dtype is not x.tensor.dtype or \
+            (fn is torch.bmm and (q.dim() != 4 or rank != 3 or q.shape[1] != x.tensor.shape[1])):
+        return NotImplemented  # (a bmm's shapes that do not meet: each instance raises its own)
+    vector = q.dim() == 2  # (each q a vector: a row, then taken away, as matmul does)
+    q = q.unsqueeze(1) if vector else q
+    gap = (rank - 2) - (q.dim() - 3)  # (the batch dims of the two, right-aligned after the instances')
+    q = q.view(q.shape[0], *[1] * gap, *q.shape[1:]) if gap > 0 else q
+    t = x.tensor.view(x.tensor.shape[0], *[1] * -gap, *x.tensor.shape[1:]) if gap < 0 else x.tensor
+    out = torch.matmul(q, t)
+    if vector:
+        out = out.squeeze(-2)
     return _result(n, out, out.dim() - 2, x.lengths)
 
 

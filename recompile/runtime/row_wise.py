@@ -24,8 +24,9 @@ from . import batch as bt
 from . import rows
 from .batch import Batch
 
-_MODULES = tuple(m for m in facts.ELEMENTWISE_MODULES if m is not nn.Dropout)
-_FUNCTIONS = facts.ELEMENTWISE - facts.DRAWS - {F.dropout}
+# (dropout too: one mask for every instance's rows at once, each row its own draws, as for a batched value)
+_MODULES = tuple(facts.ELEMENTWISE_MODULES)
+_FUNCTIONS = (facts.ELEMENTWISE - facts.DRAWS) | {F.dropout}
 _SOFTMAX = {torch.softmax: "softmax", F.softmax: "softmax", torch.log_softmax: "log_softmax",
             F.log_softmax: "log_softmax"}
 _ELEMENTWISE_METHODS = frozenset({"sigmoid", "tanh", "relu", "exp", "log", "sqrt", "abs", "neg", "clone", "float",
@@ -40,7 +41,7 @@ _SHAPING_METHODS = frozenset({"view", "reshape"})
 # callable -> (the dim's position after the input, its default)
 _ALONG_A_DIM = {F.normalize: (2, 1), F.cosine_similarity: (2, 1), torch.norm: (2, None),
                 torch.linalg.vector_norm: (2, None), torch.cumsum: (1, None), "norm": (1, None), "cumsum": (0, None)}
-METHODS = _ELEMENTWISE_METHODS | _DIM_METHODS | _SHAPING_METHODS | {"norm", "cumsum"}  # (those ``method`` runs)
+METHODS = _ELEMENTWISE_METHODS | _DIM_METHODS | _SHAPING_METHODS | {"norm", "cumsum", "mm", "matmul"}  # (``method``'s)
 
 
 def holds_rows(args):
@@ -94,13 +95,15 @@ def call(n, fn, args, kwargs):
             return _weighted(n, seq, F.linear, args[0], (fn.weight, fn.bias), {})
         if type(fn) is nn.LayerNorm and len(fn.normalized_shape) >= rank:
             return NotImplemented
-        if type(fn) is not nn.LayerNorm and type(fn) not in _MODULES and not (
-                type(fn) is nn.Dropout and (not fn.training or fn.p == 0)):
+        if type(fn) is not nn.LayerNorm and type(fn) not in _MODULES:
             return NotImplemented  # (exactly these types: a subclass's forward may reach across the rows)
-    elif fn in (F.linear, torch.matmul, operator.matmul):
+    elif fn in (F.linear, torch.matmul, operator.matmul, torch.mm):
         if fn is not F.linear and len(args) == 2 and not kwargs and any(type(a) is Batch for a in args[1:]):
             return _products(n, seq, args[0], args[1])
         return _weighted(n, seq, fn, args[0], args[1:], kwargs)
+    elif fn is F.dropout:
+        if len(args) > 3 and args[3] is not False:  # (``F.dropout(xs, p, True)`` trains; a fourth True: in place)
+            return NotImplemented
     elif any(a is True for a in args[1:]) and getattr(fn, "__module__", None) == F.__name__:
         return NotImplemented  # (``F.hardtanh(xs, -1, 1, True)``: in place, by position)
     elif fn is torch.where and len(args) != 3:
@@ -165,6 +168,41 @@ def _products(n, seq, first, second):
     return NotImplemented
 
 
+def einsummed(n, equation, operands):
+    """``torch.einsum("nd,de->ne", xs, W)`` of one instance's stretch and shared tensors, where the rows'
+    subscript is the stretch's first, in no other operand, and the result's first: each row alone, once on the
+    rows packed; NotImplemented for other equations and operands."""
+    if type(equation) is not str:
+        return NotImplemented
+    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    at = [k for k, o in enumerate(operands) if type(o) is Batch]
+    if not arrow or len(terms) != len(operands) or len(at) != 1 or "." in lhs or \
+            any(type(o) not in (torch.Tensor, nn.Parameter) for k, o in enumerate(operands) if k != at[0]):
+        return NotImplemented
+    seq, term = rows.of(operands[at[0]]), terms[at[0]]
+    if seq is None or seq.shortest == 0 or not term or not rhs or rhs[0] != term[0] or lhs.count(term[0]) != 1 \
+            or rhs.count(term[0]) != 1 or len(term) != seq.source.dim() - 1:
+        return NotImplemented
+    values = [packed(seq) if k == at[0] else o for k, o in enumerate(operands)]
+    return _rows_of(n, seq, torch.einsum(equation, *values))
+
+
+def joined(n, fn, parts, dim):
+    """``torch.cat([fwd, bwd], 1)``, ``torch.stack([a, b], -1)`` of stretches of the same lengths along a dim
+    other than their rows' (each row with the same row of the others): once on the rows packed;
+    NotImplemented for other parts and dims."""
+    found = [rows.of(p) if type(p) is Batch else None for p in parts]
+    if not found or None in found or type(dim) is not int:
+        return NotImplemented
+    seq = found[0]
+    rank = seq.source.dim() - 1
+    if seq.shortest == 0 or any(f.lengths != seq.lengths or f.source.dim() - 1 != rank for f in found) or \
+            not 1 <= (dim if dim >= 0 else dim + rank + (fn is torch.stack)) <= rank - (fn is not torch.stack):
+        return NotImplemented
+    return _rows_of(n, seq, fn([packed(f) for f in found], dim))
+
+
 def method(n, name, seq, args, kwargs):
     """``xs.name(*args, **kwargs)`` of each instance's stretch ``seq``, once on the rows packed, where the method
     acts on each row alone; NotImplemented otherwise."""
@@ -191,6 +229,11 @@ def method(n, name, seq, args, kwargs):
                 return out
         flat = packed(seq)
         return _rows_of(n, seq, getattr(flat, name)(*args, **kwargs))
+    if name in ("mm", "matmul"):  # (``xs.mm(W)``: each row by the shared W)
+        if len(args) != 1 or kwargs or type(args[0]) not in (torch.Tensor, nn.Parameter) or rank < 2 or \
+                args[0].dim() not in (1, 2):
+            return NotImplemented
+        return _rows_of(n, seq, getattr(packed(seq), name)(args[0]))
     if name in ("norm", "cumsum"):
         if not _along_another_dim(name, args, kwargs, rank) or any(type(a) is Batch for a in args):
             return NotImplemented
