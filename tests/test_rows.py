@@ -422,6 +422,27 @@ def test_comprehensions_over_enumerate_and_zip_and_a_place_per_instance_read_eac
     same_as_each(fn, xs, n)
 
 
+TRANSITIONS = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+
+def crf_loss(xs, n):
+    """A linear-chain CRF's negative log-likelihood, tags as the argmax of each row's first 4 values."""
+    emits = xs[:n]
+    tags = emits[:, :4].argmax(1)
+    gold = emits[0, tags[0]] + emits[-1][tags[-1]] * 0.0
+    for t in range(1, n):
+        gold = gold + TRANSITIONS[tags[t - 1], tags[t]] + emits[t, tags[t]] + TRANSITIONS[tags[t], 0] * 0.5
+    alpha = emits[0, :4]
+    for t in range(1, n):
+        alpha = torch.logsumexp(alpha.unsqueeze(1) + TRANSITIONS, 0) + emits[t, :4]
+    return torch.logsumexp(alpha, 0) - gold + xs[n - 1, tags[n - 1]] + xs[tags[0], tags[-1]]
+
+
+def test_a_crf_reads_each_instances_points_by_its_own_tags_in_one_index():
+    xs = torch.randn(5, 7, 5, dtype=torch.float64, requires_grad=True)
+    same_as_each(crf_loss, xs, lengths(7, 1, 4, 6, 2))
+
+
 def past_its_end(xs, n):
     s = xs[:n]
     return s[len(s)]
@@ -432,13 +453,19 @@ def by_a_mask(xs, n):
     return s[n > 2].sum()
 
 
+def point_past_its_end(xs, n):
+    s = xs[:n]
+    return s[n, 0] + s[0, n]
+
+
 def test_a_place_per_instance_past_an_end_raises_and_a_mask_selects_as_eager(monkeypatch):
     monkeypatch.setattr(config, "PER_INSTANCE", "allow")
     xs, n = torch.randn(3, 5, 2, dtype=torch.float64), lengths(5, 2, 3)
-    with pytest.raises(IndexError):
-        past_its_end(xs[0], 5)
-    with pytest.raises(IndexError):
-        recompile.vmap(recompile.function(past_its_end))(xs, n)
+    for fn in (past_its_end, point_past_its_end):
+        with pytest.raises(IndexError):
+            fn(xs[0], 5)
+        with pytest.raises(IndexError):
+            recompile.vmap(recompile.function(fn))(xs, n)
     torch.testing.assert_close(recompile.vmap(recompile.function(by_a_mask))(xs, n),
                                torch.stack([by_a_mask(xs[k], n[k]) for k in range(3)]))
 

@@ -936,6 +936,10 @@ def gather(n, fn, args, kwargs):
             return _unbatched(n, operator.getitem, (x, index), None)
     if type(index) is Batch and index.owner == "items" and index.items and type(index.items[0]) is slice:
         return rows.stretch(n, x, index)  # (``words[:n]``, n per instance)
+    if type(index) is Batch and index.struct is not None and index.owner is None and index.struct[0] is tuple:
+        out = _points(n, x, index.struct[1])  # (``trans[tags[t - 1], tags[t]]``, ``emits[t, tags[t]]``)
+        if out is not NotImplemented:
+            return out
     if type(x) is Batch and type(index) is Batch and rows.of(x) is not None and index.struct is None:
         out = rows.item_each(rows.of(x), index)  # (``xs[len(xs) - 1]``: an int per instance)
         if out is not NotImplemented:
@@ -1047,6 +1051,52 @@ def _gather_each(n, x, index):
     if t is None or t.dim() < 2:
         return NotImplemented
     return bt.from_tensor(t[torch.arange(n, device=t.device), torch.tensor(index.items, device=t.device)])
+
+
+def _points(n, x, parts):
+    """``x[i, j]`` with ints, each shared or each instance's own (a Python int or a 0-d integer tensor): one
+    advanced index of every instance's point, x shared, a batched tensor or each instance's stretch of rows (its
+    first int then a place in the stretch, checked against its length). NotImplemented for other parts
+    (slices, tensors of indices, masks), and where a place lies outside a stretch (each instance raises)."""
+    at = []
+    for p in parts:
+        k = p if type(p) is int else _instance_ints(p) if type(p) is Batch else None
+        if k is None:
+            return NotImplemented
+        at.append(k)
+    if not any(type(k) is torch.Tensor for k in at):
+        return NotImplemented
+    if type(x) in PLAIN_TENSORS:
+        return bt.from_tensor(x[tuple(at)]) if len(at) <= x.dim() else NotImplemented
+    if type(x) is not Batch:
+        return NotImplemented
+    found = rows.of(x)
+    if found is None:
+        t = x.tensor if x.owner == "tensor" else None
+        if t is None or len(at) >= t.dim():
+            return NotImplemented
+        return bt.from_tensor(t[(torch.arange(n, device=t.device), *at)])
+    if len(at) >= found.source.dim() - 1 + 1 or found.shortest == 0:
+        return NotImplemented
+    first, lengths = at[0], found.counts()
+    if type(first) is int:  # (a place every instance shares: its stretch's row there, as rows.item reads it)
+        row = gather(n, operator.getitem, (x, first), {})
+        return row if row is NotImplemented else _points(n, row, parts[1:])
+    if bool(((first >= lengths) | (first < -lengths)).any()):
+        return NotImplemented
+    device = found.source.device
+    place = (torch.where(first < 0, first + lengths, first) + found.start_index(torch.device("cpu"))).to(device)
+    rest = [k.to(device) if type(k) is torch.Tensor else k for k in at[1:]]
+    return bt.from_tensor(found.source[(found.row_index(device), place, *rest)])
+
+
+def _instance_ints(value):
+    """Each instance's int of Batch ``value`` (Python ints, or 0-d integer tensors) as one LongTensor, else
+    None (a bool or uint8 tensor is a mask, as eager reads it)."""
+    if value.owner == "items" and value.items and all(type(k) is int for k in value.items):
+        return torch.tensor(value.items)
+    t = bt.tensor_of(value) if value.owner is not None else None
+    return t if t is not None and t.dim() == 1 and t.dtype in facts.INTEGER_INDEX else None
 
 
 def _held_index(i, x):

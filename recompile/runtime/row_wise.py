@@ -35,7 +35,7 @@ _ELEMENTWISE_METHODS = frozenset({"sigmoid", "tanh", "relu", "exp", "log", "sqrt
                                   "erf", "reciprocal", "rsqrt", "sign", "floor", "ceil", "round", "trunc",
                                   "nan_to_num", "masked_fill", "where"})
 _DIM_METHODS = frozenset({"softmax", "log_softmax", "sum", "mean", "amax", "amin", "logsumexp", "squeeze",
-                          "unsqueeze"})
+                          "unsqueeze", "argmax", "argmin", "std", "var", "prod", "any", "all"})
 _SHAPING_METHODS = frozenset({"view", "reshape"})
 # Functions (and Tensor methods) acting along the dim they are given, each row alone where it is not the rows':
 # callable -> (the dim's position after the input, its default)

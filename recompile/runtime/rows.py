@@ -26,7 +26,7 @@ class Rows(list):
     """Instance k's value is ``source[row k][starts[k]:starts[k] + lengths[k]]`` (the list holds those views)."""
 
     __slots__ = ("source", "rows", "starts", "lengths", "shortest", "longest", "_counts", "_mask", "_where",
-                 "packed")
+                 "packed", "_at")
 
     def __init__(self, views, source, rows, starts, lengths):
         super().__init__(views)
@@ -34,7 +34,7 @@ class Rows(list):
         self.rows = rows  # each instance's row of ``source``, or None: instance k's is row k
         self.starts, self.lengths = starts, lengths
         self.shortest, self.longest = min(lengths), max(lengths)
-        self._counts = self._mask = self._where = None
+        self._counts = self._mask = self._where = self._at = None
         self.packed = None  # the stretches end to end, once ``row_wise.packed`` made them
 
     def taken(self, positions):
@@ -69,7 +69,17 @@ class Rows(list):
 
     def row_index(self, device):
         """Each instance's row of ``source`` as a LongTensor."""
-        return torch.tensor(range(len(self)) if self.rows is None else self.rows, device=device)
+        return self._places(device)[0]
+
+    def start_index(self, device):
+        """Each instance's start in its row as a LongTensor."""
+        return self._places(device)[1]
+
+    def _places(self, device):
+        if self._at is None or self._at[0].device != device:  # (read at every step of a loop over the rows)
+            self._at = (torch.tensor(range(len(self)) if self.rows is None else self.rows, device=device),
+                        torch.tensor(self.starts, device=device))
+        return self._at
 
 
 def of(value):
@@ -149,7 +159,7 @@ def item(seq, i):
     if seq.rows is None and all(a == first for a in seq.starts):
         return bt.from_tensor(seq.source[:, first + i])
     device = seq.source.device
-    return bt.from_tensor(seq.source[seq.row_index(device), torch.tensor(seq.starts, device=device) + i])
+    return bt.from_tensor(seq.source[seq.row_index(device), seq.start_index(device) + i])
 
 
 def item_each(seq, index):
@@ -176,7 +186,7 @@ def items_at(seq, instances, steps):
     lengths = seq.counts()[which]
     if bool(((at >= lengths) | (at < -lengths)).any()):
         raise IndexError("an item outside an instance's stretch of rows")
-    at = torch.where(at < 0, at + lengths, at) + torch.tensor(seq.starts)[which]
+    at = torch.where(at < 0, at + lengths, at) + seq.start_index(torch.device("cpu"))[which]
     device = seq.source.device
     return bt.from_tensor(seq.source[seq.row_index(device)[which.to(device)], at.to(device)])
 
@@ -625,7 +635,7 @@ def as_padded(seq):
     if seq.packed is not None:  # (laid end to end: each stretch put in its row, zeros past its end)
         flat = seq.packed
         return flat.new_zeros(len(seq), seq.longest, *flat.shape[1:]).index_put(seq.where(device), flat)
-    at = (torch.tensor(seq.starts, device=device)[:, None] + torch.arange(seq.longest, device=device)).clamp(
+    at = (seq.start_index(device)[:, None] + torch.arange(seq.longest, device=device)).clamp(
         max=seq.source.shape[1] - 1)
     return seq.source[seq.row_index(device)[:, None], at]
 
@@ -703,7 +713,7 @@ def flipped(n, seq):
         return NotImplemented
     device = seq.source.device
     last = torch.tensor([a + max(m, 1) - 1 for a, m in zip(seq.starts, seq.lengths)], device=device)
-    first = torch.tensor(seq.starts, device=device)
+    first = seq.start_index(device)
     at = torch.maximum(last[:, None] - torch.arange(seq.longest, device=device), first[:, None]).clamp(
         max=seq.source.shape[1] - 1)  # (a stretch of none may start at the row's end)
     out = seq.source[seq.row_index(device)[:, None], at]
