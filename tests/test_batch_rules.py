@@ -1429,3 +1429,22 @@ def test_op_with_a_rule_of_its_own_gives_per_instance_gradients(name):
             assert g is None or not g.any()
         else:
             torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+
+
+def products_three_ways(x):
+    return x.prod(0) + torch.prod(x, 1).sum() + x.prod()
+
+
+def test_a_prod_with_zeros_in_some_instances_differentiates_as_each_instances_own(monkeypatch):
+    """torch's prod gradient takes its zero-safe way where its whole input holds a zero (an inf's gradient is
+    then finite, else NaN): batched, a zero of one instance would change another's gradient."""
+    monkeypatch.setattr(recompile.config, "PER_INSTANCE", "ignore")
+    for rows in ([[float("inf"), 2.0], [3.0, 1.0]], [[0.0, 2.0], [3.0, 1.0]]):
+        x = torch.tensor([[[float("inf"), 2.0], [1.0, 5.0]], rows], dtype=torch.float64, requires_grad=True)
+        f = recompile.function(products_three_ways)
+        got = recompile.vmap(f)(x)
+        want = torch.stack([products_three_ways(x[k]) for k in range(2)])
+        torch.testing.assert_close(got, want, equal_nan=True)
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], torch.autograd.grad(want.sum(), x)[0],
+                                   equal_nan=True)
+        assert bool(f.stats.get("per_instance")) == (rows[0][0] == 0.0)  # (batched where zeros are alike)

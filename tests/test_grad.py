@@ -2835,6 +2835,31 @@ def test_a_value_changed_after_its_ops_gradient_read_it_is_refused_only_where_a_
         torch.autograd.grad(out.sum(), y)
 
 
+def tripled(v):
+    return v * 3.0
+
+
+TRIPLED = recompile.function(tripled, mode="sequential")
+
+
+def tanh_changed_after_a_recorded_call(x):
+    h = functools.partial(TRIPLED)(x)  # (no rule: torch.autograd records it, and runs TRIPLED's gradient inside)
+    t = torch.tanh(h)
+    t.add_(1.0)
+    return t
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+@pytest.mark.filterwarnings("ignore::recompile.GradFallbackWarning")
+def test_a_refusal_outlives_the_gradient_of_a_compiled_call_run_inside_a_recorded_one(mode):
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        tanh_changed_after_a_recorded_call(x).sum().backward()
+    out = recompile.function(tanh_changed_after_a_recorded_call, mode=mode)(x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 def unary_in_place_then_changed(x):
     v = x * 1
     v.sigmoid_()  # (its gradient reads its result, v)

@@ -65,7 +65,7 @@ def whole_reductions(m, words, x, n):
 def spreads_and_positions(m, words, x, n):
     a = x[:n].t() * m.w[:3, :1]  # (3, n)
     return a.std(1, correction=0) + a.var(-1, unbiased=False) + torch.std(a, 1, False, True)[:, 0] + a.var(0).sum() + \
-        a.prod(1) + a.nanmean(1) + (a.argmax(1) + a.argmin(dim=1) + (a > 0.7).any(1) + a.all(-1)).double()
+        (a + 3.0).prod(1) + a.nanmean(1) + (a.argmax(1) + a.argmin(dim=1) + (a > 0.7).any(1) + a.all(-1)).double()
 
 
 def matmul_by_shared_matrices(m, words, x, n):

@@ -349,7 +349,8 @@ def spreads(xs, n):
 
 def products_and_nans(xs, n):
     s = xs[:n]
-    return s.prod(0) + torch.prod(s, 0, keepdim=True)[0] + s.nansum(0) + s.nanmean(dim=0) + torch.nansum(s, -2)
+    return (s + 10.0).prod(0) + torch.prod(s + 9.0, 0, keepdim=True)[0] + s.nansum(0) + s.nanmean(dim=0) + \
+        torch.nansum(s, -2)  # (no zero in any instance: a product with zeros in some runs per instance, below)
 
 
 def positions(xs, n):
@@ -375,7 +376,7 @@ def test_spreads_products_and_positions_along_each_stretch_run_once_as_eager(fn)
                        [[2.0, 2.0], [2.0, 2.0], [9.0, 9.0], [9.0, 9.0]],  # (two rows alike: a std of 0)
                        [[float("-inf"), 1.0], [0.0, -3.0], [0.0, -3.0], [0.0, 0.0]],  # (an inf, its grad nan)
                        [[0.5, -0.5], [0.25, 4.0], [-1.0, 0.0], [7.0, -7.0]]], dtype=torch.float64,  # (one row)
-                      requires_grad=True)
+                      requires_grad=fn is not nothing_needed)  # (its empty stretch: the values alone)
     n = lengths(3, 2, 4, 0 if fn is nothing_needed else 1)
     f = recompile.function(fn)
     with warnings.catch_warnings(record=True) as caught:
@@ -388,6 +389,38 @@ def test_spreads_products_and_positions_along_each_stretch_run_once_as_eager(fn)
     if want.requires_grad:
         torch.testing.assert_close(torch.autograd.grad(got.nansum(), xs)[0], torch.autograd.grad(want.nansum(), xs)[0],
                                    equal_nan=True)
+
+
+def spread_of_nothing_left(xs, n):
+    s = xs[:n]
+    return s.var(0, correction=2) + s.std(0, correction=1.5) * 0.0 + s.var(0, correction=1.5)
+
+
+def product(xs, n):
+    return xs[:n].prod(0) + torch.prod(xs[:n], 0)
+
+
+@pytest.mark.parametrize("fn", [spread_of_nothing_left, product])
+def test_where_nothing_is_left_or_a_zero_takes_torchs_other_way_gradients_are_eagers(fn, monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")  # (a product: the zeros of some instances, per instance)
+    xs = torch.tensor([[[float("inf"), 1.0], [2.0, 1.0], [1.0, 3.0]],
+                       [[0.0, 2.0], [1.0, 2.0], [5.0, 1.0]],
+                       [[1.0, 4.0], [2.0, 5.0], [7.0, 6.0]]], dtype=torch.float64, requires_grad=True)
+    for n in (lengths(2, 2, 1), lengths(2, 3, 3)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = recompile.vmap(recompile.function(fn))(xs, n)
+            want = torch.stack([fn(xs[k], int(n[k])) for k in range(3)])
+        torch.testing.assert_close(got, want, equal_nan=True)
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0],
+                                   equal_nan=True)
+
+
+def test_a_spread_of_each_stretch_differentiates_twice_as_eager():
+    xs = torch.randn(3, 4, 2, dtype=torch.float64, requires_grad=True)
+    n = lengths(4, 2, 3)
+    f = recompile.vmap(recompile.function(spreads))
+    torch.autograd.gradgradcheck(lambda v: f(v, n), (xs,))
 
 
 def test_a_spread_of_an_integer_stretch_or_an_empty_one_raises_as_eager(monkeypatch):

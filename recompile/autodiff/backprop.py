@@ -621,13 +621,15 @@ def _read_for_a_gradient(t, args, kwargs, read_for_others):
 
 def _one_op(backward):
     """``backward`` is one op's gradient: the refusal its popped cotangents carry goes to the ones it adds, and
-    no further."""
+    no further. (A helper's gradient, recorded by torch.autograd, may run another compiled call's gradient
+    inside this one, on this thread: the outer op's refusal is back when the inner one is done.)"""
     def run(ctx, *args, **kwargs):
+        outer = _carried.refusal
         _carried.refusal = None
         try:
             return backward(ctx, *args, **kwargs)
         finally:
-            _carried.refusal = None
+            _carried.refusal = outer
     run.__name__, run.__qualname__, run.__doc__ = backward.__name__, backward.__qualname__, backward.__doc__
     return run
 

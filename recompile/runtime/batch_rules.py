@@ -2136,6 +2136,11 @@ for _op in DIM_OPS:
         BATCH.register(_op)(_dim_method(_op))
 
 
+_ZEROS_UNALIKE = ("some instances' values hold a zero and others not, and torch's prod gradient takes its "
+                  "zero-safe way for a whole input with a zero (an inf's gradient is finite there, else NaN)",
+                  "nothing to change: a prod runs batched where every instance's values hold a zero or none do")
+
+
 def _whole_or_dims(name):
     """``x.amax()``, ``x.prod()``, ``x.var()`` ... of each instance: with no dim over all its elements, else
     over its dims (``DIM_OPS``; var and std: ``dim``, ``correction`` or ``unbiased``, ``keepdim``)."""
@@ -2145,6 +2150,8 @@ def _whole_or_dims(name):
         t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
         if t is None or t.dim() < 2 or any(type(v) is Batch for v in (*args, *kwargs.values())):
             return NotImplemented
+        if name == "prod" and not rows.zeros_alike(t):  # (nor vmap's: it differentiates the batch's prod)
+            return per_instance(n, Batch(n, method=(x, name)), args, kwargs, _ZEROS_UNALIKE)
         if name in ("var", "std"):
             if args and type(args[0]) is bool:  # (``x.var(False)``: unbiased, by position)
                 args, kwargs = args[1:], {**kwargs, "unbiased": args[0]}

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..ops import facts
 from . import batch as bt
-from . import sharing
+from . import sharing, spreads
 from .batch import Batch
 
 
@@ -547,6 +547,8 @@ def reduced_within(n, name, padded, dim, mask, counts, keepdim, correction=1):
         if padded.is_complex() or (name in ("nansum", "nanmean") and not padded.is_floating_point()):
             return NotImplemented
         filled = torch.where(mask, padded, padded.new_full((), _NEUTRAL[name]))
+        if name == "prod" and not zeros_alike(filled):
+            return NotImplemented
         return bt.from_tensor(getattr(filled, name)(dim, keepdim=keepdim))
     if name in ("sum", "mean"):
         if name == "mean" and not (padded.is_floating_point() or padded.is_complex()):
@@ -569,26 +571,29 @@ def reduced_within(n, name, padded, dim, mask, counts, keepdim, correction=1):
     return bt.from_struct(type(out), [bt.from_tensor(out.values), bt.from_tensor(out.indices)], n)
 
 
+def zeros_alike(t):
+    """Whether a batched ``prod`` of ``t`` (instances along dim 0) differentiates as each instance's own: torch's
+    prod backward takes its zero-safe way where its whole input has a zero (an inf's gradient is then finite,
+    else NaN), so the instances must all have a zero or none, where a gradient is taken."""
+    if not (t.requires_grad and torch.is_grad_enabled()):
+        return True
+    zeros = (t == 0).flatten(1).any(1)
+    return bool(zeros.all()) or not bool(zeros.any())
+
+
 def _spread_within(n, name, padded, dim, mask, counts, keepdim, correction):
-    """``std``/``var`` along ``dim`` as ``reduced_within`` reduces: each instance's mean over its own places,
-    their squared distances from it summed there, divided by its count less ``correction`` (none below 0,
-    as eager's: an inf or nan where nothing is left)."""
-    if not padded.is_floating_point():
+    """``std``/``var`` along int ``dim`` as ``reduced_within`` reduces, each instance's mean and spread over its
+    own places, with eager's gradient (``spreads.RowSpread``) and eager's warning where nothing is left."""
+    if not padded.is_floating_point() or type(dim) is not int:
         return NotImplemented
     if bool((counts <= correction).any()):  # (eager's warning, once per op as eager gives it)
         warnings.warn(f"{name}(): degrees of freedom is <= 0. Correction should be strictly less than the "
                       "reduction factor (input numel divided by output numel).", UserWarning, stacklevel=2)
-    zero = padded.new_zeros(())
-    lengths = counts.to(device=padded.device, dtype=padded.dtype)
-    at = lengths.view(n, *[1] * (padded.dim() - 1))
-    mean = torch.where(mask, padded, zero).sum(dim, keepdim=True) / at
-    apart = torch.where(mask, padded - mean, zero)
-    total = (apart * apart).sum(dim, keepdim=keepdim)
-    out = total / (lengths - correction).clamp(min=0).view(n, *[1] * (total.dim() - 1))
-    if name == "std":  # (a std of 0 passes no gradient back, as eager's, where a root's would be nan)
-        none = out == 0
-        out = torch.where(none, zero, torch.where(none, 1.0, out).sqrt())
-    return bt.from_tensor(out)
+    shape = [n] + [1] * (padded.dim() - 1)
+    shape[dim] = 1
+    at = counts.to(device=padded.device, dtype=padded.dtype).view(shape)
+    out = spreads.RowSpread.apply(padded, mask, at, dim, keepdim, correction)
+    return bt.from_tensor(spreads.SpreadRoot.apply(out) if name == "std" else out)
 
 
 def extreme_fill(t, highest):
