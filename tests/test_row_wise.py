@@ -138,6 +138,14 @@ def products_by_shared_and_own(m, words, x, n):
         torch.bmm(a[-1].view(1, 1, -1), a.t().unsqueeze(0)).sum() + (a[-1] @ a.t().unsqueeze(0)).amax()
 
 
+def marked_at_both_ends(m, words, x, n):
+    a, bos = x[:n], m.w[:1, :3]  # (n, 3); a shared (1, 3), its gradient the model's
+    marked = torch.cat([bos, a, bos * 2.0], 0)
+    pieces = torch.cat((a[:1], a, a * 0.5), dim=0)
+    return marked.sum(0) + marked[-1] * marked[0] + pieces.amax(0) + torch.cat([a, m.w[:2, :3]], -2).mean(0) + \
+        len(marked)
+
+
 def joined_row_by_row(m, words, x, n):
     a, b = m.embed(words[:n]), x[:n]  # (two stretches of the same lengths, from two tensors)
     both = torch.cat([a, b * 2.0], 1)
@@ -147,6 +155,7 @@ def joined_row_by_row(m, words, x, n):
 
 @pytest.mark.parametrize("fn", [mlp_then_max, attention, dot_product_attention, norms_and_running_sums,
                                 log_of_padded_input, joined_row_by_row, products_by_shared_and_own,
+                                marked_at_both_ends,
                                 by_each_instances_query, methods, elementwise_with_shared_and_numbers])
 def test_ops_on_each_row_run_once_over_the_rows_packed(fn):
     assert compare(fn) == {}
@@ -367,6 +376,10 @@ def rows_summed_by_einsum(m, words, x, n):
     return torch.einsum("nd,nd->d", a, a) + torch.einsum("nd->d", a)  # (the rows' subscript summed over)
 
 
+def joined_to_a_vector(m, words, x, n):
+    return torch.cat([x[:n], m.w[0, :3]]).sum(0)
+
+
 def mm_by_a_vector(m, words, x, n):
     return x[:n].mm(m.w[:3, 0])
 
@@ -378,7 +391,7 @@ def bmm_that_does_not_meet(m, words, x, n):
 def test_products_across_the_rows_run_per_instance_and_shapes_that_do_not_meet_raise_as_eager(monkeypatch):
     monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
     assert compare(rows_summed_by_einsum) != {}
-    for fn in (mm_by_a_vector, bmm_that_does_not_meet):
+    for fn in (mm_by_a_vector, bmm_that_does_not_meet, joined_to_a_vector):
         with pytest.raises(RuntimeError) as eager:
             fn(Model().double(), None, inputs()[1][0], 3)
         with pytest.raises(eager.type):

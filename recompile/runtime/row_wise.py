@@ -52,20 +52,17 @@ def holds_rows(args):
 def packed(seq):
     """Every instance's stretch of ``seq`` end to end, one tensor of an instance's rank (rows first)."""
     if seq.packed is None:
-        offsets = [0]
-        for m in seq.lengths[:-1]:
-            offsets.append(offsets[-1] + m)
+        starts = rows.offsets(seq.lengths)
         device = seq.source.device
-        if seq.rows is not None and seq.source.shape[0] == 1 and seq.starts == offsets:
-            seq.packed = seq.source[0, :offsets[-1] + seq.lengths[-1]]  # (the stretches lie so already: a view)
+        if seq.rows is not None and seq.source.shape[0] == 1 and seq.starts == starts:
+            seq.packed = seq.source[0, :starts[-1] + seq.lengths[-1]]  # (the stretches lie so already: a view)
         else:
             k, i = seq.where(device)
             first = seq.starts[0]
             if seq.rows is None and all(a == first for a in seq.starts):  # (each from one column of its row)
                 seq.packed = seq.source[k, i + first if first else i]
             else:
-                starts = torch.tensor(seq.starts, device=device)
-                seq.packed = seq.source[seq.row_index(device)[k], i + starts[k]]
+                seq.packed = seq.source[seq.row_index(device)[k], i + seq.start_index(device)[k]]
     return seq.packed
 
 
@@ -190,9 +187,14 @@ def einsummed(n, equation, operands):
 
 def joined(n, fn, parts, dim):
     """``torch.cat([fwd, bwd], 1)``, ``torch.stack([a, b], -1)`` of stretches of the same lengths along a dim
-    other than their rows' (each row with the same row of the others): once on the rows packed;
-    NotImplemented for other parts and dims."""
+    other than their rows' (each row with the same row of the others): once on the rows packed; ``torch.cat(
+    [bos[None], xs, eos[None]])`` along the rows' dim (``_end_to_end``). NotImplemented for other parts and
+    dims."""
     found = [rows.of(p) if type(p) is Batch else None for p in parts]
+    if fn is not torch.stack and type(dim) is int and any(f is not None for f in found):
+        rank = next(f for f in found if f is not None).source.dim() - 1
+        if dim in (0, -rank):
+            return _end_to_end(n, parts, found, rank)
     if not found or None in found or type(dim) is not int:
         return NotImplemented
     seq = found[0]
@@ -201,6 +203,38 @@ def joined(n, fn, parts, dim):
             not 1 <= (dim if dim >= 0 else dim + rank + (fn is torch.stack)) <= rank - (fn is not torch.stack):
         return NotImplemented
     return _rows_of(n, seq, fn([packed(f) for f in found], dim))
+
+
+def _end_to_end(n, parts, found, rank):
+    """``torch.cat(parts)`` along the rows' dim, each part a stretch of every instance (Rows ``found``) or a
+    shared tensor of the same rank: every instance's rows of the parts in turn, one index of them all laid end
+    to end, the result's Rows of the summed lengths. NotImplemented where a part is anything else or the rows'
+    shapes differ (each instance's cat then says what it does)."""
+    pool, blocks = [], []  # (the parts' rows end to end; per part, each instance's (start in pool, length))
+    at = 0
+    for p, f in zip(parts, found):
+        if f is not None:
+            if len(f) != n or f.source.dim() - 1 != rank:
+                return NotImplemented
+            pool.append(packed(f))
+            starts = [at + a for a in rows.offsets(f.lengths)]
+            blocks.append((starts, f.lengths))
+        elif type(p) in (torch.Tensor, nn.Parameter) and p.dim() == rank:
+            pool.append(p)
+            blocks.append(([at] * n, [p.shape[0]] * n))
+        else:
+            return NotImplemented
+        at += pool[-1].shape[0]
+    if not bt.same_kind(pool, 1):
+        return NotImplemented
+    starts = torch.tensor([b[0][k] for k in range(n) for b in blocks])  # (instance by instance, part by part)
+    sizes = torch.tensor([b[1][k] for k in range(n) for b in blocks])
+    lengths = sizes.view(n, -1).sum(1).tolist()
+    before = sizes.cumsum(0) - sizes  # (where each block begins in the result)
+    total = int(sizes.sum())
+    index = torch.arange(total) + (starts - before).repeat_interleave(sizes, output_size=total)
+    flat = torch.cat(pool)
+    return Batch(n, items=rows.packed_rows(n, flat.index_select(0, index.to(flat.device)), lengths))
 
 
 def method(n, name, seq, args, kwargs):

@@ -294,13 +294,18 @@ def spread(counts):
     return k, torch.arange(len(k)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
 
 
+def offsets(lengths):
+    """Where each of stretches of ``lengths`` laid end to end starts."""
+    out, at = [], 0
+    for m in lengths:
+        out.append(at)
+        at += m
+    return out
+
+
 def packed_rows(n, flat, lengths):
     """The Rows of stretches of ``lengths`` laid end to end in ``flat``'s rows."""
-    offsets, at = [], 0
-    for m in lengths:
-        offsets.append(at)
-        at += m
-    found = Rows(flat.split(lengths), flat.unsqueeze(0), [0] * n, offsets, lengths)
+    found = Rows(flat.split(lengths), flat.unsqueeze(0), [0] * n, offsets(lengths), lengths)
     found.packed = flat
     return found
 
