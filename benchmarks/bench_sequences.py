@@ -23,6 +23,9 @@ The idiom suite's models that are not bottom-up trees (``bench_idioms.py`` has t
   LSTM tagger tutorial writes it (``self.lstm(embeds.view(n, 1, -1))``, ``lstm_out.view(n, -1)``, ``log_softmax``
   and ``nll_loss`` of ``tags[:n]``) and as a cell's loop adding each step's loss; against the packed ``nn.LSTM``
   whose packed outputs are scored as they lie.
+- A linear-chain CRF over an ``nn.LSTM``'s scores of each sentence (the SST leaves' labels its tags): the gold
+  path read tag by tag, the forward algorithm a ``logsumexp`` per step, each a loop over the sentence; against
+  the same forward algorithm over the padded minibatch, the sentences that ended kept by ``torch.where``.
 - A top-down model that grows a tree from a start state while ``depth < MAX_DEPTH and p > 0.5`` (its gate
   ``p`` computed from the state): per-instance trees of different shapes decided at run time. Against the
   same model batched by hand depth by depth (the instances that expand gathered, their children's states
@@ -230,6 +233,29 @@ class TaggerCell(SentenceLSTM):
         return loss
 
 
+class CRFTagger(SentenceLSTMModule):
+    """A tag per word scored by an ``nn.LSTM`` over the sentence, the tags a linear-chain CRF's."""
+
+    def __init__(self, vocab_size, embed=300, hidden=150, classes=5):
+        super().__init__(vocab_size, embed, hidden, classes)
+        self.trans = nn.Parameter(0.1 * torch.randn(classes, classes))
+        self.start = nn.Parameter(0.1 * torch.randn(classes))
+
+    def classify(self, words, n, tags):
+        """A CRF's negative log-likelihood of ``tags[:n]``: the gold path's score read tag by tag
+        (``self.trans[tags[t - 1], tags[t]] + emits[t, tags[t]]``), the forward algorithm's ``logsumexp`` a step."""
+        out, _ = self.lstm(self.embed(words[:n]))
+        emits = self.out(out)
+        tags = tags[:n]
+        gold = self.start[tags[0]] + emits[0, tags[0]]
+        for t in range(1, n):
+            gold = gold + self.trans[tags[t - 1], tags[t]] + emits[t, tags[t]]
+        alpha = self.start + emits[0]
+        for t in range(1, n):
+            alpha = torch.logsumexp(alpha.unsqueeze(1) + self.trans, 0) + emits[t]
+        return torch.logsumexp(alpha, 0) - gold
+
+
 class TextCNN(nn.Module):
     """Kim's (2014) sentence CNN: convolutions of widths 3, 4 and 5 over the sentence's embedded words, each
     filter's largest output over the sentence, classified."""
@@ -363,6 +389,28 @@ def hand_batched_tagger(model, lstm, batch):
     return F.cross_entropy(model.out(out.data), tags.data, reduction="sum")
 
 
+def hand_batched_crf(model, lstm, batch):
+    """``CRFTagger``'s minibatch loss by hand: one ``nn.LSTM`` over the packed sentences, its states padded and
+    scored; the gold paths' scores gathered at once, the forward algorithm a step over the padded minibatch, the
+    sentences that ended kept as they were (``torch.where``)."""
+    lengths = batch.lengths.to(batch.words.device)
+    packed = nn.utils.rnn.pack_padded_sequence(model.embed(batch.words), batch.lengths, batch_first=True,
+                                               enforce_sorted=False)
+    states, _ = nn.utils.rnn.pad_packed_sequence(lstm(packed)[0], batch_first=True)
+    emits = model.out(states)  # (B, longest, tags)
+    longest = emits.shape[1]
+    tags = batch.labels[:, :longest]
+    words = torch.arange(longest, device=lengths.device) < lengths.unsqueeze(1)
+    scores = emits.gather(2, tags.unsqueeze(2)).squeeze(2) + torch.cat(
+        [model.start[tags[:, :1]], model.trans[tags[:, :-1], tags[:, 1:]]], 1)
+    gold = torch.where(words, scores, scores.new_zeros(())).sum(1)
+    alpha = model.start + emits[:, 0]
+    for t in range(1, longest):
+        step = torch.logsumexp(alpha.unsqueeze(2) + model.trans, 1) + emits[:, t]
+        alpha = torch.where(words[:, t:t + 1], step, alpha)
+    return (torch.logsumexp(alpha, 1) - gold).sum()
+
+
 def hand_batched_cnn(model, lstm, batch):
     """``TextCNN``'s minibatch loss by hand: each convolution over the padded sentences (the padding's words
     zeroed, as a convolution's own padding), its outputs past each sentence's end masked out of the max."""
@@ -426,6 +474,8 @@ SENTENCE_FAMILIES = (
 # (taggers: a tag per word, the sentences read by ``tagged_sentence_of``)
 TAGGER_FAMILY = ("A tag per word against one packed nn.LSTM's packed outputs",
                  {"tutorial, view(n, 1, -1)": TaggerLSTM, "LSTMCell, loss per step": TaggerCell}, hand_batched_tagger)
+CRF_FAMILY = ("A linear-chain CRF over an nn.LSTM's scores against its forward algorithm over the padded minibatch",
+              {"CRF, loops over tags": CRFTagger}, hand_batched_crf)
 
 
 # -- the top-down model
@@ -551,7 +601,7 @@ def main(argv=None):
     print(f"{len(trees)} SST sentences from {data}, {args.threads} torch thread(s); each model checked "
           "against eager (float64: per-instance values and parameter gradients) before it is timed")
 
-    for reading, families in ((sentence_of, SENTENCE_FAMILIES), (tagged_sentence_of, (TAGGER_FAMILY,))):
+    for reading, families in ((sentence_of, SENTENCE_FAMILIES), (tagged_sentence_of, (TAGGER_FAMILY, CRF_FAMILY))):
         sentences = [reading(t) for t in trees]
         check_batch = Sentences(*zip(*sentences[:8]))
         batches = {size: [Sentences(*zip(*chunk)) for chunk in chunks(sentences, size)] for size in args.batch}
