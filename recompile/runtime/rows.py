@@ -26,7 +26,7 @@ class Rows(list):
     """Instance k's value is ``source[row k][starts[k]:starts[k] + lengths[k]]`` (the list holds those views)."""
 
     __slots__ = ("source", "rows", "starts", "lengths", "shortest", "longest", "_counts", "_mask", "_where",
-                 "packed", "_at")
+                 "packed", "_at", "_alike")
 
     def __init__(self, views, source, rows, starts, lengths):
         super().__init__(views)
@@ -34,11 +34,20 @@ class Rows(list):
         self.rows = rows  # each instance's row of ``source``, or None: instance k's is row k
         self.starts, self.lengths = starts, lengths
         self.shortest, self.longest = min(lengths), max(lengths)
-        self._counts = self._mask = self._where = self._at = None
+        self._counts = self._mask = self._where = self._at = self._alike = None
         self.packed = None  # the stretches end to end, once ``row_wise.packed`` made them
 
     def taken(self, positions):
-        """The Rows of instances ``positions`` (a loop's instances that stay, a side of a branch)."""
+        """The Rows of instances ``positions`` (a loop's instances that stay, a side of a branch). The first
+        instances of Rows in their own rows keep them so (a view of the source's first rows, read at every step
+        of a loop the longest first)."""
+        if type(positions) is range and positions.start == 0 and positions.step == 1:
+            k = len(positions)
+            if self.rows is None:
+                return Rows(self[:k], self.source[:k], None, self.starts[:k], self.lengths[:k])
+            first = Rows(self[:k], self.source, self.rows[:k], self.starts[:k], self.lengths[:k])
+            first._at = None if self._at is None else (self._at[0][:k], self._at[1][:k])
+            return first
         rows = list(positions) if self.rows is None else [self.rows[k] for k in positions]
         return Rows([self[k] for k in positions], self.source, rows, [self.starts[k] for k in positions],
                     [self.lengths[k] for k in positions])
@@ -70,6 +79,13 @@ class Rows(list):
     def row_index(self, device):
         """Each instance's row of ``source`` as a LongTensor."""
         return self._places(device)[0]
+
+    def alike(self):
+        """Whether every stretch starts at the same place of its row."""
+        if self._alike is None:
+            first = self.starts[0]
+            self._alike = all(a == first for a in self.starts)
+        return self._alike
 
     def start_index(self, device):
         """Each instance's start in its row as a LongTensor."""
@@ -155,10 +171,11 @@ def item(seq, i):
     (each instance reads its own view, or raises)."""
     if not 0 <= i < seq.shortest:
         return NotImplemented
-    first = seq.starts[0]
-    if seq.rows is None and all(a == first for a in seq.starts):
-        return bt.from_tensor(seq.source[:, first + i])
+    if seq.rows is None and seq.alike():
+        return bt.from_tensor(seq.source[:, seq.starts[0] + i])
     device = seq.source.device
+    if seq.source.shape[0] == 1:  # (laid end to end in one row: one index_select, cheaper than two indices)
+        return bt.from_tensor(seq.source[0].index_select(0, seq.start_index(device) + i))
     return bt.from_tensor(seq.source[seq.row_index(device), seq.start_index(device) + i])
 
 
