@@ -1075,6 +1075,11 @@ def comprehended(xs, d):
         [(i, c) for i, c in enumerate(x * 2 for x in xs) if c > 2], {(a, b) for a, b in zip(xs, reversed(xs))}
 
 
+def shadowed_by_an_outer_comprehension(xs, fs):
+    return [[a for i, a in enumerate(xs)] for enumerate in fs], [[p for p in zip(xs)] for zip in fs], \
+        [sum(a for a in xs) for sum in [len]]
+
+
 def zipped_unpacked_wrongly(xs):
     for a, b in zip(xs, xs, xs):
         pass
@@ -1091,7 +1096,8 @@ def test_for_over_enumerate_runs_as_python_does():
                       (enumerated_one_name, [("xyz",)]), (enumerated_rows, [(ROWS,)]),
                       (zipped, [([1, 2, 3], "ab"), ([], [1]), (ROWS, ROWS)]), (zipped_draws_in_turn, [(3, 2), (2, 3)]),
                       (zipped_and_enumerated, [([1, 2, 3], [4, 5])]), (zipped_unpacked_wrongly, [([1, 2],)]),
-                      (comprehended, [([1, 2, 3], {"a": 1, "b": 2}), ([], {}), ("xy", "abc")])]:
+                      (comprehended, [([1, 2, 3], {"a": 1, "b": 2}), ([], {}), ("xy", "abc")]),
+                      (shadowed_by_an_outer_comprehension, [([1, 2, 3], [lambda v: zip(v, v), reversed])])]:
         check(fn, *cases)
 
 

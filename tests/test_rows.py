@@ -476,6 +476,26 @@ def test_a_crf_reads_each_instances_points_by_its_own_tags_in_one_index():
     same_as_each(crf_loss, xs, lengths(7, 1, 4, 6, 2))
 
 
+def at_a_place_from_a_branch(xs, n):
+    i = n - 1 if n > 2 else 0  # (each instance's int, joined from two branches)
+    return xs[:n][i] + xs[:n][i, 1]
+
+
+def point_changed_in_place(x, n):
+    r = x[n, n % 2]  # (eager's is a view of x: the change reaches x)
+    r.add_(1.0)
+    return x * 1.0
+
+
+def test_a_place_from_a_branch_reads_as_eager_and_a_point_changed_in_place_changes_its_tensor(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    xs = torch.randn(4, 5, 2, dtype=torch.float64, requires_grad=True)
+    same_as_each(at_a_place_from_a_branch, xs, lengths(5, 1, 3, 2))
+    x, n = torch.zeros(3, 4, 2, dtype=torch.float64), lengths(0, 1, 2)
+    want = torch.stack([point_changed_in_place(x.clone()[k], int(n[k])) for k in range(3)])
+    torch.testing.assert_close(recompile.vmap(recompile.function(point_changed_in_place))(x.clone(), n), want)
+
+
 def past_its_end(xs, n):
     s = xs[:n]
     return s[len(s)]

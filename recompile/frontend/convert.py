@@ -104,6 +104,10 @@ class Converter:
         self.declared = closures.declarations(self.p.node.body)  # global and nonlocal names
         bound = {x for st in self.p.node.body for x in python_blocks.bound_by(st)} | set(self.p.params) | \
             set(self.p.freevars) | set(self.p.globals)  # (imports and match captures bind names too)
+        # (a comprehension's target names a builtin inside it, nested comprehensions too: ``[[a for i, a in
+        # enumerate(x)] for enumerate in fs]``; any one counts, as the name may be that one wherever it is read)
+        bound |= {x for node in gast.walk(self.p.node) if isinstance(node, gast.comprehension)
+                  for x in _stored_names(node.target)}
         self.builtins = _LOWERED_BUILTINS - bound
         fdef = canon.canonicalize(copy.deepcopy(self.p.node), self.declared, self.builtins)
         self.locals = (set(_stored_names(fdef.body)) | set(self.p.params)) - set(self.declared)
@@ -616,8 +620,7 @@ class Converter:
                                        type_comment=None), node)
         stmts = [canon.assign(acc, canon.located(empty, node), node), body]
         # (``[f(i, x) for i, x in enumerate(xs)]`` is an index loop over xs, as the ``for`` statement is)
-        lowering = canon.Canonicalizer(builtins=self.builtins - {
-            n for gen in node.generators for n in _stored_names(gen.target)})
+        lowering = canon.Canonicalizer(builtins=self.builtins)
         lowering.counter = 100000 * self.comprehensions  # keep its synthetic names apart from the function's
         stmts = lowering.block(stmts)
         # the comprehension's own names (targets, synthetic); a walrus inside binds in the function

@@ -1056,8 +1056,11 @@ def _gather_each(n, x, index):
 def _points(n, x, parts):
     """``x[i, j]`` with ints, each shared or each instance's own (a Python int or a 0-d integer tensor): one
     advanced index of every instance's point, x shared, a batched tensor or each instance's stretch of rows (its
-    first int then a place in the stretch, checked against its length). NotImplemented for other parts
-    (slices, tensors of indices, masks), and where a place lies outside a stretch (each instance raises)."""
+    first int then a place in the stretch, checked against its length), in a run that changes nothing in place
+    (eager's are views of x, the index a copy). NotImplemented for other parts (slices, tensors of indices,
+    masks), and where a place lies outside a stretch (each instance raises)."""
+    if not sharing.state.fresh:
+        return NotImplemented
     at = []
     for p in parts:
         k = p if type(p) is int else _instance_ints(p) if type(p) is Batch else None

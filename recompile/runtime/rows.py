@@ -187,7 +187,7 @@ def item_each(seq, index):
     if t is not None and (t.dim() != 1 or t.dtype not in facts.INTEGER_INDEX):
         return NotImplemented  # (a bool or uint8 tensor is a mask, as eager reads it)
     ks = t.tolist() if t is not None else index.items
-    if len(ks) != len(seq) or not all(type(k) is int and -m <= k < m for k, m in zip(ks, seq.lengths)):
+    if ks is None or len(ks) != len(seq) or not all(type(k) is int and -m <= k < m for k, m in zip(ks, seq.lengths)):
         return NotImplemented
     device = seq.source.device
     at = torch.tensor([a + (k if k >= 0 else k + m) for a, k, m in zip(seq.starts, ks, seq.lengths)], device=device)
