@@ -1079,7 +1079,7 @@ def _points(n, x, parts):
         if t is None or len(at) >= t.dim():
             return NotImplemented
         return bt.from_tensor(t[(torch.arange(n, device=t.device), *at)])
-    if len(at) >= found.source.dim() - 1 + 1 or found.shortest == 0:
+    if len(at) > found.source.dim() - 1 or found.shortest == 0:  # (more ints than an instance has dims)
         return NotImplemented
     first, lengths = at[0], found.counts()
     if type(first) is int:  # (a place every instance shares: its stretch's row there, as rows.item reads it)
