@@ -2835,6 +2835,39 @@ def test_a_value_changed_after_its_ops_gradient_read_it_is_refused_only_where_a_
         torch.autograd.grad(out.sum(), y)
 
 
+SCALE = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+
+
+def scaled_then_changed(x, k):
+    v = x * 1.0
+    y = v * k  # (v is read only for k's gradient: torch saves it only where k requires grad)
+    z = v.exp()  # (its gradient reads its result)
+    v.mul_(2.0)
+    return y + z
+
+
+def squared_then_changed(x, k):
+    v = x * 1.0
+    y = v * v
+    v.mul_(2.0)
+    return y
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
+def test_a_value_read_only_for_another_arguments_gradient_is_refused_only_where_that_one_needs_it(mode):
+    """(Compiled, not through a helper: torch.autograd records a helper with every input requiring grad.)"""
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    want, = torch.autograd.grad(scaled_then_changed(x, SCALE).sum(), x)
+    got, = torch.autograd.grad(recompile.function(scaled_then_changed, mode=mode)(x, SCALE).sum(), x)
+    torch.testing.assert_close(got, want)
+    for fn, k in ((scaled_then_changed, x.sin()), (squared_then_changed, SCALE)):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(fn(x, k).sum(), x)
+        out = recompile.function(fn, mode=mode)(x, k)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(out.sum(), x)
+
+
 def tripled(v):
     return v * 3.0
 

@@ -42,7 +42,7 @@ def external(t):
 
 class _Carried(threading.local):
     """Per thread, while one op's gradient runs: the refusal its popped cotangents carry (``GradContext.refuse``),
-    which every cotangent it adds carries on."""
+    which every cotangent it adds carries on: (error, the id of the one argument it spares, or None)."""
 
     def __init__(self):
         self.refusal = None
@@ -58,7 +58,7 @@ class GradContext:
         self.sources = {}  # id -> tensor
         self.grads = {}  # id -> accumulated gradient of a source
         self.cotangents = {}  # id -> (tensor, cotangent); the tensor keeps its id from being reused
-        self.refusals = {}  # id -> the error a cotangent carries towards the sources (``refuse``)
+        self.refusals = {}  # id -> (the error a cotangent carries towards the sources, spared id): ``refuse``
         self.fallbacks = {}  # callable name -> calls recorded for torch.autograd
         self.modules = {}  # id -> a module whose parameters are noted, and (submodule, name, parameter) of each
         self.lock = threading.Lock()
@@ -87,7 +87,8 @@ class GradContext:
         if type(g) in DEFERRED and not (isinstance(obj, _Tensor) and external(obj)):
             g = g.tensor()  # only a source's gradient waits to be formed
         if isinstance(obj, _Tensor):
-            refusal = _carried.refusal
+            carried = _carried.refusal
+            refusal = None if carried is None or carried[1] == id(obj) else carried[0]
             if obj.requires_grad and external(obj):
                 if refusal is not None:
                     raise refusal
@@ -98,7 +99,7 @@ class GradContext:
                     entry = self.cotangents.get(key)
                     self.cotangents[key] = (obj, g if entry is None else entry[1] + g)
                     if refusal is not None:
-                        self.refusals[key] = refusal
+                        self.refusals[key] = (refusal, None)
         elif isinstance(obj, (tuple, list)) and isinstance(g, (tuple, list)):
             for o, go in zip(obj, g):
                 self.add(o, go)
@@ -154,16 +155,22 @@ class GradContext:
             return any(self.reaches(o) for o in out)
         return True  # (not known here: check)
 
-    def refuse(self, out, refusal):
+    def refuse(self, out, refusal, spare=None):
         """Let the cotangent of ``out`` (a tensor, or a tuple or list of them) carry ``refusal`` through every
         gradient it reaches, raised where it would reach a source: as torch raises for a node it recorded, which
-        it did only where an input requires grad (``TIE.min()`` needs none: its cotangent reaches nothing)."""
+        it did only where an input requires grad (``TIE.min()`` needs none: its cotangent reaches nothing).
+        ``spare``: the op's one argument whose own gradient does not read the changed value (``v * c`` with v
+        changed: torch saves v only where c requires grad), whose cotangent from this op carries nothing."""
         if isinstance(out, _Tensor):
             with self.lock:
-                self.refusals[id(out)] = refusal
+                found = self.refusals.get(id(out))
+                if found is None or (found[1] is not None and found[1] != id(spare)):
+                    # (a refusal from later ops reaches every argument: it stays, whatever this one spares)
+                    self.refusals[id(out)] = (refusal if found is None else found[0],
+                                              None if found is not None or spare is None else id(spare))
         elif isinstance(out, (tuple, list)):
             for o in out:
-                self.refuse(o, refusal)
+                self.refuse(o, refusal, spare)
 
     def peek(self, tensor):
         entry = self.cotangents.get(id(tensor))
@@ -580,9 +587,12 @@ def check_version(ctx, out, t, expected, where, how, is_result, *args):
         return  # (torch.where(c, x, y) with x changed: only c's value is read)
     if not is_result and how.vjp in ITEM_READS and args and not isinstance(args[0], _Tensor):
         return  # (a list's item by a tensor index: the item is the object itself, no index is read)
+    mine = [k for k, a in enumerate(args) if a is t]  # (t read only for the other arguments' gradients: not its own)
+    spare = t if not is_result and how.read_for_others and not kwargs and len(mine) == 1 and \
+        mine[0] in how.read_for_others else None
     ctx.refuse(out, RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"a tensor of shape {tuple(t.shape)} used at {where} was changed in place afterwards"))
+        f"a tensor of shape {tuple(t.shape)} used at {where} was changed in place afterwards"), spare)
 
 
 def _read_only(rule, args, kwargs):
@@ -882,7 +892,7 @@ class Recorded:
             except RuntimeError as error:
                 if "modified by an inplace operation" not in str(error):
                     raise
-                _carried.refusal = error
+                _carried.refusal = (error, None)
                 ctx.add(target, torch.zeros_like(inp))
                 _carried.refusal = carried
                 continue
