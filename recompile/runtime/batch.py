@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.facts import NUMBERS
+from ..ops.facts import INTEGER_INDEX, NUMBERS
 from . import sharing
 
 
@@ -251,6 +251,15 @@ def items_of(b):
             b.items = _gather_pieces(b, [items_of(v) if type(v) is Batch else [v] * c for v, c in b.pieces[0]],
                                      lambda lists: [x for part in lists for x in part])
     return b.items
+
+
+def instance_index(value):
+    """Each instance's int of Batch ``value`` (Python ints, or 0-d integer tensors) as one LongTensor, else
+    None (a bool or uint8 tensor is a mask, as eager reads it)."""
+    if value.owner == "items" and value.items and all(type(k) is int for k in value.items):
+        return torch.tensor(value.items)
+    t = tensor_of(value) if value.owner is not None else None
+    return t if t is not None and t.dim() == 1 and t.dtype in INTEGER_INDEX else None
 
 
 def instance_ints(n, value):

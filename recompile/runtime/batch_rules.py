@@ -27,7 +27,7 @@ from .. import config, intrinsics
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
-from . import cells, extremes, fallbacks, helpers, lazy_weights, padded, ranges, row_wise, rows, sharing
+from . import cells, extremes, fallbacks, helpers, lazy_weights, padded, ranges, row_wise, rows, sharing, spreads
 from .batch import Batch
 
 # Batch rules, filed as the gradient rules are (``ops.table``): ``rule(n, fn, args, kwargs)`` for a callable
@@ -1055,15 +1055,15 @@ def _gather_each(n, x, index):
 
 def _points(n, x, parts):
     """``x[i, j]`` with ints, each shared or each instance's own (a Python int or a 0-d integer tensor): one
-    advanced index of every instance's point, x shared, a batched tensor or each instance's stretch of rows (its
-    first int then a place in the stretch, checked against its length), in a run that changes nothing in place
-    (eager's are views of x, the index a copy). NotImplemented for other parts (slices, tensors of indices,
-    masks), and where a place lies outside a stretch (each instance raises)."""
+    advanced index of every instance's point, x shared or a batched tensor; of each instance's stretch of rows,
+    its row (``rows.item_each``, or the shared place's), then the rest in that row. Only in a run that changes
+    nothing in place (eager's are views of x, the index a copy). NotImplemented for other parts (slices, tensors
+    of indices, masks), and where a place lies outside a stretch (each instance raises)."""
     if not sharing.state.fresh:
         return NotImplemented
     at = []
     for p in parts:
-        k = p if type(p) is int else _instance_ints(p) if type(p) is Batch else None
+        k = p if type(p) is int else bt.instance_index(p) if type(p) is Batch else None
         if k is None:
             return NotImplemented
         at.append(k)
@@ -1079,27 +1079,15 @@ def _points(n, x, parts):
         if t is None or len(at) >= t.dim():
             return NotImplemented
         return bt.from_tensor(t[(torch.arange(n, device=t.device), *at)])
-    if len(at) > found.source.dim() - 1 or found.shortest == 0:  # (more ints than an instance has dims)
+    if len(at) > found.source.dim() - 1:  # (more ints than an instance has dims)
         return NotImplemented
-    first, lengths = at[0], found.counts()
-    if type(first) is int:  # (a place every instance shares: its stretch's row there, as rows.item reads it)
-        row = gather(n, operator.getitem, (x, first), {})
-        return row if row is NotImplemented else _points(n, row, parts[1:])
-    if bool(((first >= lengths) | (first < -lengths)).any()):
-        return NotImplemented
-    device = found.source.device
-    place = (torch.where(first < 0, first + lengths, first) + found.start_index(torch.device("cpu"))).to(device)
-    rest = [k.to(device) if type(k) is torch.Tensor else k for k in at[1:]]
-    return bt.from_tensor(found.source[(found.row_index(device), place, *rest)])
-
-
-def _instance_ints(value):
-    """Each instance's int of Batch ``value`` (Python ints, or 0-d integer tensors) as one LongTensor, else
-    None (a bool or uint8 tensor is a mask, as eager reads it)."""
-    if value.owner == "items" and value.items and all(type(k) is int for k in value.items):
-        return torch.tensor(value.items)
-    t = bt.tensor_of(value) if value.owner is not None else None
-    return t if t is not None and t.dim() == 1 and t.dtype in facts.INTEGER_INDEX else None
+    row = gather(n, operator.getitem, (x, at[0]), {}) if type(at[0]) is int else rows.item_each(found, parts[0])
+    rest = parts[1:]
+    if row is NotImplemented or not rest:
+        return row
+    index = rest[0] if len(rest) == 1 else \
+        bt.from_struct(tuple, list(rest), n) if any(type(p) is Batch for p in rest) else tuple(rest)
+    return gather(n, operator.getitem, (row, index), {})
 
 
 def _held_index(i, x):
@@ -2153,7 +2141,7 @@ def _whole_or_dims(name):
         t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
         if t is None or t.dim() < 2 or any(type(v) is Batch for v in (*args, *kwargs.values())):
             return NotImplemented
-        if name == "prod" and not rows.zeros_alike(t):  # (nor vmap's: it differentiates the batch's prod)
+        if name == "prod" and not spreads.zeros_alike(t):  # (nor vmap's: it differentiates the batch's prod)
             return per_instance(n, Batch(n, method=(x, name)), args, kwargs, _ZEROS_UNALIKE)
         if name in ("var", "std"):
             if args and type(args[0]) is bool:  # (``x.var(False)``: unbiased, by position)

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import facts
 from . import batch as bt
 from . import sharing, spreads
 from .batch import Batch
@@ -183,15 +182,15 @@ def item_each(seq, index):
     """``xs[i]`` with an int i per instance (``xs[len(xs) - 1]``, ``xs[n // 2]``), Python ints or 0-d integer
     tensors: each instance's row, one index of the source (a copy, in a run that changes nothing in place);
     NotImplemented where an i is no index of its stretch (each instance raises its own) or is not an int."""
-    t = bt.tensor_of(index) if index.owner != "items" or all(type(k) is not int for k in index.items) else None
-    if t is not None and (t.dim() != 1 or t.dtype not in facts.INTEGER_INDEX):
-        return NotImplemented  # (a bool or uint8 tensor is a mask, as eager reads it)
-    ks = t.tolist() if t is not None else index.items
-    if ks is None or len(ks) != len(seq) or not all(type(k) is int and -m <= k < m for k, m in zip(ks, seq.lengths)):
+    at = bt.instance_index(index)
+    if at is None or len(at) != len(seq):
+        return NotImplemented
+    lengths = seq.counts()
+    if bool(((at >= lengths) | (at < -lengths)).any()):
         return NotImplemented
     device = seq.source.device
-    at = torch.tensor([a + (k if k >= 0 else k + m) for a, k, m in zip(seq.starts, ks, seq.lengths)], device=device)
-    return bt.from_tensor(seq.source[seq.row_index(device), at])
+    place = (torch.where(at < 0, at + lengths, at) + seq.start_index(torch.device("cpu"))).to(device)
+    return bt.from_tensor(seq.source[seq.row_index(device), place])
 
 
 def items_at(seq, instances, steps):
@@ -569,7 +568,7 @@ def reduced_within(n, name, padded, dim, mask, counts, keepdim, correction=1):
         if padded.is_complex() or (name in ("nansum", "nanmean") and not padded.is_floating_point()):
             return NotImplemented
         filled = torch.where(mask, padded, padded.new_full((), _NEUTRAL[name]))
-        if name == "prod" and not zeros_alike(filled):
+        if name == "prod" and not spreads.zeros_alike(filled):
             return NotImplemented
         return bt.from_tensor(getattr(filled, name)(dim, keepdim=keepdim))
     if name in ("sum", "mean"):
@@ -591,16 +590,6 @@ def reduced_within(n, name, padded, dim, mask, counts, keepdim, correction=1):
     if name in ("amax", "amin", "argmax", "argmin"):  # (an arg's ties: the first, within the value, as eager's)
         return bt.from_tensor(out)
     return bt.from_struct(type(out), [bt.from_tensor(out.values), bt.from_tensor(out.indices)], n)
-
-
-def zeros_alike(t):
-    """Whether a batched ``prod`` of ``t`` (instances along dim 0) differentiates as each instance's own: torch's
-    prod backward takes its zero-safe way where its whole input has a zero (an inf's gradient is then finite,
-    else NaN), so the instances must all have a zero or none, where a gradient is taken."""
-    if not (t.requires_grad and torch.is_grad_enabled()):
-        return True
-    zeros = (t == 0).flatten(1).any(1)
-    return bool(zeros.all()) or not bool(zeros.any())
 
 
 def _spread_within(n, name, padded, dim, mask, counts, keepdim, correction):

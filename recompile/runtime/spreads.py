@@ -1,4 +1,7 @@
-"""Each instance's ``var``/``std`` along a dim of a padded tensor, within a mask, with torch's own gradient.
+"""Reductions of each instance whose torch gradient is not the one their batched composition would give.
+
+``var``/``std`` along a dim of a padded tensor, within a mask, with torch's own gradient; and ``zeros_alike``,
+whether a batched ``prod`` differentiates as each instance's own.
 
 Eager ``var`` differentiates as ``var_backward`` writes it: ``2 / (N - correction) * g * (x - mean)``, N not
 clamped (where ``N - correction`` is 0 the cotangent is ±inf; below 0 it is finite), and ``std`` passes
@@ -54,3 +57,13 @@ class SpreadRoot(torch.autograd.Function):
     def backward(ctx, grad):
         out, = ctx.saved_tensors
         return (grad / (out * 2)).masked_fill(out == 0, 0)
+
+
+def zeros_alike(t):
+    """Whether a batched ``prod`` of ``t`` (instances along dim 0) differentiates as each instance's own: torch's
+    prod backward takes its zero-safe way where its whole input has a zero (an inf's gradient is then finite,
+    else NaN), so the instances must all have a zero or none, where a gradient is taken."""
+    if not (t.requires_grad and torch.is_grad_enabled()):
+        return True
+    zeros = (t == 0).flatten(1).any(1)
+    return bool(zeros.all()) or not bool(zeros.any())
