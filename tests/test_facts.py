@@ -315,7 +315,9 @@ GROWN = {
                                   # int(t), bool(t) of each instance's one element: rows standing for the numbers
                                   (int, segments._python_number_form), (bool, segments._python_number_form),
                                   # a dict display with string keys: a struct of its values, a piece may hand on
-                                  (intrinsics.build_dict, segments._dict_form)]),
+                                  (intrinsics.build_dict, segments._dict_form),
+                                  # torch.logsumexp(x, 0), torch.sum(x, dims): along dims moved past the instance's
+                                  *((f, segments._along_dims_form) for f in segments._ALONG_DIMS)]),
                         set()),
 }
 

@@ -383,3 +383,28 @@ def test_an_error_of_a_traced_run_is_never_lost():
     assert ran == [7]
     with pytest.raises(IndexError, match="user's line"):
         segments._raised_again(TimeoutError("one-shot"), op_by_op_raises, 2, (7,))
+
+
+def reductions_along_dims(x, w):
+    y = torch.logsumexp(x.unsqueeze(1) + w, 0) + torch.sum(x * w, (0, 1), True).squeeze(0)
+    z = F.softmax(y, -1) * torch.amax(w * x.unsqueeze(0), 1) + torch.log_softmax(x, 0)
+    return torch.cumsum(z, 0) + torch.mean(x.unsqueeze(0) * w, dim=1, keepdim=False)
+
+
+def test_torch_functions_along_given_dims_run_raw_their_dims_moved_past_the_instance_dim():
+    f = recompile.function(reductions_along_dims)
+    vf = recompile.vmap(f, in_dims=(0, None))
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    for _ in range(2):
+        got = vf(x, w)
+        want = torch.stack([reductions_along_dims(r, w) for r in x])
+        torch.testing.assert_close(got, want)
+        got_grads = torch.autograd.grad(got.sum(), (x, w))
+        want_grads = torch.autograd.grad(want.sum(), (x, w))
+        for g, e in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, e)
+    segs = built(f).segments
+    assert sum(s.hits for s in segs) > 0
+    source = "".join(src for s in segs for src in s.sources)
+    assert "_call(" not in source  # (each by its raw form, none by its batch rule)

@@ -1378,6 +1378,44 @@ def _split_form(tr, fn, fn_slot, args, kwargs):
     return _Slot("T", name, value, items)
 
 
+# torch functions of one tensor along the dims they are given, the dim second: the batch's tensor's dims one on
+_ALONG_DIMS = (torch.logsumexp, torch.sum, torch.mean, torch.amax, torch.amin, torch.softmax, torch.log_softmax,
+               F.softmax, F.log_softmax, torch.cumsum)
+
+
+@TRACE.register(*_ALONG_DIMS)
+def _along_dims_form(tr, fn, fn_slot, args, kwargs):
+    """``torch.logsumexp(x, 0)``, ``torch.sum(x, (0, 1), keepdim)``, ``F.softmax(x, dim=-1)`` ... of a batched x
+    along the dims given (the same on every call): the same function on the batch's tensor, its dims moved past
+    the instance dim."""
+    kwargs = dict(kwargs)
+    dim = kwargs.pop("dim") if "dim" in kwargs else args[1] if len(args) > 1 else None
+    rest = [*args[2:], *kwargs.values()]  # (keepdim)
+    if dim is None or len(args) > 3 or set(kwargs) - {"keepdim"} or any(
+            a.kind != "S" or type(a.value) is not bool for a in rest):  # (softmax's third is a dtype: the rule's)
+        return None
+    x = tr.as_b(args[0])
+    if dim.kind == "T" and all(d.kind == "S" and d.fixed for d in dim.items):  # (``(0, 1)``: built of constants)
+        dim = _Slot("S", repr(tuple(dim.value)), tuple(dim.value), fixed=True)
+    dims = dim.value if type(dim.value) is tuple else (dim.value,)
+    if x is None or dim.kind != "S" or not batch_rules.dims_shift(x.value, fn) or not dims or \
+            not all(type(d) is int for d in dims):
+        return None
+    rank = x.value.dim() - 1
+    if not all(-rank <= d < rank for d in dims):
+        return None
+    for a in (dim, *rest):
+        tr.guard_equal(a)
+    shifted = batch_rules.shift_dim(dim.value)
+    tr.guard_callable(fn, fn_slot)
+    fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
+    value = fn(x.value, shifted, *[a.value for a in args[2:]], **{k: a.value for k, a in kwargs.items()})
+    name = tr.fresh()
+    extra = "".join(f", {a.name}" for a in args[2:]) + "".join(f", {k}={a.name}" for k, a in kwargs.items())
+    tr.emit(f"{name} = {fn_name}({x.name}, {shifted!r}{extra})")
+    return _Slot("B", name, value)
+
+
 @TRACE.register(torch.cat, torch.concat, torch.stack)
 def _join_form(tr, fn, fn_slot, args, kwargs):
     """torch.cat / torch.stack of a list built in the segment, all batched tensors, along a feature dim."""
