@@ -87,9 +87,14 @@ def test_a_for_over_per_instance_ranges_batches_with_values_and_gradients_of_eag
 def test_the_range_of_a_per_instance_start_runs_each_instances_own_and_says_so():
     compiled = recompile.function(per_instance_start)
     xs, n = inputs()
-    with pytest.warns(recompile.PerInstanceWarning, match="getitem"):
+    with switched(config, False, "RECURRENT_LOOPS"), pytest.warns(recompile.PerInstanceWarning, match="getitem"):
+        got, want = both(per_instance_start, compiled, xs, n)  # (the loop as written: each instance's own t)
+    torch.testing.assert_close(got, want)
+    compiled = recompile.function(per_instance_start)
+    with switched(config, "error", "PER_INSTANCE"):  # (a sum of its step inputs: every step's item read at once)
         got, want = both(per_instance_start, compiled, xs, n)
     torch.testing.assert_close(got, want)
+    assert compiled.callee(None).build.batched_code.recurrent[0].runs == 1
 
 
 def test_a_bad_range_argument_raises_as_python_does():

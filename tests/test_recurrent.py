@@ -81,9 +81,9 @@ def sentences(count, longest, seed=0):
     return torch.randint(0, VOCAB, (count, longest), generator=g)
 
 
-def compare(model, fn, args, in_dims, expect_runs=True):
-    """fn through recompile.vmap against fn per instance: values and gradients (float64), and whether its loop
-    ran as one RNN."""
+def compare(model, fn, args, in_dims, expect_runs=True, count=1):
+    """fn through recompile.vmap against fn per instance: values and gradients (float64), and whether its
+    ``count`` loops ran as one RNN (each; the first returned)."""
     compiled = recompile.function(fn)
     model.zero_grad()
     got = recompile.vmap(compiled, in_dims=in_dims)(model, *args)
@@ -91,8 +91,8 @@ def compare(model, fn, args, in_dims, expect_runs=True):
     sum(v.sum() for v in flat if isinstance(v, torch.Tensor) and v.is_floating_point()).backward()
     got_grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    count = args[in_dims.index(0) - 1].shape[0]
-    per = [fn(model, *[a[k] if d == 0 else a for a, d in zip(args, in_dims[1:])]) for k in range(count)]
+    instances = args[in_dims.index(0) - 1].shape[0]
+    per = [fn(model, *[a[k] if d == 0 else a for a, d in zip(args, in_dims[1:])]) for k in range(instances)]
     per = [p if isinstance(p, tuple) else (p,) for p in per]
     want = tuple(torch.stack([torch.as_tensor(p[j]) for p in per]) for j in range(len(per[0])))
     sum(v.sum() for v in want if v.is_floating_point()).backward()
@@ -106,8 +106,9 @@ def compare(model, fn, args, in_dims, expect_runs=True):
     if expect_runs is None:  # (not a recurrent loop)
         assert loops == []
         return None
-    assert len(loops) == 1
-    assert (loops[0].runs > 0) is expect_runs, (loops[0].runs, loops[0].declined)
+    assert len(loops) == count
+    for loop in loops:
+        assert (loop.runs > 0) is expect_runs, (loop.runs, loop.declined)
     return loops[0]
 
 
@@ -200,7 +201,7 @@ def reversed_builtin(m, words, n, h0):
     h = h0
     for t in reversed(range(n)):
         h = m.cell(m.embed(words[t]), h)
-    for t in reversed(range(1, n)):  # (no cell: a loop of its own, not a recurrent one)
+    for t in reversed(range(1, n)):  # (no cell: an update of its own, stepped over the packed step inputs)
         h = h * 0.5 + words[t].double()
     return h
 
@@ -209,7 +210,8 @@ def reversed_builtin(m, words, n, h0):
 def test_a_loop_counting_down_runs_its_sequences_backwards_as_one_rnn(fn):
     torch.manual_seed(10)
     model = Model(nn.GRUCell).double()
-    compare(model, fn, (sentences(5, 6), lengths(6, 0, 1, 4, 6), torch.randn(5, HIDDEN).double()), (None, 0, 0, 0))
+    compare(model, fn, (sentences(5, 6), lengths(6, 0, 1, 4, 6), torch.randn(5, HIDDEN).double()), (None, 0, 0, 0),
+            count=2 if fn is reversed_builtin else 1)
 
 
 class Stacked(nn.Module):
@@ -263,7 +265,7 @@ def test_stacked_cells_without_grad():
     assert compiled.callee(None).build.batched_code.recurrent[0].runs == 1
 
 
-def test_a_cell_reading_the_state_of_the_one_below_from_before_the_step_is_not_stacked():
+def test_a_cell_reading_the_state_of_the_one_below_from_before_the_step_steps_as_an_update():
     def skewed(m, words, n):
         h1 = torch.zeros(HIDDEN, dtype=torch.float64)
         h2 = torch.zeros(HIDDEN + 1, dtype=torch.float64)
@@ -274,8 +276,10 @@ def test_a_cell_reading_the_state_of_the_one_below_from_before_the_step_is_not_s
             t = t + 1
         return h2
 
-    compare(Stacked(nn.GRUCell, nn.GRUCell).double(), skewed, (sentences(3, 4), lengths(4, 1, 3)), (None, 0, 0),
-            expect_runs=None)
+    # (not torch's stacked RNN: both cells' calls step as the loop's update, over the rows still in the loop)
+    loop = compare(Stacked(nn.GRUCell, nn.GRUCell).double(), skewed, (sentences(3, 4), lengths(4, 1, 3)),
+                   (None, 0, 0))
+    assert loop.update is not None and loop.layers == []
 
 
 class BothWays(nn.Module):
@@ -398,7 +402,7 @@ def test_step_inputs_that_draw_random_numbers_run_in_the_written_loop():
     compare(Model().double(), dropped, (sentences(3, 4), lengths(4, 1, 3)), (None, 0, 0), expect_runs=False)
 
 
-def test_a_body_doing_more_than_stepping_the_cell_is_not_taken():
+def test_a_body_doing_more_than_stepping_the_cell_steps_as_an_update():
     def decays(m, words, n):
         h = torch.zeros(HIDDEN, dtype=torch.float64)
         total = torch.zeros(HIDDEN, dtype=torch.float64)
@@ -409,7 +413,8 @@ def test_a_body_doing_more_than_stepping_the_cell_is_not_taken():
             t = t + 1
         return total
 
-    compare(Model(nn.GRUCell).double(), decays, (sentences(2, 3), lengths(3, 2)), (None, 0, 0), expect_runs=None)
+    loop = compare(Model(nn.GRUCell).double(), decays, (sentences(2, 3), lengths(3, 2)), (None, 0, 0))
+    assert loop.update is not None
 
 
 def gru_sum(m, words, n, start):
@@ -713,12 +718,13 @@ def test_a_counting_loop_runs_its_instances_longest_first_each_step_keeping_the_
             t = t + 1
         return h * t
 
+    monkeypatch.setattr(config, "RECURRENT_LOOPS", False)  # (else it steps as an update of its own)
     taken = []
     take_all = control._take_all
     monkeypatch.setattr(control, "_take_all", lambda *args: taken.append(len(args[1][0])) or take_all(*args))
     torch.manual_seed(9)
     compare(Model().double(), written_out, (sentences(6, 7), lengths(2, 7, 0, 5, 2, 6)), (None, 0, 0),
-            expect_runs=None)
+            expect_runs=False)
     assert taken == [6]  # (the instances put in order once, as the loop starts; no gather as they leave)
 
 
@@ -866,3 +872,188 @@ def test_two_appends_a_step_to_one_list_run_the_loop_as_written():
     two.top = nn.GRUCell(HIDDEN, HIDDEN).double()
     config.PER_INSTANCE = "allow"
     compare(two, appends_twice_a_step, (sentences(3, 4), lengths(4, 1, 2)), (None, 0, 0), expect_runs=None)
+
+
+# -- loops whose steps are an update of their own (no cell): the update stepped over the rows still in the loop
+
+
+class Elman(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, EMBED)
+        self.ih = nn.Linear(EMBED, HIDDEN)
+        self.hh = nn.Linear(HIDDEN, HIDDEN)
+        self.out = nn.Linear(HIDDEN, 3)
+        self.trans = nn.Parameter(torch.randn(3, 3))
+        self.start = nn.Parameter(torch.randn(3))
+
+
+def elman(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    for t in range(n):
+        h = torch.tanh(m.ih(m.embed(words[t])) + m.hh(h))
+    return h
+
+
+def elman_pooled(m, words, n, tags):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    total = torch.zeros(HIDDEN, dtype=torch.float64)
+    loss = torch.zeros((), dtype=torch.float64)
+    hs = []
+    for t in range(n):
+        h = torch.tanh(m.ih(m.embed(words[t])) + m.hh(h) * 0.5)
+        total = total + h
+        loss = loss + F.cross_entropy(m.out(h), tags[t])
+        hs.append(h)
+    return total, loss, torch.stack(hs).sum(0)
+
+
+def crf(m, words, n, tags):
+    """A linear-chain CRF's negative log-likelihood of ``tags[:n]`` over scores of the words: the gold path's
+    score read tag by tag, the forward algorithm a ``logsumexp`` a step."""
+    emits = m.out(m.ih(m.embed(words[:n])))
+    gold = m.start[tags[0]] + emits[0, tags[0]]
+    for t in range(1, n):
+        gold = gold + m.trans[tags[t - 1], tags[t]] + emits[t, tags[t]]
+    alpha = m.start + emits[0]
+    for t in range(1, n):
+        alpha = torch.logsumexp(alpha.unsqueeze(1) + m.trans, 0) + emits[t]
+    return torch.logsumexp(alpha, 0) - gold
+
+
+def counted_and_scaled(m, words, n, scale):
+    h = torch.ones(HIDDEN, dtype=torch.float64)
+    t = 0
+    while t < n:
+        h = h * scale + t * m.embed(words[t]).sum() + m.trans.sum()  # (the counter; a value of each instance's)
+        t = t + 1
+    return h
+
+
+def test_a_cell_written_out_steps_as_an_update_over_the_rows_still_in_the_loop():
+    """``h = torch.tanh(m.ih(x) + m.hh(h))``: the step inputs for every step at once, then the update step by
+    step over the first rows (the instances longest first), sentences of none and of one word included."""
+    torch.manual_seed(20)
+    loop = compare(Elman().double(), elman, (sentences(6, 7), lengths(3, 7, 0, 5, 1, 7)), (None, 0, 0))
+    assert loop.update is not None
+    with torch.no_grad():
+        got = recompile.vmap(recompile.function(elman), in_dims=(None, 0, 0))(
+            Elman().double(), sentences(2, 3), lengths(3, 1))
+    assert got.shape == (2, HIDDEN) and not got.requires_grad
+
+
+def test_an_updates_states_summed_appended_and_scored_at_each_step():
+    torch.manual_seed(21)
+    tags = torch.randint(0, 3, (5, 6), generator=torch.Generator().manual_seed(2))
+    compare(Elman().double(), elman_pooled, (sentences(5, 6), lengths(6, 2, 1, 4, 6), tags), (None, 0, 0, 0))
+
+
+def test_a_crf_written_as_loops_steps_both_as_updates():
+    torch.manual_seed(22)
+    tags = torch.randint(0, 3, (5, 6), generator=torch.Generator().manual_seed(3))
+    compare(Elman().double(), crf, (sentences(5, 6), lengths(6, 2, 1, 4, 6), tags), (None, 0, 0, 0), count=2)
+
+
+def test_an_update_reading_the_counter_and_a_value_of_each_instance():
+    torch.manual_seed(23)
+    scale = torch.tensor([0.5, -1.0, 2.0, 0.25], dtype=torch.float64)
+    compare(Elman().double(), counted_and_scaled, (sentences(4, 5), lengths(5, 0, 2, 5), scale), (None, 0, 0, 0))
+    compare(Elman().double(), counted_and_scaled, (sentences(4, 5), lengths(5, 0, 2, 5), scale[0]),
+            (None, 0, 0, None))
+
+
+def grows(m, words, n):
+    h = torch.zeros(1, dtype=torch.float64)
+    for t in range(n):
+        h = torch.cat([h, m.embed(words[t])[:1]])  # (a state of another shape at each step)
+    return h.sum()
+
+
+def widens(m, words, n):
+    h = torch.zeros(HIDDEN)  # (float32, made float64 by its first step)
+    for t in range(n):
+        h = h + m.embed(words[t]).sum()
+    return h
+
+
+def from_a_number(m, words, n):
+    r = 0.0
+    for t in range(n):
+        r = r + m.embed(words[t]).sum()
+    return r
+
+
+def test_an_update_giving_another_shape_or_dtype_or_starting_from_a_number_runs_as_written():
+    torch.manual_seed(24)
+    config.PER_INSTANCE = "allow"
+    for fn in (grows, widens, from_a_number):
+        compare(Elman().double(), fn, (sentences(3, 4), lengths(4, 1, 3)), (None, 0, 0), expect_runs=False)
+
+
+def dropped_update(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    for t in range(n):
+        h = F.dropout(torch.tanh(m.hh(h) + m.ih(m.embed(words[t]))), 0.0, True)  # (draws: as written)
+    return h
+
+
+def reads_an_earlier_state(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    before = torch.zeros(HIDDEN, dtype=torch.float64)
+    for t in range(n):
+        h, before = torch.tanh(m.hh(h) + before), h  # (a variable taking another's value before the step)
+    return h + before
+
+
+def test_an_update_that_draws_or_keeps_a_value_from_before_the_step_runs_as_written():
+    torch.manual_seed(25)
+    compare(Elman().double(), dropped_update, (sentences(3, 4), lengths(4, 1, 3)), (None, 0, 0), expect_runs=False)
+    compare(Elman().double(), reads_an_earlier_state, (sentences(3, 4), lengths(4, 1, 3)), (None, 0, 0),
+            expect_runs=None)
+
+
+def mismatched(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    for t in range(n):
+        h = torch.tanh(h + m.ih(h))  # (ih takes EMBED features, not HIDDEN: raises at the first step)
+    return h
+
+
+def test_an_error_of_an_update_is_raised_from_the_users_line():
+    compiled = recompile.function(mismatched)
+    with pytest.raises(RuntimeError) as info:
+        recompile.vmap(compiled, in_dims=(None, 0, 0))(Elman().double(), sentences(3, 4), lengths(4, 1, 3))
+    assert "mismatched" in "".join(getattr(info.value, "__notes__", [])) + str(info.value) + str(info.traceback)
+    assert compiled.callee(None).build.batched_code.recurrent[0].runs == 0
+
+
+class Gates(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, EMBED)
+        self.ih = nn.Linear(EMBED, 4 * HIDDEN)
+        self.hh = nn.Linear(HIDDEN, 4 * HIDDEN, bias=False)
+
+
+def gates_written_out(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    c = torch.zeros(HIDDEN, dtype=torch.float64)
+    for t in range(n):
+        i, f, g, o = (m.ih(m.embed(words[t])) + m.hh(h)).chunk(4)  # (i, f, g, o: written, never read before)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+    return h + c, o * 2.0
+
+
+def test_variables_an_update_only_writes_end_as_their_last_steps_values():
+    """The gates (loop variables that start undefined and that each step writes before it reads them) end as
+    their values at each instance's last step; with a sentence of no words, whose gates stay undefined, the loop
+    runs as written."""
+    torch.manual_seed(26)
+    loop = compare(Gates().double(), gates_written_out, (sentences(5, 6), lengths(6, 2, 1, 4, 6)), (None, 0, 0))
+    assert loop.reads_state.count(False) == 4
+    config.PER_INSTANCE = "allow"
+    compiled = recompile.function(gates_written_out)
+    with pytest.raises(UnboundLocalError):  # (``o`` of the sentence of no words, as eager)
+        recompile.vmap(compiled, in_dims=(None, 0, 0))(Gates().double(), sentences(3, 4), lengths(4, 0, 2))
+    assert compiled.callee(None).build.batched_code.recurrent[0].runs == 0

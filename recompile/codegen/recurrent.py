@@ -96,18 +96,32 @@ class RecurrentLoop:
             if added_sg is not None else chain_used
         self.used = [a or b for a, b in zip(chain_used, added_used)]
         self.reads = self.chain = self.added = None  # their batched functions (``compile``)
+        # a loop whose steps are an update of its own (no cell): see ``stepping``
+        self.update_sg = self.update = None
+        self.updated, self.reads_state, self.callees, self.fixed_calls = [], [], 0, []
         self.runs = 0  # loops run as one RNN
         self.declined = 0  # loops run as written
 
     def __repr__(self):
         return f"<recurrent loop {self.chain_sg.name}>"
 
+    def stepping(self, update_sg, updated, reads_state, callees, fixed_calls):
+        """Make it a loop whose steps run ``update_sg`` (no cell): (*the variables it changes whose values
+        before the step it reads, *the values read before the loop, *the step values) -> the variables' new
+        values; ``updated`` their positions, each a layer of the states, ``reads_state`` whether it reads each;
+        ``callees`` how many of the reads' callables the step inputs call (the update's read values follow
+        them), ``fixed_calls`` the positions of those values the update calls."""
+        self.update_sg, self.updated, self.reads_state = update_sg, updated, reads_state
+        self.callees, self.fixed_calls = callees, fixed_calls
+
     def compile(self, generate):
-        """Its two functions, batched code made by ``generate`` (``codegen.batched.generate_batched``)."""
+        """Its functions, batched code made by ``generate`` (``codegen.batched.generate_batched``)."""
         self.reads = generate(self.reads_sg).functions[self.reads_sg.name]
         self.chain = generate(self.chain_sg).functions[self.chain_sg.name]
         if self.added_sg is not None:
             self.added = generate(self.added_sg).functions[self.added_sg.name]
+        if self.update_sg is not None:
+            self.update = generate(self.update_sg).functions[self.update_sg.name]
 
     def __call__(self, n, loop_vars, invariants):
         out = self._run(n, list(loop_vars), list(invariants)) if config.RECURRENT_LOOPS else NotImplemented
@@ -120,9 +134,12 @@ class RecurrentLoop:
     def _run(self, n, loop_vars, invariants):
         callees = _tuple(self.reads(n, *invariants), len(self.reads_sg.outputs))
         cells = callees[:len(self.layers)]
+        calls = callees[len(cells):len(cells) + self.callees] if self.update else callees[len(cells):]
+        fixed = callees[len(cells) + self.callees:] if self.update else ()
         if not all(type(c) in _CELLS and not has_hooks(c) and "forward" not in c.__dict__ for c in cells):
             return NotImplemented
-        if not all(type(c) is not Batch and segments.rerunnable(c) for c in callees[len(cells):]):
+        if not all(type(c) is not Batch and (segments.rerunnable(c) or _tensor_method(c)) for c in
+                   (*calls, *(fixed[p] for p in self.fixed_calls))):
             return NotImplemented
         if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
             return NotImplemented
@@ -134,10 +151,18 @@ class RecurrentLoop:
             return NotImplemented
         lists = [_lists(n, invariants[p]) for p, _ in self.appended]
         if any(each is None for each in lists) or any(
-                type(cells[layer]) is nn.LSTMCell and self.layers[layer][0] != "pair" for _, layer in self.appended):
+                type(cells[layer]) is nn.LSTMCell and self.layers[layer][0] != "pair" for _, layer in self.appended
+                if cells):
             return NotImplemented  # (an LSTM's state appended whole is its (h, c): the packed states hold h)
+        # (an update's variables as (n, ...) rows: each instance's state, of one shape)
+        # (a variable the update only writes, ``i, f, g, o = gates.chunk(4)``, may start as anything: undefined)
+        begun = [_instance_rows(n, loop_vars[j]) for j in self.updated]
+        if any(b is None and (read or min(steps) == 0) for b, read in zip(begun, self.reads_state)):
+            return NotImplemented
         summed = {j: source[1] for j, source in enumerate(self.var_sources) if source[0] == "sum"}
-        starts_of = {j: _sum_start(n, loop_vars[j], cells[i], self.layers[i]) for j, i in summed.items()}
+        starts_of = {j: _sum_start(n, loop_vars[j], cells[i], self.layers[i]) if cells else
+                     _instance_rows(n, loop_vars[j], begun[i]) if begun[i] is not None else None
+                     for j, i in summed.items()}
         if any(v is None for v in starts_of.values()):
             return NotImplemented
         added_to = {j: source[1] for j, source in enumerate(self.var_sources) if source[0] == "added"}
@@ -156,30 +181,19 @@ class RecurrentLoop:
             outs = _tuple(self.chain(layout.rows, *args), len(self.chain_sg.outputs))
         except Exception:  # (the written loop raises it at its step, from the user's line)
             return NotImplemented
-        x = outs[0]
-        data = bt.tensor_of(x) if type(x) is Batch else x.unsqueeze(0) if type(x) is torch.Tensor else None
-        # (each step's input a matrix of one row, ``x.unsqueeze(0)``, and the states too: rows of the one batch)
-        one_row = data is not None and data.dim() == 3 and data.shape[1] == 1
-        if one_row:
-            data = data.squeeze(1)
-        states = [_state(n, form, loop_vars, cell, min(steps), one_row) for form, cell in zip(self.layers, cells)]
-        if any(s is None for s in states):
-            return NotImplemented
-        weight = cells[0].weight_ih
-        if data is None or data.dim() != 2 or data.shape != (layout.rows, cells[0].input_size) \
-                or data.dtype != weight.dtype or data.device != weight.device:
-            return NotImplemented
-        if any(c.weight_ih.dtype != data.dtype or c.weight_ih.device != data.device for c in cells) or \
-                any(s.dtype != data.dtype or s.device != data.device for state in states for s in state) or \
-                any(s.dtype != data.dtype or s.device != data.device for s in starts_of.values()):
-            return NotImplemented
-        finals, every = [], []
-        for i, (cell, state) in enumerate(zip(cells, states)):
-            outputs = i + 1 < len(cells) or i in summed.values() or any(i == layer for _, layer in self.appended) \
-                or i in self.added_layers
-            ends, data = _run_cell(cell, data, layout, state, outputs, one_row)
-            finals.append(ends)
-            every.append(data)
+        # (the layers whose states of every step the loop's sums and lists read)
+        needed = {*summed.values(), *(layer for _, layer in self.appended), *self.added_layers}
+        if self.update is not None:
+            stepped = len(self.update_sg.inputs) - sum(self.reads_state) - len(fixed)
+            ran = self._steps(layout, begun, fixed, outs[:stepped], needed)
+            if ran is None:
+                return NotImplemented
+            (finals, every), one_row, chained = ran, False, outs[stepped:]
+        else:
+            ran = self._cells(n, loop_vars, cells, layout, outs[0], steps, needed, starts_of)
+            if ran is None:
+                return NotImplemented
+            (finals, every, one_row), chained = ran, outs[1:]
         added = self._added(n, layout, args, every, one_row, {j: loop_vars[j] for j in added_to}) \
             if added_to else {}
         if added is None:
@@ -198,18 +212,81 @@ class RecurrentLoop:
         sums = {j: start.index_add(0, layout.index.to(start.device), every[i])  # (in step order on the CPU)
                 for (j, i), start in zip(summed.items(), starts_of.values())}
         sums.update(added)
-        return self._results(n, loop_vars, starts, steps, layout, finals, outs[1:], sums)
+        return self._results(n, loop_vars, starts, steps, layout, finals, chained, sums)
+
+    def _cells(self, n, loop_vars, cells, layout, x, steps, needed, starts_of):
+        """(each layer's final states, its packed states of every step where ``needed``, whether states are
+        matrices of one row) of the cells stepped over the packed step inputs ``x``; None where they do not
+        take them."""
+        data = bt.tensor_of(x) if type(x) is Batch else x.unsqueeze(0) if type(x) is torch.Tensor else None
+        # (each step's input a matrix of one row, ``x.unsqueeze(0)``, and the states too: rows of the one batch)
+        one_row = data is not None and data.dim() == 3 and data.shape[1] == 1
+        if one_row:
+            data = data.squeeze(1)
+        states = [_state(n, form, loop_vars, cell, min(steps), one_row) for form, cell in zip(self.layers, cells)]
+        if any(s is None for s in states):
+            return None
+        weight = cells[0].weight_ih
+        if data is None or data.dim() != 2 or data.shape != (layout.rows, cells[0].input_size) \
+                or data.dtype != weight.dtype or data.device != weight.device:
+            return None
+        if any(c.weight_ih.dtype != data.dtype or c.weight_ih.device != data.device for c in cells) or \
+                any(s.dtype != data.dtype or s.device != data.device for state in states for s in state) or \
+                any(s.dtype != data.dtype or s.device != data.device for s in starts_of.values()):
+            return None
+        finals, every = [], []
+        for i, (cell, state) in enumerate(zip(cells, states)):
+            ends, data = _run_cell(cell, data, layout, state, i + 1 < len(cells) or i in needed, one_row)
+            finals.append(ends)
+            every.append(data)
+        return finals, every, one_row
+
+    def _steps(self, layout, begun, fixed, stepped, needed):
+        """(each variable's final state, its packed states of every step where ``needed``) of the update run
+        step by step over the instances still in the loop, longest first: the first rows of the states, of the
+        values read before the loop (taken in that order once) and of each step's packed values; None where a
+        step raises or gives a variable a value that is not its rows of the shape, dtype and device it began
+        with (the written loop then runs it, and raises its error from the user's line)."""
+        if not begun:  # (a loop of sums of its step inputs alone)
+            return [], []
+        taking = layout.order[:layout.instances]
+        parts = [b.index_select(0, bt.index_on(taking, b)) if b is not None else None for b in begun]
+        fixed = [bt.take(v, taking, layout.taking()) for v in fixed]
+        cuts = [_cut(v, layout.sizes) for v in stepped]
+        finished, made, going = [], {i: [] for i in needed}, layout.instances
+        try:
+            for j, count in enumerate(layout.sizes):
+                if count < going:
+                    finished.append([p[count:] for p in parts])
+                    parts = [p[:count] for p in parts]
+                going = count
+                out = _tuple(self.update(count, *(bt.from_tensor(p) for p, read in zip(parts, self.reads_state)
+                                                  if read),
+                                         *(bt.part(v, 0, count) for v in fixed), *(c[j] for c in cuts)),
+                             len(parts))
+                parts = [_instance_rows(count, v, p) for v, p in zip(out, parts)]
+                if any(p is None for p in parts):
+                    return None
+                for i in needed:
+                    made[i].append(parts[i])
+        except Exception:
+            return None
+        finished.append(parts)
+        ends = [torch.cat([f[i] for f in reversed(finished)]) if len(finished) > 1 else parts[i]
+                for i in range(len(parts))]
+        finals = [[bt.from_tensor(f)] for f in _unsorted(begun, ends, layout)]
+        return finals, [torch.cat(made[i]) if i in made else None for i in range(len(parts))]
 
     def _added(self, n, layout, args, every, one_row, starts):
         """{loop variable: its sum} of each sum whose steps add a value computed from the new state (``loss +
         F.cross_entropy(self.out(h), tags[t])``): those values for every row at once (``added_sg``), each
         instance's added to its start in step order (``index_add``: on the CPU, in the rows' order, as the loop
         adds them); None where a start or a value is not a tensor of one dtype and shape."""
-        totals = []
+        totals, like = [], next((e for e in every if e is not None), None)
         for start in starts.values():  # (checked first: a loop given up runs its callables again, as written)
             total = bt.tensor_of(start) if type(start) is Batch else \
                 start.unsqueeze(0).expand(n, *start.shape) if type(start) is torch.Tensor else None
-            if total is None or total.dtype != every[0].dtype or total.device != every[0].device:
+            if total is None or like is not None and (total.dtype != like.dtype or total.device != like.device):
                 return None
             totals.append(total)
         states = [bt.from_tensor(every[i].unsqueeze(1) if one_row else every[i]) for i in self.added_layers]
@@ -267,7 +344,7 @@ class RecurrentLoop:
                 value = chained[source[1]]
                 if n > 1 and layout.rows > 1 and all(steps):  # (every instance's last row, at once)
                     rows = layout.last_rows()
-                    out.append(bt.take(value, torch.tensor(rows), rows))
+                    out.append(bt.take(value, bt.long_tensor(rows), rows))
                     continue
                 initial = loop_vars[j]
                 out.append(_per_instance(n, [
@@ -282,7 +359,7 @@ class _Layout:
 
     def __init__(self, steps):
         order = sorted(range(len(steps)), key=steps.__getitem__, reverse=True)  # (stable: ties keep their order)
-        self.order = torch.tensor(order)
+        self.order = bt.long_tensor(order)
         taking = [k for k in order if steps[k]]
         self.instances = len(taking)  # the instances that take a step
         sizes, instance, step = [], [], []
@@ -292,16 +369,20 @@ class _Layout:
             sizes.append(len(taking))
             instance.extend(taking)
             step.extend([j] * len(taking))
-        self.batch_sizes = torch.tensor(sizes)
+        self.batch_sizes = bt.long_tensor(sizes)
         self.sizes, self.instance, self.step = sizes, instance, step
-        self.index = torch.tensor(instance)
+        self.index = bt.long_tensor(instance)
         self.rows = len(instance)
         self._steps, self._order = steps, order
         self._last = None
 
+    def taking(self):
+        """The instances that take a step, longest first."""
+        return self._order[:self.instances]
+
     def steps(self):
         """Each row's step, a LongTensor."""
-        return torch.tensor(self.step)
+        return bt.long_tensor(self.step)
 
     def take(self, value):
         """An invariant's value for each row: an instance's own value on each of its rows."""
@@ -339,7 +420,7 @@ def _items_at(value, layout, counter, counters):
     t = bt.tensor_of(value) if type(value) is Batch else value if type(value) is torch.Tensor else None
     if t is None or t.dim() < (2 if type(value) is Batch else 1):
         return batch_rules.item(layout.rows, layout.take(value), counter)
-    steps = torch.tensor(counters, device=t.device)
+    steps = bt.long_tensor(counters, t.device)
     return bt.from_tensor(t[layout.index.to(t.device), steps] if type(value) is Batch else t[steps])
 
 
@@ -348,7 +429,6 @@ def _run_cell(cell, data, layout, state, outputs=False, one_row=False):
     final states, each an (n, hidden) batch (with ``one_row`` (n, 1, hidden): each instance's a matrix of one
     row), and with ``outputs`` the packed states of every step (the input of a cell stepped above it), else
     None."""
-    n = state[0].shape[0]
     order = layout.order.to(state[0].device)  # (the layout's on the CPU: torch's packed RNN reads its sizes there)
     taking = order[:layout.instances]
     hx = [s.index_select(0, taking) for s in state]
@@ -368,12 +448,49 @@ def _run_cell(cell, data, layout, state, outputs=False, one_row=False):
             ends, steps = _torch_rnn(cell, data, layout.batch_sizes, [s.unsqueeze(0) for s in hx], weights)
         ends = [e.clone() for e in ends]
         steps = steps.clone() if outputs else None
-    if layout.instances == n:
-        back = torch.argsort(order)
-        finals = [e.index_select(0, back) for e in ends]
-    else:  # (instances that take no step keep their state)
-        finals = [s.index_copy(0, taking, e) for s, e in zip(state, ends)]
+    finals = _unsorted(state, ends, layout)
     return [bt.from_tensor(f.unsqueeze(1) if one_row else f) for f in finals], steps
+
+
+def _unsorted(state, ends, layout):
+    """Each instance's final rows, in instance order, of ``ends`` (the instances that take a step, longest
+    first): those that take none keep theirs of ``state``."""
+    order = layout.order.to(ends[0].device)
+    if layout.instances == len(layout.order):
+        back = torch.argsort(order)
+        return [e.index_select(0, back) for e in ends]
+    return [s.index_copy(0, order[:layout.instances], e) for s, e in zip(state, ends)]
+
+
+def _instance_rows(n, value, like=None):
+    """``value`` as (n, ...) rows, each instance's tensor (or the one they share: a plain tensor, also the one
+    instance's own where n is 1), or None where it is not a tensor (of ``like``'s shape, dtype and device past
+    its rows, where given)."""
+    if type(value) is Batch:
+        t = bt.tensor_of(value)
+    elif type(value) is torch.Tensor:
+        t = value.unsqueeze(0).expand(n, *value.shape)
+    else:
+        return None
+    if t is None or t.shape[0] != n or like is not None and (
+            t.shape[1:] != like.shape[1:] or t.dtype != like.dtype or t.device != like.device):
+        return None
+    return t
+
+
+def _cut(value, sizes):
+    """Each step's values of ``value``, a step input of every row (the layout's packed rows): the rows of
+    each step, cut by one split; a value every row shares at each step."""
+    if type(value) is not Batch:
+        return [value] * len(sizes)
+    t = bt.rows_tensor(value)
+    if t is not None:
+        return [bt.from_tensor(c) for c in t.split(sizes)]
+    items, out, at = bt.items_of(value), [], 0
+    for size in sizes:
+        out.append(items[at] if size == 1 else bt.from_items(items[at:at + size]))
+        at += size
+    return out
 
 
 def _torch_rnn(cell, data, batch_sizes, hx, weights):
@@ -453,7 +570,7 @@ def _lists(n, value):
 
 
 def _tuple(out, count):
-    return (out,) if count == 1 else out
+    return (out,) if count == 1 else () if count == 0 else out
 
 
 def _per_instance(n, values):
@@ -492,17 +609,26 @@ def plan(op, holder=None):
         return None
     rest = [o for o in rest if o not in added]
     layers = _cell_calls(rest, body, params[:k], counter)
-    if layers is None:
+    update = _update(rest, body, params, k, counter, chain) if layers is None else None
+    if layers is None and update is None:
         return None
-    x = layers[0][0].args[0]
-    if not (isinstance(x, ir.Value) and (x.op in chain or x is counter_param or x in invariant_params)):
-        return None
-    var_sources, chained = [], []
     states = {}  # loop variable -> ("state", layer, h 0 | c 1 | None: the whole state)
-    for i, (_, form) in enumerate(layers):
-        for part, j in enumerate(form[1:]):
-            states[j] = ("state", i, part if form[0] == "pair" else None)
-    tops = {body.outputs[form[1]]: i for i, (_, form) in enumerate(layers)}  # (each layer's h, or its state)
+    if layers is not None:
+        stepped = [layers[0][0].args[0]]  # (the cell's input)
+        if not (isinstance(stepped[0], ir.Value) and (stepped[0].op in chain or stepped[0] is counter_param
+                                                      or stepped[0] in invariant_params)):
+            return None
+        for i, (_, form) in enumerate(layers):
+            for part, j in enumerate(form[1:]):
+                states[j] = ("state", i, part if form[0] == "pair" else None)
+        tops = {body.outputs[form[1]]: i for i, (_, form) in enumerate(layers)}  # (each layer's h, or its state)
+        fixed, update_ops = [], set()
+    else:  # (each variable the update changes a "layer" of its own: its state, its packed states)
+        updated, update_ops, fixed, stepped = update
+        states = {j: ("state", i, None) for i, j in enumerate(updated)}
+        tops = {body.outputs[j]: i for i, j in enumerate(updated)}
+        layers = []
+    var_sources, chained = [], []
     if any(call.args[0] not in tops for call in appends):
         return None
     appended = [(p, tops[call.args[0]]) for call, p in appends.items()]
@@ -518,8 +644,9 @@ def plan(op, holder=None):
             value = sums[j].args[1] if sums[j].args[0] is param else sums[j].args[0]
             if value in tops:
                 var_sources.append(("sum", tops[value]))
-            elif isinstance(value, ir.Value) and value.op in added:  # (a value computed from the new states)
-                var_sources.append(("added", value))
+            elif isinstance(value, ir.Value) and (value.op in added or value.op in chain or value is counter_param
+                                                  or value in invariant_params):
+                var_sources.append(("added", value))  # (a value computed from the new states, or a step input)
             else:
                 return None
         elif j in states:
@@ -543,7 +670,7 @@ def plan(op, holder=None):
     methods = [c for c in callees if _pure_method(c) and counter_param in _params(_needed([c], chain) or ())]
     callees = [c for c in callees if c not in methods]
     cell_values = [call.fn for call, _ in layers]
-    reads = _needed([*cell_values, *callees], chain)
+    reads = _needed([*cell_values, *callees, *fixed], chain)
     if reads is None or any(not _is_read(o) for o in reads) or counter_param in _params(reads):
         return None
     added_values = [source[1] for source in var_sources if source[0] == "added"]
@@ -552,12 +679,13 @@ def plan(op, holder=None):
                            and v.op not in chain and v not in params}, key=body.outputs.index)
     if any(v not in tops for v in state_values):
         return None
-    added_chain = _needed([v for o in added for v in o.operands() if isinstance(v, ir.Value) and v.op in chain],
-                          chain)
-    steps = _needed([x, *chained], chain)
+    added_chain = _needed([*(v for o in added for v in o.operands() if isinstance(v, ir.Value) and v.op in chain),
+                           *(v for v in added_values if v.op in chain)], chain)
+    steps = _needed([*stepped, *chained], chain)
     if steps is None or added_chain is None:
         return None
-    if any(isinstance(o, ir.Call) and isinstance(o.fn, ir.Value) for o in chain - steps - reads - added_chain):
+    if any(isinstance(o, ir.Call) and isinstance(o.fn, ir.Value) for o in
+           chain - steps - reads - added_chain - update_ops):
         return None  # (a call of what the loop reads, its result not needed: run for an effect, which must run)
     name = body.name + ".steps"
     # ``x[t]`` of a sequence the loop does not change: each row's item read at once, as the chain's input
@@ -571,7 +699,7 @@ def plan(op, holder=None):
              and not o.kwargs and o.args[0] in invariant_params and (
                  o.args[1] is counter_param or o.args[1] in range_items and o.args[0] is not seq)]
     given = [counter_param, *invariant_params, *(o.output for o in items)]
-    chain_sg = _subgraph(name, given, [o for o in body.ops if o in steps and o not in items], [x, *chained],
+    chain_sg = _subgraph(name, given, [o for o in body.ops if o in steps and o not in items], [*stepped, *chained],
                          body.loc)
     added_sg = _subgraph(name + ".added", [*given, *state_values], [
         o for o in body.ops if (o in added_chain and o not in items) or o in added], added_values, body.loc) \
@@ -579,12 +707,20 @@ def plan(op, holder=None):
     var_sources = [("added", added_values.index(source[1])) if source[0] == "added" else source
                    for source in var_sources]
     reads_sg = _subgraph(name + ".callables", invariant_params, [o for o in body.ops if o in reads],
-                         [*cell_values, *callees], body.loc)
+                         [*cell_values, *callees, *fixed], body.loc)
     indexed = [(invariant_params.index(o.args[0]), "item" if o.output in range_items else
                 "counter" if o.args[1] is counter_param else "range") for o in items]
     stacked_only = [_only_stacked(op.invariants[p], op, holder) for p, _ in appended]
-    return RecurrentLoop(op, counter, end, [form for _, form in layers], chain_sg, reads_sg, var_sources, indexed,
-                         appended, stacked_only, added_sg, [tops[v] for v in state_values])
+    found = RecurrentLoop(op, counter, end, [form for _, form in layers], chain_sg, reads_sg, var_sources, indexed,
+                          appended, stacked_only, added_sg, [tops[v] for v in state_values])
+    if update is not None:
+        read = {v for o in update_ops for v in o.operands()}
+        found.stepping(_subgraph(name + ".update", [*(params[j] for j in updated if params[j] in read), *fixed,
+                                                    *stepped],
+                                 [o for o in body.ops if o in update_ops], [body.outputs[j] for j in updated],
+                                 body.loc), updated, [params[j] in read for j in updated], len(callees), [
+            p for p, v in enumerate(fixed) if any(isinstance(o, ir.Call) and o.fn is v for o in update_ops)])
+    return found
 
 
 def _only_stacked(value, loop, holder):
@@ -719,6 +855,51 @@ def _appends(rest, body, invariant_params):
     return found
 
 
+def _update(rest, body, params, k, counter, chain):
+    """(the loop variables it changes, its ops, the values it reads that the loop does not change, the step
+    values it reads) of the ops of ``rest`` when they are a state update of their own (``h = torch.tanh(x +
+    self.hh(h))``, ``alpha = torch.logsumexp(alpha.unsqueeze(1) + self.trans, 0) + emits[t]``): ops that change
+    nothing and draw nothing, reading the variables they change (each its value before the step), values
+    computed from the counter by the step inputs (the chain: run for every step at once), and what the loop
+    does not change (read once, before the loop: attribute and item reads; other ops of those are run with the
+    update). None where they read anything else (another variable's value before the step) or call what is not
+    read before the loop or a tensor's own method."""
+    if not all(_runs_ahead(o) for o in rest):
+        return None
+    ops = set(rest)
+    made = {v for o in rest for v in o.outputs}
+    updated = [j for j in range(k) if j != counter and body.outputs[j] in made]
+    if rest and not updated:
+        return None
+    state_params = {params[j] for j in updated}
+    counter_param, invariants = params[counter], set(params[k:])
+    stepping = {counter_param}  # (the chain's values computed from the counter: a step's own)
+    for o in body.ops:
+        if o in chain and any(v in stepping for v in o.operands()):
+            stepping.update(o.outputs)
+    fixed, stepped, seen = [], [], set()
+    pending = [v for o in body.ops if o in ops for v in o.operands() if isinstance(v, ir.Value)]
+    while pending:
+        v = pending.pop(0)
+        if v in seen or v in made or v in state_params:
+            continue
+        seen.add(v)
+        if v in stepping:
+            stepped.append(v)
+        elif v in invariants or v.op in chain and all(_is_read(o) for o in _needed([v], chain)):
+            fixed.append(v)
+        elif v.op in chain:  # (computed from what the loop does not change: run with the update, at each step)
+            ops.add(v.op)
+            made.update(v.op.outputs)
+            pending.extend(x for x in v.op.operands() if isinstance(x, ir.Value))
+        else:
+            return None
+    for o in ops:
+        if isinstance(o, ir.Call) and isinstance(o.fn, ir.Value) and o.fn not in fixed and not _pure_method(o.fn):
+            return None
+    return updated, ops, fixed, stepped
+
+
 def _is_append_of(o, lists):
     """Whether op ``o`` is ``xs.append`` (the attribute) of one of ``lists``."""
     method = effects.growing(o)
@@ -812,9 +993,18 @@ def _pure_method(value):
     o = value.op
     if not (isinstance(o, ir.Call) and _const_fn(o) is getattr and isinstance(o.args[1], ir.Const)):
         return False
-    name = o.args[1].value
+    return _pure_name(o.args[1].value)
+
+
+def _pure_name(name):
+    """Whether ``name`` is a tensor method's that changes nothing and draws nothing."""
     return (type(name) is str and hasattr(torch.Tensor, name) and not facts.mutating_method(name)
             and name not in facts.DRAWING_METHODS)
+
+
+def _tensor_method(fn):
+    """Whether ``fn`` is a tensor's own method that changes nothing and draws nothing (``self.trans.sum``)."""
+    return isinstance(getattr(fn, "__self__", None), torch.Tensor) and _pure_name(getattr(fn, "__name__", None))
 
 
 def _is_read(o):

@@ -55,7 +55,7 @@ def _index(positions, like):
         if type(v) is Batch and v.tensor is not None:
             device = v.tensor.device
             break
-    return torch.tensor(positions, device=device)
+    return bt.long_tensor(positions, device)
 
 
 def _take_all(values, side, copies=None):

@@ -27,7 +27,7 @@ class Ranges(list):
     def __init__(self, ranges):
         super().__init__(ranges)
         self.lengths = [len(r) for r in ranges]
-        self.counts = torch.tensor(self.lengths)  # (the test of a step where some instances end: one comparison)
+        self.counts = bt.long_tensor(self.lengths)  # (the test of a step where some instances end: one comparison)
         self.shortest, self.longest = min(self.lengths), max(self.lengths)
         first = ranges[0]
         alike = all(r.start == first.start and r.step == first.step for r in ranges)

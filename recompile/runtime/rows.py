@@ -54,7 +54,7 @@ class Rows(list):
     def counts(self):
         """The lengths as a tensor (a loop's test where some instances end: one comparison)."""
         if self._counts is None:
-            self._counts = torch.tensor(self.lengths)
+            self._counts = bt.long_tensor(self.lengths)
         return self._counts
 
     def mask(self, device):
@@ -92,8 +92,8 @@ class Rows(list):
 
     def _places(self, device):
         if self._at is None or self._at[0].device != device:  # (read at every step of a loop over the rows)
-            self._at = (torch.tensor(range(len(self)) if self.rows is None else self.rows, device=device),
-                        torch.tensor(self.starts, device=device))
+            self._at = (bt.long_tensor(range(len(self)) if self.rows is None else self.rows, device),
+                        bt.long_tensor(self.starts, device))
         return self._at
 
 
@@ -197,8 +197,8 @@ def items_at(seq, instances, steps):
     """``seq[t]`` for rows of (instance, t) at once (a recurrent loop's steps run ahead, which changes nothing
     in place): one index of the source, a copy; a negative t counts from the end of the instance's stretch. An
     IndexError where a t lies outside its stretch (the written loop then raises it at its step)."""
-    which = instances if type(instances) is torch.Tensor else torch.tensor(instances)
-    at = torch.tensor(steps)
+    which = instances if type(instances) is torch.Tensor else bt.long_tensor(instances)
+    at = bt.long_tensor(steps)
     lengths = seq.counts()[which]
     if bool(((at >= lengths) | (at < -lengths)).any()):
         raise IndexError("an item outside an instance's stretch of rows")
@@ -251,7 +251,7 @@ def stacked(n, seqs, args, kwargs):
         if not all(type(t) is torch.Tensor for t in flat) or not bt.same_kind(flat, 0):
             return NotImplemented
         data = torch.stack(flat)
-        instance, position = spread(torch.tensor(lengths))
+        instance, position = spread(bt.long_tensor(lengths))
     longest = max(lengths)
     if min(lengths) == longest and type(lists) is not Appended:
         return bt.from_tensor(data.view(n, longest, *data.shape[1:]))
@@ -387,7 +387,7 @@ class Listed(list):
     def taken(self, positions):
         """The Listed of instances ``positions`` (a loop's instances that stay)."""
         positions = list(positions)
-        stack = bt.take(self.stack, torch.tensor(positions), positions)
+        stack = bt.take(self.stack, bt.long_tensor(positions), positions)
         return Listed([self[k] for k in positions], stack, [self._ends[k] for k in positions])
 
     def unchanged(self):
@@ -703,7 +703,7 @@ class _Unpacked:
 
     def compute(self):
         out = self.out
-        at = self.at if self.at is not None else _stepwise(torch.tensor(self.lengths), out.batch_sizes,
+        at = self.at if self.at is not None else _stepwise(bt.long_tensor(self.lengths), out.batch_sizes,
                                                            out.sorted_indices).to(out.data.device)
         back = torch.empty_like(at)
         back[at] = torch.arange(len(at), device=at.device)
