@@ -15,6 +15,10 @@ The idiom suite's models that are not bottom-up trees (``bench_idioms.py`` has t
   and summed; two layers of cells, against a 2-layer ``nn.LSTM``; attention over the states (a softmax of
   ``self.att(states)`` along the sentence), against the padded states with the softmax masked; and both
   directions (a second cell over ``reversed(range(n))``), against a bidirectional ``nn.LSTM``.
+- Recurrences written out, no cell module: an Elman RNN (``h = torch.tanh(self.ih(x) + self.hh(h))``) and an
+  LSTM's gates (``(self.ih(x) + self.hh(h)).chunk(4)``), against the same steps over the padded minibatch, every
+  word's input product at once and the sentences that ended kept by ``torch.where``, as a user batches a cell of
+  their own by hand.
 - A text CNN (Kim 2014): convolutions of widths 3, 4 and 5 over each sentence's embedded words, each filter's
   largest output over the sentence; written ``conv(self.embed(words[:n]).t().unsqueeze(0))``, ``.max(dim=2)``
   and ``xs[None].transpose(1, 2)``, ``F.max_pool1d(y, y.size(2))``; against the convolutions over the padded
@@ -256,6 +260,43 @@ class CRFTagger(SentenceLSTMModule):
         return torch.logsumexp(alpha, 0) - gold
 
 
+class ElmanRNN(nn.Module):
+    """A sentence classifier whose recurrence is written out, no cell module: an Elman RNN."""
+
+    def __init__(self, vocab_size, embed=300, hidden=150, classes=5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, embed)
+        self.ih = nn.Linear(embed, hidden)
+        self.hh = nn.Linear(hidden, hidden, bias=False)
+        self.out = nn.Linear(hidden, classes)
+
+    def classify(self, words, n, label):
+        """An Elman RNN written out, ``h = torch.tanh(self.ih(x) + self.hh(h))``, its last state classified."""
+        h = torch.zeros(self.hh.in_features, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        for t in range(n):
+            h = torch.tanh(self.ih(self.embed(words[t])) + self.hh(h))
+        return F.cross_entropy(self.out(h), label)
+
+
+class WrittenLSTM(ElmanRNN):
+    """An LSTM whose gates are written out (two Linear layers, their sum chunked in four)."""
+
+    def __init__(self, vocab_size, embed=300, hidden=150, classes=5):
+        super().__init__(vocab_size, embed, hidden, classes)
+        self.ih = nn.Linear(embed, 4 * hidden)
+        self.hh = nn.Linear(hidden, 4 * hidden, bias=False)
+
+    def classify(self, words, n, label):
+        """An LSTM's gates written out, ``(self.ih(x) + self.hh(h)).chunk(4)``, its last state classified."""
+        h = torch.zeros(self.hh.in_features, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        c = torch.zeros(self.hh.in_features, dtype=self.out.weight.dtype, device=self.out.weight.device)
+        for t in range(n):
+            i, f, g, o = (self.ih(self.embed(words[t])) + self.hh(h)).chunk(4)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
+        return F.cross_entropy(self.out(h), label)
+
+
 class TextCNN(nn.Module):
     """Kim's (2014) sentence CNN: convolutions of widths 3, 4 and 5 over the sentence's embedded words, each
     filter's largest output over the sentence, classified."""
@@ -411,6 +452,25 @@ def hand_batched_crf(model, lstm, batch):
     return (torch.logsumexp(alpha, 1) - gold).sum()
 
 
+def hand_batched_written(model, lstm, batch):
+    """``ElmanRNN``'s or ``WrittenLSTM``'s minibatch loss by hand: every word's input product at once, then the
+    recurrence a step over the padded minibatch, the sentences that ended kept as they were (``torch.where``)."""
+    lengths = batch.lengths.to(batch.words.device)
+    x = model.ih(model.embed(batch.words))  # (B, longest, the gates' width)
+    h = x.new_zeros(len(batch), model.hh.in_features)
+    c = h
+    for t in range(x.shape[1]):
+        going = (t < lengths).unsqueeze(1)
+        if type(model) is ElmanRNN:
+            h = torch.where(going, torch.tanh(x[:, t] + model.hh(h)), h)
+            continue
+        i, f, g, o = (x[:, t] + model.hh(h)).chunk(4, 1)
+        new_c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.where(going, torch.sigmoid(o) * torch.tanh(new_c), h)
+        c = torch.where(going, new_c, c)
+    return F.cross_entropy(model.out(h), batch.labels, reduction="sum")
+
+
 def hand_batched_cnn(model, lstm, batch):
     """``TextCNN``'s minibatch loss by hand: each convolution over the padded sentences (the padding's words
     zeroed, as a convolution's own padding), its outputs past each sentence's end masked out of the max."""
@@ -469,6 +529,10 @@ SENTENCE_FAMILIES = (
      {"attention, softmax(.., 0)": AttendedLSTM}, hand_batched_attended),
     ("Both directions against one packed bidirectional nn.LSTM", {"reversed(range(n))": BiLSTM},
      hand_batched_bidirectional),
+    ("An Elman RNN written out (no cell module) against the same steps over the padded minibatch, masked",
+     {"Elman RNN written out": ElmanRNN}, hand_batched_written),
+    ("An LSTM's gates written out against the same steps over the padded minibatch, masked",
+     {"LSTM gates written out": WrittenLSTM}, hand_batched_written),
     ("A text CNN (Kim 2014: widths 3, 4, 5, 100 filters each) against its convolutions over the padded sentences",
      {"Conv1d, xs.t(), max(2)": TextCNN, "xs[None], max_pool1d": TextCNN2d}, hand_batched_cnn))
 # (taggers: a tag per word, the sentences read by ``tagged_sentence_of``)

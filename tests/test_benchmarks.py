@@ -64,10 +64,10 @@ def test_idioms_benchmark_checks_and_times_every_spelling(capsys):
 def test_sequences_benchmark_checks_and_times_the_lstms_and_the_top_down_model(capsys):
     bench_sequences.main(["--trees", "8", "--batch", "4", "--repeats", "1"])
     out = capsys.readouterr().out
-    assert out.count("matches eager; per-instance ops: none") == 16  # (main raises before a table otherwise)
+    assert out.count("matches eager; per-instance ops: none") == 18  # (main raises before a table otherwise)
     rows = [line for line in out.splitlines() if line.rstrip().endswith("x") and " 4 " in line]
-    assert len(rows) == 2 * 16  # five LSTM spellings, two pooled, two layers, attention, both directions, two
-    # text CNNs, two taggers, a CRF, the top-down model; both modes
+    assert len(rows) == 2 * 18  # five LSTM spellings, two pooled, two layers, attention, both directions, two
+    # recurrences written out, two text CNNs, two taggers, a CRF, the top-down model; both modes
 
 
 @pytest.mark.slow  # (about 3 s with DyNet)
