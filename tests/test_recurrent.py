@@ -1057,3 +1057,19 @@ def test_variables_an_update_only_writes_end_as_their_last_steps_values():
     with pytest.raises(UnboundLocalError):  # (``o`` of the sentence of no words, as eager)
         recompile.vmap(compiled, in_dims=(None, 0, 0))(Gates().double(), sentences(3, 4), lengths(4, 0, 2))
     assert compiled.callee(None).build.batched_code.recurrent[0].runs == 0
+
+
+def from_a_parameter(m, words, n, s):
+    a = m.start  # (a module's parameter: an instance that takes no step ends with it)
+    total = m.start * 0.0
+    for t in range(n):
+        a = a * 0.5 + m.trans[0]
+        total = total + s  # (a sum of what the loop does not change)
+    return a, total
+
+
+def test_an_update_from_a_parameter_and_a_sum_of_an_invariant():
+    torch.manual_seed(27)
+    s = torch.randn(4, 3, dtype=torch.float64)
+    loop = compare(Elman().double(), from_a_parameter, (sentences(4, 5), lengths(5, 0, 2, 5), s), (None, 0, 0, 0))
+    assert loop.update is not None

@@ -90,7 +90,8 @@ class RecurrentLoop:
         # (counter, *invariants, *the items read, *the states of ``added_layers``) -> what each step adds to a sum
         # that is not a state's h (``loss = loss + F.cross_entropy(self.out(h), tags[t])``), or None
         self.added_sg, self.added_layers = added_sg, list(added_layers)
-        used = {x for sg in (chain_sg, added_sg) if sg is not None for o in sg.ops for x in o.operands()}
+        used = {x for sg in (chain_sg, added_sg) if sg is not None for o in sg.ops for x in o.operands()} | {
+            v for sg in (chain_sg, added_sg) if sg is not None for v in sg.outputs}  # (``total + s``: s itself)
         chain_used = [v in used for v in chain_sg.inputs[1:len(chain_sg.inputs) - len(indexed)]]
         added_used = [v in used for v in added_sg.inputs[1:len(chain_sg.inputs) - len(indexed)]] \
             if added_sg is not None else chain_used
@@ -468,7 +469,7 @@ def _instance_rows(n, value, like=None):
     its rows, where given)."""
     if type(value) is Batch:
         t = bt.tensor_of(value)
-    elif type(value) is torch.Tensor:
+    elif type(value) in bt.PLAIN_TENSORS:
         t = value.unsqueeze(0).expand(n, *value.shape)
     else:
         return None

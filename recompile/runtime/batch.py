@@ -53,10 +53,14 @@ class Batch:
         return f"<Batch of {self.n}: {form}>"
 
 
+# Tensors as torch's ops take them, no subclass's own overrides: a module's parameter too (``a = self.start``)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def long_tensor(ints, device=None):
     """Python ints (a list, a range) as a LongTensor (on ``device``): through numpy where there are more than a
     few, which reads a long list several times faster than ``torch.tensor`` (a loop's rows, a layout's index)."""
-    t = torch.from_numpy(numpy.asarray(ints, dtype=numpy.int64)) if len(ints) > 16 else \
+    t = torch.from_numpy(numpy.array(ints, dtype=numpy.int64)) if len(ints) > 16 else \
         torch.tensor(ints, dtype=torch.long)
     return t if device is None or t.device == torch.device(device) else t.to(device)
 
@@ -296,7 +300,7 @@ def tensor_of(b):
             b.tensor = t
         elif b.items is not None or b.struct is not None or b.method is not None:
             items = items_of(b)
-            if not all(type(x) is torch.Tensor for x in items) or not same_kind(items, 0):
+            if not all(type(x) in PLAIN_TENSORS for x in items) or not same_kind(items, 0):
                 return None
             b.tensor = torch.stack(items)
         else:
@@ -654,7 +658,7 @@ def stack_output(value, n):
             return build(kind, [stack_output(from_items([x[j] for x in items]), n) for j in range(len(items[0]))])
         raise ValueError("recompile.vmap: the function must return tensors (or tuples, lists or dicts of tensors) "
                          f"of one shape and dtype for every instance; got {_kinds(items)}")
-    if type(value) is torch.Tensor:
+    if type(value) in PLAIN_TENSORS:
         return value.unsqueeze(0).expand(n, *value.shape)
     if isinstance(value, (tuple, list)):
         return build(type(value), [stack_output(v, n) for v in value])

@@ -922,7 +922,7 @@ def over_last_dims(n, fn, args, kwargs):
     return bt.from_tensor(fn(x, *args[1:], **kwargs))
 
 
-PLAIN_TENSORS = (torch.Tensor, nn.Parameter)  # (tensors as torch's ops take them: no subclass's own overrides)
+PLAIN_TENSORS = bt.PLAIN_TENSORS  # (tensors as torch's ops take them: no subclass's own overrides)
 
 
 @BATCH.register(operator.getitem)
