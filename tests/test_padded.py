@@ -264,3 +264,16 @@ _ENCODER = torch.nn.TransformerEncoderLayer(3, 3, 8, 0.0).double()
 def test_an_encoder_reads_nothing_past_an_end():
     _same_as_eager_with_nan_past_each_end(encoded_and_indexed)  # (every op batched)
     assert all(p.grad is not None and p.grad.isfinite().all() for p in _ENCODER.parameters())
+
+
+def test_a_chain_of_ops_on_padded_values_makes_no_instances_views_unless_one_is_read(monkeypatch):
+    """The views of each instance's value are made when something first reads one (here a per-instance
+    ``log``), not by every op of a chain that reads the padded tensor alone."""
+    made = []
+    fill = padded.Padded.fill
+    monkeypatch.setattr(padded.Padded, "fill", lambda self: made.append(len(self.lengths)) or fill(self))
+    assert compare(text_cnn) == {}
+    assert made == []
+    monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
+    assert "torch._VariableFunctionsClass.log" in compare(log_of_padding)
+    assert made  # (the per-instance log read each instance's view)

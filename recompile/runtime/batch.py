@@ -289,6 +289,8 @@ def instance_ints(n, value):
 def tensor_of(b):
     """Batch ``b`` as one tensor of n rows, or None if its values are not tensors of one shape and dtype."""
     if b.thunk is not None:
+        if getattr(b.thunk, "ragged", False):  # (values of their own lengths, not made yet: they need not be)
+            return None
         force(b)
     if b.tensor is None:
         if b.struct is not None and b.owner is None and issubclass(b.struct[0], Keyed):

@@ -164,8 +164,11 @@ class LazyOp:
 
 
 def _lazy_among(values):
+    """Whether a value is lazy (a deferred call's result) where an op's rule would read it; a Padded whose
+    views are not made yet is read by the Padded rules as it is."""
     for a in values:
-        if type(a) is Batch and (a.thunk is not None or (a.pieces is not None and bt.is_lazy(a))):
+        if type(a) is Batch and (a.thunk is not None and type(a.thunk) is not padded.Views
+                                 or (a.pieces is not None and bt.is_lazy(a))):
             return True
     return False
 
@@ -967,7 +970,7 @@ def gather(n, fn, args, kwargs):
             out = rows.sliced(n, found, index) if found is not None else NotImplemented
             if out is not NotImplemented:
                 return out
-        if x.items is not None and padded.of(x) is not None:  # (``x[0]`` of a Conv1d's (1, C, L) output)
+        if padded.of(x) is not None:  # (``x[0]`` of a Conv1d's (1, C, L) output)
             found = padded.of(x)
             return padded.indexed(n, found.tensor, found.dim, found.lengths, index, found.zeroed)
         if x.items is not None and (index is None or type(index) is tuple and index[:1] == (None,)):

@@ -28,18 +28,26 @@ from .batch import Batch
 
 
 class Padded(list):
-    """Instance k's value is ``tensor[k].narrow(dim, 0, lengths[k])`` (the list holds those views); ``dim`` ≥ 1
-    (an instance's)."""
+    """Instance k's value is ``tensor[k].narrow(dim, 0, lengths[k])`` (the list holds those views, once
+    ``fill`` made them); ``dim`` ≥ 1 (an instance's)."""
 
     __slots__ = ("tensor", "dim", "lengths", "zeroed", "_mask", "_zeros")
 
-    def __init__(self, tensor, dim, lengths, zeroed=False):
-        # (views of one unbind: in a run that changes nothing in place, no view of them is changed)
-        longest = tensor.shape[dim + 1]
-        super().__init__(row if m == longest else row.narrow(dim, 0, m) for row, m in zip(tensor.unbind(0), lengths))
+    def __init__(self, tensor, dim, lengths, zeroed=False, views=True):
         self.tensor, self.dim, self.lengths = tensor, dim, list(lengths)
         self.zeroed = zeroed  # whether what lies past each end is zeros
         self._mask = self._zeros = None
+        if views:
+            self.fill()
+
+    def fill(self):
+        """Make each instance's view (views of one unbind: in a run that changes nothing in place, no view of
+        them is changed)."""
+        if len(self) or not self.lengths:
+            return
+        longest, dim = self.tensor.shape[self.dim + 1], self.dim
+        self.extend(row if m == longest else row.narrow(dim, 0, m)
+                    for row, m in zip(self.tensor.unbind(0), self.lengths))
 
     def taken(self, positions):
         """The Padded of instances ``positions``."""
@@ -70,24 +78,47 @@ def _mask(t, dim, lengths):
     return inside.view(len(lengths), *[1] * dim, longest, *[1] * (t.dim() - dim - 2))
 
 
+class Views:
+    """A lazy batch's thunk: a Padded's instances' views, made when something first reads them (a chain of ops
+    on Padded values reads none: ``relu(conv(xs.t()))``, then its max along the lengths)."""
+
+    __slots__ = ("padded", "ragged")
+
+    def __init__(self, padded):
+        self.padded = padded
+        longest = padded.tensor.shape[padded.dim + 1]
+        self.ragged = any(m != longest for m in padded.lengths)  # (so no one tensor: ``bt.tensor_of`` says None)
+
+    def depends_on(self):
+        return []
+
+    def compute(self):
+        self.padded.fill()
+        return Batch(len(self.padded.lengths), items=self.padded)
+
+
 def of(value):
-    """The Padded a Batch holds as its instances' values, in a run that changes nothing in place, else None."""
-    items = value.items if type(value) is Batch else None
-    return items if type(items) is Padded and value.owner == "items" and value.thunk is None and \
-        sharing.state.fresh else None
+    """The Padded a Batch holds as its instances' values (their views made or not), in a run that changes
+    nothing in place, else None."""
+    if type(value) is not Batch:
+        return None
+    thunk = value.thunk
+    found = thunk.padded if type(thunk) is Views else value.items if thunk is None and value.owner == "items" \
+        else None
+    return found if type(found) is Padded and sharing.state.fresh else None
 
 
 def holds(args):
     """Whether an argument is a batch of Padded values."""
-    return any(type(a) is Batch and type(a.items) is Padded for a in args)
+    return any(type(a) is Batch and (type(a.items) is Padded or type(a.thunk) is Views) for a in args)
 
 
 def _result(n, tensor, dim, lengths, zeroed=False):
     """The Batch of values of ``lengths`` along ``dim`` of ``tensor``'s rows: Rows where dim is an instance's
-    first."""
+    first; a Padded's views made when first read."""
     if dim == 0:
         return Batch(n, items=rows.padded_rows(n, tensor, lengths))
-    return Batch(n, items=Padded(tensor, dim, lengths, zeroed))
+    return Batch(n, thunk=Views(Padded(tensor, dim, lengths, zeroed, views=False)))
 
 
 def from_rows(seq):
