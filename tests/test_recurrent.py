@@ -948,10 +948,32 @@ def test_an_updates_states_summed_appended_and_scored_at_each_step():
     compare(Elman().double(), elman_pooled, (sentences(5, 6), lengths(6, 2, 1, 4, 6), tags), (None, 0, 0, 0))
 
 
-def test_a_crf_written_as_loops_steps_both_as_updates():
+def test_a_crf_written_as_loops_sums_its_gold_path_and_steps_its_forward_algorithm():
+    """``gold = gold + a + b`` of step inputs: one ``index_add`` of each step's a and b, in the order the loop
+    adds them; the forward algorithm an update stepped over the sentences still in the loop."""
     torch.manual_seed(22)
     tags = torch.randint(0, 3, (5, 6), generator=torch.Generator().manual_seed(3))
     compare(Elman().double(), crf, (sentences(5, 6), lengths(6, 2, 1, 4, 6), tags), (None, 0, 0, 0), count=2)
+    gold, alpha = recompile.function(crf).callee(None).build.batched_code.recurrent
+    assert gold.update_sg.ops == [] and [s for s in gold.var_sources if s[0] == "added"] == [("added", (0, 1))]
+    assert alpha.update_sg.ops
+
+
+def summed_in_order(m, words, n, s):
+    total = torch.zeros((), dtype=torch.float64)
+    for t in range(n):
+        total = total + m.embed(words[t]).sum() * 1e-17 + s  # (rounding that depends on the order)
+    return total
+
+
+def test_a_sum_of_several_values_a_step_adds_them_in_the_loops_order():
+    torch.manual_seed(28)
+    s = torch.tensor([1.0, 3.0, 1e17, 0.5], dtype=torch.float64)
+    loop = compare(Elman().double(), summed_in_order, (sentences(4, 5), lengths(5, 0, 2, 5), s), (None, 0, 0, 0))
+    assert loop.update_sg.ops == []
+    shared = compare(Elman().double(), summed_in_order, (sentences(4, 5), lengths(5, 0, 2, 5), s[2]),
+                     (None, 0, 0, None))
+    assert shared.runs
 
 
 def test_an_update_reading_the_counter_and_a_value_of_each_instance():

@@ -46,7 +46,7 @@ from torch import nn
 from .. import config, intrinsics, ir
 from ..ops import facts
 from ..ops.table import has_hooks
-from ..passes import effects
+from ..passes import effects, fusion
 from ..passes.effects import op_mutates
 from ..runtime import batch as bt
 from ..runtime import batch_rules, lazy_weights, ranges, rows
@@ -59,7 +59,6 @@ _STEP_DOWN = (operator.sub, operator.isub, intrinsics.isub_fresh)
 _COMPARISONS = {operator.lt: "lt", operator.gt: "gt", operator.ge: "ge"}
 _READS = (getattr, operator.getitem)
 _CELLS = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
-_ADDING = (operator.add, intrinsics.iadd_fresh)  # (``total = total + h``, ``total += h`` of a value the loop made)
 
 
 class RecurrentLoop:
@@ -195,7 +194,7 @@ class RecurrentLoop:
             if ran is None:
                 return NotImplemented
             (finals, every, one_row), chained = ran, outs[1:]
-        added = self._added(n, layout, args, every, one_row, {j: loop_vars[j] for j in added_to}) \
+        added = self._added(n, layout, args, every, one_row, {j: loop_vars[j] for j in added_to}, added_to) \
             if added_to else {}
         if added is None:
             return NotImplemented
@@ -278,15 +277,17 @@ class RecurrentLoop:
         finals = [[bt.from_tensor(f)] for f in _unsorted(begun, ends, layout)]
         return finals, [torch.cat(made[i]) if i in made else None for i in range(len(parts))]
 
-    def _added(self, n, layout, args, every, one_row, starts):
-        """{loop variable: its sum} of each sum whose steps add a value computed from the new state (``loss +
-        F.cross_entropy(self.out(h), tags[t])``): those values for every row at once (``added_sg``), each
-        instance's added to its start in step order (``index_add``: on the CPU, in the rows' order, as the loop
-        adds them); None where a start or a value is not a tensor of one dtype and shape."""
+    def _added(self, n, layout, args, every, one_row, starts, added_to):
+        """{loop variable: its sum} of each sum whose steps add values computed from the new state (``loss +
+        F.cross_entropy(self.out(h), tags[t])``) or step inputs (``gold + self.trans[tags[t - 1], tags[t]] +
+        emits[t, tags[t]]``): those values for every row at once (``added_sg``), each instance's added to its
+        start in step order, a step's values in the order the step adds them (one ``index_add``: on the CPU, in
+        the rows' order, as the loop adds them); None where a start or a value is not a tensor of one dtype and
+        shape."""
         totals, like = [], next((e for e in every if e is not None), None)
         for start in starts.values():  # (checked first: a loop given up runs its callables again, as written)
             total = bt.tensor_of(start) if type(start) is Batch else \
-                start.unsqueeze(0).expand(n, *start.shape) if type(start) is torch.Tensor else None
+                start.unsqueeze(0).expand(n, *start.shape) if type(start) in bt.PLAIN_TENSORS else None
             if total is None or like is not None and (total.dtype != like.dtype or total.device != like.device):
                 return None
             totals.append(total)
@@ -296,11 +297,15 @@ class RecurrentLoop:
         except Exception:  # (the written loop raises it at its step, from the user's line)
             return None
         found = {}
-        for j, total, value in zip(starts, totals, values):
-            rows = bt.tensor_of(value) if type(value) is Batch else None
-            if rows is None or rows.shape != (layout.rows, *total.shape[1:]) or rows.dtype != total.dtype:
+        for j, total in zip(starts, totals):
+            each = [_instance_rows(layout.rows, values[i], total) for i in added_to[j]]
+            if any(rows is None for rows in each):
                 return None
-            found[j] = total.index_add(0, layout.index.to(rows.device), rows)
+            index = layout.index.to(total.device)
+            if len(each) > 1:  # (a step's values one after another, as ``(gold + a) + b`` adds them)
+                index = index.repeat_interleave(len(each))
+                each = [torch.stack(each, 1).flatten(0, 1)]
+            found[j] = total.index_add(0, index, each[0])
         return found
 
     def range_items(self, invariants, layout, counters):
@@ -601,8 +606,8 @@ def plan(op, holder=None):
     chain = _chain(body, {counter_param, *invariant_params})
     step_up = body.outputs[counter].op
     rest = [o for o in body.ops if o not in chain and o is not step_up]
-    sums = _sums(rest, body, params[:k], counter)
-    rest = [o for o in rest if o not in sums.values()]
+    sums = _sums(rest, body, counter)
+    rest = [o for o in rest if not any(o in ops for ops, _ in sums.values())]
     appends = _appends(rest, body, invariant_params)
     rest = [o for o in rest if o not in appends]
     added = _added_ops(rest, body, sums, chain, {counter_param, *invariant_params}, k)
@@ -642,12 +647,12 @@ def plan(op, holder=None):
         if j == counter:
             var_sources.append("counter")
         elif j in sums:
-            value = sums[j].args[1] if sums[j].args[0] is param else sums[j].args[0]
-            if value in tops:
-                var_sources.append(("sum", tops[value]))
-            elif isinstance(value, ir.Value) and (value.op in added or value.op in chain or value is counter_param
-                                                  or value in invariant_params):
-                var_sources.append(("added", value))  # (a value computed from the new states, or a step input)
+            addends = sums[j][1]
+            if len(addends) == 1 and addends[0] in tops:
+                var_sources.append(("sum", tops[addends[0]]))
+            elif all(isinstance(v, ir.Value) and (v.op in added or v.op in chain or v is counter_param
+                                                  or v in invariant_params) for v in addends):
+                var_sources.append(("added", addends))  # (values computed from the new states, or step inputs)
             else:
                 return None
         elif j in states:
@@ -674,7 +679,7 @@ def plan(op, holder=None):
     reads = _needed([*cell_values, *callees, *fixed], chain)
     if reads is None or any(not _is_read(o) for o in reads) or counter_param in _params(reads):
         return None
-    added_values = [source[1] for source in var_sources if source[0] == "added"]
+    added_values = [v for source in var_sources if source[0] == "added" for v in source[1]]
     # (the new states the added values read: each a layer's top)
     state_values = sorted({v for o in added for v in o.operands() if isinstance(v, ir.Value) and v.op not in added
                            and v.op not in chain and v not in params}, key=body.outputs.index)
@@ -705,7 +710,8 @@ def plan(op, holder=None):
     added_sg = _subgraph(name + ".added", [*given, *state_values], [
         o for o in body.ops if (o in added_chain and o not in items) or o in added], added_values, body.loc) \
         if added_values else None
-    var_sources = [("added", added_values.index(source[1])) if source[0] == "added" else source
+    at = iter(range(len(added_values)))  # (each sum's values, in order: their places among the added values)
+    var_sources = [("added", tuple(next(at) for _ in source[1])) if source[0] == "added" else source
                    for source in var_sources]
     reads_sg = _subgraph(name + ".callables", invariant_params, [o for o in body.ops if o in reads],
                          [*cell_values, *callees, *fixed], body.loc)
@@ -788,23 +794,11 @@ def _chain(body, given):
     return chain
 
 
-def _sums(rest, body, params, counter):
-    """{loop variable: the op of ``rest`` adding to it} for each variable the body only adds a value to
-    (``total = total + h``, ``total += h``): its final value is its start plus the values of every step."""
-    found = {}
-    for o in rest:
-        if _const_fn(o) not in _ADDING or len(o.args) != 2 or o.kwargs or o.star:
-            continue
-        for param in o.args:
-            j = params.index(param) if param in params else None
-            if j is None or j == counter or body.outputs[j] is not o.output or j in found:
-                continue
-            other = o.args[1] if o.args[0] is param else o.args[0]
-            readers = [x for x in body.ops if param in x.operands() or o.output in x.operands()]
-            if other is not param and readers == [o] and o.output not in body.outputs[:j] + body.outputs[j + 1:]:
-                found[j] = o
-                break
-    return found
+def _sums(rest, body, counter):
+    """{loop variable: (the ops of ``rest`` adding to it, what each adds)} for each variable the body only adds
+    values to (``fusion.running_sums``): its final value is its start plus the values of every step, in order."""
+    return {j: found for j, found in fusion.running_sums(body).items()
+            if j != counter and all(o in rest for o in found[0])}
 
 
 def _added_ops(rest, body, sums, chain, given, k):
@@ -815,9 +809,8 @@ def _added_ops(rest, body, sums, chain, given, k):
     adds a value that reads something else (a variable's value before the step)."""
     states = {v for v in body.outputs[:k] if isinstance(v, ir.Value)}
     found = set()
-    for j, o in sums.items():
-        value = o.args[1] if o.args[0] is body.inputs[j] else o.args[0]
-        pending = [value] if isinstance(value, ir.Value) and value not in states else []
+    for _, addends in sums.values():
+        pending = [v for v in addends if isinstance(v, ir.Value) and v not in states]
         while pending:
             v = pending.pop()
             if v in given or v.op in chain or v in states or v.op in found:
@@ -828,7 +821,7 @@ def _added_ops(rest, body, sums, chain, given, k):
             found.add(producer)
             pending.extend(x for x in producer.operands() if isinstance(x, ir.Value))
     made = {v for o in found for v in o.outputs}
-    readers = [o for o in body.ops if o not in found and o not in sums.values()]
+    readers = [o for o in body.ops if o not in found and not any(o in ops for ops, _ in sums.values())]
     if any(v in made for o in readers for v in o.operands()) or any(v in made for v in body.outputs):
         return None
     return found

@@ -82,12 +82,29 @@ def _inert(op):
             and len(op.args) == 2 and not op.kwargs and isinstance(op.args[1], ir.Const))
 
 
-def _running_sum(s, op):
-    """Whether ``op`` is a loop body's ``total = total + x`` (its variable's new value, from its value at the step's
-    start): kept out of fusion groups, so that a loop stepping a cell sees the sum (``codegen.recurrent``)."""
-    if s.kind != "body" or resolve(op.fn) not in (operator.add, intrinsics.iadd_fresh) or len(op.args) != 2:
-        return False
-    return any(s.outputs[j] is op.output and param in op.args for j, param in enumerate(s.inputs[:len(s.outputs)]))
+_ADDING = (operator.add, intrinsics.iadd_fresh)  # (``total = total + x``, ``total += x`` of a value made here)
+
+
+def running_sums(s):
+    """{loop variable: (the ops adding to it, what each adds)} of a loop body ``s`` for each variable the body only
+    adds values to, one after another (``total = total + h``, ``total += h``, ``gold = gold + a + b``): each op
+    the only reader of the value before it, the last one's result the variable's new value, read by no op."""
+    found = {}
+    for j, param in enumerate(s.inputs[:len(s.outputs)]):
+        ops, addends, value = [], [], param
+        while value not in s.outputs:
+            readers = [o for o in s.ops if value in o.operands()]
+            o = readers[0] if len(readers) == 1 else None
+            if not (isinstance(o, ir.Call) and resolve(o.fn) in _ADDING and len(o.args) == 2 and not o.kwargs
+                    and not o.star and o.args[0] is not o.args[1]):
+                break
+            ops.append(o)
+            addends.append(o.args[1] if o.args[0] is value else o.args[0])
+            value = o.output
+        if ops and value is s.outputs[j] and s.outputs.count(value) == 1 and \
+                not any(value in o.operands() for o in s.ops):
+            found[j] = (ops, addends)
+    return found
 
 
 def _can_place(ops, members):
@@ -104,8 +121,11 @@ def _can_place(ops, members):
 
 def _fuse_subgraph(s, backend):
     ops = s.ops
+    # (a loop's running sums kept out of fusion groups, so that a loop stepping a cell or an update of its own
+    # sees them: ``codegen.recurrent``)
+    summing = {o for adds, _ in running_sums(s).values() for o in adds} if s.kind == "body" else set()
     resolved = {i: fn for i, op in enumerate(ops) if (fn := _elementwise_fn(op)) is not None
-                and not _running_sum(s, op)}
+                and op not in summing}
     producer = {v: i for i, op in enumerate(ops) for v in op.outputs}
     groups = _Groups()
     for i in sorted(resolved):
