@@ -277,3 +277,13 @@ def test_a_chain_of_ops_on_padded_values_makes_no_instances_views_unless_one_is_
     monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
     assert "torch._VariableFunctionsClass.log" in compare(log_of_padding)
     assert made  # (the per-instance log read each instance's view)
+
+
+def conv_output_flattened(m, words, x, n):
+    y = F.relu(m.conv(m.embed(words[:n]).t().unsqueeze(0)))  # (a tensor of its own in eager: contiguous)
+    return y.view(-1).sum() + x[:n].t().reshape(-1).sum()
+
+
+def test_an_instances_value_read_alone_is_contiguous_where_eagers_is(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
+    compare(conv_output_flattened)

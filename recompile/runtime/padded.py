@@ -31,23 +31,26 @@ class Padded(list):
     """Instance k's value is ``tensor[k].narrow(dim, 0, lengths[k])`` (the list holds those views, once
     ``fill`` made them); ``dim`` ≥ 1 (an instance's)."""
 
-    __slots__ = ("tensor", "dim", "lengths", "zeroed", "_mask", "_zeros")
+    __slots__ = ("tensor", "dim", "lengths", "zeroed", "own", "_mask", "_zeros")
 
-    def __init__(self, tensor, dim, lengths, zeroed=False, views=True):
+    def __init__(self, tensor, dim, lengths, zeroed=False, views=True, own=False):
         self.tensor, self.dim, self.lengths = tensor, dim, list(lengths)
         self.zeroed = zeroed  # whether what lies past each end is zeros
+        # whether each instance's value is, in eager code, a tensor of its own (a conv's output, and an op's of it
+        # elementwise), contiguous: not a view of another's (``xs.t()``)
+        self.own = own
         self._mask = self._zeros = None
         if views:
             self.fill()
 
     def fill(self):
-        """Make each instance's view (views of one unbind: in a run that changes nothing in place, no view of
-        them is changed)."""
+        """Make each instance's value: a view of one unbind (in a run that changes nothing in place, no view of
+        them is changed), contiguous where eager's is (``own``: ``y.view(-1)`` of a conv's output reads it)."""
         if len(self) or not self.lengths:
             return
-        longest, dim = self.tensor.shape[self.dim + 1], self.dim
-        self.extend(row if m == longest else row.narrow(dim, 0, m)
-                    for row, m in zip(self.tensor.unbind(0), self.lengths))
+        longest, dim, own = self.tensor.shape[self.dim + 1], self.dim, self.own
+        views = (row if m == longest else row.narrow(dim, 0, m) for row, m in zip(self.tensor.unbind(0), self.lengths))
+        self.extend(v.contiguous() for v in views) if own else self.extend(views)
 
     def taken(self, positions):
         """The Padded of instances ``positions``."""
@@ -113,12 +116,12 @@ def holds(args):
     return any(type(a) is Batch and (type(a.items) is Padded or type(a.thunk) is Views) for a in args)
 
 
-def _result(n, tensor, dim, lengths, zeroed=False):
+def _result(n, tensor, dim, lengths, zeroed=False, own=False):
     """The Batch of values of ``lengths`` along ``dim`` of ``tensor``'s rows: Rows where dim is an instance's
     first; a Padded's views made when first read."""
     if dim == 0:
         return Batch(n, items=rows.padded_rows(n, tensor, lengths))
-    return Batch(n, thunk=Views(Padded(tensor, dim, lengths, zeroed, views=False)))
+    return Batch(n, thunk=Views(Padded(tensor, dim, lengths, zeroed, views=False, own=own)))
 
 
 def from_rows(seq):
@@ -310,7 +313,7 @@ def _finite_op(n, fn, x, args, kwargs):
     out = getattr(values[0], fn)(*values[1:], **kwargs) if type(fn) is str else fn(*values, **kwargs)
     if type(out) is not torch.Tensor or out.shape != x.tensor.shape:
         return NotImplemented
-    return _result(n, out, x.dim, x.lengths)
+    return _result(n, out, x.dim, x.lengths, own=x.own)
 
 
 # ---- convolution and pooling along the lengths' dim --------------------------------------------------------
@@ -354,7 +357,7 @@ def convolved(n, x, conv, weight, bias, stride, padding, dilation, groups, spati
         flat = source.reshape(-1, *source.shape[-spatial - 1:])  # (instances times their batches)
         out = conv(flat, weight, bias, stride, padding, dilation, groups)
     out = out.view(*t.shape[:-spatial - 1], *out.shape[1:])
-    return _result(n, out, x.dim, lengths)
+    return _result(n, out, x.dim, lengths, own=True)
 
 
 _PACKED_SHARE = 0.8  # (sequences laid end to end where that is this share of their padded length, or less)
@@ -404,7 +407,8 @@ def pooled(n, x, fn, kind, kernel, stride, padding, ceil_mode, spatial=1):
     lengths = [(m - kernel) // step + 1 for m in x.lengths]
     if min(lengths) < 1:
         return NotImplemented
-    return _result(n, fn(t.reshape(-1, *t.shape[-2:]), kernel, step).view(*t.shape[:-1], -1), x.dim, lengths)
+    return _result(n, fn(t.reshape(-1, *t.shape[-2:]), kernel, step).view(*t.shape[:-1], -1), x.dim, lengths,
+                   own=True)
 
 
 # ---- reductions ------------------------------------------------------------------------------------------
