@@ -34,6 +34,13 @@ segment's generic ops: ``segments.rerunnable``), and every value of the shapes t
 Anything else runs the loop as it is written (``control.Loop``): the step inputs are pure, so computing them
 and dropping them changes nothing, and an error they raise is raised by the written loop, at its step, from
 the user's line.
+
+A loop whose body after the step inputs is an update of its own instead of cells (``h = torch.tanh(x +
+self.hh(h))``, a CRF's ``alpha = torch.logsumexp(alpha.unsqueeze(1) + self.trans, 0) + emits[t]``, an LSTM's
+gates written out; ``_update``) runs its step inputs alike, then the update, a batched function of its own, step
+by step over the first rows of the instances still in the loop, longest first (``RecurrentLoop._steps``). Sums
+of several values a step adds one after another (``gold = gold + a + b``: ``fusion.running_sums``) are one
+``index_add`` of each step's values in that order.
 """
 
 from __future__ import annotations
