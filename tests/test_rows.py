@@ -679,3 +679,36 @@ def test_flips_of_empty_stretches_and_of_two_dims_as_eager():
         recompile.vmap(recompile.function(last_of_flipped))(xs, lengths(0, 0, 0))
     torch.testing.assert_close(recompile.vmap(recompile.function(flipped_twice))(xs),
                                torch.stack([flipped_twice(x) for x in xs]))
+
+
+@pytest.mark.parametrize("kind, options", [(nn.LSTM, {}), (nn.GRU, {}), (nn.RNN, {"nonlinearity": "relu"}),
+                                           (nn.GRU, {"bias": False}), (nn.LSTM, {"num_layers": 2})])
+def test_with_grad_a_one_layer_rnn_modules_steps_are_written_out_over_the_packed_rows(kind, options, monkeypatch):
+    """Trained, a one-layer, one-direction module with biases over each instance's stretch steps as a cell of its
+    parameters (``lazy_weights.module_steps``): eager's values and gradients, the module's final states in
+    instance order; other modules, and runs without grad, run the module itself."""
+    from recompile.runtime import lazy_weights
+    stepped = []
+    steps = lazy_weights.packed_steps
+    monkeypatch.setattr(lazy_weights, "packed_steps", lambda *a: stepped.append(1) or steps(*a))
+    torch.manual_seed(9)
+    embed, rnn = nn.Embedding(VOCAB, EMBED).double(), kind(EMBED, HIDDEN, **options).double()
+
+    def read(words, n):
+        out, ends = rnn(embed(words[:n]))
+        h = ends[0] if kind is nn.LSTM else ends
+        return out.sum(0) * 0.5 + h[-1] * out[-1]
+
+    f = recompile.function(read)
+    words, n = sentences(4, 6), lengths(6, 2, 5, 1)
+    got = recompile.vmap(f)(words, n)
+    want = torch.stack([read(words[k], int(n[k])) for k in range(4)])
+    torch.testing.assert_close(got, want)
+    params = [*rnn.parameters(), embed.weight]
+    for g, w in zip(torch.autograd.grad(got.sum(), params), torch.autograd.grad(want.sum(), params)):
+        torch.testing.assert_close(g, w)
+    assert bool(stepped) is (rnn.num_layers == 1 and rnn.bias)
+    stepped.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(recompile.vmap(f)(words, n), want.detach())
+    assert not stepped

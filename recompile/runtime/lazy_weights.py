@@ -255,6 +255,55 @@ def packed_steps(module, data, batch_sizes, state, outputs=False):
     return (tuple(ends) if pair else ends[0]), (torch.cat(made) if outputs else None)
 
 
+_CELL_OF = {nn.LSTM: nn.LSTMCell, nn.GRU: nn.GRUCell, nn.RNN: nn.RNNCell}
+_cells = weakref.WeakKeyDictionary()  # an RNN module -> the cell of its parameters (``_cell_of``)
+
+
+def module_steps(module, packed, states):
+    """(the outputs, a PackedSequence, and the final states as the module returns them) of a one-layer,
+    one-direction ``nn.LSTM``/``GRU``/``RNN`` with biases over ``packed``, with grad: its steps written out over
+    the packed rows as a cell of its parameters (``packed_steps``, faster to train than torch's packed RNN); None
+    for any other module or run (the module then runs itself)."""
+    kind = _CELL_OF.get(type(module))
+    data = packed.data
+    if kind is None or module.num_layers != 1 or module.bidirectional or not module.bias or \
+            getattr(module, "proj_size", 0) or not torch.is_grad_enabled() or \
+            torch.is_autocast_enabled(data.device.type) or data.dim() != 2 or \
+            data.dtype != module.weight_ih_l0.dtype or data.device != module.weight_ih_l0.device:
+        return None
+    cell = _cell_of(module, kind)
+    order, back = packed.sorted_indices, packed.unsorted_indices
+    n, hidden = int(packed.batch_sizes[0]), module.hidden_size  # (every sequence takes the first step)
+    if states is None:
+        zeros = data.new_zeros(n, hidden)
+        hx = (zeros, zeros) if kind is nn.LSTMCell else zeros
+    else:
+        parts = [p[0] if order is None else p[0].index_select(0, order)
+                 for p in (states if kind is nn.LSTMCell else (states,))]
+        if any(p.shape != (n, hidden) or p.dtype != data.dtype or p.device != data.device for p in parts):
+            return None  # (the module raises as torch does)
+        hx = tuple(parts) if kind is nn.LSTMCell else parts[0]
+    ends, steps = packed_steps(cell, data, packed.batch_sizes.tolist(), hx, True)
+    ends = [e if back is None else e.index_select(0, back) for e in (ends if kind is nn.LSTMCell else (ends,))]
+    finals = tuple(e.unsqueeze(0) for e in ends)
+    out = nn.utils.rnn.PackedSequence(steps, packed.batch_sizes, order, back)
+    return out, (finals if kind is nn.LSTMCell else finals[0])
+
+
+def _cell_of(module, kind):
+    """A cell of ``kind`` holding ``module``'s layer-0 parameters (the very Parameters: their gradients are
+    the module's), kept while they are the module's."""
+    names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+    cell = _cells.get(module)
+    if cell is None or any(getattr(cell, k) is not getattr(module, k + "_l0") for k in names):
+        cell = kind(module.input_size, module.hidden_size, bias=True, device="meta",
+                    **({"nonlinearity": module.nonlinearity} if kind is nn.RNNCell else {}))
+        for k in names:
+            setattr(cell, k, getattr(module, k + "_l0"))
+        _cells[module] = cell
+    return cell
+
+
 def _own_call(module):
     """Whether calling ``module`` runs its class's forward and nothing else (no hooks, no forward of its own)."""
     return not has_hooks(module) and "forward" not in module.__dict__

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import batch as bt
-from . import sharing, spreads
+from . import lazy_weights, sharing, spreads
 from .batch import Batch
 
 
@@ -674,7 +674,8 @@ def through_rnn(n, module, seq, states):
     else:
         packed = nn.utils.rnn.pack_padded_sequence(as_padded(seq), lengths, batch_first=True, enforce_sorted=False)
         at = None
-    out, ends = module(packed, states)
+    # (with grad, a one-layer module's steps written out as its cell's: faster to train than its packed run)
+    out, ends = lazy_weights.module_steps(module, packed, states) or module(packed, states)
     outputs = Batch(n, thunk=_Unpacked(n, out, seq.lengths, at))  # (``_, (h, c) = ...``: never laid out)
     finals = [bt.from_tensor(e.transpose(0, 1)) for e in (ends if type(module) is nn.LSTM else (ends,))]
     return bt.from_struct(tuple, [outputs, bt.from_struct(tuple, finals, n) if len(finals) == 2 else finals[0]], n)
