@@ -712,3 +712,17 @@ def test_with_grad_a_one_layer_rnn_modules_steps_are_written_out_over_the_packed
     with torch.no_grad():
         torch.testing.assert_close(recompile.vmap(f)(words, n), want.detach())
     assert not stepped
+
+
+def test_a_one_layer_rnn_module_given_states_of_two_layers_raises_as_torch_does():
+    gru = nn.GRU(EMBED, HIDDEN).double()
+    h0 = torch.zeros(2, HIDDEN, dtype=torch.float64, requires_grad=True)  # (two layers' worth: torch refuses)
+
+    def read(xs, n, h0):
+        return gru(xs[:n], h0)[1][0]
+
+    xs = torch.randn(3, 5, EMBED, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="Expected hidden size"):
+        read(xs[0], 3, h0)
+    with pytest.raises(RuntimeError, match="Expected hidden size"):
+        recompile.vmap(recompile.function(read), in_dims=(0, 0, None))(xs, lengths(3, 5, 1), h0)

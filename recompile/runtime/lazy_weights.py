@@ -272,16 +272,18 @@ def module_steps(module, packed, states):
             data.dtype != module.weight_ih_l0.dtype or data.device != module.weight_ih_l0.device:
         return None
     cell = _cell_of(module, kind)
+    if cell is None:
+        return None
     order, back = packed.sorted_indices, packed.unsorted_indices
     n, hidden = int(packed.batch_sizes[0]), module.hidden_size  # (every sequence takes the first step)
     if states is None:
         zeros = data.new_zeros(n, hidden)
         hx = (zeros, zeros) if kind is nn.LSTMCell else zeros
     else:
-        parts = [p[0] if order is None else p[0].index_select(0, order)
-                 for p in (states if kind is nn.LSTMCell else (states,))]
-        if any(p.shape != (n, hidden) or p.dtype != data.dtype or p.device != data.device for p in parts):
+        given = states if kind is nn.LSTMCell else (states,)
+        if any(p.shape != (1, n, hidden) or p.dtype != data.dtype or p.device != data.device for p in given):
             return None  # (the module raises as torch does)
+        parts = [p[0] if order is None else p[0].index_select(0, order) for p in given]
         hx = tuple(parts) if kind is nn.LSTMCell else parts[0]
     ends, steps = packed_steps(cell, data, packed.batch_sizes.tolist(), hx, True)
     ends = [e if back is None else e.index_select(0, back) for e in (ends if kind is nn.LSTMCell else (ends,))]
@@ -292,8 +294,11 @@ def module_steps(module, packed, states):
 
 def _cell_of(module, kind):
     """A cell of ``kind`` holding ``module``'s layer-0 parameters (the very Parameters: their gradients are
-    the module's), kept while they are the module's."""
+    the module's), kept while they are the module's; None where one is not a Parameter (a parametrization's
+    tensor, computed at each read)."""
     names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+    if not all(type(getattr(module, k + "_l0")) is nn.Parameter for k in names):
+        return None
     cell = _cells.get(module)
     if cell is None or any(getattr(cell, k) is not getattr(module, k + "_l0") for k in names):
         cell = kind(module.input_size, module.hidden_size, bias=True, device="meta",
