@@ -293,8 +293,7 @@ class RecurrentLoop:
         shape."""
         totals, like = [], next((e for e in every if e is not None), None)
         for start in starts.values():  # (checked first: a loop given up runs its callables again, as written)
-            total = bt.tensor_of(start) if type(start) is Batch else \
-                start.unsqueeze(0).expand(n, *start.shape) if type(start) in bt.PLAIN_TENSORS else None
+            total = _instance_rows(n, start)
             if total is None or like is not None and (total.dtype != like.dtype or total.device != like.device):
                 return None
             totals.append(total)
@@ -551,13 +550,8 @@ def _state(n, form, loop_vars, cell, fewest, one_row):
     shape = (1, cell.hidden_size) if one_row else (cell.hidden_size,)
     out = []
     for p in parts:
-        if type(p) is Batch:
-            t = bt.tensor_of(p)
-            if t is None or t.shape != (n, *shape):
-                return None
-        elif type(p) is torch.Tensor and p.shape == shape:
-            t = p.unsqueeze(0).expand(n, *shape)
-        else:
+        t = _instance_rows(n, p)
+        if t is None or t.shape[1:] != shape:
             return None
         out.append(t.squeeze(1) if one_row else t)
     return out
@@ -568,12 +562,8 @@ def _sum_start(n, value, cell, form):
     of a state's h and a tensor of its shape (an LSTM's whole state, a number)."""
     if type(cell) is nn.LSTMCell and form[0] != "pair":
         return None
-    if type(value) is Batch:
-        t = bt.tensor_of(value)
-        return t if t is not None and t.shape == (n, cell.hidden_size) else None
-    if type(value) is torch.Tensor and value.shape == (cell.hidden_size,):
-        return value.unsqueeze(0).expand(n, -1)
-    return None
+    t = _instance_rows(n, value)
+    return t if t is not None and t.shape[1:] == (cell.hidden_size,) else None
 
 
 def _lists(n, value):
