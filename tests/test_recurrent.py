@@ -1095,3 +1095,36 @@ def test_an_update_from_a_parameter_and_a_sum_of_an_invariant():
     s = torch.randn(4, 3, dtype=torch.float64)
     loop = compare(Elman().double(), from_a_parameter, (sentences(4, 5), lengths(5, 0, 2, 5), s), (None, 0, 0, 0))
     assert loop.update is not None
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
+def test_updates_and_sums_of_several_values_in_every_mode(mode, monkeypatch):
+    """The update loops and the sums of several values a step (kept out of fusion groups in every mode) called one
+    instance at a time: eager's values and float64 gradients, the parameters' and the scale's."""
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    torch.manual_seed(29)
+    model = Elman().double()
+    words, n = sentences(3, 5), lengths(5, 1, 3)
+    tags = torch.randint(0, 3, (3, 5), generator=torch.Generator().manual_seed(4))
+    scale = torch.tensor([0.5, 2.0, 1e17], dtype=torch.float64, requires_grad=True)
+    calls = [(crf, lambda k: (tags[k],)), (elman_pooled, lambda k: (tags[k],)),
+             (summed_in_order, lambda k: (scale[k],)), (gates_written_out, None)]
+    for fn, extra in calls:
+        m = Gates().double() if fn is gates_written_out else model
+        compiled = recompile.function(fn, mode=mode)
+        results = []
+        for call in (compiled, fn):
+            m.zero_grad()
+            scale.grad = None
+            outs = [call(m, words[k], int(n[k]), *(extra(k) if extra else ())) for k in range(3)]
+            total = sum(sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))) for out in outs)
+            total.backward()
+            grads = {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+            results.append((total.detach(), grads, None if scale.grad is None else scale.grad.clone()))
+        (got, got_grads, got_scale), (want, want_grads, want_scale) = results
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+        assert got_grads.keys() == want_grads.keys()
+        for k in want_grads:
+            torch.testing.assert_close(got_grads[k], want_grads[k], rtol=1e-9, atol=1e-12)
+        if want_scale is not None:
+            torch.testing.assert_close(got_scale, want_scale)
