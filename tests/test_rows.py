@@ -170,6 +170,9 @@ def test_rows_keep_where_they_lie_when_instances_are_taken(monkeypatch):
     index = recompile.runtime.batch.from_items([slice(None, 5), slice(1, 3), slice(None, 0), slice(2, None)])
     found = rows.of(rows.stretch(4, recompile.runtime.batch.from_tensor(xs), index))
     assert found.starts == [0, 1, 0, 2] and found.lengths == [5, 2, 0, 4]
+    assert not found.made and list(found) == [None] * 4  # (the views made when first read)
+    assert not found.taken([3, 1]).made
+    found.fill()
     for k, s in enumerate(index.items):
         assert found[k]._base is xs and torch.equal(found[k], xs[k][s])
     taken = found.taken([3, 1])

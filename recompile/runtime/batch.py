@@ -53,6 +53,42 @@ class Batch:
         return f"<Batch of {self.n}: {form}>"
 
 
+class Views:
+    """A lazy batch's thunk: a value that knows where each instance's value lies in one tensor (``rows.Rows``,
+    ``padded.Padded``), whose instances' views are made when something first reads them (``held.fill``). The
+    rules for such values read where they lie, not the views: a chain of ops on them makes none."""
+
+    __slots__ = ("held", "ragged")
+
+    def __init__(self, held, ragged):
+        self.held = held
+        self.ragged = ragged  # whether the values differ in length (no one tensor: ``tensor_of`` says None)
+
+    def depends_on(self):
+        return []
+
+    def compute(self):
+        return Batch(len(self.held.lengths), items=self.held.fill())
+
+
+def held(value, kind):
+    """The value of type ``kind`` (``rows.Rows``, ``padded.Padded``) that Batch ``value`` holds as its instances'
+    values, their views made or not (``Views``), in a run that changes nothing in place (elsewhere a view's shape
+    or values may have changed since: ``ys.unsqueeze_(0)``), else None."""
+    if type(value) is not Batch:
+        return None
+    thunk = value.thunk
+    found = thunk.held if type(thunk) is Views else value.items if thunk is None and value.owner == "items" \
+        else None
+    return found if type(found) is kind and sharing.state.fresh else None
+
+
+def holds(value, kind):
+    """Whether ``value`` is a batch of values of type ``kind`` (``held``), in any run."""
+    return type(value) is Batch and (type(value.items) is kind or type(value.thunk) is Views and
+                                     type(value.thunk.held) is kind)
+
+
 # Tensors as torch's ops take them, no subclass's own overrides: a module's parameter too (``a = self.start``)
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -289,7 +325,7 @@ def instance_ints(n, value):
 def tensor_of(b):
     """Batch ``b`` as one tensor of n rows, or None if its values are not tensors of one shape and dtype."""
     if b.thunk is not None:
-        if getattr(b.thunk, "ragged", False):  # (values of their own lengths, not made yet: they need not be)
+        if type(b.thunk) is Views and b.thunk.ragged:  # (values of their own lengths, not made yet: they need not be)
             return None
         force(b)
     if b.tensor is None:

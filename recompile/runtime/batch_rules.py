@@ -120,7 +120,7 @@ def call(n, fn, args, kwargs=None):
         out = rule(n, fn, args, kwargs or {})
         if out is not NotImplemented:
             return out
-    if args and type(args[0]) is Batch and args[0].owner == "items":
+    if args and type(args[0]) is Batch and (args[0].owner == "items" or type(args[0].thunk) is bt.Views):
         found = rows.of(args[0])
         try:
             name = rows.REDUCING.get(fn) if found is not None else None
@@ -164,10 +164,10 @@ class LazyOp:
 
 
 def _lazy_among(values):
-    """Whether a value is lazy (a deferred call's result) where an op's rule would read it; a Padded whose
-    views are not made yet is read by the Padded rules as it is."""
+    """Whether a value is lazy (a deferred call's result) where an op's rule would read it; Rows or a Padded whose
+    views are not made yet (``bt.Views``) are read by their rules as they are."""
     for a in values:
-        if type(a) is Batch and (a.thunk is not None and type(a.thunk) is not padded.Views
+        if type(a) is Batch and (a.thunk is not None and type(a.thunk) is not bt.Views
                                  or (a.pieces is not None and bt.is_lazy(a))):
             return True
     return False
@@ -188,8 +188,8 @@ def item(n, x, index):
     if type(x) is Batch and x.struct is not None:
         return call(n, operator.getitem, (x, index))  # (a tuple's or dict's item: its rule picks the part)
     # (call's path for getitem, without its dispatch: the gather rule, else vmap or one by one)
-    if type(x) is Batch and x.thunk is not None:  # (an RNN module's outputs, laid out when first read)
-        bt.force(x)
+    if type(x) is Batch and x.thunk is not None and type(x.thunk) is not bt.Views:
+        bt.force(x)  # (an RNN module's outputs, laid out when first read; views are read where they lie)
     out = gather(n, operator.getitem, (x, index), None)
     if out is NotImplemented:
         out = _vmapped_or_per_instance(n, operator.getitem, (x, index), None)
@@ -965,7 +965,7 @@ def gather(n, fn, args, kwargs):
     if type(x) is Batch and type(index) is not Batch:
         if type(index) is torch.Tensor and index.dim() == 0 and index.dtype in facts.INTEGER_INDEX and index.is_cpu:
             index = int(index)  # (``x[k]`` of a 0-d integer tensor reads as ``x[int]``: a view, as eager's)
-        if x.items is not None and type(index) is slice:
+        if (x.items is not None or rows.holds(x)) and type(index) is slice:
             found = rows.of(x)
             out = rows.sliced(n, found, index) if found is not None else NotImplemented
             if out is not NotImplemented:
@@ -973,11 +973,11 @@ def gather(n, fn, args, kwargs):
         if padded.of(x) is not None:  # (``x[0]`` of a Conv1d's (1, C, L) output)
             found = padded.of(x)
             return padded.indexed(n, found.tensor, found.dim, found.lengths, index, found.zeroed)
-        if x.items is not None and (index is None or type(index) is tuple and index[:1] == (None,)):
+        if (x.items is not None or rows.holds(x)) and (index is None or type(index) is tuple and index[:1] == (None,)):
             found = rows.of(x)  # (``xs[None]``: the rows' dim moved)
             if found is not None and found.shortest:
                 return padded.indexed(n, *padded.from_rows(found)[:3], index, True)
-        if x.items is not None and type(index) is tuple:
+        if (x.items is not None or rows.holds(x)) and type(index) is tuple:
             found = rows.of(x)  # (``xs[:, None]``, ``xs[..., :h]``: each row alone)
             out = row_wise.indexed(n, found, index) if found is not None else NotImplemented
             if out is not NotImplemented:
@@ -986,7 +986,7 @@ def gather(n, fn, args, kwargs):
                 row = gather(n, operator.getitem, (x, index[0]), {})
                 if row is not NotImplemented:
                     return call(n, operator.getitem, (row, index[1:] if len(index) > 2 else index[1]))
-        if x.items is not None and type(index) is int:
+        if (x.items is not None or rows.holds(x)) and type(index) is int:
             found = rows.of(x)
             out = rows.listed_item(n, x.items, index) if type(x.items) is rows.Listed else \
                 ranges.item(x, index) if found is None else \

@@ -23,7 +23,7 @@ from torch import nn
 from ..ops import facts
 from ..ops.table import has_hooks
 from . import batch as bt
-from . import extremes, rows, sharing
+from . import extremes, rows
 from .batch import Batch
 
 
@@ -47,10 +47,11 @@ class Padded(list):
         """Make each instance's value: a view of one unbind (in a run that changes nothing in place, no view of
         them is changed), contiguous where eager's is (``own``: ``y.view(-1)`` of a conv's output reads it)."""
         if len(self) or not self.lengths:
-            return
+            return self
         longest, dim, own = self.tensor.shape[self.dim + 1], self.dim, self.own
         views = (row if m == longest else row.narrow(dim, 0, m) for row, m in zip(self.tensor.unbind(0), self.lengths))
         self.extend(v.contiguous() for v in views) if own else self.extend(views)
+        return self
 
     def taken(self, positions):
         """The Padded of instances ``positions``."""
@@ -81,47 +82,25 @@ def _mask(t, dim, lengths):
     return inside.view(len(lengths), *[1] * dim, longest, *[1] * (t.dim() - dim - 2))
 
 
-class Views:
-    """A lazy batch's thunk: a Padded's instances' views, made when something first reads them (a chain of ops
-    on Padded values reads none: ``relu(conv(xs.t()))``, then its max along the lengths)."""
-
-    __slots__ = ("padded", "ragged")
-
-    def __init__(self, padded):
-        self.padded = padded
-        longest = padded.tensor.shape[padded.dim + 1]
-        self.ragged = any(m != longest for m in padded.lengths)  # (so no one tensor: ``bt.tensor_of`` says None)
-
-    def depends_on(self):
-        return []
-
-    def compute(self):
-        self.padded.fill()
-        return Batch(len(self.padded.lengths), items=self.padded)
-
-
 def of(value):
     """The Padded a Batch holds as its instances' values (their views made or not), in a run that changes
     nothing in place, else None."""
-    if type(value) is not Batch:
-        return None
-    thunk = value.thunk
-    found = thunk.padded if type(thunk) is Views else value.items if thunk is None and value.owner == "items" \
-        else None
-    return found if type(found) is Padded and sharing.state.fresh else None
+    return bt.held(value, Padded)
 
 
 def holds(args):
     """Whether an argument is a batch of Padded values."""
-    return any(type(a) is Batch and (type(a.items) is Padded or type(a.thunk) is Views) for a in args)
+    return any(bt.holds(a, Padded) for a in args)
 
 
 def _result(n, tensor, dim, lengths, zeroed=False, own=False):
     """The Batch of values of ``lengths`` along ``dim`` of ``tensor``'s rows: Rows where dim is an instance's
     first; a Padded's views made when first read."""
     if dim == 0:
-        return Batch(n, items=rows.padded_rows(n, tensor, lengths))
-    return Batch(n, thunk=Views(Padded(tensor, dim, lengths, zeroed, views=False, own=own)))
+        return rows.batch(n, rows.padded_rows(n, tensor, lengths))
+    longest = tensor.shape[dim + 1]
+    return Batch(n, thunk=bt.Views(Padded(tensor, dim, lengths, zeroed, views=False, own=own),
+                                   any(m != longest for m in lengths)))
 
 
 def from_rows(seq):
@@ -776,7 +755,7 @@ def _laid_out(n, out, form, lengths):
     """A module's output (n, longest, D) over ``_sequences`` of ``form``, laid out as they were."""
     if form == "batch first":
         return _result(n, out.unsqueeze(1), 1, lengths)
-    return Batch(n, items=rows.padded_rows(n, out.unsqueeze(2) if form == "rows of one" else out, lengths))
+    return rows.batch(n, rows.padded_rows(n, out.unsqueeze(2) if form == "rows of one" else out, lengths))
 
 
 def encoded(n, module, args, kwargs):

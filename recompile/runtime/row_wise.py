@@ -46,7 +46,7 @@ METHODS = _ELEMENTWISE_METHODS | _DIM_METHODS | _SHAPING_METHODS | {"norm", "cum
 
 def holds_rows(args):
     """Whether an argument is a batch of Rows."""
-    return any(type(a) is Batch and type(a.items) is rows.Rows for a in args)
+    return any(rows.holds(a) for a in args)
 
 
 def packed(seq):
@@ -71,13 +71,13 @@ def from_packed(n, flat, seq):
     (Rows of ``flat``, laid end to end)."""
     out = rows.packed_rows(n, flat, seq.lengths)
     out.same_layout(seq)
-    return Batch(n, items=out)
+    return rows.batch(n, out)
 
 
 def call(n, fn, args, kwargs):
     """``fn(*args, **kwargs)`` where an argument holds Rows, once on the rows packed; NotImplemented where
     ``fn`` is not known to act on each row alone with these arguments."""
-    seq = next(rows.of(a) for a in args if type(a) is Batch and type(a.items) is rows.Rows)
+    seq = next(rows.of(a) for a in args if rows.holds(a))
     if seq is None or seq.shortest == 0 or not _plain_options(kwargs):
         return NotImplemented
     rank = seq.source.dim() - 1
@@ -234,7 +234,7 @@ def _end_to_end(n, parts, found, rank):
     total = int(sizes.sum())
     index = torch.arange(total) + (starts - before).repeat_interleave(sizes, output_size=total)
     flat = torch.cat(pool)
-    return Batch(n, items=rows.packed_rows(n, flat.index_select(0, index.to(flat.device)), lengths))
+    return rows.batch(n, rows.packed_rows(n, flat.index_select(0, index.to(flat.device)), lengths))
 
 
 def method(n, name, seq, args, kwargs):

@@ -5,7 +5,9 @@ Held one by one, a ``for w in words[:n]`` would test and read them once per inst
 the list of those views (each instance's value, the very view eager code makes) that also keeps where they lie
 in the one tensor: item t of every instance is then one index of it, the loop's test one comparison of lengths,
 an ``nn.Embedding`` of them one lookup, and a recurrent loop (``codegen.recurrent``) reads every step's rows at
-once.
+once. The views are made only when something reads them (``Rows.fill``, through a lazy batch: ``bt.Views``):
+a chain of ops on the rows (``self.out(self.lstm(self.embed(words[:n]))[0])``) reads where they lie and makes
+none.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ from .batch import Batch
 
 
 class Rows(list):
-    """Instance k's value is ``source[row k][starts[k]:starts[k] + lengths[k]]`` (the list holds those views)."""
+    """Instance k's value is ``source[row k][starts[k]:starts[k] + lengths[k]]`` (the list holds those views, once
+    ``fill`` made them: until then, None for each)."""
 
-    __slots__ = ("source", "rows", "starts", "lengths", "shortest", "longest", "_counts", "_mask", "_where",
+    __slots__ = ("source", "rows", "starts", "lengths", "shortest", "longest", "made", "_counts", "_mask", "_where",
                  "packed", "_at", "_alike")
 
     def __init__(self, views, source, rows, starts, lengths):
-        super().__init__(views)
+        super().__init__([None] * len(lengths) if views is None else views)
+        self.made = views is not None
         self.source = source  # a tensor whose dim 0 is the rows the instances' stretches lie in
         self.rows = rows  # each instance's row of ``source``, or None: instance k's is row k
         self.starts, self.lengths = starts, lengths
@@ -36,20 +40,33 @@ class Rows(list):
         self._counts = self._mask = self._where = self._at = self._alike = None
         self.packed = None  # the stretches end to end, once ``row_wise.packed`` made them
 
+    def fill(self):
+        """Make each instance's view (where they are not made yet): the views eager indexing makes."""
+        if not self.made:
+            source, starts, lengths = self.source, self.starts, self.lengths
+            if self.rows is not None and source.shape[0] == 1 and starts == offsets(lengths):
+                self[:] = source[0, :starts[-1] + lengths[-1]].split(lengths)  # (laid end to end: one split)
+            else:
+                rows = range(len(lengths)) if self.rows is None else self.rows
+                self[:] = [source[k, a:a + m] for k, a, m in zip(rows, starts, lengths)]
+            self.made = True
+        return self
+
     def taken(self, positions):
         """The Rows of instances ``positions`` (a loop's instances that stay, a side of a branch). The first
         instances of Rows in their own rows keep them so (a view of the source's first rows, read at every step
         of a loop the longest first)."""
         if type(positions) is range and positions.start == 0 and positions.step == 1:
             k = len(positions)
+            views = self[:k] if self.made else None
             if self.rows is None:
-                return Rows(self[:k], self.source[:k], None, self.starts[:k], self.lengths[:k])
-            first = Rows(self[:k], self.source, self.rows[:k], self.starts[:k], self.lengths[:k])
+                return Rows(views, self.source[:k], None, self.starts[:k], self.lengths[:k])
+            first = Rows(views, self.source, self.rows[:k], self.starts[:k], self.lengths[:k])
             first._at = None if self._at is None else (self._at[0][:k], self._at[1][:k])
             return first
         rows = list(positions) if self.rows is None else [self.rows[k] for k in positions]
-        return Rows([self[k] for k in positions], self.source, rows, [self.starts[k] for k in positions],
-                    [self.lengths[k] for k in positions])
+        return Rows([self[k] for k in positions] if self.made else None, self.source, rows,
+                    [self.starts[k] for k in positions], [self.lengths[k] for k in positions])
 
     def counts(self):
         """The lengths as a tensor (a loop's test where some instances end: one comparison)."""
@@ -98,11 +115,23 @@ class Rows(list):
 
 
 def of(value):
-    """The Rows a Batch holds as its instances' values, in a run that changes nothing in place (elsewhere a view's
-    shape or values may have changed since: ``ys.unsqueeze_(0)``), else None."""
-    items = value.items if type(value) is Batch else None
-    return items if type(items) is Rows and value.owner == "items" and value.thunk is None and \
-        sharing.state.fresh else None
+    """The Rows a Batch holds as its instances' values (their views made or not: ``Rows.fill``), in a run that
+    changes nothing in place (elsewhere a view's shape or values may have changed since: ``ys.unsqueeze_(0)``),
+    else None."""
+    return bt.held(value, Rows)
+
+
+def holds(value):
+    """Whether ``value`` is a batch of Rows (their views made or not)."""
+    return bt.holds(value, Rows)
+
+
+def batch(n, found):
+    """The Batch of Rows ``found``: its views made when something first reads them, in a run that changes
+    nothing in place (else now: a view made later would see a shape changed in place since)."""
+    if found.made or not sharing.state.fresh:
+        return Batch(n, items=found.fill())
+    return Batch(n, thunk=bt.Views(found, found.shortest != found.longest))
 
 
 def slices(n, fn, args, kwargs):
@@ -136,9 +165,7 @@ def stretch(n, x, index):
             return NotImplemented
         starts.append(start)
         lengths.append(max(0, stop - start))
-    views = [x[s] for s in index.items] if rows is not None else \
-        [source[k, a:a + m] for k, (a, m) in enumerate(zip(starts, lengths))]
-    return Batch(n, items=Rows(views, source, rows, starts, lengths))
+    return batch(n, Rows(None, source, rows, starts, lengths))
 
 
 def sliced(n, seq, s):
@@ -150,9 +177,8 @@ def sliced(n, seq, s):
         return NotImplemented
     if any(step != 1 for _, _, step in bounds):
         return NotImplemented
-    return Batch(n, items=Rows([x[s] for x in seq], seq.source, seq.rows, [a + start for a, (start, _, _) in
-                                                                          zip(seq.starts, bounds)],
-                               [max(0, stop - start) for start, stop, _ in bounds]))
+    return batch(n, Rows(None, seq.source, seq.rows, [a + start for a, (start, _, _) in zip(seq.starts, bounds)],
+                         [max(0, stop - start) for start, stop, _ in bounds]))
 
 
 def has_index(seq, i):
@@ -224,8 +250,7 @@ def embedded(module, seq, lookup):
         out = lookup(module, source)
     except (IndexError, RuntimeError):
         return None
-    views = [out[k, a:a + m] for k, (a, m) in enumerate(zip(seq.starts, seq.lengths))]
-    return Batch(len(seq), items=Rows(views, out, None, seq.starts, seq.lengths))
+    return batch(len(seq), Rows(None, out, None, seq.starts, seq.lengths))
 
 
 def stacked(n, seqs, args, kwargs):
@@ -257,7 +282,7 @@ def stacked(n, seqs, args, kwargs):
         return bt.from_tensor(data.view(n, longest, *data.shape[1:]))
     device = data.device
     padded = data.new_zeros(n, longest, *data.shape[1:]).index_put((instance.to(device), position.to(device)), data)
-    return Batch(n, items=padded_rows(n, padded, lengths))
+    return batch(n, padded_rows(n, padded, lengths))
 
 
 def concatenated(n, seqs, args, kwargs):
@@ -275,7 +300,7 @@ def concatenated(n, seqs, args, kwargs):
     flat = [t for s in lists for t in s]
     if not all(type(t) is torch.Tensor and t.dim() for t in flat) or not bt.same_kind(flat, 1):
         return NotImplemented
-    return Batch(n, items=packed_rows(n, torch.cat(flat), [sum(t.shape[0] for t in s) for s in lists]))
+    return batch(n, packed_rows(n, torch.cat(flat), [sum(t.shape[0] for t in s) for s in lists]))
 
 
 def _dim_zero(dim):
@@ -284,8 +309,8 @@ def _dim_zero(dim):
 
 
 def padded_rows(n, padded, lengths):
-    """The Rows whose instance k's value is the first ``lengths[k]`` rows of ``padded``'s row k."""
-    return Rows([padded[k, :m] for k, m in enumerate(lengths)], padded, None, [0] * n, list(lengths))
+    """The Rows whose instance k's value is the first ``lengths[k]`` rows of ``padded``'s row k (views not made)."""
+    return Rows(None, padded, None, [0] * n, list(lengths))
 
 
 def rows_reshaped(n, seq, rest, method="view"):
@@ -297,10 +322,10 @@ def rows_reshaped(n, seq, rest, method="view"):
         flat = getattr(seq.packed, method)(seq.packed.shape[0], *rest) if seq.packed is not None else None
     except RuntimeError:  # (a view of memory laid out otherwise)
         return None
-    out = Rows([getattr(v, method)(v.shape[0], *rest) for v in seq], source, seq.rows, seq.starts, seq.lengths)
+    out = Rows(None, source, seq.rows, seq.starts, seq.lengths)
     out.packed = flat
     out.same_layout(seq)
-    return Batch(n, items=out)
+    return batch(n, out)
 
 
 def spread(counts):
@@ -320,8 +345,8 @@ def offsets(lengths):
 
 
 def packed_rows(n, flat, lengths):
-    """The Rows of stretches of ``lengths`` laid end to end in ``flat``'s rows."""
-    found = Rows(flat.split(lengths), flat.unsqueeze(0), [0] * n, offsets(lengths), lengths)
+    """The Rows of stretches of ``lengths`` laid end to end in ``flat``'s rows (views not made)."""
+    found = Rows(None, flat.unsqueeze(0), [0] * n, offsets(lengths), lengths)
     found.packed = flat
     return found
 
@@ -417,7 +442,7 @@ def listed_item(n, seq, i):
     if stack.owner == "tensor":
         return bt.from_tensor(stack.tensor[:, i]) if -stack.tensor.shape[1] <= i < stack.tensor.shape[1] \
             else NotImplemented
-    return item(stack.items, i) if i >= 0 else last_items(stack.items, i)
+    return item(of(stack), i) if i >= 0 else last_items(of(stack), i)
 
 
 def listed_has_index(seq, i):
@@ -427,7 +452,7 @@ def listed_has_index(seq, i):
     stack = seq.stack
     if stack.owner == "tensor":
         return i < stack.tensor.shape[1]
-    return has_index(stack.items, i)
+    return has_index(of(stack), i)
 
 
 def last_items(seq, i):
@@ -490,8 +515,8 @@ def _running_or_log_summed(n, name, seq, args, kwargs):
         return bt.from_tensor(torch.where(mask, padded, padded.new_full((), float("-inf"))).logsumexp(1, found[1]))
     out = getattr(torch.where(mask, padded, padded.new_full((), _RUNNING[name])), name)(1)
     if type(out) is torch.Tensor:
-        return Batch(n, items=_same_rows(n, out, seq))
-    return bt.from_struct(type(out), [Batch(n, items=_same_rows(n, part, seq)) for part in out], n)
+        return batch(n, _same_rows(n, out, seq))
+    return bt.from_struct(type(out), [batch(n, _same_rows(n, part, seq)) for part in out], n)
 
 
 def _same_rows(n, padded, seq):
@@ -512,7 +537,7 @@ def softmaxed(n, name, seq, args, kwargs):
         return NotImplemented
     padded = as_padded(seq)
     out = softmax_within(name, padded, 1, seq.mask(padded.device).view(n, -1, *[1] * (rank - 1)))
-    return Batch(n, items=_same_rows(n, out, seq))
+    return batch(n, _same_rows(n, out, seq))
 
 
 def softmax_within(name, padded, dim, mask):
@@ -708,7 +733,7 @@ class _Unpacked:
                                                            out.sorted_indices).to(out.data.device)
         back = torch.empty_like(at)
         back[at] = torch.arange(len(at), device=at.device)
-        return Batch(self.n, items=packed_rows(self.n, out.data.index_select(0, back), self.lengths))
+        return batch(self.n, packed_rows(self.n, out.data.index_select(0, back), self.lengths))
 
 
 def reversed_rows(n, fn, args, kwargs):
@@ -734,4 +759,4 @@ def flipped(n, seq):
     at = torch.maximum(last[:, None] - torch.arange(seq.longest, device=device), first[:, None]).clamp(
         max=seq.source.shape[1] - 1)  # (a stretch of none may start at the row's end)
     out = seq.source[seq.row_index(device)[:, None], at]
-    return Batch(n, items=padded_rows(n, out, seq.lengths))
+    return batch(n, padded_rows(n, out, seq.lengths))
