@@ -729,3 +729,28 @@ def test_a_one_layer_rnn_module_given_states_of_two_layers_raises_as_torch_does(
         read(xs[0], 3, h0)
     with pytest.raises(RuntimeError, match="Expected hidden size"):
         recompile.vmap(recompile.function(read), in_dims=(0, 0, None))(xs, lengths(3, 5, 1), h0)
+
+
+def scored_rows(m, words, n, tags):
+    out, _ = m.lstm(m.proj(m.embed(words[:n])).view(n, 1, -1))
+    return F.nll_loss(F.log_softmax(m.out(out.view(n, -1)), dim=1), tags[:n], reduction="sum")
+
+
+def test_a_chain_of_row_ops_makes_no_instance_view(monkeypatch):
+    """``words[:n]``, its embedding, a linear map, ``view``, an LSTM, its outputs scored and their loss summed:
+    each op reads where the rows lie, so no instance's view is made (``Rows.fill``) in the whole chain."""
+    torch.manual_seed(3)
+    model = Model().double()
+    model.lstm = nn.LSTM(EMBED, HIDDEN).double()
+    model.out = nn.Linear(HIDDEN, 5).double()
+    fills = []
+    made = rows.Rows.fill
+    monkeypatch.setattr(rows.Rows, "fill", lambda seq: fills.append(seq.made) or made(seq))
+    tags = torch.randint(0, 5, (4, 7))
+    with torch.no_grad():
+        got = recompile.vmap(recompile.function(scored_rows), in_dims=(None, 0, 0, 0))(
+            model, sentences(4, 7), lengths(7, 2, 5, 3), tags)
+    assert fills == []
+    compare(model, scored_rows, (sentences(4, 7), lengths(7, 2, 5, 3), tags), (None, 0, 0, 0), expect_runs=None)
+    want = torch.stack([scored_rows(model, w, n, t) for w, n, t in zip(sentences(4, 7), lengths(7, 2, 5, 3), tags)])
+    torch.testing.assert_close(got, want.detach(), rtol=1e-9, atol=1e-12)

@@ -177,13 +177,14 @@ def lazies_in(value):
     return found
 
 
-def force(b):
+def force(b, views=True):
     """Compute lazy batch ``b`` in place. What it depends on is computed first, deepest first, with an
-    explicit stack: a chain of lazy values as long as a deep recursion's needs no Python stack."""
+    explicit stack: a chain of lazy values as long as a deep recursion's needs no Python stack. Without
+    ``views``, b's instances' views (``Views``) are left to be made when read."""
     stack = [b]
     while stack:
         top = stack[-1]
-        if top.thunk is None:
+        if top.thunk is None or (not views and top is b and type(top.thunk) is Views):
             stack.pop()
             continue
         waiting = [d for d in top.thunk.depends_on() if d.thunk is not None]
@@ -191,19 +192,20 @@ def force(b):
             stack.extend(waiting)
             continue
         _adopt(top, top.thunk.compute())
-        stack.pop()
 
 
 def _adopt(b, value):
-    """Lazy batch ``b`` becomes ``value`` (a Batch of b.n, or one value every instance shares)."""
+    """Lazy batch ``b`` becomes ``value`` (a Batch of b.n, or one value every instance shares); a value whose
+    views are not made yet stays so (``Views``)."""
     if type(value) is Batch:
-        if value.thunk is not None:
-            force(value)
+        if value.thunk is not None and type(value.thunk) is not Views:
+            force(value, views=False)
         b.tensor, b.items, b.struct, b.pieces = value.tensor, value.items, value.struct, value.pieces
         b.method, b.owner = value.method, value.owner
-    else:
-        b.tensor, b.items, b.struct, b.pieces, b.method = None, [value] * b.n, None, None, None
-        b.owner = "items"
+        b.thunk = value.thunk
+        return
+    b.tensor, b.items, b.struct, b.pieces, b.method = None, [value] * b.n, None, None, None
+    b.owner = "items"
     b.thunk = None
 
 
@@ -211,6 +213,14 @@ def ready(value):
     """``value``, computed if it is a lazy batch."""
     if type(value) is Batch and value.thunk is not None:
         force(value)
+    return value
+
+
+def resolved(value):
+    """``value``, computed if it is a lazy batch, its instances' views (``Views``) left to be made when read (as
+    the rules for Rows and Padded values read them)."""
+    if type(value) is Batch and value.thunk is not None and type(value.thunk) is not Views:
+        force(value, views=False)
     return value
 
 

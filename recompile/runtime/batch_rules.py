@@ -111,7 +111,7 @@ def call(n, fn, args, kwargs=None):
             return Batch(n, thunk=LazyOp(n, fn, args))
         if rule is not _build_rule:  # (a tuple or list holds its lazy elements as they are)
             for a in (*args, *(kwargs.values() if kwargs else ())):
-                bt.ready(a)
+                bt.resolved(a)
     if rule is None and isinstance(fn, nn.Module) and not has_hooks(fn):
         rule = BATCH.by_module.get(type(fn))
     if rule is None and bt.plain_namedtuple(fn) and not kwargs and len(args) == len(fn._fields):
@@ -1755,14 +1755,14 @@ class _BatchOfOne:
         self.n, self.outputs, self.at = n, outputs, at
 
     def depends_on(self):
-        return bt.lazies_in(self.outputs)
+        return []  # (the outputs are laid out by ``compute``, their views left unmade: ``bt.resolved``)
 
     def compute(self):
-        seq = rows.of(self.outputs)
+        seq = rows.of(bt.resolved(self.outputs))
         out = row_wise.method(self.n, "unsqueeze", seq, (1,), {}) if self.at else \
             padded.rows_method(self.n, "unsqueeze", seq, (0,), {})
         return out if out is not NotImplemented else \
-            bt.from_items([v.unsqueeze(self.at) for v in self.outputs.items])
+            bt.from_items([v.unsqueeze(self.at) for v in bt.items_of(self.outputs)])
 
 
 @BATCH.register(isinstance)
