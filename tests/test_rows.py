@@ -754,3 +754,13 @@ def test_a_chain_of_row_ops_makes_no_instance_view(monkeypatch):
     compare(model, scored_rows, (sentences(4, 7), lengths(7, 2, 5, 3), tags), (None, 0, 0, 0), expect_runs=None)
     want = torch.stack([scored_rows(model, w, n, t) for w, n, t in zip(sentences(4, 7), lengths(7, 2, 5, 3), tags)])
     torch.testing.assert_close(got, want.detach(), rtol=1e-9, atol=1e-12)
+
+
+def test_rows_of_the_same_lengths_share_their_index_tensors():
+    first = rows.layout_of([3, 1, 2])
+    assert rows.layout_of((3, 1, 2)) is first and rows.layout_of([3, 1]) is not first
+    k, i = first.where(torch.device("cpu"))
+    assert k.tolist() == [0, 0, 0, 1, 2, 2] and i.tolist() == [0, 1, 2, 0, 0, 1]
+    assert first.mask(torch.device("cpu")).tolist() == [[True] * 3, [True, False, False], [True, True, False]]
+    seq = rows.packed_rows(3, torch.arange(6.0).view(6, 1), [3, 1, 2])
+    assert seq.layout() is first and seq.counts() is first.counts

@@ -27,8 +27,8 @@ class Rows(list):
     """Instance k's value is ``source[row k][starts[k]:starts[k] + lengths[k]]`` (the list holds those views, once
     ``fill`` made them: until then, None for each)."""
 
-    __slots__ = ("source", "rows", "starts", "lengths", "shortest", "longest", "made", "_counts", "_mask", "_where",
-                 "packed", "_at", "_alike")
+    __slots__ = ("source", "rows", "starts", "lengths", "shortest", "longest", "made", "_layout", "packed", "_at",
+                 "_alike")
 
     def __init__(self, views, source, rows, starts, lengths):
         super().__init__([None] * len(lengths) if views is None else views)
@@ -37,7 +37,7 @@ class Rows(list):
         self.rows = rows  # each instance's row of ``source``, or None: instance k's is row k
         self.starts, self.lengths = starts, lengths
         self.shortest, self.longest = min(lengths), max(lengths)
-        self._counts = self._mask = self._where = self._at = self._alike = None
+        self._layout = self._at = self._alike = None
         self.packed = None  # the stretches end to end, once ``row_wise.packed`` made them
 
     def fill(self):
@@ -68,29 +68,28 @@ class Rows(list):
         return Rows([self[k] for k in positions] if self.made else None, self.source, rows,
                     [self.starts[k] for k in positions], [self.lengths[k] for k in positions])
 
+    def layout(self):
+        """The tensors of the lengths, shared by every Rows of the same lengths (``Layout``)."""
+        if self._layout is None:
+            self._layout = layout_of(self.lengths)
+        return self._layout
+
     def counts(self):
         """The lengths as a tensor (a loop's test where some instances end: one comparison)."""
-        if self._counts is None:
-            self._counts = bt.long_tensor(self.lengths)
-        return self._counts
+        return self.layout().counts
 
     def mask(self, device):
         """(n, longest) bools: which of the first ``longest`` rows from each stretch's start are in it."""
-        if self._mask is None or self._mask.device != device:
-            self._mask = (torch.arange(self.longest) < self.counts()[:, None]).to(device)
-        return self._mask
+        return self.layout().mask(device)
 
     def where(self, device):
         """(k, i) LongTensors: for each row of the stretches laid end to end, its instance and its place in its
         stretch (what a padded (n, longest) tensor's rows are at)."""
-        if self._where is None or self._where[0].device != device:
-            k, i = spread(self.counts())
-            self._where = (k.to(device), i.to(device))
-        return self._where
+        return self.layout().where(device)
 
     def same_layout(self, other):
-        """Share ``other``'s tensors of the lengths (Rows of the same lengths)."""
-        self._counts, self._mask, self._where = other._counts, other._mask, other._where
+        """Share ``other``'s tensors of the lengths (Rows of the same lengths), without looking them up."""
+        self._layout = other._layout
 
     def row_index(self, device):
         """Each instance's row of ``source`` as a LongTensor."""
@@ -112,6 +111,45 @@ class Rows(list):
             self._at = (bt.long_tensor(range(len(self)) if self.rows is None else self.rows, device),
                         bt.long_tensor(self.starts, device))
         return self._at
+
+
+class Layout:
+    """Index tensors of one list of lengths, each made once: the minibatch's Rows of one sentence length each
+    (the words, their embeddings, an RNN's outputs, the tags) share them, within a run and across runs."""
+
+    __slots__ = ("lengths", "counts", "_masks", "_wheres")
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+        self.counts = bt.long_tensor(lengths)
+        self._masks, self._wheres = {}, {}
+
+    def mask(self, device):
+        found = self._masks.get(device)
+        if found is None:
+            found = self._masks[device] = (torch.arange(max(self.lengths)) < self.counts[:, None]).to(device)
+        return found
+
+    def where(self, device):
+        found = self._wheres.get(device)
+        if found is None:
+            k, i = spread(self.counts)
+            found = self._wheres[device] = (k.to(device), i.to(device))
+        return found
+
+
+_LAYOUTS = {}  # tuple of lengths -> Layout: a few kept (a training loop's minibatches differ; its evaluation's repeat)
+
+
+def layout_of(lengths):
+    """The Layout of ``lengths`` (a list of ints)."""
+    key = tuple(lengths)
+    found = _LAYOUTS.get(key)
+    if found is None:
+        if len(_LAYOUTS) >= 64:
+            _LAYOUTS.clear()
+        found = _LAYOUTS[key] = Layout(key)
+    return found
 
 
 def of(value):
@@ -698,10 +736,9 @@ def through_rnn(n, module, seq, states):
                                              torch.argsort(order).to(device))
     else:
         packed = nn.utils.rnn.pack_padded_sequence(as_padded(seq), lengths, batch_first=True, enforce_sorted=False)
-        at = None
     # (with grad, a one-layer module's steps written out as its cell's: faster to train than its packed run)
     out, ends = lazy_weights.module_steps(module, packed, states) or module(packed, states)
-    outputs = Batch(n, thunk=_Unpacked(n, out, seq.lengths, at))  # (``_, (h, c) = ...``: never laid out)
+    outputs = Batch(n, thunk=_Unpacked(n, out, seq))  # (``_, (h, c) = ...``: never laid out)
     finals = [bt.from_tensor(e.transpose(0, 1)) for e in (ends if type(module) is nn.LSTM else (ends,))]
     return bt.from_struct(tuple, [outputs, bt.from_struct(tuple, finals, n) if len(finals) == 2 else finals[0]], n)
 
@@ -715,25 +752,27 @@ def _stepwise(lengths, sizes, order):
 
 
 class _Unpacked:
-    """An RNN module's packed outputs as each instance's stretch of them (Rows laid end to end), computed when
-    first read."""
+    """An RNN module's packed outputs as each instance's stretch of them (Rows laid end to end, of the layout of
+    ``seq``, the module's input), computed when first read."""
 
-    __slots__ = ("n", "out", "lengths", "at")
+    __slots__ = ("n", "out", "seq")
 
-    def __init__(self, n, out, lengths, at):
-        self.n, self.out, self.lengths = n, out, lengths
-        self.at = at  # each packed row's row end to end, or None (``_stepwise``)
+    def __init__(self, n, out, seq):
+        self.n, self.out, self.seq = n, out, seq
 
     def depends_on(self):
         return []
 
     def compute(self):
-        out = self.out
-        at = self.at if self.at is not None else _stepwise(bt.long_tensor(self.lengths), out.batch_sizes,
-                                                           out.sorted_indices).to(out.data.device)
-        back = torch.empty_like(at)
-        back[at] = torch.arange(len(at), device=at.device)
-        return batch(self.n, packed_rows(self.n, out.data.index_select(0, back), self.lengths))
+        out, seq = self.out, self.seq
+        k, t = seq.where(torch.device("cpu"))  # (each row's instance and step, the rows end to end)
+        sizes = out.batch_sizes
+        # (at step t the sequences still running lie in sorted order: instance k's row is the step's first plus
+        # k's place in that order)
+        back = ((sizes.cumsum(0) - sizes)[t] + out.unsorted_indices.cpu()[k]).to(out.data.device)
+        found = packed_rows(self.n, out.data.index_select(0, back), seq.lengths)
+        found.same_layout(seq)
+        return batch(self.n, found)
 
 
 def reversed_rows(n, fn, args, kwargs):
