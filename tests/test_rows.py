@@ -764,3 +764,17 @@ def test_rows_of_the_same_lengths_share_their_index_tensors():
     assert first.mask(torch.device("cpu")).tolist() == [[True] * 3, [True, False, False], [True, True, False]]
     seq = rows.packed_rows(3, torch.arange(6.0).view(6, 1), [3, 1, 2])
     assert seq.layout() is first and seq.counts() is first.counts
+
+
+@pytest.mark.parametrize("laid", ["contiguous", "rows of a transpose"])
+def test_gathered_rows_equal_two_indices(laid):
+    source = torch.randn(4, 6, 3, dtype=torch.float64, requires_grad=True)
+    held = source if laid == "contiguous" else source.transpose(0, 1).contiguous().transpose(0, 1)
+    r, t = torch.tensor([3, 0, 2, 2]), torch.tensor([5, 1, 0, 4])
+    got = rows.gather_rows(held, r, t)
+    torch.testing.assert_close(got, held[r, t])
+    grid = rows.gather_rows(held, r[:, None].expand(-1, 2), torch.tensor([[0, 1]] * 4))
+    torch.testing.assert_close(grid, held[r[:, None], torch.tensor([[0, 1]] * 4)])
+    (g,) = torch.autograd.grad((got * got).sum() + grid.sum(), source)
+    (want,) = torch.autograd.grad((held[r, t] ** 2).sum() + held[r[:, None], torch.tensor([[0, 1]] * 4)].sum(), source)
+    torch.testing.assert_close(g, want)

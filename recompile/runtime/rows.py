@@ -152,6 +152,16 @@ def layout_of(lengths):
     return found
 
 
+def gather_rows(source, rows, places):
+    """``source[rows, places]`` (index tensors of one shape, on ``source``'s device): one ``index_select`` of its
+    first two dims flattened where that is a view (several times faster on the CPU than two indices), else the
+    indexing itself. A copy either way."""
+    if source.dim() >= 2 and source.stride(0) == source.shape[1] * source.stride(1):
+        flat = rows * source.shape[1] + places
+        return source.flatten(0, 1).index_select(0, flat.reshape(-1)).view(*flat.shape, *source.shape[2:])
+    return source[rows, places]
+
+
 def of(value):
     """The Rows a Batch holds as its instances' values (their views made or not: ``Rows.fill``), in a run that
     changes nothing in place (elsewhere a view's shape or values may have changed since: ``ys.unsqueeze_(0)``),
@@ -239,7 +249,7 @@ def item(seq, i):
     device = seq.source.device
     if seq.source.shape[0] == 1:  # (laid end to end in one row: one index_select, cheaper than two indices)
         return bt.from_tensor(seq.source[0].index_select(0, seq.start_index(device) + i))
-    return bt.from_tensor(seq.source[seq.row_index(device), seq.start_index(device) + i])
+    return bt.from_tensor(gather_rows(seq.source, seq.row_index(device), seq.start_index(device) + i))
 
 
 def item_each(seq, index):
@@ -254,7 +264,7 @@ def item_each(seq, index):
         return NotImplemented
     device = seq.source.device
     place = (torch.where(at < 0, at + lengths, at) + seq.start_index(torch.device("cpu"))).to(device)
-    return bt.from_tensor(seq.source[seq.row_index(device), place])
+    return bt.from_tensor(gather_rows(seq.source, seq.row_index(device), place))
 
 
 def items_at(seq, instances, steps):
@@ -262,13 +272,13 @@ def items_at(seq, instances, steps):
     in place): one index of the source, a copy; a negative t counts from the end of the instance's stretch. An
     IndexError where a t lies outside its stretch (the written loop then raises it at its step)."""
     which = instances if type(instances) is torch.Tensor else bt.long_tensor(instances)
-    at = bt.long_tensor(steps)
+    places = bt.long_tensor(steps)
     lengths = seq.counts()[which]
-    if bool(((at >= lengths) | (at < -lengths)).any()):
+    if bool(((places >= lengths) | (places < -lengths)).any()):
         raise IndexError("an item outside an instance's stretch of rows")
-    at = torch.where(at < 0, at + lengths, at) + seq.start_index(torch.device("cpu"))[which]
+    steps = torch.where(places < 0, places + lengths, places) + seq.start_index(torch.device("cpu"))[which]
     device = seq.source.device
-    return bt.from_tensor(seq.source[seq.row_index(device)[which.to(device)], at.to(device)])
+    return bt.from_tensor(gather_rows(seq.source, seq.row_index(device)[which.to(device)], steps.to(device)))
 
 
 def embedded(module, seq, lookup):
@@ -499,8 +509,8 @@ def last_items(seq, i):
     if not -seq.shortest <= i < 0:
         return NotImplemented
     device = seq.source.device
-    at = torch.tensor([a + m + i for a, m in zip(seq.starts, seq.lengths)], device=device)
-    return bt.from_tensor(seq.source[seq.row_index(device), at])
+    last = torch.tensor([a + m + i for a, m in zip(seq.starts, seq.lengths)], device=device)
+    return bt.from_tensor(gather_rows(seq.source, seq.row_index(device), last))
 
 
 # Reductions along a dim that run on the padded rows, what lies past each end left out (``reduced_within``).
@@ -714,9 +724,9 @@ def as_padded(seq):
     if seq.packed is not None:  # (laid end to end: each stretch put in its row, zeros past its end)
         flat = seq.packed
         return flat.new_zeros(len(seq), seq.longest, *flat.shape[1:]).index_put(seq.where(device), flat)
-    at = (seq.start_index(device)[:, None] + torch.arange(seq.longest, device=device)).clamp(
+    places = (seq.start_index(device)[:, None] + torch.arange(seq.longest, device=device)).clamp(
         max=seq.source.shape[1] - 1)
-    return seq.source[seq.row_index(device)[:, None], at]
+    return gather_rows(seq.source, seq.row_index(device)[:, None].expand(-1, seq.longest), places)
 
 
 def through_rnn(n, module, seq, states):
@@ -795,7 +805,7 @@ def flipped(n, seq):
     device = seq.source.device
     last = torch.tensor([a + max(m, 1) - 1 for a, m in zip(seq.starts, seq.lengths)], device=device)
     first = seq.start_index(device)
-    at = torch.maximum(last[:, None] - torch.arange(seq.longest, device=device), first[:, None]).clamp(
+    places = torch.maximum(last[:, None] - torch.arange(seq.longest, device=device), first[:, None]).clamp(
         max=seq.source.shape[1] - 1)  # (a stretch of none may start at the row's end)
-    out = seq.source[seq.row_index(device)[:, None], at]
+    out = gather_rows(seq.source, seq.row_index(device)[:, None].expand(-1, seq.longest), places)
     return batch(n, padded_rows(n, out, seq.lengths))
