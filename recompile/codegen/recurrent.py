@@ -433,7 +433,7 @@ def _items_at(value, layout, counter, counters):
     if t is None or t.dim() < (2 if type(value) is Batch else 1):
         return batch_rules.item(layout.rows, layout.take(value), counter)
     steps = bt.long_tensor(counters, t.device)
-    return bt.from_tensor(t[layout.index.to(t.device), steps] if type(value) is Batch else t[steps])
+    return bt.from_tensor(rows.gather_rows(t, layout.index.to(t.device), steps) if type(value) is Batch else t[steps])
 
 
 def _run_cell(cell, data, layout, state, outputs=False, one_row=False):
