@@ -52,7 +52,7 @@ def holds_rows(args):
 def packed(seq):
     """Every instance's stretch of ``seq`` end to end, one tensor of an instance's rank (rows first)."""
     if seq.packed is None:
-        starts = rows.offsets(seq.lengths)
+        starts = seq.layout().offsets()
         device = seq.source.device
         if seq.rows is not None and seq.source.shape[0] == 1 and seq.starts == starts:
             seq.packed = seq.source[0, :starts[-1] + seq.lengths[-1]]  # (the stretches lie so already: a view)
@@ -69,9 +69,7 @@ def packed(seq):
 def from_packed(n, flat, seq):
     """The Batch whose instance k's value is its stretch of ``flat``'s rows, of the lengths of Rows ``seq``
     (Rows of ``flat``, laid end to end)."""
-    out = rows.packed_rows(n, flat, seq.lengths)
-    out.same_layout(seq)
-    return rows.batch(n, out)
+    return rows.batch(n, rows.packed_rows(n, flat, seq.lengths, seq))
 
 
 def call(n, fn, args, kwargs):

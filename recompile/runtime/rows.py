@@ -117,12 +117,18 @@ class Layout:
     """Index tensors of one list of lengths, each made once: the minibatch's Rows of one sentence length each
     (the words, their embeddings, an RNN's outputs, the tags) share them, within a run and across runs."""
 
-    __slots__ = ("lengths", "counts", "_masks", "_wheres")
+    __slots__ = ("lengths", "counts", "_masks", "_wheres", "_offsets")
 
     def __init__(self, lengths):
         self.lengths = lengths
         self.counts = bt.long_tensor(lengths)
-        self._masks, self._wheres = {}, {}
+        self._masks, self._wheres, self._offsets = {}, {}, None
+
+    def offsets(self):
+        """Where each stretch starts, laid end to end (a list: Rows' starts, which no one changes)."""
+        if self._offsets is None:
+            self._offsets = offsets(self.lengths)
+        return self._offsets
 
     def mask(self, device):
         found = self._masks.get(device)
@@ -392,10 +398,13 @@ def offsets(lengths):
     return out
 
 
-def packed_rows(n, flat, lengths):
-    """The Rows of stretches of ``lengths`` laid end to end in ``flat``'s rows (views not made)."""
-    found = Rows(None, flat.unsqueeze(0), [0] * n, offsets(lengths), lengths)
+def packed_rows(n, flat, lengths, like=None):
+    """The Rows of stretches of ``lengths`` laid end to end in ``flat``'s rows (views not made); with ``like``,
+    Rows of the same lengths, its layout shared."""
+    layout = like.layout() if like is not None else layout_of(lengths)
+    found = Rows(None, flat.unsqueeze(0), [0] * n, layout.offsets(), lengths)
     found.packed = flat
+    found._layout = layout
     return found
 
 
@@ -780,9 +789,7 @@ class _Unpacked:
         # (at step t the sequences still running lie in sorted order: instance k's row is the step's first plus
         # k's place in that order)
         back = ((sizes.cumsum(0) - sizes)[t] + out.unsorted_indices.cpu()[k]).to(out.data.device)
-        found = packed_rows(self.n, out.data.index_select(0, back), seq.lengths)
-        found.same_layout(seq)
-        return batch(self.n, found)
+        return batch(self.n, packed_rows(self.n, out.data.index_select(0, back), seq.lengths, seq))
 
 
 def reversed_rows(n, fn, args, kwargs):
