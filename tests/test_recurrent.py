@@ -1128,3 +1128,44 @@ def test_updates_and_sums_of_several_values_in_every_mode(mode, monkeypatch):
             torch.testing.assert_close(got_grads[k], want_grads[k], rtol=1e-9, atol=1e-12)
         if want_scale is not None:
             torch.testing.assert_close(got_scale, want_scale)
+
+
+def whole_rows_while(m, words, n):
+    xs = m.embed(words)
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    c = torch.zeros(HIDDEN, dtype=torch.float64)
+    t = 0
+    while t < n:
+        h, c = m.cell(xs[t], (h, c))
+        t = t + 1
+    return h
+
+
+def whole_rows_from_the_end(m, words, n):
+    xs = m.embed(words)
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    c = torch.zeros(HIDDEN, dtype=torch.float64)
+    for t in range(-1, -n - 1, -1):
+        h, c = m.cell(xs[t], (h, c))
+    return h
+
+
+def test_a_loop_over_a_batched_tensors_rows_past_their_end_raises_as_python_does():
+    """Each step's row of every instance is read at once (one gather of the rows flattened): a step past an
+    instance's rows raises the IndexError its own loop raises, not the next instance's row."""
+    torch.manual_seed(2)
+    model = Model().double()
+    words = sentences(3, 6)
+    with pytest.raises(IndexError):
+        whole_rows_while(model, words[0], 7)
+    with pytest.raises(IndexError):
+        recompile.vmap(recompile.function(whole_rows_while), in_dims=(None, 0, 0))(model, words, lengths(7, 2, 5))
+
+
+@pytest.mark.parametrize("steps", [(0, 3, 2), (6, 1, 4)])
+def test_a_loop_reading_a_batched_tensors_rows_from_their_end(steps):
+    """``xs[t]`` with t from -1 down: each instance's rows counted from its end, as eager's (values and
+    gradients), whether or not the first instance takes a step."""
+    torch.manual_seed(4)
+    model = Model().double()
+    compare(model, whole_rows_from_the_end, (sentences(3, 6), lengths(*steps)), (None, 0, 0))

@@ -778,3 +778,19 @@ def test_gathered_rows_equal_two_indices(laid):
     (g,) = torch.autograd.grad((got * got).sum() + grid.sum(), source)
     (want,) = torch.autograd.grad((held[r, t] ** 2).sum() + held[r[:, None], torch.tensor([[0, 1]] * 4)].sum(), source)
     torch.testing.assert_close(g, want)
+
+
+def test_index_tensors_kept_from_an_inference_run_serve_a_run_with_grad():
+    """The index tensors of a minibatch's lengths, made in a run under ``torch.inference_mode`` and kept, are not
+    inference tensors: a training run of the same lengths saves them for its backward."""
+    torch.manual_seed(6)
+    model = Model().double()
+    model.lstm = nn.LSTM(EMBED, HIDDEN).double()
+    model.out = nn.Linear(HIDDEN, 5).double()
+    words, n, tags = sentences(3, 6), lengths(3, 6, 2), torch.randint(0, 5, (3, 6))
+    f = recompile.vmap(recompile.function(scored_rows), in_dims=(None, 0, 0, 0))
+    rows._LAYOUTS.clear()
+    with torch.inference_mode():
+        evaluated = f(model, words, n, tags)
+    compare(model, scored_rows, (words, n, tags), (None, 0, 0, 0), expect_runs=None)
+    torch.testing.assert_close(f(model, words, n, tags).detach(), evaluated.clone())

@@ -433,7 +433,12 @@ def _items_at(value, layout, counter, counters):
     if t is None or t.dim() < (2 if type(value) is Batch else 1):
         return batch_rules.item(layout.rows, layout.take(value), counter)
     steps = bt.long_tensor(counters, t.device)
-    return bt.from_tensor(rows.gather_rows(t, layout.index.to(t.device), steps) if type(value) is Batch else t[steps])
+    if type(value) is not Batch:
+        return bt.from_tensor(t[steps])
+    length = t.shape[1]
+    if bool(((steps >= length) | (steps < -length)).any()):  # (the written loop raises it at its step)
+        raise IndexError(f"index out of range for dimension 0 with size {length}")
+    return bt.from_tensor(rows.gather_rows(t, layout.index.to(t.device), torch.where(steps < 0, steps + length, steps)))
 
 
 def _run_cell(cell, data, layout, state, outputs=False, one_row=False):

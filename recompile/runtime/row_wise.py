@@ -59,7 +59,7 @@ def packed(seq):
         else:
             k, i = seq.where(device)
             first = seq.starts[0]
-            if seq.rows is None and all(a == first for a in seq.starts):  # (each from one column of its row)
+            if seq.rows is None and seq.alike():  # (each from one column of its row)
                 seq.packed = rows.gather_rows(seq.source, k, i + first if first else i)
             else:
                 seq.packed = rows.gather_rows(seq.source, seq.row_index(device)[k], i + seq.start_index(device)[k])

@@ -115,13 +115,15 @@ class Rows(list):
 
 class Layout:
     """Index tensors of one list of lengths, each made once: the minibatch's Rows of one sentence length each
-    (the words, their embeddings, an RNN's outputs, the tags) share them, within a run and across runs."""
+    (the words, their embeddings, an RNN's outputs, the tags) share them, within a run and across runs. Made
+    outside inference mode, which a later run with grad could not save for its backward."""
 
     __slots__ = ("lengths", "counts", "_masks", "_wheres", "_offsets")
 
     def __init__(self, lengths):
         self.lengths = lengths
-        self.counts = bt.long_tensor(lengths)
+        with torch.inference_mode(False):
+            self.counts = bt.long_tensor(lengths)
         self._masks, self._wheres, self._offsets = {}, {}, None
 
     def offsets(self):
@@ -133,14 +135,16 @@ class Layout:
     def mask(self, device):
         found = self._masks.get(device)
         if found is None:
-            found = self._masks[device] = (torch.arange(max(self.lengths)) < self.counts[:, None]).to(device)
+            with torch.inference_mode(False):
+                found = self._masks[device] = (torch.arange(max(self.lengths)) < self.counts[:, None]).to(device)
         return found
 
     def where(self, device):
         found = self._wheres.get(device)
         if found is None:
-            k, i = spread(self.counts)
-            found = self._wheres[device] = (k.to(device), i.to(device))
+            with torch.inference_mode(False):
+                k, i = spread(self.counts)
+                found = self._wheres[device] = (k.to(device), i.to(device))
         return found
 
 
@@ -159,9 +163,10 @@ def layout_of(lengths):
 
 
 def gather_rows(source, rows, places):
-    """``source[rows, places]`` (index tensors of one shape, on ``source``'s device): one ``index_select`` of its
-    first two dims flattened where that is a view (several times faster on the CPU than two indices), else the
-    indexing itself. A copy either way."""
+    """``source[rows, places]`` (index tensors of one shape, on ``source``'s device; each place in
+    ``[0, source.shape[1])``, which the caller checked: a flat index past a row's end reads the next row): one
+    ``index_select`` of its first two dims flattened where that is a view (several times faster on the CPU than
+    two indices), else the indexing itself. A copy either way."""
     if source.dim() >= 2 and source.stride(0) == source.shape[1] * source.stride(1):
         flat = rows * source.shape[1] + places
         return source.flatten(0, 1).index_select(0, flat.reshape(-1)).view(*flat.shape, *source.shape[2:])
@@ -727,7 +732,7 @@ def as_padded(seq):
     """Each instance's stretch as the first rows of one (n, longest, ...) tensor, the rest of each row whatever
     lies there: a view where the stretches start alike in the source's own rows, else one index (a copy)."""
     first = seq.starts[0]
-    if seq.rows is None and all(a == first for a in seq.starts):
+    if seq.rows is None and seq.alike():
         return seq.source[:, first:first + seq.longest]
     device = seq.source.device
     if seq.packed is not None:  # (laid end to end: each stretch put in its row, zeros past its end)
