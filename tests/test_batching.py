@@ -2106,6 +2106,42 @@ def test_vmap_takes_and_gives_namedtuples_with_eagers_values_and_gradients(monke
     torch.testing.assert_close(got_grad, want_grad)
 
 
+def joined_then_changed(x, a, b):
+    if a > 0:
+        v = x.amin(0)  # saves its result
+    else:
+        v = torch.exp(x).sum(0)
+    if b > 0:
+        v += 1.0  # changes amin's result where a > 0 too: eager's backward raises
+    return v.sum()
+
+
+@pytest.mark.parametrize("a, b, raises", [((0, 1, 1, 0), (0, 1, 0, 0), True), ((0, 1, 1, 0), (1, 0, 0, 1), False),
+                                          ((1, 1, 0, 0), (0, 0, 1, 0), False)])
+def test_a_change_in_place_of_a_value_joined_from_branches_moves_the_version_of_what_the_branch_made(a, b, raises):
+    """A value joined from the branches' outputs is a copy of them: an in-place change of it, later, in a
+    branch, also marks changed the tensor the instances' own branch made, so that ``amin``'s backward, which
+    saved that tensor, raises as eager's does (for an instance of the ``amin`` branch; for one of the other
+    branch nothing it saved changed)."""
+    x = torch.randn(4, 3, 2, dtype=F64, generator=torch.Generator().manual_seed(1))
+    a, b = torch.tensor(a), torch.tensor(b)
+    xe = x.clone().requires_grad_()
+    eager = [joined_then_changed(xe[k], a[k], b[k]) for k in range(4)]
+    compiled = recompile.vmap(recompile.function(joined_then_changed))
+    xb = x.clone().requires_grad_()
+    got = compiled(xb, a, b)
+    assert_close(got, torch.stack(eager).detach())
+    if raises:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.stack(eager).sum().backward()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            got.sum().backward()
+        return
+    torch.stack(eager).sum().backward()
+    got.sum().backward()
+    assert_close(xb.grad, xe.grad)
+
+
 def changed_in_some_branches(x, s):
     y = torch.sigmoid(x)  # saves its result
     if s > 0:
