@@ -2142,6 +2142,32 @@ def test_a_change_in_place_of_a_value_joined_from_branches_moves_the_version_of_
     assert_close(xb.grad, xe.grad)
 
 
+def joined_read_then_changed(x, w, a):
+    if a > 0:
+        v = w.amin(0)  # w shared: computed once for the instances of this branch; saves its result
+    else:
+        v = x.sum(0)
+    v += torch.softmax(v, 0)  # each instance's own, after the softmax read the joined value whole
+    return v.sum()
+
+
+def test_a_value_joined_from_branches_changed_in_place_by_each_instance_moves_what_its_branch_made(monkeypatch):
+    """The in-place change runs per instance on rows of the joined value's one tensor (a copy of the branches'
+    outputs): the tensors the branches made are marked changed too, so that ``amin``'s backward raises as
+    eager's does."""
+    x = torch.randn(3, 4, 2, dtype=F64, generator=torch.Generator().manual_seed(2))
+    w = torch.randn(4, 2, dtype=F64, generator=torch.Generator().manual_seed(3))
+    a = torch.tensor([0, 1, 0])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        joined_read_then_changed(x[1], w.clone().requires_grad_(), a[1]).backward()
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")  # (the change in place runs per instance, and says so)
+    got = recompile.vmap(recompile.function(joined_read_then_changed), in_dims=(0, None, 0))(
+        x, w.clone().requires_grad_(), a)
+    assert_close(got, torch.stack([joined_read_then_changed(x[k], w, a[k]) for k in range(3)]))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        got.sum().backward()
+
+
 def changed_in_some_branches(x, s):
     y = torch.sigmoid(x)  # saves its result
     if s > 0:

@@ -432,6 +432,24 @@ def _joined_tensor(pieces, like):
     return joined.index_select(0, pieces[1].inverse(joined.device))
 
 
+def moved(value, changed):
+    """Mark changed in place (their versions moved, not their values) the tensors that instances ``changed`` (a
+    set of positions) of batch ``value``, joined from pieces (a branch's outputs), held before the join: eager
+    code changed those very tensors, so a backward that saved one (``amin``'s result, ``exp``'s) raises as
+    eager's does, where the change went to the join's copy."""
+    for (piece, _), positions in zip(value.pieces[0], value.pieces[1].positions):
+        mine = {j for j, k in enumerate(positions) if k in changed}
+        if not mine:
+            continue
+        if type(piece) is Batch and piece.pieces is not None and piece.owner != "tensor":
+            moved(piece, mine)
+            continue
+        # (a tensor the side computed once for its instances, each of which eager computes for itself)
+        made = piece.tensor if type(piece) is Batch else piece if isinstance(piece, torch.Tensor) else None
+        if made is not None and not made.is_inference():
+            torch.autograd.graph.increment_version(made)
+
+
 def _number_fits(numbers, dtype):
     """Whether Python numbers combine with a ``dtype`` tensor as tensors of that dtype would."""
     if dtype.is_floating_point or dtype.is_complex:

@@ -352,11 +352,18 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     """The op run once per instance; the results batched."""
     _count(fn, n, why or fallbacks.reason(fn))
     kwargs = kwargs or {}
+    given = (*args, *kwargs.values(), fn.method[0] if type(fn) is Batch and fn.method else None)
+    # (a value joined from branches, read through one tensor of its pieces: each instance's row of it)
+    joined = [(x, x.tensor._version) for x in given if type(x) is Batch and x.pieces is not None and
+              x.tensor is not None and not x.tensor.is_inference()]
     results = []
     for k in range(n):
         results.append(sharing.call_owning(bt.instance(fn, k), [bt.instance(x, k) for x in args],
                                            {key: bt.instance(v, k) for key, v in kwargs.items()}))
-    for x in (*args, *kwargs.values(), fn.method[0] if type(fn) is Batch and fn.method else None):
+    for x, version in joined:
+        if x.tensor._version != version:  # (changed in place: what eager changed is each piece's own tensor)
+            bt.moved(x, set(range(n)))
+    for x in given:
         if type(x) is Batch and x.owner == "items":
             x.tensor = None  # the op may have changed the items: a tensor made from them is stale
     return bt.from_items(results)

@@ -107,24 +107,7 @@ def write_back(copies):
             target = source.tensor
             target.index_put_((bt.index_on(index, target),), rows)
             if source.pieces is not None:
-                _moved(source, set(index.tolist()))
-
-
-def _moved(value, changed):
-    """Mark changed in place (their versions moved, not their values) the tensors that instances ``changed`` of
-    a batch joined from pieces (a branch's outputs) held before the join: eager code changed those very tensors,
-    so a backward that saved one (``amin``'s result, ``exp``'s) raises as eager's does; the join is a copy."""
-    for (piece, _), positions in zip(value.pieces[0], value.pieces[1].positions):
-        mine = {j for j, k in enumerate(positions) if k in changed}
-        if not mine:
-            continue
-        if type(piece) is Batch and piece.pieces is not None and piece.owner != "tensor":
-            _moved(piece, mine)
-            continue
-        # (a tensor the side computed once for its instances, each of which eager computes for itself)
-        made = piece.tensor if type(piece) is Batch else piece if isinstance(piece, torch.Tensor) else None
-        if made is not None and not made.is_inference():
-            torch.autograd.graph.increment_version(made)
+                bt.moved(source, set(index.tolist()))
 
 
 class Branch:
