@@ -2142,6 +2142,39 @@ def test_a_change_in_place_of_a_value_joined_from_branches_moves_the_version_of_
     assert_close(xb.grad, xe.grad)
 
 
+def joined_then_changed_in_a_nested_branch(x, a, b, c):
+    if a > 0:
+        v = x.amin(0)
+    else:
+        v = torch.exp(x).sum(0)
+    if b > 0:
+        if c > 0:  # only some of the outer side's instances change v
+            v += 1.0
+    return v.sum()
+
+
+@pytest.mark.parametrize("c, raises", [((1, 0, 0), False), ((0, 1, 0), True)])
+def test_a_nested_branch_changing_some_instances_moves_only_their_branchs_tensors(c, raises):
+    """The outer side's copy of the rows moves its one version counter when a nested side changes one row:
+    only the instances whose rows changed mark their branch's tensor changed (eager computes when the amin
+    instance is not among them)."""
+    x = torch.randn(3, 3, 2, dtype=F64, generator=torch.Generator().manual_seed(1))
+    a, b, c = torch.tensor([0, 1, 0]), torch.tensor([1, 1, 0]), torch.tensor(c)
+    xe, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    eager = torch.stack([joined_then_changed_in_a_nested_branch(xe[k], a[k], b[k], c[k]) for k in range(3)])
+    got = recompile.vmap(recompile.function(joined_then_changed_in_a_nested_branch))(xb, a, b, c)
+    assert_close(got, eager.detach())
+    if raises:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            eager.sum().backward()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            got.sum().backward()
+        return
+    eager.sum().backward()
+    got.sum().backward()
+    assert_close(xb.grad, xe.grad)
+
+
 def joined_read_then_changed(x, w, a):
     if a > 0:
         v = w.amin(0)  # w shared: computed once for the instances of this branch; saves its result

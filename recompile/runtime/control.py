@@ -105,9 +105,19 @@ def write_back(copies):
     for source, index, _, rows, version in reversed(copies):
         if version is None or rows._version != version:
             target = source.tensor
-            target.index_put_((bt.index_on(index, target),), rows)
-            if source.pieces is not None:
-                bt.moved(source, set(index.tolist()))
+            at = bt.index_on(index, target)
+            changed = _rows_changed(target, at, rows, index) if source.pieces is not None else None
+            target.index_put_((at,), rows)
+            if changed:
+                bt.moved(source, changed)
+
+
+def _rows_changed(target, at, rows, index):
+    """The instances (of ``index``) whose rows of the copy ``rows`` differ from ``target``'s, where a side
+    changed some of them in place (a nested branch may change only some: one version counter covers them all).
+    A change that leaves a row's values as they were (``v += 0``) is not seen."""
+    differ = (target.detach().index_select(0, at) != rows.detach()).reshape(rows.shape[0], -1).any(1)
+    return {k for k, d in zip(index.tolist(), differ.tolist()) if d}
 
 
 class Branch:
