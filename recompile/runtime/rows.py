@@ -44,8 +44,9 @@ class Rows(list):
         """Make each instance's view (where they are not made yet): the views eager indexing makes."""
         if not self.made:
             source, starts, lengths = self.source, self.starts, self.lengths
-            if self.rows is not None and source.shape[0] == 1 and starts == offsets(lengths):
-                self[:] = source[0, :starts[-1] + lengths[-1]].split(lengths)  # (laid end to end: one split)
+            if self.packed is not None and self.rows is not None and source.shape[0] == 1 and \
+                    starts == offsets(lengths):  # (an op's rows laid end to end, as ``packed_rows`` made them)
+                self[:] = source[0, :starts[-1] + lengths[-1]].split(lengths)
             else:
                 rows = range(len(lengths)) if self.rows is None else self.rows
                 self[:] = [source[k, a:a + m] for k, a, m in zip(rows, starts, lengths)]
