@@ -435,10 +435,10 @@ def _items_at(value, layout, counter, counters):
     steps = bt.long_tensor(counters, t.device)
     if type(value) is not Batch:
         return bt.from_tensor(t[steps])
-    length = t.shape[1]
-    if bool(((steps >= length) | (steps < -length)).any()):  # (the written loop raises it at its step)
-        raise IndexError(f"index out of range for dimension 0 with size {length}")
-    return bt.from_tensor(rows.gather_rows(t, layout.index.to(t.device), torch.where(steps < 0, steps + length, steps)))
+    places = rows.counted(steps, t.shape[1])
+    if places is None:  # (the written loop raises it at its step)
+        raise IndexError(f"index out of range for dimension 0 with size {t.shape[1]}")
+    return bt.from_tensor(rows.gather_rows(t, layout.index.to(t.device), places))
 
 
 def _run_cell(cell, data, layout, state, outputs=False, one_row=False):

@@ -264,6 +264,14 @@ def item(seq, i):
     return bt.from_tensor(gather_rows(seq.source, seq.row_index(device), seq.start_index(device) + i))
 
 
+def counted(places, lengths):
+    """Integer tensor ``places`` in stretches of ``lengths`` (a tensor, or one int for all), a negative place
+    counted from its stretch's end, as Python indexes; None where one lies outside its stretch."""
+    if bool(((places >= lengths) | (places < -lengths)).any()):
+        return None
+    return torch.where(places < 0, places + lengths, places)
+
+
 def item_each(seq, index):
     """``xs[i]`` with an int i per instance (``xs[len(xs) - 1]``, ``xs[n // 2]``), Python ints or 0-d integer
     tensors: each instance's row, one index of the source (a copy, in a run that changes nothing in place);
@@ -271,11 +279,11 @@ def item_each(seq, index):
     at = bt.instance_index(index)
     if at is None or len(at) != len(seq):
         return NotImplemented
-    lengths = seq.counts()
-    if bool(((at >= lengths) | (at < -lengths)).any()):
+    at = counted(at, seq.counts())
+    if at is None:
         return NotImplemented
     device = seq.source.device
-    place = (torch.where(at < 0, at + lengths, at) + seq.start_index(torch.device("cpu"))).to(device)
+    place = (at + seq.start_index(torch.device("cpu"))).to(device)
     return bt.from_tensor(gather_rows(seq.source, seq.row_index(device), place))
 
 
@@ -284,11 +292,10 @@ def items_at(seq, instances, steps):
     in place): one index of the source, a copy; a negative t counts from the end of the instance's stretch. An
     IndexError where a t lies outside its stretch (the written loop then raises it at its step)."""
     which = instances if type(instances) is torch.Tensor else bt.long_tensor(instances)
-    places = bt.long_tensor(steps)
-    lengths = seq.counts()[which]
-    if bool(((places >= lengths) | (places < -lengths)).any()):
+    places = counted(bt.long_tensor(steps), seq.counts()[which])
+    if places is None:
         raise IndexError("an item outside an instance's stretch of rows")
-    steps = torch.where(places < 0, places + lengths, places) + seq.start_index(torch.device("cpu"))[which]
+    steps = places + seq.start_index(torch.device("cpu"))[which]
     device = seq.source.device
     return bt.from_tensor(gather_rows(seq.source, seq.row_index(device)[which.to(device)], steps.to(device)))
 
