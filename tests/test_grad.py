@@ -2178,6 +2178,40 @@ def test_an_in_place_change_after_an_if_to_a_value_a_branch_read_is_refused_as_e
             torch.autograd.grad(run(a, y, True), y)
 
 
+def gv_changed_through_a_branchs_result(x, c):
+    v = torch.tanh(x)  # saves its result
+    w = v if c > 0 else v + 0.0  # w is v itself where c > 0
+    w.mul_(2.0)
+    return (v * x).sum() + w.sum()
+
+
+def gv_changed_through_a_loops_result(x, c):
+    v = torch.exp(x)  # saves its result
+    w = v * 1.0
+    i = 0
+    while i < c:
+        w = v  # w is v itself once the loop ran
+        i += 1
+    w.mul_(2.0)
+    return (v * x).sum() + w.sum()
+
+
+@pytest.mark.parametrize("fn", [gv_changed_through_a_branchs_result, gv_changed_through_a_loops_result])
+def test_a_change_through_what_a_branch_or_loop_handed_on_is_refused_where_it_is_the_saved_value(fn):
+    """What a Cond or While hands on may be a value it was given: a change in place through it changes that
+    value, whose saved result the gradient reads. The check reads versions when it runs: where the value
+    handed on is another, the gradient is eager's."""
+    for mode in ("sequential", "threaded"):
+        run = recompile.function(fn, mode=mode)
+        x = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            fn(x, torch.tensor(1)).backward()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            run(x, torch.tensor(1)).backward()
+        want = torch.autograd.grad(fn(x, torch.tensor(-1)), x)[0]
+        torch.testing.assert_close(torch.autograd.grad(run(x, torch.tensor(-1)), x)[0], want)
+
+
 def gv_items_read_in_a_loop(w):
     v = w.sum(0) * 0.5 + 2.0
     acc = []

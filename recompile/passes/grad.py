@@ -381,7 +381,7 @@ def _changed_later(ops, outputs=(), inputs=()):
             targets = [v for v in op.operands() if isinstance(v, ir.Value)]
         else:
             continue
-        for target in targets:
+        for target in (a for t in targets for a in _may_be(t, ops[:k])):
             # (a view of it, ``v[1]``, ``v.t()``, ``v.narrow(0, 1, 2)``, shares its version: an op that read the
             # view checks the view)
             items = [target]
@@ -406,6 +406,24 @@ def _changed_later(ops, outputs=(), inputs=()):
             if v in outside and v not in guarded.get(op, ()):
                 guarded.setdefault(op, []).append(v)
     return guarded
+
+
+def _may_be(target, ops):
+    """``target`` and the values of ``ops`` it may be, or be a view of, when it is changed in place: what a
+    branch or a loop hands on may be a value it was given (``w = v if c else v * 2``), as may what a call
+    returns; a view's change changes its base. (The checks read versions at run time: where the value is
+    another, they find nothing changed.)"""
+    found = [target]
+    for op in reversed(ops):
+        if not any(v in found for v in op.outputs):
+            continue
+        if isinstance(op, (ir.Cond, ir.While, ir.Invoke)):
+            found.extend(v for v in op.operands() if isinstance(v, ir.Value) and v not in found)
+        else:
+            base = _viewed(op)
+            if base is not None and base not in found:
+                found.append(base)
+    return found
 
 
 # (a copy that ``reshape``, ``flatten`` or ``contiguous`` made has a version of its own: the check at run time

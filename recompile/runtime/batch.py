@@ -105,6 +105,17 @@ def from_tensor(t):
     return t[0] if t.shape[0] == 1 else Batch(t.shape[0], tensor=t)
 
 
+def rows_view(t, rows):
+    """Rows ``rows`` (a list of positions) of tensor ``t`` as a batch whose values are views of them, so that
+    an in-place change of one changes ``t``: a slice where the rows run in order, else each row's view."""
+    if len(rows) == 1:
+        return t[rows[0]]
+    start = rows[0]
+    if rows == list(range(start, start + len(rows))):
+        return Batch(len(rows), tensor=t[start:start + len(rows)])
+    return from_items([t[k] for k in rows])
+
+
 def from_items(items):
     """The batch of per-instance values ``items`` (len ≥ 2)."""
     return Batch(len(items), items=items)
@@ -307,8 +318,7 @@ def items_of(b):
             base, name = b.method
             b.items = [getattr(x, name) for x in items_of(base)]
         else:
-            b.items = _gather_pieces(b, [items_of(v) if type(v) is Batch else [v] * c for v, c in b.pieces[0]],
-                                     lambda lists: [x for part in lists for x in part])
+            b.items = _gather_pieces(b, [items_of(v) if type(v) is Batch else [v] * c for v, c in b.pieces[0]])
     return b.items
 
 
@@ -432,22 +442,33 @@ def _joined_tensor(pieces, like):
     return joined.index_select(0, pieces[1].inverse(joined.device))
 
 
-def moved(value, changed):
-    """Mark changed in place (their versions moved, not their values) the tensors that instances ``changed`` (a
-    set of positions) of batch ``value``, joined from pieces (a branch's outputs), held before the join: eager
-    code changed those very tensors, so a backward that saved one (``amin``'s result, ``exp``'s) raises as
-    eager's does, where the change went to the join's copy."""
-    for (piece, _), positions in zip(value.pieces[0], value.pieces[1].positions):
-        mine = {j for j, k in enumerate(positions) if k in changed}
-        if not mine:
-            continue
-        if type(piece) is Batch and piece.pieces is not None and piece.owner != "tensor":
-            moved(piece, mine)
-            continue
-        # (a tensor the side computed once for its instances, each of which eager computes for itself)
-        made = piece.tensor if type(piece) is Batch else piece if isinstance(piece, torch.Tensor) else None
-        if made is not None and not made.is_inference():
-            torch.autograd.graph.increment_version(made)
+def written_through(value, changed):
+    """Bring the rows of instances ``changed`` (a set of positions) of batch ``value``, joined from pieces (a
+    branch's outputs) and then changed in place through one tensor of its rows (``value.tensor``: a write-back,
+    an op run per instance), into the values the pieces hold for them: eager code changed those very tensors,
+    which other names may hold too (``w = v if c else v * 1``), and a backward that saved one (``amin``'s
+    result, ``exp``'s) raises, as eager's does."""
+    rows = value.tensor
+    for k, item in enumerate(pieces_items(value)):
+        # (an inference tensor, made before the run, cannot be changed out of inference mode)
+        if k in changed and isinstance(item, torch.Tensor) and item is not rows and \
+                (torch.is_inference_mode_enabled() or not item.is_inference()):
+            _view_again(item).copy_(rows[k])
+
+
+def _view_again(t):
+    """View ``t`` of a tensor made anew: a view made before an earlier copy into its base made the base need a
+    gradient counts as a leaf, which autograd lets no one change in place."""
+    base = t._base
+    return t if base is None else base.as_strided(t.size(), t.stride(), t.storage_offset())
+
+
+def pieces_items(b):
+    """Each instance's own value of batch ``b`` joined from pieces: what its piece holds (nested joins too),
+    not a view of one tensor joined from them (a cache)."""
+    lists = [pieces_items(v) if type(v) is Batch and v.pieces is not None and v.owner != "tensor" else
+             items_of(v) if type(v) is Batch else [v] * c for v, c in b.pieces[0]]
+    return _gather_pieces(b, lists)
 
 
 def _number_fits(numbers, dtype):
@@ -691,8 +712,8 @@ def _joined_items(value):
     return list(value.values()) if type(value) is dict else value
 
 
-def _gather_pieces(b, lists, flatten):
-    flat = flatten(lists)
+def _gather_pieces(b, lists):
+    flat = [x for part in lists for x in part]
     out = [None] * b.n
     for at, k in enumerate(b.pieces[1].order):
         out[k] = flat[at]

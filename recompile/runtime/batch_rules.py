@@ -362,7 +362,7 @@ def per_instance(n, fn, args, kwargs=None, why=None):
                                            {key: bt.instance(v, k) for key, v in kwargs.items()}))
     for x, version in joined:
         if x.tensor._version != version:  # (changed in place: what eager changed is each piece's own tensor)
-            bt.moved(x, set(range(n)))
+            bt.written_through(x, set(range(n)))
     for x in given:
         if type(x) is Batch and x.owner == "items":
             x.tensor = None  # the op may have changed the items: a tensor made from them is stale

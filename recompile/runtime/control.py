@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from . import aliases
 from . import batch as bt
 from .batch import Batch
 
@@ -58,19 +59,19 @@ def _index(positions, like):
     return bt.long_tensor(positions, device)
 
 
-def _take_all(values, side, copies=None):
+def _take_all(values, side, copies=None, taken=None):
     """The sub-batches of ``values`` for the instances of ``side`` (positions, index). A value given twice is
     taken once, so the side sees one object, as each instance does. With ``copies`` (where the program may
     change a value in place), rows taken out of a batched tensor are always a copy (one instance's row too,
     not a view, whose changes would move the version of the whole batch) and are noted there for
-    ``write_back``."""
+    ``write_back``; with ``taken``, each batch taken is noted there as (batch, index, what was taken)."""
     positions, index = side
     if index is None:
         index = _index(positions, values)
-    taken = {}
+    done = {}
     out = []
     for v in values:
-        t = taken.get(id(v))
+        t = done.get(id(v))
         if t is None:
             source = bt.rows_tensor(v) if copies is not None and type(v) is Batch else None
             if source is not None:
@@ -80,7 +81,9 @@ def _take_all(values, side, copies=None):
                 copies.append((v, index, t, rows, None if rows.is_inference() else rows._version))
             else:
                 t = bt.take(v, index, positions)
-            taken[id(v)] = t
+                if taken is not None and type(v) is Batch:
+                    taken.append((v, index, t))
+            done[id(v)] = t
         out.append(t)
     return out
 
@@ -109,7 +112,7 @@ def write_back(copies):
             changed = _rows_changed(target, at, rows, index) if source.pieces is not None else None
             target.index_put_((at,), rows)
             if changed:
-                bt.moved(source, changed)
+                bt.written_through(source, changed)
 
 
 def _rows_changed(target, at, rows, index):
@@ -167,8 +170,16 @@ class Branch:
         outputs = [list(zip(results, positions))] if k == 1 else \
             [[(r[j], p) for r, p in zip(results, positions)] for j in range(k)]
         sources = self._handed_on(outputs) if self.copies else [None] * k
+        if self.copies:
+            outputs = [sides if s is not None else self._aliased(sides) for s, sides in zip(sources, outputs)]
         joined = [s if s is not None else bt.join(self.n, sides, self.order) for s, sides in zip(sources, outputs)]
         return joined[0] if k == 1 else tuple(joined)
+
+    def _aliased(self, sides):
+        """``sides`` with what each side handed on of its copies of the arguments' rows given as those very rows
+        of the arguments (``aliases``): write_back brought the copies' changes into them."""
+        copies = aliases.Copies(self.copies)
+        return [(copies.aliased(value), positions) for value, positions in sides]
 
     def _handed_on(self, outputs):
         """Per output, the argument whose rows every side hands on, or None. After write_back the argument
@@ -195,13 +206,14 @@ class Loop:
     """A While over n instances: instances leave as their predicate turns false; ``result`` joins their
     final values."""
 
-    __slots__ = ("n", "carried", "k", "positions", "done", "copies", "initial", "handed_on")
+    __slots__ = ("n", "carried", "k", "positions", "done", "copies", "initial", "handed_on", "left")
 
     def __init__(self, n, carried, k, changes=False):
         self.n, self.carried, self.k = n, list(carried), k
         self.positions = list(range(n))
         self.done = []  # (final values, positions)
         self.copies = [] if changes else None  # rows taken for the instances that stay (see write_back)
+        self.left = [] if changes else None  # (value, index, what the instances that left got): see result
         # per loop variable, whether every step so far handed on the value it was given (see result)
         self.initial = self.carried[:k] if changes else None
         self.handed_on = [type(v) is Batch and v.owner == "tensor" for v in self.initial] if changes else None
@@ -220,7 +232,7 @@ class Loop:
         if leave[0]:
             values = self.carried[:self.k] if not stay[0] else \
                 _part_all(self.carried[:self.k], first, self.n - first) if prefix else \
-                _take_all(self.carried[:self.k], leave)
+                _take_all(self.carried[:self.k], leave, taken=self.left)
             self.done.append((values, [self.positions[k] for k in leave[0]]))
         if not stay[0]:
             return False
@@ -262,20 +274,26 @@ class Loop:
 
     def result(self):
         handed_on = None
-        if self.copies:
-            write_back(self.copies)
+        done = self.done
+        if self.copies is not None:
+            if self.copies:
+                write_back(self.copies)
             handed_on = self.handed_on
-        n = sum(len(p) for _, p in self.done)
+            # (what an instance ends the loop with may be an earlier value's rows, which eager code hands on
+            # itself: a later change through it must reach them; see ``aliases``)
+            copies = aliases.Copies(self.copies, self.left)
+            done = [([copies.aliased(v) for v in vals], p) for vals, p in done]
+        n = sum(len(p) for _, p in done)
         values = []
         for j in range(self.k):
             if handed_on is not None and handed_on[j]:
                 # write_back brought the rows each instance changed back into the value the loop was given,
                 # and eager code ends the loop with that very object (``w = v``, ``while ...: v += 1``)
                 values.append(self.initial[j])
-            elif len(self.done) == 1:
-                values.append(self.done[0][0][j])
+            elif len(done) == 1:
+                values.append(done[0][0][j])
             else:
-                values.append(bt.join(n, [(vals[j], p) for vals, p in self.done]))
+                values.append(bt.join(n, [(vals[j], p) for vals, p in done]))
         return values[0] if self.k == 1 else tuple(values)
 
 

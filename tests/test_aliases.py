@@ -1,0 +1,174 @@
+"""A value a branch or loop hands on is, for the instances that hand on an argument, that argument itself: a
+later in-place change through it reaches the argument, under ``vmap`` as in eager code (``runtime.aliases``,
+``batch.written_through``). Each program is checked against an eager loop over instances, values and gradients
+in float64, and in every mode one instance at a time."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import recompile
+from recompile import config
+
+F64 = torch.float64
+
+
+def branch_then_change(x, b, c):
+    v = x * 1.0
+    if b > 0:
+        w = v if c > 0 else v * 1.0  # w is v itself where c > 0
+        w += 1.0
+    return (v * v).sum()
+
+
+def change_after_the_join(x, b, c):
+    v = x * 1.0
+    w = v if c > 0 else v * 2.0
+    w *= 3.0
+    return (v * x).sum() + w.sum()
+
+
+def two_names_then_a_change(x, b, c):
+    v = x * 1.0
+    if c > 0:
+        w = v
+        u = v
+    else:
+        w = v * 1.0
+        u = w
+    u *= 2.0
+    return (v * x).sum() + (w * x).sum()
+
+
+def loop_hands_on_an_argument(x, b, c):
+    v = x * 1.0
+    w = v * 2.0
+    i = 0
+    while i < b:
+        w = v  # the instances that run the loop end it with v itself
+        i += 1
+    w += 1.0
+    return (v * x).sum() + w.sum()
+
+
+def branch_in_a_loop_hands_on(x, b, c):
+    v = x * 1.0
+    i = 0
+    w = v * 2.0
+    while i < b:
+        if c > 0:
+            w = v
+        i += 1
+    w += 1.0
+    return (v * x).sum() + w.sum()
+
+
+def change_inside_the_loop_after_the_branch(x, b, c):
+    v = x * 1.0
+    w = v * 2.0
+    for _ in range(b):
+        if c > 0:
+            w = v
+        w += 1.0  # the instances that stay change v, through w, in a later step
+    return (v * x).sum() + w.sum()
+
+
+def nested_branches_then_a_change(x, b, c):
+    v = x * 1.0
+    w = v * 2.0
+    if b > 0:
+        if c > 0:
+            w = v
+        else:
+            w = v * 3.0
+    w += 1.0
+    return (v * x).sum() + (w * x).sum()
+
+
+def either_of_two(x, b, c):
+    v = x * 1.0
+    u = x * 2.0
+    if c > 0:
+        w = v
+    else:
+        w = u
+    w += 1.0  # changes v where c > 0, u elsewhere
+    return (v * x).sum() + (u * x).sum() * 3.0
+
+
+def swapped_in_a_loop(x, b, c):
+    a = x * 1.0
+    d = x * 2.0
+    i = 0
+    while i < b:
+        a, d = d, a
+        i += 1
+    a += 1.0
+    return (a * x).sum() + (d * x).sum() * 3.0
+
+
+PROGRAMS = [either_of_two, swapped_in_a_loop, branch_then_change, change_after_the_join, two_names_then_a_change,
+            loop_hands_on_an_argument, branch_in_a_loop_hands_on, change_inside_the_loop_after_the_branch,
+            nested_branches_then_a_change]
+X = torch.randn(7, 2, dtype=F64, generator=torch.Generator().manual_seed(0))
+B = torch.tensor([1, 1, -1, 2, 1, 0, 3])
+C = torch.tensor([1, -1, 1, 1, 1, -1, 1])
+
+
+def eager(fn):
+    x = X.clone().requires_grad_()
+    out = torch.stack([fn(x[k], B[k], C[k]) for k in range(len(B))])
+    out.sum().backward()
+    return out.detach(), x.grad
+
+
+@pytest.mark.parametrize("fn", PROGRAMS)
+def test_under_vmap_a_change_through_a_handed_on_value_reaches_the_argument(fn, monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")  # (``w += 1`` on a joined value runs per instance)
+    want, want_grad = eager(fn)
+    x = X.clone().requires_grad_()
+    got = recompile.vmap(recompile.function(fn))(x, B, C)
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+    torch.testing.assert_close(x.grad, want_grad)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
+@pytest.mark.parametrize("fn", PROGRAMS)
+def test_one_instance_at_a_time_a_change_through_a_handed_on_value_reaches_the_argument(fn, mode):
+    want, want_grad = eager(fn)
+    run = recompile.function(fn, mode=mode)
+    x = X.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = torch.stack([run(x[k], B[k], C[k]) for k in range(len(B))])
+    torch.testing.assert_close(got.detach(), want)
+    got.sum().backward()
+    torch.testing.assert_close(x.grad, want_grad)
+
+
+def saved_then_changed_through_a_branchs_result(x, b, c):
+    v = torch.tanh(x)  # saves its result
+    w = v if c > 0 else v + 0.0
+    if b > 0:
+        w.mul_(2.0)  # changes v itself where c > 0: tanh's backward refuses, as eager's does
+    return (v * x).sum()
+
+
+def test_under_vmap_a_change_through_a_handed_on_value_moves_the_arguments_version(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    fn = saved_then_changed_through_a_branchs_result
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        eager(fn)
+    got = recompile.vmap(recompile.function(fn))(X.clone().requires_grad_(), B, C)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        got.sum().backward()
+    # (no instance both takes the branch and hands v on: every gradient is eager's)
+    b = torch.where(C > 0, torch.zeros_like(B), B)
+    x = X.clone().requires_grad_()
+    want = torch.autograd.grad(torch.stack([fn(x[k], b[k], C[k]) for k in range(len(B))]).sum(), x)[0]
+    got = recompile.vmap(recompile.function(fn))(x, b, C)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], want)
