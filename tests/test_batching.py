@@ -2201,6 +2201,42 @@ def test_a_value_joined_from_branches_changed_in_place_by_each_instance_moves_wh
         got.sum().backward()
 
 
+def held_as_items_then_changed(x, w):
+    v = w.min(0)[0]  # each instance's own tensor (w shared; the program changes values in place)
+    r = torch.minimum(v[2] * v[2], x)  # (v[2] per instance, views of v's; the product reads them stacked)
+    v /= 2.0  # each instance's own tensor, whose view the product saved: eager's backward raises
+    return r.sum() + v.sum()
+
+
+def held_as_items_then_changed_unread(x, w):
+    v = w.min(0)[0]
+    r = v[2] + x  # (the sum saves nothing)
+    v /= 2.0
+    return r.sum() + v.sum()
+
+
+@pytest.mark.parametrize("fn", [held_as_items_then_changed, held_as_items_then_changed_unread])
+def test_a_change_in_place_of_tensors_held_as_items_moves_what_was_stacked_from_them(fn, monkeypatch):
+    """An op that read a value held as each instance's own tensor read them stacked: a later change in place of
+    one of them moves the stack's version too (``batch.changed_in_place``), so that a backward that saved the
+    stack raises as eager's does; one that saved nothing computes eager's gradient."""
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    x = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(4))
+    w = torch.randn(3, 3, dtype=F64, generator=torch.Generator().manual_seed(5))
+    xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+    xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+    got = recompile.vmap(recompile.function(fn), in_dims=(0, None))(xb, wb)
+    if fn is held_as_items_then_changed:
+        for out in (torch.stack([fn(xe[k], we) for k in range(4)]), got):
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.sum().backward()
+        return
+    torch.stack([fn(xe[k], we) for k in range(4)]).sum().backward()
+    got.sum().backward()
+    assert_close(wb.grad, we.grad)
+    assert_close(xb.grad, xe.grad)
+
+
 def changed_in_some_branches(x, s):
     y = torch.sigmoid(x)  # saves its result
     if s > 0:

@@ -24,6 +24,8 @@ arithmetic of ``facts.LAZY``, ``batch_rules.LazyOp``).
 
 from __future__ import annotations
 
+import weakref
+
 import numpy
 import torch
 
@@ -361,9 +363,47 @@ def tensor_of(b):
             if not all(type(x) in PLAIN_TENSORS for x in items) or not same_kind(items, 0):
                 return None
             b.tensor = torch.stack(items)
+            _note_stacked(items, b.tensor)
         else:
             return None
     return b.tensor
+
+
+# Tensors stacked from instances' own tensors, by the tensor each of those views (its base, or itself): an op
+# that read the stack saved it where eager's saved the instances' tensors, so a later change in place of one
+# of them (or of another view of its base, which shares its version) moves the stack's version too
+# (``changed_in_place``), and a backward that saved it raises as eager's does. (By id, with weak references
+# that tell a reused id apart; pruned as it grows.)
+_STACKED = {}
+
+
+def _note_stacked(items, stacked):
+    if sharing.state.fresh or not torch.is_grad_enabled() or stacked.is_inference():
+        return  # (a run that changes nothing in place; no backward to raise in)
+    if len(_STACKED) > 4096:
+        for key, (base, stacks) in list(_STACKED.items()):
+            if base() is None or all(s() is None for s in stacks):
+                del _STACKED[key]
+    ref = weakref.ref(stacked)
+    for t in items:
+        base = t if t._base is None else t._base
+        entry = _STACKED.get(id(base))
+        if entry is None or entry[0]() is not base:
+            entry = _STACKED[id(base)] = (weakref.ref(base), [])
+        entry[1].append(ref)
+
+
+def changed_in_place(t):
+    """Tensor ``t`` (an instance's own) was changed in place: move the version of every tensor stacked from it
+    or from another view of its base."""
+    base = t if t._base is None else t._base
+    entry = _STACKED.get(id(base))
+    if entry is None or entry[0]() is not base:
+        return
+    for ref in entry[1]:
+        stacked = ref()
+        if stacked is not None:
+            torch.autograd.graph.increment_version(stacked)
 
 
 def _repeat(value, count):

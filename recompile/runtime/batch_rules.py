@@ -356,6 +356,10 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     # (a value joined from branches, read through one tensor of its pieces: each instance's row of it)
     joined = [(x, x.tensor._version) for x in given if type(x) is Batch and x.pieces is not None and
               x.tensor is not None and not x.tensor.is_inference()]
+    # (a value held as each instance's own tensor, which an op before may have read through a tensor stacked
+    # from them: see below)
+    owned = [(t, t._version) for x in given if type(x) is Batch and x.owner == "items"
+             for t in x.items if isinstance(t, torch.Tensor) and not t.is_inference()]
     results = []
     for k in range(n):
         results.append(sharing.call_owning(bt.instance(fn, k), [bt.instance(x, k) for x in args],
@@ -363,6 +367,9 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     for x, version in joined:
         if x.tensor._version != version:  # (changed in place: what eager changed is each piece's own tensor)
             bt.written_through(x, set(range(n)))
+    for t, version in owned:
+        if t._version != version:
+            bt.changed_in_place(t)
     for x in given:
         if type(x) is Batch and x.owner == "items":
             x.tensor = None  # the op may have changed the items: a tensor made from them is stale
