@@ -110,9 +110,81 @@ def swapped_in_a_loop(x, b, c):
     return (a * x).sum() + (d * x).sum() * 3.0
 
 
+def through_two_joins(x, b, c):
+    v = x * 1.0
+    w = v if c > 0 else v * 2.0
+    u = w if b > 0 else w * 3.0
+    u.mul_(2.0)  # changes w (v itself where c > 0) where b > 0: w's joined tensor must not be read stale
+    return (w * x).sum() + (v * x).sum()
+
+
+def handed_on_in_a_list(x, b, c):
+    v = x * 1.0
+    ws = [v] if c > 0 else [v * 3.0]
+    ws[0].add_(1.0)
+    return (v * x).sum()
+
+
+def a_part_of_a_row_handed_on(x, b, c):
+    v = x * 1.0
+    w = v[0] if c > 0 else v[1]
+    w.mul_(3.0)
+    return (v * x).sum()
+
+
+def a_view_of_the_joined_value_changed(x, b, c):
+    v = x * 1.0
+    w = v if c > 0 else v * 2.0
+    w[0].mul_(3.0)  # (through a view of the joined value's tensor: the change reaches v where c > 0)
+    w[1] = w[1] + 1.0
+    return (v * x).sum() + (w * x).sum()
+
+
+def one_value_under_two_names(x, b, c):
+    v = x * 1.0
+    if c > 0:
+        w = v
+        z = v
+    else:
+        w = v * 2.0
+        z = v
+    w.add_(1.0)
+    z.mul_(3.0)
+    return (v * x).sum() + (w * x).sum() + (z * x).sum()
+
+
+def pick(v, c):  # changes nothing itself: the caller changes what it hands on
+    if c > 0:
+        return v
+    return v * 2.0
+
+
+def a_helper_hands_on(x, b, c):
+    v = x * 1.0
+    w = pick(v, c)
+    w.mul_(2.0)
+    return (v * x).sum()
+
+
+def walk(v, d):
+    if d <= 0:
+        return v
+    w = walk(v, d - 1)
+    w.mul_(1.5)
+    return w * 1.0 if d == 2 else w
+
+
+def recursion_hands_on(x, b, c):
+    v = x * 1.0
+    w = walk(v, b)
+    w.add_(1.0)
+    return (v * x).sum() + (w * x).sum()
+
+
 PROGRAMS = [either_of_two, swapped_in_a_loop, branch_then_change, change_after_the_join, two_names_then_a_change,
             loop_hands_on_an_argument, branch_in_a_loop_hands_on, change_inside_the_loop_after_the_branch,
-            nested_branches_then_a_change]
+            nested_branches_then_a_change, through_two_joins, handed_on_in_a_list, a_part_of_a_row_handed_on,
+            a_view_of_the_joined_value_changed, one_value_under_two_names, a_helper_hands_on, recursion_hands_on]
 X = torch.randn(7, 2, dtype=F64, generator=torch.Generator().manual_seed(0))
 B = torch.tensor([1, 1, -1, 2, 1, 0, 3])
 C = torch.tensor([1, -1, 1, 1, 1, -1, 1])
@@ -142,6 +214,10 @@ def test_one_instance_at_a_time_a_change_through_a_handed_on_value_reaches_the_a
     want, want_grad = eager(fn)
     run = recompile.function(fn, mode=mode)
     x = X.clone().requires_grad_()
+    if fn in (a_part_of_a_row_handed_on, a_view_of_the_joined_value_changed) and mode != "batched":  # (the derived gradient refuses it: sharp-bits)
+        with pytest.raises(NotImplementedError, match="view"):
+            run(x[0], B[0], C[0]).backward()
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = torch.stack([run(x[k], B[k], C[k]) for k in range(len(B))])

@@ -20,6 +20,10 @@ from . import batch as bt
 from .batch import Batch
 
 
+_CONTAINERS = (list, dict, tuple)
+_DEPTH = 4  # (how deep in lists, dicts and tuples: a list may hold itself)
+
+
 class Copies:
     __slots__ = ("links", "bases")
 
@@ -35,9 +39,25 @@ class Copies:
         for source, index, value in taken:
             self.links[id(value)] = (source, index)
 
-    def aliased(self, value):
+    def aliased(self, value, depth=0):
         """``value`` with what was copied or taken through these Cond's or loop's copies given as views of the
-        rows it came from; ``value`` itself where none of it was."""
+        rows it came from; ``value`` itself where none of it was. A list or dict (an instance's own, or the
+        parts or items of a batch of them) gets its elements so in place: it is the object eager code holds."""
+        kind = type(value)
+        if kind is list or kind is dict or kind is tuple:
+            return self._inside(value, depth)
+        if kind is Batch and value.thunk is None and depth < _DEPTH:
+            if value.struct is not None and value.owner is None:
+                parts = value.struct[1]
+                mapped = [self.aliased(p, depth + 1) for p in parts]
+                if any(a is not b for a, b in zip(mapped, parts)):
+                    value.struct, value.items, value.tensor = (value.struct[0], mapped), None, None
+                return value
+            if value.owner == "items" and any(type(x) in _CONTAINERS for x in value.items):
+                for x in value.items:
+                    if type(x) is not tuple:
+                        self._inside(x, depth + 1)
+                return value
         rows, root = None, value
         while id(root) in self.links:
             root, index = self.links[id(root)]
@@ -62,6 +82,19 @@ class Copies:
         mapped = [self._through(items[r]) for r in rows]
         return mapped[0] if len(mapped) == 1 else bt.from_items(mapped)
 
+    def _inside(self, value, depth):
+        if depth >= _DEPTH:
+            return value
+        if type(value) is tuple:
+            mapped = tuple(self.aliased(x, depth + 1) for x in value)
+            return value if all(a is b for a, b in zip(mapped, value)) else mapped
+        for key in list(value.keys() if type(value) is dict else range(len(value))):
+            x = value[key]
+            y = self.aliased(x, depth + 1)
+            if y is not x:
+                value[key] = y
+        return value
+
     def _holds_copied_views(self, value):
         """Whether ``value`` (a joined batch's pieces, a batch's tensor or items) holds a view of a copy's rows."""
         if isinstance(value, torch.Tensor):
@@ -77,18 +110,28 @@ class Copies:
         return False
 
     def _through(self, x):
-        """Tensor ``x``, a view of one row of a copy (maybe of a copy of a copy), as the view of the row the copy
-        was made from; ``x`` itself where it is no such view."""
+        """Tensor ``x``, a view of (part of) one row of a copy (maybe of a copy of a copy), as the same view of
+        the row the copy was made from; ``x`` itself where it is no such view."""
         while isinstance(x, torch.Tensor) and x._base is not None:
             found = self.bases.get(id(x._base))
             if found is None:
                 break
             source, index, rows = found
+            if type(source) is not Batch or source.owner != "tensor":
+                break
+            target = source.tensor
             step = rows.stride(0)
-            if not step or x.shape != rows.shape[1:] or x.stride() != rows.stride()[1:]:
+            if not step or rows.shape[1:] != target.shape[1:] or rows.stride()[1:] != target.stride()[1:]:
+                break  # (the source's rows are laid out otherwise: no view of its row is the same part)
+            r, offset = divmod(x.storage_offset() - rows.storage_offset(), step)
+            if not 0 <= r < len(index) or offset + _span(x) > _span(rows[0]):
                 break
-            r, rest = divmod(x.storage_offset() - rows.storage_offset(), step)
-            if rest or not 0 <= r < len(index) or type(source) is not Batch or source.owner != "tensor":
-                break
-            x = source.tensor[int(index[r])]
+            row = target[int(index[r])]
+            x = row if x.shape == row.shape and x.stride() == row.stride() and not offset else \
+                row.as_strided(x.shape, x.stride(), row.storage_offset() + offset)
         return x
+
+
+def _span(t):
+    """How many elements of storage tensor ``t`` spans from its first (1 past its last)."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0

@@ -34,7 +34,7 @@ from . import sharing
 
 
 class Batch:
-    __slots__ = ("n", "tensor", "items", "struct", "pieces", "method", "owner", "thunk")
+    __slots__ = ("n", "tensor", "items", "struct", "pieces", "method", "owner", "thunk", "made", "__weakref__")
 
     def __init__(self, n, tensor=None, items=None, struct=None, pieces=None, method=None, thunk=None):
         self.n = n
@@ -47,6 +47,9 @@ class Batch:
         # which form is the truth; the other is a cache. A tensor's items are views of it, so they
         # stay true after an in-place change; a tensor stacked from items does not.
         self.owner = "tensor" if tensor is not None else "items" if items is not None else None
+        # where the program may change values in place: the versions of the tensors a cache (``tensor`` made
+        # from pieces or items) was made from, which tell that it went stale (``_check_cache``)
+        self.made = None
 
     def __repr__(self):
         form = ("lazy" if self.thunk is not None else "tensor " + "x".join(map(str, self.tensor.shape))
@@ -301,6 +304,8 @@ def items_of(b):
     """The per-instance values of Batch ``b`` as a list."""
     if b.thunk is not None:
         force(b)
+    if b.made is not None:
+        _check_cache(b)
     if b.items is None:
         if b.tensor is not None:
             t = b.tensor
@@ -350,6 +355,8 @@ def tensor_of(b):
         if type(b.thunk) is Views and b.thunk.ragged:  # (values of their own lengths, not made yet: they need not be)
             return None
         force(b)
+    if b.made is not None:
+        _check_cache(b)
     if b.tensor is None:
         if b.struct is not None and b.owner is None and issubclass(b.struct[0], Keyed):
             return None  # (dicts are not tensors: asking must not make each instance's dict)
@@ -366,7 +373,80 @@ def tensor_of(b):
             _note_stacked(items, b.tensor)
         else:
             return None
+        if not sharing.state.fresh and (b.pieces is not None or b.owner == "items"):
+            # (made from inference tensors, which keep no version: a cache made anew whenever read)
+            b.made = _made_from(b) or ()
+            if b.owner is None and not b.tensor.is_inference():
+                _watch(b)
     return b.tensor
+
+
+def _made_from(b):
+    """The versions of the tensors that batch ``b``'s cache is made from: its pieces' (their tensors', their
+    items', nested pieces'), or its items'; None where one is an inference tensor (which keeps no version)."""
+    if b.owner == "items":
+        versions = [_version_of(x) for x in b.items]
+    else:
+        versions = [_version_of(v) for v, _ in b.pieces[0]]
+    return None if any(v is None for v in versions) else tuple(versions)
+
+
+def _version_of(value):
+    if type(value) is Batch:
+        if value.owner == "tensor":
+            value = value.tensor
+        elif value.owner == "items" or value.pieces is not None:
+            return _made_from(value)
+        else:
+            return 0  # (a struct: no tensor of it is changed in place as a whole)
+    if not isinstance(value, torch.Tensor):
+        return 0
+    return None if value.is_inference() else value._version
+
+
+# The tensors joined from pieces (``tensor_of``) in a run that may change values in place, by id: (weak refs of
+# the tensor and of its batch, the tensor's version). An op may change one in place through a view of it
+# (``w[0] *= 3``), where eager code changes each instance's own tensor, which other names may hold
+# (``w = v if c else v * 2``): ``caches_changed`` brings such changes into the pieces.
+CACHES = {}
+
+
+def _watch(b):
+    if len(CACHES) > 256:
+        for key, (t, held, _) in list(CACHES.items()):
+            if t() is None or held() is None:
+                del CACHES[key]
+    CACHES[id(b.tensor)] = (weakref.ref(b.tensor), weakref.ref(b), b.tensor._version)
+
+
+def caches_changed():
+    """Bring into their pieces (``written_through``) the rows that changed in place in a tensor joined from
+    them since it was made or last looked at."""
+    for key, (ref, held, version) in list(CACHES.items()):
+        t, b = ref(), held()
+        if t is None or b is None or b.tensor is not t:
+            del CACHES[key]
+            continue
+        if t._version == version:
+            continue
+        CACHES[key] = (ref, held, t._version)
+        joined = _joined_tensor(b.pieces, None)
+        if joined is None or joined.shape != t.shape:
+            continue
+        differ = (joined.detach() != t.detach()).reshape(b.n, -1).any(1).tolist()
+        changed = {k for k, d in enumerate(differ) if d}
+        if changed:
+            written_through(b, changed)
+            b.made = _made_from(b) or ()
+
+
+def _check_cache(b):
+    """Drop batch ``b``'s cache (its tensor; a joined value's items, views of it) where a tensor it was made
+    from changed in place since: through another name of it (``u = w if c else w * 3; u *= 2``)."""
+    if _made_from(b) != b.made:
+        b.tensor, b.made = None, None
+        if b.owner is None:
+            b.items = None
 
 
 # Tensors stacked from instances' own tensors, by the tensor each of those views (its base, or itself): an op

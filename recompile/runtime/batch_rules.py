@@ -66,6 +66,20 @@ def _name(fn):
 
 def call(n, fn, args, kwargs=None):
     """``fn(*args, **kwargs)`` for n instances."""
+    out = _call(n, fn, args, kwargs)
+    if bt.CACHES and _changes_in_place(fn):
+        bt.caches_changed()  # (a change through a view of a value joined from pieces: see bt.CACHES)
+    return out
+
+
+def _changes_in_place(fn):
+    """Whether callable ``fn`` is an in-place op: ``x += y``, ``x[i] = y``, ``x.mul_(y)``."""
+    if type(fn) is Batch:
+        return fn.method is not None and fn.method[1].endswith("_")
+    return fn in _IN_PLACE or fn is operator.setitem or getattr(fn, "__name__", "").endswith("_")
+
+
+def _call(n, fn, args, kwargs):
     if n == 1:
         if type(fn) is nn.Embedding and not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
             # (one instance left in a loop: its lookups share the run's gate)
@@ -354,8 +368,6 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     kwargs = kwargs or {}
     given = (*args, *kwargs.values(), fn.method[0] if type(fn) is Batch and fn.method else None)
     # (a value joined from branches, read through one tensor of its pieces: each instance's row of it)
-    joined = [(x, x.tensor._version) for x in given if type(x) is Batch and x.pieces is not None and
-              x.tensor is not None and not x.tensor.is_inference()]
     # (a value held as each instance's own tensor, which an op before may have read through a tensor stacked
     # from them: see below)
     owned = [(t, t._version) for x in given if type(x) is Batch and x.owner == "items"
@@ -364,9 +376,8 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     for k in range(n):
         results.append(sharing.call_owning(bt.instance(fn, k), [bt.instance(x, k) for x in args],
                                            {key: bt.instance(v, k) for key, v in kwargs.items()}))
-    for x, version in joined:
-        if x.tensor._version != version:  # (changed in place: what eager changed is each piece's own tensor)
-            bt.written_through(x, set(range(n)))
+    if bt.CACHES:  # (a value joined from branches, changed through the tensor of its rows: see bt.CACHES)
+        bt.caches_changed()
     for t, version in owned:
         if t._version != version:
             bt.changed_in_place(t)

@@ -10,6 +10,7 @@ import torch
 
 from . import aliases
 from . import batch as bt
+from . import sharing
 from .batch import Batch
 
 
@@ -134,7 +135,7 @@ class Branch:
         self.order = None
         # where the program may change a value in place (passes.effects): (batch, index, what a side got,
         # the rows copied for it, their version then), for write_back
-        self.copies = [] if changes else None
+        self.copies = [] if changes or not sharing.state.fresh else None
         if n == 1:
             self.sides = [(0 if pred else 1, args, [0])]
             return
