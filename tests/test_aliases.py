@@ -214,7 +214,8 @@ def test_one_instance_at_a_time_a_change_through_a_handed_on_value_reaches_the_a
     want, want_grad = eager(fn)
     run = recompile.function(fn, mode=mode)
     x = X.clone().requires_grad_()
-    if fn in (a_part_of_a_row_handed_on, a_view_of_the_joined_value_changed) and mode != "batched":  # (the derived gradient refuses it: sharp-bits)
+    if fn in (a_part_of_a_row_handed_on, a_view_of_the_joined_value_changed) and mode != "batched":
+        # (the derived gradient refuses a change through a view: docs/sharp-bits.md)
         with pytest.raises(NotImplementedError, match="view"):
             run(x[0], B[0], C[0]).backward()
         return
