@@ -2196,11 +2196,20 @@ def gv_changed_through_a_loops_result(x, c):
     return (v * x).sum() + w.sum()
 
 
-@pytest.mark.parametrize("fn", [gv_changed_through_a_branchs_result, gv_changed_through_a_loops_result])
+def gv_saved_through_a_branchs_result(x, c):
+    v = x * 2.0
+    a = v if c > 0 else x  # a is v itself where c > 0
+    v /= (a * a + 1.0)  # the product saved a: eager refuses the backward where a is v
+    return v.sum()
+
+
+@pytest.mark.parametrize("fn", [gv_changed_through_a_branchs_result, gv_changed_through_a_loops_result,
+                                gv_saved_through_a_branchs_result])
 def test_a_change_through_what_a_branch_or_loop_handed_on_is_refused_where_it_is_the_saved_value(fn):
     """What a Cond or While hands on may be a value it was given: a change in place through it changes that
-    value, whose saved result the gradient reads. The check reads versions when it runs: where the value
-    handed on is another, the gradient is eager's."""
+    value, whose saved result the gradient reads, and a change of the value changes what an op saved of the
+    Cond's output. The check reads versions when it runs: where the value handed on is another, the gradient
+    is eager's."""
     for mode in ("sequential", "threaded"):
         run = recompile.function(fn, mode=mode)
         x = torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)

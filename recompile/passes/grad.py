@@ -389,6 +389,8 @@ def _changed_later(ops, outputs=(), inputs=()):
                 base = _viewed(earlier)
                 if base is not None and base in items:
                     items.extend(earlier.outputs)
+                elif isinstance(earlier, _HANDING_ON) and any(v in items for v in earlier.operands()):
+                    items.extend(earlier.outputs)  # (``a = x if c else v``: a may be v)
             for earlier in ops[:k]:  # (x.div_(y) makes x too: its receiver is its result)
                 if target in _reads(earlier) or target in earlier.outputs or target is _in_place_target(earlier):
                     guarded.setdefault(earlier, []).append(target)
@@ -408,6 +410,9 @@ def _changed_later(ops, outputs=(), inputs=()):
     return guarded
 
 
+_HANDING_ON = (ir.Cond, ir.While, ir.Invoke)  # (ops whose outputs may be values they were given)
+
+
 def _may_be(target, ops):
     """``target`` and the values of ``ops`` it may be, or be a view of, when it is changed in place: what a
     branch or a loop hands on may be a value it was given (``w = v if c else v * 2``), as may what a call
@@ -417,7 +422,7 @@ def _may_be(target, ops):
     for op in reversed(ops):
         if not any(v in found for v in op.outputs):
             continue
-        if isinstance(op, (ir.Cond, ir.While, ir.Invoke)):
+        if isinstance(op, _HANDING_ON):
             found.extend(v for v in op.operands() if isinstance(v, ir.Value) and v not in found)
         else:
             base = _viewed(op)
