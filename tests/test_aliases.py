@@ -249,3 +249,28 @@ def test_under_vmap_a_change_through_a_handed_on_value_moves_the_arguments_versi
     want = torch.autograd.grad(torch.stack([fn(x[k], b[k], C[k]) for k in range(len(B))]).sum(), x)[0]
     got = recompile.vmap(recompile.function(fn))(x, b, C)
     torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], want)
+
+
+def saved_then_its_source_changed(x, b, c):
+    v = x * 1.0
+    w = v if c > 0 else v * 2.0
+    y = w * x  # saves w, which is v itself where c > 0
+    v.add_(1.0)  # changes what the product saved there: eager's backward raises
+    return y.sum()
+
+
+def test_under_vmap_a_change_of_what_a_joined_value_holds_moves_its_tensors_version(monkeypatch):
+    """A value joined from pieces is read through one tensor made from them, which an op saves where eager's
+    saved the pieces' own tensors: a change of a piece moves that tensor's version too (``batch.CACHES``)."""
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    fn = saved_then_its_source_changed
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        eager(fn)
+    got = recompile.vmap(recompile.function(fn))(X.clone().requires_grad_(), B, C)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        got.sum().backward()
+    c = -torch.ones_like(C)  # (no instance hands v on: eager's gradient)
+    x = X.clone().requires_grad_()
+    want = torch.autograd.grad(torch.stack([fn(x[k], B[k], c[k]) for k in range(len(B))]).sum(), x)[0]
+    got = recompile.vmap(recompile.function(fn))(x, B, c)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], want)

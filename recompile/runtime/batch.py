@@ -412,10 +412,11 @@ CACHES = {}
 
 
 def _watch(b):
-    if len(CACHES) > 256:
+    if len(CACHES) > _limits["caches"]:
         for key, (t, held, _) in list(CACHES.items()):
             if t() is None or held() is None:
                 del CACHES[key]
+        _limits["caches"] = max(256, 2 * len(CACHES))
     CACHES[id(b.tensor)] = (weakref.ref(b.tensor), weakref.ref(b), b.tensor._version)
 
 
@@ -425,6 +426,10 @@ def caches_changed():
     for key, (ref, held, version) in list(CACHES.items()):
         t, b = ref(), held()
         if t is None or b is None or b.tensor is not t:
+            del CACHES[key]
+            continue
+        if b.made is not None and _made_from(b) != b.made:  # (a piece changed: see _check_cache)
+            _check_cache(b)
             del CACHES[key]
             continue
         if t._version == version:
@@ -442,8 +447,12 @@ def caches_changed():
 
 def _check_cache(b):
     """Drop batch ``b``'s cache (its tensor; a joined value's items, views of it) where a tensor it was made
-    from changed in place since: through another name of it (``u = w if c else w * 3; u *= 2``)."""
+    from changed in place since: through another name of it (``u = w if c else w * 3; u *= 2``). An op that
+    read the value saved the cache where eager's saved those very tensors: the cache's version moves too, so
+    that its backward raises as eager's does."""
     if _made_from(b) != b.made:
+        if b.owner is None and not b.tensor.is_inference():
+            torch.autograd.graph.increment_version(b.tensor)
         b.tensor, b.made = None, None
         if b.owner is None:
             b.items = None
@@ -455,15 +464,17 @@ def _check_cache(b):
 # (``changed_in_place``), and a backward that saved it raises as eager's does. (By id, with weak references
 # that tell a reused id apart; pruned as it grows.)
 _STACKED = {}
+_limits = {"stacked": 4096, "caches": 256}  # (the sizes past which _STACKED and CACHES are pruned)
 
 
 def _note_stacked(items, stacked):
     if sharing.state.fresh or not torch.is_grad_enabled() or stacked.is_inference():
         return  # (a run that changes nothing in place; no backward to raise in)
-    if len(_STACKED) > 4096:
+    if len(_STACKED) > _limits["stacked"]:
         for key, (base, stacks) in list(_STACKED.items()):
             if base() is None or all(s() is None for s in stacks):
                 del _STACKED[key]
+        _limits["stacked"] = max(4096, 2 * len(_STACKED))  # (what stays alive is pruned again once it doubles)
     ref = weakref.ref(stacked)
     for t in items:
         base = t if t._base is None else t._base
