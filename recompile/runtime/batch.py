@@ -34,7 +34,7 @@ from . import sharing
 
 
 class Batch:
-    __slots__ = ("n", "tensor", "items", "struct", "pieces", "method", "owner", "thunk", "made", "__weakref__")
+    __slots__ = ("n", "tensor", "items", "struct", "pieces", "method", "owner", "thunk", "made", "ints", "__weakref__")
 
     def __init__(self, n, tensor=None, items=None, struct=None, pieces=None, method=None, thunk=None):
         self.n = n
@@ -50,6 +50,7 @@ class Batch:
         # where the program may change values in place: the versions of the tensors a cache (``tensor`` made
         # from pieces or items) was made from, which tell that it went stale (``_check_cache``)
         self.made = None
+        self.ints = None  # its items, Python ints, as one LongTensor (``instance_index``)
 
     def __repr__(self):
         form = ("lazy" if self.thunk is not None else "tensor " + "x".join(map(str, self.tensor.shape))
@@ -332,8 +333,11 @@ def items_of(b):
 def instance_index(value):
     """Each instance's int of Batch ``value`` (Python ints, or 0-d integer tensors) as one LongTensor, else
     None (a bool or uint8 tensor is a mask, as eager reads it)."""
+    if value.ints is not None:
+        return value.ints  # (a loop's steps, ``t - 1`` of them: read as an index several times)
     if value.owner == "items" and value.items and all(type(k) is int for k in value.items):
-        return long_tensor(value.items)
+        value.ints = long_tensor(value.items)
+        return value.ints
     t = tensor_of(value) if value.owner is not None else None
     return t if t is not None and t.dim() == 1 and t.dtype in INTEGER_INDEX else None
 
