@@ -426,27 +426,26 @@ def _watch(b):
 
 def caches_changed():
     """Bring into their pieces (``written_through``) the rows that changed in place in a tensor joined from
-    them since it was made or last looked at."""
+    them since it was made or last looked at; then drop such a tensor whose pieces changed since
+    (``_check_cache``: what an op saved of it moves its version)."""
     for key, (ref, held, version) in list(CACHES.items()):
         t, b = ref(), held()
         if t is None or b is None or b.tensor is not t:
             del CACHES[key]
             continue
-        if b.made is not None and _made_from(b) != b.made:  # (a piece changed: see _check_cache)
+        if t._version != version:
+            CACHES[key] = (ref, held, t._version)
+            joined = _joined_tensor(b.pieces, None)
+            if joined is not None and joined.shape == t.shape:
+                differ = (joined.detach() != t.detach()).reshape(b.n, -1).any(1).tolist()
+                changed = {k for k, d in enumerate(differ) if d}
+                if changed:
+                    written_through(b, changed)
+                    b.made = _made_from(b) or ()
+        if b.made is not None and _made_from(b) != b.made:
             _check_cache(b)
-            del CACHES[key]
-            continue
-        if t._version == version:
-            continue
-        CACHES[key] = (ref, held, t._version)
-        joined = _joined_tensor(b.pieces, None)
-        if joined is None or joined.shape != t.shape:
-            continue
-        differ = (joined.detach() != t.detach()).reshape(b.n, -1).any(1).tolist()
-        changed = {k for k, d in enumerate(differ) if d}
-        if changed:
-            written_through(b, changed)
-            b.made = _made_from(b) or ()
+            if b.tensor is not t:
+                del CACHES[key]
 
 
 def _check_cache(b):
@@ -454,12 +453,28 @@ def _check_cache(b):
     from changed in place since: through another name of it (``u = w if c else w * 3; u *= 2``). An op that
     read the value saved the cache where eager's saved those very tensors: the cache's version moves too, so
     that its backward raises as eager's does."""
-    if _made_from(b) != b.made:
-        if b.owner is None and not b.tensor.is_inference():
-            torch.autograd.graph.increment_version(b.tensor)
-        b.tensor, b.made = None, None
-        if b.owner is None:
-            b.items = None
+    now = _made_from(b)
+    if now == b.made:
+        return
+    if b.owner is None and now is not None and _same_rows(b):
+        b.made = now  # (a version moved, not these rows: another row of a piece's base changed)
+        return
+    if b.owner is None and not b.tensor.is_inference():
+        torch.autograd.graph.increment_version(b.tensor)
+    b.tensor, b.made = None, None
+    if b.owner is None:
+        b.items = None
+
+
+def _same_rows(b):
+    """Whether batch ``b``'s cache still holds the rows its pieces hold (NaN where they hold NaN)."""
+    joined, cache = _joined_tensor(b.pieces, None), b.tensor.detach()
+    if joined is None or joined.shape != cache.shape or joined.dtype != cache.dtype:
+        return False
+    same = joined == cache
+    if joined.is_floating_point() or joined.is_complex():
+        same |= joined.isnan() & cache.isnan()
+    return bool(same.all())
 
 
 # Tensors stacked from instances' own tensors, by the tensor each of those views (its base, or itself): an op
