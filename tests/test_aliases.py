@@ -181,10 +181,21 @@ def recursion_hands_on(x, b, c):
     return (v * x).sum() + (w * x).sum()
 
 
+def other_rows_of_the_source_changed(x, b, c):
+    v = x * 1.0
+    w = v if c > 0 else v * 2.0
+    y = w * x  # saves w: v itself only where c > 0
+    if c <= 0:
+        v.add_(1.0)  # changes v only where w is not v: nothing the product saved (one version counter for v)
+    return y.sum() + w.sum()
+
+
+
 PROGRAMS = [either_of_two, swapped_in_a_loop, branch_then_change, change_after_the_join, two_names_then_a_change,
             loop_hands_on_an_argument, branch_in_a_loop_hands_on, change_inside_the_loop_after_the_branch,
             nested_branches_then_a_change, through_two_joins, handed_on_in_a_list, a_part_of_a_row_handed_on,
-            a_view_of_the_joined_value_changed, one_value_under_two_names, a_helper_hands_on, recursion_hands_on]
+            a_view_of_the_joined_value_changed, one_value_under_two_names, a_helper_hands_on, recursion_hands_on,
+            other_rows_of_the_source_changed]
 X = torch.randn(7, 2, dtype=F64, generator=torch.Generator().manual_seed(0))
 B = torch.tensor([1, 1, -1, 2, 1, 0, 3])
 C = torch.tensor([1, -1, 1, 1, 1, -1, 1])
@@ -274,23 +285,3 @@ def test_under_vmap_a_change_of_what_a_joined_value_holds_moves_its_tensors_vers
     want = torch.autograd.grad(torch.stack([fn(x[k], B[k], c[k]) for k in range(len(B))]).sum(), x)[0]
     got = recompile.vmap(recompile.function(fn))(x, B, c)
     torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], want)
-
-
-def other_rows_of_the_source_changed(x, b, c):
-    v = x * 1.0
-    w = v if c > 0 else v * 2.0
-    y = w * x  # saves w: v itself only where c > 0
-    if c <= 0:
-        v.add_(1.0)  # changes v only where w is not v: nothing the product saved (one version counter for v)
-    return y.sum() + w.sum()
-
-
-def test_under_vmap_a_change_of_other_rows_of_a_pieces_source_keeps_eagers_gradient(monkeypatch):
-    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
-    fn = other_rows_of_the_source_changed
-    want, want_grad = eager(fn)
-    x = X.clone().requires_grad_()
-    got = recompile.vmap(recompile.function(fn))(x, B, C)
-    torch.testing.assert_close(got, want)
-    got.sum().backward()
-    torch.testing.assert_close(x.grad, want_grad)
