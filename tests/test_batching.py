@@ -2237,6 +2237,50 @@ def test_a_change_in_place_of_tensors_held_as_items_moves_what_was_stacked_from_
     assert_close(xb.grad, xe.grad)
 
 
+TIES = torch.tensor([1.0, 3.0, 3.0], dtype=F64)
+
+
+def viewed_then_changed(x, w):
+    v = w.amin(0) - x
+    v /= (v[torch.argmax(TIES)] * v[torch.argmax(TIES)] + 1.0)  # (the product saved views of v: eager raises)
+    return v.sum()
+
+
+def viewed_then_changed_unsaved(x, w):
+    v = w.amin(0) - x
+    v /= (v[torch.argmax(TIES)] + 1.0)  # (the sum saved nothing)
+    return v.sum()
+
+
+def indexed_by_each_then_changed(x, w):
+    v = x * 2.0
+    k = torch.argmax(x)  # (each instance's own: the rows are gathered)
+    y = v[k] * v[k]
+    v /= 2.0
+    return y + v.sum()
+
+
+@pytest.mark.parametrize("fn", [viewed_then_changed, viewed_then_changed_unsaved, indexed_by_each_then_changed])
+def test_a_change_in_place_of_a_value_whose_rows_were_read_by_each_instances_index_moves_what_was_read(
+        fn, monkeypatch):
+    """Each instance's ``v[k]`` (k its own 0-d tensor) is a view of its v in eager code, a row read out of the
+    batch's tensor here: a later change of v in place moves the version of what was made of those rows too
+    (``batch.after_in_place``), so that a backward that saved it raises as eager's does."""
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    x = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(6))
+    w = torch.randn(3, 3, dtype=F64, generator=torch.Generator().manual_seed(7))
+    xe, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = recompile.vmap(recompile.function(fn), in_dims=(0, None))(xb, w)
+    if fn is not viewed_then_changed_unsaved:
+        for out in (torch.stack([fn(xe[k], w) for k in range(4)]), got):
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.sum().backward()
+        return
+    torch.stack([fn(xe[k], w) for k in range(4)]).sum().backward()
+    got.sum().backward()
+    assert_close(xb.grad, xe.grad)
+
+
 def changed_in_some_branches(x, s):
     y = torch.sigmoid(x)  # saves its result
     if s > 0:

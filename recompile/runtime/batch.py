@@ -374,7 +374,7 @@ def tensor_of(b):
             if not all(type(x) in PLAIN_TENSORS for x in items) or not same_kind(items, 0):
                 return None
             b.tensor = torch.stack(items)
-            _note_stacked(items, b.tensor)
+            note_made_from(items, b.tensor)
         else:
             return None
         if not sharing.state.fresh and (b.pieces is not None or b.owner == "items"):
@@ -482,32 +482,44 @@ def _same_rows(b):
 # of them (or of another view of its base, which shares its version) moves the stack's version too
 # (``changed_in_place``), and a backward that saved it raises as eager's does. (By id, with weak references
 # that tell a reused id apart; pruned as it grows.)
-_STACKED = {}
-_limits = {"stacked": 4096, "caches": 256}  # (the sizes past which _STACKED and CACHES are pruned)
+MADE_FROM = {}
+_limits = {"stacked": 4096, "caches": 256}  # (the sizes past which MADE_FROM and CACHES are pruned)
 
 
-def _note_stacked(items, stacked):
+def note_made_from(items, stacked):
+    """Note that tensor ``stacked`` holds copies of tensors ``items``, where eager code would hold them or views
+    of them (a stack of instances' tensors; rows gathered where each instance's index makes a view)."""
     if sharing.state.fresh or not torch.is_grad_enabled() or stacked.is_inference():
         return  # (a run that changes nothing in place; no backward to raise in)
-    if len(_STACKED) > _limits["stacked"]:
-        for key, (base, stacks) in list(_STACKED.items()):
+    if len(MADE_FROM) > _limits["stacked"]:
+        for key, (base, stacks) in list(MADE_FROM.items()):
             if base() is None or all(s() is None for s in stacks):
-                del _STACKED[key]
-        _limits["stacked"] = max(4096, 2 * len(_STACKED))  # (what stays alive is pruned again once it doubles)
+                del MADE_FROM[key]
+        _limits["stacked"] = max(4096, 2 * len(MADE_FROM))  # (what stays alive is pruned again once it doubles)
     ref = weakref.ref(stacked)
     for t in items:
         base = t if t._base is None else t._base
-        entry = _STACKED.get(id(base))
+        entry = MADE_FROM.get(id(base))
         if entry is None or entry[0]() is not base:
-            entry = _STACKED[id(base)] = (weakref.ref(base), [])
+            entry = MADE_FROM[id(base)] = (weakref.ref(base), [])
         entry[1].append(ref)
+
+
+def after_in_place(target):
+    """Batch or tensor ``target`` was changed in place by an op: the tensors joined from pieces and those made
+    from its rows (``CACHES``, ``MADE_FROM``) follow."""
+    if CACHES:
+        caches_changed()
+    t = target.tensor if type(target) is Batch and target.owner == "tensor" else target
+    if MADE_FROM and isinstance(t, torch.Tensor):
+        changed_in_place(t)
 
 
 def changed_in_place(t):
     """Tensor ``t`` (an instance's own) was changed in place: move the version of every tensor stacked from it
     or from another view of its base."""
     base = t if t._base is None else t._base
-    entry = _STACKED.get(id(base))
+    entry = MADE_FROM.get(id(base))
     if entry is None or entry[0]() is not base:
         return
     for ref in entry[1]:

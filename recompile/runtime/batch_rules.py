@@ -67,8 +67,10 @@ def _name(fn):
 def call(n, fn, args, kwargs=None):
     """``fn(*args, **kwargs)`` for n instances."""
     out = _call(n, fn, args, kwargs)
-    if bt.CACHES and _changes_in_place(fn):
-        bt.caches_changed()  # (a change through a view of a value joined from pieces: see bt.CACHES)
+    if (bt.CACHES or bt.MADE_FROM) and _changes_in_place(fn):
+        # (a change through a view of a value joined from pieces, or of a value copies were made from where eager
+        # makes views: see bt.CACHES, bt.MADE_FROM)
+        bt.after_in_place(fn.method[0] if type(fn) is Batch else args[0] if args else None)
     return out
 
 
@@ -956,6 +958,37 @@ PLAIN_TENSORS = bt.PLAIN_TENSORS  # (tensors as torch's ops take them: no subcla
 @BATCH.register(operator.getitem)
 def gather(n, fn, args, kwargs):
     """``x[i]`` with a batched i (a gather), or a batched x with a shared index."""
+    out = _gather(n, fn, args, kwargs)
+    x = args[0]
+    if type(out) is Batch and out.owner == "tensor" and type(x) is Batch and x.owner == "tensor" and \
+            not sharing.state.fresh and not _same_base(out.tensor, x.tensor) and _basic_index(args[1]):
+        # (each instance's ``x[i]`` is a view of its x in eager code, a gathered copy here: a later change of x
+        # in place must move the copy's version too, so that a backward that saved it raises as eager's does)
+        bt.note_made_from([x.tensor], out.tensor)
+    return out
+
+
+def _same_base(a, b):
+    return (a if a._base is None else a._base) is (b if b._base is None else b._base)
+
+
+def _basic_index(index):
+    """Whether each instance's ``index`` is one eager indexing makes a view by: ints, 0-d integer tensors,
+    slices, None, ``...``, tuples of these."""
+    if type(index) is Batch:
+        if index.struct is not None and index.owner is None and index.struct[0] is tuple:
+            return all(_basic_index(p) for p in index.struct[1])
+        if index.owner == "tensor":
+            return index.tensor.dim() == 1 and index.tensor.dtype in facts.INTEGER_INDEX
+        return index.owner == "items" and all(_basic_index(k) for k in index.items)
+    if type(index) is tuple:
+        return all(_basic_index(p) for p in index)
+    if isinstance(index, torch.Tensor):
+        return index.dim() == 0 and index.dtype in facts.INTEGER_INDEX
+    return index is None or index is Ellipsis or type(index) in (int, slice)
+
+
+def _gather(n, fn, args, kwargs):
     x, index = args
     if type(index) is Batch and index.struct is not None and index.owner is None and index.struct[0] is list \
             and not any(type(p) is Batch for p in index.struct[1]):
