@@ -124,14 +124,10 @@ class Copies:
             if not step or rows.shape[1:] != target.shape[1:] or rows.stride()[1:] != target.stride()[1:]:
                 break  # (the source's rows are laid out otherwise: no view of its row is the same part)
             r, offset = divmod(x.storage_offset() - rows.storage_offset(), step)
-            if not 0 <= r < len(index) or offset + _span(x) > _span(rows[0]):
+            if not 0 <= r < len(index) or offset + bt.span(x) > bt.span(rows[0]):
                 break
             row = target[int(index[r])]
             x = row if x.shape == row.shape and x.stride() == row.stride() and not offset else \
                 row.as_strided(x.shape, x.stride(), row.storage_offset() + offset)
         return x
 
-
-def _span(t):
-    """How many elements of storage tensor ``t`` spans from its first (1 past its last)."""
-    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0

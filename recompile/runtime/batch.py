@@ -477,11 +477,11 @@ def _same_rows(b):
     return bool(same.all())
 
 
-# Tensors stacked from instances' own tensors, by the tensor each of those views (its base, or itself): an op
-# that read the stack saved it where eager's saved the instances' tensors, so a later change in place of one
-# of them (or of another view of its base, which shares its version) moves the stack's version too
-# (``changed_in_place``), and a backward that saved it raises as eager's does. (By id, with weak references
-# that tell a reused id apart; pruned as it grows.)
+# Tensors made as copies of instances' own tensors (stacked; rows gathered where eager makes views), by the
+# tensor each of those views (its base, or itself), with the stretch of the base it spans: an op that read the
+# copy saved it where eager's saved the instances' tensors, so a later change in place of what overlaps one of
+# them moves the copy's version too (``changed_in_place``), and a backward that saved it raises as eager's
+# does. (By id, with weak references that tell a reused id apart; pruned as it grows.)
 MADE_FROM = {}
 _limits = {"stacked": 4096, "caches": 256}  # (the sizes past which MADE_FROM and CACHES are pruned)
 
@@ -493,7 +493,7 @@ def note_made_from(items, stacked):
         return  # (a run that changes nothing in place; no backward to raise in)
     if len(MADE_FROM) > _limits["stacked"]:
         for key, (base, stacks) in list(MADE_FROM.items()):
-            if base() is None or all(s() is None for s in stacks):
+            if base() is None or all(s() is None for s, _, _ in stacks):
                 del MADE_FROM[key]
         _limits["stacked"] = max(4096, 2 * len(MADE_FROM))  # (what stays alive is pruned again once it doubles)
     ref = weakref.ref(stacked)
@@ -502,7 +502,8 @@ def note_made_from(items, stacked):
         entry = MADE_FROM.get(id(base))
         if entry is None or entry[0]() is not base:
             entry = MADE_FROM[id(base)] = (weakref.ref(base), [])
-        entry[1].append(ref)
+        start = t.storage_offset()
+        entry[1].append((ref, start, start + span(t)))
 
 
 def after_in_place(target):
@@ -522,10 +523,19 @@ def changed_in_place(t):
     entry = MADE_FROM.get(id(base))
     if entry is None or entry[0]() is not base:
         return
-    for ref in entry[1]:
+    # (only what was made of the part of the base that t spans: another instance's row of one batch's tensor
+    # is another tensor in eager code, with a version of its own)
+    start = t.storage_offset()
+    end = start + span(t)
+    for ref, lo, hi in entry[1]:
         stacked = ref()
-        if stacked is not None:
+        if stacked is not None and lo < end and start < hi:
             torch.autograd.graph.increment_version(stacked)
+
+
+def span(t):
+    """How many elements of storage tensor ``t`` spans from its first (1 past its last)."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
 
 
 def _repeat(value, count):

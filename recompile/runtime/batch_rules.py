@@ -70,8 +70,18 @@ def call(n, fn, args, kwargs=None):
     if (bt.CACHES or bt.MADE_FROM) and _changes_in_place(fn):
         # (a change through a view of a value joined from pieces, or of a value copies were made from where eager
         # makes views: see bt.CACHES, bt.MADE_FROM)
-        bt.after_in_place(fn.method[0] if type(fn) is Batch else args[0] if args else None)
+        bt.after_in_place(_in_place_target(fn, args))
     return out
+
+
+def _in_place_target(fn, args):
+    """What in-place op ``fn`` changed: a method's receiver (``v.add_(w)``), else its first argument."""
+    if type(fn) is Batch:
+        return fn.method[0]
+    receiver = getattr(fn, "__self__", None)
+    if isinstance(receiver, torch.Tensor):
+        return receiver
+    return args[0] if args else None
 
 
 def _changes_in_place(fn):
