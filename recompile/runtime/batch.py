@@ -517,8 +517,8 @@ def after_in_place(target):
 
 
 def changed_in_place(t):
-    """Tensor ``t`` (an instance's own) was changed in place: move the version of every tensor stacked from it
-    or from another view of its base."""
+    """Tensor ``t`` (an instance's own) was changed in place: move the version of every copy made of a tensor
+    that overlaps it (``MADE_FROM``)."""
     base = t if t._base is None else t._base
     entry = MADE_FROM.get(id(base))
     if entry is None or entry[0]() is not base:

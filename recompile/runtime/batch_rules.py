@@ -379,7 +379,6 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     _count(fn, n, why or fallbacks.reason(fn))
     kwargs = kwargs or {}
     given = (*args, *kwargs.values(), fn.method[0] if type(fn) is Batch and fn.method else None)
-    # (a value joined from branches, read through one tensor of its pieces: each instance's row of it)
     # (a value held as each instance's own tensor, which an op before may have read through a tensor stacked
     # from them: see below)
     owned = [(t, t._version) for x in given if type(x) is Batch and x.owner == "items"
