@@ -437,8 +437,7 @@ def caches_changed():
             CACHES[key] = (ref, held, t._version)
             joined = _joined_tensor(b.pieces, None)
             if joined is not None and joined.shape == t.shape:
-                differ = (joined.detach() != t.detach()).reshape(b.n, -1).any(1).tolist()
-                changed = {k for k, d in enumerate(differ) if d}
+                changed = {k for k, d in enumerate(rows_differ(joined, t)) if d}
                 if changed:
                     written_through(b, changed)
                     b.made = _made_from(b) or ()
@@ -467,14 +466,21 @@ def _check_cache(b):
 
 
 def _same_rows(b):
-    """Whether batch ``b``'s cache still holds the rows its pieces hold (NaN where they hold NaN)."""
-    joined, cache = _joined_tensor(b.pieces, None), b.tensor.detach()
-    if joined is None or joined.shape != cache.shape or joined.dtype != cache.dtype:
+    """Whether batch ``b``'s cache still holds the rows its pieces hold."""
+    joined = _joined_tensor(b.pieces, None)
+    if joined is None or joined.shape != b.tensor.shape or joined.dtype != b.tensor.dtype:
         return False
-    same = joined == cache
-    if joined.is_floating_point() or joined.is_complex():
-        same |= joined.isnan() & cache.isnan()
-    return bool(same.all())
+    return not any(rows_differ(joined, b.tensor))
+
+
+def rows_differ(a, b):
+    """Per row (dim 0) of tensors ``a`` and ``b`` of one shape, whether their values differ (NaN where both hold
+    NaN is no difference): a list of bools, one host read."""
+    a, b = a.detach(), b.detach()
+    differ = a != b
+    if a.is_floating_point() or a.is_complex():
+        differ &= ~(a.isnan() & b.isnan())
+    return differ.reshape(a.shape[0], -1).any(1).tolist()
 
 
 # Tensors made as copies of instances' own tensors (stacked; rows gathered where eager makes views), by the
@@ -483,7 +489,7 @@ def _same_rows(b):
 # them moves the copy's version too (``changed_in_place``), and a backward that saved it raises as eager's
 # does. (By id, with weak references that tell a reused id apart; pruned as it grows.)
 MADE_FROM = {}
-_limits = {"stacked": 4096, "caches": 256}  # (the sizes past which MADE_FROM and CACHES are pruned)
+_limits = {"made_from": 4096, "caches": 256}  # (the sizes past which MADE_FROM and CACHES are pruned)
 
 
 def note_made_from(items, stacked):
@@ -491,11 +497,11 @@ def note_made_from(items, stacked):
     of them (a stack of instances' tensors; rows gathered where each instance's index makes a view)."""
     if sharing.state.fresh or not torch.is_grad_enabled() or stacked.is_inference():
         return  # (a run that changes nothing in place; no backward to raise in)
-    if len(MADE_FROM) > _limits["stacked"]:
+    if len(MADE_FROM) > _limits["made_from"]:
         for key, (base, stacks) in list(MADE_FROM.items()):
             if base() is None or all(s() is None for s, _, _ in stacks):
                 del MADE_FROM[key]
-        _limits["stacked"] = max(4096, 2 * len(MADE_FROM))  # (what stays alive is pruned again once it doubles)
+        _limits["made_from"] = max(4096, 2 * len(MADE_FROM))  # (what stays alive is pruned again once it doubles)
     ref = weakref.ref(stacked)
     for t in items:
         base = t if t._base is None else t._base

@@ -382,7 +382,7 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     # (a value held as each instance's own tensor, which an op before may have read through a tensor stacked
     # from them: see below)
     owned = [(t, t._version) for x in given if type(x) is Batch and x.owner == "items"
-             for t in x.items if isinstance(t, torch.Tensor) and not t.is_inference()]
+             for t in x.items if isinstance(t, torch.Tensor) and not t.is_inference()] if bt.MADE_FROM else ()
     results = []
     for k in range(n):
         results.append(sharing.call_owning(bt.instance(fn, k), [bt.instance(x, k) for x in args],

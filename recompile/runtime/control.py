@@ -120,8 +120,8 @@ def _rows_changed(target, at, rows, index):
     """The instances (of ``index``) whose rows of the copy ``rows`` differ from ``target``'s, where a side
     changed some of them in place (a nested branch may change only some: one version counter covers them all).
     A change that leaves a row's values as they were (``v += 0``) is not seen."""
-    differ = (target.detach().index_select(0, at) != rows.detach()).reshape(rows.shape[0], -1).any(1)
-    return {k for k, d in zip(index.tolist(), differ.tolist()) if d}
+    differ = bt.rows_differ(target.detach().index_select(0, at), rows)
+    return {k for k, d in zip(index.tolist(), differ) if d}
 
 
 class Branch:
