@@ -14,6 +14,7 @@ import ast
 import operator
 
 from .. import config, intrinsics, ir
+from ..passes.aliasing import needs_aliases
 from ..passes.batching import BatchPlan
 from ..passes.effects import local_appends, subgraph_may_mutate
 from ..passes.levels import level_shape
@@ -173,17 +174,19 @@ class _BatchedEmitter(emit.FunctionEmitter):
             return self.assign([], value, loc)
         return self.assign(outputs, value, loc, unpack=len(outputs) > 1)
 
-    def changes(self):
+    def changes(self, op):
         """``True`` for a Cond or While of a function that may change a value in place (``passes.effects``),
         in a branch or after it: the sides of a split then copy their changed rows back, and a side handing
-        on its rows of an argument hands on the argument (``control.write_back``)."""
-        return [ast.Constant(value=True)] if self.emission.changes else []
+        on its rows of an argument hands on the argument (``control.write_back``); then ``False`` where no
+        change in place may reach what it is given or hands on afterwards (``passes.aliasing``): a copy
+        handed on serves as the argument's rows."""
+        return [ast.Constant(value=self.emission.changes), ast.Constant(value=op in self.emission.aliases)]
 
     def cond_stmts(self, op):
         branch = ast.Call(func=self.helper(control.Branch, "Branch"),
                           args=[self.n_load(), self.load(op.pred),
                                 ast.Tuple(elts=[self.load(a) for a in op.args], ctx=ast.Load()),
-                                *self.changes()], keywords=[])
+                                *self.changes(op)], keywords=[])
         b = self.var(ir.Value("_branch"))
         first = ast.Assign(targets=[ast.Name(id=b, ctx=ast.Store())], value=branch)
         locate(first, op.loc)
@@ -208,7 +211,7 @@ class _BatchedEmitter(emit.FunctionEmitter):
         start = ast.Assign(targets=[ast.Name(id=loop, ctx=ast.Store())],
                            value=ast.Call(func=self.helper(control.Loop, "Loop"),
                                           args=[self.n_load(), carried, ast.Constant(value=len(op.loop_vars)),
-                                                *self.changes()],
+                                                *self.changes(op)],
                                           keywords=[]))
         locate(start, op.loc)
 
@@ -365,6 +368,7 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     emission = emit.Emission(sg, may_mutate)
     emission.generators = set(batch_plan.generators)
     emission.changes = subgraph_may_mutate(sg, may_mutate)
+    emission.aliases = needs_aliases(sg, may_mutate)
     # (a list the function builds and appends to changes nothing others see, but traced code, which replays
     # torch ops alone, would drop the appends: such a function runs op by op, as one that changes values)
     emission.replays = not emission.changes and not local_appends(sg)

@@ -36,7 +36,7 @@ _READERS = frozenset({operator.add, operator.sub, operator.neg, operator.lt, ope
 
 
 # torch's constructors: each call a new tensor (``requires_grad=True`` makes a leaf, which eager refuses to change)
-_CONSTRUCTORS = frozenset({torch.zeros, torch.ones, torch.full, torch.empty, torch.zeros_like, torch.ones_like,
+CONSTRUCTORS = frozenset({torch.zeros, torch.ones, torch.full, torch.empty, torch.zeros_like, torch.ones_like,
                            torch.full_like, torch.empty_like, torch.tensor, torch.eye, torch.arange})
 
 
@@ -144,7 +144,7 @@ def constructor(op):
     if not isinstance(op, ir.Call) or op.star or any(name in ("requires_grad", "out") for name, _ in op.kwargs):
         return None
     fn = effects.resolve(op.fn)  # (``torch.zeros``: the global's attribute, read at build time)
-    return fn if fn is not None and facts.among(fn, _CONSTRUCTORS) else None
+    return fn if fn is not None and facts.among(fn, CONSTRUCTORS) else None
 
 
 def _made_in(w, branch):

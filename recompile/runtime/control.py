@@ -128,14 +128,17 @@ class Branch:
     """A Cond over n instances: ``requests``/``run`` give each branch its instances; ``join`` puts the
     branches' outputs back in instance order."""
 
-    __slots__ = ("n", "sides", "order", "copies")
+    __slots__ = ("n", "sides", "order", "copies", "reached")
 
-    def __init__(self, n, pred, args, changes=False):
+    def __init__(self, n, pred, args, changes=False, reached=True):
         self.n = n
         self.order = None
         # where the program may change a value in place (passes.effects): (batch, index, what a side got,
-        # the rows copied for it, their version then), for write_back
-        self.copies = [] if changes or not sharing.state.fresh else None
+        # the rows copied for it, their version then), for write_back; and where a change in place may reach
+        # what it is given or hands on afterwards (passes.aliasing), what a side hands on of its copies is given
+        # back as the arguments' rows (see _aliased)
+        self.reached = reached and (changes or not sharing.state.fresh)
+        self.copies = [] if changes or self.reached else None
         if n == 1:
             self.sides = [(0 if pred else 1, args, [0])]
             return
@@ -171,7 +174,7 @@ class Branch:
         outputs = [list(zip(results, positions))] if k == 1 else \
             [[(r[j], p) for r, p in zip(results, positions)] for j in range(k)]
         sources = self._handed_on(outputs) if self.copies else [None] * k
-        if self.copies:
+        if self.copies and self.reached:
             outputs = [sides if s is not None else self._aliased(sides) for s, sides in zip(sources, outputs)]
         joined = [s if s is not None else bt.join(self.n, sides, self.order) for s, sides in zip(sources, outputs)]
         return joined[0] if k == 1 else tuple(joined)
@@ -209,12 +212,14 @@ class Loop:
 
     __slots__ = ("n", "carried", "k", "positions", "done", "copies", "initial", "handed_on", "left")
 
-    def __init__(self, n, carried, k, changes=False):
+    def __init__(self, n, carried, k, changes=False, reached=True):
         self.n, self.carried, self.k = n, list(carried), k
         self.positions = list(range(n))
         self.done = []  # (final values, positions)
         self.copies = [] if changes else None  # rows taken for the instances that stay (see write_back)
-        self.left = [] if changes else None  # (value, index, what the instances that left got): see result
+        # (value, index, what the instances that left got), where a change in place may reach what the loop
+        # hands on afterwards (passes.aliasing): see result
+        self.left = [] if changes and reached else None
         # per loop variable, whether every step so far handed on the value it was given (see result)
         self.initial = self.carried[:k] if changes else None
         self.handed_on = [type(v) is Batch and v.owner == "tensor" for v in self.initial] if changes else None
@@ -282,8 +287,9 @@ class Loop:
             handed_on = self.handed_on
             # (what an instance ends the loop with may be an earlier value's rows, which eager code hands on
             # itself: a later change through it must reach them; see ``aliases``)
-            copies = aliases.Copies(self.copies, self.left)
-            done = [([copies.aliased(v) for v in vals], p) for vals, p in done]
+            if self.left is not None:
+                copies = aliases.Copies(self.copies, self.left)
+                done = [([copies.aliased(v) for v in vals], p) for vals, p in done]
         n = sum(len(p) for _, p in done)
         values = []
         for j in range(self.k):

@@ -1,0 +1,113 @@
+"""passes.aliasing: which branches and loops hand on values a later change in place may reach. Where none can,
+a batched run hands on the copy of the rows a side worked on (the same values) instead of each instance's view
+of the argument's rows: the program stays on batched tensors. Where one can, ``tests/test_aliases.py`` checks
+that the change reaches the argument (each of its programs fails with the analysis finding nothing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import recompile
+from recompile import ir
+from recompile.passes import aliasing
+from recompile.passes.pipeline import FINAL
+
+F64 = torch.float64
+
+
+def written_into_a_buffer(x, n):
+    out = torch.zeros(6, 2, dtype=F64)
+    for t in range(n):
+        v = x[t] if x[t].sum() > 0 else x[t] * 2.0
+        out[t] = v  # (copies v's values into out)
+    return out.sum(0)
+
+
+def scaled_in_place(x, n):
+    acc = torch.zeros(2, dtype=F64)
+    for t in range(n):
+        v = x[t] if x[t].sum() > 0 else x[t] * 2.0
+        acc = acc + v
+        acc.mul_(0.5)
+    return acc
+
+
+def added_in_place(x, n):
+    acc = torch.zeros(2, dtype=F64)
+    for t in range(n):
+        v = x[t] if x[t].sum() > 0 else x[t] * 2.0
+        acc += v
+        acc.mul_(0.5)
+    return acc * 1.0
+
+
+def hands_on_the_argument(x, n):
+    w = x if n > 2 else x * 2.0
+    w.mul_(2.0)  # (changes x where n > 2)
+    return w
+
+
+def returns_what_it_joined(x, n):
+    return x if n > 2 else x * 2.0  # (the caller may change what it gets)
+
+
+def list_appended_then_changed(x, n):
+    hs = [x[0] * 0.0]
+    w = x if n > 2 else x * 2.0
+    hs.append(w[0])
+    hs[1] += 1.0  # (a change through the list reaches w, and x where n > 2)
+    return hs[0] + x.sum()
+
+
+def changed_after_the_join(x, n):
+    w = x if n > 2 else x * 2.0
+    x.add_(1.0)  # (w sees it where it is x)
+    return w.sum()
+
+
+def conds_and_whiles(fn):
+    sg = recompile.function(fn).callee(None).subgraph(FINAL)
+    return [op for s in sg.walk() for op in s.ops if isinstance(op, (ir.Cond, ir.While))], sg
+
+
+@pytest.mark.parametrize("fn", [written_into_a_buffer, scaled_in_place, added_in_place])
+def test_a_branch_whose_result_no_later_change_reaches_hands_on_its_copy(fn):
+    ops, sg = conds_and_whiles(fn)
+    found = aliasing.needs_aliases(sg, lambda invoke: True)
+    assert any(isinstance(op, ir.Cond) for op in ops) and not any(isinstance(op, ir.Cond) for op in found)
+    # (the loop hands on ``acc``, which the function returns and its caller may change; ``out`` it only writes)
+    assert found == ({op for op in ops if isinstance(op, ir.While)} if fn is not written_into_a_buffer else set())
+
+
+@pytest.mark.parametrize("fn", [hands_on_the_argument, returns_what_it_joined, list_appended_then_changed,
+                                changed_after_the_join])
+def test_what_a_later_change_may_reach_needs_the_arguments_rows(fn):
+    ops, sg = conds_and_whiles(fn)
+    assert aliasing.needs_aliases(sg, lambda invoke: True) == set(ops)
+
+
+@pytest.mark.parametrize("fn", [written_into_a_buffer, scaled_in_place, added_in_place])
+def test_under_vmap_the_copies_handed_on_give_eager_values_and_gradients(fn):
+    xs = torch.randn(5, 6, 2, dtype=F64, generator=torch.Generator().manual_seed(1))
+    n = torch.tensor([6, 1, 3, 0, 4])
+    leaf = xs.clone().requires_grad_()
+    want = torch.stack([fn(leaf[k], int(n[k])) for k in range(5)])
+    want_grad, = torch.autograd.grad(want.sum(), leaf)
+    leaf = xs.clone().requires_grad_()
+    got = recompile.vmap(recompile.function(fn))(leaf, n)
+    got_grad, = torch.autograd.grad(got.sum(), leaf)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grad, want_grad)
+
+
+def test_a_loop_carried_tensor_is_known_as_one_and_a_list_is_not():
+    _, sg = conds_and_whiles(written_into_a_buffer)
+    known = aliasing._tensors(sg)
+    loop = next(op for s in sg.walk() for op in s.ops if isinstance(op, ir.While))
+    buffer = next(j for j, v in enumerate(loop.invariants) if isinstance(v, ir.Value) and "zeros" in v.hint)
+    assert id(loop.body_sg.inputs[len(loop.loop_vars) + buffer]) in known  # (``out``, written in the loop)
+    _, sg = conds_and_whiles(list_appended_then_changed)
+    lists = [op.outputs[0] for s in sg.walk() for op in s.ops if isinstance(op, ir.Call) and "build_list" in
+             repr(op.fn)]
+    assert lists and not any(id(v) in known for v in lists)
