@@ -274,6 +274,54 @@ def handed_on_by_dropout_that_does_not_train(x, b, c):
     return (v * x).sum()
 
 
+# (v made by arithmetic with a tensor the function made: the analysis knows it for a tensor, and groups no
+# method's result with it)
+
+
+def changed_by_a_torch_function_in_place(x, b, c):
+    v = torch.zeros(2, dtype=F64) + x - 0.3
+    w = v if c > 0 else v * 2.0
+    torch.Tensor.mul_(w, 3.0)
+    torch.Tensor.add_(w, 1.0)
+    return (v * x).sum()
+
+
+def the_argument_changed_by_a_torch_function_after_a_loop(x, b, c):
+    v = torch.zeros(2, dtype=F64) + x - 0.3
+    w = v * 2.0
+    i = 0
+    while i < b:
+        w = v
+        i += 1
+    torch.relu_(v)  # (w is v where b > 0: it sees the change)
+    return (w * x).sum()
+
+
+def held_by_a_list_repeated_by_a_tensor(x, b, c):
+    v = torch.zeros(2, dtype=F64) + x
+    w = v if c > 0 else v * 2.0
+    ys = [w] * torch.ones((), dtype=torch.long)  # (a list that holds w)
+    ys[0].mul_(3.0)
+    return (v * x).sum()
+
+
+RELU_IN_PLACE = torch.nn.ReLU(inplace=True)
+
+
+def changed_by_an_in_place_flag(x, b, c):
+    v = torch.zeros(2, dtype=F64) + x - 0.3
+    w = v if c > 0 else v * 2.0
+    torch.nn.functional.leaky_relu(w, 0.5, True)  # (its inplace flag by position)
+    return (v * x).sum()
+
+
+def changed_by_an_in_place_module(x, b, c):
+    v = torch.zeros(2, dtype=F64) + x - 0.3
+    u = v if c > 0 else v * 3.0
+    RELU_IN_PLACE(u)
+    return (v * x).sum()
+
+
 PROGRAMS = [either_of_two, swapped_in_a_loop, branch_then_change, change_after_the_join, two_names_then_a_change,
             loop_hands_on_an_argument, branch_in_a_loop_hands_on, change_inside_the_loop_after_the_branch,
             nested_branches_then_a_change, through_two_joins, handed_on_in_a_list, a_part_of_a_row_handed_on,
@@ -281,7 +329,9 @@ PROGRAMS = [either_of_two, swapped_in_a_loop, branch_then_change, change_after_t
             other_rows_of_the_source_changed, stored_in_a_list_then_changed, a_list_joined_then_changed,
             appended_then_changed, changed_through_a_dict, changed_by_a_helper, the_argument_changed_after_the_join,
             changed_through_a_view_of_the_joined_value, handed_on_by_a_module_and_a_method,
-            handed_on_by_dropout_that_does_not_train]
+            handed_on_by_dropout_that_does_not_train, changed_by_a_torch_function_in_place,
+            the_argument_changed_by_a_torch_function_after_a_loop, held_by_a_list_repeated_by_a_tensor,
+            changed_by_an_in_place_flag, changed_by_an_in_place_module]
 X = torch.randn(7, 2, dtype=F64, generator=torch.Generator().manual_seed(0))
 B = torch.tensor([1, 1, -1, 2, 1, 0, 3])
 C = torch.tensor([1, -1, 1, 1, 1, -1, 1])

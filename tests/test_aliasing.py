@@ -74,7 +74,7 @@ def conds_and_whiles(fn):
 @pytest.mark.parametrize("fn", [written_into_a_buffer, scaled_in_place, added_in_place])
 def test_a_branch_whose_result_no_later_change_reaches_hands_on_its_copy(fn):
     ops, sg = conds_and_whiles(fn)
-    found = aliasing.needs_aliases(sg, lambda invoke: True)
+    found = aliasing.reached(sg, lambda invoke: True).outputs
     assert any(isinstance(op, ir.Cond) for op in ops) and not any(isinstance(op, ir.Cond) for op in found)
     # (the loop hands on ``acc``, which the function returns and its caller may change; ``out`` it only writes)
     assert found == ({op for op in ops if isinstance(op, ir.While)} if fn is not written_into_a_buffer else set())
@@ -84,7 +84,7 @@ def test_a_branch_whose_result_no_later_change_reaches_hands_on_its_copy(fn):
                                 changed_after_the_join])
 def test_what_a_later_change_may_reach_needs_the_arguments_rows(fn):
     ops, sg = conds_and_whiles(fn)
-    assert aliasing.needs_aliases(sg, lambda invoke: True) == set(ops)
+    assert aliasing.reached(sg, lambda invoke: True).outputs == set(ops)
 
 
 @pytest.mark.parametrize("fn", [written_into_a_buffer, scaled_in_place, added_in_place])
@@ -111,3 +111,18 @@ def test_a_loop_carried_tensor_is_known_as_one_and_a_list_is_not():
     lists = [op.outputs[0] for s in sg.walk() for op in s.ops if isinstance(op, ir.Call) and "build_list" in
              repr(op.fn)]
     assert lists and not any(id(v) in known for v in lists)
+
+
+def read_then_set(x, n):
+    v = x * 1.0
+    u = (x @ v.t()) if n > 2 else x * 2.0  # (reads v; a later change of v must reach what the product saved)
+    v[0] = u[0]
+    return v * 1.0
+
+
+def test_a_branch_or_loop_reading_what_a_later_change_reaches_notes_the_copies_it_reads():
+    ops, sg = conds_and_whiles(read_then_set)
+    assert aliasing.reached(sg, lambda invoke: True).operands == set(ops)
+    ops, sg = conds_and_whiles(written_into_a_buffer)
+    found = aliasing.reached(sg, lambda invoke: True).operands
+    assert found == {op for op in ops if isinstance(op, ir.While)}  # (``out`` is written in the loop; x is not)

@@ -2028,16 +2028,66 @@ def joined_then_set_from_a_loop(x, w):
 
 def test_rows_of_a_join_are_changed_in_place_with_values_that_need_a_gradient():
     """Each instance's row of a joined value is a view autograd lets be changed in place (not unbind's)."""
-    x_e = torch.tensor([[1.0, 2, 3], [-1.0, -2, 0], [2.0, 1, 1], [-1.0, -2, 0]], dtype=F64, requires_grad=True)
-    w_e = torch.tensor([[0.5, -1.0, 2.0], [2.0, 0.25, 0.0]], dtype=F64, requires_grad=True)
-    x_b, w_b = (t.detach().clone().requires_grad_() for t in (x_e, w_e))
-    want = torch.stack([joined_then_set_from_a_loop(r, w_e) for r in x_e])
-    got = recompile.vmap(recompile.function(joined_then_set_from_a_loop), in_dims=(0, None))(x_b, w_b)
+    x = torch.tensor([[1.0, 2, 3], [-1.0, -2, 0], [2.0, 1, 1], [-1.0, -2, 0]], dtype=F64)
+    vmap_matches_eager(joined_then_set_from_a_loop, x, torch.tensor([[0.5, -1.0, 2.0], [2.0, 0.25, 0.0]], dtype=F64))
+
+
+def vmap_matches_eager(fn, x, shared):
+    """``recompile.vmap`` of ``fn`` over the rows of ``x``, ``shared`` given whole, against eager calls: values
+    and the gradients of their squares' sum."""
+    x_e, s_e = (t.clone().requires_grad_() for t in (x, shared))
+    x_b, s_b = (t.clone().requires_grad_() for t in (x, shared))
+    want = torch.stack([fn(r, s_e) for r in x_e])
+    got = recompile.vmap(recompile.function(fn), in_dims=(0, None))(x_b, s_b)
     assert_close(got, want)
-    for g_b, g_e in zip(torch.autograd.grad(got.square().sum(), (x_b, w_b)),
-                        torch.autograd.grad(want.square().sum(), (x_e, w_e))):
+    for g_b, g_e in zip(torch.autograd.grad(got.square().sum(), (x_b, s_b)),
+                        torch.autograd.grad(want.square().sum(), (x_e, s_e))):
         assert_close(g_b, g_e, GRAD_TOL)
 
+
+def joined_then_divided(x, y):
+    if x.sum() > 0:
+        v = x.max() * 1.0
+    else:
+        v = torch.tanh(PICKED_FROM.amax())  # (made once for every instance, needing no gradient)
+    v /= y[1] * y[1] + 1.0  # (each instance's own op: the rows of the value made once come to need a gradient)
+    return v * x
+
+
+def test_rows_of_a_value_made_once_are_each_changed_in_place_with_a_value_that_needs_a_gradient(monkeypatch):
+    """Random program 46075: the second instance's row, viewed before the first instance's op made their tensor
+    need a gradient, counted as a leaf, and its op raised where eager computes."""
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    x = torch.tensor([[1.0, 2, 3], [-1.0, -2, 0], [2.0, 1, 1], [-1.0, -2, 0.5]], dtype=F64)
+    vmap_matches_eager(joined_then_divided, x, torch.tensor([0.5, -1.0, 2.0], dtype=F64))
+
+
+def product_in_a_branch_then_set(x, w):
+    v = w * x
+    u = (x @ v) if x.sum() > 0 else x * 2.0  # (the product saves v: a copy of the instances' rows here)
+    v[1] = u  # (eager's backward through x @ v then raises)
+    return v
+
+
+@pytest.mark.parametrize("positive", [True, False])
+def test_a_change_in_place_of_what_a_branch_read_raises_in_the_backward_as_eager_does(positive):
+    """Random program 46501: a side of a branch read its copy of v's rows, where eager reads v; a change of v
+    after the join must move that copy's version, or the backward misses eager's refusal."""
+    x = torch.tensor([[1.0, 2.0], [-1.0, -2.0], [2.0, 0.5]], dtype=F64)
+    x = (x if positive else -x.abs()).requires_grad_()
+    w = torch.tensor([[0.5, -1.0], [2.0, 0.25]], dtype=F64, requires_grad=True)
+    run = recompile.vmap(recompile.function(product_in_a_branch_then_set), in_dims=(0, None))
+    want = torch.stack([product_in_a_branch_then_set(r, w) for r in x])
+    got = run(x, w)
+    assert_close(got, want)
+    if positive:  # (some instances took the product)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(want.sum(), (x, w))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(got.sum(), (x, w))
+        return
+    for g_b, g_e in zip(torch.autograd.grad(got.sum(), (x, w)), torch.autograd.grad(want.sum(), (x, w))):
+        assert_close(g_b, g_e, GRAD_TOL)
 
 # ---------------------------------------------------------------------------
 # per-instance runs are never silent

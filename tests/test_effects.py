@@ -226,3 +226,32 @@ def test_a_helper_that_sorts_a_list_keeps_its_place_before_what_reads_the_list()
     compiled = recompile.function(read_after_a_helper_sorts)
     torch.testing.assert_close(compiled(x[0]), read_after_a_helper_sorts(x[0]))
     torch.testing.assert_close(recompile.vmap(compiled)(x), torch.stack([read_after_a_helper_sorts(v) for v in x]))
+
+
+RELU_IN_PLACE = torch.nn.ReLU(inplace=True)
+
+
+def leaky_by_position(x):
+    y = x * 1.0
+    torch.nn.functional.leaky_relu(y, 0.5, True)  # (``inplace`` given by position)
+    return y
+
+
+def leaky_out_of_place(x):
+    y = x * 1.0
+    return torch.nn.functional.leaky_relu(y, 0.5, False)
+
+
+def relu_module_in_place(x):
+    y = x * 1.0
+    RELU_IN_PLACE(y)
+    return y
+
+
+@pytest.mark.parametrize("fn, mutates", [(leaky_by_position, True), (leaky_out_of_place, False),
+                                         (relu_module_in_place, True)], ids=lambda v: getattr(v, "__name__", str(v)))
+def test_an_inplace_flag_by_position_or_a_module_built_in_place_changes_its_argument(fn, mutates):
+    f = recompile.function(fn)
+    assert f.callee(None).may_mutate is mutates
+    x = torch.tensor([[2.0, -1.0, 3.0], [-2.0, 1.0, -0.5]])
+    torch.testing.assert_close(recompile.vmap(f)(x), torch.stack([fn(r) for r in x]))

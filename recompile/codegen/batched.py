@@ -14,7 +14,7 @@ import ast
 import operator
 
 from .. import config, intrinsics, ir
-from ..passes.aliasing import needs_aliases
+from ..passes import aliasing
 from ..passes.batching import BatchPlan
 from ..passes.effects import local_appends, subgraph_may_mutate
 from ..passes.levels import level_shape
@@ -177,10 +177,12 @@ class _BatchedEmitter(emit.FunctionEmitter):
     def changes(self, op):
         """``True`` for a Cond or While of a function that may change a value in place (``passes.effects``),
         in a branch or after it: the sides of a split then copy their changed rows back, and a side handing
-        on its rows of an argument hands on the argument (``control.write_back``); then ``False`` where no
-        change in place may reach what it is given or hands on afterwards (``passes.aliasing``): a copy
-        handed on serves as the argument's rows."""
-        return [ast.Constant(value=self.emission.changes), ast.Constant(value=op in self.emission.aliases)]
+        on its rows of an argument hands on the argument (``control.write_back``); then whether a change in
+        place may reach what it hands on afterwards, and what it is given (``passes.aliasing``): where none
+        can, a copy handed on serves as the argument's rows, and a copy read needs no note."""
+        reached = self.emission.reached
+        return [ast.Constant(value=self.emission.changes), ast.Constant(value=op in reached.outputs),
+                ast.Constant(value=op in reached.operands)]
 
     def cond_stmts(self, op):
         branch = ast.Call(func=self.helper(control.Branch, "Branch"),
@@ -368,7 +370,7 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     emission = emit.Emission(sg, may_mutate)
     emission.generators = set(batch_plan.generators)
     emission.changes = subgraph_may_mutate(sg, may_mutate)
-    emission.aliases = needs_aliases(sg, may_mutate)
+    emission.reached = aliasing.reached(sg, may_mutate)
     # (a list the function builds and appends to changes nothing others see, but traced code, which replays
     # torch ops alone, would drop the appends: such a function runs op by op, as one that changes values)
     emission.replays = not emission.changes and not local_appends(sg)

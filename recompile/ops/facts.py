@@ -11,6 +11,7 @@ are written (``ops.table``).
 from __future__ import annotations
 
 import collections
+import inspect
 import math
 import operator
 
@@ -108,6 +109,40 @@ def mutating_call(name, keywords, first=None):
     if name in _TENSOR_FIRST_ARGUMENT and type(first) is _TENSOR_FIRST_ARGUMENT[name]:
         return False
     return mutating_method(name)
+
+
+_INPLACE_AT = {}
+
+
+def inplace_position(fn):
+    """The position of callable ``fn``'s ``inplace`` parameter (``F.relu``, ``F.leaky_relu``), or None."""
+    try:
+        return _INPLACE_AT[fn]
+    except (KeyError, TypeError):
+        pass
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        names = []
+    at = names.index("inplace") if "inplace" in names else None
+    try:
+        _INPLACE_AT[fn] = at
+    except TypeError:  # (an unhashable callable)
+        pass
+    return at
+
+
+def asks_in_place(fn, args, kwargs):
+    """Whether ``fn(*args, **kwargs)`` writes its first argument by an ``inplace`` flag (``F.relu(x, True)``,
+    ``inplace=True``) or is a module built with ``inplace=True``."""
+    if kwargs and kwargs.get("inplace"):
+        return True
+    if getattr(fn, "inplace", False) is True:
+        return True
+    at = inplace_position(fn)
+    if at is None or at >= len(args):
+        return False
+    return type(args[at]) in (bool, int) and bool(args[at])
 
 
 # Augmented assignments a tensor takes in place, with the gradient of its old value (``autodiff.backprop``)

@@ -7,7 +7,7 @@ rows, and a value a side hands on from those copies is given back as views of th
 no change in place can reach the handed-on value or the argument afterwards, the copy holds the same values and
 serves as well.
 
-``needs_aliases`` groups the function's values by what may share memory (a union of the values an op may hand
+``reached`` groups the function's values by what may share memory (a union of the values an op may hand
 on or view: an item of its list, a view, an attribute; not arithmetic, whose results are new), marks the groups
 a change in place may reach (its target; what a call of unknown code or of a compiled function that may change
 state is given; globals, where such a call is made; what the function returns, which its caller may change) and
@@ -172,14 +172,31 @@ def _tensors(sg):
         assumed = still
 
 
+def _new_of_tensors(fn, args, known):
+    """Whether ``fn(*args)``, an operator, makes a new tensor of its tensor operands: ``x += y`` of a tensor x;
+    ``x * y`` where neither may be a list or tuple (``[w] * k`` of an integer tensor k holds w); ``x + y``,
+    ``x - y``, ``x & y`` of a tensor (a list with a tensor is an error there)."""
+    def tensor(v):
+        return isinstance(v, ir.Value) and id(v) in known
+
+    if facts.among(fn, syntax.AUGMENTED) or facts.among(fn, _NEW_OF_A_CHANGED_TENSOR):
+        return bool(args) and tensor(args[0])
+    if fn is operator.mul:
+        return any(tensor(a) for a in args) and all(
+            tensor(a) or isinstance(a, ir.Const) and type(a.value) in (int, float, bool, complex) for a in args)
+    return any(tensor(a) for a in args)
+
+
 def _makes_a_tensor(op, known, resolve):
     def tensor(v):
         return isinstance(v, ir.Value) and id(v) in known
 
     fn = resolve(op.fn)
     if fn is not None:
-        if facts.among(fn, syntax.AUGMENTED) or facts.among(fn, _NEW_OF_A_CHANGED_TENSOR) or fn is operator.getitem:
+        if fn is operator.getitem:
             return bool(op.args) and tensor(op.args[0])
+        if facts.among(fn, syntax.AUGMENTED) or facts.among(fn, _NEW_OF_A_CHANGED_TENSOR) or fn is operator.mul:
+            return _new_of_tensors(fn, op.args, known)
         if getattr(fn, "__module__", None) in ("operator", "_operator"):
             return any(tensor(a) for a in op.args)  # (``x < 0`` of a tensor; of numbers, a bool)
         return facts.among(fn, _NEW_TENSORS) and not facts.among(fn, _TUPLES)
@@ -190,9 +207,16 @@ def _makes_a_tensor(op, known, resolve):
     return name in _TENSOR_METHODS or name in facts.VIEW_METHODS or name.endswith("_") and not name.endswith("__")
 
 
-def needs_aliases(sg, may_mutate):
-    """The Cond and While ops of function SubGraph ``sg`` (nested ones too) whose outputs (and what they may hand
-    on) a change in place may reach after they end; ``may_mutate(invoke)``: whether an Invoke's program may change
+class Reached:
+    """Of one function's Cond and While ops (nested ones too): ``outputs``, those whose outputs (and what they may
+    hand on) a later change in place may reach; ``operands``, those whose operands one may reach."""
+
+    def __init__(self, outputs, operands):
+        self.outputs, self.operands = outputs, operands
+
+
+def reached(sg, may_mutate):
+    """The Reached of function SubGraph ``sg``; ``may_mutate(invoke)``: whether an Invoke's program may change
     state."""
     groups = _Groups()
     tensors = _tensors(sg)
@@ -216,10 +240,12 @@ def needs_aliases(sg, may_mutate):
     if world_reached:
         groups.mark(_WORLD_VALUE)
     groups.mark(*(v for v in sg.outputs if isinstance(v, ir.Value)))  # (the caller may change what it gets)
-    # (an output is grouped with the operands a side may hand on: an operand no side hands on is only written
-    # back, as it is anyway)
-    return {op for op, _ in _ops(sg) if isinstance(op, (ir.Cond, ir.While))
-            and any(groups.is_marked(v) for v in op.outputs)}
+    ops = [op for op, _ in _ops(sg) if isinstance(op, (ir.Cond, ir.While))]
+    # (an output is grouped with the operands a side may hand on; an operand no side hands on is only written
+    # back, and the copies of its rows a side read follow a later change of it (``control``) only where one may
+    # reach it)
+    return Reached({op for op in ops if any(groups.is_marked(v) for v in op.outputs)},
+                   {op for op in ops if any(groups.is_marked(v) for v in _operands(op))})
 
 
 _WORLD_VALUE = ir.Value("world")  # (the group of what globals and closure cells hold)
@@ -248,9 +274,7 @@ def _call(op, groups, tensors, resolve):
         if facts.among(fn, _NEW_ALWAYS) or facts.among(fn, _NEW_TENSORS):
             return False
         if facts.among(fn, _NEW_OF_A_TENSOR) or facts.among(fn, _NEW_OF_A_CHANGED_TENSOR):
-            tensor = is_tensor(op.args[0]) if facts.among(fn, _NEW_OF_A_CHANGED_TENSOR) else \
-                any(is_tensor(a) for a in op.args)
-            if not tensor:
+            if not _new_of_tensors(fn, op.args, tensors):
                 groups.union(*outs, *given)
             return False
         if isinstance(fn, nn.Module) and type(fn).__module__.startswith("torch.nn") \
@@ -294,20 +318,22 @@ def _change(op, fn, method, given, groups, is_tensor):
         if not is_tensor(op.args[0]):  # (``xs += [v]``: the list then holds v)
             groups.union(op.args[0], op.args[1])
         return False
-    if method is not None:
+    if fn is None and method is not None:  # (a method of a value: ``t.add_(v)``, ``xs.append(v)``)
         receiver, name = method
         groups.union(*outs, receiver)
-        groups.mark(receiver)
-        if not (name.endswith("_") and not name.endswith("__")):  # (``xs.append(v)``; ``t.add_(v)`` copies v)
-            groups.union(receiver, *given)
+        if name.endswith("_") and not name.endswith("__"):
+            groups.mark(receiver)  # (a tensor's in-place method: it copies v's values)
+        else:
+            groups.union(receiver, *given)  # (the list, dict or set then holds v: nothing of a tensor changed)
         return False
-    if any(name == "inplace" for name, _ in op.kwargs) and op.args:  # (``F.relu(x, inplace=True)``)
+    if effects.in_place_flag(op) and op.args:  # (``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)(x)``)
         groups.union(*outs, op.args[0])
         groups.mark(op.args[0])
         return False
-    groups.union(*outs, *given)  # (setattr, a global's write, ...: whatever it holds may change)
+    # (``torch.relu_(w)``, ``nn.init.zeros_(w)``, setattr, a global's write, ...: whatever it is given may change)
+    groups.union(*outs, *given)
     groups.mark(*given)
-    return True
+    return not _is_torch_function(fn)
 
 
 def _is_torch_function(fn):

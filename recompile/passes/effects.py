@@ -29,8 +29,8 @@ def op_mutates(op):
         return False
     if out_target(op) is not None:  # torch.mul(a, b, out=c) writes c
         return True
-    if any(name == "inplace" and not (isinstance(v, ir.Const) and not v.value) for name, v in op.kwargs):
-        return True  # F.relu(x, inplace=True) writes x
+    if in_place_flag(op):
+        return True  # F.relu(x, inplace=True) or F.relu(x, True) writes x, and so does nn.ReLU(inplace=True)
     fn = op.fn
     if isinstance(fn, ir.Const):
         return facts.among(fn.value, facts.MUTATING)
@@ -45,6 +45,20 @@ def op_mutates(op):
         value = build_time_value(producer)  # setattr(...) read as a builtin, heappush imported by name
         return facts.among(value, facts.MUTATING) or facts.mutating_method(ir.safe_getattr(value, "__name__"))
     return False
+
+
+def in_place_flag(op):
+    """Whether Call ``op`` asks a function with an ``inplace`` parameter to write its first argument (by keyword
+    or by position: ``F.leaky_relu(x, 0.2, True)``), or calls a module built with ``inplace=True``."""
+    if any(name == "inplace" and not (isinstance(v, ir.Const) and not v.value) for name, v in op.kwargs):
+        return True
+    fn = resolve(op.fn)
+    if fn is None:
+        return False
+    if getattr(fn, "inplace", False) is True and callable(fn):  # (``nn.ReLU(inplace=True)``, read at build time)
+        return True
+    at = facts.inplace_position(fn)
+    return at is not None and at < len(op.args) and not (isinstance(op.args[at], ir.Const) and not op.args[at].value)
 
 
 def out_target(op):

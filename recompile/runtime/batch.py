@@ -495,21 +495,46 @@ _limits = {"made_from": 4096, "caches": 256}  # (the sizes past which MADE_FROM 
 def note_made_from(items, stacked):
     """Note that tensor ``stacked`` holds copies of tensors ``items``, where eager code would hold them or views
     of them (a stack of instances' tensors; rows gathered where each instance's index makes a view)."""
-    if sharing.state.fresh or not torch.is_grad_enabled() or stacked.is_inference():
-        return  # (a run that changes nothing in place; no backward to raise in)
-    if len(MADE_FROM) > _limits["made_from"]:
-        for key, (base, stacks) in list(MADE_FROM.items()):
-            if base() is None or all(s() is None for s, _, _ in stacks):
-                del MADE_FROM[key]
-        _limits["made_from"] = max(4096, 2 * len(MADE_FROM))  # (what stays alive is pruned again once it doubles)
+    if not _noting(stacked):
+        return
     ref = weakref.ref(stacked)
     for t in items:
-        base = t if t._base is None else t._base
-        entry = MADE_FROM.get(id(base))
-        if entry is None or entry[0]() is not base:
-            entry = MADE_FROM[id(base)] = (weakref.ref(base), [])
         start = t.storage_offset()
-        entry[1].append((ref, start, start + span(t)))
+        _copies_of(t)[1].append((ref, start, start + span(t), None))
+
+
+def note_rows_copied(source, index, rows):
+    """Note that tensor ``rows`` holds copies of tensor ``source``'s rows at ``index`` (a LongTensor), where
+    eager code would hold each instance's row itself (a branch's side reading its copy of an argument)."""
+    if not _noting(rows) or source.dim() == 0:
+        return
+    start, step = source.storage_offset(), source.stride(0)
+    row = 1 + sum((size - 1) * stride for size, stride in zip(source.shape[1:], source.stride()[1:])) \
+        if source.numel() else 0
+    _copies_of(source)[1].append((weakref.ref(rows), start, start + span(source),
+                                  (start, step, row, frozenset(index.tolist()))))
+
+
+def _noting(stacked):
+    """Whether copies made now are noted (a run that may change values in place, with a backward to raise in);
+    prunes ``MADE_FROM`` as it grows."""
+    if sharing.state.fresh or not torch.is_grad_enabled() or stacked.is_inference():
+        return False
+    if len(MADE_FROM) > _limits["made_from"]:
+        for key, (base, stacks) in list(MADE_FROM.items()):
+            if base() is None or all(s[0]() is None for s in stacks):
+                del MADE_FROM[key]
+        _limits["made_from"] = max(4096, 2 * len(MADE_FROM))  # (what stays alive is pruned again once it doubles)
+    return True
+
+
+def _copies_of(t):
+    """The ``MADE_FROM`` entry of the tensor ``t`` views (its base, or itself), made where there is none."""
+    base = t if t._base is None else t._base
+    entry = MADE_FROM.get(id(base))
+    if entry is None or entry[0]() is not base:
+        entry = MADE_FROM[id(base)] = (weakref.ref(base), [])
+    return entry
 
 
 def after_in_place(target):
@@ -533,10 +558,21 @@ def changed_in_place(t):
     # is another tensor in eager code, with a version of its own)
     start = t.storage_offset()
     end = start + span(t)
-    for ref, lo, hi in entry[1]:
+    for ref, lo, hi, rows in entry[1]:
         stacked = ref()
-        if stacked is not None and lo < end and start < hi:
+        if stacked is not None and lo < end and start < hi and (rows is None or _rows_overlap(rows, start, end)):
             torch.autograd.graph.increment_version(stacked)
+
+
+def _rows_overlap(rows, start, end):
+    """Whether storage ``start`` .. ``end`` overlaps one of the rows a note copied: ``rows`` is (the source's
+    offset, its rows' stride, what a row spans, the rows copied)."""
+    offset, step, row, copied = rows
+    if step <= 0:
+        return True
+    first = max(0, (start - offset - row) // step + 1)
+    last = (end - 1 - offset) // step
+    return any(r in copied for r in range(first, last + 1))
 
 
 def span(t):

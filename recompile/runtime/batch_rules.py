@@ -67,7 +67,7 @@ def _name(fn):
 def call(n, fn, args, kwargs=None):
     """``fn(*args, **kwargs)`` for n instances."""
     out = _call(n, fn, args, kwargs)
-    if (bt.CACHES or bt.MADE_FROM) and _changes_in_place(fn):
+    if (bt.CACHES or bt.MADE_FROM) and (_changes_in_place(fn) or facts.asks_in_place(fn, args, kwargs)):
         # (a change through a view of a value joined from pieces, or of a value copies were made from where eager
         # makes views: see bt.CACHES, bt.MADE_FROM)
         bt.after_in_place(_in_place_target(fn, args))
@@ -383,8 +383,17 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     # from them: see below)
     owned = [(t, t._version) for x in given if type(x) is Batch and x.owner == "items"
              for t in x.items if isinstance(t, torch.Tensor) and not t.is_inference()] if bt.MADE_FROM else ()
+    # (an in-place op with gradients on: each instance's row of one tensor that needs no gradient (a value made
+    # once, as each instance's own copy) becomes one that needs it once an instance's op reads one that does;
+    # the other instances' rows, viewed before, count as leaves, which autograd lets no one change, until what
+    # autograd records of them is read again)
+    target = _in_place_target(fn, args) if torch.is_grad_enabled() and (
+        _changes_in_place(fn) or facts.asks_in_place(fn, args, kwargs)) else None
+    items = bt.items_of(target) if type(target) is Batch and target.owner != "tensor" else None
     results = []
     for k in range(n):
+        if items is not None and isinstance(items[k], torch.Tensor) and items[k]._base is not None:
+            items[k].grad_fn  # (read: a view of a base changed since regenerates it)
         results.append(sharing.call_owning(bt.instance(fn, k), [bt.instance(x, k) for x in args],
                                            {key: bt.instance(v, k) for key, v in kwargs.items()}))
     if bt.CACHES:  # (a value joined from branches, changed through the tensor of its rows: see bt.CACHES)

@@ -60,12 +60,13 @@ def _index(positions, like):
     return bt.long_tensor(positions, device)
 
 
-def _take_all(values, side, copies=None, taken=None):
+def _take_all(values, side, copies=None, taken=None, noted=False):
     """The sub-batches of ``values`` for the instances of ``side`` (positions, index). A value given twice is
     taken once, so the side sees one object, as each instance does. With ``copies`` (where the program may
     change a value in place), rows taken out of a batched tensor are always a copy (one instance's row too,
     not a view, whose changes would move the version of the whole batch) and are noted there for
-    ``write_back``; with ``taken``, each batch taken is noted there as (batch, index, what was taken)."""
+    ``write_back``, and, ``noted``, as copies that a later change of the source reaches (``_note_copied``);
+    with ``taken``, each batch taken is noted there as (batch, index, what was taken)."""
     positions, index = side
     if index is None:
         index = _index(positions, values)
@@ -77,6 +78,8 @@ def _take_all(values, side, copies=None, taken=None):
             source = bt.rows_tensor(v) if copies is not None and type(v) is Batch else None
             if source is not None:
                 rows = source.index_select(0, bt.index_on(index, source))
+                if noted:
+                    _note_copied(source, index, rows)
                 t = bt.from_tensor(rows)
                 # (an inference tensor keeps no version: its rows are copied back whether changed or not)
                 copies.append((v, index, t, rows, None if rows.is_inference() else rows._version))
@@ -87,6 +90,13 @@ def _take_all(values, side, copies=None, taken=None):
             done[id(v)] = t
         out.append(t)
     return out
+
+
+def _note_copied(source, index, rows):
+    """Note that ``rows`` copies ``source``'s rows at ``index``, which the side reads where eager code reads the
+    very tensors (``bt.note_rows_copied``): an op of the side that saves them raises in the backward, as
+    eager's does, where a later change in place of those rows of the source moves their version."""
+    bt.note_rows_copied(source, index, rows)
 
 
 def _part_all(values, start, count):
@@ -130,13 +140,14 @@ class Branch:
 
     __slots__ = ("n", "sides", "order", "copies", "reached")
 
-    def __init__(self, n, pred, args, changes=False, reached=True):
+    def __init__(self, n, pred, args, changes=False, reached=True, read_reached=True):
         self.n = n
         self.order = None
         # where the program may change a value in place (passes.effects): (batch, index, what a side got,
         # the rows copied for it, their version then), for write_back; and where a change in place may reach
         # what it is given or hands on afterwards (passes.aliasing), what a side hands on of its copies is given
-        # back as the arguments' rows (see _aliased)
+        # back as the arguments' rows (see _aliased); and where one may reach what it is given, the copies the
+        # sides read are noted (_take_all)
         self.reached = reached and (changes or not sharing.state.fresh)
         self.copies = [] if changes or self.reached else None
         if n == 1:
@@ -148,7 +159,8 @@ class Branch:
             if len(positions) == n:
                 sides.append((which, args, positions))
             elif positions:
-                sides.append((which, tuple(_take_all(args, side, self.copies)), positions))
+                taken = _take_all(args, side, self.copies, noted=read_reached)
+                sides.append((which, tuple(taken), positions))
                 indexes.append(side[1])
         self.sides = sides
         if len(sides) > 1:  # one Order for all the outputs
@@ -210,9 +222,9 @@ class Loop:
     """A While over n instances: instances leave as their predicate turns false; ``result`` joins their
     final values."""
 
-    __slots__ = ("n", "carried", "k", "positions", "done", "copies", "initial", "handed_on", "left")
+    __slots__ = ("n", "carried", "k", "positions", "done", "copies", "initial", "handed_on", "left", "noted")
 
-    def __init__(self, n, carried, k, changes=False, reached=True):
+    def __init__(self, n, carried, k, changes=False, reached=True, read_reached=True):
         self.n, self.carried, self.k = n, list(carried), k
         self.positions = list(range(n))
         self.done = []  # (final values, positions)
@@ -220,6 +232,7 @@ class Loop:
         # (value, index, what the instances that left got), where a change in place may reach what the loop
         # hands on afterwards (passes.aliasing): see result
         self.left = [] if changes and reached else None
+        self.noted = read_reached  # (the copies the staying instances read are noted: see _take_all)
         # per loop variable, whether every step so far handed on the value it was given (see result)
         self.initial = self.carried[:k] if changes else None
         self.handed_on = [type(v) is Batch and v.owner == "tensor" for v in self.initial] if changes else None
@@ -243,7 +256,8 @@ class Loop:
         if not stay[0]:
             return False
         if leave[0]:
-            self.carried = _part_all(self.carried, 0, first) if prefix else _take_all(self.carried, stay, self.copies)
+            self.carried = _part_all(self.carried, 0, first) if prefix else \
+                _take_all(self.carried, stay, self.copies, noted=self.noted)
             self.positions = [self.positions[k] for k in stay[0]]
             self.n = first
         return True
