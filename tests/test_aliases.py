@@ -322,6 +322,36 @@ def changed_by_an_in_place_module(x, b, c):
     return (v * x).sum()
 
 
+
+@recompile.function
+def put_into(xs, d, v, c):  # (compiled apart: what it puts into its caller's list and dict, the caller changes)
+    w = v if c > 0 else v * 2.0
+    xs.append(w)
+    d.update({"w": w})
+
+
+@recompile.function
+def put_after_a_loop(xs, v, b):
+    w = v * 2.0
+    i = 0
+    while i < b:
+        w = v
+        i += 1
+    xs.insert(0, w)
+
+
+def put_into_the_callers_containers_then_changed(x, b, c):
+    v = torch.zeros(2, dtype=F64) + x
+    xs, d = [], {}
+    put_into(xs, d, v, c)
+    xs[0].add_(1.0)
+    d["w"].mul_(2.0)
+    ys = []
+    put_after_a_loop(ys, v, b)
+    ys[0].add_(0.5)
+    return (v * x).sum()
+
+
 PROGRAMS = [either_of_two, swapped_in_a_loop, branch_then_change, change_after_the_join, two_names_then_a_change,
             loop_hands_on_an_argument, branch_in_a_loop_hands_on, change_inside_the_loop_after_the_branch,
             nested_branches_then_a_change, through_two_joins, handed_on_in_a_list, a_part_of_a_row_handed_on,
@@ -331,7 +361,8 @@ PROGRAMS = [either_of_two, swapped_in_a_loop, branch_then_change, change_after_t
             changed_through_a_view_of_the_joined_value, handed_on_by_a_module_and_a_method,
             handed_on_by_dropout_that_does_not_train, changed_by_a_torch_function_in_place,
             the_argument_changed_by_a_torch_function_after_a_loop, held_by_a_list_repeated_by_a_tensor,
-            changed_by_an_in_place_flag, changed_by_an_in_place_module]
+            changed_by_an_in_place_flag, changed_by_an_in_place_module,
+            put_into_the_callers_containers_then_changed]
 X = torch.randn(7, 2, dtype=F64, generator=torch.Generator().manual_seed(0))
 B = torch.tensor([1, 1, -1, 2, 1, 0, 3])
 C = torch.tensor([1, -1, 1, 1, 1, -1, 1])

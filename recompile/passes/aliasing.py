@@ -68,6 +68,7 @@ class _Groups:
     def __init__(self):
         self.parent = {}
         self.marked = set()
+        self.stored = []  # containers something was put into (``xs.append(v)``): see ``reached``
 
     def find(self, v):
         parent = self.parent
@@ -240,6 +241,9 @@ def reached(sg, may_mutate):
     if world_reached:
         groups.mark(_WORLD_VALUE)
     groups.mark(*(v for v in sg.outputs if isinstance(v, ir.Value)))  # (the caller may change what it gets)
+    # (what is put into a container the caller holds, or a global one, the caller may change later)
+    outside = {id(groups.find(v)) for v in (*sg.inputs, _WORLD_VALUE)}
+    groups.mark(*(c for c in groups.stored if id(groups.find(c)) in outside))
     ops = [op for op, _ in _ops(sg) if isinstance(op, (ir.Cond, ir.While))]
     # (an output is grouped with the operands a side may hand on; an operand no side hands on is only written
     # back, and the copies of its rows a side read follow a later change of it (``control``) only where one may
@@ -325,6 +329,7 @@ def _change(op, fn, method, given, groups, is_tensor):
             groups.mark(receiver)  # (a tensor's in-place method: it copies v's values)
         else:
             groups.union(receiver, *given)  # (the list, dict or set then holds v: nothing of a tensor changed)
+            groups.stored.append(receiver)
         return False
     if effects.in_place_flag(op) and op.args:  # (``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)(x)``)
         groups.union(*outs, op.args[0])
