@@ -132,12 +132,18 @@ def inplace_position(fn):
     return at
 
 
+def built_in_place(fn):
+    """Whether ``fn`` is a module built to write its input (``nn.ReLU(inplace=True)``, or one holding such a
+    module: ``nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True))``)."""
+    return isinstance(fn, nn.Module) and any(getattr(m, "inplace", False) is True for m in fn.modules())
+
+
 def asks_in_place(fn, args, kwargs):
     """Whether ``fn(*args, **kwargs)`` writes its first argument by an ``inplace`` flag (``F.relu(x, True)``,
     ``inplace=True``) or is a module built with ``inplace=True``."""
     if kwargs and kwargs.get("inplace"):
         return True
-    if getattr(fn, "inplace", False) is True:
+    if built_in_place(fn):
         return True
     at = inplace_position(fn)
     if at is None or at >= len(args):

@@ -55,7 +55,7 @@ def in_place_flag(op):
     fn = resolve(op.fn)
     if fn is None:
         return False
-    if getattr(fn, "inplace", False) is True and callable(fn):  # (``nn.ReLU(inplace=True)``, read at build time)
+    if facts.built_in_place(fn):  # (``nn.ReLU(inplace=True)``, read at build time)
         return True
     at = facts.inplace_position(fn)
     return at is not None and at < len(op.args) and not (isinstance(op.args[at], ir.Const) and not op.args[at].value)
