@@ -146,13 +146,7 @@ def _joins(sg):
 
 def _method(op):
     """(receiver, name) of a Call of ``obj.name`` (its callable a ``getattr`` of a constant name), else None."""
-    fn = op.fn
-    producer = fn.op if isinstance(fn, ir.Value) else None
-    if (isinstance(producer, ir.Call) and isinstance(producer.fn, ir.Const) and producer.fn.value is getattr
-            and len(producer.args) == 2 and isinstance(producer.args[1], ir.Const)
-            and isinstance(producer.args[1].value, str)):
-        return producer.args[0], producer.args[1].value
-    return None
+    return effects.attribute_read(op.fn)
 
 
 def _tensors(sg):

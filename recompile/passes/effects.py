@@ -35,10 +35,10 @@ def op_mutates(op):
     if isinstance(fn, ir.Const):
         return facts.among(fn.value, facts.MUTATING)
     producer = fn.op
-    if (isinstance(producer, ir.Call) and isinstance(producer.fn, ir.Const) and producer.fn.value is getattr
-            and isinstance(producer.args[1], ir.Const)):
+    read = attribute_read(fn)
+    if read is not None:
         first = op.args[0].value if op.args and isinstance(op.args[0], ir.Const) else None
-        return facts.mutating_call(producer.args[1].value, [key for key, _ in op.kwargs], first)  # obj.append(...)
+        return facts.mutating_call(read[1], [key for key, _ in op.kwargs], first)  # obj.append(...)
     if isinstance(producer, ir.Capture):
         if producer.source_kind == "attr":
             return facts.mutating_method(producer.source)  # self.append(...) in a list subclass
@@ -297,9 +297,21 @@ def resolve(operand):
     producer = operand.op
     if isinstance(producer, ir.Capture) and producer.source_kind in ("global", "closure"):
         return build_time_value(producer)
-    if (isinstance(producer, ir.Call) and isinstance(producer.fn, ir.Const) and producer.fn.value is getattr
-            and len(producer.args) == 2 and not producer.kwargs and isinstance(producer.args[1], ir.Const)
-            and isinstance(producer.args[1].value, str)):
-        base = resolve(producer.args[0])
-        return None if base is None else ir.safe_getattr(base, producer.args[1].value)
+    read = attribute_read(operand)
+    if read is not None:
+        base = resolve(read[0])
+        return None if base is None else ir.safe_getattr(base, read[1])
     return None
+
+
+def attribute_read(value):
+    """(the object operand, the name) where ``value`` is made by ``getattr(obj, "name")`` of a constant name
+    (``obj.name``, and the builtin called by its name), else None."""
+    producer = value.op if isinstance(value, ir.Value) else None
+    if not (isinstance(producer, ir.Call) and len(producer.args) == 2 and not producer.kwargs and not producer.star
+            and isinstance(producer.args[1], ir.Const) and isinstance(producer.args[1].value, str)):
+        return None
+    fn = producer.fn
+    if not (isinstance(fn, ir.Const) and fn.value is getattr or isinstance(fn, ir.Value) and resolve(fn) is getattr):
+        return None
+    return producer.args[0], producer.args[1].value

@@ -23,7 +23,7 @@ import torch
 
 from .. import intrinsics, ir
 from ..ops import facts, syntax
-from .effects import build_time_value, int_counting, op_mutates, out_target
+from .effects import attribute_read, build_time_value, int_counting, op_mutates, out_target
 
 # Changes that put nothing into their receiver: a caller reading it afterwards finds no new tensor.
 _REMOVING = frozenset({"pop", "popleft", "popitem", "remove", "discard", "clear", "sort", "reverse", "rotate",
@@ -246,13 +246,13 @@ def _callable(fn):
     producer = fn.op if isinstance(fn, ir.Value) else None
     if isinstance(producer, ir.Capture) and producer.source_kind in ("global", "closure"):
         return build_time_value(producer)
-    if (isinstance(producer, ir.Call) and isinstance(producer.fn, ir.Const) and producer.fn.value is getattr
-            and isinstance(producer.args[1], ir.Const)):
-        owner = producer.args[0]
+    read = attribute_read(fn)
+    if read is not None:
+        owner, name = read
         if isinstance(owner, ir.Value) and isinstance(owner.op, ir.Capture) and owner.op.source_kind == "global":
             module = build_time_value(owner.op)
             if type(module) is type(torch):
-                return ir.safe_getattr(module, producer.args[1].value)
+                return ir.safe_getattr(module, name)
     return None
 
 
@@ -261,9 +261,8 @@ def _of_self(fn):
     producer = fn.op if isinstance(fn, ir.Value) else None
     if isinstance(producer, ir.Capture) and producer.source_kind == "attr":
         base = producer.base
-    elif (isinstance(producer, ir.Call) and isinstance(producer.fn, ir.Const) and producer.fn.value is getattr
-          and isinstance(producer.args[1], ir.Const)):
-        base = producer.args[0]
+    elif attribute_read(fn) is not None:
+        base = attribute_read(fn)[0]
     else:
         return False
     return isinstance(base, ir.Value) and base.is_self
@@ -272,9 +271,8 @@ def _of_self(fn):
 def _method_name(fn):
     """The name of the method a Call's callable operand reads (``x.append``), or None."""
     producer = fn.op if isinstance(fn, ir.Value) else None
-    if (isinstance(producer, ir.Call) and isinstance(producer.fn, ir.Const) and producer.fn.value is getattr
-            and isinstance(producer.args[1], ir.Const)):
-        return producer.args[0], producer.args[1].value
+    if attribute_read(fn) is not None:
+        return attribute_read(fn)
     if isinstance(producer, ir.Capture) and producer.source_kind == "attr":
         return producer.base, producer.name.rsplit(".", 1)[-1]
     return None, None
