@@ -360,6 +360,20 @@ def changed_through_a_method_read_by_getattr(x, b, c):
     return (v * x).sum()
 
 
+
+def pick_deep(v, c, d):  # (an undecorated recursion changing nothing: a level program, where its caller does not
+    if d <= 0:           # change what it returns)
+        return v if c > 0 else v * 2.0
+    return pick_deep(v, c, d - 1)
+
+
+def a_recursion_hands_on_from_a_branch(x, b, c):
+    v = torch.zeros(2, dtype=F64) + x
+    w = pick_deep(v, c, 2)
+    w.add_(1.0)
+    return (v * x).sum()
+
+
 PROGRAMS = [either_of_two, swapped_in_a_loop, branch_then_change, change_after_the_join, two_names_then_a_change,
             loop_hands_on_an_argument, branch_in_a_loop_hands_on, change_inside_the_loop_after_the_branch,
             nested_branches_then_a_change, through_two_joins, handed_on_in_a_list, a_part_of_a_row_handed_on,
@@ -370,7 +384,8 @@ PROGRAMS = [either_of_two, swapped_in_a_loop, branch_then_change, change_after_t
             handed_on_by_dropout_that_does_not_train, changed_by_a_torch_function_in_place,
             the_argument_changed_by_a_torch_function_after_a_loop, held_by_a_list_repeated_by_a_tensor,
             changed_by_an_in_place_flag, changed_by_an_in_place_module,
-            put_into_the_callers_containers_then_changed, changed_through_a_method_read_by_getattr]
+            put_into_the_callers_containers_then_changed, changed_through_a_method_read_by_getattr,
+            a_recursion_hands_on_from_a_branch]
 X = torch.randn(7, 2, dtype=F64, generator=torch.Generator().manual_seed(0))
 B = torch.tensor([1, 1, -1, 2, 1, 0, 3])
 C = torch.tensor([1, -1, 1, 1, 1, -1, 1])

@@ -126,3 +126,12 @@ def test_a_branch_or_loop_reading_what_a_later_change_reaches_notes_the_copies_i
     ops, sg = conds_and_whiles(written_into_a_buffer)
     found = aliasing.reached(sg, lambda invoke: True).operands
     assert found == {op for op in ops if isinstance(op, ir.While)}  # (``out`` is written in the loop; x is not)
+
+
+@pytest.mark.parametrize("fn, hands_on", [(returns_what_it_joined, True), (hands_on_the_argument, True),
+                                          (scaled_in_place, False), (written_into_a_buffer, False)])
+def test_whether_what_a_function_returns_may_hold_what_it_was_given(fn, hands_on):
+    """(A level run joins copies: a recursion that may return its argument's rows runs on the agenda where its
+    caller may change what it returns.)"""
+    _, sg = conds_and_whiles(fn)
+    assert aliasing.reached(sg, lambda invoke: True).hands_on_inputs is hands_on

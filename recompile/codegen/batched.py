@@ -395,5 +395,6 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     code.unit = emission.units[sg]
     if build_levels is not None:
         code.unit.levels = build_levels(module.namespace)
+        code.unit.levels.hands_on_inputs = emission.reached.hands_on_inputs
     return code
 

@@ -204,10 +204,11 @@ def _makes_a_tensor(op, known, resolve):
 
 class Reached:
     """Of one function's Cond and While ops (nested ones too): ``outputs``, those whose outputs (and what they may
-    hand on) a later change in place may reach; ``operands``, those whose operands one may reach."""
+    hand on) a later change in place may reach; ``operands``, those whose operands one may reach; and whether
+    what the function returns may hold (views of) what it was given (``hands_on_inputs``)."""
 
-    def __init__(self, outputs, operands):
-        self.outputs, self.operands = outputs, operands
+    def __init__(self, outputs, operands, hands_on_inputs):
+        self.outputs, self.operands, self.hands_on_inputs = outputs, operands, hands_on_inputs
 
 
 def reached(sg, may_mutate):
@@ -242,8 +243,10 @@ def reached(sg, may_mutate):
     # (an output is grouped with the operands a side may hand on; an operand no side hands on is only written
     # back, and the copies of its rows a side read follow a later change of it (``control``) only where one may
     # reach it)
+    given = {id(groups.find(v)) for v in sg.inputs}
     return Reached({op for op in ops if any(groups.is_marked(v) for v in op.outputs)},
-                   {op for op in ops if any(groups.is_marked(v) for v in _operands(op))})
+                   {op for op in ops if any(groups.is_marked(v) for v in _operands(op))},
+                   any(isinstance(v, ir.Value) and id(groups.find(v)) in given for v in sg.outputs))
 
 
 _WORLD_VALUE = ir.Value("world")  # (the group of what globals and closure cells hold)
@@ -288,8 +291,8 @@ def _call(op, groups, tensors, resolve):
         return False
     elif isinstance(op.fn, ir.Value) and isinstance(op.fn.op, ir.Capture) and op.fn.op.source_kind == "attr":
         # (``self.cell(v, h)``: a module or a method of the object, taken to change nothing it is given, as
-        # ``effects`` takes it; it may hand on what it is given)
-        groups.union(*outs, *given)
+        # ``effects`` takes it; it may hand on what it is given, not itself)
+        groups.union(*outs, *(x for x in given if x is not op.fn))
         return False
     # (code the program does not see: it may hand on, keep or change what it is given, and reach globals)
     groups.union(*outs, *given)

@@ -36,7 +36,7 @@ import time
 import torch
 
 from . import batch as bt
-from . import batch_rules
+from . import batch_rules, sharing
 from .. import config, intrinsics
 from .control import Branch
 from .frames import annotate, annotated_by, mark_annotated, too_deep
@@ -141,11 +141,16 @@ class LevelProgram:
         self.summed = 0  # level runs whose late elements were tree sums (``LevelRun.tree_sums``)
         self.plain = None  # PlainPieces, or None
         self.site = None  # the cond's source location (for error chains)
+        # whether what the function returns may hold (views of) its arguments (``passes.aliasing``), which a
+        # level run joins as copies: see ``applies``
+        self.hands_on_inputs = True
 
     def applies(self):
         """Whether every invoke still reaches this very function (a method overridden in a subclass
-        does not)."""
-        return all(unit_of(t) is self.unit for d in self.branches if d is not None for t in d.targets)
+        does not), and what it returns is its own: not views of its arguments' rows where the caller, a run
+        that changes values in place, may change them (``sharing.unshared``), for a level run's join copies."""
+        return all(unit_of(t) is self.unit for d in self.branches if d is not None for t in d.targets) and \
+            not (self.hands_on_inputs and sharing.state.never)
 
     def run(self, agenda_run, args, n, parent=None, site=None, depth=0):
         """The call's result for ``n`` instances; a call the agenda makes for a frame's requests gives that frame
