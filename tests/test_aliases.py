@@ -484,3 +484,44 @@ def test_under_vmap_a_change_of_what_a_joined_value_holds_moves_its_tensors_vers
     want = torch.autograd.grad(torch.stack([fn(x[k], B[k], c[k]) for k in range(len(B))]).sum(), x)[0]
     got = recompile.vmap(recompile.function(fn))(x, B, c)
     torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], want)
+
+
+@recompile.function
+def squares_summed_in_a_loop(v, b):  # (compiled apart; changes nothing itself)
+    acc = torch.zeros(2, dtype=F64)
+    i = 0
+    while i < b:
+        acc = acc + v * v  # (saves v: its rows, gathered for the loop's steps)
+        i += 1
+    return acc.sum()
+
+
+def read_in_a_callees_loop_then_changed(x, b, c):
+    v = torch.zeros(2, dtype=F64) + x
+    s = squares_summed_in_a_loop(v, b)
+    v.add_(1.0)  # (changes what the callee's products saved: eager's backward raises)
+    return s
+
+
+def read_in_a_recursions_branch(v, c, d):
+    if d <= 0:
+        u = (v * v) if c > 0 else v * 2.0
+        return u.sum()
+    return read_in_a_recursions_branch(v, c, d - 1)
+
+
+def read_in_a_recursion_then_changed(x, b, c):
+    v = torch.zeros(2, dtype=F64) + x
+    s = read_in_a_recursions_branch(v, c, 2)
+    v.add_(1.0)
+    return s
+
+
+@pytest.mark.parametrize("fn", [read_in_a_callees_loop_then_changed, read_in_a_recursion_then_changed])
+def test_under_vmap_a_change_of_what_a_callee_read_and_saved_raises_in_the_backward_as_eager_does(fn, monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        eager(fn)
+    got = recompile.vmap(recompile.function(fn))(X.clone().requires_grad_(), B, C)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        got.sum().backward()

@@ -721,7 +721,8 @@ def test_a_counting_loop_runs_its_instances_longest_first_each_step_keeping_the_
     monkeypatch.setattr(config, "RECURRENT_LOOPS", False)  # (else it steps as an update of its own)
     taken = []
     take_all = control._take_all
-    monkeypatch.setattr(control, "_take_all", lambda *args: taken.append(len(args[1][0])) or take_all(*args))
+    monkeypatch.setattr(control, "_take_all",
+                        lambda *args, **kwargs: taken.append(len(args[1][0])) or take_all(*args, **kwargs))
     torch.manual_seed(9)
     compare(Model().double(), written_out, (sentences(6, 7), lengths(2, 7, 0, 5, 2, 6)), (None, 0, 0),
             expect_runs=False)

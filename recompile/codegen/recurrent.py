@@ -400,7 +400,9 @@ class _Layout:
         """An invariant's value for each row: an instance's own value on each of its rows."""
         if type(value) is not Batch:
             return value
-        return bt.take(value, self.index, self.instance)
+        taken = bt.take(value, self.index, self.instance)
+        bt.note_taken(value, self.index, taken)  # (the loop's steps may save it; the caller may change value after)
+        return taken
 
     def last_row(self, k):
         """The row of instance k's last step (it takes one)."""

@@ -168,15 +168,17 @@ def _tensors(sg):
 
 
 def _new_of_tensors(fn, args, known):
-    """Whether ``fn(*args)``, an operator, makes a new tensor of its tensor operands: ``x += y`` of a tensor x;
-    ``x * y`` where neither may be a list or tuple (``[w] * k`` of an integer tensor k holds w); ``x + y``,
-    ``x - y``, ``x & y`` of a tensor (a list with a tensor is an error there)."""
+    """Whether ``fn(*args)``, an operator, makes a new tensor (or number) of its operands: ``x += y`` of a tensor
+    x; ``x * y`` where neither may be a list or tuple (``[w] * k`` of an integer tensor k holds w), or of a float;
+    ``x + y``, ``x - y``, ``x & y`` of a tensor (a list with a tensor is an error there)."""
     def tensor(v):
         return isinstance(v, ir.Value) and id(v) in known
 
     if facts.among(fn, syntax.AUGMENTED) or facts.among(fn, _NEW_OF_A_CHANGED_TENSOR):
         return bool(args) and tensor(args[0])
     if fn is operator.mul:
+        if any(isinstance(a, ir.Const) and type(a.value) in (float, complex) for a in args):
+            return True  # (no list or tuple takes a float: ``x * 2.0`` is new, or an error)
         return any(tensor(a) for a in args) and all(
             tensor(a) or isinstance(a, ir.Const) and type(a.value) in (int, float, bool, complex) for a in args)
     return any(tensor(a) for a in args)
@@ -204,7 +206,8 @@ def _makes_a_tensor(op, known, resolve):
 
 class Reached:
     """Of one function's Cond and While ops (nested ones too): ``outputs``, those whose outputs (and what they may
-    hand on) a later change in place may reach; ``operands``, those whose operands one may reach; and whether
+    hand on) a later change in place may reach; ``operands``, those whose operands one may reach (what the
+    function was given too: its caller may change it after the call, where an op saved a side's copy); and whether
     what the function returns may hold (views of) what it was given (``hands_on_inputs``)."""
 
     def __init__(self, outputs, operands, hands_on_inputs):
@@ -244,8 +247,12 @@ def reached(sg, may_mutate):
     # back, and the copies of its rows a side read follow a later change of it (``control``) only where one may
     # reach it)
     given = {id(groups.find(v)) for v in sg.inputs}
+
+    def read_reached(v):  # (the caller may change what it gave after the call: a copy read may have been saved)
+        return groups.is_marked(v) or id(groups.find(v)) in given
+
     return Reached({op for op in ops if any(groups.is_marked(v) for v in op.outputs)},
-                   {op for op in ops if any(groups.is_marked(v) for v in _operands(op))},
+                   {op for op in ops if any(read_reached(v) for v in _operands(op))},
                    any(isinstance(v, ir.Value) and id(groups.find(v)) in given for v in sg.outputs))
 
 

@@ -511,8 +511,17 @@ def note_rows_copied(source, index, rows):
     start, step = source.storage_offset(), source.stride(0)
     row = 1 + sum((size - 1) * stride for size, stride in zip(source.shape[1:], source.stride()[1:])) \
         if source.numel() else 0
-    _copies_of(source)[1].append((weakref.ref(rows), start, start + span(source),
-                                  (start, step, row, frozenset(index.tolist()))))
+    _copies_of(source)[1].append((weakref.ref(rows), start, start + span(source), (start, step, row, index)))
+
+
+def note_taken(value, index, taken):
+    """``note_rows_copied`` of batch ``taken``, taken from batch ``value``'s rows at ``index``, where it is a
+    gathered copy of them (not a view, which shares their version)."""
+    if type(value) is not Batch or type(taken) is not Batch or taken.owner != "tensor" or sharing.state.fresh:
+        return
+    source = rows_tensor(value)
+    if source is not None and source.untyped_storage().data_ptr() != taken.tensor.untyped_storage().data_ptr():
+        note_rows_copied(source, index, taken.tensor)
 
 
 def _noting(stacked):
@@ -566,12 +575,13 @@ def changed_in_place(t):
 
 def _rows_overlap(rows, start, end):
     """Whether storage ``start`` .. ``end`` overlaps one of the rows a note copied: ``rows`` is (the source's
-    offset, its rows' stride, what a row spans, the rows copied)."""
-    offset, step, row, copied = rows
+    offset, its rows' stride, what a row spans, the rows copied: a LongTensor)."""
+    offset, step, row, index = rows
     if step <= 0:
         return True
     first = max(0, (start - offset - row) // step + 1)
     last = (end - 1 - offset) // step
+    copied = set(index.tolist())  # (read here, where a change is, not where each copy is made)
     return any(r in copied for r in range(first, last + 1))
 
 

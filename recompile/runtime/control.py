@@ -65,7 +65,7 @@ def _take_all(values, side, copies=None, taken=None, noted=False):
     taken once, so the side sees one object, as each instance does. With ``copies`` (where the program may
     change a value in place), rows taken out of a batched tensor are always a copy (one instance's row too,
     not a view, whose changes would move the version of the whole batch) and are noted there for
-    ``write_back``, and, ``noted``, as copies that a later change of the source reaches (``_note_copied``);
+    ``write_back``; ``noted``, rows copied or gathered are noted as copies a later change of the source reaches;
     with ``taken``, each batch taken is noted there as (batch, index, what was taken)."""
     positions, index = side
     if index is None:
@@ -78,8 +78,8 @@ def _take_all(values, side, copies=None, taken=None, noted=False):
             source = bt.rows_tensor(v) if copies is not None and type(v) is Batch else None
             if source is not None:
                 rows = source.index_select(0, bt.index_on(index, source))
-                if noted:
-                    _note_copied(source, index, rows)
+                if noted:  # (a later change of the source moves the copy's version: bt.note_rows_copied)
+                    bt.note_rows_copied(source, index, rows)
                 t = bt.from_tensor(rows)
                 # (an inference tensor keeps no version: its rows are copied back whether changed or not)
                 copies.append((v, index, t, rows, None if rows.is_inference() else rows._version))
@@ -87,16 +87,11 @@ def _take_all(values, side, copies=None, taken=None, noted=False):
                 t = bt.take(v, index, positions)
                 if taken is not None and type(v) is Batch:
                     taken.append((v, index, t))
+                if noted:
+                    bt.note_taken(v, index, t)
             done[id(v)] = t
         out.append(t)
     return out
-
-
-def _note_copied(source, index, rows):
-    """Note that ``rows`` copies ``source``'s rows at ``index``, which the side reads where eager code reads the
-    very tensors (``bt.note_rows_copied``): an op of the side that saves them raises in the backward, as
-    eager's does, where a later change in place of those rows of the source moves their version."""
-    bt.note_rows_copied(source, index, rows)
 
 
 def _part_all(values, start, count):
@@ -271,7 +266,7 @@ class Loop:
         order = sorted(range(self.n), key=counts.__getitem__, reverse=True)  # (stable: ties keep their order)
         if order == self.positions:
             return
-        self.carried = _take_all(self.carried, (order, None))
+        self.carried = _take_all(self.carried, (order, None), noted=self.noted)
         self.positions = [self.positions[k] for k in order]
 
     def step(self, new):
