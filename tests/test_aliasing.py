@@ -103,7 +103,7 @@ def test_under_vmap_the_copies_handed_on_give_eager_values_and_gradients(fn):
 
 def test_a_loop_carried_tensor_is_known_as_one_and_a_list_is_not():
     _, sg = conds_and_whiles(written_into_a_buffer)
-    known = aliasing._tensors(sg)
+    known = aliasing.known_tensors(sg)
     loop = next(op for s in sg.walk() for op in s.ops if isinstance(op, ir.While))
     buffer = next(j for j, v in enumerate(loop.invariants) if isinstance(v, ir.Value) and "zeros" in v.hint)
     assert id(loop.body_sg.inputs[len(loop.loop_vars) + buffer]) in known  # (``out``, written in the loop)

@@ -381,3 +381,78 @@ def test_a_list_extended_by_any_iterable_gives_each_element_its_gradient(fn, mod
         warnings.simplefilter("ignore", recompile.GradFallbackWarning)  # (map has no rule: autograd records it)
         out = recompile.function(fn, mode=mode)(x)
         torch.testing.assert_close((out, torch.autograd.grad(out, x)[0]), want)
+
+
+# ``x.mul_(y)`` (``add_``, ``sub_``, ``div_``) of a tensor only the frame holds: written out of place as ``x *= y``
+# is, the ops after it reading its result
+
+
+def scaled_by_its_methods(x):
+    v = x + 1.0
+    v.mul_(2.0)
+    v.add_(x)  # (the new v, only the frame holds it too)
+    return v * 1.0
+
+
+def joined_then_divided_by_its_method(x, d):
+    v = x * 2.0 if d > 0 else x + 1.0
+    v.div_(4.0)
+    return v
+
+
+def method_of_an_argument(x, y):
+    y.mul_(2.0)  # (the caller's tensor: it changes)
+    return x * y
+
+
+def method_after_a_read_that_saves(x):
+    v = x + 1.0
+    w = v * x  # (saves v: eager's backward refuses it once v changes, and so must the program)
+    v.mul_(2.0)
+    return w + v
+
+
+def method_of_itself(x):
+    v = x + 1.0
+    v.sub_(v)
+    return v + x
+
+
+METHODS = [(scaled_by_its_methods, True), (joined_then_divided_by_its_method, True), (method_of_an_argument, False),
+           (method_after_a_read_that_saves, False), (method_of_itself, False)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fn, out_of_place", METHODS, ids=lambda x: getattr(x, "__name__", ""))
+def test_an_in_place_method_of_what_only_the_frame_holds_is_written_out_of_place(fn, out_of_place, mode):
+    text = recompile.function(fn).dump(stage="fresh")
+    assert ("_fresh(" in text) is out_of_place
+    args = {joined_then_divided_by_its_method: lambda x: (x, 1), method_of_an_argument: lambda x: (x, x * 1.5)}
+    make = args.get(fn, lambda x: (x,))
+    want = _outcome(fn, make(torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)))
+    got = _outcome(recompile.function(fn, mode=mode), make(torch.tensor([0.5, -1.0, 2.0], dtype=F64,
+                                                                          requires_grad=True)))
+    if isinstance(want, type):
+        assert got is want
+    else:
+        torch.testing.assert_close(got, want)
+    if out_of_place:
+        assert not recompile.function(fn).callee(None).may_mutate  # (it changes nothing in place now)
+
+
+def method_of_a_number(x):
+    v = 0.5 + 1.0
+    v.mul_(2.0)  # (a float has no ``mul_``: eager raises)
+    return x * v
+
+
+@pytest.mark.parametrize("mode", MODES + ["vmap"])
+def test_an_in_place_method_of_a_number_raises_as_eager(mode):
+    x = torch.tensor([[0.5, -1.0], [2.0, 0.25]], dtype=F64)
+    with pytest.raises(AttributeError):
+        method_of_a_number(x[0])
+    with pytest.raises(AttributeError):
+        if mode == "vmap":
+            recompile.vmap(recompile.function(method_of_a_number))(x)
+        else:
+            recompile.function(method_of_a_number, mode=mode)(x[0])

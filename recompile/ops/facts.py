@@ -151,6 +151,10 @@ def asks_in_place(fn, args, kwargs):
     return type(args[at]) in (bool, int) and bool(args[at])
 
 
+# torch's constructors: each call a new tensor (``requires_grad=True`` makes a leaf, which eager refuses to change)
+CONSTRUCTORS = frozenset({torch.zeros, torch.ones, torch.full, torch.empty, torch.zeros_like, torch.ones_like,
+                          torch.full_like, torch.empty_like, torch.tensor, torch.eye, torch.arange})
+
 # Augmented assignments a tensor takes in place, with the gradient of its old value (``autodiff.backprop``)
 # and, batched, on the batch's tensor (``runtime.batch_rules``).
 IN_PLACE = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow)

@@ -25,7 +25,6 @@ from torch import nn
 from .. import intrinsics, ir
 from ..ops import facts, syntax
 from . import effects
-from .fresh import CONSTRUCTORS
 
 # Operators whose result holds nothing of its operands (a new tensor, number or bool; never a container of
 # them): ``a - b`` of tensors, comparisons, ``@``
@@ -41,7 +40,7 @@ _NEW_OF_A_TENSOR = frozenset({operator.add, operator.sub, operator.mul, operator
 _NEW_OF_A_CHANGED_TENSOR = frozenset(intrinsics.AUGMENTED_FRESH.values())
 # torch functions whose result is a new tensor (or a tuple of new ones), never a view of or the very input
 # (not ``F.dropout``: the input itself where it does not train; not ``einsum``, ``reshape``: views where they can)
-_NEW_TENSORS = frozenset(f for f in facts.FUSIBLE | facts.ELEMENTWISE | CONSTRUCTORS
+_NEW_TENSORS = frozenset(f for f in facts.FUSIBLE | facts.ELEMENTWISE | facts.CONSTRUCTORS
                          if getattr(f, "__module__", None) not in ("operator", "_operator")) - facts.DRAWS | frozenset({
     torch.cat, torch.stack, torch.sum, torch.mean, torch.prod, torch.logsumexp, torch.softmax, torch.log_softmax,
     F.softmax, F.log_softmax, torch.matmul, torch.mm, torch.bmm, torch.mv, torch.dot, torch.addmm, F.linear,
@@ -149,7 +148,7 @@ def _method(op):
     return effects.attribute_read(op.fn)
 
 
-def _tensors(sg):
+def known_tensors(sg):
     """The ids of the values of function SubGraph ``sg`` known to be tensors: made by torch's constructors and
     functions of new tensors, by arithmetic with a tensor, indexing one, its views and methods, changed in place,
     and joined or carried from tensors alone (a loop's ``out = torch.zeros(...)``)."""
@@ -218,7 +217,7 @@ def reached(sg, may_mutate):
     """The Reached of function SubGraph ``sg``; ``may_mutate(invoke)``: whether an Invoke's program may change
     state."""
     groups = _Groups()
-    tensors = _tensors(sg)
+    tensors = known_tensors(sg)
     for value, sources in _joins(sg):
         groups.union(value, *sources)
     world_reached = False

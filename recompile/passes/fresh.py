@@ -12,17 +12,19 @@ may read it before the change (they keep no reference to it, and their gradients
 refuses a backward because a saved value changed in place, the program must refuse it too); a branch's output
 counts where every branch makes its own, and a loop's variable where it starts new and each iteration makes its
 next value so (``s = torch.zeros(H)``, then ``s += h`` in the loop).
+
+The methods of those ops (``x.mul_(y)``, ``add_``, ``sub_``, ``div_``) of such an ``x`` are written out of place
+too; the ops after one read its result where they read ``x`` (they read the object eager code changed).
 """
 
 from __future__ import annotations
 
 import operator
 
-import torch
 
 from .. import intrinsics, ir
 from ..ops import facts
-from . import effects
+from . import aliasing, effects
 
 # Ops whose result is a new object (or an immutable number) that keep no reference to their operands, and
 # whose gradient reads no result of theirs (``a ** b`` reads its result: eager refuses a backward through it
@@ -35,11 +37,6 @@ _READERS = frozenset({operator.add, operator.sub, operator.neg, operator.lt, ope
                       operator.eq, operator.ne, intrinsics.iadd_fresh, intrinsics.isub_fresh})
 
 
-# torch's constructors: each call a new tensor (``requires_grad=True`` makes a leaf, which eager refuses to change)
-CONSTRUCTORS = frozenset({torch.zeros, torch.ones, torch.full, torch.empty, torch.zeros_like, torch.ones_like,
-                           torch.full_like, torch.empty_like, torch.tensor, torch.eye, torch.arange})
-
-
 def fresh(sg, parsed=None):
     """Apply the pass to a function SubGraph (in place) and return it."""
     loops = {op.body_sg: (op, s) for s in sg.walk() for op in s.ops if isinstance(op, ir.While)}
@@ -47,7 +44,10 @@ def fresh(sg, parsed=None):
     while changed:  # (an op written out of place makes a new value: the next ``+=`` of it may follow)
         changed = False
         for s in sg.walk():
-            for op in s.ops:
+            for op in list(s.ops):
+                if _method_out_of_place(op, s, sg):
+                    changed = True
+                    continue
                 if not (_calls(op, intrinsics.AUGMENTED_FRESH) and len(op.args) == 2):
                     continue
                 x = op.args[0]
@@ -57,6 +57,48 @@ def fresh(sg, parsed=None):
                     op.fn = ir.Const(intrinsics.AUGMENTED_FRESH[op.fn.value])
                     changed = True
     return sg
+
+
+def _method_out_of_place(op, s, sg):
+    """``x.mul_(y)`` (``add_``, ``sub_``, ``div_``: ``facts.AUGMENTED_METHODS``) of a tensor ``x`` only the frame
+    holds, as ``x *= y`` written out of place: the call becomes the ``AUGMENTED_FRESH`` op, its result what the
+    ops after it read for ``x`` (they read the one object eager code changed). Whether it was rewritten."""
+    if not (isinstance(op, ir.Call) and len(op.args) == 1 and not op.kwargs and not op.star
+            and len(op.outputs) == 1):
+        return False
+    read = effects.attribute_read(op.fn)
+    in_place = facts.AUGMENTED_METHODS.get(read[1]) if read is not None else None
+    fresh_op = intrinsics.AUGMENTED_FRESH.get(in_place)
+    method = op.fn.op if fresh_op is not None else None
+    if method is None or method not in s.ops or any(
+            op.fn in o.operands() for t in sg.walk() for o in t.ops if o is not op) or op.fn in s.outputs:
+        return False
+    x, y = read[0], op.args[0]
+    if x is y or not isinstance(x, ir.Value):
+        return False  # (``h.mul_(h)``: eager's saves h, then changes it)
+    at = s.ops.index(op)
+    if any(x in o.operands() for t in sg.walk() if t is not s for o in t.ops):
+        return False  # (read by a branch's or loop's own ops: not only here)
+    if not (_only_here_before(x, op, method, s)):
+        return False
+    out = op.outputs[0]
+    for later in s.ops[at + 1:]:
+        later.map_operands(lambda a: out if a is x else a)
+    s.outputs = [out if a is x else a for a in s.outputs]
+    if id(x) in aliasing.known_tensors(sg):
+        s.ops.remove(method)  # (else its read stays: a number has no ``mul_``, and raises as eager's does)
+    op.fn, op.args = ir.Const(fresh_op), [x, y]
+    return True
+
+
+def _only_here_before(v, user, method, s):
+    """``_only_here`` of ``v`` where the ops after ``user`` are to read ``user``'s result instead, and ``method``
+    (its ``getattr``) is ``user``'s own."""
+    if not (isinstance(v, ir.Value) and v.op is not None and v.op in s.ops and _new(v, s)):
+        return False
+    at = s.ops.index(user)
+    return not any(o is not method and o is not user and v in o.operands() and not _calls(o, _READERS)
+                   for o in s.ops[:at])
 
 
 def _calls(op, fns):
@@ -144,7 +186,7 @@ def constructor(op):
     if not isinstance(op, ir.Call) or op.star or any(name in ("requires_grad", "out") for name, _ in op.kwargs):
         return None
     fn = effects.resolve(op.fn)  # (``torch.zeros``: the global's attribute, read at build time)
-    return fn if fn is not None and facts.among(fn, CONSTRUCTORS) else None
+    return fn if fn is not None and facts.among(fn, facts.CONSTRUCTORS) else None
 
 
 def _made_in(w, branch):
