@@ -35,9 +35,10 @@ choose differently. The generator knows which values are exact (sums and product
 relu, clamp, max, indexing) and calls a program *fragile* where a tie-sensitive op reads an inexact value;
 a fragile program's batched runs (batched mode and vmap) take inputs drawn from a normal distribution,
 where no two values coincide, while sequential and threaded runs, which compute what eager computes op
-for op, still take the tied inputs. Where such a run still disagrees, and eager's own outcome moves beyond the
-tolerance when the inputs move by an ulp or so (a threshold met, then magnified by recursion), the case is
-chaotic and not compared (``chaotic``).
+for op, still take the tied inputs. Where a run still disagrees, and eager's own outcome moves beyond the
+tolerance when the inputs move by an ulp or so (a threshold met, then magnified by recursion; a tie the generator
+took for exact, of values a norm made; ``sin`` of a value near 1e15), the case is chaotic and not compared
+(``chaotic``).
 
 Known bugs: a program with a construct that meets one (``KNOWN_BUGS``) is not compared in the modes it
 affects, and where sequential mode refuses what eager computes (``KNOWN_REFUSALS``) that refusal is
@@ -1235,8 +1236,8 @@ def check_seed(seed, folder, modes=MODES + ("vmap",), cases=2):
                 got = single(mods[mode], inputs, d)
                 count(mode, want)
                 bad = compare(got, want, mode in tolerated)
-                if bad and inputs is normal and chaotic(lambda xs: single(mods["eager"], xs, d), inputs, want):
-                    continue
+                if bad and chaotic(lambda xs: single(mods["eager"], xs, d), inputs, want):
+                    continue  # (an inexact value the generator took for exact can meet a tie too: 46853)
                 if bad:
                     failures.append((mode, case, d, inputs, bad))
             if "vmap" in modes:
@@ -1251,9 +1252,8 @@ def check_seed(seed, folder, modes=MODES + ("vmap",), cases=2):
                 got = batched_compiled(mods["batched"], inputs, shared, d)
                 count("vmap", want)
                 bad = compare(got, want)
-                if bad and gen.fragile and chaotic(lambda xs: batched_eager(mods["eager"], xs, shared, d), inputs,
-                                                   want):
-                    continue
+                if bad and chaotic(lambda xs: batched_eager(mods["eager"], xs, shared, d), inputs, want):
+                    continue  # (31689: a tie of ``torch.max(.., 1)`` on values a norm made)
                 if bad:
                     failures.append((f"vmap shared={shared}", case, d, inputs, bad))
     return gen, failures
