@@ -29,7 +29,7 @@ def scaled_in_place(x, n):
     for t in range(n):
         v = x[t] if x[t].sum() > 0 else x[t] * 2.0
         acc = acc + v
-        acc.mul_(0.5)
+        acc.clamp_(-1.5, 1.5)  # (in place: ``acc.mul_(0.5)`` would be written out of place, ``passes.fresh``)
     return acc
 
 
@@ -38,7 +38,7 @@ def added_in_place(x, n):
     for t in range(n):
         v = x[t] if x[t].sum() > 0 else x[t] * 2.0
         acc += v
-        acc.mul_(0.5)
+        acc.clamp_(max=2.0)
     return acc * 1.0
 
 

@@ -16,6 +16,7 @@ from recompile.data import sample_dir  # noqa: E402
 import bench_batching  # noqa: E402
 import bench_dynet  # noqa: E402
 import bench_fusion  # noqa: E402
+import bench_in_place  # noqa: E402
 import bench_idioms  # noqa: E402
 import bench_memory  # noqa: E402
 import bench_sequences  # noqa: E402
@@ -82,6 +83,13 @@ def test_dynet_benchmark_checks_and_times_every_model_or_says_dynet_is_missing(c
 
 
 @pytest.mark.slow  # (about 4 s: a process per measure)
+def test_in_place_benchmark_checks_and_times_every_program(capsys):
+    bench_in_place.main(["--instances", "4", "--steps", "6", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert sum(line.count("x") and line.rstrip().endswith("x") for line in out.splitlines()) == \
+        2 * len(bench_in_place.PROGRAMS)
+
+
 def test_memory_benchmark_checks_gradients_and_measures_each_mode_in_a_process_of_its_own(capsys):
     bench_memory.main(["--lengths", "300", "--modes", "sequential"])
     out = capsys.readouterr().out

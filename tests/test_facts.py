@@ -196,8 +196,9 @@ GROWN = {
     # Python's math functions are pure: ``math.sqrt(H)`` of a constant runs once for every instance
     # (and the read of ``enumerate`` a for over it as an index loop checks: it hands the builtin back)
     # (and ``operator.index`` of a ``reversed(range(n))`` loop's bound, which the frontend counts down)
-    "semantics.PURE": (_names(*facts.MATH, intrinsics.builtin_read, operator.index), set()),
-    "plan._MOVABLE": (_names(*facts.MATH, intrinsics.builtin_read, operator.index), set()),
+    # (and ``x += y`` written out of place: a new object, x unchanged, one call for instances that share x and y)
+    "semantics.PURE": (_names(*facts.MATH, intrinsics.builtin_read, operator.index, *_FRESH), set()),
+    "plan._MOVABLE": (_names(*facts.MATH, intrinsics.builtin_read, operator.index, *_FRESH), set()),
     # a slice, a range, a frozenset and ``...`` are values no call can change: every instance shares one
     "batch_rules._IMMUTABLE": (_names(slice, range, frozenset, type(Ellipsis)), set()),
     "batch_rules._ELEMENTWISE": (_names(*_ADDCMUL, *_BITWISE, *_MORE_ELEMENTWISE), set()),

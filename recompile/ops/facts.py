@@ -39,6 +39,7 @@ PURE = _pure_operators() | {
     intrinsics.finds_in_class, intrinsics.build_tuple, intrinsics.build_list, intrinsics.build_dict,
     intrinsics.build_set, intrinsics.unpack, intrinsics.check_bound, intrinsics.as_sequence,
     intrinsics.has_index, intrinsics.format_value, intrinsics.join_str, intrinsics.builtin_read, operator.index,
+    *intrinsics.AUGMENTED_FRESH.values(),  # (``x += y`` written out of place: a new object, x unchanged)
 }
 
 
