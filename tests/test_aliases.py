@@ -445,20 +445,28 @@ def saved_then_changed_through_a_branchs_result(x, b, c):
     return (v * x).sum()
 
 
-def test_under_vmap_a_change_through_a_handed_on_value_moves_the_arguments_version(monkeypatch):
-    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
-    fn = saved_then_changed_through_a_branchs_result
+def raises_as_eager(fn):
+    """Eager's backward of ``fn`` over X, B, C refuses a change in place, and so does ``vmap``'s."""
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         eager(fn)
     got = recompile.vmap(recompile.function(fn))(X.clone().requires_grad_(), B, C)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         got.sum().backward()
-    # (no instance both takes the branch and hands v on: every gradient is eager's)
-    b = torch.where(C > 0, torch.zeros_like(B), B)
+
+
+def gradient_as_eager(fn, b, c):
+    """``vmap``'s gradient of ``fn`` over X, ``b``, ``c`` is eager's."""
     x = X.clone().requires_grad_()
-    want = torch.autograd.grad(torch.stack([fn(x[k], b[k], C[k]) for k in range(len(B))]).sum(), x)[0]
-    got = recompile.vmap(recompile.function(fn))(x, b, C)
+    want = torch.autograd.grad(torch.stack([fn(x[k], b[k], c[k]) for k in range(len(b))]).sum(), x)[0]
+    got = recompile.vmap(recompile.function(fn))(x, b, c)
     torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], want)
+
+
+def test_under_vmap_a_change_through_a_handed_on_value_moves_the_arguments_version(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    raises_as_eager(saved_then_changed_through_a_branchs_result)
+    # (no instance both takes the branch and hands v on: every gradient is eager's)
+    gradient_as_eager(saved_then_changed_through_a_branchs_result, torch.where(C > 0, torch.zeros_like(B), B), C)
 
 
 def saved_then_its_source_changed(x, b, c):
@@ -473,17 +481,8 @@ def test_under_vmap_a_change_of_what_a_joined_value_holds_moves_its_tensors_vers
     """A value joined from pieces is read through one tensor made from them, which an op saves where eager's
     saved the pieces' own tensors: a change of a piece moves that tensor's version too (``batch.CACHES``)."""
     monkeypatch.setattr(config, "PER_INSTANCE", "allow")
-    fn = saved_then_its_source_changed
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        eager(fn)
-    got = recompile.vmap(recompile.function(fn))(X.clone().requires_grad_(), B, C)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        got.sum().backward()
-    c = -torch.ones_like(C)  # (no instance hands v on: eager's gradient)
-    x = X.clone().requires_grad_()
-    want = torch.autograd.grad(torch.stack([fn(x[k], B[k], c[k]) for k in range(len(B))]).sum(), x)[0]
-    got = recompile.vmap(recompile.function(fn))(x, B, c)
-    torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], want)
+    raises_as_eager(saved_then_its_source_changed)
+    gradient_as_eager(saved_then_its_source_changed, B, -torch.ones_like(C))  # (no instance hands v on)
 
 
 @recompile.function
@@ -520,8 +519,4 @@ def read_in_a_recursion_then_changed(x, b, c):
 @pytest.mark.parametrize("fn", [read_in_a_callees_loop_then_changed, read_in_a_recursion_then_changed])
 def test_under_vmap_a_change_of_what_a_callee_read_and_saved_raises_in_the_backward_as_eager_does(fn, monkeypatch):
     monkeypatch.setattr(config, "PER_INSTANCE", "allow")
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        eager(fn)
-    got = recompile.vmap(recompile.function(fn))(X.clone().requires_grad_(), B, C)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        got.sum().backward()
+    raises_as_eager(fn)

@@ -2273,15 +2273,22 @@ def test_a_change_in_place_of_tensors_held_as_items_moves_what_was_stacked_from_
     monkeypatch.setattr(config, "PER_INSTANCE", "allow")
     x = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(4))
     w = torch.randn(3, 3, dtype=F64, generator=torch.Generator().manual_seed(5))
+    backward_as_eager(fn, x, w, raises=fn is held_as_items_then_changed)
+
+
+def backward_as_eager(fn, x, w, raises):
+    """``vmap`` of ``fn`` over the rows of ``x``, ``w`` given whole, against eager calls: both backwards refuse a
+    change in place (``raises``), or give the same gradients of ``x`` and ``w``."""
     xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
     xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
     got = recompile.vmap(recompile.function(fn), in_dims=(0, None))(xb, wb)
-    if fn is held_as_items_then_changed:
-        for out in (torch.stack([fn(xe[k], we) for k in range(4)]), got):
+    want = torch.stack([fn(xe[k], we) for k in range(len(x))])
+    if raises:
+        for out in (want, got):
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 out.sum().backward()
         return
-    torch.stack([fn(xe[k], we) for k in range(4)]).sum().backward()
+    want.sum().backward()
     got.sum().backward()
     assert_close(wb.grad, we.grad)
     assert_close(xb.grad, xe.grad)
@@ -2319,16 +2326,7 @@ def test_a_change_in_place_of_a_value_whose_rows_were_read_by_each_instances_ind
     monkeypatch.setattr(config, "PER_INSTANCE", "allow")
     x = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(6))
     w = torch.randn(3, 3, dtype=F64, generator=torch.Generator().manual_seed(7))
-    xe, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    got = recompile.vmap(recompile.function(fn), in_dims=(0, None))(xb, w)
-    if fn is not viewed_then_changed_unsaved:
-        for out in (torch.stack([fn(xe[k], w) for k in range(4)]), got):
-            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-                out.sum().backward()
-        return
-    torch.stack([fn(xe[k], w) for k in range(4)]).sum().backward()
-    got.sum().backward()
-    assert_close(xb.grad, xe.grad)
+    backward_as_eager(fn, x, w, raises=fn is not viewed_then_changed_unsaved)
 
 
 def changed_in_some_branches(x, s):

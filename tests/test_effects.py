@@ -230,6 +230,7 @@ def test_a_helper_that_sorts_a_list_keeps_its_place_before_what_reads_the_list()
 
 RELU_IN_PLACE = torch.nn.ReLU(inplace=True)
 LAYER_IN_PLACE = torch.nn.Sequential(torch.nn.Identity(), torch.nn.ReLU(inplace=True))
+LAYER_AFTER = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU(inplace=True))  # (writes its own)
 
 
 def leaky_by_position(x):
@@ -255,8 +256,15 @@ def sequential_in_place(x):
     return y
 
 
+def sequential_writing_its_own(x):
+    y = x * 1.0
+    return LAYER_AFTER(y) + y
+
+
 @pytest.mark.parametrize("fn, mutates", [(leaky_by_position, True), (leaky_out_of_place, False),
-                                         (relu_module_in_place, True), (sequential_in_place, True)], ids=lambda v: getattr(v, "__name__", str(v)))
+                                         (relu_module_in_place, True), (sequential_in_place, True),
+                                         (sequential_writing_its_own, False)],
+                         ids=lambda v: getattr(v, "__name__", str(v)))
 def test_an_inplace_flag_by_position_or_a_module_built_in_place_changes_its_argument(fn, mutates):
     f = recompile.function(fn)
     assert f.callee(None).may_mutate is mutates

@@ -422,6 +422,22 @@ METHODS = [(scaled_by_its_methods, True), (joined_then_divided_by_its_method, Tr
            (method_after_a_read_that_saves, False), (method_of_itself, False)]
 
 
+@pytest.mark.parametrize("fn", [fn for fn, _ in METHODS if fn is not method_of_an_argument],
+                         ids=lambda f: f.__name__)
+def test_an_in_place_method_under_vmap_gives_eagers_values_and_gradients(fn, monkeypatch):
+    """(Not ``method_of_an_argument``: an eager loop over the rows of one tensor changes views of one base.)"""
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    x = torch.tensor([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5]], dtype=F64)
+    other = (torch.tensor([1, 0]),) if fn is joined_then_divided_by_its_method else ()
+    want = _outcome(lambda x: torch.stack([fn(x[k], *(v[k] for v in other)) for k in range(len(x))]),
+                    (x.clone().requires_grad_(),))
+    got = _outcome(lambda x: recompile.vmap(recompile.function(fn))(x, *other), (x.clone().requires_grad_(),))
+    if isinstance(want, type):
+        assert got is want
+    else:
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fn, out_of_place", METHODS, ids=lambda x: getattr(x, "__name__", ""))
 def test_an_in_place_method_of_what_only_the_frame_holds_is_written_out_of_place(fn, out_of_place, mode):

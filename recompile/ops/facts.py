@@ -134,9 +134,26 @@ def inplace_position(fn):
 
 
 def built_in_place(fn):
-    """Whether ``fn`` is a module built to write its input (``nn.ReLU(inplace=True)``, or one holding such a
-    module: ``nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True))``)."""
-    return isinstance(fn, nn.Module) and any(getattr(m, "inplace", False) is True for m in fn.modules())
+    """Whether ``fn`` is a module built to write its input: ``nn.ReLU(inplace=True)``, or an ``nn.Sequential``
+    whose input reaches such a module (``nn.Sequential(nn.Dropout(0.1), nn.ReLU(inplace=True))``: dropout hands
+    its input on where it does not train). One that writes only what an earlier layer made
+    (``nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True))``) leaves its input as it was."""
+    if not isinstance(fn, nn.Module):
+        return False
+    if getattr(fn, "inplace", False) is True:
+        return True
+    if type(fn) is nn.Sequential:
+        for layer in fn:
+            if built_in_place(layer):
+                return True
+            if not isinstance(layer, HANDING_ON_MODULES):
+                return False
+    return False
+
+
+# modules that may hand on their input itself (dropout where it does not train)
+HANDING_ON_MODULES = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                      nn.FeatureAlphaDropout)
 
 
 def asks_in_place(fn, args, kwargs):

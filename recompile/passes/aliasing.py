@@ -57,8 +57,8 @@ _NEW_METHODS = frozenset({"sum", "mean", "prod", "max", "min", "amax", "amin", "
                           "eq", "ne", "lt", "le", "gt", "ge", "any", "all", "sort", "topk", "std", "var"})
 _TENSOR_METHODS = _NEW_METHODS - {"max", "min", "sort", "topk", "item", "tolist", "size", "dim", "numel"}
 # nn modules that hand on their input itself (where they do not train: dropout) or run others (a Sequential of them)
-_HANDING_ON_MODULES = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-                       nn.FeatureAlphaDropout, nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Flatten, nn.Unflatten)
+_HANDING_ON_MODULES = facts.HANDING_ON_MODULES + (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Flatten,
+                                                  nn.Unflatten)
 
 
 class _Groups:
