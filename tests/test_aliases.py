@@ -520,3 +520,47 @@ def read_in_a_recursion_then_changed(x, b, c):
 def test_under_vmap_a_change_of_what_a_callee_read_and_saved_raises_in_the_backward_as_eager_does(fn, monkeypatch):
     monkeypatch.setattr(config, "PER_INSTANCE", "allow")
     raises_as_eager(fn)
+
+
+# a value some instances' loop or branch left in one tensor and others in another, changed in place: the
+# instances' tensors are changed by one op on their stack (each op per instance would move the version of rows
+# another instance's op saved), and each then holds its row, as eager's own tensor does
+def left_a_loop_then_changed(x, b, c):
+    v = x * 1.0
+    for _ in range(2):
+        v = -v
+        if b > 0:
+            break
+    v += c * 0.5
+    v.clamp_(min=-0.5)
+    v.sigmoid_()
+    return torch.maximum(v, x).sum()
+
+
+def left_a_loop_then_changed_after_a_read(x, b, c):
+    v = x * 1.0
+    for k in range(3):
+        if k >= b:
+            break
+        v = v * 0.5 - x
+    m = v * x  # (saves v: eager's backward raises once v changes)
+    v += 1.0
+    return (torch.maximum(v, x) + m).sum()
+
+
+def joined_twice_then_changed(x, b, c):
+    v = x * 3.0 if b > 0 else x * 2.0
+    v = v * 1.0 if c > 0 else v
+    v.relu_()
+    return v.sum() + x.sum()
+
+
+@pytest.mark.parametrize("fn", [left_a_loop_then_changed, joined_twice_then_changed])
+def test_under_vmap_an_in_place_change_of_values_held_apart_is_one_op_with_eagers_gradient(fn, monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+    gradient_as_eager(fn, B, C)
+
+
+def test_under_vmap_an_in_place_change_of_values_held_apart_after_a_read_raises_as_eager(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+    raises_as_eager(left_a_loop_then_changed_after_a_read)

@@ -976,13 +976,7 @@ class ProgramGenerator:
 # Known bugs the generator meets: {name: (the generator's feature, modes not compared, what goes wrong)}.
 # A program with the feature is not compared in those modes (RECOMPILE_RANDOM_KNOWN=1: it is); each bug has
 # a minimized program among the xfail tests below, which will pass once it is fixed.
-KNOWN_BUGS = {
-    "in_place_unary_in_parts_under_vmap": (
-        "inplace_unary", ("batched", "vmap"),
-        "v.tanh_() (sigmoid_, relu_) of a value a branch or loop holds as part of a batch (the whole batch's is one "
-        "call since the batch rules of in-place methods, above): the backward may find the op's saved result "
-        "changed, where eager computes it"),
-}
+KNOWN_BUGS = {}  # (none known now; each entry {name: (the generator's feature, modes, what goes wrong)})
 
 # Known bugs that only values every instance of a vmap shares meet: a program with the feature is compared
 # under vmap with every argument batched (in_dims 0), none shared.
@@ -1371,11 +1365,10 @@ def kb_sigmoid_in_place_after_a_loop(y, w):
     return torch.maximum(v, y).mean()
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "known: KNOWN_BUGS['in_place_unary_in_parts_under_vmap']: after a loop some instances left early, v is held "
-    "as each instance's row of one tensor, and v.sigmoid_() runs once per instance on rows whose version counter "
-    "they share: the backward finds sigmoid's saved result changed"))
-def test_known_in_place_sigmoid_after_a_loop_under_vmap_backpropagates_like_eager():
+def test_in_place_sigmoid_after_a_loop_under_vmap_backpropagates_like_eager():
+    """(Was a known bug: after a loop some instances left early, v is held as each instance's row of one of two
+    tensors, and v.sigmoid_() ran once per instance on rows whose version counter they share; the instances'
+    tensors are now stacked, changed by one op and given their rows.)"""
     y = _leaf([[0.5, -1.0], [-3.0, 2.0], [1.0, 2.0]])
     w = torch.tensor([[0.5, 2.0], [0.1, 0.2], [3.0, 0.0]], dtype=F64)
     want = _grads(lambda y: torch.stack([kb_sigmoid_in_place_after_a_loop(r, s) for r, s in zip(y, w)]), y)

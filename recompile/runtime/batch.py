@@ -677,10 +677,10 @@ def written_through(value, changed):
         # (an inference tensor, made before the run, cannot be changed out of inference mode)
         if k in changed and isinstance(item, torch.Tensor) and item is not rows and \
                 (torch.is_inference_mode_enabled() or not item.is_inference()):
-            _view_again(item).copy_(rows[k])
+            view_again(item).copy_(rows[k])
 
 
-def _view_again(t):
+def view_again(t):
     """View ``t`` of a tensor made anew: a view made before an earlier copy into its base made the base need a
     gradient counts as a leaf, which autograd lets no one change in place."""
     base = t._base

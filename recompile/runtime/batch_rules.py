@@ -738,17 +738,26 @@ def _own_rows(target):
     if type(target) is not Batch or target.owner != "tensor":
         return None
     t = target.tensor
-    return t if all(stride or size <= 1 for stride, size in zip(t.stride(), t.shape)) else None
+    return t if _unexpanded(t) else None
+
+
+def _unexpanded(t):
+    """Whether no two elements of tensor ``t`` are one element of memory (``expand``'s stride 0)."""
+    return all(stride or size <= 1 for stride, size in zip(t.stride(), t.shape))
 
 
 def _reads_its_target(t, values):
     """Whether a tensor among ``values`` (or a Batch's items) shares ``t``'s memory (``y[1:] = y[:2]``): torch
     refuses an overlap of one instance's tensor that it cannot see in the batch's, so each instance then runs
     its own."""
-    storage = t.untyped_storage().data_ptr()
+    return _in_storages({t.untyped_storage().data_ptr()}, values)
+
+
+def _in_storages(storages, values):
+    """Whether a tensor among ``values`` (or a Batch's items) lies in one of ``storages`` (their data_ptrs)."""
     for v in values:
         parts = (v.tensor,) + tuple(v.items or ()) if type(v) is Batch else (v,)
-        if any(type(p) is torch.Tensor and p.untyped_storage().data_ptr() == storage for p in parts):
+        if any(type(p) is torch.Tensor and p.untyped_storage().data_ptr() in storages for p in parts):
             return True
     return False
 
@@ -810,14 +819,58 @@ def _in_place_method(name):
 
     def rule(n, base, args, kwargs):
         t = _own_rows(base)
-        values = None if t is None or _reads_its_target(t, (*args, *kwargs.values())) else \
-            _lined_up(t, name, args, kwargs)
+        if t is None:
+            return _stacked_in_place(base, args, kwargs,
+                                     lambda stacked, values: getattr(stacked, name)(*values, **kwargs), name)
+        values = None if _reads_its_target(t, (*args, *kwargs.values())) else _lined_up(t, name, args, kwargs)
         if values is None:
             return NotImplemented
         getattr(t, name)(*values, **kwargs)
         return base
 
     return rule
+
+
+def _stacked_in_place(target, args, kwargs, change, name=None):
+    """An in-place change of each instance's own tensor where the batch holds them apart (items; a value joined
+    from pieces, rows of several tensors): the tensors stacked, changed by one op, then each given its row
+    (``copy_``), so that every instance's tensor changes as eager's does. Run once per instance instead, each op
+    would move the version of a tensor whose other rows another instance's op saved for its gradient (a row's
+    ``sigmoid_``), and the backward would raise where eager's computes. NotImplemented where the values are not
+    tensors of one shape and dtype, where two share memory (each instance's op would then see another's
+    change) or an argument shares theirs, or where autograd refuses the change (a leaf that needs a gradient,
+    an inference tensor): each instance's op then runs, or raises, as eager's."""
+    if type(target) is not Batch or target.owner == "tensor" or target.thunk is not None \
+            or target.struct is not None or target.method is not None:
+        return NotImplemented
+    held = bt.pieces_items(target) if target.pieces is not None else target.items
+    if held is None or not all(type(x) in PLAIN_TENSORS and _unexpanded(x) for x in held) \
+            or not bt.same_kind(held, 0) or not _apart(held) \
+            or _in_storages({x.untyped_storage().data_ptr() for x in held}, (*args, *kwargs.values())):
+        return NotImplemented
+    for x in held:
+        base = x if x._base is None else x._base
+        if x.is_inference() or base.is_leaf and base.requires_grad:
+            return NotImplemented
+    stacked = torch.stack(held)
+    values = _lined_up(stacked, name, args, kwargs)
+    if values is None:
+        return NotImplemented
+    change(stacked, values)
+    for k, x in enumerate(held):
+        bt.view_again(x).copy_(stacked[k])
+        if bt.MADE_FROM:
+            bt.changed_in_place(x)
+    if target.owner == "items":
+        target.tensor = None  # (a tensor stacked from the items is stale; a joined value's cache checks itself)
+    return target
+
+
+def _apart(tensors):
+    """Whether no two of ``tensors`` share an element of memory."""
+    spans = sorted((t.untyped_storage().data_ptr(), t.storage_offset(), t.storage_offset() + bt.span(t))
+                   for t in tensors)
+    return all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))
 
 
 # In-place methods (and masked_fill) whose arguments from this position on are one value for every element (a
@@ -833,11 +886,16 @@ for _changing in _ELEMENTWISE_IN_PLACE:
     BATCH.register(_changing)(_in_place_method(_changing))
 
 
+_ELEMENTWISE_AUGMENTED = frozenset(syntax.AUGMENTED) - {operator.imatmul}  # (``x @= w`` is no elementwise op)
+
+
 @BATCH.register(*facts.IN_PLACE)
 def elementwise_inplace(n, fn, args, kwargs):
     target = args[0]
     if (type(target) is not Batch or target.owner != "tensor") and (kwargs or _int_rows(args) is None):
-        return NotImplemented  # a shared target, or one held as items: per instance (ints: a new int each)
+        if type(target) is Batch and not kwargs and len(args) == 2 and fn in _ELEMENTWISE_AUGMENTED:
+            return _stacked_in_place(target, args[1:], {}, lambda s, values: fn(s, *values))
+        return NotImplemented  # a shared target: per instance (ints: a new int each)
     return elementwise(n, fn, args, kwargs)
 
 
