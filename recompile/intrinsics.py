@@ -175,6 +175,35 @@ itruediv_fresh = _augmented_fresh(operator.itruediv, operator.truediv, "itruediv
 AUGMENTED_FRESH = {f.in_place: f for f in (iadd_fresh, isub_fresh, imul_fresh, itruediv_fresh)}
 
 
+def _method_fresh(name, function=False):
+    """``x.name_(...)`` (with ``function``: ``torch.name_(x, ...)``) where only this frame holds ``x``'s object
+    (``passes.fresh``): for a tensor, ``x.name(...)``, a new tensor where it has ``x``'s dtype and shape (what the
+    in-place op gives: an int tensor's ``sigmoid`` is a float one), else the in-place op on a copy (it casts, or
+    raises, as eager's); anything else the in-place op (a number has no such method, and torch's function takes
+    none: each raises as eager's). ``x`` itself is never changed."""
+    in_place = name + "_"
+
+    def fresh(x, *args, **kwargs):
+        if isinstance(x, torch.Tensor):
+            result = getattr(x, name)(*args, **kwargs)
+            if isinstance(result, torch.Tensor) and result.dtype == x.dtype and result.shape == x.shape:
+                return result
+            x = x.clone()
+        return getattr(torch, in_place)(x, *args, **kwargs) if function else getattr(x, in_place)(*args, **kwargs)
+
+    fresh.__name__ = fresh.__qualname__ = ("torch_" if function else "") + f"{name}_fresh"
+    fresh.in_place, fresh.method = in_place, name
+    return fresh
+
+
+_FRESH_NAMES = ("relu", "sigmoid", "tanh", "exp", "neg", "abs", "sqrt", "clamp")
+# Tensor methods changing their tensor elementwise (by in-place name), and torch's functions doing so (by the
+# function), as ``passes.fresh`` writes them out of place
+METHODS_FRESH = {name + "_": _method_fresh(name) for name in _FRESH_NAMES}
+FUNCTIONS_FRESH = {getattr(torch, name + "_"): _method_fresh(name, function=True) for name in _FRESH_NAMES}
+OUT_OF_PLACE = (*METHODS_FRESH.values(), *FUNCTIONS_FRESH.values())
+
+
 MERGE = Marker("MERGE")  # marks ``**mapping`` among the keys given to build_dict
 
 

@@ -38,13 +38,14 @@ def _metadata():
                                 ("module", grad_rules.GRAD.by_module)) for k, r in table.items()}
 
 
-def _metadata_of(vjps, reads_inputs):
-    """The rule_metadata entries of the rules of ``vjps``, as they read with ``reads_inputs``."""
+def _metadata_of(vjps, reads_inputs, skip=()):
+    """The rule_metadata entries of the rules of ``vjps`` (not of those filed under ``skip``), as they read with
+    ``reads_inputs``."""
     return set(listing({f"{describe(k)} {kind}": (r.reads_out, reads_inputs, tuple(r.read_for_others))
                         for kind, table in (("function", grad_rules.GRAD.by_callable),
                                             ("method", grad_rules.GRAD.by_method),
                                             ("module", grad_rules.GRAD.by_module))
-                        for k, r in table.items() if r.vjp in vjps}))
+                        for k, r in table.items() if r.vjp in vjps and k not in skip}))
 
 
 def _method_metadata(vjps, others):
@@ -183,9 +184,19 @@ _ADDCMUL = (torch.addcmul, torch.addcdiv, torch.lerp)  # elementwise, with optio
 _TORCH_BITWISE = (torch.le, torch.ge, torch.ne, torch.logical_or, torch.logical_xor, torch.bitwise_and,
                   torch.bitwise_or, torch.bitwise_xor, torch.bitwise_not, torch.remainder, torch.fmod,
                   torch.floor_divide, torch.trunc, torch.isnan, torch.isinf, torch.isfinite)
+def _out_of_place_metadata():
+    """The rule_metadata entries of ``x.relu_()`` written out of place, where they are not a result reader's:
+    those of the out-of-place op."""
+    table = grad_rules.GRAD.by_callable
+    return set(listing({f"{describe(f)} function": (r.reads_out, r.reads_inputs, tuple(r.read_for_others))
+                        for f in _OUT_OF_PLACE for r in [table[getattr(torch, f.method)]]
+                        if r.vjp not in _RESULT_READERS}))
+
+
 _BITWISE = (operator.and_, operator.or_, operator.xor, operator.invert, operator.floordiv, operator.mod,
             *_TORCH_BITWISE)
 _FRESH = tuple(intrinsics.AUGMENTED_FRESH.values())
+_OUT_OF_PLACE = intrinsics.OUT_OF_PLACE  # (``x.relu_()``, ``torch.relu_(x)`` written out of place)
 _CELLS = (nn.RNNCell, nn.LSTMCell, nn.GRUCell)  # a batch of rows for the cell (batch_rules.recurrent_cell)
 _LAYERS = (nn.RNN, nn.LSTM, nn.GRU)  # every instance's sequences one batch for the module (batch_rules.recurrent_layer)
 _CLOSURES = (intrinsics.fixed_cell, intrinsics.set_cell, intrinsics.read_local_cell, intrinsics.delete_cell,
@@ -197,8 +208,8 @@ GROWN = {
     # (and the read of ``enumerate`` a for over it as an index loop checks: it hands the builtin back)
     # (and ``operator.index`` of a ``reversed(range(n))`` loop's bound, which the frontend counts down)
     # (and ``x += y`` written out of place: a new object, x unchanged, one call for instances that share x and y)
-    "semantics.PURE": (_names(*facts.MATH, intrinsics.builtin_read, operator.index, *_FRESH), set()),
-    "plan._MOVABLE": (_names(*facts.MATH, intrinsics.builtin_read, operator.index, *_FRESH), set()),
+    "semantics.PURE": (_names(*facts.MATH, intrinsics.builtin_read, operator.index, *_FRESH, *_OUT_OF_PLACE), set()),
+    "plan._MOVABLE": (_names(*facts.MATH, intrinsics.builtin_read, operator.index, *_FRESH, *_OUT_OF_PLACE), set()),
     # a slice, a range, a frozenset and ``...`` are values no call can change: every instance shares one
     "batch_rules._IMMUTABLE": (_names(slice, range, frozenset, type(Ellipsis)), set()),
     "batch_rules._ELEMENTWISE": (_names(*_ADDCMUL, *_BITWISE, *_MORE_ELEMENTWISE), set()),
@@ -244,6 +255,7 @@ GROWN = {
                                     *((f, batch_rules.elementwise) for f in _MORE_ELEMENTWISE),
                                     # ``x += y`` of an x the frame made, written out of place (passes.fresh)
                                     *((f, batch_rules.augmented_fresh) for f in _FRESH),
+                                    *((f, batch_rules.method_fresh) for f in _OUT_OF_PLACE),
                                     # a Python number of each instance's one element: one tolist of the rows
                                     *((f, batch_rules.python_numbers) for f in (int, float, bool))])
                           | _ruled(batch_rules.BATCH.by_callable, _MORE_RULES),
@@ -273,6 +285,7 @@ GROWN = {
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, slice,
                                     reversed, len, intrinsics.build_dict,
                                     *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE, *_FRESH,
+                                    *_OUT_OF_PLACE,
                                     int, float, bool, operator.index)
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),
     "segments._OPERATORS": (_names(operator.index), set()),  # (pure: a trace may run its batch rule)
@@ -281,7 +294,9 @@ GROWN = {
     "grad_rules.FUNCTION_RULES": (_entries([(intrinsics.iadd_fresh, grad_rules._add_fresh),
                                             (intrinsics.isub_fresh, grad_rules._sub),
                                             (intrinsics.imul_fresh, grad_rules._mul),
-                                            (intrinsics.itruediv_fresh, grad_rules._div)]), set()),
+                                            (intrinsics.itruediv_fresh, grad_rules._div),
+                                            *((f, grad_rules.GRAD.by_callable[getattr(torch, f.method)].vjp)
+                                              for f in _OUT_OF_PLACE)]), set()),
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS, *_LAYERS, torch.nn.Sequential, *_MORE_ACTIVATIONS)
                                      | _ruled_keys(batch_rules.BATCH.by_module, _MORE_RULES), set()),
     # (views that move dims read no value of their input either, as ``transpose`` always did)
@@ -292,8 +307,10 @@ GROWN = {
     # ``x[i]`` reads i, where the cotangent goes: an index changed in place afterwards is checked)
     "grad_rules.rule_metadata": (_metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | {grad_rules._detach}, False)
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: tuple(r.read_for_others))
-                                 | _fresh_metadata() | _metadata_of({grad_rules._getitem}, True),
-                                 _metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | {grad_rules._detach}, True)
+                                 | _fresh_metadata() | _out_of_place_metadata()
+                                 | _metadata_of({grad_rules._getitem}, True),
+                                 _metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | {grad_rules._detach}, True,
+                                              skip=_OUT_OF_PLACE)  # (new: not in the snapshot)
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: ())
                                  | _metadata_of({grad_rules._getitem}, False)),
     # ``type(x)`` of a shared x is read once for every instance (the class is the same object)
@@ -313,6 +330,7 @@ GROWN = {
                                   (torch.einsum, segments._einsum_form), (F.linear, segments._linear_form),
                                   *((f, segments._elementwise_form) for f in _MORE_ELEMENTWISE),
                                   *((f, segments._augmented_fresh_form) for f in _FRESH),
+                                  *((f, segments._method_fresh_form) for f in _OUT_OF_PLACE),
                                   # int(t), bool(t) of each instance's one element: rows standing for the numbers
                                   (int, segments._python_number_form), (bool, segments._python_number_form),
                                   # a dict display with string keys: a struct of its values, a piece may hand on

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import recompile
 from recompile import config
@@ -383,6 +384,34 @@ def test_a_list_extended_by_any_iterable_gives_each_element_its_gradient(fn, mod
         torch.testing.assert_close((out, torch.autograd.grad(out, x)[0]), want)
 
 
+W = torch.randn(3, 3, dtype=F64, generator=torch.Generator().manual_seed(3))
+
+
+def tree_activated_in_place(xs, left, right, i):
+    """A node's state activated in place after its branches (``nn.ReLU(inplace=True)``'s habit), each instance's
+    a row of one tensor: per instance, each ``relu_`` moved the version of rows another's saved."""
+    if left[i] < 0:
+        h = xs[i] @ W
+    else:
+        h = tree_activated_in_place(xs, left, right, left[i]) + tree_activated_in_place(xs, left, right, right[i])
+    h.relu_()
+    return h
+
+
+def test_a_tree_activated_in_place_is_written_out_of_place_and_runs_as_levels():
+    compiled = recompile.function(tree_activated_in_place)
+    assert "relu_fresh(" in compiled.dump(stage="fresh")
+    left, right, roots = forest()
+    xs = torch.randn(8, 3, dtype=F64, requires_grad=True)
+    want = torch.stack([tree_activated_in_place(xs, left, right, int(r)) for r in roots])
+    want = want, torch.autograd.grad(want.sum(), xs)
+    with switched(config, "error", "PER_INSTANCE"):
+        for _ in range(2):
+            got = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+            torch.testing.assert_close((got, torch.autograd.grad(got.sum(), xs)), want)
+    assert built(compiled).unit.levels.plain.runs == 2
+
+
 # ``x.mul_(y)`` (``add_``, ``sub_``, ``div_``) of a tensor only the frame holds: written out of place as ``x *= y``
 # is, the ops after it reading its result
 
@@ -418,8 +447,25 @@ def method_of_itself(x):
     return v + x
 
 
+def activated_by_its_methods(x):
+    v = x * 2.0 - 0.5
+    v.relu_()
+    v = v + x
+    v.clamp_(min=-0.25, max=1.5)
+    return v * 1.0
+
+
+def activated_by_torchs_functions(x):
+    v = x * 2.0 - 0.5
+    torch.sigmoid_(v)
+    u = v - x
+    u = F.relu(u, inplace=True)
+    return u * 1.0
+
+
 METHODS = [(scaled_by_its_methods, True), (joined_then_divided_by_its_method, True), (method_of_an_argument, False),
-           (method_after_a_read_that_saves, False), (method_of_itself, False)]
+           (method_after_a_read_that_saves, False), (method_of_itself, False), (activated_by_its_methods, True),
+           (activated_by_torchs_functions, True)]
 
 
 @pytest.mark.parametrize("fn", [fn for fn, _ in METHODS if fn is not method_of_an_argument],
@@ -472,3 +518,27 @@ def test_an_in_place_method_of_a_number_raises_as_eager(mode):
             recompile.vmap(recompile.function(method_of_a_number))(x)
         else:
             recompile.function(method_of_a_number, mode=mode)(x[0])
+
+
+def changed_after_its_activation(x):
+    v = x * 2.0
+    v.sigmoid_()  # (out of place: sigmoid's backward reads its result...)
+    v.mul_(2.0)  # (...which this changes, in place still: eager's backward refuses, and so must the program)
+    return v
+
+
+def activated_int(x):
+    v = (x > 0).long() * 3
+    v.sigmoid_()  # (an int tensor's sigmoid is a float one, which the in-place op cannot store: eager raises)
+    return x * v
+
+
+@pytest.mark.parametrize("mode", MODES + ["vmap"])
+def test_an_activation_written_out_of_place_keeps_eagers_refusals(mode):
+    x = torch.tensor([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5]], dtype=F64)
+    for fn in (changed_after_its_activation, activated_int):
+        assert "sigmoid_fresh(" in recompile.function(fn).dump(stage="fresh")
+        want = _outcome(lambda x: torch.stack([fn(r) for r in x]), (x.clone().requires_grad_(),))
+        compiled = recompile.vmap(recompile.function(fn)) if mode == "vmap" else \
+            (lambda x: torch.stack([recompile.function(fn, mode=mode)(r) for r in x]))
+        assert want is RuntimeError and _outcome(compiled, (x.clone().requires_grad_(),)) is RuntimeError

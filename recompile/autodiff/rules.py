@@ -1088,6 +1088,11 @@ _module(nn.BCEWithLogitsLoss, _bce_with_logits, F.binary_cross_entropy_with_logi
         "reduction")
 
 
+for _fresh in intrinsics.OUT_OF_PLACE:  # (``x.relu_()`` written out of place: ``x.relu()``'s rule)
+    GRAD.register(_fresh)(GRAD.by_callable[getattr(torch, _fresh.method)].vjp)
+del _fresh
+
+
 SHAPE_ONLY.update({_add, _add_fresh, _sub, _neg, _pos, _sum, _mean, _cat, _stack, _split, _unbind, _reshaped,
                    _transpose, _t, _swapaxes, _movedim, _getattr, _permute, _expand, _narrow, _select,
                    _rows, _softmax, _log_softmax, _detach})

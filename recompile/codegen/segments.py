@@ -1222,13 +1222,7 @@ def _elementwise_form(tr, fn, fn_slot, args, kwargs):
         return None
     raw, rank, dtype = found
     tr.guard_callable(fn, fn_slot)
-    for s in raw:
-        if s.kind == "S" and not s.fixed:
-            if type(s.value) in _PLAIN_TENSORS:
-                tr.guard_shared(s)
-                tr.emit(f"if type({s.name}) not in _PLAIN_TENSORS: raise _Deopt")
-            else:
-                tr.emit(f"if type({s.name}) is not {type(s.value).__name__}: raise _Deopt")
+    _guard_shared_arguments(tr, raw)
     fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)
     kw = {k: s.value for k, s in kwargs.items()}
     value = fn(*[s.value for s in raw], **kw)
@@ -1243,7 +1237,37 @@ def _elementwise_form(tr, fn, fn_slot, args, kwargs):
     return _Slot("B", name, value)
 
 
+def _guard_shared_arguments(tr, slots):
+    """Guards that the shared values among ``slots`` that a trace reads at run time are of the types it saw."""
+    for s in slots:
+        if s.kind == "S" and not s.fixed:
+            if type(s.value) in _PLAIN_TENSORS:
+                tr.guard_shared(s)
+                tr.emit(f"if type({s.name}) not in _PLAIN_TENSORS: raise _Deopt")
+            else:
+                tr.emit(f"if type({s.name}) is not {type(s.value).__name__}: raise _Deopt")
+
+
 _INFIX = {fn: syntax.SYMBOL[fn] for fn in (operator.add, operator.sub, operator.mul, operator.truediv)}
+
+
+@TRACE.register(*intrinsics.OUT_OF_PLACE)
+def _method_fresh_form(tr, fn, fn_slot, args, kwargs):
+    """``x.relu_()`` (``clamp_(min=0)``) of a tensor only its frame holds (``passes.fresh``): ``x.relu()`` on the
+    batched tensor, its other arguments shared numbers, where the result keeps ``x``'s dtype and shape (the
+    in-place method's; the trace's guards hold them)."""
+    x = tr.as_b(args[0])
+    rest = [*args[1:], *kwargs.values()]
+    if x is None or fn_slot is not None or not all(
+            s.kind == "S" and (s.value is None and s.fixed or type(s.value) in facts.NUMBERS) for s in rest):
+        return None
+    value = getattr(x.value, fn.method)(*[s.value for s in args[1:]], **{k: s.value for k, s in kwargs.items()})
+    if type(value) is not torch.Tensor or value.dtype is not x.value.dtype or value.shape != x.value.shape:
+        return None
+    _guard_shared_arguments(tr, rest)
+    name = tr.fresh()
+    tr.emit(f"{name} = {x.name}.{fn.method}({_arguments(args[1:], kwargs)})")
+    return _Slot("B", name, value)
 
 
 @TRACE.register(*intrinsics.AUGMENTED_FRESH.values())

@@ -40,6 +40,7 @@ PURE = _pure_operators() | {
     intrinsics.build_set, intrinsics.unpack, intrinsics.check_bound, intrinsics.as_sequence,
     intrinsics.has_index, intrinsics.format_value, intrinsics.join_str, intrinsics.builtin_read, operator.index,
     *intrinsics.AUGMENTED_FRESH.values(),  # (``x += y`` written out of place: a new object, x unchanged)
+    *intrinsics.OUT_OF_PLACE,  # (``x.relu_()``, ``torch.relu_(x)`` so written)
 }
 
 

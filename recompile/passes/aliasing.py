@@ -37,7 +37,8 @@ _NEW_ALWAYS = frozenset({operator.truediv, operator.floordiv, operator.mod, oper
 # ... and those whose result is new where an operand is a tensor (of lists, sets, dicts it may hold their items:
 # ``xs + [v]``, ``[v] * 2``, ``{v} | s``), or where the value changed is one (``xs += [v]`` is ``xs``)
 _NEW_OF_A_TENSOR = frozenset({operator.add, operator.sub, operator.mul, operator.and_, operator.or_, operator.xor})
-_NEW_OF_A_CHANGED_TENSOR = frozenset(intrinsics.AUGMENTED_FRESH.values())
+_NEW_OF_A_CHANGED_TENSOR = frozenset(intrinsics.AUGMENTED_FRESH.values()) | frozenset(
+    intrinsics.OUT_OF_PLACE)
 # torch functions whose result is a new tensor (or a tuple of new ones), never a view of or the very input
 # (not ``F.dropout``: the input itself where it does not train; not ``einsum``, ``reshape``: views where they can)
 _NEW_TENSORS = frozenset(f for f in facts.FUSIBLE | facts.ELEMENTWISE | facts.CONSTRUCTORS

@@ -13,14 +13,19 @@ refuses a backward because a saved value changed in place, the program must refu
 counts where every branch makes its own, and a loop's variable where it starts new and each iteration makes its
 next value so (``s = torch.zeros(H)``, then ``s += h`` in the loop).
 
-The methods of those ops (``x.mul_(y)``, ``add_``, ``sub_``, ``div_``) of such an ``x`` are written out of place
-too; the ops after one read its result where they read ``x`` (they read the object eager code changed).
+The methods of those ops (``x.mul_(y)``, ``add_``, ``sub_``, ``div_``) of such an ``x``, and its elementwise
+in-place methods (``x.relu_()``, ``sigmoid_``, ``clamp_(min=0)``: ``intrinsics.METHODS_FRESH``), are written out of
+place too; the ops after one read its result where they read ``x`` (they read the object eager code changed).
+Their results count as new only for the arithmetic ops: ``sigmoid``'s backward reads its result, so a later
+change of it in place must stay one, which eager's backward refuses.
 """
 
 from __future__ import annotations
 
 import operator
 
+import torch
+import torch.nn.functional as F
 
 from .. import intrinsics, ir
 from ..ops import facts
@@ -61,20 +66,20 @@ def fresh(sg, parsed=None):
 
 def _method_out_of_place(op, s, sg):
     """``x.mul_(y)`` (``add_``, ``sub_``, ``div_``: ``facts.AUGMENTED_METHODS``) of a tensor ``x`` only the frame
-    holds, as ``x *= y`` written out of place: the call becomes the ``AUGMENTED_FRESH`` op, its result what the
-    ops after it read for ``x`` (they read the one object eager code changed). Whether it was rewritten."""
-    if not (isinstance(op, ir.Call) and len(op.args) == 1 and not op.kwargs and not op.star
-            and len(op.outputs) == 1):
+    holds, as ``x *= y`` written out of place, and ``x.relu_()``, ``torch.relu_(x)``, ``F.relu(x, inplace=True)``
+    (``intrinsics.METHODS_FRESH``) as ``x.relu()``: the call becomes the fresh op, its result what the ops after
+    it read for ``x`` (they read the one object eager code changed). Whether it was rewritten."""
+    if not (isinstance(op, ir.Call) and not op.star and len(op.outputs) == 1) or any(
+            key is None for key, _ in op.kwargs):  # (``**options``)
         return False
-    read = effects.attribute_read(op.fn)
-    in_place = facts.AUGMENTED_METHODS.get(read[1]) if read is not None else None
-    fresh_op = intrinsics.AUGMENTED_FRESH.get(in_place)
-    method = op.fn.op if fresh_op is not None else None
-    if method is None or method not in s.ops or any(
-            op.fn in o.operands() for t in sg.walk() for o in t.ops if o is not op) or op.fn in s.outputs:
+    found = _in_place_form(op)
+    if found is None:
         return False
-    x, y = read[0], op.args[0]
-    if x is y or not isinstance(x, ir.Value):
+    x, fresh_op, args, kwargs, method = found
+    if method is not None and (method not in s.ops or any(
+            op.fn in o.operands() for t in sg.walk() for o in t.ops if o is not op) or op.fn in s.outputs):
+        return False
+    if x in args or any(x is v for _, v in kwargs) or not isinstance(x, ir.Value):
         return False  # (``h.mul_(h)``: eager's saves h, then changes it)
     at = s.ops.index(op)
     if any(x in o.operands() for t in sg.walk() if t is not s for o in t.ops):
@@ -85,10 +90,39 @@ def _method_out_of_place(op, s, sg):
     for later in s.ops[at + 1:]:
         later.map_operands(lambda a: out if a is x else a)
     s.outputs = [out if a is x else a for a in s.outputs]
-    if id(x) in aliasing.known_tensors(sg):
+    if method is not None and id(x) in aliasing.known_tensors(sg):
         s.ops.remove(method)  # (else its read stays: a number has no ``mul_``, and raises as eager's does)
-    op.fn, op.args = ir.Const(fresh_op), [x, y]
+    op.fn, op.args, op.kwargs = ir.Const(fresh_op), [x, *args], kwargs
     return True
+
+
+def _in_place_form(op):
+    """(``x``, the fresh op, its other arguments and keywords, the ``getattr`` of a method or None) of call ``op``
+    where it changes ``x`` in place and has an out-of-place form; else None."""
+    fn = effects.resolve(op.fn)
+    if fn is None:
+        read = effects.attribute_read(op.fn)
+        if read is None:
+            return None
+        if len(op.args) == 1 and not op.kwargs and read[1] in facts.AUGMENTED_METHODS:
+            fresh_op = intrinsics.AUGMENTED_FRESH.get(facts.AUGMENTED_METHODS[read[1]])
+        else:
+            fresh_op = intrinsics.METHODS_FRESH.get(read[1])
+        return None if fresh_op is None else (read[0], fresh_op, op.args, op.kwargs, op.fn.op)
+    if not op.args:
+        return None
+    x, args, kwargs = op.args[0], op.args[1:], op.kwargs
+    if fn is F.relu:  # (``F.relu(x, inplace=True)``, or True by position)
+        flags = [v for key, v in kwargs if key == "inplace"] + list(args)
+        if len(flags) != 1 or len(args) + len(kwargs) != 1 or not (
+                isinstance(flags[0], ir.Const) and flags[0].value is True):
+            return None
+        return x, intrinsics.FUNCTIONS_FRESH[torch.relu_], [], [], None
+    try:
+        fresh_op = intrinsics.FUNCTIONS_FRESH.get(fn)
+    except TypeError:  # (an unhashable callable)
+        return None
+    return None if fresh_op is None else (x, fresh_op, args, kwargs, None)
 
 
 def _only_here_before(v, user, method, s):

@@ -907,9 +907,26 @@ def augmented_fresh(n, fn, args, kwargs):
     if kwargs or len(args) != 2:
         return NotImplemented
     out = elementwise(n, fn.out_of_place, args, {})
-    if out is NotImplemented:
+    return NotImplemented if out is NotImplemented else _as_in_place(args[0], out)
+
+
+@BATCH.register(*intrinsics.OUT_OF_PLACE)
+def method_fresh(n, fn, args, kwargs):
+    """``x.relu_()`` (``clamp_(min=0)``, ...) of a tensor only its frame holds (``passes.fresh``): the out-of-place
+    method's rule, where every instance's tensor ``x`` has the result's dtype and shape; else each instance as
+    Python runs it."""
+    x, rule = args[0], BATCH.by_method.get(fn.method)
+    if type(x) is not Batch or rule is None:
         return NotImplemented
-    x, t = args[0], (out.tensor if type(out) is Batch and out.owner == "tensor" else None)
+    out = rule(n, x, args[1:], kwargs)
+    return NotImplemented if out is NotImplemented else _as_in_place(x, out)
+
+
+def _as_in_place(x, out):
+    """``out``, the batch of ``x op y`` (or ``x.name()``) computed for an in-place op of ``x`` written out of place,
+    where every instance's tensor ``x`` has its dtype and shape (what the in-place op gives); else NotImplemented:
+    each instance runs as Python runs it (the in-place op casts, or raises)."""
+    t = out.tensor if type(out) is Batch and out.owner == "tensor" else None
     if type(x) is Batch and x.owner == "tensor":
         tensors = [x.tensor[0]]
     else:
