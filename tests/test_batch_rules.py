@@ -1215,13 +1215,14 @@ SETITEMS = {"int": (0, 2.0), "slices": ((slice(None), slice(1, None)), -1.0), "e
             "lower_rank_value": (slice(None), "value"), "mask": ("mask", 0.0)}
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=["rows", "apart"])
 @pytest.mark.parametrize("case", list(SETITEMS))
-def test_setitem_of_each_instances_own_tensor_is_one_write(case):
+def test_setitem_of_each_instances_own_tensor_is_one_write(case, apart):
     extra = {"value": rand(N, 3, seed=2), "mask": rand(N, 2, 3, seed=4) > 0}
     index, value = (extra.get(a, a) if isinstance(a, str) else a for a in SETITEMS[case])
     (got, got_grad), (want, want_grad) = _changed_in_place(
         lambda y, i, v: br.call(N, operator.setitem, (y, i, v)) if type(y) is Batch else operator.setitem(y, i, v),
-        index, value)
+        index, value, apart=apart)
     assert torch.equal(got, want) and torch.allclose(got_grad, want_grad)
 
 
@@ -1241,6 +1242,27 @@ def test_an_in_place_method_of_each_instances_own_tensor_is_one_call(name, args,
         lambda y, *e: br.call(N, Batch(N, method=(y, name)), tuple(e)) if type(y) is Batch else getattr(y, name)(*e),
         *batched, apart=apart)
     torch.testing.assert_close(got, want)  # (a vectorized sigmoid may differ from a row's in the last bit)
+    torch.testing.assert_close(got_grad, want_grad)
+
+
+# in-place methods no rule lines up, which torch.func.vmap runs by a batching rule: (name, args); "src" stands for
+# a batched value of each instance's shape
+UNDER_VMAP = [("index_add_", (0, torch.tensor([1, 0]), "src")), ("index_fill_", (1, torch.tensor([2]), 0.5)),
+              ("scatter_add_", (1, torch.tensor([[0, 0, 2], [1, 1, 1]]), "src")), ("sin_", ()), ("round_", ()),
+              ("index_put_", ((torch.tensor([1, 1]),), "src", True))]
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["rows", "apart"])
+@pytest.mark.parametrize("name, args", UNDER_VMAP, ids=[name for name, _ in UNDER_VMAP])
+def test_an_in_place_method_no_rule_lines_up_runs_under_vmap_once(name, args, apart):
+    """``z.index_add_(0, idx, h)`` ... of each instance's own tensor: one call under torch.func.vmap on the
+    batch's rows (or, held apart, on their stack, each tensor then given its row), with eager's gradient."""
+    src = rand(N, 2, 3, seed=5)
+    batched = [src[:, 0] if a == "src" and name == "index_put_" else src if a == "src" else a for a in args]
+    (got, got_grad), (want, want_grad) = _changed_in_place(
+        lambda y, *e: br.call(N, Batch(N, method=(y, name)), tuple(e)) if type(y) is Batch else getattr(y, name)(*e),
+        *batched, apart=apart)
+    torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_grad, want_grad)
 
 

@@ -2062,6 +2062,42 @@ def test_rows_of_a_value_made_once_are_each_changed_in_place_with_a_value_that_n
     vmap_matches_eager(joined_then_divided, x, torch.tensor([0.5, -1.0, 2.0], dtype=F64))
 
 
+def copied_into_zeros(x, w):
+    h = x * w
+    z = torch.zeros_like(h)
+    z.index_copy_(0, torch.tensor([2, 0, 1]), h)  # (each instance's own: no batching rule of vmap's)
+    return z * h
+
+
+def test_rows_of_a_batchs_tensor_are_each_changed_in_place_with_a_value_that_needs_a_gradient(monkeypatch):
+    """The rows of the batch's own tensor, viewed before the first instance's op made their tensor need a
+    gradient, counted as leaves that autograd lets no one change: the op raised where eager computes."""
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    x = torch.tensor([[1.0, 2, 3], [-1.0, -2, 0], [2.0, 1, 1], [-1.0, -2, 0.5]], dtype=F64)
+    vmap_matches_eager(copied_into_zeros, x, torch.tensor([0.5, -1.0, 2.0], dtype=F64))
+
+
+def item_changed_in_place(x, w):
+    h = x * w
+    h[0] += 1.0  # (``h[0]`` changed, then written onto itself)
+    h[1:] *= 2.0
+    return h * h
+
+
+def joined_item_changed_in_place(x, w):
+    h = x * w if x.sum() > 0 else x * 3.0  # (held apart where the instances part ways)
+    h[0] += 1.0
+    h[1:] *= 2.0
+    return h * h
+
+
+@pytest.mark.parametrize("fn", [item_changed_in_place, joined_item_changed_in_place])
+def test_an_augmented_write_of_an_item_is_one_write_for_every_instance(fn, monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+    x = torch.tensor([[1.0, 2, 3], [-1.0, -2, 0], [2.0, 1, 1], [-1.0, -2, 0.5]], dtype=F64)
+    vmap_matches_eager(fn, x, torch.tensor([0.5, -1.0, 2.0], dtype=F64))
+
+
 def product_in_a_branch_then_set(x, w):
     v = w * x
     u = (x @ v) if x.sum() > 0 else x * 2.0  # (the product saves v: a copy of the instances' rows here)

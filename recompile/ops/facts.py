@@ -263,6 +263,9 @@ DRAWS = frozenset({
     torch.randint_like, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson,
 })
 DRAWING_METHODS = frozenset({"bernoulli", "multinomial"})
+# Tensor methods that draw into their tensor in place (each instance's draws are its own, in its own order)
+DRAWING_IN_PLACE = frozenset({"bernoulli_", "normal_", "uniform_", "random_", "exponential_", "geometric_",
+                              "cauchy_", "log_normal_"})
 # Calls finite at every finite input, with finite gradients there (and the Tensor methods of such ops, by name):
 # ``runtime.padded`` runs them on what lies past each instance's end too, which then stays finite, so that a
 # zero cotangent there adds nothing to a gradient (``log`` or a division by such values would not).

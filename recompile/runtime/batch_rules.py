@@ -389,7 +389,7 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     # autograd records of them is read again)
     target = _in_place_target(fn, args) if torch.is_grad_enabled() and (
         _changes_in_place(fn) or facts.asks_in_place(fn, args, kwargs)) else None
-    items = bt.items_of(target) if type(target) is Batch and target.owner != "tensor" else None
+    items = bt.items_of(target) if type(target) is Batch else None
     results = []
     for k in range(n):
         if items is not None and isinstance(items[k], torch.Tensor) and items[k]._base is not None:
@@ -499,6 +499,10 @@ def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
             return call(n, fn, args, kwargs)
     if torch_op and not (method or bound or "").endswith("_"):
         out = _vmapped(n, fn, args, kwargs or {}, method)
+        if out is not NotImplemented:
+            return out
+    if method in _IN_PLACE_UNDER_VMAP:
+        out = _in_place_under_vmap(n, method, args[0], args[1:], kwargs or {})
         if out is not NotImplemented:
             return out
     if method is not None:
@@ -782,8 +786,15 @@ def set_item(n, fn, args, kwargs):
         return NotImplemented
     target, index, value = args
     t = _own_rows(target)
-    if t is None:
-        return NotImplemented
+    if t is None:  # (each instance's own tensor held apart: written in their stack, each then given its row)
+        out = _stacked_in_place(target, (index, value), {}, lambda stacked: _write_rows(stacked, index, value))
+        return NotImplemented if out is NotImplemented else None
+    return _write_rows(t, index, value)
+
+
+def _write_rows(t, index, value):
+    """``y[index] = value`` of each instance's row of ``t``: None, or NotImplemented (nothing written) where
+    there is no such write."""
     if type(index) is Batch:
         where = bt.tensor_of(index)
         if where is None or where.dtype is not torch.bool or where.shape != t.shape or type(value) is Batch or (
@@ -793,13 +804,20 @@ def set_item(n, fn, args, kwargs):
         where = (slice(None),) + (index if type(index) is tuple else (index,))
     else:
         return NotImplemented
-    if _reads_its_target(t, (value,)):
+    if _reads_its_target(t, (value,)) and not (type(value) is Batch and value.owner == "tensor" and _same_memory(
+            value.tensor, t[where])):  # (``y[0] += 1``: the row it changed written onto itself, as eager's)
         return NotImplemented
     value = _aligned(value, t[where].dim() - 1)
     if value is None:
         return NotImplemented
     t[where] = value
     return None
+
+
+def _same_memory(a, b):
+    """Whether tensors ``a`` and ``b`` are views of the very same elements, in the same order."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.shape == b.shape and \
+        a.stride() == b.stride() and a.storage_offset() == b.storage_offset() and a.dtype == b.dtype
 
 
 def _lined_up(t, name, args, kwargs):
@@ -817,21 +835,57 @@ def _in_place_method(name):
     """``y.clamp_(...)``, ``y.masked_fill_(m, v)``, ``y.zero_()`` ... of each instance's own tensor: the method
     on the batch's tensor, its batched arguments lined up as elementwise ops line them up."""
 
+    method = getattr(torch.Tensor, name)
+
     def rule(n, base, args, kwargs):
         t = _own_rows(base)
         if t is None:
-            return _stacked_in_place(base, args, kwargs,
-                                     lambda stacked, values: getattr(stacked, name)(*values, **kwargs), name)
-        values = None if _reads_its_target(t, (*args, *kwargs.values())) else _lined_up(t, name, args, kwargs)
-        if values is None:
+            return _stacked_in_place(base, args, kwargs, lambda stacked: _lined_up_change(
+                stacked, method, name, args, kwargs))
+        if _reads_its_target(t, (*args, *kwargs.values())):
             return NotImplemented
-        getattr(t, name)(*values, **kwargs)
-        return base
+        return NotImplemented if _lined_up_change(t, method, name, args, kwargs) is NotImplemented else base
 
     return rule
 
 
-def _stacked_in_place(target, args, kwargs, change, name=None):
+def _lined_up_change(t, change, name, args, kwargs):
+    """``change(t, *args, **kwargs)``, an elementwise in-place op (Tensor method ``name``, or an augmented operator
+    with no name) of the instances' rows of ``t``, its batched arguments lined up as elementwise ops line them
+    up; NotImplemented, changing nothing, where there is no such call (``_lined_up``)."""
+    values = _lined_up(t, name, args, kwargs)
+    if values is None:
+        return NotImplemented
+    change(t, *values, **kwargs)
+    return None
+
+
+# In-place Tensor methods that keep their tensor's shape, which torch.func.vmap runs on each instance's rows of
+# one tensor by a batching rule of its own (those it has none for it runs per row, with a warning of its own):
+# writes by index, elementwise ones the rules above do not line up (not a draw: each instance's draws are its
+# own, in its own order; not ``unsqueeze_`` or ``t_``, which change the shape the batch's tensor holds)
+_IN_PLACE_UNDER_VMAP = frozenset({
+    "index_add_", "index_fill_", "index_put_", "scatter_add_", "scatter_reduce_", "nan_to_num_", "logit_",
+    "atan2_", "sin_", "cos_", "tan_", "asin_", "acos_", "atan_", "sinh_", "cosh_", "floor_", "ceil_", "round_",
+    "trunc_", "frac_", "sign_", "reciprocal_", "rsqrt_", "log1p_", "expm1_", "log2_", "log10_", "exp2_", "erf_",
+})
+
+
+def _in_place_under_vmap(n, name, base, args, kwargs):
+    """``base.name(*args)``, a Tensor method changing each instance's own tensor in place that no rule knows
+    (``index_add_``, ``scatter_``, ``index_put_``), under torch.func.vmap, which changes the rows of the batch's
+    tensor (or, where the batch holds them apart, of their stack: ``_stacked_in_place``); NotImplemented where
+    there is no such call, or vmap refuses it."""
+    t = _own_rows(base)
+    if t is None:
+        return _stacked_in_place(base, args, kwargs, lambda stacked: _vmapped(
+            n, None, (Batch(n, tensor=stacked), *args), kwargs, name))
+    if _reads_its_target(t, (*args, *kwargs.values())):
+        return NotImplemented
+    return NotImplemented if _vmapped(n, None, (base, *args), kwargs, name) is NotImplemented else base
+
+
+def _stacked_in_place(target, args, kwargs, change):
     """An in-place change of each instance's own tensor where the batch holds them apart (items; a value joined
     from pieces, rows of several tensors): the tensors stacked, changed by one op, then each given its row
     (``copy_``), so that every instance's tensor changes as eager's does. Run once per instance instead, each op
@@ -853,10 +907,8 @@ def _stacked_in_place(target, args, kwargs, change, name=None):
         if x.is_inference() or base.is_leaf and base.requires_grad:
             return NotImplemented
     stacked = torch.stack(held)
-    values = _lined_up(stacked, name, args, kwargs)
-    if values is None:
+    if change(stacked) is NotImplemented:
         return NotImplemented
-    change(stacked, values)
     for k, x in enumerate(held):
         bt.view_again(x).copy_(stacked[k])
         if bt.MADE_FROM:
@@ -894,7 +946,8 @@ def elementwise_inplace(n, fn, args, kwargs):
     target = args[0]
     if (type(target) is not Batch or target.owner != "tensor") and (kwargs or _int_rows(args) is None):
         if type(target) is Batch and not kwargs and len(args) == 2 and fn in _ELEMENTWISE_AUGMENTED:
-            return _stacked_in_place(target, args[1:], {}, lambda s, values: fn(s, *values))
+            return _stacked_in_place(target, args[1:], {}, lambda stacked: _lined_up_change(
+                stacked, fn, None, args[1:], {}))
         return NotImplemented  # a shared target: per instance (ints: a new int each)
     return elementwise(n, fn, args, kwargs)
 
