@@ -548,6 +548,29 @@ def list_appended_in_a_branch(x, k):
     return torch.stack(hs).sum(0)
 
 
+def idiom_joined_then_iterated(x, k):  # (a value the instances' branches made apart: its rows, its shape)
+    h = x * 2.0 if k > 2 else x - 1.0
+    acc = h.sum() * h.size()[0] + h.dim() + h.numel()
+    for j, v in enumerate(h):
+        acc = acc + v * j
+    return acc
+
+
+def idiom_joined_then_activated_in_place(x, k):
+    h = x * 2.0 if k > 2 else x - 1.0
+    h.relu_()
+    g = torch.tanh(x) if k > 3 else x * 0.5
+    g.sin_()  # (held apart, and not only the frame's: the tensors' stack, changed by vmap's batching rule)
+    g[0] += 1.0
+    return h + g
+
+
+def idiom_index_add_into_zeros(x, k):
+    z = torch.zeros_like(x)
+    z.index_add_(0, torch.tensor([0, 0, 1, 1]), x * k)
+    return z
+
+
 IDIOMS = [v for name, v in dict(globals()).items() if name.startswith("idiom_")]
 
 

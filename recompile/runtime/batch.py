@@ -330,6 +330,23 @@ def items_of(b):
     return b.items
 
 
+def instance_shape(b):
+    """The shape every instance's tensor of Batch ``b`` has, read without joining or stacking them (a Batch's
+    tensor, its items, its pieces); None where its values are not all tensors of one shape, or not computed yet."""
+    if b.thunk is not None or b.method is not None or b.owner is None and b.struct is not None:
+        return None
+    if b.owner == "tensor":
+        return b.tensor.shape[1:]
+    values = b.items if b.owner == "items" else [v for v, _ in b.pieces[0]]
+    shape = None
+    for v in values:
+        found = instance_shape(v) if type(v) is Batch else v.shape if type(v) in PLAIN_TENSORS else None
+        if found is None or shape is not None and found != shape:
+            return None
+        shape = found
+    return shape
+
+
 def instance_index(value):
     """Each instance's int of Batch ``value`` (Python ints, or 0-d integer tensors) as one LongTensor, else
     None (a bool or uint8 tensor is a mask, as eager reads it)."""

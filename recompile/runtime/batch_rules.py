@@ -1510,18 +1510,16 @@ SHARED_ATTRS = {"dtype", "device", "is_cuda", "requires_grad", "layout", "is_flo
 
 @BATCH.register("size")
 def size(n, x, args, kwargs):
-    t = x.tensor if x.owner == "tensor" else None
-    if t is None or kwargs:
+    shape = bt.instance_shape(x)
+    if shape is None or kwargs or len(args) > 1 or args and type(args[0]) is not int:
         return NotImplemented
-    if not args:
-        return t.shape[1:]
-    return t.shape[1:][args[0]]
+    return shape[args[0]] if args else shape
 
 
 @BATCH.register("dim")
 def dim(n, x, args, kwargs):
-    t = x.tensor if x.owner == "tensor" else None
-    return NotImplemented if t is None else t.dim() - 1
+    shape = bt.instance_shape(x)
+    return NotImplemented if shape is None or args or kwargs else len(shape)
 
 
 @BATCH.register("append")
@@ -1605,8 +1603,8 @@ def _numbers_of(n, x):
 
 @BATCH.register("numel", "nelement")
 def numel(n, x, args, kwargs):
-    t = x.tensor if x.owner == "tensor" else None
-    return NotImplemented if t is None or args or kwargs else t[0].numel() if t.shape[0] else 0
+    shape = bt.instance_shape(x)
+    return NotImplemented if shape is None or args or kwargs else shape.numel()
 
 
 @BATCH.register("view", "reshape")

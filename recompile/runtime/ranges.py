@@ -68,7 +68,7 @@ def as_sequence(n, fn, args, kwargs):
     """What a ``for`` over a batch of ranges iterates: the ranges as they are; over a batch of tensors (each
     instance's rows: ``for x in xs``), the batched tensor, whose item i is every instance's row i at once."""
     (seq,) = args
-    if type(seq) is Batch and seq.owner == "tensor" and seq.tensor.dim() >= 2 and seq.thunk is None:
+    if type(seq) is Batch and len(bt.instance_shape(seq) or ()) >= 1:  # (a joined value's too: as it is)
         return seq
     if _built(seq) or rows.of(seq) is not None:  # (a tuple or list the program built, ``words[:n]``: as it is)
         return seq
@@ -80,8 +80,9 @@ def as_sequence(n, fn, args, kwargs):
 def has_index(n, fn, args, kwargs):
     """Whether each instance's range (or tensor) has an item at the shared position i."""
     seq, i = args
-    if type(seq) is Batch and seq.owner == "tensor" and type(i) is int and i >= 0:
-        return i < seq.tensor.shape[1]
+    shape = bt.instance_shape(seq) if type(seq) is Batch and type(i) is int and i >= 0 else None
+    if shape:
+        return i < shape[0]
     if _built(seq) and type(i) is int and i >= 0:
         return i < len(seq.struct[1])
     stretches = rows.of(seq)
