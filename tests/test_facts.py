@@ -197,6 +197,7 @@ _BITWISE = (operator.and_, operator.or_, operator.xor, operator.invert, operator
             *_TORCH_BITWISE)
 _FRESH = tuple(intrinsics.AUGMENTED_FRESH.values())
 _OUT_OF_PLACE = intrinsics.OUT_OF_PLACE  # (``x.relu_()``, ``torch.relu_(x)`` written out of place)
+_PYTHON_ARITHMETIC = (round, abs, min, max, divmod, *facts.MATH)
 _CELLS = (nn.RNNCell, nn.LSTMCell, nn.GRUCell)  # a batch of rows for the cell (batch_rules.recurrent_cell)
 _LAYERS = (nn.RNN, nn.LSTM, nn.GRU)  # every instance's sequences one batch for the module (batch_rules.recurrent_layer)
 _CLOSURES = (intrinsics.fixed_cell, intrinsics.set_cell, intrinsics.read_local_cell, intrinsics.delete_cell,
@@ -256,6 +257,8 @@ GROWN = {
                                     # ``x += y`` of an x the frame made, written out of place (passes.fresh)
                                     *((f, batch_rules.augmented_fresh) for f in _FRESH),
                                     *((f, batch_rules.method_fresh) for f in _OUT_OF_PLACE),
+                                    # Python's builtins and math of each instance's Python numbers, as Python
+                                    *((f, batch_rules.python_arithmetic) for f in _PYTHON_ARITHMETIC),
                                     # a Python number of each instance's one element: one tolist of the rows
                                     *((f, batch_rules.python_numbers) for f in (int, float, bool))])
                           | _ruled(batch_rules.BATCH.by_callable, _MORE_RULES),
@@ -285,7 +288,7 @@ GROWN = {
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, slice,
                                     reversed, len, intrinsics.build_dict,
                                     *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE, *_FRESH,
-                                    *_OUT_OF_PLACE,
+                                    *_OUT_OF_PLACE, *_PYTHON_ARITHMETIC,
                                     int, float, bool, operator.index)
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),
     "segments._OPERATORS": (_names(operator.index), set()),  # (pure: a trace may run its batch rule)

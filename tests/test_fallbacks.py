@@ -18,6 +18,13 @@ def test_each_reason_says_what_to_write_instead(fn, why):
     assert fallbacks.reason(fn) is why
 
 
+@pytest.mark.parametrize("fn, instead", [(max, "torch.maximum"), (min, "torch.minimum"), (any, ".any()"),
+                                         (round, "torch.round")], ids=lambda v: getattr(v, "__name__", "instead"))
+def test_a_python_builtin_of_tensors_names_the_torch_op_to_write(fn, instead):
+    why, write = fallbacks.reason(fn)
+    assert fn.__name__ in why and instead in write
+
+
 def prefix(x, k):
     return x[:k]  # a shape of each instance's own
 

@@ -565,6 +565,13 @@ def idiom_joined_then_activated_in_place(x, k):
     return h + g
 
 
+def idiom_python_numbers(x, k):  # (each instance's Python numbers, as Python computes them: no torch op per instance)
+    s = float(x[0].item()) + round(float(x[1]), 2) + math.exp(float(x[2])) + k.item() / 2
+    if x.sum().item() > 0:
+        s = s * 2
+    return abs(x) * s
+
+
 def idiom_index_add_into_zeros(x, k):
     z = torch.zeros_like(x)
     z.index_add_(0, torch.tensor([0, 0, 1, 1]), x * k)

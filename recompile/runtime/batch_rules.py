@@ -618,9 +618,9 @@ def elementwise(n, fn, args, kwargs):
     elif len(args) == 1 and type(args[0]) is Batch and args[0].owner == "tensor":
         return bt.from_tensor(fn(args[0].tensor, **kwargs))
     # (off the fast path: Python ints per instance, and tuples or lists the program built)
-    ints = _int_rows(args) if fn in _INT_OPERATORS and not kwargs else None
-    if ints is not None:
-        return bt.from_items([fn(*row) for row in ints])
+    numbers = _number_rows(args) if fn in _NUMBER_OPERATORS and not kwargs else None
+    if numbers is not None:
+        return bt.from_items([fn(*row) for row in numbers])
     if fn in (operator.add, operator.mul) and not kwargs and len(args) == 2:
         joined = _joined_structs(n, fn, *args)
         if joined is not NotImplemented:
@@ -660,20 +660,25 @@ def elementwise(n, fn, args, kwargs):
     return bt.from_tensor(out)
 
 
-# Python's operators on ints: a batch of per-instance ints (a loop's steps run ahead, ``codegen.recurrent``) stays
-# Python ints, each instance's computed as Python computes it
-_INT_OPERATORS = frozenset({operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
-                            operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
-                            operator.iadd, operator.isub, intrinsics.iadd_fresh, intrinsics.isub_fresh})
+# Python's operators on Python numbers: a batch of per-instance numbers (a loop's steps run ahead,
+# ``codegen.recurrent``; each instance's ``t.item()``) stays Python numbers, each instance's computed as Python
+# computes it (Python code of Python values, not a torch op run per instance)
+_NUMBER_OPERATORS = frozenset({
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
+    operator.neg, operator.pos, operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, *intrinsics.AUGMENTED_FRESH.values()})
+_PYTHON_NUMBERS = (int, float, bool)
 
 
-def _int_rows(args):
-    """Each instance's arguments where every argument is a Python int or a batch of them, else None."""
+def _number_rows(args):
+    """Each instance's arguments where every argument is a Python number (int, float, bool) or a batch of them,
+    else None."""
     columns = []
     for a in args:
-        if type(a) is int:
+        if type(a) in _PYTHON_NUMBERS:
             columns.append(None)
-        elif type(a) is Batch and a.owner == "items" and a.thunk is None and all(type(v) is int for v in a.items):
+        elif type(a) is Batch and a.owner == "items" and a.thunk is None and all(
+                type(v) in _PYTHON_NUMBERS for v in a.items):
             columns.append(a.items)
         else:
             return None
@@ -944,7 +949,7 @@ _ELEMENTWISE_AUGMENTED = frozenset(syntax.AUGMENTED) - {operator.imatmul}  # (``
 @BATCH.register(*facts.IN_PLACE)
 def elementwise_inplace(n, fn, args, kwargs):
     target = args[0]
-    if (type(target) is not Batch or target.owner != "tensor") and (kwargs or _int_rows(args) is None):
+    if (type(target) is not Batch or target.owner != "tensor") and (kwargs or _number_rows(args) is None):
         if type(target) is Batch and not kwargs and len(args) == 2 and fn in _ELEMENTWISE_AUGMENTED:
             return _stacked_in_place(target, args[1:], {}, lambda stacked: _lined_up_change(
                 stacked, fn, None, args[1:], {}))
@@ -1571,8 +1576,21 @@ def python_numbers(n, fn, args, kwargs):
     from one ``tolist`` of the rows (what ``t.item()`` gives each, converted as the builtin converts it)."""
     numbers = _numbers_of(n, args[0]) if len(args) == 1 and not kwargs else None
     if numbers is None:
-        return NotImplemented
+        return python_arithmetic(n, fn, args, kwargs)  # (``float(t.item())``: of Python numbers)
     return bt.from_items([fn(v) for v in numbers])
+
+
+@BATCH.register(round, abs, min, max, divmod, *facts.MATH)
+def python_arithmetic(n, fn, args, kwargs):
+    """Python's builtins and ``math`` of each instance's Python numbers (``round(t.item(), 2)``,
+    ``math.exp(float(t))``): each instance's computed as Python computes it (Python code of Python values, not
+    a torch op run per instance); ``abs(t)`` of each instance's tensor: ``torch.abs`` of the batch."""
+    rows = None if kwargs and any(type(v) is Batch for v in kwargs.values()) else _number_rows(args)
+    if rows is not None:
+        return bt.from_items([fn(*row, **kwargs) for row in rows])
+    if fn is abs and len(args) == 1 and not kwargs and type(args[0]) is Batch:
+        return elementwise(n, torch.abs, args, {})
+    return NotImplemented
 
 
 @BATCH.register(operator.index)

@@ -41,6 +41,11 @@ UNVMAPPABLE = ("torch.func.vmap cannot batch it here (a shape that depends on th
                "Python)", "write it with ops whose result's shape does not depend on the values")
 WRITES = ("it changes each instance's tensor in place", "write it out of place (y = x.add(1), not x.add_(1))")
 PYTHON_VALUES = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy", int, float, bool}
+# Python's builtins of tensors, which read each instance's values as Python numbers or bools: the torch op to
+# write instead
+BUILTINS_OF_TENSORS = {max: "torch.maximum(a, b) or x.max()", min: "torch.minimum(a, b) or x.min()",
+                       any: "(x > 1).any() of a tensor", all: "(x > 1).all() of a tensor",
+                       round: "torch.round(x)", sorted: "torch.sort(x)"}
 
 
 def reason(fn):
@@ -56,6 +61,9 @@ def reason(fn):
         return WRITES
     if fn is slice:  # (``x[:k]`` with a per-instance k: a shape of each instance's own)
         return UNVMAPPABLE
+    instead = BUILTINS_OF_TENSORS.get(fn) if isinstance(fn, types.BuiltinFunctionType) else None
+    if instead is not None:
+        return (f"Python's {fn.__name__} reads each instance's tensors as Python values", f"write {instead}")
     if _nested(fn):
         return NESTED
     refused = helpers.refusal(fn)
