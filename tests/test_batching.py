@@ -2077,6 +2077,37 @@ def test_rows_of_a_batchs_tensor_are_each_changed_in_place_with_a_value_that_nee
     vmap_matches_eager(copied_into_zeros, x, torch.tensor([0.5, -1.0, 2.0], dtype=F64))
 
 
+ACTIVATE = torch.nn.ReLU(inplace=True)
+TREE_W = torch.randn(3, 3, dtype=F64, generator=torch.Generator().manual_seed(4))
+
+
+def activated_by_a_module_in_place(xs, left, right, i):
+    """A node's state activated by a module built in place: each frame's state a row of one tensor of the
+    batch, which the module changes."""
+    if left[i] < 0:
+        h = xs[i] @ TREE_W
+    else:
+        h = activated_by_a_module_in_place(xs, left, right, left[i]) + \
+            activated_by_a_module_in_place(xs, left, right, right[i])
+    h = ACTIVATE(h)
+    return h * 1.0
+
+
+def test_a_row_activated_in_place_by_each_frame_keeps_eagers_gradient():
+    """Each frame's ``relu_`` (one frame at a time) saved its result, a row of one tensor whose version the
+    next frame's ``relu_`` moved: the backward raised where eager's computes. The op now changes a copy of the
+    row, written into it after."""
+    left, right = torch.tensor([-1, -1, 0, -1, 2, -1, -1, 5]), torch.tensor([-1, -1, 1, -1, 3, -1, -1, 6])
+    roots = torch.tensor([4, 7, 2])
+    xs = torch.randn(8, 3, dtype=F64, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    want = torch.stack([activated_by_a_module_in_place(xs, left, right, int(r)) for r in roots])
+    want_grad, = torch.autograd.grad(want.sum(), xs)
+    got = recompile.vmap(recompile.function(activated_by_a_module_in_place), in_dims=(None, None, None, 0))(
+        xs, left, right, roots)
+    assert_close(got, want)
+    assert_close(torch.autograd.grad(got.sum(), xs)[0], want_grad)
+
+
 def item_changed_in_place(x, w):
     h = x * w
     h[0] += 1.0  # (``h[0]`` changed, then written onto itself)

@@ -96,6 +96,9 @@ def _call(n, fn, args, kwargs):
         if type(fn) is nn.Embedding and not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
             # (one instance left in a loop: its lookups share the run's gate)
             return lazy_weights.lookup(fn, args[0])
+        out = row_changed_on_a_copy(fn, args, kwargs)
+        if out is not NotImplemented:
+            return out
         return fn(*args, **kwargs) if kwargs else fn(*args)
     kind = type(fn)
     if kind is Batch:
@@ -165,6 +168,57 @@ def _call(n, fn, args, kwargs):
             out = padded.rows_call(n, fn, args, kwargs or {})
         return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
     return _vmapped_or_per_instance(n, fn, args, kwargs)
+
+
+def row_changed_on_a_copy(fn, args, kwargs):
+    """An in-place op whose backward reads what it changes (``x.relu_()``, ``x.sigmoid_()``, ``F.relu(x, True)``, a
+    module built in place) of one instance's tensor ``x`` that is a whole row of one tensor of the batch, with
+    gradients on: the op changes a copy of the row, which is then written into it. In eager code ``x`` is a tensor
+    of its own; here its version counter is the whole tensor's, so what the op saved for its backward would count
+    as changed once another instance's row of that tensor changes, and the backward would raise where eager's
+    computes. NotImplemented (nothing done) where it is no such op."""
+    x = _in_place_target(fn, args) if torch.is_grad_enabled() else None
+    if type(x) not in PLAIN_TENSORS or x._base is None or not _a_whole_row(x) or not _saves_its_target(
+            fn, args, kwargs):
+        return NotImplemented
+    kwargs = kwargs or {}
+    values = [v for v in (*args, *kwargs.values()) if v is not x]
+    if not (x.requires_grad or any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)) \
+            or _in_storages({x.untyped_storage().data_ptr()}, values):
+        return NotImplemented  # (nothing to save; or an argument overlapping x, whose overlap torch checks)
+    copy = x.clone()
+    if getattr(fn, "__self__", None) is x:  # (``x.relu_()``: the copy's method)
+        out = getattr(copy, fn.__name__)(*args, **kwargs)
+    else:
+        out = fn(copy, *args[1:], **kwargs)
+    x.grad_fn  # (read: a view of a base changed since regenerates it)
+    x.copy_(copy)
+    return x if out is copy else out
+
+
+def _a_whole_row(x):
+    """Whether view ``x`` is one whole row of its base (one instance's value in a batch's tensor)."""
+    base = x._base
+    return base.dim() == x.dim() + 1 and base.shape[0] > 1 and base.shape[1:] == x.shape and \
+        base.stride()[1:] == x.stride()
+
+
+# In-place Tensor methods whose backward reads their result or their input (not ``add_``, ``zero_``, ``x[i] = v``)
+_SAVING_IN_PLACE = frozenset({
+    "relu_", "sigmoid_", "tanh_", "exp_", "log_", "sqrt_", "abs_", "clamp_", "clamp_min_", "clamp_max_", "pow_",
+    "sin_", "cos_", "tan_", "asin_", "acos_", "atan_", "sinh_", "cosh_", "reciprocal_", "rsqrt_", "log1p_",
+    "expm1_", "log2_", "log10_", "exp2_", "erf_", "logit_", "atan2_", "lerp_", "addcmul_", "addcdiv_"})
+
+
+def _saves_its_target(fn, args, kwargs):
+    """Whether in-place op ``fn`` writes its target's elements, keeping its shape, and its backward reads what it
+    changes (``_SAVING_IN_PLACE``, ``torch.relu_``, an elementwise function or module with an ``inplace`` flag)."""
+    if isinstance(getattr(fn, "__self__", None), torch.Tensor):
+        return getattr(fn, "__name__", None) in _SAVING_IN_PLACE
+    if facts.among(fn, intrinsics.FUNCTIONS_FRESH):
+        return True
+    return facts.asks_in_place(fn, args, kwargs) and (
+        isinstance(fn, facts.ELEMENTWISE_MODULES) or facts.among(fn, facts.ELEMENTWISE))
 
 
 class LazyOp:
@@ -394,8 +448,10 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     for k in range(n):
         if items is not None and isinstance(items[k], torch.Tensor) and items[k]._base is not None:
             items[k].grad_fn  # (read: a view of a base changed since regenerates it)
-        results.append(sharing.call_owning(bt.instance(fn, k), [bt.instance(x, k) for x in args],
-                                           {key: bt.instance(v, k) for key, v in kwargs.items()}))
+        one, values, named = bt.instance(fn, k), [bt.instance(x, k) for x in args], \
+            {key: bt.instance(v, k) for key, v in kwargs.items()}
+        out = row_changed_on_a_copy(one, values, named)
+        results.append(sharing.call_owning(one, values, named) if out is NotImplemented else out)
     if bt.CACHES:  # (a value joined from branches, changed through the tensor of its rows: see bt.CACHES)
         bt.caches_changed()
     for t, version in owned:
