@@ -162,6 +162,9 @@ class ProgramGenerator:
     def __init__(self, seed):
         self.seed = seed
         self.rng = random.Random(seed)
+        # (choices added since seeds were first run draw from their own stream: a seed's program stays the one
+        # its earlier runs, and FOUND, name)
+        self.aside = random.Random(seed * 7919 + 1)
         self.counter = itertools.count()
         self.fragile = False
         self.features = set()
@@ -625,11 +628,17 @@ class ProgramGenerator:
                 v.exact = v.exact and e.exact
         else:
             fn = self.pick(("tanh_", "sigmoid_", "relu_"))
-            if fn == "relu_":
+            if fn == "relu_" and self.aside.random() < 0.3:
+                fn = "clamp_"
+            if fn in ("relu_", "clamp_"):
                 self.tie_sensitive(Expr(n, v.type, v.exact))
             else:
                 v.exact = False
-            lines.append(f"{indent}{n}.{fn}()")
+            bound = f"min={self.aside.choice(('0.5', '-1.0', '0.25'))}" if fn == "clamp_" else ""
+            if self.aside.random() < 0.3:  # (torch's function form: ``torch.relu_(v)``)
+                lines.append(f"{indent}torch.{fn}({n}{', ' + bound if bound else ''})")
+            else:
+                lines.append(f"{indent}{n}.{fn}({bound})")
             self.features.add("inplace_unary")
         if hazard or lines.reads_target:
             self.features.add("inplace_hazard")
