@@ -2108,6 +2108,29 @@ def test_a_row_activated_in_place_by_each_frame_keeps_eagers_gradient():
     assert_close(torch.autograd.grad(got.sum(), xs)[0], want_grad)
 
 
+DICT_CELL = torch.nn.LSTMCell(3, 3).double()
+
+
+def stepped_with_a_dict_state(xs, n):
+    s = {"h": torch.zeros(3, dtype=F64), "c": xs[0] * 0.5}
+    for t in range(n):
+        h, c = DICT_CELL(xs[t], (s["h"], s["c"]))
+        s = {"h": h, "c": c}  # (a new dict each step: nothing changes a dict)
+    return s["h"] + s["c"]
+
+
+def test_a_loop_carrying_a_dict_display_keeps_it_as_its_values(monkeypatch):
+    """The instances leaving the loop at their own steps take their part of the dict, as its values: no
+    dict (and no read of one) per instance."""
+    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+    xs = torch.randn(4, 5, 3, dtype=F64, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    ns = torch.tensor([3, 5, 1, 2])
+    want = torch.stack([stepped_with_a_dict_state(xs[k], ns[k]) for k in range(4)])
+    got = recompile.vmap(recompile.function(stepped_with_a_dict_state))(xs, ns)
+    assert_close(got, want)
+    assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+
+
 def item_changed_in_place(x, w):
     h = x * w
     h[0] += 1.0  # (``h[0]`` changed, then written onto itself)

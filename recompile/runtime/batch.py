@@ -286,8 +286,9 @@ def settle(value):
     list is needed by itself: then every instance gets its own list, and those lists are the truth."""
     if type(value) is Batch and value.thunk is not None:
         force(value)
-    if type(value) is Batch and value.struct is not None and not issubclass(value.struct[0], tuple):
-        items_of(value)
+    if type(value) is Batch and value.struct is not None and not issubclass(value.struct[0], tuple) and not (
+            sharing.state.fresh and issubclass(value.struct[0], Keyed) and value.items is None):
+        items_of(value)  # (a dict display stays its values where nothing changes a dict: ``s = {"h": h}`` in a loop)
     return value
 
 

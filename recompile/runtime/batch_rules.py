@@ -323,11 +323,15 @@ def fused(n, kernel, args):
 
 def _unbatched(n, fn, args, kwargs):
     """No argument differs between instances: run once if every instance may share the result (a read, an
-    immutable value, or in a run that changes nothing in place a torch op that draws nothing). A list of
-    shared items is kept as them (a struct): each instance gets its own list only where it needs one, and a
-    torch op reads them as one shared list (``_vmapped_or_per_instance``)."""
+    immutable value, or in a run that changes nothing in place a torch op that draws nothing). A list (or a
+    dict display) of shared items is kept as them (a struct): each instance gets its own list only where it
+    needs one, and a torch op reads them as one shared list (``_vmapped_or_per_instance``)."""
     if fn is intrinsics.build_list and not kwargs:
         return bt.from_struct(list, list(args), n)
+    if fn is intrinsics.build_dict:  # (a dict of shared values: held as them too, each instance's made where needed)
+        out = dict_display(n, fn, args, kwargs)
+        if out is not NotImplemented:
+            return out
     if fn is intrinsics.new_cell:  # (a variable of each instance's own, which a nested function uses)
         return cells.new_cells(n)
     try:
