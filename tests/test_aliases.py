@@ -564,3 +564,30 @@ def test_under_vmap_an_in_place_change_of_values_held_apart_is_one_op_with_eager
 def test_under_vmap_an_in_place_change_of_values_held_apart_after_a_read_raises_as_eager(monkeypatch):
     monkeypatch.setattr(config, "PER_INSTANCE", "error")
     raises_as_eager(left_a_loop_then_changed_after_a_read)
+
+
+def activated_apart_then_changed(x, b, c):
+    v = x * 1.0
+    w = v if c > 0 else v * 2.0  # (held apart: v's own row, or a new tensor)
+    w.sigmoid_()  # (saves its result: where c > 0, v)
+    v.add_(1.0)  # (eager's backward raises where c > 0)
+    return w * x
+
+
+def left_a_loop_activated_then_changed(x, b, c):
+    v = x * 1.0
+    k = 0
+    while k < b and k < 3:  # (the instances leave at their own steps)
+        v = v * 0.5 - x
+        k += 1
+    v.sigmoid_()
+    v += 1.0  # (changes what sigmoid_ saved: eager's backward raises)
+    return v * x
+
+
+@pytest.mark.parametrize("fn", [activated_apart_then_changed, left_a_loop_activated_then_changed])
+def test_under_vmap_a_change_after_an_activation_of_values_held_apart_raises_as_eager(fn, monkeypatch):
+    """The activation ran on the stack of the instances' tensors, which its backward saved: a later change of an
+    instance's tensor moves the stack's version too (``batch.note_made_from``, written)."""
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    raises_as_eager(fn)

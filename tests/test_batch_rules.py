@@ -1289,6 +1289,32 @@ def test_an_in_place_change_of_tensors_held_apart_that_share_memory_runs_per_ins
     reset_counters()
 
 
+@pytest.mark.parametrize("changed_after", [False, True])
+def test_an_activation_of_one_instances_row_changes_a_copy_whose_version_its_later_changes_move(changed_after):
+    """One instance's ``relu_`` of its row of a batch's tensor saves a copy of the row, so that another row's
+    change leaves its backward be; a later change of the row itself moves the copy's version, and the backward
+    raises as eager's does."""
+    x = rand(N, 3, seed=1).requires_grad_()
+    rows = x * 1.0
+    reset_counters()
+    row = rows[1]
+    assert br.call(1, row.relu_, ()) is row
+    br.call(1, rows[2].sigmoid_, ())  # (another instance's row: eager's is another tensor)
+    if changed_after:
+        br.call(1, row.add_, (1.0,))
+    loss = (row * x[1]).sum() + rows[2].sum()
+    want_row = (x[1] * 1.0).relu() + (1.0 if changed_after else 0.0)
+    torch.testing.assert_close(row, want_row)
+    if changed_after:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        return
+    loss.backward()
+    xe = rand(N, 3, seed=1).requires_grad_()
+    ((xe[1] * 1.0).relu() * xe[1]).sum().add((xe[2] * 1.0).sigmoid().sum()).backward()
+    torch.testing.assert_close(x.grad, xe.grad)
+
+
 def test_an_in_place_change_of_rows_that_are_one_shared_value_runs_per_instance():
     """A batch whose rows are one value expanded (no row its own memory) is changed one instance at a time."""
     shared = rand(3, seed=1)

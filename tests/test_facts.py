@@ -38,10 +38,11 @@ def _metadata():
                                 ("module", grad_rules.GRAD.by_module)) for k, r in table.items()}
 
 
-def _metadata_of(vjps, reads_inputs, skip=()):
+def _metadata_of(vjps, reads_inputs, skip=(), reads_out=None):
     """The rule_metadata entries of the rules of ``vjps`` (not of those filed under ``skip``), as they read with
-    ``reads_inputs``."""
-    return set(listing({f"{describe(k)} {kind}": (r.reads_out, reads_inputs, tuple(r.read_for_others))
+    ``reads_inputs`` (and ``reads_out``, where given)."""
+    return set(listing({f"{describe(k)} {kind}": (r.reads_out if reads_out is None else reads_out, reads_inputs,
+                                                  tuple(r.read_for_others))
                         for kind, table in (("function", grad_rules.GRAD.by_callable),
                                             ("method", grad_rules.GRAD.by_method),
                                             ("module", grad_rules.GRAD.by_module))
@@ -172,6 +173,8 @@ AFTER = {
 
 # vjps that read their result, not their input (tanh, sigmoid, exp, relu, ..., softmax): an input changed in
 # place after the op leaves their gradient right, as eager's
+_INPUT_READERS = {grad_rules.GRAD.by_callable[getattr(torch, name)].vjp
+                  for name, (_, reads_result) in grad_rules._UNARY.items() if not reads_result}
 _RESULT_READERS = {grad_rules.GRAD.by_callable[f].vjp for f in (
     torch.exp, torch.exp2, torch.expm1, torch.sqrt, torch.rsqrt, torch.reciprocal, torch.tan, torch.tanh,
     torch.sigmoid, torch.relu, torch.softmax, torch.log_softmax)}
@@ -311,8 +314,11 @@ GROWN = {
     "grad_rules.rule_metadata": (_metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | {grad_rules._detach}, False)
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: tuple(r.read_for_others))
                                  | _fresh_metadata() | _out_of_place_metadata()
-                                 | _metadata_of({grad_rules._getitem}, True),
-                                 _metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | {grad_rules._detach}, True,
+                                 | _metadata_of({grad_rules._getitem}, True)
+                                 # (the unary ops whose gradient reads their input alone do not read their result)
+                                 | _metadata_of(_INPUT_READERS, True, skip=_OUT_OF_PLACE, reads_out=False),
+                                 _metadata_of(_INPUT_READERS, True, skip=_OUT_OF_PLACE, reads_out=True)
+                                 | _metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | {grad_rules._detach}, True,
                                               skip=_OUT_OF_PLACE)  # (new: not in the snapshot)
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: ())
                                  | _metadata_of({grad_rules._getitem}, False)),

@@ -453,9 +453,13 @@ _UNARY_ALIASES = {
 }
 
 
-def _unary(name, derivative):
-    def vjp(fn, g, out, input, inplace=False):
-        yield input, derivative(g, input, out)
+def _unary(name, derivative, reads_result):
+    if reads_result:
+        def vjp(fn, g, out, input, inplace=False):
+            yield input, derivative(g, input, out)
+    else:  # (its result is not read: a change of it in place afterwards leaves the gradient as it was)
+        def vjp(fn, g, out, input, inplace=False):
+            yield input, derivative(g, input, None)
 
     vjp.__name__ = vjp.__qualname__ = f"_{name}"
     return vjp
@@ -463,7 +467,7 @@ def _unary(name, derivative):
 
 for _name, (_derivative, _reads_result) in _UNARY.items():
     _vjp = rule(*_forms(_name), *(_forms(_name + "_") if _reads_result else ()),
-                *_UNARY_ALIASES.get(_name, ()))(_unary(_name, _derivative))
+                *_UNARY_ALIASES.get(_name, ()))(_unary(_name, _derivative, _reads_result))
     if _reads_result:  # (its input is only where the cotangent goes: changing it in place afterwards is fine)
         SHAPE_ONLY.add(_vjp)
 del _name, _derivative, _reads_result, _vjp

@@ -507,18 +507,41 @@ def rows_differ(a, b):
 # them moves the copy's version too (``changed_in_place``), and a backward that saved it raises as eager's
 # does. (By id, with weak references that tell a reused id apart; pruned as it grows.)
 MADE_FROM = {}
-_limits = {"made_from": 4096, "caches": 256}  # (the sizes past which MADE_FROM and CACHES are pruned)
+# (the sizes past which MADE_FROM and CACHES are pruned; the copies kept, ``_Kept``, since MADE_FROM last was)
+_limits = {"made_from": 4096, "caches": 256, "kept": 0}
 
 
-def note_made_from(items, stacked):
+def note_made_from(items, stacked, written=False):
     """Note that tensor ``stacked`` holds copies of tensors ``items``, where eager code would hold them or views
-    of them (a stack of instances' tensors; rows gathered where each instance's index makes a view)."""
+    of them (a stack of instances' tensors; rows gathered where each instance's index makes a view). With
+    ``written``, ``stacked`` was just written into them (an in-place op run on a copy of each: ``batch_rules``):
+    only a change after this one moves its version."""
     if not _noting(stacked):
         return
-    ref = weakref.ref(stacked)
+    # (a copy just written is held by no one but the backward that saved it, whose Python object dies: what is
+    # kept is a detached view of it, one version counter with it)
+    ref = _Kept(stacked.detach()) if written else weakref.ref(stacked)
+    if written:
+        _limits["kept"] += 1
+        if _limits["kept"] > 128:  # (the entries of tensors gone, and the copies they kept, go)
+            _prune()
+            _limits["kept"] = 0
     for t in items:
         start = t.storage_offset()
-        _copies_of(t)[1].append((ref, start, start + span(t), None))
+        entry = _copies_of(t)
+        entry[1].append((ref, start, start + span(t), None, entry[0]()._version if written else None))
+
+
+class _Kept:
+    """A strong reference standing where ``MADE_FROM`` keeps weak ones."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self):
+        return self.value
 
 
 def note_rows_copied(source, index, rows):
@@ -529,7 +552,7 @@ def note_rows_copied(source, index, rows):
     start, step = source.storage_offset(), source.stride(0)
     row = 1 + sum((size - 1) * stride for size, stride in zip(source.shape[1:], source.stride()[1:])) \
         if source.numel() else 0
-    _copies_of(source)[1].append((weakref.ref(rows), start, start + span(source), (start, step, row, index)))
+    _copies_of(source)[1].append((weakref.ref(rows), start, start + span(source), (start, step, row, index), None))
 
 
 def note_taken(value, index, taken):
@@ -548,11 +571,16 @@ def _noting(stacked):
     if sharing.state.fresh or not torch.is_grad_enabled() or stacked.is_inference():
         return False
     if len(MADE_FROM) > _limits["made_from"]:
-        for key, (base, stacks) in list(MADE_FROM.items()):
-            if base() is None or all(s[0]() is None for s in stacks):
-                del MADE_FROM[key]
+        _prune()
         _limits["made_from"] = max(4096, 2 * len(MADE_FROM))  # (what stays alive is pruned again once it doubles)
     return True
+
+
+def _prune():
+    """Drop the ``MADE_FROM`` entries of tensors gone, or whose copies are all gone."""
+    for key, (base, stacks) in list(MADE_FROM.items()):
+        if base() is None or all(s[0]() is None for s in stacks):
+            del MADE_FROM[key]
 
 
 def _copies_of(t):
@@ -585,9 +613,10 @@ def changed_in_place(t):
     # is another tensor in eager code, with a version of its own)
     start = t.storage_offset()
     end = start + span(t)
-    for ref, lo, hi, rows in entry[1]:
+    for ref, lo, hi, rows, version in entry[1]:
         stacked = ref()
-        if stacked is not None and lo < end and start < hi and (rows is None or _rows_overlap(rows, start, end)):
+        if stacked is not None and lo < end and start < hi and version != base._version and (
+                rows is None or _rows_overlap(rows, start, end)):
             torch.autograd.graph.increment_version(stacked)
 
 

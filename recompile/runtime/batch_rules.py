@@ -193,6 +193,7 @@ def row_changed_on_a_copy(fn, args, kwargs):
         out = fn(copy, *args[1:], **kwargs)
     x.grad_fn  # (read: a view of a base changed since regenerates it)
     x.copy_(copy)
+    bt.note_made_from([x], copy, written=True)  # (what the op saved is the copy: a later change of x moves it)
     return x if out is copy else out
 
 
@@ -978,6 +979,8 @@ def _stacked_in_place(target, args, kwargs, change):
         bt.view_again(x).copy_(stacked[k])
         if bt.MADE_FROM:
             bt.changed_in_place(x)
+    # (what the op saved is the stack, where eager's saved each instance's tensor: a later change of one moves it)
+    bt.note_made_from(held, stacked, written=True)
     if target.owner == "items":
         target.tensor = None  # (a tensor stacked from the items is stale; a joined value's cache checks itself)
     return target
