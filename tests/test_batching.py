@@ -24,6 +24,7 @@ Layout
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import random
 import sys
@@ -2119,14 +2120,39 @@ def stepped_with_a_dict_state(xs, n):
     return s["h"] + s["c"]
 
 
-def test_a_loop_carrying_a_dict_display_keeps_it_as_its_values(monkeypatch):
-    """The instances leaving the loop at their own steps take their part of the dict, as its values: no
-    dict (and no read of one) per instance."""
-    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+@dataclasses.dataclass
+class CellState:
+    h: torch.Tensor
+    c: torch.Tensor
+    steps: int = 0
+
+
+def stepped_with_a_dataclass(xs, n):
+    s = CellState(torch.zeros(3, dtype=F64), xs[0] * 0.5)
+    for t in range(n):
+        h, c = DICT_CELL(xs[t], (s.h, s.c))
+        s = CellState(h, c=c, steps=s.steps + 1)
+    return s.h + s.c * s.steps
+
+
+def dataclass_changed_in_a_branch(xs, n):
+    s = CellState(xs[0] * 1.0, xs[1] * 2.0)
+    if n > 2:
+        s.h = s.h + 1.0  # (a change of the object: each instance's own)
+    return s.h * s.c
+
+
+@pytest.mark.parametrize("fn, batches", [(stepped_with_a_dict_state, True), (stepped_with_a_dataclass, True),
+                                         (dataclass_changed_in_a_branch, False)])
+def test_a_dict_or_dataclass_the_program_builds_is_held_as_its_values(fn, batches, monkeypatch):
+    """``{"h": h, "c": c}`` and ``State(h, c)`` of a plain dataclass are their values, as a namedtuple is (a loop's
+    instances leaving at their own steps take their part of them: no dict, and no read of one, per instance);
+    one the program changes becomes each instance's own object."""
+    monkeypatch.setattr(config, "PER_INSTANCE", "error" if batches else "allow")
     xs = torch.randn(4, 5, 3, dtype=F64, generator=torch.Generator().manual_seed(6), requires_grad=True)
     ns = torch.tensor([3, 5, 1, 2])
-    want = torch.stack([stepped_with_a_dict_state(xs[k], ns[k]) for k in range(4)])
-    got = recompile.vmap(recompile.function(stepped_with_a_dict_state))(xs, ns)
+    want = torch.stack([fn(xs[k], ns[k]) for k in range(4)])
+    got = recompile.vmap(recompile.function(fn))(xs, ns)
     assert_close(got, want)
     assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
 

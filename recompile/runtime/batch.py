@@ -24,6 +24,7 @@ arithmetic of ``facts.LAZY``, ``batch_rules.LazyOp``).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import numpy
@@ -161,9 +162,56 @@ def plain_namedtuple(cls):
         and hasattr(cls, "_make")
 
 
+_PLAIN_DATACLASSES = {}
+
+
+def plain_dataclass(cls):
+    """Whether ``cls`` is a dataclass whose instances are their fields: the ``__init__`` dataclasses wrote, taking
+    each field by name and storing it, with no ``__post_init__`` (nor ``InitVar``), its fields read by name
+    (``__match_args__``). (Kept per class.)"""
+    try:
+        found = _PLAIN_DATACLASSES.get(cls)
+    except TypeError:  # (an unhashable callable)
+        return False
+    if found is None:
+        found = _PLAIN_DATACLASSES[cls] = _is_plain_dataclass(cls)
+    return found
+
+
+def _is_plain_dataclass(cls):
+    if type(cls) is not type or not dataclasses.is_dataclass(cls) or hasattr(cls, "__post_init__"):
+        return False
+    code = getattr(cls.__init__, "__code__", None)
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    return code is not None and code.co_filename == "<string>" and all(f.init for f in dataclasses.fields(cls)) \
+        and code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount] == names \
+        and getattr(cls, "__match_args__", None) == names
+
+
+def dataclass_fields(cls, args, kwargs):
+    """The values of the fields of plain dataclass ``cls`` that ``cls(*args, **kwargs)`` stores, in order (a
+    field not given: its default); None where the call is not so simple (a default made by a factory, a field
+    given twice or missing: the call itself raises)."""
+    fields = dataclasses.fields(cls)
+    if len(args) > len(fields):
+        return None
+    values = list(args)
+    for f in fields[len(args):]:
+        if f.name in kwargs:
+            values.append(kwargs[f.name])
+        elif f.default is not dataclasses.MISSING:
+            values.append(f.default)
+        else:
+            return None
+    if set(kwargs) - {f.name for f in fields[len(args):]}:
+        return None
+    return values
+
+
 def build(kind, items):
-    """A struct's value of ``kind`` (tuple, list, a namedtuple, torch's return types) from its ``items``."""
-    return kind._make(items) if hasattr(kind, "_make") else kind(items)
+    """A struct's value of ``kind`` (tuple, list, a namedtuple, torch's return types, a plain dataclass) from its
+    ``items``."""
+    return kind._make(items) if hasattr(kind, "_make") else kind(*items) if plain_dataclass(kind) else kind(items)
 
 
 # -- lazy batches
@@ -287,8 +335,9 @@ def settle(value):
     if type(value) is Batch and value.thunk is not None:
         force(value)
     if type(value) is Batch and value.struct is not None and not issubclass(value.struct[0], tuple) and not (
-            sharing.state.fresh and issubclass(value.struct[0], Keyed) and value.items is None):
-        items_of(value)  # (a dict display stays its values where nothing changes a dict: ``s = {"h": h}`` in a loop)
+            sharing.state.fresh and value.items is None and (
+                issubclass(value.struct[0], Keyed) or plain_dataclass(value.struct[0]))):
+        items_of(value)  # (a dict display, a dataclass, stays its values where nothing changes one: in a loop)
     return value
 
 
@@ -973,14 +1022,18 @@ def _joined_kind(value):
         return None
     if type(value) is dict and all(type(k) is str for k in value):
         return dict_kind(tuple(value)), len(value)
+    if plain_dataclass(type(value)):
+        return type(value), len(type(value).__match_args__)
     return kind
 
 
 def _joined_items(value):
-    """A joined struct's items: a Batch's parts, a tuple's items, a dict's values."""
+    """A joined struct's items: a Batch's parts, a tuple's items, a dict's values, a dataclass's fields."""
     if type(value) is Batch:
         return value.struct[1]
-    return list(value.values()) if type(value) is dict else value
+    if type(value) is dict:
+        return list(value.values())
+    return [getattr(value, name) for name in type(value).__match_args__] if plain_dataclass(type(value)) else value
 
 
 def _gather_pieces(b, lists):

@@ -145,6 +145,10 @@ def _call(n, fn, args, kwargs):
         rule = BATCH.by_module.get(type(fn))
     if rule is None and bt.plain_namedtuple(fn) and not kwargs and len(args) == len(fn._fields):
         return bt.from_struct(fn, list(args), n)  # (a namedtuple of batched fields: its instances' are its fields')
+    if rule is None and bt.plain_dataclass(fn):  # (``State(h, c)``: likewise, each instance's made where needed)
+        fields = bt.dataclass_fields(fn, args, kwargs or {})
+        if fields is not None:
+            return bt.from_struct(fn, fields, n)
     if rule is not None:
         out = rule(n, fn, args, kwargs or {})
         if out is not NotImplemented:
