@@ -3,7 +3,8 @@
     python benchmarks/bench_in_place.py [--instances 64 256] [--steps 30] [--repeats R]
 
 Users write loops that fill a buffer (``out[t] = v``), scale a state in place (``acc.mul_(0.5)``, ``h.mul_(0.9)``
-after a branch) or add into one (``acc += v``). A batched ``if`` in such a program works on copies of its
+after a branch), add into one (``acc += v``) or activate one in place (``h.sigmoid_()``; ``w.relu_()`` where ``w``
+may be another name of ``v``: a change of values each instance holds apart, one op on their stack). A batched ``if`` in such a program works on copies of its
 instances' rows, and hands on views of the argument's rows only where a later change in place may reach what it
 hands on (``passes/aliasing.py``); ``x.mul_(y)`` of a tensor only the frame holds is written out of place
 (``passes/fresh.py``). Each program is checked against the eager loop in float64 (values, and the gradient of
@@ -54,8 +55,27 @@ def added_in_place(x, n):
     return acc
 
 
+def joined_then_activated(x, n):
+    h = torch.zeros(DIM, dtype=x.dtype)
+    for t in range(n):
+        h = h + x[t] if x[t].sum() > 0 else h * 0.5
+        h.sigmoid_()
+    return h
+
+
+def aliased_then_activated(x, n):
+    acc = torch.zeros(DIM, dtype=x.dtype)
+    for t in range(n):
+        v = x[t] * 1.0
+        w = v if x[t].sum() > 0 else v * 2.0
+        w.relu_()  # (where the sum is positive, v itself)
+        acc = acc + v + w
+    return acc
+
+
 PROGRAMS = {"out[t] = v": written_into_a_buffer, "acc.mul_(0.5)": scaled_in_place,
-            "h.mul_(0.9) after an if": joined_then_scaled, "acc += v": added_in_place}
+            "h.mul_(0.9) after an if": joined_then_scaled, "acc += v": added_in_place,
+            "h.sigmoid_() after an if": joined_then_activated, "w.relu_(), w may be v": aliased_then_activated}
 
 
 def inputs(count, steps, dtype, seed=0):
