@@ -730,7 +730,7 @@ def elementwise(n, fn, args, kwargs):
 # computes it (Python code of Python values, not a torch op run per instance)
 _NUMBER_OPERATORS = frozenset({
     operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
-    operator.neg, operator.pos, operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
+    operator.neg, operator.pos, operator.invert, operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
     operator.iadd, operator.isub, operator.imul, operator.itruediv, *intrinsics.AUGMENTED_FRESH.values()})
 _PYTHON_NUMBERS = (int, float, bool)
 
