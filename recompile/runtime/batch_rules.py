@@ -979,15 +979,44 @@ def _stacked_in_place(target, args, kwargs, change):
     stacked = torch.stack(held)
     if change(stacked) is NotImplemented:
         return NotImplemented
-    for k, x in enumerate(held):
-        bt.view_again(x).copy_(stacked[k])
-        if bt.MADE_FROM:
+    _given_their_rows(held, stacked)
+    if bt.MADE_FROM:
+        for x in held:
             bt.changed_in_place(x)
     # (what the op saved is the stack, where eager's saved each instance's tensor: a later change of one moves it)
     bt.note_made_from(held, stacked, written=True)
     if target.owner == "items":
         target.tensor = None  # (a tensor stacked from the items is stale; a joined value's cache checks itself)
     return target
+
+
+def _given_their_rows(held, stacked):
+    """Each tensor of ``held`` given its row of ``stacked``: those that are whole rows of one tensor (a joined
+    value's rows of a batch's tensor) by one ``index_copy_`` into it, the others each by ``copy_``."""
+    groups = {}
+    for k, x in enumerate(held):
+        row = _row_of_its_base(x)
+        if row is None:
+            bt.view_again(x).copy_(stacked[k])
+        else:
+            groups.setdefault(id(x._base), (x._base, [], []))
+            groups[id(x._base)][1].append(k)
+            groups[id(x._base)][2].append(row)
+    for base, ks, rows in groups.values():
+        if len(ks) == 1:
+            bt.view_again(held[ks[0]]).copy_(stacked[ks[0]])
+        else:
+            base.index_copy_(0, bt.long_tensor(rows, base.device), stacked[bt.long_tensor(ks, stacked.device)])
+
+
+def _row_of_its_base(x):
+    """The row of its base that view ``x`` is, whole, or None."""
+    base = x._base
+    if base is None or base.dim() != x.dim() + 1 or base.shape[1:] != x.shape or base.stride()[1:] != x.stride() \
+            or base.stride(0) <= 0:
+        return None
+    row, rest = divmod(x.storage_offset() - base.storage_offset(), base.stride(0))
+    return row if rest == 0 and 0 <= row < base.shape[0] else None
 
 
 def _apart(tensors):
