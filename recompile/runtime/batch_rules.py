@@ -730,7 +730,8 @@ def elementwise(n, fn, args, kwargs):
 # computes it (Python code of Python values, not a torch op run per instance)
 _NUMBER_OPERATORS = frozenset({
     operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
-    operator.neg, operator.pos, operator.invert, operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
+    operator.neg, operator.pos, operator.invert, operator.lt, operator.le, operator.gt, operator.ge, operator.eq,
+    operator.ne,
     operator.iadd, operator.isub, operator.imul, operator.itruediv, *intrinsics.AUGMENTED_FRESH.values()})
 _PYTHON_NUMBERS = (int, float, bool)
 
@@ -1002,11 +1003,11 @@ def _given_their_rows(held, stacked):
             groups.setdefault(id(x._base), (x._base, [], []))
             groups[id(x._base)][1].append(k)
             groups[id(x._base)][2].append(row)
-    for base, ks, rows in groups.values():
+    for base, ks, positions in groups.values():
         if len(ks) == 1:
             bt.view_again(held[ks[0]]).copy_(stacked[ks[0]])
         else:
-            base.index_copy_(0, bt.long_tensor(rows, base.device), stacked[bt.long_tensor(ks, stacked.device)])
+            base.index_copy_(0, bt.long_tensor(positions, base.device), stacked[bt.long_tensor(ks, stacked.device)])
 
 
 def _row_of_its_base(x):
