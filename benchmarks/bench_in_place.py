@@ -4,12 +4,13 @@
 
 Users write loops that fill a buffer (``out[t] = v``), scale a state in place (``acc.mul_(0.5)``, ``h.mul_(0.9)``
 after a branch), add into one (``acc += v``) or activate one in place (``h.sigmoid_()``; ``w.relu_()`` where ``w``
-may be another name of ``v``: a change of values each instance holds apart, one op on their stack). A batched ``if`` in such a program works on copies of its
-instances' rows, and hands on views of the argument's rows only where a later change in place may reach what it
-hands on (``passes/aliasing.py``); ``x.mul_(y)`` of a tensor only the frame holds is written out of place
-(``passes/fresh.py``). Each program is checked against the eager loop in float64 (values, and the gradient of
-the input), then timed in turns with it, inference (``torch.no_grad``) and training (forward and backward),
-one torch thread: instances/s and recompile / eager.
+may be another name of ``v``: a change of values each instance holds apart, one op on their stack). A batched
+``if`` in such a program works on copies of its instances' rows, and hands on views of the argument's rows only
+where a later change in place may reach what it hands on (``passes/aliasing.py``); ``x.mul_(y)`` and
+``x.sigmoid_()`` of a tensor only the frame holds are written out of place (``passes/fresh.py``). Each program
+is checked against the eager loop in float64 (values, and the gradient of the input), then timed in turns with
+it, inference (``torch.no_grad``) and training (forward and backward), one torch thread: instances/s and
+recompile / eager.
 """
 
 import argparse
