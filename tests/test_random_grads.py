@@ -1169,7 +1169,7 @@ def chaotic(reference, inputs, want):
     """Whether eager's outcome on ``inputs`` changes beyond the tolerance when they move by a few ulps: a fragile
     program with normal inputs may still meet a threshold (a comparison, a break) that an ulp of a batched
     transcendental decides, and recursion then magnifies the difference; no run can match eager there."""
-    for k in range(3):
+    for k in range(24):  # (run only where a compiled run disagreed; a tie may flip once in eight moves: 61324)
         gen = torch.Generator().manual_seed(k)
         moved = tuple(t * (1.0 + 4e-16 * torch.randn(t.shape, generator=gen, dtype=F64)) for t in inputs)
         if compare(reference(moved), want):
