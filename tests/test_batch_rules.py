@@ -1209,16 +1209,18 @@ def _changed_in_place(change, *extra, apart=False):
     return out
 
 
-# (index, value) of ``y[index] = value``: "value" and "mask" stand for a batched value and a batched mask
+# (index, value) of ``y[index] = value``: "value" and "mask" stand for a batched value and a batched mask, "row"
+# for each instance's own int (a 0-d tensor)
 SETITEMS = {"int": (0, 2.0), "slices": ((slice(None), slice(1, None)), -1.0), "ellipsis": ((Ellipsis, 0), 0.5),
             "shared_value": (1, rand(3, seed=3)), "batched_value": (1, "value"),
-            "lower_rank_value": (slice(None), "value"), "mask": ("mask", 0.0)}
+            "lower_rank_value": (slice(None), "value"), "mask": ("mask", 0.0), "each_int": ("row", 2.0),
+            "each_int_batched_value": ("row", "value")}
 
 
 @pytest.mark.parametrize("apart", [False, True], ids=["rows", "apart"])
 @pytest.mark.parametrize("case", list(SETITEMS))
 def test_setitem_of_each_instances_own_tensor_is_one_write(case, apart):
-    extra = {"value": rand(N, 3, seed=2), "mask": rand(N, 2, 3, seed=4) > 0}
+    extra = {"value": rand(N, 3, seed=2), "mask": rand(N, 2, 3, seed=4) > 0, "row": torch.tensor([1, 0, 1, 1])}
     index, value = (extra.get(a, a) if isinstance(a, str) else a for a in SETITEMS[case])
     (got, got_grad), (want, want_grad) = _changed_in_place(
         lambda y, i, v: br.call(N, operator.setitem, (y, i, v)) if type(y) is Batch else operator.setitem(y, i, v),

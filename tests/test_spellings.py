@@ -572,6 +572,15 @@ def idiom_python_numbers(x, k):  # (each instance's Python numbers, as Python co
     return abs(x) * s
 
 
+def idiom_pointer_mask(x, k):  # (each instance's own position: one write of every instance's row)
+    j = torch.argmax(x)
+    used = torch.zeros(H, dtype=x.dtype)
+    used[j] = 1.0
+    h = x * 1.0
+    h[j] += 2.0
+    return h * (1.0 - used)
+
+
 def idiom_index_add_into_zeros(x, k):
     z = torch.zeros_like(x)
     z.index_add_(0, torch.tensor([0, 0, 1, 1]), x * k)

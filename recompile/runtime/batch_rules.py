@@ -866,6 +866,14 @@ def set_item(n, fn, args, kwargs):
 def _write_rows(t, index, value):
     """``y[index] = value`` of each instance's row of ``t``: None, or NotImplemented (nothing written) where
     there is no such write."""
+    at = bt.instance_index(index) if type(index) is Batch and t.dim() >= 2 else None
+    if at is not None and at.dim() == 1 and (type(value) is not Batch or value.owner == "tensor"):
+        # (``v[j] = 1.0``, ``h[j] += x``: by each instance's own int, one write of every instance's row j)
+        value = _aligned(value, t.dim() - 2)
+        if value is None or _reads_its_target(t, (value,)):
+            return NotImplemented
+        t[torch.arange(t.shape[0], device=t.device), at.to(t.device)] = value
+        return None
     if type(index) is Batch:
         where = bt.tensor_of(index)
         if where is None or where.dtype is not torch.bool or where.shape != t.shape or type(value) is Batch or (
