@@ -25,6 +25,14 @@ def test_a_python_builtin_of_tensors_names_the_torch_op_to_write(fn, instead):
     assert fn.__name__ in why and instead in write
 
 
+def test_a_method_of_each_instances_own_tensor_is_not_called_a_callable_chosen_by_the_data():
+    from recompile.runtime.batch import Batch
+    methods = Batch(2, items=[torch.ones(2).sum, torch.ones(3).sum])  # (tensors of their own shapes)
+    assert fallbacks.reason(methods) is fallbacks.UNVMAPPABLE
+    assert fallbacks.reason(Batch(2, items=[torch.ones(2).add_, torch.ones(3).add_])) is fallbacks.WRITES
+    assert fallbacks.reason(Batch(2, items=[len, sorted])) is fallbacks.CHOSEN
+
+
 def prefix(x, k):
     return x[:k]  # a shape of each instance's own
 

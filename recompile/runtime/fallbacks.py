@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import types
 
+import torch
+
 from .. import config
 from ..diagnostics import user_line, warn_once
 from ..errors import PerInstanceError, PerInstanceWarning
@@ -52,9 +54,11 @@ def reason(fn):
     """Why ``fn`` (a callable, or a Batch of them or of a tensor's method) ran once per instance."""
     if type(fn) is Batch:
         if fn.method is None:
-            return NESTED if _nested(instance(fn, 0)) else CHOSEN
-        name = fn.method[1]
-        return PYTHON_VALUE if name in PYTHON_VALUES else WRITES if name.endswith("_") else UNVMAPPABLE
+            first = instance(fn, 0)
+            if isinstance(getattr(first, "__self__", None), torch.Tensor):  # (each instance's tensor's method)
+                return _of_method(first.__name__)
+            return NESTED if _nested(first) else CHOSEN
+        return _of_method(fn.method[1])
     if facts.among(fn, PYTHON_VALUES) or getattr(fn, "__name__", None) in PYTHON_VALUES:
         return PYTHON_VALUE
     if facts.among(fn, syntax.AUGMENTED):  # (``y += x`` on each instance's own tensor)
@@ -71,6 +75,11 @@ def reason(fn):
         return (f"it is Python code of per-instance values that recompile does not compile ({refused})",
                 "write it with what recompile compiles, or with torch ops")
     return UNVMAPPABLE if torch_callable(fn) else PYTHON
+
+
+def _of_method(name):
+    """Why a Tensor method ``name`` of each instance's tensor ran once per instance."""
+    return PYTHON_VALUE if name in PYTHON_VALUES else WRITES if name.endswith("_") else UNVMAPPABLE
 
 
 def _nested(fn):
