@@ -15,6 +15,7 @@ agree with each other. Then the batch plumbing: ``concat``, ``part``,
 from __future__ import annotations
 
 import operator
+import warnings
 
 import numpy as np
 import pytest
@@ -1315,6 +1316,21 @@ def test_an_activation_of_one_instances_row_changes_a_copy_whose_version_its_lat
     xe = rand(N, 3, seed=1).requires_grad_()
     ((xe[1] * 1.0).relu() * xe[1]).sum().add((xe[2] * 1.0).sigmoid().sum()).backward()
     torch.testing.assert_close(x.grad, xe.grad)
+
+
+def test_an_op_torch_func_vmap_has_no_batching_rule_for_runs_per_instance_where_it_is_counted():
+    """vmap loops over the rows of an op it has no batching rule for (``bincount``), unseen but for a warning of
+    torch's: the loop is refused there, and the op runs per instance, counted and warned of as every such op."""
+    words = Batch(N, tensor=torch.tensor([[1, 2, 2], [0, 0, 3], [4, 4, 4], [1, 0, 2]]))
+    reset_counters()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (torch's "performance drop" warning is not raised)
+        with pytest.warns(recompile.PerInstanceWarning, match="bincount"):
+            out = br.call(N, torch.bincount, (words,), {"minlength": 6})
+    assert br.counters.per_instance
+    assert torch.equal(bt.tensor_of(out), torch.stack([torch.bincount(w, minlength=6) for w in words.tensor]))
+    assert torch._C._functorch._is_vmap_fallback_enabled()  # (vmap's own loop is back on for other callers)
+    reset_counters()
 
 
 def test_an_in_place_change_of_rows_that_are_one_shared_value_runs_per_instance():

@@ -619,11 +619,26 @@ def _vmapped(n, fn, args, kwargs, method):
             return getattr(pos[0], method)(*pos[1:], **kw)
         return fn(*pos, **kw)
 
+    # (an op vmap has no batching rule for it would run once per row, silently: refused here, it runs per
+    # instance with the warning and the count every such op gets)
+    looping = _VMAP_LOOPS is not None and _VMAP_LOOPS._is_vmap_fallback_enabled()
+    if looping:
+        _VMAP_LOOPS._set_vmap_fallback_enabled(False)
     try:
         out = torch.func.vmap(one, in_dims=tuple(dims), randomness="different")(*flat)
     except Exception:  # an op vmap cannot batch (a data-dependent shape, .item()): run it per instance
         return NotImplemented
+    finally:
+        if looping:
+            _VMAP_LOOPS._set_vmap_fallback_enabled(True)
     return _wrap(out, n)
+
+
+# torch's switch of vmap's loop over the rows for an op it has no batching rule for (a private module of
+# torch's: where a version has none, vmap loops, unseen, as before)
+_VMAP_LOOPS = getattr(torch._C, "_functorch", None)
+if _VMAP_LOOPS is not None and not hasattr(_VMAP_LOOPS, "_set_vmap_fallback_enabled"):
+    _VMAP_LOOPS = None
 
 
 def _wrap(out, n):
@@ -1564,6 +1579,12 @@ def attribute(n, fn, args, kwargs):
         return padded.rows_method(x.n, "t", rows.of(x), (), {})
     if (name in rows.ALONG_ROWS or name in row_wise.METHODS or name in padded.ROWS_METHODS) and rows.of(x) is not None:
         return Batch(x.n, method=(x, name))  # (``torch.stack(hs).mean(0)``, ``xs.tanh()``: see ``rows``, ``row_wise``)
+    if x.owner == "items" and sharing.state.fresh and not name.endswith("_") and x.thunk is None \
+            and callable(getattr(torch.Tensor, name, None)) and all(type(v) in PLAIN_TENSORS for v in x.items) \
+            and bt.same_kind(x.items, 0):
+        # (a method of each instance's own tensor, all of one shape, where nothing changes one in place: called
+        # on their stack, as a batch's tensor's is)
+        return Batch(x.n, method=(x, name))
     if x.owner == "items" and name.endswith("_") and not name.endswith("__") \
             and callable(getattr(torch.Tensor, name, None)) and all(type(v) is torch.Tensor for v in x.items):
         # (``v.add_(...)`` of each instance's own tensor: run per instance on the Batch, which then forgets a
@@ -2637,6 +2658,8 @@ _ELEMENTWISE_METHODS = ("clamp", "clamp_min", "clamp_max", "clip", "pow", "maske
 def _elementwise_method(name):
     def rule(n, x, args, kwargs):
         t = x.tensor if x.owner == "tensor" else bt.tensor_of(x)
+        if t is not None and name == "masked_fill" and len(args) == 2 and not kwargs and type(args[1]) is Batch:
+            return _masked_fill_each(n, t, *args)
         if t is None or name not in _CONVERSIONS and any(
                 v.dtype is not t.dtype and v.dtype is not torch.bool for v in (
                     bt.tensor_of(a) if type(a) is Batch else a for a in args) if isinstance(v, torch.Tensor)):
@@ -2651,6 +2674,18 @@ def _elementwise_method(name):
 
 for _op in _ELEMENTWISE_METHODS:
     BATCH.register(_op)(_elementwise_method(_op))
+
+
+def _masked_fill_each(n, t, mask, value):
+    """``x.masked_fill(mask, v)`` with each instance's own 0-d ``v``: ``torch.where`` of the mask, ``v`` cast to
+    ``x``'s dtype first as masked_fill casts it (its gradient, the cotangents of the filled elements summed, is
+    masked_fill's)."""
+    v = bt.tensor_of(value)
+    where = _aligned(mask, t.dim() - 1)
+    if v is None or v.dim() != 1 or v.is_complex() or where is None or not isinstance(where, torch.Tensor) \
+            or where.dtype is not torch.bool:
+        return NotImplemented
+    return bt.from_tensor(torch.where(where, v.to(t.dtype).reshape(n, *[1] * (t.dim() - 1)), t))
 
 
 @BATCH.register(torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like)

@@ -39,8 +39,9 @@ NESTED = ("it is a nested function, lambda or generator expression, or a with, t
           "with torch ops")
 PYTHON = ("it is Python code of per-instance values", "compile it with @recompile.function, or write it "
           "with torch ops")
-UNVMAPPABLE = ("torch.func.vmap cannot batch it here (a shape that depends on the values, or a call into "
-               "Python)", "write it with ops whose result's shape does not depend on the values")
+UNVMAPPABLE = ("torch.func.vmap cannot batch it here (a shape that depends on the values, a call into Python, "
+               "or an op torch has no batching rule for)", "write it with ops whose result's shape does not depend "
+               "on the values, or with ops torch.func.vmap batches")
 WRITES = ("it changes each instance's tensor in place", "write it out of place (y = x.add(1), not x.add_(1))")
 PYTHON_VALUES = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy", int, float, bool}
 # Python's builtins of tensors, which read each instance's values as Python numbers or bools: the torch op to
