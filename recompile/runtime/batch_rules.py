@@ -1547,6 +1547,8 @@ def attribute(n, fn, args, kwargs):
             return t.shape[1:]
         if name == "ndim":
             return t.dim() - 1
+        if name == "data":  # (each instance's tensor's values, detached: rows of the batch's)
+            return bt.from_tensor(t.data)
         if name in ("T", "H") and t.dim() <= 3:  # (all of an instance's dims reversed: at most two, as torch allows)
             flipped = t.permute(0, *reversed(range(1, t.dim())))
             return bt.from_tensor(flipped.conj() if name == "H" else flipped)
