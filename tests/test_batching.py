@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import random
 import sys
@@ -2464,3 +2465,37 @@ def test_a_change_in_place_in_some_branches_of_a_saved_value_keeps_eagers_gradie
     xb = x.clone().requires_grad_()
     got = recompile.vmap(recompile.function(changed_in_some_branches))(xb, s)
     assert_close(torch.autograd.grad(got.sum(), xb)[0], want)
+
+
+ATTEND = {first: torch.nn.MultiheadAttention(4, 2, batch_first=first).double() for first in (True, False)}
+
+
+def attended(x, keep, first, weights, own_batch):
+    """Self-attention over one instance's sequence x (6, 4): as the module's own batch of one (``x[None]``) or
+    unbatched, its padding mask each instance's own."""
+    mha = ATTEND[first]
+    seq = (x[None] if first else x[:, None]) if own_batch else x
+    mask = (keep < 0.5)[None] if own_batch else keep < 0.5
+    out, w = mha(seq, seq, seq, key_padding_mask=mask, need_weights=weights)
+    out = (out[0] if first else out[:, 0]) if own_batch else out
+    return out.sum(-1) + (w.sum() if weights else 0.0)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["batch_first", "sequence_first"])
+@pytest.mark.parametrize("weights", [True, False], ids=["weights", "fused"])
+@pytest.mark.parametrize("own_batch", [True, False], ids=["own_batch", "unbatched"])
+def test_multihead_attention_over_each_instances_sequence_is_one_call(first, weights, own_batch, monkeypatch):
+    """``need_weights=False`` takes torch's fused attention, which torch.func.vmap cannot batch: it ran per
+    instance."""
+    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+    ATTEND[first].eval()
+    x = torch.randn(4, 6, 4, dtype=F64, generator=torch.Generator().manual_seed(7))
+    keep = torch.tensor([[1.0, 1, 1, 1, 0, 0], [1.0, 1, 1, 1, 1, 1], [1.0, 1, 0, 0, 0, 0], [1.0, 1, 1, 0, 0, 0]],
+                        dtype=F64)
+    fn = functools.partial(attended, first=first, weights=weights, own_batch=own_batch)
+    xe, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want = torch.stack([fn(xe[k], keep[k]) for k in range(4)])
+    got = recompile.vmap(recompile.function(attended), in_dims=(0, 0, None, None, None))(
+        xb, keep, first, weights, own_batch)
+    assert_close(got, want)
+    assert_close(torch.autograd.grad(got.sum(), xb)[0], torch.autograd.grad(want.sum(), xe)[0])

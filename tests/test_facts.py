@@ -285,7 +285,9 @@ GROWN = {
     # (an nn.Sequential: each of its modules by its rule)
     "batch_rules.MODULE_RULES": (_entries([*((m, batch_rules.recurrent_cell) for m in _CELLS),
                                            *((m, batch_rules.recurrent_layer) for m in _LAYERS),
-                                           (torch.nn.Sequential, batch_rules.in_sequence)])
+                                           (torch.nn.Sequential, batch_rules.in_sequence),
+                                           # every instance's sequences one batch of the module's
+                                           (torch.nn.MultiheadAttention, batch_rules.multihead_attention)])
                                  | _ruled(batch_rules.BATCH.by_module, _MORE_RULES)
                                  | _entries((m, batch_rules.elementwise) for m in _MORE_ACTIVATIONS), set()),
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, slice,
@@ -303,7 +305,8 @@ GROWN = {
                                             (intrinsics.itruediv_fresh, grad_rules._div),
                                             *((f, grad_rules.GRAD.by_callable[getattr(torch, f.method)].vjp)
                                               for f in _OUT_OF_PLACE)]), set()),
-    "segments._GENERIC_OK_MODULES": (_names(*_CELLS, *_LAYERS, torch.nn.Sequential, *_MORE_ACTIVATIONS)
+    "segments._GENERIC_OK_MODULES": (_names(*_CELLS, *_LAYERS, torch.nn.Sequential, *_MORE_ACTIVATIONS,
+                                            torch.nn.MultiheadAttention)
                                      | _ruled_keys(batch_rules.BATCH.by_module, _MORE_RULES), set()),
     # (views that move dims read no value of their input either, as ``transpose`` always did)
     "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS, *_VIEWS_MOVING_DIMS, grad_rules._detach, grad_rules._add_fresh),

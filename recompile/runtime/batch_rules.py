@@ -2017,6 +2017,54 @@ def recurrent_cell(n, cell, args, kwargs):
     return bt.from_tensor(out.reshape(*rows, out.shape[-1]))
 
 
+_ATTENTION_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
+                   "average_attn_weights", "is_causal")
+
+
+@BATCH.register(nn.MultiheadAttention)
+def multihead_attention(n, module, args, kwargs):
+    """``mha(q, k, v, ...)`` of each instance's sequences (one, ``(L, E)``, or a batch of its own): one call of
+    the module with every instance's sequences as its batch, a key padding mask of each instance's stacked with
+    them, an ``attn_mask`` every instance shares; the results (and weights) cut back into each instance's.
+    (``need_weights=False`` takes torch's fused attention, which ``torch.func.vmap`` cannot batch.)"""
+    if len(args) > len(_ATTENTION_ARGS) or set(kwargs) - set(_ATTENTION_ARGS[len(args):]):
+        return NotImplemented
+    bound = {**dict(zip(_ATTENTION_ARGS, args)), **kwargs}
+    if any(type(bound.get(name)) is Batch for name in ("need_weights", "attn_mask", "average_attn_weights",
+                                                       "is_causal")) or module.training and module.dropout > 0:
+        return NotImplemented  # (a dropout's draws are each instance's own, in its own order)
+    attn_mask = bound.get("attn_mask")
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() != 2:
+        return NotImplemented  # (a mask per batch row and head: the batch here is another)
+    inputs = [bound.get(name) for name in ("query", "key", "value")]
+    tensors = [bt.tensor_of(x) if type(x) is Batch else None for x in inputs]
+    if any(t is None for t in tensors) or len({t.dim() for t in tensors}) != 1 or tensors[0].dim() not in (3, 4):
+        return NotImplemented
+    mask = bound.get("key_padding_mask")
+    rank = tensors[0].dim() - 1  # (an instance's: 2 for one sequence, 3 for a batch of its own)
+    if type(mask) is Batch:
+        mask = bt.tensor_of(mask)
+        if mask is None or mask.dim() != rank:
+            return NotImplemented
+    elif mask is not None:
+        return NotImplemented  # (one mask every instance shares: each instance's own call)
+    first = module.batch_first
+    if rank == 2:  # (each instance's (L, E): the instances are the batch)
+        batched = [t if first else t.transpose(0, 1) for t in tensors]
+    else:  # (each instance's own batch: the instances' batches laid end to end)
+        batched = [t.flatten(0, 1) if first else t.transpose(0, 1).flatten(1, 2) for t in tensors]
+        mask = None if mask is None else mask.flatten(0, 1)
+    call = {**{k: v for k, v in bound.items() if k not in ("query", "key", "value", "key_padding_mask")},
+            "key_padding_mask": mask}
+    out, weights = module(*batched, **call)
+    if rank == 3:
+        out = out.unflatten(0, (n, -1)) if first else out.unflatten(1, (n, -1)).transpose(0, 1)
+        weights = None if weights is None else weights.unflatten(0, (n, -1))
+    elif not first:
+        out = out.transpose(0, 1)
+    return bt.from_struct(tuple, [bt.from_tensor(out), None if weights is None else bt.from_tensor(weights)], n)
+
+
 @BATCH.register(nn.RNN, nn.LSTM, nn.GRU)
 def recurrent_layer(n, module, args, kwargs):
     """An ``nn.RNN``, ``LSTM`` or ``GRU`` over each instance's sequences: the instances' sequences are one batch
