@@ -146,6 +146,12 @@ def build_set(*items):
     return set(items)
 
 
+def _as_in_place(result, x):
+    """Whether ``result``, an op's out-of-place result for tensor ``x``, is what its in-place form would leave in
+    ``x``: a tensor of ``x``'s dtype and shape (else the in-place op casts, or raises)."""
+    return isinstance(result, torch.Tensor) and result.dtype == x.dtype and result.shape == x.shape
+
+
 def _augmented_fresh(in_place, out_of_place, name):
     """``x op= y`` where only this frame holds ``x``'s object (``passes.fresh``): for a tensor, ``x op y``, a new
     tensor where it has ``x``'s dtype and shape (what the in-place op would give), else the in-place op on a
@@ -156,9 +162,7 @@ def _augmented_fresh(in_place, out_of_place, name):
     def augmented(x, y):
         if isinstance(x, torch.Tensor):
             result = out_of_place(x, y)
-            if isinstance(result, torch.Tensor) and result.dtype == x.dtype and result.shape == x.shape:
-                return result
-            return in_place(x.clone(), y)
+            return result if _as_in_place(result, x) else in_place(x.clone(), y)
         if type(x) is list:
             return in_place(list(x), y)
         return in_place(x, y)
@@ -186,7 +190,7 @@ def _method_fresh(name, function=False):
     def fresh(x, *args, **kwargs):
         if isinstance(x, torch.Tensor):
             result = getattr(x, name)(*args, **kwargs)
-            if isinstance(result, torch.Tensor) and result.dtype == x.dtype and result.shape == x.shape:
+            if _as_in_place(result, x):
                 return result
             x = x.clone()
         return getattr(torch, in_place)(x, *args, **kwargs) if function else getattr(x, in_place)(*args, **kwargs)

@@ -208,6 +208,12 @@ def dataclass_fields(cls, args, kwargs):
     return values
 
 
+def _values_alone(kind):
+    """Whether objects of struct ``kind`` are their values alone where nothing changes an object in place (a dict
+    display's ``Keyed`` kind, a plain dataclass): no one can tell one made anew from another."""
+    return issubclass(kind, Keyed) or plain_dataclass(kind)
+
+
 def build(kind, items):
     """A struct's value of ``kind`` (tuple, list, a namedtuple, torch's return types, a plain dataclass) from its
     ``items``."""
@@ -335,8 +341,7 @@ def settle(value):
     if type(value) is Batch and value.thunk is not None:
         force(value)
     if type(value) is Batch and value.struct is not None and not issubclass(value.struct[0], tuple) and not (
-            sharing.state.fresh and value.items is None and (
-                issubclass(value.struct[0], Keyed) or plain_dataclass(value.struct[0]))):
+            sharing.state.fresh and value.items is None and _values_alone(value.struct[0])):
         items_of(value)  # (a dict display, a dataclass, stays its values where nothing changes one: in a loop)
     return value
 
@@ -1022,7 +1027,7 @@ def _joined_kind(value):
         return None
     if type(value) is dict and all(type(k) is str for k in value):
         return dict_kind(tuple(value)), len(value)
-    if plain_dataclass(type(value)):
+    if _values_alone(type(value)):  # (one instance's plain dataclass: its fields)
         return type(value), len(type(value).__match_args__)
     return kind
 

@@ -181,9 +181,12 @@ def row_changed_on_a_copy(fn, args, kwargs):
     of its own; here its version counter is the whole tensor's, so what the op saved for its backward would count
     as changed once another instance's row of that tensor changes, and the backward would raise where eager's
     computes. NotImplemented (nothing done) where it is no such op."""
-    x = _in_place_target(fn, args) if torch.is_grad_enabled() else None
-    if type(x) not in PLAIN_TENSORS or x._base is None or not _a_whole_row(x) or not _saves_its_target(
-            fn, args, kwargs):
+    # (every op of one instance comes here: a run that changes nothing in place, or an op that saves nothing of
+    # what it changes, is told apart first)
+    if sharing.state.fresh or not torch.is_grad_enabled() or not _saves_its_target(fn, args, kwargs):
+        return NotImplemented
+    x = _in_place_target(fn, args)
+    if type(x) not in PLAIN_TENSORS or x._base is None or not _a_whole_row(x):
         return NotImplemented
     kwargs = kwargs or {}
     values = [v for v in (*args, *kwargs.values()) if v is not x]
