@@ -96,7 +96,7 @@ def _call(n, fn, args, kwargs):
         if type(fn) is nn.Embedding and not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
             # (one instance left in a loop: its lookups share the run's gate)
             return lazy_weights.lookup(fn, args[0])
-        out = row_changed_on_a_copy(fn, args, kwargs)
+        out = _row_changed_on_a_copy(fn, args, kwargs)
         if out is not NotImplemented:
             return out
         return fn(*args, **kwargs) if kwargs else fn(*args)
@@ -174,7 +174,7 @@ def _call(n, fn, args, kwargs):
     return _vmapped_or_per_instance(n, fn, args, kwargs)
 
 
-def row_changed_on_a_copy(fn, args, kwargs):
+def _row_changed_on_a_copy(fn, args, kwargs):
     """An in-place op whose backward reads what it changes (``x.relu_()``, ``x.sigmoid_()``, ``F.relu(x, True)``, a
     module built in place) of one instance's tensor ``x`` that is a whole row of one tensor of the batch, with
     gradients on: the op changes a copy of the row, which is then written into it. In eager code ``x`` is a tensor
@@ -462,7 +462,7 @@ def per_instance(n, fn, args, kwargs=None, why=None):
             items[k].grad_fn  # (read: a view of a base changed since regenerates it)
         one, values, named = bt.instance(fn, k), [bt.instance(x, k) for x in args], \
             {key: bt.instance(v, k) for key, v in kwargs.items()}
-        out = row_changed_on_a_copy(one, values, named)
+        out = _row_changed_on_a_copy(one, values, named)
         results.append(sharing.call_owning(one, values, named) if out is NotImplemented else out)
     if bt.CACHES:  # (a value joined from branches, changed through the tensor of its rows: see bt.CACHES)
         bt.caches_changed()
@@ -1026,9 +1026,9 @@ def _given_their_rows(held, stacked):
         if row is None:
             bt.view_again(x).copy_(stacked[k])
         else:
-            groups.setdefault(id(x._base), (x._base, [], []))
-            groups[id(x._base)][1].append(k)
-            groups[id(x._base)][2].append(row)
+            _, ks, positions = groups.setdefault(id(x._base), (x._base, [], []))
+            ks.append(k)
+            positions.append(row)
     for base, ks, positions in groups.values():
         if len(ks) == 1:
             bt.view_again(held[ks[0]]).copy_(stacked[ks[0]])
