@@ -24,7 +24,7 @@ DIM = 4
 
 
 def written_into_a_buffer(x, n):
-    out = torch.zeros(x.shape[0], DIM, dtype=x.dtype)
+    out = torch.zeros(x.shape[0], DIM, dtype=x.dtype, device=x.device)
     for t in range(n):
         v = x[t] if x[t].sum() > 0 else x[t] * 2.0
         out[t] = v
@@ -32,7 +32,7 @@ def written_into_a_buffer(x, n):
 
 
 def scaled_in_place(x, n):
-    acc = torch.zeros(DIM, dtype=x.dtype)
+    acc = torch.zeros(DIM, dtype=x.dtype, device=x.device)
     for t in range(n):
         v = x[t] if x[t].sum() > 0 else x[t] * 2.0
         acc = acc + v
@@ -41,7 +41,7 @@ def scaled_in_place(x, n):
 
 
 def joined_then_scaled(x, n):
-    h = torch.zeros(DIM, dtype=x.dtype)
+    h = torch.zeros(DIM, dtype=x.dtype, device=x.device)
     for t in range(n):
         h = h + x[t] if x[t].sum() > 0 else h * 0.5
         h.mul_(0.9)
@@ -49,7 +49,7 @@ def joined_then_scaled(x, n):
 
 
 def added_in_place(x, n):
-    acc = torch.zeros(DIM, dtype=x.dtype)
+    acc = torch.zeros(DIM, dtype=x.dtype, device=x.device)
     for t in range(n):
         v = x[t] if x[t].sum() > 0 else x[t] * 2.0
         acc += v
@@ -57,7 +57,7 @@ def added_in_place(x, n):
 
 
 def joined_then_activated(x, n):
-    h = torch.zeros(DIM, dtype=x.dtype)
+    h = torch.zeros(DIM, dtype=x.dtype, device=x.device)
     for t in range(n):
         h = h + x[t] if x[t].sum() > 0 else h * 0.5
         h.sigmoid_()
@@ -65,7 +65,7 @@ def joined_then_activated(x, n):
 
 
 def aliased_then_activated(x, n):
-    acc = torch.zeros(DIM, dtype=x.dtype)
+    acc = torch.zeros(DIM, dtype=x.dtype, device=x.device)
     for t in range(n):
         v = x[t] * 1.0
         w = v if x[t].sum() > 0 else v * 2.0
@@ -89,14 +89,17 @@ def eager_loop(fn):
     return lambda x, n: torch.stack([fn(x[k], int(n[k])) for k in range(len(n))])
 
 
-def check(fn, steps):
-    """The compiled program against the eager loop in float64: values, and the gradient of the input."""
+def check(fn, steps, device="cpu"):
+    """The compiled program on ``device`` against the eager loop on the CPU in float64: values, and the gradient
+    of the input."""
     x, n = inputs(5, steps, torch.float64, seed=1)
     runs = {}
-    for name, run in (("eager", eager_loop(fn)), ("recompile", recompile.vmap(recompile.function(fn)))):
-        leaf = x.clone().requires_grad_()
+    for name, run, where in (("eager", eager_loop(fn), "cpu"),
+                             ("recompile", recompile.vmap(recompile.function(fn)), device)):
+        leaf = x.to(where).requires_grad_()
         out = run(leaf, n)
-        runs[name] = (out.detach(), torch.autograd.grad(out.square().sum(), leaf)[0])
+        assert out.device.type == torch.device(where).type
+        runs[name] = (out.detach().cpu(), torch.autograd.grad(out.square().sum(), leaf)[0].cpu())
     for want, got in zip(runs["eager"], runs["recompile"]):
         torch.testing.assert_close(got, want)
 

@@ -1,7 +1,9 @@
 """The batched paths on a CUDA device give what eager PyTorch gives on the CPU (float64: values and parameter
 gradients): every Tree-LSTM, RNTN and module-cell spelling of the idiom benchmark, every sentence model of the
 sequence benchmark (the packed-RNN path among them) and the top-down model, each with no per-instance op, and
-the Tree-RNN example trained in each mode. Skipped without a CUDA device (CI has none); the threaded runtime's
+the Tree-RNN example trained in each mode, the programs that change values in place, and a few ops with rules of
+their own (in-place index ops under vmap, a write at each instance's own index, attention over each instance's
+sequence). Skipped without a CUDA device (CI has none); the threaded runtime's
 own CUDA tests are in test_threaded.py."""
 
 import os
@@ -17,6 +19,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 import bench_idioms  # noqa: E402
+import bench_in_place  # noqa: E402
 import bench_sequences  # noqa: E402
 from bench_batching import eager_twin, gradients, on_cpu  # noqa: E402
 from tree_rnn import TreeRNN  # noqa: E402
@@ -80,3 +83,50 @@ def test_tree_rnn_example_trains_on_cuda_as_eager_on_cpu(mode, trees):
     assert got.device.type == "cuda"
     torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(on_cpu(gradients(model, got)), want_grads, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", list(bench_in_place.PROGRAMS))
+def test_in_place_programs_on_cuda_equal_eager_on_cpu(name):
+    bench_in_place.check(bench_in_place.PROGRAMS[name], steps=9, device="cuda")
+
+
+def added_at_indices(x, j):
+    z = torch.zeros_like(x)
+    z.index_add_(0, j, x * 2.0)
+    return z.sigmoid().sum(-1)
+
+
+def written_at_own_index(x, j):
+    used = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+    used[int(j[0])] = 1.0
+    return (x.sum(-1) * used).sum() + x.square().sum()
+
+
+ATTEND = torch.nn.MultiheadAttention(4, 2, batch_first=True).double()
+
+
+def attended(x, j):
+    keep = torch.arange(x.shape[0], device=x.device) <= j[0]
+    out, _ = ATTEND(x[None], x[None], x[None], key_padding_mask=~keep[None], need_weights=False)
+    return out[0].sum(-1)
+
+
+@pytest.mark.parametrize("fn", [added_at_indices, written_at_own_index, attended])
+def test_ops_with_rules_of_their_own_on_cuda_equal_eager_on_cpu(fn, monkeypatch):
+    monkeypatch.setattr(recompile.config, "PER_INSTANCE", "error")
+    ATTEND.eval()
+    x = torch.randn(5, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    j = torch.tensor([[0, 2, 2, 5, 1, 3], [5, 4, 3, 2, 1, 0], [1, 1, 1, 1, 1, 1], [3, 0, 0, 0, 0, 0],
+                      [2, 2, 4, 4, 0, 0]])
+    xe = x.clone().requires_grad_()
+    want = torch.stack([fn(xe[k], j[k]) for k in range(5)])
+    want_grad = torch.autograd.grad(want.square().sum(), xe)[0]
+    ATTEND.cuda()
+    try:
+        xb = x.cuda().requires_grad_()
+        got = recompile.vmap(recompile.function(fn))(xb, j.cuda())
+        assert got.device.type == "cuda"
+        torch.testing.assert_close(got.cpu(), want.detach())
+        torch.testing.assert_close(torch.autograd.grad(got.square().sum(), xb)[0].cpu(), want_grad)
+    finally:
+        ATTEND.cpu()
