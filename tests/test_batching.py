@@ -1724,10 +1724,9 @@ def adds_into_child_loss(tree, i, E):
     return torch.tanh(a + b), t0 * torch.tanh(t0)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "known: the rows a batched call returns are views of one tensor with one version counter, so an in-place "
-    "change to one request's rows looks to autograd like a change to rows another frame saved"))
 def test_in_place_add_to_a_childs_result_under_vmap_with_gradients():
+    """(Was known: the rows a batched call returns are views of one tensor with one version counter; an in-place
+    change to one request's rows moved the version of rows another frame saved: runtime/saved_versions.py.)"""
     funcs = {name: recompile.function(G[name]) for name in ("leaf_sq", "adds_into_child_loss")}
     trees = [make_tree(s) for s in ("random7", "random12", "random20", "balanced3")]
     forest = Forest.from_trees(trees)
@@ -2454,10 +2453,9 @@ def changed_in_some_branches(x, s):
     return y.sum()
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="one version counter per tensor: the copy back of the "
-                   "changed rows moves the group's, and sigmoid's backward raises for every instance "
-                   "(docs/batching.md, Limits)")
 def test_a_change_in_place_in_some_branches_of_a_saved_value_keeps_eagers_gradient():
+    """(Was known: the copy back of the changed rows moved the version of the group's tensor, and sigmoid's
+    backward raised for every instance: runtime/saved_versions.py.)"""
     x = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(0))
     s = torch.tensor([1, -1, 1, -1])
     xe = x.clone().requires_grad_()

@@ -36,7 +36,11 @@ FOREIGN_PRIVATE = {"_fields", "_make", "_getframe", "_C", "_autograd", "_get_cur
                    "_backward_hooks", "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                    "_parameters",
                    # torch's switch of vmap's silent loop over an op it has no batching rule for (batch_rules)
-                   "_functorch", "_is_vmap_fallback_enabled", "_set_vmap_fallback_enabled"}
+                   "_functorch", "_is_vmap_fallback_enabled", "_set_vmap_fallback_enabled",
+                   # torch's saved-tensor hooks: whether they may be set, the caller's own, the node a backward
+                   # runs and the order nodes were made in (runtime.saved_versions)
+                   "_saved_tensors_hooks_is_enabled", "_top_saved_tensors_default_hooks", "_current_autograd_node",
+                   "_get_sequence_nr", "_sequence_nr"}
 
 
 def _modules():

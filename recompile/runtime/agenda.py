@@ -46,7 +46,7 @@ from functools import partial
 import torch
 
 from . import batch as bt
-from . import batch_rules, lazy_weights, sharing, streams
+from . import batch_rules, lazy_weights, saved_versions, sharing, streams
 from .. import config
 from .frames import RunStats, annotate, annotated_by, mark_annotated, too_deep, unwrap_stop_iteration
 from .units import Deferred, unit_of
@@ -138,7 +138,8 @@ def run(target, args, n=1, pool=None, parent=None, site=None):
         levels = getattr(unit, "levels", None)
         if run.defer and levels is not None and config.LEVELS and levels.applies():
             return levels.run(run, args, n, parent, site), stats  # (an error there comes with its chain of calls)
-        result = run.go(unit, args, n, parent, site)
+        with saved_versions.watching(mutates, n):
+            result = run.go(unit, args, n, parent, site)
     finally:
         stats.per_instance, counters.per_instance = counters.per_instance, saved
         sharing.state.fresh = saved_sharing
@@ -528,7 +529,8 @@ def _give_back(given, counts):
             if _kept_in_step(value, count):
                 target = value.tensor if type(value) is bt.Batch else value.unsqueeze(0)
                 if not torch.equal(target, rows):
-                    target.copy_(rows)
+                    with saved_versions.writing(target, instances=type(value) is bt.Batch):
+                        target.copy_(rows)
 
 
 def _kept_in_step(value, count):

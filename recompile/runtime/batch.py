@@ -31,7 +31,7 @@ import numpy
 import torch
 
 from ..ops.facts import INTEGER_INDEX, NUMBERS
-from . import sharing
+from . import saved_versions, sharing
 
 
 class Batch:
@@ -527,22 +527,23 @@ def _check_cache(b):
     now = _made_from(b)
     if now == b.made:
         return
-    if b.owner is None and now is not None and _same_rows(b):
+    changed = _rows_changed(b) if b.owner is None and now is not None else None
+    if changed == []:
         b.made = now  # (a version moved, not these rows: another row of a piece's base changed)
         return
     if b.owner is None and not b.tensor.is_inference():
-        torch.autograd.graph.increment_version(b.tensor)
+        saved_versions.moved(b.tensor, changed)
     b.tensor, b.made = None, None
     if b.owner is None:
         b.items = None
 
 
-def _same_rows(b):
-    """Whether batch ``b``'s cache still holds the rows its pieces hold."""
+def _rows_changed(b):
+    """The rows of batch ``b``'s cache that no longer hold what its pieces hold (None: it cannot tell)."""
     joined = _joined_tensor(b.pieces, None)
     if joined is None or joined.shape != b.tensor.shape or joined.dtype != b.tensor.dtype:
-        return False
-    return not any(rows_differ(joined, b.tensor))
+        return None
+    return [k for k, differ in enumerate(rows_differ(joined, b.tensor)) if differ]
 
 
 def rows_differ(a, b):
@@ -580,10 +581,10 @@ def note_made_from(items, stacked, written=False):
         if _limits["kept"] > 128:  # (the entries of tensors gone, and the copies they kept, go)
             _prune()
             _limits["kept"] = 0
-    for t in items:
+    for k, t in enumerate(items):
         start = t.storage_offset()
         entry = _copies_of(t)
-        entry[1].append((ref, start, start + span(t), None, entry[0]()._version if written else None))
+        entry[1].append((ref, start, start + span(t), k, entry[0]()._version if written else None))
 
 
 class _Kept:
@@ -669,21 +670,23 @@ def changed_in_place(t):
     end = start + span(t)
     for ref, lo, hi, rows, version in entry[1]:
         stacked = ref()
-        if stacked is not None and lo < end and start < hi and version != base._version and (
-                rows is None or _rows_overlap(rows, start, end)):
-            torch.autograd.graph.increment_version(stacked)
+        if stacked is None or not (lo < end and start < hi) or version == base._version:
+            continue
+        positions = [rows] if type(rows) is int else _rows_copied_over(rows, start, end)
+        if positions != []:
+            saved_versions.moved(stacked, positions)
 
 
-def _rows_overlap(rows, start, end):
-    """Whether storage ``start`` .. ``end`` overlaps one of the rows a note copied: ``rows`` is (the source's
-    offset, its rows' stride, what a row spans, the rows copied: a LongTensor)."""
+def _rows_copied_over(rows, start, end):
+    """The rows of a note's copy that copy storage ``start`` .. ``end`` of its source (None: all may): ``rows`` is
+    (the source's offset, its rows' stride, what a row spans, the rows copied: a LongTensor)."""
     offset, step, row, index = rows
     if step <= 0:
-        return True
+        return None
     first = max(0, (start - offset - row) // step + 1)
     last = (end - 1 - offset) // step
-    copied = set(index.tolist())  # (read here, where a change is, not where each copy is made)
-    return any(r in copied for r in range(first, last + 1))
+    # (read here, where a change is, not where each copy is made)
+    return [j for j, r in enumerate(index.tolist()) if first <= r <= last]
 
 
 def span(t):
@@ -778,7 +781,9 @@ def written_through(value, changed):
         # (an inference tensor, made before the run, cannot be changed out of inference mode)
         if k in changed and isinstance(item, torch.Tensor) and item is not rows and \
                 (torch.is_inference_mode_enabled() or not item.is_inference()):
-            view_again(item).copy_(rows[k])
+            view = view_again(item)
+            with saved_versions.writing(view):
+                view.copy_(rows[k])
 
 
 def view_again(t):

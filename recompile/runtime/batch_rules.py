@@ -27,6 +27,7 @@ from .. import config, intrinsics
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
+from . import saved_versions
 from . import cells, extremes, fallbacks, helpers, lazy_weights, padded, ranges, row_wise, rows, sharing, spreads
 from .batch import Batch
 
@@ -66,7 +67,17 @@ def _name(fn):
 
 def call(n, fn, args, kwargs=None):
     """``fn(*args, **kwargs)`` for n instances."""
-    out = _call(n, fn, args, kwargs)
+    if saved_versions.watched() and (_changes_in_place(fn) or facts.asks_in_place(fn, args, kwargs)):
+        target = _in_place_target(fn, args)
+        rows = n > 1 and type(target) is Batch
+        target = target.tensor if type(target) is Batch and target.owner == "tensor" else target
+        if type(target) in PLAIN_TENSORS:  # (the op's change, noted: saved_versions)
+            with saved_versions.writing(target, instances=rows):
+                out = _call(n, fn, args, kwargs)
+        else:
+            out = _call(n, fn, args, kwargs)
+    else:
+        out = _call(n, fn, args, kwargs)
     if (bt.CACHES or bt.MADE_FROM) and (_changes_in_place(fn) or facts.asks_in_place(fn, args, kwargs)):
         # (a change through a view of a value joined from pieces, or of a value copies were made from where eager
         # makes views: see bt.CACHES, bt.MADE_FROM)
@@ -199,7 +210,8 @@ def _row_changed_on_a_copy(fn, args, kwargs):
     else:
         out = fn(copy, *args[1:], **kwargs)
     x.grad_fn  # (read: a view of a base changed since regenerates it)
-    x.copy_(copy)
+    with saved_versions.writing(x):
+        x.copy_(copy)
     bt.note_made_from([x], copy, written=True)  # (what the op saved is the copy: a later change of x moves it)
     return x if out is copy else out
 
@@ -1024,16 +1036,23 @@ def _given_their_rows(held, stacked):
     for k, x in enumerate(held):
         row = _row_of_its_base(x)
         if row is None:
-            bt.view_again(x).copy_(stacked[k])
+            _written(bt.view_again(x), stacked[k])
         else:
             _, ks, positions = groups.setdefault(id(x._base), (x._base, [], []))
             ks.append(k)
             positions.append(row)
     for base, ks, positions in groups.values():
         if len(ks) == 1:
-            bt.view_again(held[ks[0]]).copy_(stacked[ks[0]])
+            _written(bt.view_again(held[ks[0]]), stacked[ks[0]])
         else:
-            base.index_copy_(0, bt.long_tensor(positions, base.device), stacked[bt.long_tensor(ks, stacked.device)])
+            at = bt.long_tensor(positions, base.device)
+            with saved_versions.writing(base, at, instances=True):
+                base.index_copy_(0, at, stacked[bt.long_tensor(ks, stacked.device)])
+
+
+def _written(view, rows):
+    with saved_versions.writing(view):
+        view.copy_(rows)
 
 
 def _row_of_its_base(x):

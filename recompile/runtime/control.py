@@ -10,7 +10,7 @@ import torch
 
 from . import aliases
 from . import batch as bt
-from . import sharing
+from . import saved_versions, sharing
 from .batch import Batch
 
 
@@ -116,7 +116,8 @@ def write_back(copies):
             target = source.tensor
             at = bt.index_on(index, target)
             changed = _rows_changed(target, at, rows, index) if source.pieces is not None else None
-            target.index_put_((at,), rows)
+            with saved_versions.writing(target, at, instances=True):
+                target.index_put_((at,), rows)
             if changed:
                 bt.written_through(source, changed)
 

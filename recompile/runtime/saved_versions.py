@@ -1,0 +1,284 @@
+"""Saved tensors whose rows the runtime wrote for some instances: their backward reads them as they were saved.
+
+torch keeps one version counter per tensor and its views, and a backward raises when a tensor it saved has
+moved on since. A batch's tensor holds every instance's value as its rows, and the runtime writes some
+instances' rows into it: a join's write-back of the rows a branch changed in place, the rows a call's frame
+changed given back to each request, a change in place of values held apart given back to their rows. In eager
+code each of those is a change of one instance's own tensor, and another instance's op that saved its own
+tensor computes its gradient; here the other instances' ops saved the same batch tensor, and torch refused
+their backward (docs/batching.md, Limits).
+
+So a batched run with gradients that may change values in place (``watching``) packs each tensor an op saves
+with its version (``torch.autograd.graph.saved_tensors_hooks``: torch then leaves the version check to the
+unpack hook), and the runtime's writes of rows are noted with what they overwrote (``writing``). At unpack, a
+saved tensor whose version moved only by noted writes is given back with the noted rows as they were when it
+was saved (on a copy, where a write overlaps it): its backward reads what the op read. A change the runtime did
+not note (an op of the program on a whole batch tensor, the caller's change after the call) raises torch's
+error, as before. Where the written instance's own backward needed what its op saved, eager refuses it and
+this run computes the gradient of what was computed (docs/gradients.md).
+
+Not installed where gradients are off, where the program changes nothing in place, inside torch.func's
+transforms (which refuse saved-tensor hooks) or under the caller's own hooks (one pair is active at a time):
+there torch checks versions as before.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+
+class _State(threading.local):
+    ledger = None  # the Ledger of the run this thread is in, or None
+
+
+_state = _State()
+_next_sequence_nr = torch._C._autograd._get_sequence_nr
+
+
+class _Write:
+    """One noted write: versions before and after, where it wrote (a view's geometry on the storage, and the
+    index along its first dim, or None for the whole view) and the values it overwrote (None where it moved the
+    version alone: a copy whose source changed, ``moved``)."""
+
+    __slots__ = ("before", "after", "size", "stride", "offset", "index", "old", "target", "instances")
+
+    def __init__(self, target, index, keeps_values, instances):
+        self.target = target.detach()  # (keeps the storage, so no other tensor reuses its address meanwhile)
+        self.before = target._version
+        self.after = None
+        self.size, self.stride, self.offset = target.size(), target.stride(), target.storage_offset()
+        self.index = index
+        self.instances = instances  # (whether the target's dim 0 is the batch's instances, one row each)
+        self.old = None
+        if not keeps_values:
+            with torch.no_grad():
+                self.old = (target if index is None else target[index]).detach().clone()
+
+    def span(self):
+        return _span(self.size, self.stride, self.offset)
+
+    def mask(self, like):
+        """Where this write wrote, as a bool tensor of ``like``'s shape (``like`` a view of the same storage)."""
+        marks = _whole(like, torch.zeros, dtype=torch.bool)
+        region = marks.as_strided(self.size, self.stride, self.offset)
+        if self.index is None:
+            region.fill_(True)
+        else:
+            region[self.index] = True
+        return marks.as_strided(like.size(), like.stride(), like.storage_offset())
+
+
+def _whole(like, make, dtype=None, **options):
+    """A new 1-D tensor as long as ``like``'s storage (in ``like``'s elements), made by ``make``."""
+    return make((like.untyped_storage().nbytes() // like.element_size(),), dtype=dtype or like.dtype,
+                device=like.device, **options)
+
+
+def _span(size, stride, offset):
+    """The first and last element of the storage a view of this geometry reaches (None if it reaches none)."""
+    if any(s == 0 for s in size):
+        return None
+    low = high = offset
+    for s, st in zip(size, stride):
+        if st >= 0:
+            high += (s - 1) * st
+        else:
+            low += (s - 1) * st
+    return low, high
+
+
+class Ledger:
+    """The writes of one run, by storage. ``alone``: the run is one instance's, its graph the one eager records
+    (a node that runs is that instance's)."""
+
+    def __init__(self, alone):
+        self.writes = {}  # storage address -> [_Write], in order
+        self.alone = alone
+
+    def pack(self, t):
+        # (an op's own output, whose node was made last, is kept detached: the node holding the tensor that holds
+        # the node would be a cycle no collector sees; an input is kept itself, as torch keeps it: what watches
+        # its Python object, ``batch.MADE_FROM``, sees it live as long as the backward may read it)
+        made_by = t.grad_fn
+        if made_by is not None and made_by._sequence_nr() == _next_sequence_nr() - 1:
+            return t.detach(), t._version
+        return t, t._version
+
+    def unpack(self, packed):
+        saved, version = packed
+        now = saved._version
+        if now == version:
+            return saved
+        writes = self._writes_since(saved, version, now)
+        if writes is None:
+            raise _changed(saved, version, now)
+        saved_span = _span(saved.size(), saved.stride(), saved.storage_offset())
+        masks = [(w, w.mask(saved)) for w in writes if _meet(w.span(), saved_span)]
+        masks = [(w, m) for w, m in masks if bool(m.any())]
+        if not masks:
+            return saved
+        node = torch._C._current_autograd_node()
+        if node is not None:  # (None: read outside a backward, ``grad_fn._saved_self``)
+            if self.alone:
+                raise _changed(saved, version, now)
+            _refuse_where_written_rows_need_it(node, saved, version, now, _rows_written(saved, masks))
+        restoring = [w for w, _ in masks if w.old is not None]
+        return _as_saved(saved, restoring) if restoring else saved
+
+    def _writes_since(self, saved, version, now):
+        """The noted writes that moved ``saved``'s version from ``version`` to ``now``, or None where a step was
+        not noted."""
+        found = []
+        at = version
+        for w in self.writes.get(saved.untyped_storage().data_ptr(), ()):
+            if w.before == at and w.after is not None and w.after <= now:
+                found.append(w)
+                at = w.after
+        return found if at == now else None
+
+
+def _rows_written(saved, masks):
+    """Where in ``saved`` the written instances are: (the dim of ``saved`` that runs over instances, the
+    positions along it that the writes wrote); None where ``saved`` is one instance's (a row, an op run per
+    instance), and so is the node that saved it; ``REFUSED`` where the instances lie along several of its dims.
+    The instances are read from the storage: each write that wrote instances' rows (dim 0 of its target)
+    numbers the elements it reaches by their row. (Where every instance was written, the node may still run with
+    a gradient of zeros where eager's does not run: the rows of a join whose instances went elsewhere.)"""
+    laid = next((w for w, _ in masks if w.instances), None)
+    if laid is None or saved.dim() == 0:
+        return None
+    ids = _whole(saved, torch.full, fill_value=-1, dtype=torch.long)
+    region = ids.as_strided(laid.size, laid.stride, laid.offset)
+    region.copy_(torch.arange(laid.size[0], device=saved.device).reshape(-1, *([1] * (len(laid.size) - 1)))
+                 .expand(laid.size))
+    ids = ids.as_strided(saved.size(), saved.stride(), saved.storage_offset())
+    varying = [d for d in range(saved.dim()) if saved.shape[d] > 1 and bool((ids.narrow(d, 0, 1) != ids).any())]
+    if len(varying) != 1:
+        return None if not varying else REFUSED
+    dim = varying[0]
+    written = masks[0][1]
+    for _, m in masks[1:]:
+        written = written | m
+    return dim, written.movedim(dim, 0).reshape(saved.shape[dim], -1).any(1).nonzero().squeeze(1)
+
+
+REFUSED = object()
+
+
+def _refuse_where_written_rows_need_it(node, saved, version, now, rows):
+    """After ``node`` (running in a backward, reading ``saved``) computed its gradients: raise torch's error
+    where one of them is not zero in a written instance's row (``rows``: the dim of the instances, the written
+    positions along it; None: anywhere, ``node`` being one instance's). The batch's ops keep each instance
+    apart, so a gradient in a written instance's row is that instance's: its backward needs what its op saved,
+    which eager refuses. A node of the batch's graph may run with a gradient of zeros where eager's would not
+    run (the rows of a join whose instances all went elsewhere); so may a written instance whose gradient is
+    zero there, which eager refuses: it gets the gradient of what was computed (docs/gradients.md)."""
+    if rows is REFUSED:
+        raise _changed(saved, version, now)
+
+    def check(grad_inputs, grad_outputs):
+        if rows is None:
+            needed = any(g is not None and bool(g.ne(0).any()) for g in grad_inputs)
+        else:
+            dim, at = rows
+            aligned = [g for g in grad_inputs if g is not None and g.dim() > dim
+                       and g.shape[dim] == saved.shape[dim]]  # (a reduction's input has more dims)
+            needed = not aligned or any(bool(g.index_select(dim, at.to(g.device)).ne(0).any()) for g in aligned)
+        if needed:
+            raise _changed(saved, version, now)
+
+    node.register_hook(check)
+
+
+def _changed(saved, version, now):
+    """torch's own error for a saved tensor changed in place."""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{saved.type()} {list(saved.shape)}] is at version {now}; expected version {version} instead. Hint: "
+        "the value an op saved for its gradient was changed in place after it, as eager's backward refuses")
+
+
+def _meet(a, b):
+    return a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]
+
+
+def _as_saved(saved, writes):
+    """``saved`` as it was before ``writes`` (latest last): a copy of its storage with their regions restored."""
+    with torch.no_grad():
+        whole = torch.empty(0, dtype=saved.dtype, device=saved.device)
+        whole.set_(saved.untyped_storage(), 0, (saved.untyped_storage().nbytes() // saved.element_size(),), (1,))
+        copy = whole.clone()
+        for w in reversed(writes):
+            region = copy.as_strided(w.size, w.stride, w.offset)
+            if w.index is None:
+                region.copy_(w.old)
+            else:
+                region[w.index] = w.old
+        return copy.as_strided(saved.size(), saved.stride(), saved.storage_offset())
+
+
+class watching:
+    """Around a batched run: the saved-tensor hooks and a ledger of the runtime's writes, where ``active`` (the
+    run may change values in place) and gradients are recorded (see the module's docstring)."""
+
+    __slots__ = ("hooks", "outer")
+
+    def __init__(self, active, n):
+        self.hooks = None
+        if (active and _state.ledger is None and torch.is_grad_enabled()
+                and torch._C._autograd._saved_tensors_hooks_is_enabled()
+                and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
+            self.hooks = Ledger(alone=n == 1)
+
+    def __enter__(self):
+        ledger = self.hooks
+        if ledger is not None:
+            _state.ledger = ledger
+            self.outer = saved_tensors_hooks(ledger.pack, ledger.unpack)
+            self.outer.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.hooks is not None:
+            _state.ledger = None
+            self.outer.__exit__(*exc)
+        return False
+
+
+def watched():
+    """Whether this thread's run notes its writes."""
+    return _state.ledger is not None
+
+
+class writing:
+    """Around the runtime's write into ``target`` (at ``index`` along its first dim, or the whole of it): the
+    write noted in the run's ledger, if one watches. ``keeps_values``: the write moves the version alone."""
+
+    __slots__ = ("write",)
+
+    def __init__(self, target, index=None, keeps_values=False, instances=False):
+        ledger = _state.ledger
+        self.write = None
+        if ledger is not None and torch.is_grad_enabled():
+            self.write = _Write(target, index, keeps_values, instances)
+            ledger.writes.setdefault(target.untyped_storage().data_ptr(), []).append(self.write)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *rest):
+        if self.write is not None and kind is None:
+            self.write.after = self.write.target._version
+        return False
+
+
+def moved(t, positions=None):
+    """Move the version of ``t``, a copy of instances' tensors, one of which changed in place (``positions``:
+    the rows of ``t`` that copy it; None for all): what an op saved of ``t`` is what eager's saved of that
+    instance's own tensor, so a backward that reads it must refuse as eager's does. Its values stay."""
+    index = None if positions is None else torch.tensor(positions, dtype=torch.long, device=t.device)
+    with writing(t, index, keeps_values=True, instances=True):
+        torch.autograd.graph.increment_version(t)
