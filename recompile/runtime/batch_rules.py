@@ -854,17 +854,28 @@ def _unexpanded(t):
 def _reads_its_target(t, values):
     """Whether a tensor among ``values`` (or a Batch's items) shares ``t``'s memory (``y[1:] = y[:2]``): torch
     refuses an overlap of one instance's tensor that it cannot see in the batch's, so each instance then runs
-    its own."""
-    return _in_storages({t.untyped_storage().data_ptr()}, values)
+    its own. (Under torch.func's transforms a tensor's memory cannot be read: each instance runs its own.)"""
+    address = _storage_of(t)
+    return address is None or _in_storages({address}, values)
 
 
 def _in_storages(storages, values):
-    """Whether a tensor among ``values`` (or a Batch's items) lies in one of ``storages`` (their data_ptrs)."""
+    """Whether a tensor among ``values`` (or a Batch's items) lies in one of ``storages`` (their data_ptrs), or
+    may (a tensor of torch.func's, whose memory cannot be read)."""
     for v in values:
         parts = (v.tensor,) + tuple(v.items or ()) if type(v) is Batch else (v,)
-        if any(type(p) is torch.Tensor and p.untyped_storage().data_ptr() in storages for p in parts):
-            return True
+        for p in parts:
+            if type(p) is torch.Tensor and (_storage_of(p) in storages or _storage_of(p) is None):
+                return True
     return False
+
+
+def _storage_of(t):
+    """The address of tensor ``t``'s storage; None for a tensor torch.func wraps, which has none to read."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except NotImplementedError:
+        return None
 
 
 def _aligned(value, rank):

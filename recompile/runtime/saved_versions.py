@@ -1,25 +1,30 @@
-"""Saved tensors whose rows the runtime wrote for some instances: their backward reads them as they were saved.
+"""Saved tensors whose rows the runtime changed for some instances: their backward reads them as they were saved.
 
 torch keeps one version counter per tensor and its views, and a backward raises when a tensor it saved has
 moved on since. A batch's tensor holds every instance's value as its rows, and the runtime writes some
 instances' rows into it: a join's write-back of the rows a branch changed in place, the rows a call's frame
-changed given back to each request, a change in place of values held apart given back to their rows. In eager
-code each of those is a change of one instance's own tensor, and another instance's op that saved its own
-tensor computes its gradient; here the other instances' ops saved the same batch tensor, and torch refused
-their backward (docs/batching.md, Limits).
+changed given back to each request, a change in place of values held apart given back to their rows, an op of
+the program changing the batch's tensor in place. In eager code each of those is a change of each instance's
+own tensor, and another instance's op, which saved its own tensor, computes its gradient; here the other
+instances' ops saved the same batch tensor, and torch refused their backward where eager's computes.
 
 So a batched run with gradients that may change values in place (``watching``) packs each tensor an op saves
 with its version (``torch.autograd.graph.saved_tensors_hooks``: torch then leaves the version check to the
-unpack hook), and the runtime's writes of rows are noted with what they overwrote (``writing``). At unpack, a
-saved tensor whose version moved only by noted writes is given back with the noted rows as they were when it
-was saved (on a copy, where a write overlaps it): its backward reads what the op read. A change the runtime did
-not note (an op of the program on a whole batch tensor, the caller's change after the call) raises torch's
-error, as before. Where the written instance's own backward needed what its op saved, eager refuses it and
-this run computes the gradient of what was computed (docs/gradients.md).
+unpack hook), and the runtime notes each of those writes, into a storage something saved, with what it
+overwrote (``writing``; ``moved`` for a copy of instances' tensors whose version moves with theirs). At unpack,
+a saved tensor whose version moved only by noted writes that reach it is given back as it was saved (on a copy
+with those rows restored), and the node that reads it raises torch's error after it ran where its gradient is
+not zero in a written instance's row: that instance's own backward needs what its op saved, as eager's
+refuses. A change no write noted (the caller's, after the call) raises at unpack, as torch's check did.
+
+Where a written instance's gradient there is zero, the run computes (the gradient of what was computed) where
+eager's backward may refuse: the batch's graph runs a node with a gradient of zeros where eager's does not run
+it (the rows of a join whose instances went elsewhere), and the two cannot be told apart. A run of one instance
+(``alone``: its graph is eager's) raises wherever eager's does.
 
 Not installed where gradients are off, where the program changes nothing in place, inside torch.func's
 transforms (which refuse saved-tensor hooks) or under the caller's own hooks (one pair is active at a time):
-there torch checks versions as before.
+there torch checks versions as before (docs/batching.md, Limits).
 """
 
 from __future__ import annotations
@@ -40,8 +45,8 @@ _next_sequence_nr = torch._C._autograd._get_sequence_nr
 
 class _Write:
     """One noted write: versions before and after, where it wrote (a view's geometry on the storage, and the
-    index along its first dim, or None for the whole view) and the values it overwrote (None where it moved the
-    version alone: a copy whose source changed, ``moved``)."""
+    index along its first dim, a LongTensor or a list, or None for the whole view) and the values it overwrote
+    (None where it moved the version alone: a copy whose source changed, ``moved``)."""
 
     __slots__ = ("before", "after", "size", "stride", "offset", "index", "old", "target", "instances")
 
@@ -96,12 +101,14 @@ class Ledger:
 
     def __init__(self, alone):
         self.writes = {}  # storage address -> [_Write], in order
+        self.saved = set()  # the addresses of the storages of what was saved (a write elsewhere needs no note)
         self.alone = alone
 
     def pack(self, t):
         # (an op's own output, whose node was made last, is kept detached: the node holding the tensor that holds
         # the node would be a cycle no collector sees; an input is kept itself, as torch keeps it: what watches
         # its Python object, ``batch.MADE_FROM``, sees it live as long as the backward may read it)
+        self.saved.add(t.untyped_storage().data_ptr())
         made_by = t.grad_fn
         if made_by is not None and made_by._sequence_nr() == _next_sequence_nr() - 1:
             return t.detach(), t._version
@@ -262,9 +269,11 @@ class writing:
     def __init__(self, target, index=None, keeps_values=False, instances=False):
         ledger = _state.ledger
         self.write = None
-        if ledger is not None and torch.is_grad_enabled():
-            self.write = _Write(target, index, keeps_values, instances)
-            ledger.writes.setdefault(target.untyped_storage().data_ptr(), []).append(self.write)
+        if ledger is not None:
+            address = target.untyped_storage().data_ptr()
+            if address in ledger.saved:  # (no op saved a tensor of this storage yet: none needs the note)
+                self.write = _Write(target, index, keeps_values, instances)
+                ledger.writes.setdefault(address, []).append(self.write)
 
     def __enter__(self):
         return self
@@ -277,8 +286,20 @@ class writing:
 
 def moved(t, positions=None):
     """Move the version of ``t``, a copy of instances' tensors, one of which changed in place (``positions``:
-    the rows of ``t`` that copy it; None for all): what an op saved of ``t`` is what eager's saved of that
-    instance's own tensor, so a backward that reads it must refuse as eager's does. Its values stay."""
-    index = None if positions is None else torch.tensor(positions, dtype=torch.long, device=t.device)
-    with writing(t, index, keeps_values=True, instances=True):
-        torch.autograd.graph.increment_version(t)
+    the rows of ``t`` that copy it, a list; None for all): what an op saved of ``t`` is what eager's saved of
+    that instance's own tensor, so a backward that reads it must refuse as eager's does. Its values stay."""
+    ledger = _state.ledger
+    write = None
+    if ledger is not None and t.untyped_storage().data_ptr() in ledger.saved:
+        writes = ledger.writes.setdefault(t.untyped_storage().data_ptr(), [])
+        write = writes[-1] if writes else None
+        if (write is not None and write.old is None and write.after == t._version and positions is not None
+                and type(write.index) is list and (write.size, write.stride, write.offset) == (
+                    t.size(), t.stride(), t.storage_offset())):
+            write.index.extend(positions)  # (the rows of one copy moved one after another: one write)
+        else:
+            write = _Write(t, None if positions is None else list(positions), True, True)
+            writes.append(write)
+    torch.autograd.graph.increment_version(t)
+    if write is not None:
+        write.after = t._version
