@@ -1004,6 +1004,32 @@ def test_python_numbers_that_are_not_one_element_each_or_fail_run_as_each_instan
     reset_counters()
 
 
+def extremes_of_scores(x, y):
+    a, b = x.sum(), y.sum()
+    return max(a, b) * 2.0 + min(a, b, torch.tensor(0.5, dtype=x.dtype)) + max([x[0], y[0], x[1]]) * 3.0
+
+
+def test_python_max_and_min_of_one_element_tensors_are_one_where_for_the_batch(monkeypatch):
+    """Python keeps the first and takes each later one that compares greater (less): ties and the gradient go to
+    the first, as eager's; a list the program built (``max([a, b, c])``) too."""
+    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+    x = torch.tensor([[1.0, 2.0], [3.0, -1.0], [0.0, 0.0], [2.0, 1.0]], dtype=F64)
+    y = torch.tensor([[3.0, 0.0], [1.0, 1.0], [0.0, 0.0], [1.0, 2.0]], dtype=F64)
+    xe, ye = x.clone().requires_grad_(), y.clone().requires_grad_()
+    want = torch.stack([extremes_of_scores(xe[k], ye[k]) for k in range(N)])
+    xb, yb = x.clone().requires_grad_(), y.clone().requires_grad_()
+    got = recompile.vmap(recompile.function(extremes_of_scores))(xb, yb)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(torch.autograd.grad(got.sum(), (xb, yb)), torch.autograd.grad(want.sum(), (xe, ye))):
+        torch.testing.assert_close(g, w)
+
+
+def test_python_max_of_tensors_of_more_than_one_element_raises_as_eager():
+    with pytest.raises(RuntimeError, match="ambiguous"):
+        br.call(N, max, (Batch(N, tensor=rand(N, 2, seed=1)), Batch(N, tensor=rand(N, 2, seed=2))))
+    reset_counters()
+
+
 @pytest.mark.parametrize("index", [torch.tensor([2, 0]), [2, 0], (slice(None), torch.tensor([1])), np.array([2, 0]),
                                    range(2), ((0, 2),)], ids=["tensor", "list", "tuple", "array", "range", "nested"])
 def test_rows_picked_by_an_index_are_a_new_tensor_each_instance_owns_in_a_run_that_changes_values(index, sharing):

@@ -181,6 +181,11 @@ _RESULT_READERS = {grad_rules.GRAD.by_callable[f].vjp for f in (
 
 _VIEWS_MOVING_DIMS = {grad_rules._t, grad_rules._swapaxes, grad_rules._movedim, grad_rules._getattr}
 
+# rules that hand their work to another that reads no result (``dot`` to ``matmul``'s): they read none either
+_PASSING = {grad_rules._rmatmul, grad_rules._mm, grad_rules._mv, grad_rules._dot, grad_rules._rsub,
+            grad_rules._relu6, grad_rules._clamp_min, grad_rules._clamp_max, grad_rules._where_method,
+            grad_rules._rdiv}
+
 # what facts gained after the move, on purpose: old name -> (names added, names removed)
 _ADDCMUL = (torch.addcmul, torch.addcdiv, torch.lerp)  # elementwise, with options (value=, weight=)
 # elementwise too: ``&``, ``|``, ``^``, ``~``, ``//``, ``%`` and torch's comparisons, bitwise and remainders
@@ -319,10 +324,14 @@ GROWN = {
                                  | _fresh_metadata() | _out_of_place_metadata()
                                  | _metadata_of({grad_rules._getitem}, True)
                                  # (the unary ops whose gradient reads their input alone do not read their result)
-                                 | _metadata_of(_INPUT_READERS, True, skip=_OUT_OF_PLACE, reads_out=False),
+                                 | _metadata_of(_INPUT_READERS, True, skip=_OUT_OF_PLACE, reads_out=False)
+                                 | _metadata_of(_PASSING, True, reads_out=False),
                                  _metadata_of(_INPUT_READERS, True, skip=_OUT_OF_PLACE, reads_out=True)
-                                 | _metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | {grad_rules._detach}, True,
-                                              skip=_OUT_OF_PLACE)  # (new: not in the snapshot)
+                                 | _metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS - {grad_rules._swapaxes}
+                                                | {grad_rules._detach}, True,
+                                                skip=_OUT_OF_PLACE)  # (new: not in the snapshot)
+                                 | _metadata_of({grad_rules._swapaxes}, True, reads_out=True)
+                                 | _metadata_of(_PASSING, True, reads_out=True)
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: ())
                                  | _metadata_of({grad_rules._getitem}, False)),
     # ``type(x)`` of a shared x is read once for every instance (the class is the same object)

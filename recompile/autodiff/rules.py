@@ -255,7 +255,7 @@ def _sub(fn, g, out, input, other, alpha=1):
 
 @rule(torch.rsub, "__rsub__")
 def _rsub(fn, g, out, input, other, alpha=1):
-    return _sub(fn, g, out, other, input, alpha)  # other - alpha * input
+    return _sub(fn, g, None, other, input, alpha)  # other - alpha * input
 
 
 # not operator.imul: ``x *= y`` on a tensor overwrites the x that y's gradient needs (backprop makes it
@@ -300,7 +300,7 @@ def _quotient_grads(g, input, other, quotient, rounding_mode):
 
 @rule("__rdiv__")  # the name of x.__rtruediv__
 def _rdiv(fn, g, out, self, other):
-    return _div(fn, g, out, other, self)
+    return _div(fn, g, None, other, self)
 
 
 @rule(operator.neg, *_forms("neg", "neg_", "negative", "negative_"))
@@ -365,24 +365,26 @@ def _matmul(fn, g, out, input, other):
     return ((input, ga), (other, gb))
 
 
+# (a rule that hands its work to another passes None for the result where that one reads none of it: whether a
+# rule reads its result is read off its code, Rule.reads_out, and a later change of the result in place is fine)
 @rule("__rmatmul__")
 def _rmatmul(fn, g, out, self, other):
-    return _matmul(fn, g, out, other, self)
+    return _matmul(fn, g, None, other, self)
 
 
 @rule(*_forms("mm", "bmm"))
 def _mm(fn, g, out, input, mat2):
-    return _matmul(fn, g, out, input, mat2)
+    return _matmul(fn, g, None, input, mat2)
 
 
 @rule(*_forms("mv"))
 def _mv(fn, g, out, input, vec):
-    return _matmul(fn, g, out, input, vec)
+    return _matmul(fn, g, None, input, vec)
 
 
 @rule(*_forms("dot"))
 def _dot(fn, g, out, input, tensor):
-    return _matmul(fn, g, out, input, tensor)
+    return _matmul(fn, g, None, input, tensor)
 
 
 @rule(*_forms("outer", "ger"))
@@ -530,7 +532,7 @@ def _hardtanh(fn, g, out, input, min_val=-1.0, max_val=1.0, inplace=False):
 
 @rule(F.relu6)
 def _relu6(fn, g, out, input, inplace=False):
-    return _hardtanh(fn, g, out, input, 0.0, 6.0)
+    return _hardtanh(fn, g, None, input, 0.0, 6.0)
 
 
 @rule(*_forms("clamp", "clip"))
@@ -551,12 +553,12 @@ def _clamp(fn, g, out, input, min=None, max=None):
 
 @rule(*_forms("clamp_min"))
 def _clamp_min(fn, g, out, input, min):
-    return _clamp(fn, g, out, input, min=min)
+    return _clamp(fn, g, None, input, min=min)
 
 
 @rule(*_forms("clamp_max"))
 def _clamp_max(fn, g, out, input, max):
-    return _clamp(fn, g, out, input, max=max)
+    return _clamp(fn, g, None, input, max=max)
 
 
 @rule(torch.where)
@@ -567,7 +569,7 @@ def _where(fn, g, out, condition, input=None, other=None):
 
 @rule(torch.Tensor.where, "where")
 def _where_method(fn, g, out, self, condition, other):
-    return _where(fn, g, out, condition, self, other)
+    return _where(fn, g, None, condition, self, other)
 
 
 def _pick(g, a, b, a_loses, b_loses):
@@ -751,7 +753,7 @@ def _transpose(fn, g, out, input, dim0, dim1):
 
 @rule(*_forms("swapaxes"))
 def _swapaxes(fn, g, out, input, axis0, axis1):
-    return _transpose(fn, g, out, input, axis0, axis1)
+    return _transpose(fn, g, None, input, axis0, axis1)
 
 
 @rule(*_forms("movedim", "moveaxis"))

@@ -1751,7 +1751,39 @@ def python_arithmetic(n, fn, args, kwargs):
         return bt.from_items([fn(*row, **kwargs) for row in rows])
     if fn is abs and len(args) == 1 and not kwargs and type(args[0]) is Batch:
         return elementwise(n, torch.abs, args, {})
+    if (fn is max or fn is min) and not kwargs:
+        return _extreme_of_tensors(n, fn, args)
     return NotImplemented
+
+
+def _extreme_of_tensors(n, fn, args):
+    """``max(a, b)``, ``min(a, b, c)`` or ``max(xs)`` (a list or tuple the program built) of one-element tensors of
+    one shape and dtype, each instance's or shared: Python keeps the first and takes each later one that
+    compares greater (less), which is ``torch.where(b > a, b, a)`` over the batch, the chosen tensor's gradient
+    its own as in eager code; NotImplemented for anything else."""
+    items = args
+    if len(args) == 1 and type(args[0]) is Batch and args[0].struct is not None and args[0].owner is None \
+            and issubclass(args[0].struct[0], (list, tuple)):
+        items = args[0].struct[1]
+    if len(items) < 2:
+        return NotImplemented
+    rows = []
+    for item in items:
+        t = bt.tensor_of(item) if type(item) is Batch else item.unsqueeze(0) if type(item) in PLAIN_TENSORS \
+            else None
+        if t is None or t[0].numel() != 1:
+            return NotImplemented
+        rows.append(t)
+    first = rows[0]
+    if any(t.shape[1:] != first.shape[1:] or t.dtype is not first.dtype or t.device != first.device for t in rows):
+        return NotImplemented
+    beats = operator.gt if fn is max else operator.lt
+    out = first
+    for t in rows[1:]:
+        out = torch.where(beats(t, out), t, out)
+    if out.shape[0] != n:
+        out = out.expand(n, *out.shape[1:])  # (every one shared: the same for each instance)
+    return bt.from_tensor(out)
 
 
 @BATCH.register(operator.index)
