@@ -72,7 +72,7 @@ def call(n, fn, args, kwargs=None):
         rows = n > 1 and type(target) is Batch
         target = target.tensor if type(target) is Batch and target.owner == "tensor" else target
         if type(target) in PLAIN_TENSORS:  # (the op's change, noted: saved_versions)
-            with saved_versions.writing(target, instances=rows):
+            with saved_versions.writing(target, instances=rows, program=True):
                 out = _call(n, fn, args, kwargs)
         else:
             out = _call(n, fn, args, kwargs)

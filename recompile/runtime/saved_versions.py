@@ -48,15 +48,16 @@ class _Write:
     index along its first dim, a LongTensor or a list, or None for the whole view) and the values it overwrote
     (None where it moved the version alone: a copy whose source changed, ``moved``)."""
 
-    __slots__ = ("before", "after", "size", "stride", "offset", "index", "old", "target", "instances")
+    __slots__ = ("before", "after", "size", "stride", "offset", "index", "old", "target", "instances", "program")
 
-    def __init__(self, target, index, keeps_values, instances):
+    def __init__(self, target, index, keeps_values, instances, program=False):
         self.target = target.detach()  # (keeps the storage, so no other tensor reuses its address meanwhile)
         self.before = target._version
         self.after = None
         self.size, self.stride, self.offset = target.size(), target.stride(), target.storage_offset()
         self.index = index
         self.instances = instances  # (whether the target's dim 0 is the batch's instances, one row each)
+        self.program = program  # (an op of the program changed the target, not the runtime's copy of rows)
         self.old = None
         if not keeps_values:
             with torch.no_grad():
@@ -129,7 +130,7 @@ class Ledger:
             return saved
         node = torch._C._current_autograd_node()
         if node is not None:  # (None: read outside a backward, ``grad_fn._saved_self``)
-            if self.alone:
+            if self.alone or any(w.program for w, _ in masks):
                 raise _changed(saved, version, now)
             _refuse_where_written_rows_need_it(node, saved, version, now, _rows_written(saved, masks))
         restoring = [w for w, _ in masks if w.old is not None]
@@ -191,9 +192,13 @@ def _refuse_where_written_rows_need_it(node, saved, version, now, rows):
             needed = any(g is not None and bool(g.ne(0).any()) for g in grad_inputs)
         else:
             dim, at = rows
-            aligned = [g for g in grad_inputs if g is not None and g.dim() > dim
-                       and g.shape[dim] == saved.shape[dim]]  # (a reduction's input has more dims)
-            needed = not aligned or any(bool(g.index_select(dim, at.to(g.device)).ne(0).any()) for g in aligned)
+            aligned, shared = [], []
+            for g in grad_inputs:  # (a reduction's input has more dims)
+                if g is not None:
+                    (aligned if g.dim() > dim and g.shape[dim] == saved.shape[dim] else shared).append(g)
+            # (a gradient with no row per instance, a shared weight's, may have read a written row: refused)
+            needed = not aligned or any(bool(g.ne(0).any()) for g in shared) or any(
+                bool(g.index_select(dim, at.to(g.device)).ne(0).any()) for g in aligned)
         if needed:
             raise _changed(saved, version, now)
 
@@ -266,13 +271,13 @@ class writing:
 
     __slots__ = ("write",)
 
-    def __init__(self, target, index=None, keeps_values=False, instances=False):
+    def __init__(self, target, index=None, keeps_values=False, instances=False, program=False):
         ledger = _state.ledger
         self.write = None
         if ledger is not None:
             address = target.untyped_storage().data_ptr()
             if address in ledger.saved:  # (no op saved a tensor of this storage yet: none needs the note)
-                self.write = _Write(target, index, keeps_values, instances)
+                self.write = _Write(target, index, keeps_values, instances, program)
                 ledger.writes.setdefault(address, []).append(self.write)
 
     def __enter__(self):
