@@ -172,6 +172,20 @@ def test_a_run_that_changes_values_in_place_leaves_nothing_alive():
         gc.enable()
 
 
+def test_calls_that_change_values_in_place_keep_no_input_alive():
+    """Nothing of a call outlives it: a table of what each callable asks (``facts.inplace_position``) once kept
+    every batch of methods a call made, and with it the call's tensors and graph."""
+    f = recompile.function(tanh_changed_where_unread)
+    refs = []
+    for _ in range(3):
+        x = X.clone().requires_grad_()
+        recompile.vmap(f)(x, S).sum().backward()
+        refs.append(weakref.ref(x))
+        del x
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 def test_under_the_callers_own_saved_tensor_hooks_those_hooks_see_the_saves():
     seen = []
 

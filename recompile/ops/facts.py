@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import inspect
 import math
+import types
 import operator
 
 import torch
@@ -118,20 +119,25 @@ _INPLACE_AT = {}
 
 def inplace_position(fn):
     """The position of callable ``fn``'s ``inplace`` parameter (``F.relu``, ``F.leaky_relu``), or None."""
-    try:
-        return _INPLACE_AT[fn]
-    except (KeyError, TypeError):
-        pass
-    try:
-        names = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        names = []
-    at = names.index("inplace") if "inplace" in names else None
-    try:
-        _INPLACE_AT[fn] = at
-    except TypeError:  # (an unhashable callable)
-        pass
+    if isinstance(getattr(fn, "__self__", None), torch.Tensor):
+        return None  # (a tensor's method: ``x.relu_()`` is in place by its name, none takes ``inplace``)
+    # (kept for what lives as long as the program: functions, classes, a module's type; not for a call's own
+    # values, a bound method or a batch of callables, which the table would keep alive)
+    key = type(fn) if isinstance(fn, nn.Module) else fn if isinstance(
+        fn, (type, types.FunctionType, types.BuiltinFunctionType)) and not hasattr(fn, "__func__") else None
+    at = _INPLACE_AT.get(key, _UNKNOWN) if key is not None else _UNKNOWN
+    if at is _UNKNOWN:
+        try:
+            names = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            names = []
+        at = names.index("inplace") if "inplace" in names else None
+        if key is not None:
+            _INPLACE_AT[key] = at
     return at
+
+
+_UNKNOWN = object()
 
 
 def built_in_place(fn):
