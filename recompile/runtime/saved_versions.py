@@ -3,24 +3,28 @@
 torch keeps one version counter per tensor and its views, and a backward raises when a tensor it saved has
 moved on since. A batch's tensor holds every instance's value as its rows, and the runtime writes some
 instances' rows into it: a join's write-back of the rows a branch changed in place, the rows a call's frame
-changed given back to each request, a change in place of values held apart given back to their rows, an op of
-the program changing the batch's tensor in place. In eager code each of those is a change of each instance's
-own tensor, and another instance's op, which saved its own tensor, computes its gradient; here the other
-instances' ops saved the same batch tensor, and torch refused their backward where eager's computes.
+changed given back to each request, a change in place of values held apart given back to their rows. In eager
+code each of those is a change of each instance's own tensor, and another instance's op, which saved its own
+tensor, computes its gradient; here the other instances' ops saved the same batch tensor, and torch refused
+their backward where eager's computes.
 
 So a batched run with gradients that may change values in place (``watching``) packs each tensor an op saves
 with its version (``torch.autograd.graph.saved_tensors_hooks``: torch then leaves the version check to the
-unpack hook), and the runtime notes each of those writes, into a storage something saved, with what it
-overwrote (``writing``; ``moved`` for a copy of instances' tensors whose version moves with theirs). At unpack,
-a saved tensor whose version moved only by noted writes that reach it is given back as it was saved (on a copy
-with those rows restored), and the node that reads it raises torch's error after it ran where its gradient is
-not zero in a written instance's row: that instance's own backward needs what its op saved, as eager's
-refuses. A change no write noted (the caller's, after the call) raises at unpack, as torch's check did.
+unpack hook), and the runtime notes its writes into a storage something saved, with what they overwrote
+(``writing``; ``moved`` for a copy of instances' tensors whose version moves with theirs). At unpack, a saved
+tensor whose version moved only by such writes is given back as it was saved (on a copy with their rows
+restored), and the node that reads it raises torch's error after it ran where its gradient is not zero in a
+written instance's row (or in a gradient with no row per instance, a shared weight's): that instance's own
+backward may need what its op saved, as eager's refuses.
 
-Where a written instance's gradient there is zero, the run computes (the gradient of what was computed) where
-eager's backward may refuse: the batch's graph runs a node with a gradient of zeros where eager's does not run
-it (the rows of a join whose instances went elsewhere), and the two cannot be told apart. A run of one instance
-(``alone``: its graph is eager's) raises wherever eager's does.
+An op of the program that changes a batch's tensor in place is noted too (``program``: a later runtime write
+still follows it), and keeps torch's check where it reaches the saved tensor: the node raises when it runs.
+The batch's graph can run a node with a gradient of zeros in a written instance's row where eager's never runs
+it (the rows of a join whose instances went elsewhere), or where eager's runs it with those zeros and refuses;
+the two cannot be told apart, and eager's refusal of a change the program made is kept. For the runtime's own
+writes, whose false refusals were the common ones, the gradient decides: where it is zero, the run computes
+(the gradient of what was computed) where eager may refuse. A run of one instance (``alone``: its graph is
+eager's) raises wherever eager's does.
 
 Not installed where gradients are off, where the program changes nothing in place, inside torch.func's
 transforms (which refuse saved-tensor hooks) or under the caller's own hooks (one pair is active at a time):
