@@ -993,12 +993,7 @@ KNOWN_SHARED_BUGS = {}  # (none known now; each entry {name: (the generator's fe
 # Known refusals where eager computes: {name: (feature, modes, what)}. In those modes a program with the feature
 # may raise RuntimeError ("modified by an inplace operation") in the backward where eager gives gradients; where
 # eager raises, the compiled program must still raise, and where neither raises, values and gradients must agree.
-KNOWN_REFUSALS = {
-    "in_place_after_read": (
-        "inplace_hazard", ("sequential", "threaded"),
-        "sequential mode refuses an in-place change of a tensor whose value no gradient needs: the input of "
-        "torch.max(v, dim=0) (its gradient needs the indices)"),
-}
+KNOWN_REFUSALS = {}  # (none known now: the last, an in-place change after torch.max(v, dim=0), dot or mv, mended)
 
 
 # ---------------------------------------------------------------------------
@@ -1491,29 +1486,28 @@ def kb_mv_then_changed(x):
     return v
 
 
+def kb_min_along_dim_of_a_method_then_changed(x):
+    v = torch.stack([x, x * 2.0])
+    m = v.min(1).values
+    v.mul_(3.0)
+    return m
+
+
 @pytest.mark.parametrize("fn", [kb_square_then_changed, kb_abs_then_changed, kb_erf_then_changed,
-                                kb_dot_then_changed, kb_mv_then_changed])
+                                kb_dot_then_changed, kb_mv_then_changed, kb_max_along_dim_then_changed,
+                                kb_min_along_dim_of_a_method_then_changed])
 @pytest.mark.parametrize("mode", ["sequential", "threaded"])
 def test_a_change_of_a_result_its_gradient_does_not_read_is_allowed_as_eager_allows_it(fn, mode):
     """(Was known: square, abs, erf need their inputs for their gradients, not their results, but their
     rules counted as reading their results, and the backward refused a later change of the result; dot and mv
-    hand their work to matmul's rule, which reads no result, and counted as reading it.)"""
+    hand their work to matmul's rule, which reads no result, and counted as reading it; ``torch.max(v, 0)``
+    reads the indices it found, not v, and counted as reading v.)"""
     x = _leaf([0.3, -0.7, 1.5])
     want = _grads(fn, x)
     got = _grads(recompile.function(fn, mode=mode), x)
     assert torch.allclose(got[0], want[0]) and torch.allclose(got[1][0], want[1][0]), (got, want)
 
 
-@pytest.mark.parametrize("fn", [kb_max_along_dim_then_changed])
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "known: KNOWN_REFUSALS['in_place_after_read']: sequential mode refuses (RuntimeError in the backward) to change "
-    "in place a tensor whose gradient torch does not need: the indices of torch.max(v, dim=0) are all its "
-    "gradient reads"))
-def test_known_change_that_eager_allows_is_allowed(fn):
-    x = _leaf([0.3, -0.7, 1.5])
-    want = _grads(fn, x)
-    got = _grads(recompile.function(fn, mode="sequential"), x)
-    assert torch.allclose(got[0], want[0]) and torch.allclose(got[1][0], want[1][0]), (got, want)
 
 
 def kb_square_in_place(x):

@@ -29,7 +29,7 @@ from ..errors import GradFallbackWarning
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN
 from .factors import DEFERRED, form
-from .rules import ITEM_READS, Rule, lookup, seen
+from .rules import ALONG_A_DIM, ITEM_READS, Rule, lookup, seen
 
 _Tensor = torch.Tensor
 
@@ -587,12 +587,22 @@ def check_version(ctx, out, t, expected, where, how, is_result, *args):
         return  # (torch.where(c, x, y) with x changed: only c's value is read)
     if not is_result and how.vjp in ITEM_READS and args and not isinstance(args[0], _Tensor):
         return  # (a list's item by a tensor index: the item is the object itself, no index is read)
+    if not is_result and how.vjp in ALONG_A_DIM and _along_a_dim(args, kwargs):
+        return  # (torch.max(v, 0): its gradient reads the indices it found, not v)
     mine = [k for k, a in enumerate(args) if a is t]  # (t read only for the other arguments' gradients: not its own)
     spare = t if not is_result and how.read_for_others and not kwargs and len(mine) == 1 and \
         mine[0] in how.read_for_others else None
     ctx.refuse(out, RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
         f"a tensor of shape {tuple(t.shape)} used at {where} was changed in place afterwards"), spare)
+
+
+def _along_a_dim(args, kwargs):
+    """Whether ``torch.max`` / ``torch.min`` (a method's receiver first) was given an int dim and no other
+    tensor: values and indices along it."""
+    kwargs = dict(kwargs)
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis"))
+    return type(dim) is int and "other" not in kwargs
 
 
 def _read_only(rule, args, kwargs):

@@ -1109,6 +1109,8 @@ READ_FOR_OTHERS = {_mul: (0, 1), _div: (0,)}  # x / y: x is read for y's gradien
 READS_ONLY = {_where: (0,), _where_method: (1,), _getitem: (1,)}
 # vjps that read nothing where their first argument is no tensor (a list's item is the object itself)
 ITEM_READS = frozenset({_getitem})
+# vjps that read no value of their input along a dim (``torch.max(v, 0)``: the indices of their result alone)
+ALONG_A_DIM = frozenset({_max, _min})
 for _table in (GRAD.by_callable, GRAD.by_method, GRAD.by_module):
     for _r in _table.values():
         _r.reads_inputs = _r.vjp not in SHAPE_ONLY
