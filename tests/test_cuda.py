@@ -1,10 +1,10 @@
 """The batched paths on a CUDA device give what eager PyTorch gives on the CPU (float64: values and parameter
 gradients): every Tree-LSTM, RNTN and module-cell spelling of the idiom benchmark, every sentence model of the
 sequence benchmark (the packed-RNN path among them) and the top-down model, each with no per-instance op, and
-the Tree-RNN example trained in each mode, the programs that change values in place, and a few ops with rules of
+the Tree-RNN example trained in each mode, the programs that change values in place, a few ops with rules of
 their own (in-place index ops under vmap, a write at each instance's own index, attention over each instance's
-sequence). Skipped without a CUDA device (CI has none); the threaded runtime's
-own CUDA tests are in test_threaded.py."""
+sequence), and a backward that reads saved values some instances changed in place (runtime/saved_versions.py).
+Skipped without a CUDA device (CI has none); the threaded runtime's own CUDA tests are in test_threaded.py."""
 
 import os
 import sys
@@ -20,6 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 import bench_idioms  # noqa: E402
 import bench_in_place  # noqa: E402
+import test_saved_versions as saved  # noqa: E402
 import bench_sequences  # noqa: E402
 from bench_batching import eager_twin, gradients, on_cpu  # noqa: E402
 from tree_rnn import TreeRNN  # noqa: E402
@@ -130,3 +131,19 @@ def test_ops_with_rules_of_their_own_on_cuda_equal_eager_on_cpu(fn, monkeypatch)
         torch.testing.assert_close(torch.autograd.grad(got.square().sum(), xb)[0].cpu(), want_grad)
     finally:
         ATTEND.cpu()
+
+
+@pytest.mark.parametrize("fn", [saved.tanh_changed_where_unread, saved.exp_changed_in_a_loop_where_unread])
+def test_a_change_by_some_instances_of_what_an_op_saved_keeps_eagers_gradient_on_cuda(fn):
+    x = saved.X.clone().requires_grad_()
+    want = torch.autograd.grad(saved.eager_loop(fn, x, saved.S).square().sum(), x)[0]
+    xc = saved.X.cuda().requires_grad_()
+    got = recompile.vmap(recompile.function(fn))(xc, saved.S.cuda())
+    torch.testing.assert_close(torch.autograd.grad(got.square().sum(), xc)[0].cpu(), want)
+
+
+def test_a_change_of_what_an_instance_needs_is_refused_on_cuda():
+    xc = saved.X.cuda().requires_grad_()
+    got = recompile.vmap(recompile.function(saved.tanh_changed_then_read))(xc, saved.S.cuda())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        got.sum().backward()
