@@ -187,7 +187,7 @@ def _refuse_where_written_rows_need_it(node, saved, version, now, rows):
     apart, so a gradient in a written instance's row is that instance's: its backward needs what its op saved,
     which eager refuses. A node of the batch's graph may run with a gradient of zeros where eager's would not
     run (the rows of a join whose instances all went elsewhere); so may a written instance whose gradient is
-    zero there, which eager refuses: it gets the gradient of what was computed (docs/gradients.md)."""
+    zero there, which eager refuses: it gets the gradient of what was computed (docs/batching.md, Limits)."""
     if rows is REFUSED:
         raise _changed(saved, version, now)
 
@@ -281,7 +281,8 @@ class writing:
         if ledger is not None:
             address = target.untyped_storage().data_ptr()
             if address in ledger.saved:  # (no op saved a tensor of this storage yet: none needs the note)
-                self.write = _Write(target, index, keeps_values, instances, program)
+                # (what a program's op overwrote is never read back: a saved tensor it reached is refused)
+                self.write = _Write(target, index, keeps_values or program, instances, program)
                 ledger.writes.setdefault(address, []).append(self.write)
 
     def __enter__(self):
