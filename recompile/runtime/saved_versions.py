@@ -19,12 +19,13 @@ backward may need what its op saved, as eager's refuses.
 
 An op of the program that changes a batch's tensor in place is noted too (``program``: a later runtime write
 still follows it), and keeps torch's check where it reaches the saved tensor: the node raises when it runs.
-The batch's graph can run a node with a gradient of zeros in a written instance's row where eager's never runs
-it (the rows of a join whose instances went elsewhere), or where eager's runs it with those zeros and refuses;
-the two cannot be told apart, and eager's refusal of a change the program made is kept. For the runtime's own
-writes, whose false refusals were the common ones, the gradient decides: where it is zero, the run computes
-(the gradient of what was computed) where eager may refuse. A run of one instance (``alone``: its graph is
-eager's) raises wherever eager's does.
+So does a node that saved one instance's tensor, or a tensor every instance of which was written: it runs for a
+written instance. The batch's graph can run such a node with a gradient of zeros where eager's never runs it
+(the rows of a join whose instances went elsewhere), or where eager's runs it with those zeros and refuses; the
+two cannot be told apart, and eager's refusal is kept. Where only some of the node's instances were written (a
+branch's copy back, a request's rows given back), the gradient decides: where it is zero in the written rows,
+the run computes (the gradient of what was computed) where eager may refuse. A run of one instance (``alone``:
+its graph is eager's) raises wherever eager's does.
 
 Not installed where gradients are off, where the program changes nothing in place, inside torch.func's
 transforms (which refuse saved-tensor hooks) or under the caller's own hooks (one pair is active at a time):
@@ -134,9 +135,10 @@ class Ledger:
             return saved
         node = torch._C._current_autograd_node()
         if node is not None:  # (None: read outside a backward, ``grad_fn._saved_self``)
-            if self.alone or any(w.program for w, _ in masks):
+            rows = None if self.alone or any(w.program for w, _ in masks) else _rows_written(saved, masks)
+            if rows is None:  # (the node is a written instance's own, as eager's: running it is the refusal)
                 raise _changed(saved, version, now)
-            _refuse_where_written_rows_need_it(node, saved, version, now, _rows_written(saved, masks))
+            _refuse_where_written_rows_need_it(node, saved, version, now, rows)
         restoring = [w for w, _ in masks if w.old is not None]
         return _as_saved(saved, restoring) if restoring else saved
 
@@ -154,11 +156,11 @@ class Ledger:
 
 def _rows_written(saved, masks):
     """Where in ``saved`` the written instances are: (the dim of ``saved`` that runs over instances, the
-    positions along it that the writes wrote); None where ``saved`` is one instance's (a row, an op run per
-    instance), and so is the node that saved it; ``REFUSED`` where the instances lie along several of its dims.
-    The instances are read from the storage: each write that wrote instances' rows (dim 0 of its target)
-    numbers the elements it reaches by their row. (Where every instance was written, the node may still run with
-    a gradient of zeros where eager's does not run: the rows of a join whose instances went elsewhere.)"""
+    positions along it that the writes wrote), where only some of its instances were written; None where
+    ``saved`` is one instance's (a row, an op run per instance) or every instance of it was written: the node
+    that saved it runs for a written instance, and running it is eager's refusal (also where the instances lie
+    along several of its dims). The instances are read from the storage: each write that wrote instances' rows
+    (dim 0 of its target) numbers the elements it reaches by their row."""
     laid = next((w for w, _ in masks if w.instances), None)
     if laid is None or saved.dim() == 0:
         return None
@@ -169,41 +171,33 @@ def _rows_written(saved, masks):
     ids = ids.as_strided(saved.size(), saved.stride(), saved.storage_offset())
     varying = [d for d in range(saved.dim()) if saved.shape[d] > 1 and bool((ids.narrow(d, 0, 1) != ids).any())]
     if len(varying) != 1:
-        return None if not varying else REFUSED
+        return None
     dim = varying[0]
     written = masks[0][1]
     for _, m in masks[1:]:
         written = written | m
-    return dim, written.movedim(dim, 0).reshape(saved.shape[dim], -1).any(1).nonzero().squeeze(1)
-
-
-REFUSED = object()
+    rows = written.movedim(dim, 0).reshape(saved.shape[dim], -1).any(1)
+    return None if bool(rows.all()) else (dim, rows.nonzero().squeeze(1))  # (every instance of it written)
 
 
 def _refuse_where_written_rows_need_it(node, saved, version, now, rows):
     """After ``node`` (running in a backward, reading ``saved``) computed its gradients: raise torch's error
     where one of them is not zero in a written instance's row (``rows``: the dim of the instances, the written
-    positions along it; None: anywhere, ``node`` being one instance's). The batch's ops keep each instance
-    apart, so a gradient in a written instance's row is that instance's: its backward needs what its op saved,
-    which eager refuses. A node of the batch's graph may run with a gradient of zeros where eager's would not
-    run (the rows of a join whose instances all went elsewhere); so may a written instance whose gradient is
-    zero there, which eager refuses: it gets the gradient of what was computed (docs/batching.md, Limits)."""
-    if rows is REFUSED:
-        raise _changed(saved, version, now)
+    positions along it), or where one with no row per instance (a shared weight's) is not zero. The batch's ops
+    keep each instance apart, so a gradient in a written instance's row is that instance's: its backward needs
+    what its op saved, which eager refuses. A node of the batch's graph may run with a gradient of zeros where
+    eager's would not run (the rows of a join whose instances all went elsewhere); so may a written instance
+    whose gradient is zero there, which eager refuses: it gets the gradient of what was computed
+    (docs/batching.md, Limits)."""
+    dim, at = rows
 
     def check(grad_inputs, grad_outputs):
-        if rows is None:
-            needed = any(g is not None and bool(g.ne(0).any()) for g in grad_inputs)
-        else:
-            dim, at = rows
-            aligned, shared = [], []
-            for g in grad_inputs:  # (a reduction's input has more dims)
-                if g is not None:
-                    (aligned if g.dim() > dim and g.shape[dim] == saved.shape[dim] else shared).append(g)
-            # (a gradient with no row per instance, a shared weight's, may have read a written row: refused)
-            needed = not aligned or any(bool(g.ne(0).any()) for g in shared) or any(
-                bool(g.index_select(dim, at.to(g.device)).ne(0).any()) for g in aligned)
-        if needed:
+        aligned, shared = [], []
+        for g in grad_inputs:  # (a reduction's input has more dims)
+            if g is not None:
+                (aligned if g.dim() > dim and g.shape[dim] == saved.shape[dim] else shared).append(g)
+        if not aligned or any(bool(g.ne(0).any()) for g in shared) or any(
+                bool(g.index_select(dim, at.to(g.device)).ne(0).any()) for g in aligned):
             raise _changed(saved, version, now)
 
     node.register_hook(check)
