@@ -38,11 +38,11 @@ def _metadata():
                                 ("module", grad_rules.GRAD.by_module)) for k, r in table.items()}
 
 
-def _metadata_of(vjps, reads_inputs, skip=(), reads_out=None):
+def _metadata_of(vjps, reads_inputs, skip=(), reads_out=None, others=None):
     """The rule_metadata entries of the rules of ``vjps`` (not of those filed under ``skip``), as they read with
-    ``reads_inputs`` (and ``reads_out``, where given)."""
+    ``reads_inputs`` (and ``reads_out`` and ``others`` as read_for_others, where given)."""
     return set(listing({f"{describe(k)} {kind}": (r.reads_out if reads_out is None else reads_out, reads_inputs,
-                                                  tuple(r.read_for_others))
+                                                  tuple(r.read_for_others) if others is None else others)
                         for kind, table in (("function", grad_rules.GRAD.by_callable),
                                             ("method", grad_rules.GRAD.by_method),
                                             ("module", grad_rules.GRAD.by_module))
@@ -181,6 +181,8 @@ _RESULT_READERS = {grad_rules.GRAD.by_callable[f].vjp for f in (
 
 _VIEWS_MOVING_DIMS = {grad_rules._t, grad_rules._swapaxes, grad_rules._movedim, grad_rules._getattr}
 
+# a product's factors, each read for the other's gradient alone
+_PRODUCTS = {grad_rules._matmul, grad_rules._outer, grad_rules._linear}
 # rules that hand their work to another that reads no result (``dot`` to ``matmul``'s): they read none either
 _PASSING = {grad_rules._rmatmul, grad_rules._mm, grad_rules._mv, grad_rules._dot, grad_rules._rsub,
             grad_rules._relu6, grad_rules._clamp_min, grad_rules._clamp_max, grad_rules._where_method,
@@ -325,13 +327,14 @@ GROWN = {
                                  | _metadata_of({grad_rules._getitem}, True)
                                  # (the unary ops whose gradient reads their input alone do not read their result)
                                  | _metadata_of(_INPUT_READERS, True, skip=_OUT_OF_PLACE, reads_out=False)
-                                 | _metadata_of(_PASSING, True, reads_out=False),
+                                 | _metadata_of(_PASSING, True, reads_out=False) | _metadata_of(_PRODUCTS, True),
                                  _metadata_of(_INPUT_READERS, True, skip=_OUT_OF_PLACE, reads_out=True)
                                  | _metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS - {grad_rules._swapaxes}
                                                 | {grad_rules._detach}, True,
                                                 skip=_OUT_OF_PLACE)  # (new: not in the snapshot)
                                  | _metadata_of({grad_rules._swapaxes}, True, reads_out=True)
-                                 | _metadata_of(_PASSING, True, reads_out=True)
+                                 | _metadata_of(_PASSING, True, reads_out=True, others=())
+                                 | _metadata_of(_PRODUCTS, True, others=())
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: ())
                                  | _metadata_of({grad_rules._getitem}, False)),
     # ``type(x)`` of a shared x is read once for every instance (the class is the same object)
@@ -359,6 +362,10 @@ GROWN = {
                                   # torch.logsumexp(x, 0), torch.sum(x, dims): along dims moved past the instance's
                                   *((f, segments._along_dims_form) for f in segments._ALONG_DIMS)]),
                         set()),
+    # a product's factors are each read for the other's gradient alone
+    "grad_rules.READ_FOR_OTHERS": (_entries((vjp, (0, 1)) for vjp in (
+        grad_rules._matmul, grad_rules._rmatmul, grad_rules._mm, grad_rules._mv, grad_rules._dot, grad_rules._outer,
+        grad_rules._linear)), set()),
 }
 
 

@@ -1486,6 +1486,16 @@ def kb_mv_then_changed(x):
     return v
 
 
+def kb_dot_with_a_constant_then_its_input_changed(x):
+    v = x * 1.0
+    s = torch.dot(v, TIE_) + torch.mv(torch.outer(TIE_, TIE_), v).sum()  # (v read for the constant's gradient)
+    v += 1.0
+    return s * v
+
+
+TIE_ = torch.tensor([1.0, 3.0, 3.0], dtype=torch.float64)
+
+
 def kb_min_along_dim_of_a_method_then_changed(x):
     v = torch.stack([x, x * 2.0])
     m = v.min(1).values
@@ -1495,13 +1505,15 @@ def kb_min_along_dim_of_a_method_then_changed(x):
 
 @pytest.mark.parametrize("fn", [kb_square_then_changed, kb_abs_then_changed, kb_erf_then_changed,
                                 kb_dot_then_changed, kb_mv_then_changed, kb_max_along_dim_then_changed,
-                                kb_min_along_dim_of_a_method_then_changed])
+                                kb_min_along_dim_of_a_method_then_changed,
+                                kb_dot_with_a_constant_then_its_input_changed])
 @pytest.mark.parametrize("mode", ["sequential", "threaded"])
 def test_a_change_of_a_result_its_gradient_does_not_read_is_allowed_as_eager_allows_it(fn, mode):
     """(Was known: square, abs, erf need their inputs for their gradients, not their results, but their
     rules counted as reading their results, and the backward refused a later change of the result; dot and mv
     hand their work to matmul's rule, which reads no result, and counted as reading it; ``torch.max(v, 0)``
-    reads the indices it found, not v, and counted as reading v.)"""
+    reads the indices it found, not v, and counted as reading v; a product reads each factor for the other's
+    gradient alone, and a constant needs none.)"""
     x = _leaf([0.3, -0.7, 1.5])
     want = _grads(fn, x)
     got = _grads(recompile.function(fn, mode=mode), x)

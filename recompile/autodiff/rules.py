@@ -1104,6 +1104,9 @@ SHAPE_ONLY.update({_add, _add_fresh, _sub, _neg, _pos, _sum, _mean, _cat, _stack
                    _rows, _softmax, _log_softmax, _detach})
 # (the positions of a function's arguments; a method's receiver comes first, as backprop.check_version gives it)
 READ_FOR_OTHERS = {_mul: (0, 1), _div: (0,)}  # x / y: x is read for y's gradient only; y for both
+# a product's factors, each read for the other's gradient alone (``torch.dot(v, c)`` with a constant c: v may
+# change afterwards, as eager's dot saves v only where c needs a gradient)
+READ_FOR_OTHERS.update(dict.fromkeys((_matmul, _rmatmul, _mm, _mv, _dot, _outer, _linear), (0, 1)))
 # torch.where(c, x, y) reads c, and only the shapes of x and y; x[i] reads i (where the cotangent goes: an index
 # tensor changed in place afterwards would send it elsewhere), and only x's shape
 READS_ONLY = {_where: (0,), _where_method: (1,), _getitem: (1,)}
