@@ -67,22 +67,30 @@ def _name(fn):
 
 def call(n, fn, args, kwargs=None):
     """``fn(*args, **kwargs)`` for n instances."""
-    if saved_versions.watched() and (_changes_in_place(fn) or facts.asks_in_place(fn, args, kwargs)):
-        target = _in_place_target(fn, args)
-        rows = n > 1 and type(target) is Batch
-        target = target.tensor if type(target) is Batch and target.owner == "tensor" else target
-        if type(target) in PLAIN_TENSORS:  # (the op's change, noted: saved_versions)
-            with saved_versions.writing(target, instances=rows, program=True):
-                out = _call(n, fn, args, kwargs)
-        else:
-            out = _call(n, fn, args, kwargs)
-    else:
+    noted = _noted_change(n, fn, args, kwargs) if saved_versions.watched() else None
+    if noted is None:
         out = _call(n, fn, args, kwargs)
+    else:
+        with noted:
+            out = _call(n, fn, args, kwargs)
     if (bt.CACHES or bt.MADE_FROM) and (_changes_in_place(fn) or facts.asks_in_place(fn, args, kwargs)):
         # (a change through a view of a value joined from pieces, or of a value copies were made from where eager
         # makes views: see bt.CACHES, bt.MADE_FROM)
         bt.after_in_place(_in_place_target(fn, args))
     return out
+
+
+def _noted_change(n, fn, args, kwargs):
+    """The note of in-place op ``fn``'s change of its target's tensor in the run's ledger (saved_versions), or
+    None for an op that changes nothing in place or no tensor of its own."""
+    if not (_changes_in_place(fn) or facts.asks_in_place(fn, args, kwargs)):
+        return None
+    target = _in_place_target(fn, args)
+    rows = n > 1 and type(target) is Batch
+    target = target.tensor if type(target) is Batch and target.owner == "tensor" else target
+    if type(target) not in PLAIN_TENSORS:
+        return None
+    return saved_versions.writing(target, instances=rows, program=True)
 
 
 def _in_place_target(fn, args):
@@ -865,8 +873,10 @@ def _in_storages(storages, values):
     for v in values:
         parts = (v.tensor,) + tuple(v.items or ()) if type(v) is Batch else (v,)
         for p in parts:
-            if type(p) is torch.Tensor and (_storage_of(p) in storages or _storage_of(p) is None):
-                return True
+            if type(p) is torch.Tensor:
+                address = _storage_of(p)
+                if address is None or address in storages:
+                    return True
     return False
 
 
