@@ -1004,6 +1004,31 @@ def test_python_numbers_that_are_not_one_element_each_or_fail_run_as_each_instan
     reset_counters()
 
 
+def exp_of_a_copy(x, w):
+    v = w.t().clone()  # (each instance's own tensor, held apart: the function changes a shared value's copy)
+    torch.exp_(v)
+    return v.max(1)[0] + x
+
+
+def sin_of_a_copy(x, w):
+    v = w.t().clone()
+    torch.sin_(v)
+    return v.max(1)[0] + x
+
+
+@pytest.mark.parametrize("fn", [exp_of_a_copy, sin_of_a_copy])
+def test_torch_function_form_of_an_in_place_method_changes_each_instances_own_tensor(fn):
+    """``torch.exp_(v)`` of tensors the batch holds apart ran under vmap on their stack, a copy: the instances'
+    tensors were left as they were (a wrong value). It is ``v.exp_()``."""
+    x = torch.tensor([[1.0, 2.0, 0.5], [-1.0, -2.0, 0.5], [0.3, 0.1, 0.2]], dtype=F64)
+    w = torch.tensor([[0.5, -1.0, 2.0], [1.0, 0.0, -0.5], [0.2, 0.3, 0.4]], dtype=F64)
+    want = torch.stack([fn(x[k], w) for k in range(3)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+        got = recompile.vmap(recompile.function(fn), in_dims=(0, None))(x, w)
+    torch.testing.assert_close(got, want)
+
+
 def extremes_of_scores(x, y):
     a, b = x.sum(), y.sum()
     return max(a, b) * 2.0 + min(a, b, torch.tensor(0.5, dtype=x.dtype)) + max([x[0], y[0], x[1]]) * 3.0

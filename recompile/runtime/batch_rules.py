@@ -573,6 +573,9 @@ def _run_helper(n, fn, args, kwargs):
 
 
 def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
+    if method is None and args and type(args[0]) is Batch and _in_place_function(fn):
+        # (``torch.exp_(v)`` is ``v.exp_()``: vmap would change a stack of the instances' tensors, not theirs)
+        return call(n, Batch(n, method=(args[0], fn.__name__)), args[1:], kwargs)
     bound = tensor_method(fn) if method is None else None  # (``base.scatter_add``: a shared tensor's method)
     torch_op = method is not None or bound is not None or torch_callable(fn)
     if torch_op:  # (a torch op neither keeps nor changes a list it is given: one may do)
@@ -600,6 +603,13 @@ def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
         if out is not NotImplemented:
             return out
     return per_instance(n, fn, args, kwargs)
+
+
+def _in_place_function(fn):
+    """Whether ``fn`` is torch's function form of an in-place Tensor method (``torch.exp_``, ``torch.sin_``)."""
+    name = getattr(fn, "__name__", None)
+    return type(name) is str and name.endswith("_") and getattr(torch, name, None) is fn \
+        and hasattr(torch.Tensor, name)
 
 
 def _vmapped(n, fn, args, kwargs, method):
