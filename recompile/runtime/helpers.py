@@ -133,10 +133,16 @@ def _kind_for(func, found, owner):
 def changes_something(fn, owner=None):
     """Whether calling ``fn`` may change something in place, as its program shows (``passes.effects``): one of
     the user's own functions (``user_function``; a method's plain function read from class ``owner``, or a
-    bound method) that this compiles. False where it is none (nothing is known of it then: a call it makes
-    with a value computed once for every instance gets a copy, ``sharing.call_owning``)."""
+    bound method) that this compiles; True for a lambda or closure of the user's (not examined). False where
+    it is none of these (nothing is known of it then: a call it makes with a value computed once for every
+    instance gets a copy, ``sharing.call_owning``)."""
     func = user_function(fn)
-    if func is None or compiler is None:
+    if func is None:
+        plain = fn.__func__ if type(fn) is types.MethodType else fn
+        # (a lambda or closure of the user's, whose program is not examined: it may change what it is given, and
+        # a copy of a value computed once would lose the change; each instance then computes its own)
+        return type(plain) is types.FunctionType and "<" in plain.__qualname__ and _is_users(plain)
+    if compiler is None:
         return False
     if type(fn) is types.MethodType:
         owner = type(fn.__self__)
