@@ -1016,10 +1016,8 @@ def sin_of_a_copy(x, w):
     return v.max(1)[0] + x
 
 
-@pytest.mark.parametrize("fn", [exp_of_a_copy, sin_of_a_copy])
-def test_torch_function_form_of_an_in_place_method_changes_each_instances_own_tensor(fn):
-    """``torch.exp_(v)`` of tensors the batch holds apart ran under vmap on their stack, a copy: the instances'
-    tensors were left as they were (a wrong value). It is ``v.exp_()``."""
+def changes_each_instances_copy_as_eager(fn):
+    """``fn(x, w)`` under vmap over x, w shared, against the eager loop."""
     x = torch.tensor([[1.0, 2.0, 0.5], [-1.0, -2.0, 0.5], [0.3, 0.1, 0.2]], dtype=F64)
     w = torch.tensor([[0.5, -1.0, 2.0], [1.0, 0.0, -0.5], [0.2, 0.3, 0.4]], dtype=F64)
     want = torch.stack([fn(x[k], w) for k in range(3)])
@@ -1027,6 +1025,13 @@ def test_torch_function_form_of_an_in_place_method_changes_each_instances_own_te
         warnings.simplefilter("ignore", recompile.PerInstanceWarning)
         got = recompile.vmap(recompile.function(fn), in_dims=(0, None))(x, w)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("fn", [exp_of_a_copy, sin_of_a_copy])
+def test_torch_function_form_of_an_in_place_method_changes_each_instances_own_tensor(fn):
+    """``torch.exp_(v)`` of tensors the batch holds apart ran under vmap on their stack, a copy: the instances'
+    tensors were left as they were (a wrong value). It is ``v.exp_()``."""
+    changes_each_instances_copy_as_eager(fn)
 
 
 double_in_place = lambda v: v.mul_(2.0)  # noqa: E731  (a helper written as a lambda, changing its argument)
@@ -1042,13 +1047,7 @@ def test_a_lambda_changing_its_argument_in_place_changes_each_instances_tensor()
     """(Was a wrong value: a lambda's program is not examined, so the run took the function to change nothing,
     shared the clone of w computed once, and gave each instance's call a copy of it, whose change was lost. A
     lambda or closure of the user's now counts as one that may change what it is given.)"""
-    x = torch.tensor([[1.0, 2.0, 0.5], [-1.0, -2.0, 0.5], [0.3, 0.1, 0.2]], dtype=F64)
-    w = torch.tensor([[0.5, -1.0, 2.0], [1.0, 0.0, -0.5], [0.2, 0.3, 0.4]], dtype=F64)
-    want = torch.stack([doubled_by_a_lambda(x[k], w) for k in range(3)])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", recompile.PerInstanceWarning)
-        got = recompile.vmap(recompile.function(doubled_by_a_lambda), in_dims=(0, None))(x, w)
-    torch.testing.assert_close(got, want)
+    changes_each_instances_copy_as_eager(doubled_by_a_lambda)
 
 
 def extremes_of_scores(x, y):
