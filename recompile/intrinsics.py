@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import operator
+import sys
 import types
 
 import torch
@@ -264,6 +265,27 @@ def read_global(namespace, name):
         return getattr(builtins, name)
     except AttributeError:
         raise NameError(f"name '{name}' is not defined") from None
+
+
+def import_module(namespace, name, level, fromlist):
+    """An ``import`` statement's module: Python's ``__import__`` from the function's own module (its package
+    for a relative import), the top package of ``import a.b``, the module itself for ``from a.b import x``."""
+    return builtins.__import__(name, namespace, None, fromlist, level)
+
+
+def import_from(module, name):
+    """``from module import name`` (and ``import a.b as c``'s step to b): the attribute, else the submodule of
+    that name, else Python's ImportError."""
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        pass
+    package = getattr(module, "__name__", "<unknown module name>")
+    if f"{package}.{name}" in sys.modules:
+        return sys.modules[f"{package}.{name}"]
+    path = getattr(module, "__file__", None)
+    raise ImportError(f"cannot import name {name!r} from {package!r} ({path or 'unknown location'})", name=package,
+                      path=path)
 
 
 def read_cell(cell, name):

@@ -212,6 +212,7 @@ _CELLS = (nn.RNNCell, nn.LSTMCell, nn.GRUCell)  # a batch of rows for the cell (
 _LAYERS = (nn.RNN, nn.LSTM, nn.GRU)  # every instance's sequences one batch for the module (batch_rules.recurrent_layer)
 _CLOSURES = (intrinsics.fixed_cell, intrinsics.set_cell, intrinsics.read_local_cell, intrinsics.delete_cell,
              intrinsics.make_function)
+_IMPORTS = (intrinsics.import_module, intrinsics.import_from)  # (an import statement, made assignments)
 GROWN = {
     # a deferred call's result may flow into a dict display the function returns (``{"h": h, "loss": ...}``)
     "batching.LAZY_FLOW": (_names(intrinsics.build_dict), set()),
@@ -338,15 +339,17 @@ GROWN = {
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: ())
                                  | _metadata_of({grad_rules._getitem}, False)),
     # ``type(x)`` of a shared x is read once for every instance (the class is the same object)
+    # (an import statement's module and names, read once for every instance too)
     "batch_rules._SHAREABLE": (_names(type, intrinsics.fixed_cell, intrinsics.make_function, intrinsics.builtin_read,
-                                      operator.index), set()),
+                                      operator.index, intrinsics.import_module, intrinsics.import_from), set()),
     # what a nested function, lambda or generator expression needs: cells, writes of globals
     "effects.MUTATING_CALLS": (_names(intrinsics.set_cell, intrinsics.delete_cell, intrinsics.write_global,
                                       intrinsics.delete_global), set()),
     "grad.NO_GRADIENT": (_names(*_CLOSURES, intrinsics.new_cell, intrinsics.write_global, intrinsics.delete_global,
-                                intrinsics.builtin_read, operator.index), set()),
+                                intrinsics.builtin_read, operator.index, *_IMPORTS), set()),
     "backprop._NO_GRADIENT": (_names(*_CLOSURES, intrinsics.new_cell, intrinsics.write_global,
-                                     intrinsics.delete_global, intrinsics.builtin_read, operator.index), set()),
+                                     intrinsics.delete_global, intrinsics.builtin_read, operator.index, *_IMPORTS),
+                              set()),
     # chunk, split and unbind of a batched tensor traced into a tuple of batched tensors
     "segments._METHODS": ({"'chunk' -> (1, False)", "'split' -> (1, False)", "'unbind' -> (0, False)"}, set()),
     "segments._FORMS": (_entries([*((f, segments._elementwise_form) for f in _ADDCMUL + _BITWISE),

@@ -37,6 +37,7 @@ import contextlib
 import functools
 import inspect
 import os
+import re
 import subprocess
 import sys
 
@@ -1740,7 +1741,8 @@ def test_dump_grad_stage_has_forward_and_gradient_subgraphs():
     f = compiled_for(prog)[prog.name]
     with installed({"tree_encode": f}):
         text = f.dump(stage="grad")
-    assert "tree_encode:fwd" in text and "tree_encode:bwd" in text, text
+    # (``tree_encode#5``: a function of that name compiled earlier in the process, by another test file)
+    assert re.search(r"tree_encode(#\d+)?:fwd", text) and re.search(r"tree_encode(#\d+)?:bwd", text), text
     method_text = TreeLSTM.encode.dump(stage="grad")
     name = TreeLSTM.encode.ir_name  # "TreeLSTM.encode", or "TreeLSTM.encode#2" beside another such method
     assert f"{name}:fwd" in method_text and f"{name}:bwd" in method_text

@@ -932,6 +932,58 @@ def test_class_and_import_statements_and_cells_between_compiled_calls():
     check(cell_read_between_compiled_calls, (0,), rec=("compiled_identity",))
 
 
+def imports_every_form(x):
+    import os.path
+    import os.path as osp
+    import collections.abc as cabc
+    from os import path as p, sep
+    from importlib import util  # (a submodule, found among the package's attributes or imported)
+    return (os.path.basename("a/b"), osp is os.path, p is os.path, sep, cabc.Mapping.__name__,
+            util.__name__, x * 2)
+
+
+def imports_a_missing_name(x):
+    from math import no_such_name  # noqa: F401
+    return x
+
+
+def imports_a_missing_module(x):
+    import no_such_module_of_recompiles  # noqa: F401
+    return x
+
+
+def imports_relatively(x):
+    from . import anything  # noqa: F401 - tests/ is no package: Python's ImportError
+    return x
+
+
+def imports_in_one_branch(x, k):
+    if k > 0:
+        import math as m
+    else:
+        m = None
+    return x * (m.pi if m is not None else 1.0)
+
+
+def test_import_statements_bind_what_python_binds_and_raise_its_errors():
+    check(imports_every_form, (3,))
+    check(imports_a_missing_name, (1,))
+    check(imports_a_missing_module, (1,))
+    check(imports_relatively, (1,))
+    check(imports_in_one_branch, (2.0, 1), (2.0, 0))
+
+
+def scaled_by_an_imported_constant(x):
+    import math
+    from torch.nn import functional as fn
+    return fn.relu(x) * math.sqrt(2.0)
+
+
+def test_an_import_statement_runs_once_for_a_batch():
+    # (it reads nothing of an instance's: the module and its names are shared, as a global's read is)
+    check_vmap(scaled_by_an_imported_constant, (0,), torch.randn(5, 3, dtype=torch.float64))
+
+
 def test_instances_dump_marks_a_statement_run_as_python_per_instance():
     text = recompile.function(with_no_grad_part).dump(instances=())
     (cell,) = [line for line in text.splitlines() if "new_cell()" in line]

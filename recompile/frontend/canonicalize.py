@@ -10,7 +10,8 @@ AST -> AST, before conversion to the IR:
   enumerate(xs)`` the same loop over xs, i its index, ``for x, y in zip(xs, ys)`` one over xs and ys, and
   ``for t in reversed(range(a, b))`` a counter from b - 1 down to a.
 - ``assert`` becomes ``if not test: raise AssertionError(msg)``.
-- ``with``, ``try``, ``match``, ``class`` and ``import`` become a call of a nested function holding the statement
+- ``import`` becomes assignments of what Python's import gives (``intrinsics.import_module``, ``import_from``).
+- ``with``, ``try``, ``match`` and ``class`` become a call of a nested function holding the statement
   (``python_blocks``), then a return, break or continue where it says so.
 
 Flag assignments that stand for a jump carry ``_jump = True`` so the converter
@@ -33,6 +34,9 @@ HAS_INDEX = ".has_index"
 BUILTIN_READ = ".builtin_read"
 INDEX = ".index"
 ASSERTION_ERROR = ".AssertionError"
+IMPORT = ".import"
+IMPORT_FROM = ".import_from"
+GLOBALS = ".globals"  # (the function's own module's globals: a relative import's package)
 
 
 def located(new, old):
@@ -59,6 +63,10 @@ def const(value, at=None):
 
 def assign(ident, value, at):
     return located(gast.Assign(targets=[name(ident, True, at)], value=value, type_comment=None), at)
+
+
+def _call(ident, args, at):
+    return located(gast.Call(func=name(ident, at=at), args=args, keywords=[]), at)
 
 
 def not_(expr, at):
@@ -218,7 +226,35 @@ class Canonicalizer:
         helper, calls = python_blocks.lower(s, self.counter, self.declared, self.first_param, located)
         return [helper] + self.block(calls)
 
-    stmt_Try = stmt_TryStar = stmt_Match = stmt_ClassDef = stmt_Import = stmt_ImportFrom = stmt_With
+    stmt_Try = stmt_TryStar = stmt_Match = stmt_ClassDef = stmt_With
+
+    def stmt_Import(self, s):
+        """``import a.b`` binds ``a``, ``import a.b as c`` the module ``a.b``: assignments of what Python's
+        import gives, so that a batch computes them once (they read nothing of an instance's)."""
+        out = []
+        for alias in s.names:
+            value = _call(IMPORT, [name(GLOBALS, at=s), const(alias.name, s), const(0, s), const((), s)], s)
+            if alias.asname is None:
+                out.append(assign(alias.name.partition(".")[0], value, s))
+                continue
+            for part in alias.name.split(".")[1:]:  # (``import a.b as c``: a's attribute b, as Python reads it)
+                value = _call(IMPORT_FROM, [value, const(part, s)], s)
+            out.append(assign(alias.asname, value, s))
+        return out
+
+    def stmt_ImportFrom(self, s):
+        """``from m import x as y``: ``y`` the name ``x`` of the module Python's import gives (relative to the
+        function's own package for ``from . import x``)."""
+        if any(a.name == "*" for a in s.names):
+            return self.stmt_With(s)  # (a SyntaxError in a function: Python's own compile says so)
+        self.counter += 1
+        module = f".module{self.counter}"
+        fromlist = tuple(a.name for a in s.names)
+        out = [assign(module, _call(IMPORT, [name(GLOBALS, at=s), const(s.module or "", s), const(s.level or 0, s),
+                                             const(fromlist, s)], s), s)]
+        out += [assign(a.asname or a.name, _call(IMPORT_FROM, [name(module, at=s), const(a.name, s)], s), s)
+                for a in s.names]
+        return out
 
     def stmt_While(self, s):
         if any(isinstance(n, gast.NamedExpr) for n in gast.walk(s.test)):

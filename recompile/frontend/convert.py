@@ -42,7 +42,8 @@ _SET = ".set"  # (a set comprehension's empty set, whatever the user calls set)
 _LOWERED_BUILTINS = frozenset({"enumerate", "zip", "reversed", "range", *canon.CONSUMERS})
 INTERNAL = {canon.AS_SEQUENCE: intrinsics.as_sequence, canon.HAS_INDEX: intrinsics.has_index,
             canon.BUILTIN_READ: intrinsics.builtin_read, canon.INDEX: operator.index,
-            canon.ASSERTION_ERROR: AssertionError, _SET: set}
+            canon.ASSERTION_ERROR: AssertionError, _SET: set, canon.IMPORT: intrinsics.import_module,
+            canon.IMPORT_FROM: intrinsics.import_from}
 
 
 class Binding:
@@ -190,6 +191,8 @@ class Converter:
     def load(self, ident, node):
         if ident in INTERNAL:
             return ir.Const(INTERNAL[ident])
+        if ident == canon.GLOBALS:
+            return ir.Const(self.p.globals)
         if ident in self.cells:
             return self.call(node, intrinsics.read_local_cell, [self.cells[ident], ir.Const(ident)], hint=ident)
         b = self.env.get(ident)

@@ -63,7 +63,8 @@ def pure(fn):
 SHAREABLE = frozenset({
     getattr, operator.getitem, intrinsics.unpack, intrinsics.build_tuple, intrinsics.check_bound,
     intrinsics.builtin_read, intrinsics.read_global, intrinsics.read_cell, intrinsics.finds_in_class, isinstance,
-    len, type, intrinsics.fixed_cell, intrinsics.make_function, operator.index,
+    len, type, intrinsics.fixed_cell, intrinsics.make_function, operator.index, intrinsics.import_module,
+    intrinsics.import_from,
 })
 
 # Calls that change their arguments in place (``passes.effects``: a compiled call that may run one keeps
@@ -202,7 +203,7 @@ NO_GRADIENT = MOVES | {
     intrinsics.join_str, intrinsics.finds_in_class, intrinsics.not_in, intrinsics.raise_exception,
     intrinsics.read_global, intrinsics.read_cell, intrinsics.new_cell, intrinsics.fixed_cell, intrinsics.set_cell,
     intrinsics.read_local_cell, intrinsics.delete_cell, intrinsics.make_function, intrinsics.write_global,
-    intrinsics.delete_global,
+    intrinsics.delete_global, intrinsics.import_module, intrinsics.import_from,
     *(row.fn for row in syntax.COMPARE), operator.not_, operator.contains, operator.truth,
     print, len, isinstance, issubclass, slice, range, str, repr, format, int, float, bool, id, hash, type,
     callable, hasattr, chr, ord, divmod, round, any, all, operator.index,
