@@ -681,9 +681,88 @@ def test_a_dict_with_shared_keys_is_held_as_its_values_and_vmap_returns_dicts():
     for key in got:
         torch.testing.assert_close(got[key], torch.stack([w[key] for w in want]))
     changed = recompile.function(dict_changed)
-    with switched(config, "allow", "PER_INSTANCE"):
+    with switched(config, "error", "PER_INSTANCE"):  # (a key set: the struct's own change, every instance's)
         got = recompile.vmap(changed, in_dims=(0, 0))(xs, ks)
     torch.testing.assert_close(got, torch.stack([dict_changed(x, k) for x, k in zip(xs, ks)]))
+
+
+@recompile.function
+def scale_its_h(s, v):
+    s["h"] = s["h"] * v
+    return v
+
+
+def dict_set_and_read(x):
+    s = {"h": x, "c": x * 2}
+    s["h"] = s["h"] + s["c"]
+    return s["h"].sum()
+
+
+def dict_set_through_another_name(x):
+    s = {"h": x}
+    t = s
+    t["h"] = x * 3
+    return s["h"].sum()
+
+
+def dict_set_by_a_compiled_callee(x):
+    s = {"h": x, "c": x}
+    scale_its_h(s, 2.0)
+    return s["h"].sum() + s["c"].sum()
+
+
+def dict_set_while_a_list_holds_it(x):
+    s = {"h": x}
+    held = [s]
+    s["h"] = x * 4
+    return held[0]["h"].sum()
+
+
+def dict_given_new_keys(x):
+    s = {1: x}
+    s["new"] = x * 3
+    s[True] = x * 2  # (the key 1's place: Python keeps its first key)
+    s["w"] = 2.0
+    return (s["new"] + s[1]).sum() * s["w"] + len(s)
+
+
+def dict_set_in_a_loop(x):
+    s = {"acc": x * 0, "inner": {"h": x}}
+    for i in range(3):
+        s["acc"] = s["acc"] + x * i
+    s["inner"]["h"] = x * 2
+    return s["acc"].sum() + s["inner"]["h"].sum()
+
+
+def dict_set_after_a_read(x):
+    s = {"h": x}
+    old = s["h"]
+    s["h"] = old * 2
+    return old.sum() + s["h"].sum()
+
+
+def dict_set_in_a_branch_and_copied(x):
+    s = {"h": x}
+    copies = dict(s), s.copy(), {**s}
+    if x.sum() > 0:  # (some instances: each instance's own dict from here on, as its own call changes it)
+        s["h"] = x * 5
+    return s["h"].sum() + sum(c["h"].sum() for c in copies)
+
+
+@pytest.mark.parametrize("fn, per_instance", [
+    (dict_set_and_read, "error"), (dict_set_through_another_name, "error"), (dict_set_by_a_compiled_callee, "error"),
+    (dict_set_while_a_list_holds_it, "error"), (dict_given_new_keys, "error"), (dict_set_in_a_loop, "error"),
+    (dict_set_after_a_read, "error"), (dict_set_in_a_branch_and_copied, "allow")],
+    ids=lambda v: getattr(v, "__name__", v))
+def test_a_key_set_in_a_dict_the_program_built_changes_the_dict_every_name_of_it_sees(fn, per_instance):
+    """``d[key] = v`` (a key every instance shares) of a dict display held as its values changes that struct,
+    batched: its other names (another variable, a list holding it, a compiled callee's parameter) see it."""
+    xs = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    with switched(config, per_instance, "PER_INSTANCE"):
+        got = recompile.vmap(recompile.function(fn))(xs)
+    want = torch.stack([torch.as_tensor(fn(x)) for x in xs])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
 
 
 def dict_walk(left, xs, i):

@@ -917,11 +917,34 @@ def set_item(n, fn, args, kwargs):
     if kwargs or len(args) != 3:
         return NotImplemented
     target, index, value = args
+    if type(target) is Batch and target.struct is not None and target.owner is None and \
+            issubclass(target.struct[0], bt.Keyed):
+        return _set_field(target, index, value)
     t = _own_rows(target)
     if t is None:  # (each instance's own tensor held apart: written in their stack, each then given its row)
         out = _stacked_in_place(target, (index, value), {}, lambda stacked: _write_rows(stacked, index, value))
         return NotImplemented if out is NotImplemented else None
     return _write_rows(t, index, value)
+
+
+def _set_field(target, key, value):
+    """``d[key] = v`` of each instance's dict of a dict display held as its values (``batch.Keyed``), with a key
+    every instance shares: the struct itself changed, its value replaced or the key added at its end, as a dict
+    orders its keys. Every name of these dicts holds this very batch (taking some instances makes each
+    instance's own dict first, in a run that may change one: ``batch.settle``)."""
+    if type(key) is Batch or not facts.immutable(key):
+        return NotImplemented
+    kind, parts = target.struct
+    keys = kind.keys_
+    try:
+        at = keys.index(key) if key in keys else None
+    except TypeError:  # (an unhashable key: each instance raises)
+        return NotImplemented
+    if at is None:
+        target.struct = (bt.dict_kind(keys + (key,)), parts + [value])
+    else:
+        target.struct = (kind, parts[:at] + [value] + parts[at + 1:])
+    return None
 
 
 def _write_rows(t, index, value):
