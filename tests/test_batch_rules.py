@@ -421,6 +421,24 @@ OPS.update({
     "item": lambda w: (method(w(rand(N, seed=1)), "item"), (), {}),
     "float_builtin": lambda w: (float, (w(rand(N, seed=1)),), {}),
 })
+
+
+def _truths():
+    """Rows whose Python truth decides: zeros, NaN (true), and one row all true."""
+    t = (rand(N, 4, seed=1) > 0).double()
+    t[0, 1], t[1] = float("nan"), 1.0
+    return t
+
+
+# (Python's any / all of each instance's elements: one reduction of the rows, ``python_any_all``)
+OPS.update({
+    "any_builtin": lambda w: (any, (w(_truths()),), {}),
+    "all_builtin": lambda w: (all, (w(_truths()),), {}),
+    "any_of_one_column": lambda w: (any, (w(_truths()[:, :1].contiguous().unsqueeze(2)),), {}),
+    "all_of_ints": lambda w: (all, (w(randint(2, N, 3, seed=4)),), {}),
+    "any_of_empty_rows": lambda w: (any, (w(rand(N, 0, seed=1)),), {}),
+    "all_of_empty_rows": lambda w: (all, (w(rand(N, 0, seed=1)),), {}),
+})
 PER_INSTANCE = {
     "tolist": lambda w: (method(w(rand(N, 3, seed=1)), "tolist"), (), {}),
     "python_helper": lambda w: (lambda t: t * t.sum(), (w(rand(N, 3, seed=1)),), {}),
@@ -465,6 +483,16 @@ def test_op_without_rule_runs_per_instance(name, form):
     out, want, counted = run_case(PER_INSTANCE[name], form)
     check_readers(out, want, N)
     assert sum(counted.values()) >= N, counted
+
+
+@pytest.mark.parametrize("shape", [(N,), (N, 3, 2)], ids=["0-d", "rows of two"])
+def test_any_of_what_python_cannot_iterate_or_judge_is_left_to_each_instance(shape):
+    """Each instance's ``any(t)`` raises Python's own error there (iterating a 0-d tensor; the truth of a row
+    of two elements): the rule leaves it to them."""
+    x = Batch(N, tensor=rand(*shape, seed=1))
+    assert br.python_any_all(N, any, (x,), {}) is NotImplemented
+    with pytest.raises((TypeError, RuntimeError)):
+        any(bt.instance(x, 0))
 
 
 def test_shared_operands_run_once():

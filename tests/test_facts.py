@@ -240,6 +240,8 @@ GROWN = {
                                     # ``state is None``: the rows of a tensor and a built tuple are not None
                                     (operator.is_, batch_rules.none_test), (operator.is_not, batch_rules.none_test),
                                     (sum, batch_rules.python_sum),
+                                    # Python's any / all of each instance's elements: one reduction of the rows
+                                    (any, batch_rules.python_any_all), (all, batch_rules.python_any_all),
                                     # a variable some paths leave unbound: checked on the batch as it is
                                     (intrinsics.check_bound, batch_rules.bound_check),
                                     # ``a, *rest = xs`` of a batched tuple or tensor: taken apart as it is
@@ -302,7 +304,7 @@ GROWN = {
                                     reversed, len, intrinsics.build_dict,
                                     *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE, *_FRESH,
                                     *_OUT_OF_PLACE, *_PYTHON_ARITHMETIC,
-                                    int, float, bool, operator.index)
+                                    int, float, bool, operator.index, any, all)
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),
     "segments._OPERATORS": (_names(operator.index), set()),  # (pure: a trace may run its batch rule)
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)

@@ -1784,6 +1784,19 @@ def python_numbers(n, fn, args, kwargs):
     return bt.from_items([fn(v) for v in numbers])
 
 
+@BATCH.register(any, all)
+def python_any_all(n, fn, args, kwargs):
+    """``any(t)``, ``all(t)`` of each instance's tensor of one dim (Python's truth of each element in turn; of a
+    (k, 1) tensor, of each row's one element): every instance's bool from one reduction of the rows and one host
+    read, as ``bool(t)`` gives each (NaN is true, an empty tensor has none: any False, all True)."""
+    x = args[0] if len(args) == 1 and not kwargs else None
+    t = (x.tensor if x.owner == "tensor" else bt.tensor_of(x)) if type(x) is Batch else None
+    if t is None or t.layout is not torch.strided or t.dim() not in (2, 3) or t.dim() == 3 and t.shape[2] != 1:
+        return NotImplemented  # (a 0-d tensor, rows of several elements: each instance's call raises Python's error)
+    truth = (t != 0).reshape(t.shape[0], -1)
+    return bt.from_items((truth.any(1) if fn is any else truth.all(1)).tolist())
+
+
 @BATCH.register(round, abs, min, max, divmod, *facts.MATH)
 def python_arithmetic(n, fn, args, kwargs):
     """Python's builtins and ``math`` of each instance's Python numbers (``round(t.item(), 2)``,
