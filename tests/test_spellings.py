@@ -918,3 +918,41 @@ def test_a_shared_result_that_is_an_argument_or_a_leaf_or_saved_is_changed_as_ea
     w = w.clone().requires_grad_()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         recompile.vmap(recompile.function(changes_what_exp_saved), in_dims=(0, None))(xs, w).sum().backward()
+
+
+W_ROWS = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+
+
+def masked_sum_and_mean(x):
+    m = x > 0.3
+    return x[m].sum() + (x[m].mean() if m.any() else x.sum() * 0.0)
+
+
+def masked_rows_pooled(x):
+    keep = x.sum(1) > 0  # (rows of x: each instance's stretch of rows)
+    chosen = x[keep]
+    return chosen.sum(0) * 2.0 + chosen.abs().sum(0) + len(chosen)
+
+
+def masked_elements_of_a_matrix(x):
+    return torch.softmax(x[x < 0.5], 0).max() + x[x < 0.5].numel()
+
+
+def masked_rows_of_a_shared_tensor(x):
+    return (W_ROWS[x[:, 0] > 0] * 3.0).sum(0) + x[0]
+
+
+@pytest.mark.parametrize("fn", [masked_sum_and_mean, masked_rows_pooled, masked_elements_of_a_matrix,
+                                masked_rows_of_a_shared_tensor], ids=lambda f: f.__name__)
+def test_a_mask_of_each_instances_own_chooses_its_stretch_batched(fn):
+    """``x[x > 0]``: each instance's chosen elements (or rows), a length of its own, one index of the batch's
+    rows, and what reduces them (``sum``, ``mean``, ``max`` along them, ``len``) batched; an instance that
+    chooses none gets eager's empty tensor."""
+    xs = torch.randn(6, 4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    xs[0] = -1.0  # (none chosen)
+    xs = xs.requires_grad_()
+    with switched(config, "error", "PER_INSTANCE"):
+        got = recompile.vmap(recompile.function(fn))(xs)
+    want = torch.stack([torch.as_tensor(fn(x)) for x in xs])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])

@@ -1361,6 +1361,8 @@ def _gather(n, fn, args, kwargs):
                 return NotImplemented
             # (Python ints, 0-d integer tensors among them where requests of other depths joined: each reads x's row)
             i = torch.tensor([k if type(k) is int else int(k) for k in items], device=x.device)
+        elif i.dtype is torch.bool and 2 <= i.dim() <= x.dim() + 1 and i.shape[1:] == x.shape[:i.dim() - 1]:
+            return _masked(n, x.expand(n, *x.shape), i)  # (``w[m]``, each instance's mask of the shared w)
         elif i.dtype not in facts.INTEGER_INDEX or i.dim() < 1:
             return NotImplemented  # a mask per instance
         i = _held_index(i, x)
@@ -1439,9 +1441,22 @@ def _stacked_along(n, seqs, dim):
     return padded.rows_method(n, "movedim", found, (0, dim), {})
 
 
+def _masked(n, t, mask):
+    """``x[m]`` of each instance's bool mask ``m`` of x's leading dims (``t`` the rows of the instances' x, one
+    per instance): every instance's chosen elements laid end to end, each instance's value its own stretch of
+    them, as long as its mask's count (read once: the stretches' lengths)."""
+    lengths = mask.reshape(n, -1).sum(1).tolist()
+    return rows.batch(n, rows.packed_rows(n, t[mask], lengths))
+
+
 def _gather_each(n, x, index):
     """``x[i]`` where both differ per instance and each i is a Python int (the steps of a loop run ahead,
-    ``codegen.recurrent``): one advanced index of x's rows, or each range's item."""
+    ``codegen.recurrent``): one advanced index of x's rows, or each range's item; each instance's own mask
+    (``x[x > 0]``): each instance's stretch of the chosen elements."""
+    m = index.tensor if index.owner == "tensor" else None
+    if m is not None and m.dtype is torch.bool and x.owner == "tensor" and 2 <= m.dim() <= x.tensor.dim() and \
+            m.shape == x.tensor.shape[:m.dim()]:
+        return _masked(n, x.tensor, m)
     if index.owner == "tensor" and x.owner == "tensor" and index.tensor.dim() >= 1 \
             and index.tensor.dtype in facts.INTEGER_INDEX and x.tensor.dim() >= 2:
         # (each instance's integer tensor, ``x[k]`` of ``v, k = x.sort()`` too: its instance's row number

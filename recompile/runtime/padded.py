@@ -188,11 +188,13 @@ def rows_method(n, name, seq, args, kwargs):
         return size(n, seq.source.shape[1:], 0, seq.lengths, *args)
     if name == "dim" and not args and not kwargs:
         return seq.source.dim() - 1
-    if seq.shortest == 0:
-        return NotImplemented
-    if name in WHOLE and not args and not kwargs:
+    if name in ("numel", "nelement") and not args and not kwargs:  # (each instance's length times a row's size)
+        return bt.from_items([m * math.prod(seq.source.shape[2:]) for m in seq.lengths])
+    if name in WHOLE and not args and not kwargs:  # (an empty stretch's sum is 0; ``whole`` refuses the rest)
         t = rows.as_padded(seq)
         return whole(n, name, t, 0, seq.lengths, _mask(t, 0, seq.lengths))
+    if seq.shortest == 0:
+        return NotImplemented
     if name in WHOLE and type(kwargs.get("dim", args[0] if args else None)) in (tuple, list):  # (``xs.sum((0, 1))``)
         return reduced(n, name, Padded(*from_rows(seq)), args, kwargs)
     if name not in MOVES:
@@ -471,7 +473,7 @@ def whole(n, name, t, dim, lengths, mask, over=None, keepdim=False):
 # ---- the entry points batch_rules calls ----------------------------------------------------------------
 
 METHODS = MOVES | facts.FINITE_METHODS | _REDUCTIONS | {"size", "dim", "chunk", "split"}
-ROWS_METHODS = MOVES | WHOLE | {"size", "dim"}  # (a stretch's methods ``rows_method`` runs)
+ROWS_METHODS = MOVES | WHOLE | {"size", "dim", "numel", "nelement"}  # (a stretch's methods ``rows_method`` runs)
 
 
 def method(n, name, x, args, kwargs):

@@ -76,13 +76,15 @@ def call(n, fn, args, kwargs):
     """``fn(*args, **kwargs)`` where an argument holds Rows, once on the rows packed; NotImplemented where
     ``fn`` is not known to act on each row alone with these arguments."""
     seq = next(rows.of(a) for a in args if rows.holds(a))
-    if seq is None or seq.shortest == 0 or not _plain_options(kwargs):
+    if seq is None or not _plain_options(kwargs):
         return NotImplemented
     rank = seq.source.dim() - 1
     try:
         hash(fn)
     except TypeError:  # (an unhashable callable: no rule names it)
         return NotImplemented
+    if seq.shortest == 0 and fn not in facts.ELEMENTWISE:
+        return NotImplemented  # (an empty stretch: an elementwise op's is empty, the rest its instance's own says)
     if isinstance(fn, nn.Module):
         if has_hooks(fn) or "forward" in fn.__dict__ or len(args) != 1 or kwargs or getattr(fn, "inplace", False):
             return NotImplemented
@@ -237,8 +239,8 @@ def _end_to_end(n, parts, found, rank):
 
 def method(n, name, seq, args, kwargs):
     """``xs.name(*args, **kwargs)`` of each instance's stretch ``seq``, once on the rows packed, where the method
-    acts on each row alone; NotImplemented otherwise."""
-    if seq.shortest == 0 or not _plain_options(kwargs):
+    acts on each row alone; NotImplemented otherwise (an empty stretch but for an elementwise method)."""
+    if seq.shortest == 0 and name not in _ELEMENTWISE_METHODS or not _plain_options(kwargs):
         return NotImplemented
     rank = seq.source.dim() - 1
     if name in _SHAPING_METHODS:
