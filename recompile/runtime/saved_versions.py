@@ -18,13 +18,13 @@ written instance's row (or in a gradient with no row per instance, a shared weig
 backward may need what its op saved, as eager's refuses.
 
 An op of the program that changes a batch's tensor in place is noted too (``program``: a later runtime write
-still follows it), and keeps torch's check where it reaches the saved tensor: the node raises when it runs.
-So does a node that saved one instance's tensor, or a tensor every instance of which was written: it runs for a
-written instance. The batch's graph can run such a node with a gradient of zeros where eager's never runs it
-(the rows of a join whose instances went elsewhere), or where eager's runs it with those zeros and refuses; the
-two cannot be told apart, and eager's refusal is kept. Where only some of the node's instances were written (a
-branch's copy back, a request's rows given back), the gradient decides: where it is zero in the written rows,
-the run computes (the gradient of what was computed) where eager may refuse. A run of one instance (``alone``:
+still follows it), with what it overwrote, and the gradient decides as for the runtime's writes: a node that
+saved one instance's tensor, or a tensor every instance of which was written, raises after it ran where any
+gradient it computed is not zero. The batch's graph can run such a node with a gradient of zeros where eager's
+never runs it (a loop's rows, some of which an instance changed and dropped before it went on, joined with the
+rows of instances that left; a side's copy written back); eager's may run it with those zeros too and refuse.
+The two cannot be told apart: a gradient of zeros computes (the gradient of what was computed, from what was
+saved), which keeps the batch's plumbing from refusing what eager computes. A run of one instance (``alone``:
 its graph is eager's) raises wherever eager's does.
 
 Not installed where gradients are off, where the program changes nothing in place, inside torch.func's
@@ -135,10 +135,9 @@ class Ledger:
             return saved
         node = torch._C._current_autograd_node()
         if node is not None:  # (None: read outside a backward, ``grad_fn._saved_self``)
-            rows = None if self.alone or any(w.program for w, _ in masks) else _rows_written(saved, masks)
-            if rows is None:  # (the node is a written instance's own, as eager's: running it is the refusal)
+            if self.alone:  # (the graph is eager's: the node runs for the written instance, and that is the refusal)
                 raise _changed(saved, version, now)
-            _refuse_where_written_rows_need_it(node, saved, version, now, rows)
+            _refuse_where_written_rows_need_it(node, saved, version, now, _rows_written(saved, masks))
         restoring = [w for w, _ in masks if w.old is not None]
         return _as_saved(saved, restoring) if restoring else saved
 
@@ -157,10 +156,10 @@ class Ledger:
 def _rows_written(saved, masks):
     """Where in ``saved`` the written instances are: (the dim of ``saved`` that runs over instances, the
     positions along it that the writes wrote), where only some of its instances were written; None where
-    ``saved`` is one instance's (a row, an op run per instance) or every instance of it was written: the node
-    that saved it runs for a written instance, and running it is eager's refusal (also where the instances lie
-    along several of its dims). The instances are read from the storage: each write that wrote instances' rows
-    (dim 0 of its target) numbers the elements it reaches by their row."""
+    ``saved`` is one instance's (a row, an op run per instance) or every instance of it was written (also where
+    the instances lie along several of its dims): any gradient of the node that saved it is then a written
+    instance's. The instances are read from the storage: each write that wrote instances' rows (dim 0 of its
+    target) numbers the elements it reaches by their row."""
     laid = next((w for w, _ in masks if w.instances), None)
     if laid is None or saved.dim() == 0:
         return None
@@ -183,15 +182,20 @@ def _rows_written(saved, masks):
 def _refuse_where_written_rows_need_it(node, saved, version, now, rows):
     """After ``node`` (running in a backward, reading ``saved``) computed its gradients: raise torch's error
     where one of them is not zero in a written instance's row (``rows``: the dim of the instances, the written
-    positions along it), or where one with no row per instance (a shared weight's) is not zero. The batch's ops
+    positions along it; None: every row is a written instance's), or where one with no row per instance (a
+    shared weight's) is not zero. The batch's ops
     keep each instance apart, so a gradient in a written instance's row is that instance's: its backward needs
     what its op saved, which eager refuses. A node of the batch's graph may run with a gradient of zeros where
     eager's would not run (the rows of a join whose instances all went elsewhere); so may a written instance
     whose gradient is zero there, which eager refuses: it gets the gradient of what was computed
     (docs/batching.md, Limits)."""
-    dim, at = rows
+    dim, at = rows if rows is not None else (None, None)
 
     def check(grad_inputs, grad_outputs):
+        if rows is None:  # (every instance of the node written: any gradient is a written instance's)
+            if any(g is not None and bool(g.ne(0).any()) for g in grad_inputs):
+                raise _changed(saved, version, now)
+            return
         aligned, shared = [], []
         for g in grad_inputs:  # (a reduction's input has more dims)
             if g is not None:
@@ -275,8 +279,7 @@ class writing:
         if ledger is not None:
             address = target.untyped_storage().data_ptr()
             if address in ledger.saved:  # (no op saved a tensor of this storage yet: none needs the note)
-                # (what a program's op overwrote is never read back: a saved tensor it reached is refused)
-                self.write = _Write(target, index, keeps_values or program, instances, program)
+                self.write = _Write(target, index, keeps_values, instances, program)
                 ledger.writes.setdefault(address, []).append(self.write)
 
     def __enter__(self):
