@@ -100,7 +100,8 @@ def changed_in_a_loop_then_dropped_where_others_left(x, s):
     return v * v
 
 
-@pytest.mark.parametrize("fn", [changed_on_the_sides_copy_then_dropped, changed_in_a_loop_then_dropped_where_others_left])
+@pytest.mark.parametrize("fn", [changed_on_the_sides_copy_then_dropped,
+                                changed_in_a_loop_then_dropped_where_others_left])
 def test_a_change_of_what_an_op_saved_then_dropped_keeps_eagers_gradient(fn):
     # (a side's copy written back, a loop's rows joined with those of the instances that left, lead the backward
     # to the node that saved the changed value, with a gradient of zeros for the instances that changed it:
