@@ -242,6 +242,8 @@ GROWN = {
                                     (sum, batch_rules.python_sum),
                                     # Python's any / all of each instance's elements: one reduction of the rows
                                     (any, batch_rules.python_any_all), (all, batch_rules.python_any_all),
+                                    # each instance's chosen elements: a stretch of them, as ``x[m]``
+                                    (torch.masked_select, batch_rules.masked_select),
                                     # a variable some paths leave unbound: checked on the batch as it is
                                     (intrinsics.check_bound, batch_rules.bound_check),
                                     # ``a, *rest = xs`` of a batched tuple or tensor: taken apart as it is
@@ -280,7 +282,7 @@ GROWN = {
                            "torch._VariableFunctionsClass.max -> recompile:_dim_rule.<locals>.rule",
                            "torch._VariableFunctionsClass.min -> recompile:_dim_rule.<locals>.rule"}),
     "batch_rules.METHOD_RULES": ({"'append' -> recompile:appended", "'extend' -> recompile:extended",
-                                  "'numel' -> recompile:numel",
+                                  "'numel' -> recompile:numel", "'masked_select' -> recompile:masked_select_method",
                                   "'nelement' -> recompile:numel",
                                   "'max' -> recompile:_extreme_method.<locals>.rule",
                                   "'min' -> recompile:_extreme_method.<locals>.rule",
@@ -304,7 +306,7 @@ GROWN = {
                                     reversed, len, intrinsics.build_dict,
                                     *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE, *_FRESH,
                                     *_OUT_OF_PLACE, *_PYTHON_ARITHMETIC,
-                                    int, float, bool, operator.index, any, all)
+                                    int, float, bool, operator.index, any, all, torch.masked_select)
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),
     "segments._OPERATORS": (_names(operator.index), set()),  # (pure: a trace may run its batch rule)
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)

@@ -956,3 +956,43 @@ def test_a_mask_of_each_instances_own_chooses_its_stretch_batched(fn):
     want = torch.stack([torch.as_tensor(fn(x)) for x in xs])
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+
+
+def masked_select_of_each(x):
+    return torch.masked_select(x, x > 0.2).sum() + x.masked_select(W_ROWS[:, :1] > 0).sum()
+
+
+def places_of_a_shared_pair_of_indices(x):
+    pairs = torch.tril_indices(4, 3)
+    return x[pairs[0], pairs[1]].sum() + x[[0, 2], 1].sum() + x[1, [0, 2]].sum()
+
+
+def element_chosen_by_each_instances_int(x):
+    k = int(x.argmax()) % 3 - 1  # (-1, 0 or 1: a negative index too)
+    return [x[0] * 2.0, x[1], W_ROWS[2]][k].sum() + (x[0], x[2])[k % 2][1]
+
+
+@pytest.mark.parametrize("fn", [masked_select_of_each, places_of_a_shared_pair_of_indices,
+                                element_chosen_by_each_instances_int], ids=lambda f: f.__name__)
+def test_selections_of_each_instances_own_or_shared_places_are_batched(fn):
+    """``masked_select`` (each instance's stretch, as ``x[m]``), a tuple of shared index tensors side by side
+    (the places every instance picks), and a list the program built indexed by each instance's int (one gather
+    from the elements' stack): one op for the group, eager's values and gradients."""
+    xs = torch.randn(5, 4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    with switched(config, "error", "PER_INSTANCE"):
+        got = recompile.vmap(recompile.function(fn))(xs)
+    want = torch.stack([torch.as_tensor(fn(x)) for x in xs])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+
+
+def element_past_the_end(x):
+    return [x, x * 2.0][int(x.sum() > 0) * 2]  # (2 for some instances: Python's IndexError for them)
+
+
+def test_a_list_index_past_the_end_raises_pythons_index_error():
+    xs = torch.tensor([[1.0], [-1.0], [2.0]], dtype=torch.float64)
+    with pytest.raises(IndexError, match="list index out of range"):
+        element_past_the_end(xs[0])
+    with pytest.raises(IndexError, match="list index out of range"):
+        recompile.vmap(recompile.function(element_past_the_end))(xs)

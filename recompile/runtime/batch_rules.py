@@ -1337,15 +1337,20 @@ def _basic_index(index):
 
 def _gather(n, fn, args, kwargs):
     x, index = args
-    if type(index) is Batch and index.struct is not None and index.owner is None and index.struct[0] is list \
-            and not any(type(p) is Batch for p in index.struct[1]):
-        index = list(index.struct[1])  # (``x[[0, 2]]``: a list the program built of values every instance shares)
+    shared = _built_shared(index)
+    if shared is not None:
+        index = shared  # (``x[[0, 2]]``, ``x[[0, 2], 1]``: lists the program built of values every instance shares)
         if type(x) is not Batch:
             return _unbatched(n, operator.getitem, (x, index), None)
     if type(index) is Batch and index.owner == "items" and index.items and type(index.items[0]) is slice:
         return rows.stretch(n, x, index)  # (``words[:n]``, n per instance)
     if type(index) is Batch and index.struct is not None and index.owner is None and index.struct[0] is tuple:
         out = _points(n, x, index.struct[1])  # (``trans[tags[t - 1], tags[t]]``, ``emits[t, tags[t]]``)
+        if out is not NotImplemented:
+            return out
+    if type(x) is Batch and type(index) is Batch and x.struct is not None and x.owner is None and \
+            x.struct[0] in (list, tuple) and sharing.state.fresh:
+        out = _element_each(n, x.struct[1], index)  # (``[a, b, c][k]``, k per instance)
         if out is not NotImplemented:
             return out
     if type(x) is Batch and type(index) is Batch and rows.of(x) is not None and index.struct is None:
@@ -1416,8 +1421,9 @@ def _gather(n, fn, args, kwargs):
         if x.struct is not None and x.owner is None and type(index) is slice and x.struct[0] in (tuple, list):
             return bt.from_struct(x.struct[0], x.struct[1][index], n)  # (``pieces[::-1]``)
         t = x.tensor if x.owner == "tensor" else bt.tensor_of(x) if x.items is None else None
-        if t is not None and t.dim() >= 2 and _one_advanced(index):  # (``x[[0, 2]]``, ``x[idx]``: every instance's)
-            return bt.from_tensor(t[:, index])
+        if t is not None and t.dim() >= 2 and (_one_advanced(index) or _adjacent_advanced(index)):
+            # (``x[[0, 2]]``, ``x[idx]``, ``m[rows, cols]``: every instance's the same places)
+            return bt.from_tensor(t[(slice(None),) + (index if type(index) is tuple else (index,))])
         if t is not None and type(index) is torch.Tensor and index.dtype is torch.bool and 1 <= index.dim() < t.dim():
             return bt.from_tensor(t[:, index])  # (a mask every instance shares, of its leading dims)
         if t is None or not plain_index(index):
@@ -1447,6 +1453,67 @@ def _masked(n, t, mask):
     them, as long as its mask's count (read once: the stretches' lengths)."""
     lengths = mask.reshape(n, -1).sum(1).tolist()
     return rows.batch(n, rows.packed_rows(n, t[mask], lengths))
+
+
+def _built_shared(index):
+    """A list the program built of values every instance shares (in a tuple of such, or of shared values), as
+    the plain list or tuple it is for every instance; None for anything else."""
+    if type(index) is not Batch or index.struct is None or index.owner is not None or index.struct[0] not in (
+            list, tuple):
+        return None
+    kind, parts = index.struct
+    if not any(p.struct[0] is list for p in parts if type(p) is Batch and p.struct is not None) and kind is tuple:
+        return None  # (a tuple with no list in it: ``_points`` reads each instance's own parts)
+    plain = []
+    for p in parts:
+        if type(p) is Batch:  # (in a tuple, a list built of shared values; else it differs per instance)
+            p = _built_shared(p) if kind is tuple and p.struct is not None and p.struct[0] is list else None
+            if p is None:
+                return None
+        plain.append(p)
+    return kind(plain)
+
+
+def _element_each(n, parts, index):
+    """``xs[k]`` of a list or tuple the program built of tensors of one shape (each instance's rows, or shared),
+    with each instance's own int k: one gather of each instance's element from their stack. Only in a run that
+    changes nothing in place (eager's result is the element itself, this one a copy of it); NotImplemented where
+    a k lies outside the list (each instance raises its own IndexError) or the elements differ in kind."""
+    k = bt.instance_index(index)
+    if not parts or k is None:
+        return NotImplemented
+    rows_of = [bt.tensor_of(p) if type(p) is Batch else p.expand(n, *p.shape) if type(p) in PLAIN_TENSORS else None
+               for p in parts]
+    if any(r is None for r in rows_of) or not bt.same_kind(rows_of, 0) or rows_of[0].dim() < 1 or \
+            rows_of[0].shape[0] != n:
+        return NotImplemented
+    if bool(((k < -len(parts)) | (k >= len(parts))).any()):
+        return NotImplemented
+    stacked = torch.stack(rows_of, 1)
+    at = (k % len(parts)).to(stacked.device)
+    return bt.from_tensor(stacked[torch.arange(n, device=stacked.device), at])
+
+
+@BATCH.register(torch.masked_select)
+def masked_select(n, fn, args, kwargs):
+    """``torch.masked_select(x, m)`` (and ``x.masked_select(m)``): ``x[m]`` of x and the mask broadcast against
+    each other, either or both each instance's own: each instance's stretch of the chosen elements."""
+    if kwargs or len(args) != 2:
+        return NotImplemented
+    x, m = (bt.tensor_of(a) if type(a) is Batch else a.expand(n, *a.shape) if type(a) in PLAIN_TENSORS else None
+            for a in args)
+    if x is None or m is None or m.dtype is not torch.bool or x.dim() != m.dim():
+        return NotImplemented  # (instances of other ranks: where a broadcast puts their dims, each instance's call)
+    try:
+        x, m = torch.broadcast_tensors(x, m)
+    except RuntimeError:  # (shapes that do not broadcast: each instance's call raises torch's error)
+        return NotImplemented
+    return _masked(n, x, m)
+
+
+@BATCH.register("masked_select")
+def masked_select_method(n, x, args, kwargs):
+    return masked_select(n, torch.masked_select, (x, *args), kwargs)
 
 
 def _gather_each(n, x, index):
@@ -1538,6 +1605,16 @@ def _one_advanced(index):
     if type(index) is list:
         return bool(index) and all(type(i) is int for i in index)
     return type(index) is torch.Tensor and index.dim() >= 1 and index.dtype in facts.INTEGER_INDEX
+
+
+def _adjacent_advanced(index):
+    """A shared tuple index with integer tensors or lists of ints (ints count with them) side by side, the rest
+    ints, slices and None: numpy's rules put the picked dims where they stand, after the instance's dim too."""
+    if type(index) is not tuple or not any(_one_advanced(i) for i in index):
+        return False
+    at = [k for k, i in enumerate(index) if _one_advanced(i) or type(i) is int]
+    return all(_one_advanced(i) or plain_index(i) and i is not Ellipsis for i in index) and \
+        at == list(range(at[0], at[-1] + 1))
 
 
 @BATCH.register(len)
