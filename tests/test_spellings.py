@@ -686,6 +686,16 @@ def test_a_dict_with_shared_keys_is_held_as_its_values_and_vmap_returns_dicts():
     torch.testing.assert_close(got, torch.stack([dict_changed(x, k) for x, k in zip(xs, ks)]))
 
 
+def vmapped_as_eager(fn, xs, per_instance="error"):
+    """``recompile.vmap`` of ``fn`` over ``xs`` (which requires grad) against eager's loop: values and the
+    gradient of their sum, with ``config.PER_INSTANCE`` set to ``per_instance``."""
+    with switched(config, per_instance, "PER_INSTANCE"):
+        got = recompile.vmap(recompile.function(fn))(xs)
+    want = torch.stack([torch.as_tensor(fn(x)) for x in xs])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+
+
 @recompile.function
 def scale_its_h(s, v):
     s["h"] = s["h"] * v
@@ -758,11 +768,7 @@ def test_a_key_set_in_a_dict_the_program_built_changes_the_dict_every_name_of_it
     """``d[key] = v`` (a key every instance shares) of a dict display held as its values changes that struct,
     batched: its other names (another variable, a list holding it, a compiled callee's parameter) see it."""
     xs = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6), requires_grad=True)
-    with switched(config, per_instance, "PER_INSTANCE"):
-        got = recompile.vmap(recompile.function(fn))(xs)
-    want = torch.stack([torch.as_tensor(fn(x)) for x in xs])
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+    vmapped_as_eager(fn, xs, per_instance)
 
 
 def dict_walk(left, xs, i):
@@ -951,11 +957,7 @@ def test_a_mask_of_each_instances_own_chooses_its_stretch_batched(fn):
     xs = torch.randn(6, 4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     xs[0] = -1.0  # (none chosen)
     xs = xs.requires_grad_()
-    with switched(config, "error", "PER_INSTANCE"):
-        got = recompile.vmap(recompile.function(fn))(xs)
-    want = torch.stack([torch.as_tensor(fn(x)) for x in xs])
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+    vmapped_as_eager(fn, xs)
 
 
 def masked_select_of_each(x):
@@ -979,11 +981,7 @@ def test_selections_of_each_instances_own_or_shared_places_are_batched(fn):
     (the places every instance picks), and a list the program built indexed by each instance's int (one gather
     from the elements' stack): one op for the group, eager's values and gradients."""
     xs = torch.randn(5, 4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(9), requires_grad=True)
-    with switched(config, "error", "PER_INSTANCE"):
-        got = recompile.vmap(recompile.function(fn))(xs)
-    want = torch.stack([torch.as_tensor(fn(x)) for x in xs])
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+    vmapped_as_eager(fn, xs)
 
 
 def element_past_the_end(x):
