@@ -17,7 +17,7 @@ from recompile.codegen import emit, segments
 from recompile.ops import facts, syntax
 from recompile.autodiff import backprop, factors as deferred, rules as grad_rules
 from recompile.runtime import batch as bt
-from recompile.runtime import batch_rules, cells, ranges, rows
+from recompile.runtime import batch_rules, cells, dicts, ranges, rows
 
 convert = importlib.import_module("recompile.frontend.convert")
 
@@ -244,6 +244,8 @@ GROWN = {
                                     (any, batch_rules.python_any_all), (all, batch_rules.python_any_all),
                                     # each instance's chosen elements: a stretch of them, as ``x[m]``
                                     (torch.masked_select, batch_rules.masked_select),
+                                    # ``key in d`` of a dict built with shared keys: one bool they share
+                                    (operator.contains, dicts.contains), (intrinsics.not_in, dicts.contains),
                                     # a variable some paths leave unbound: checked on the batch as it is
                                     (intrinsics.check_bound, batch_rules.bound_check),
                                     # ``a, *rest = xs`` of a batched tuple or tensor: taken apart as it is
@@ -283,6 +285,7 @@ GROWN = {
                            "torch._VariableFunctionsClass.min -> recompile:_dim_rule.<locals>.rule"}),
     "batch_rules.METHOD_RULES": ({"'append' -> recompile:appended", "'extend' -> recompile:extended",
                                   "'numel' -> recompile:numel", "'masked_select' -> recompile:masked_select_method",
+                                  *(f"'{m}' -> recompile:method_rule.<locals>.rule" for m in dicts.METHODS),
                                   "'nelement' -> recompile:numel",
                                   "'max' -> recompile:_extreme_method.<locals>.rule",
                                   "'min' -> recompile:_extreme_method.<locals>.rule",
@@ -306,7 +309,8 @@ GROWN = {
                                     reversed, len, intrinsics.build_dict,
                                     *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE, *_FRESH,
                                     *_OUT_OF_PLACE, *_PYTHON_ARITHMETIC,
-                                    int, float, bool, operator.index, any, all, torch.masked_select)
+                                    int, float, bool, operator.index, any, all, torch.masked_select,
+                                    operator.contains, intrinsics.not_in)
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),
     "segments._OPERATORS": (_names(operator.index), set()),  # (pure: a trace may run its batch rule)
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)

@@ -28,7 +28,7 @@ from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
 from . import saved_versions
-from . import cells, extremes, fallbacks, helpers, lazy_weights, padded, ranges, row_wise, rows, sharing, spreads
+from . import cells, dicts, extremes, fallbacks, helpers, lazy_weights, padded, ranges, row_wise, rows, sharing, spreads
 from .batch import Batch
 
 # Batch rules, filed as the gradient rules are (``ops.table``): ``rule(n, fn, args, kwargs)`` for a callable
@@ -917,34 +917,13 @@ def set_item(n, fn, args, kwargs):
     if kwargs or len(args) != 3:
         return NotImplemented
     target, index, value = args
-    if type(target) is Batch and target.struct is not None and target.owner is None and \
-            issubclass(target.struct[0], bt.Keyed):
-        return _set_field(target, index, value)
+    if dicts.held(target):
+        return dicts.set_field(target, index, value)
     t = _own_rows(target)
     if t is None:  # (each instance's own tensor held apart: written in their stack, each then given its row)
         out = _stacked_in_place(target, (index, value), {}, lambda stacked: _write_rows(stacked, index, value))
         return NotImplemented if out is NotImplemented else None
     return _write_rows(t, index, value)
-
-
-def _set_field(target, key, value):
-    """``d[key] = v`` of each instance's dict of a dict display held as its values (``batch.Keyed``), with a key
-    every instance shares: the struct itself changed, its value replaced or the key added at its end, as a dict
-    orders its keys. Every name of these dicts holds this very batch (taking some instances makes each
-    instance's own dict first, in a run that may change one: ``batch.settle``)."""
-    if type(key) is Batch or not facts.immutable(key):
-        return NotImplemented
-    kind, parts = target.struct
-    keys = kind.keys_
-    try:
-        at = keys.index(key) if key in keys else None
-    except TypeError:  # (an unhashable key: each instance raises)
-        return NotImplemented
-    if at is None:
-        target.struct = (bt.dict_kind(keys + (key,)), parts + [value])
-    else:
-        target.struct = (kind, parts[:at] + [value] + parts[at + 1:])
-    return None
 
 
 def _write_rows(t, index, value):
@@ -1643,6 +1622,9 @@ def plain_index(index):
     return type(index) in (int, slice, type(None)) or index is Ellipsis
 
 
+BATCH.register(operator.contains, intrinsics.not_in)(dicts.contains)
+for _dict_method in dicts.METHODS:
+    BATCH.register(_dict_method)(dicts.method_rule(_dict_method))
 BATCH.register(range)(ranges.build)
 BATCH.register(slice)(rows.slices)
 BATCH.register(reversed)(rows.reversed_rows)
@@ -1725,6 +1707,8 @@ def attribute(n, fn, args, kwargs):
             return bt.from_tensor(swapped.conj() if name == "mH" else swapped)
         if callable(getattr(torch.Tensor, name, None)):
             return Batch(x.n, method=(x, name))
+    if dicts.has_method(x, name):  # (``d.get("h")``, ``d.values()``: see ``dicts``)
+        return Batch(x.n, method=(x, name))
     if name in ("append", "extend") and (x.struct is not None and x.owner is None and x.struct[0] is list or
                              x.owner == "items" and all(type(v) is list for v in x.items)):
         return Batch(x.n, method=(x, name))  # (``hs.append(h)`` of lists the program built: see ``appended``)

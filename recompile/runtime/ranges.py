@@ -15,7 +15,7 @@ import torch
 
 from ..ops import facts
 from . import batch as bt
-from . import rows, sharing
+from . import dicts, rows, sharing
 from .batch import Batch
 
 
@@ -74,6 +74,9 @@ def as_sequence(n, fn, args, kwargs):
         return seq
     if type(seq) is Batch and of(seq) is not None:
         return seq
+    keys = dicts.iterated(seq)  # (``for k in d`` of a dict built with shared keys: its keys)
+    if keys is not None:
+        return keys
     return rows.listed(n, seq) if sharing.state.fresh else NotImplemented  # (``for h in hs``, each its own list)
 
 

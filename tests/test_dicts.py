@@ -1,0 +1,68 @@
+"""A dict the program built with keys every instance shares, read and changed batched (runtime/dicts.py):
+``get``, ``in``, ``keys()``, ``values()``, ``items()``, a ``for`` over it, against each instance's eager call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import recompile
+from recompile import config
+from recompile.runtime import batch as bt
+from recompile.runtime import dicts
+from test_segments import switched  # tests/ is on sys.path under pytest
+
+F64 = torch.float64
+
+
+def summed_losses(x):
+    losses = {"ce": x.sum(), "l2": (x * x).sum()}
+    return sum(losses.values())
+
+
+def items_walked(x):
+    state = {"h": x, "c": x * 2.0}
+    out = x.new_zeros(())
+    for name, value in state.items():
+        out = out + value.sum() * len(name)
+    return out
+
+
+def keys_walked(x):
+    state = {"h": x, "c": torch.tanh(x)}
+    return sum(state[k].sum() for k in state) + sum(state[k].mean() for k in state.keys())
+
+
+def read_by_get_and_in(x):
+    state = {"h": x, 1: x * 3.0}
+    missing = state.get("z", x * 0.5)
+    flags = ("h" in state) + (2 not in state) + ("z" in state)
+    return state.get("h").sum() + state.get(1).sum() + missing.sum() + flags + (state.get("w") is None)
+
+
+def values_after_a_change(x):
+    state = {"h": x}
+    state["c"] = x * 2.0  # (a run that changes a dict: each view is each instance's own, as Python's)
+    view = state.values()
+    state["z"] = x * 5.0
+    return sum(v.sum() for v in view) + ("z" in state)
+
+
+@pytest.mark.parametrize("fn, per_instance", [
+    (summed_losses, "error"), (items_walked, "error"), (keys_walked, "error"), (read_by_get_and_in, "error"),
+    (values_after_a_change, "allow")], ids=lambda v: getattr(v, "__name__", v))
+def test_a_dict_with_shared_keys_is_read_as_eager_reads_each_instances(fn, per_instance):
+    xs = torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    with switched(config, per_instance, "PER_INSTANCE"):
+        got = recompile.vmap(recompile.function(fn))(xs)
+    want = torch.stack([torch.as_tensor(fn(x), dtype=F64) for x in xs])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+
+
+def test_a_key_no_instance_can_share_is_left_to_each_instance():
+    kind = bt.dict_kind(("h",))
+    d = bt.from_struct(kind, [torch.zeros(2, 3)], 2)
+    assert dicts.method(2, d, "get", ([1],), {}) is NotImplemented  # (unhashable: each instance raises)
+    assert dicts.set_field(d, [1], 0.0) is NotImplemented
+    assert dicts.method(2, d, "get", ("h",), {}) is d.struct[1][0]
