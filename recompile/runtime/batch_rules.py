@@ -90,7 +90,7 @@ def _noted_change(n, fn, args, kwargs):
     target = target.tensor if type(target) is Batch and target.owner == "tensor" else target
     if type(target) not in PLAIN_TENSORS:
         return None
-    return saved_versions.writing(target, instances=rows, program=True)
+    return saved_versions.writing(target, instances=rows, program=True, group=n)
 
 
 def _in_place_target(fn, args):
