@@ -66,3 +66,9 @@ def test_a_key_no_instance_can_share_is_left_to_each_instance():
     assert dicts.method(2, d, "get", ([1],), {}) is NotImplemented  # (unhashable: each instance raises)
     assert dicts.set_field(d, [1], 0.0) is NotImplemented
     assert dicts.method(2, d, "get", ("h",), {}) is d.struct[1][0]
+
+
+def test_a_view_of_each_instances_own_dict_warns_what_to_write_instead():
+    with pytest.warns(recompile.PerInstanceWarning, match=r"dict\.values runs once per instance .*each instance "
+                                                          r"holds a dict of its own.*read it by key"):
+        recompile.vmap(recompile.function(values_after_a_change))(torch.randn(3, 2, dtype=F64))

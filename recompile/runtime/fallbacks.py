@@ -43,6 +43,9 @@ UNVMAPPABLE = ("torch.func.vmap cannot batch it here (a shape that depends on th
                "or an op torch has no batching rule for)", "write it with ops whose result's shape does not depend "
                "on the values, or with ops torch.func.vmap batches")
 WRITES = ("it changes each instance's tensor in place", "write it out of place (y = x.add(1), not x.add_(1))")
+OWN_DICT = ("each instance holds a dict of its own here (the program changes dicts, and keys(), values() or items() "
+            "of one it changed, copied or sent down one side of a branch read each instance's)",
+            "read it by key (d['h'] + d['c']), or build the dict after its last change")
 PYTHON_VALUES = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy", int, float, bool}
 # Python's builtins of tensors, which read each instance's values as Python numbers or bools: the torch op to
 # write instead
@@ -58,6 +61,8 @@ def reason(fn):
             first = instance(fn, 0)
             if isinstance(getattr(first, "__self__", None), torch.Tensor):  # (each instance's tensor's method)
                 return _of_method(first.__name__)
+            if type(getattr(first, "__self__", None)) is dict:  # (``d.values()`` of each instance's own dict)
+                return OWN_DICT
             return NESTED if _nested(first) else CHOSEN
         return _of_method(fn.method[1])
     if facts.among(fn, PYTHON_VALUES) or getattr(fn, "__name__", None) in PYTHON_VALUES:
