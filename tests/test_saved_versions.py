@@ -238,7 +238,7 @@ def test_a_second_derivative_through_a_run_that_changes_values_in_place_is_eager
 
 def test_a_saved_tensor_is_given_back_as_it_was_before_the_noted_writes():
     base = torch.arange(12, dtype=F64).reshape(4, 3)
-    ledger = saved_versions.Ledger(alone=False, n=4)
+    ledger = saved_versions.Ledger(4)
     packed = ledger.pack(base[1:])
     saved_versions._state.ledger = ledger
     try:

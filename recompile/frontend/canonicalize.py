@@ -245,8 +245,6 @@ class Canonicalizer:
     def stmt_ImportFrom(self, s):
         """``from m import x as y``: ``y`` the name ``x`` of the module Python's import gives (relative to the
         function's own package for ``from . import x``)."""
-        if any(a.name == "*" for a in s.names):
-            return self.stmt_With(s)  # (a SyntaxError in a function: Python's own compile says so)
         self.counter += 1
         module = f".module{self.counter}"
         fromlist = tuple(a.name for a in s.names)

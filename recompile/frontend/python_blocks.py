@@ -1,4 +1,4 @@
-"""``with``, ``try``, ``match``, ``class`` and ``import`` statements, run as the plain Python they are.
+"""``with``, ``try``, ``match`` and ``class`` statements, run as the plain Python they are.
 
 Such a statement becomes a nested function ``<with>`` (``<try>``, ...) that holds it, called where the
 statement stood: a nested scope like any other (``closures``), so Python itself runs ``__enter__`` and
@@ -14,8 +14,7 @@ import gast
 
 from .closures import walk_scope
 
-KINDS = {gast.With: "with", gast.Try: "try", gast.Match: "match", gast.ClassDef: "class", gast.Import: "import",
-         gast.ImportFrom: "import"}
+KINDS = {gast.With: "with", gast.Try: "try", gast.Match: "match", gast.ClassDef: "class"}
 if hasattr(gast, "TryStar"):
     KINDS[gast.TryStar] = "try"
 FELL_THROUGH, RETURNED, BROKE, CONTINUED = 0, 1, 2, 3

@@ -13,8 +13,8 @@ from __future__ import annotations
 import collections
 import inspect
 import math
-import types
 import operator
+import types
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +118,9 @@ def mutating_call(name, keywords, first=None):
 _INPLACE_AT = {}
 
 
+_UNKNOWN = object()
+
+
 def inplace_position(fn):
     """The position of callable ``fn``'s ``inplace`` parameter (``F.relu``, ``F.leaky_relu``), or None."""
     if isinstance(getattr(fn, "__self__", None), torch.Tensor):
@@ -137,8 +140,6 @@ def inplace_position(fn):
             _INPLACE_AT[key] = at
     return at
 
-
-_UNKNOWN = object()
 
 
 def built_in_place(fn):

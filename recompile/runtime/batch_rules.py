@@ -1346,7 +1346,7 @@ def _gather(n, fn, args, kwargs):
             # (Python ints, 0-d integer tensors among them where requests of other depths joined: each reads x's row)
             i = torch.tensor([k if type(k) is int else int(k) for k in items], device=x.device)
         elif i.dtype is torch.bool and 2 <= i.dim() <= x.dim() + 1 and i.shape[1:] == x.shape[:i.dim() - 1]:
-            return _masked(n, x.expand(n, *x.shape), i)  # (``w[m]``, each instance's mask of the shared w)
+            return _masked(n, _rows_each(n, x), i)  # (``w[m]``, each instance's mask of the shared w)
         elif i.dtype not in facts.INTEGER_INDEX or i.dim() < 1:
             return NotImplemented  # a mask per instance
         i = _held_index(i, x)
@@ -1426,6 +1426,13 @@ def _stacked_along(n, seqs, dim):
     return padded.rows_method(n, "movedim", found, (0, dim), {})
 
 
+def _rows_each(n, value):
+    """Each instance's tensor of ``value`` as the rows of one tensor: a batch's, or a shared tensor's expanded
+    (no copy); None for anything else."""
+    return bt.tensor_of(value) if type(value) is Batch else value.expand(n, *value.shape) \
+        if type(value) in PLAIN_TENSORS else None
+
+
 def _masked(n, t, mask):
     """``x[m]`` of each instance's bool mask ``m`` of x's leading dims (``t`` the rows of the instances' x, one
     per instance): every instance's chosen elements laid end to end, each instance's value its own stretch of
@@ -1461,8 +1468,7 @@ def _element_each(n, parts, index):
     k = bt.instance_index(index)
     if not parts or k is None:
         return NotImplemented
-    rows_of = [bt.tensor_of(p) if type(p) is Batch else p.expand(n, *p.shape) if type(p) in PLAIN_TENSORS else None
-               for p in parts]
+    rows_of = [_rows_each(n, p) for p in parts]
     if any(r is None for r in rows_of) or not bt.same_kind(rows_of, 0) or rows_of[0].dim() < 1 or \
             rows_of[0].shape[0] != n:
         return NotImplemented
@@ -1479,8 +1485,7 @@ def masked_select(n, fn, args, kwargs):
     each other, either or both each instance's own: each instance's stretch of the chosen elements."""
     if kwargs or len(args) != 2:
         return NotImplemented
-    x, m = (bt.tensor_of(a) if type(a) is Batch else a.expand(n, *a.shape) if type(a) in PLAIN_TENSORS else None
-            for a in args)
+    x, m = (_rows_each(n, a) for a in args)
     if x is None or m is None or m.dtype is not torch.bool or x.dim() != m.dim():
         return NotImplemented  # (instances of other ranks: where a broadcast puts their dims, each instance's call)
     try:

@@ -18,17 +18,17 @@ written instance's row (or in a gradient with no row per instance, a shared weig
 backward may need what its op saved, as eager's refuses.
 
 An op of the program that changes a batch's tensor in place is noted too (``program``: a later runtime write
-still follows it). Run for every instance of the run, it keeps torch's check where it reaches the saved
-tensor: the node raises when it runs, as eager's does for an instance that reaches it. Run for some of them
-(``partial``: a side of a branch, a loop's instances that went on, a recursion's deeper calls), it is noted
-with what it overwrote and the gradient decides, as for the runtime's writes: a node that saved one
-instance's tensor, or a tensor every instance of which was written, raises after it ran where any gradient
-it computed is not zero. There the batch's plumbing can lead the backward to the node with a gradient of zeros
-where eager's never runs it (a loop's rows that an instance changed and dropped, joined with the rows of
-instances that left; a side's copy written back); eager's may run it with those zeros too and refuse (``y -
-y``, a ``min`` that drops the slot). The two cannot be told apart: a gradient of zeros computes (the gradient
-of what was computed, from what was saved), which keeps the plumbing from refusing what eager computes. A
-run of one instance (``alone``: its graph is eager's) raises wherever eager's does.
+still follows it). Run for every instance of the run (``whole``), it keeps torch's check where it reaches the
+saved tensor: the node raises when it runs, as eager's does for an instance that reaches it. Run for some of
+them (a side of a branch, a loop's instances that went on, a recursion's deeper calls), it is noted with what
+it overwrote and the gradient decides, as for the runtime's writes: a node that saved one instance's tensor,
+or a tensor every instance of which was written, raises after it ran where any gradient it computed is not
+zero. There the batch's plumbing can lead the backward to the node with a gradient of zeros where eager's
+never runs it (a loop's rows that an instance changed and dropped, joined with the rows of instances that
+left; a side's copy written back); eager's may run it with those zeros too and refuse (``y - y``, a ``min``
+that drops the slot). The two cannot be told apart: a gradient of zeros computes (the gradient of what was
+computed, from what was saved), which keeps the plumbing from refusing what eager computes. A run of one
+instance (``alone``: its graph is eager's) raises wherever eager's does.
 
 Not installed where gradients are off, where the program changes nothing in place, inside torch.func's
 transforms (which refuse saved-tensor hooks) or under the caller's own hooks (one pair is active at a time):
@@ -56,18 +56,16 @@ class _Write:
     index along its first dim, a LongTensor or a list, or None for the whole view) and the values it overwrote
     (None where it moved the version alone: a copy whose source changed, ``moved``)."""
 
-    __slots__ = ("before", "after", "size", "stride", "offset", "index", "old", "target", "instances", "program",
-                 "partial")
+    __slots__ = ("before", "after", "size", "stride", "offset", "index", "old", "target", "instances", "whole")
 
-    def __init__(self, target, index, keeps_values, instances, program=False, partial=False):
+    def __init__(self, target, index, keeps_values, instances, whole=False):
         self.target = target.detach()  # (keeps the storage, so no other tensor reuses its address meanwhile)
         self.before = target._version
         self.after = None
         self.size, self.stride, self.offset = target.size(), target.stride(), target.storage_offset()
         self.index = index
         self.instances = instances  # (whether the target's dim 0 is the batch's instances, one row each)
-        self.program = program  # (an op of the program changed the target, not the runtime's copy of rows)
-        self.partial = partial  # (a program's op run for some of the run's instances: a side, a loop's rest)
+        self.whole = whole  # (a program's op run for every instance of the run: it keeps torch's check)
         self.old = None
         if not keeps_values:
             with torch.no_grad():
@@ -110,11 +108,11 @@ class Ledger:
     """The writes of one run, by storage. ``alone``: the run is one instance's, its graph the one eager records
     (a node that runs is that instance's)."""
 
-    def __init__(self, alone, n):
+    def __init__(self, n):
         self.writes = {}  # storage address -> [_Write], in order
         self.saved = set()  # the addresses of the storages of what was saved (a write elsewhere needs no note)
-        self.alone = alone
         self.n = n  # (the run's instances)
+        self.alone = n == 1
 
     def pack(self, t):
         # (an op's own output, whose node was made last, is kept detached: the node holding the tensor that holds
@@ -141,7 +139,7 @@ class Ledger:
             return saved
         node = torch._C._current_autograd_node()
         if node is not None:  # (None: read outside a backward, ``grad_fn._saved_self``)
-            if self.alone or any(w.program and not w.partial for w, _ in masks):
+            if self.alone or any(w.whole for w, _ in masks):
                 raise _changed(saved, version, now)  # (the node runs for a written instance: eager's refusal)
             _refuse_where_written_rows_need_it(node, saved, version, now, _rows_written(saved, masks))
         restoring = [w for w, _ in masks if w.old is not None]
@@ -189,12 +187,11 @@ def _refuse_where_written_rows_need_it(node, saved, version, now, rows):
     """After ``node`` (running in a backward, reading ``saved``) computed its gradients: raise torch's error
     where one of them is not zero in a written instance's row (``rows``: the dim of the instances, the written
     positions along it; None: every row is a written instance's), or where one with no row per instance (a
-    shared weight's) is not zero. The batch's ops
-    keep each instance apart, so a gradient in a written instance's row is that instance's: its backward needs
-    what its op saved, which eager refuses. A node of the batch's graph may run with a gradient of zeros where
-    eager's would not run (the rows of a join whose instances all went elsewhere); so may a written instance
-    whose gradient is zero there, which eager refuses: it gets the gradient of what was computed
-    (docs/batching.md, Limits)."""
+    shared weight's) is not zero. The batch's ops keep each instance apart, so a gradient in a written
+    instance's row is that instance's: its backward needs what its op saved, which eager refuses. A node of the
+    batch's graph may run with a gradient of zeros where eager's would not run (the rows of a join whose
+    instances all went elsewhere); so may a written instance whose gradient is zero there, which eager refuses:
+    it gets the gradient of what was computed (docs/batching.md, Limits)."""
     dim, at = rows if rows is not None else (None, None)
 
     def check(grad_inputs, grad_outputs):
@@ -251,7 +248,7 @@ class watching:
         if (active and _state.ledger is None and torch.is_grad_enabled()
                 and torch._C._autograd._saved_tensors_hooks_is_enabled()
                 and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
-            self.hooks = Ledger(alone=n == 1, n=n)
+            self.hooks = Ledger(n)
 
     def __enter__(self):
         ledger = self.hooks
@@ -285,9 +282,8 @@ class writing:
         if ledger is not None:
             address = target.untyped_storage().data_ptr()
             if address in ledger.saved:  # (no op saved a tensor of this storage yet: none needs the note)
-                partial = program and group is not None and group < ledger.n
-                self.write = _Write(target, index, keeps_values or program and not partial, instances, program,
-                                    partial)
+                whole = program and (group is None or group >= ledger.n)  # (what it overwrote is never read)
+                self.write = _Write(target, index, keeps_values or whole, instances, whole)
                 ledger.writes.setdefault(address, []).append(self.write)
 
     def __enter__(self):
