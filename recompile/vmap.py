@@ -10,23 +10,32 @@ own number of loop iterations, its own recursion (a tree per instance).
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 
 from . import config
 from .api import CompiledFunction
 from .dynamo import opaque
+from .ops.table import has_hooks
 from .runtime import batch as bt
 
 
 def vmap(fn, in_dims=0, out_dims=0):
-    """``fn`` (a ``recompile.function``, or one bound to an object) run for a batch of instances."""
+    """``fn`` run for a batch of instances: a ``recompile.function`` or a plain Python function (a def or a
+    lambda, compiled here as ``recompile.function`` would, once per function), either of them bound to an
+    object (``model.encode``), or a module without hooks (its ``forward``)."""
+    if isinstance(fn, torch.nn.Module) and not has_hooks(fn):
+        fn = fn.forward
     bound_self = ()
     cf = fn
-    if isinstance(fn, types.MethodType) and isinstance(fn.__func__, CompiledFunction):
+    if isinstance(fn, types.MethodType):
         cf, bound_self = fn.__func__, (fn.__self__,)
+    if isinstance(cf, types.FunctionType):
+        cf = _compiled(cf)
     if not isinstance(cf, CompiledFunction):
-        raise TypeError(f"recompile.vmap expects a recompile.function, got {type(fn).__name__}")
+        raise TypeError(f"recompile.vmap expects a function (a recompile.function, a def or a lambda), "
+                        f"got {type(fn).__name__}")
     if cf.mode != "batched":
         raise ValueError(f"recompile.vmap needs a function compiled with mode='batched' (this one is {cf.mode!r})")
     if not (out_dims is None or type(out_dims) is int):
@@ -36,6 +45,16 @@ def vmap(fn, in_dims=0, out_dims=0):
         return _run(cf, bound_self, in_dims, out_dims, args)
 
     return batched
+
+
+_COMPILED = weakref.WeakKeyDictionary()  # plain function -> its CompiledFunction (vmap of the same one again)
+
+
+def _compiled(fn):
+    found = _COMPILED.get(fn)
+    if found is None:
+        found = _COMPILED[fn] = CompiledFunction(fn)
+    return found
 
 
 @opaque  # under torch.compile: a graph break, not a trace of the runtime

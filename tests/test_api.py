@@ -416,3 +416,33 @@ def test_source_is_the_generated_python():
     assert f.stats["builds"] == 1  # inspecting builds (once) ...
     f(LEFT, RIGHT, VALS, 0)
     assert f.stats["builds"] == 1  # ... and calling does not build again
+
+
+# ---------------------------------------------------------------------------
+# lambdas: compiled as the def they stand for, found in their file wherever they sit
+
+LAMBDAS = {"twice": lambda x: x * 2,
+           "sign": lambda x: (x if x.sum() > 0
+                              else -x)}
+SIDE_BY_SIDE = (lambda x: x - 1), (lambda x: x + 5)
+CURRIED = lambda a: lambda x: x * a  # noqa: E731
+
+
+@pytest.mark.parametrize("fn", [LAMBDAS["twice"], LAMBDAS["sign"], SIDE_BY_SIDE[0], SIDE_BY_SIDE[1],
+                                CURRIED, CURRIED(3.0)], ids=["dict-entry", "two-lines", "first", "second",
+                                                            "outer", "inner"])
+@pytest.mark.parametrize("mode", ["batched", "sequential"])
+def test_a_lambda_compiles_as_the_def_it_stands_for(fn, mode):
+    x = torch.tensor([-1.0, 0.5])
+    want = fn(x)
+    got = recompile.function(fn, mode=mode)(x)
+    if callable(want):  # (the outer lambda returns a function: compare what each makes)
+        want, got = want(x), got(x)
+    assert torch.equal(got, want)
+
+
+def test_a_lambda_whose_source_is_gone_is_a_compile_error(tmp_path):
+    scope = {}
+    exec(compile("f = lambda x: x + 1\n", str(tmp_path / "gone.py"), "exec"), scope)
+    with pytest.raises(recompile.CompileError, match="cannot read the source of <lambda>"):
+        recompile.function(scope["f"])

@@ -1059,10 +1059,10 @@ def test_vmap_misuse_errors():
         recompile.vmap(cf, in_dims=(0, 0))(x, torch.ones(4))
     with pytest.raises(ValueError, match="at least one argument must be batched"):
         recompile.vmap(cf, in_dims=(None, None))(x, 2.0)
-    with pytest.raises(TypeError, match="expects a recompile.function"):
-        recompile.vmap(simple)
-    with pytest.raises(TypeError, match="expects a recompile.function"):
+    with pytest.raises(TypeError, match="expects a function"):
         recompile.vmap(torch.tanh)
+    with pytest.raises(TypeError, match="expects a function"):
+        recompile.vmap(3)
     with pytest.raises(ValueError, match="in_dims has 1 entries for 2 positional arguments"):
         recompile.vmap(cf, in_dims=(0,))(x, 2.0)
     with pytest.raises(ValueError, match="mode='batched'"):
@@ -2497,3 +2497,22 @@ def test_multihead_attention_over_each_instances_sequence_is_one_call(first, wei
         xb, keep, first, weights, own_batch)
     assert_close(got, want)
     assert_close(torch.autograd.grad(got.sum(), xb)[0], torch.autograd.grad(want.sum(), xe)[0])
+
+
+class Doubler(torch.nn.Module):
+    def forward(self, x, k):
+        return x * 2 if k > 0 else x
+
+
+def test_vmap_compiles_a_plain_function_a_lambda_a_method_and_a_module_once():
+    x, k = torch.randn(4, 3), torch.tensor([1, 0, 2, -1])
+    want = torch.stack([simple(a, b) for a, b in zip(x, k)])
+    assert torch.equal(recompile.vmap(simple)(x, k), want)
+    vmap_module = sys.modules["recompile.vmap"]  # (the module: the package's name is the function)
+    assert vmap_module._compiled(simple) is vmap_module._compiled(simple)  # (compiled once)
+    twice = lambda v, j: simple(v, j) * 2  # noqa: E731
+    assert torch.equal(recompile.vmap(twice)(x, k), want * 2)
+    m = Doubler()
+    want = torch.stack([m(a, b) for a, b in zip(x, k)])
+    assert torch.equal(recompile.vmap(m)(x, k), want)
+    assert torch.equal(recompile.vmap(m.forward)(x, k), want)

@@ -57,6 +57,8 @@ def parse_function(fn):
     # not as the function it wraps (inspect would follow __wrapped__)
     code = fn.__code__
     filename = inspect.getsourcefile(code) or code.co_filename
+    if code.co_name == "<lambda>":
+        return ParsedFunction(fn, _lambda_as_def(fn, filename), filename)
     try:
         lines, start = inspect.getsourcelines(code)
     except (OSError, TypeError) as exc:
@@ -80,3 +82,40 @@ def parse_function(fn):
         raise CompileError(f"recompile.function needs a def statement, got {type(node).__name__}",
                            filename, node.lineno, node.col_offset + 1, "def")
     return ParsedFunction(fn, node, filename)
+
+
+def _lambda_as_def(fn, filename):
+    """The lambda expression ``fn`` was made from, as the def it stands for (``def <lambda>(args): return
+    body``). Its file is parsed whole (a lambda often sits in a statement that is no statement alone: a dict's
+    entry, a call's argument); of the lambdas on its first line, the one whose body holds every position
+    Python's code for ``fn`` names (the innermost, where one holds another)."""
+    code = fn.__code__
+    lines = linecache.getlines(filename)
+    if not lines:
+        raise CompileError(f"cannot read the source of {fn.__qualname__}: could not get source code",
+                           filename, code.co_firstlineno, 1, "source")
+    try:
+        tree = gast.parse("".join(lines))
+    except SyntaxError as exc:
+        raise CompileError(f"cannot read the source of {fn.__qualname__}: {exc.msg}",
+                           filename, code.co_firstlineno, 1, "source") from None
+    spots = [(line, col) for line, _, col, _ in code.co_positions()
+             if line is not None and col is not None and (line, col) != (code.co_firstlineno, 0)]
+
+    def holds(body):
+        start, end = (body.lineno, body.col_offset), (body.end_lineno, body.end_col_offset)
+        return all(start <= spot < end for spot in spots)
+
+    found = [node for node in gast.walk(tree) if isinstance(node, gast.Lambda)
+             and node.lineno == code.co_firstlineno and holds(node.body)]
+    if not found:
+        raise CompileError(f"cannot find the source of {fn.__qualname__} in its file (changed since it was "
+                           "loaded?)", filename, code.co_firstlineno, 1, "lambda")
+    node = min(found, key=lambda n: (n.body.end_lineno - n.body.lineno, n.body.end_col_offset - n.body.col_offset))
+    ret = gast.Return(value=node.body)
+    define = gast.FunctionDef(name="<lambda>", args=node.args, body=[ret], decorator_list=[], returns=None,
+                              type_comment=None, type_params=[])
+    for made in (ret, define):
+        gast.copy_location(made, node)
+        made.end_lineno, made.end_col_offset = node.end_lineno, node.end_col_offset
+    return define
