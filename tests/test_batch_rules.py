@@ -334,6 +334,11 @@ RULED = {
     "nn_log_softmax_dim0": lambda w: (nn.LogSoftmax(dim=0), (_ROWS(w),), {}),
     "F_one_hot": lambda w: (F.one_hot, (w(randint(5, N, 3, seed=1)), 5), {}),
     "F_mse_loss": lambda w: (F.mse_loss, (_ROWS(w), w(rand(N, 2, 4, seed=2))), {}),
+    "F_kl_div_batchmean": lambda w: (F.kl_div, (w(rand(N, 2, 4, seed=1).log_softmax(-1)),
+                                                w(rand(N, 2, 4, seed=2).softmax(-1))), {"reduction": "batchmean"}),
+    "F_kl_div_log_target_sum": lambda w: (F.kl_div, (w(rand(N, 4, seed=1).log_softmax(-1)),
+                                                     rand(4, seed=2).log_softmax(-1)),
+                                          {"reduction": "sum", "log_target": True}),
     "F_l1_loss_sum_shared_target": lambda w: (F.l1_loss, (_ROWS(w), rand(2, 4, seed=2)), {"reduction": "sum"}),
     "F_smooth_l1_none": lambda w: (F.smooth_l1_loss, (_ROWS(w), w(rand(N, 2, 4, seed=2))),
                                    {"reduction": "none", "beta": 0.5}),
@@ -375,6 +380,11 @@ RULED = {
     "nn_nll_loss_sum": lambda w: (nn.NLLLoss(reduction="sum"), (w(rand(N, 3, 5, seed=1)), w(randint(5, N, 3, seed=2))),
                                   {}),
     "nn_bilinear": lambda w: (BILINEAR, (w(rand(N, 3, seed=1)), w(rand(N, 2, seed=2))), {}),
+    "nn_bilinear_shared_second": lambda w: (BILINEAR, (w(rand(N, 3, seed=1)), rand(2, seed=2)), {}),
+    "F_bilinear_rows": lambda w: (F.bilinear, (w(rand(N, 2, 3, seed=1)), w(rand(N, 2, 2, seed=2)),
+                                               BILINEAR.weight, BILINEAR.bias), {}),
+    "F_bilinear_keywords_shared_first": lambda w: (F.bilinear, (), {
+        "input1": rand(3, seed=1), "input2": w(rand(N, 2, seed=2)), "weight": BILINEAR.weight}),
 }
 OPS.update(RULED)
 

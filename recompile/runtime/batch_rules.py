@@ -2592,13 +2592,17 @@ def one_hot(n, fn, args, kwargs):
     return NotImplemented if t is None else bt.from_tensor(fn(t, classes))
 
 
+_LOSS_OPTIONS = frozenset(("reduction", "beta", "delta", "weight", "pos_weight", "log_target"))
+
+
 @BATCH.register(F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
-                F.binary_cross_entropy_with_logits, F.soft_margin_loss)
+                F.binary_cross_entropy_with_logits, F.soft_margin_loss, F.kl_div)
 def pointwise_loss(n, fn, args, kwargs):
     """A loss of each element of an instance's input against the same element of its target (either may be
-    shared, of the instance's shape): the elements' losses in one call, then each instance's sum or mean."""
-    if len(args) != 2 or not set(kwargs) <= {"reduction", "beta", "delta", "weight", "pos_weight"} or any(
-            type(v) is Batch for v in kwargs.values()) or not any(type(a) is Batch for a in args):
+    shared, of the instance's shape): the elements' losses in one call, then each instance's sum or mean
+    (``kl_div``'s ``batchmean``: the sum over the instance's first dim's size)."""
+    if len(args) != 2 or not set(kwargs) <= _LOSS_OPTIONS or any(type(v) is Batch for v in kwargs.values()) or \
+            not any(type(a) is Batch for a in args):
         return NotImplemented
     x, y = (bt.tensor_of(a) if type(a) is Batch else a if type(a) in PLAIN_TENSORS else None for a in args)
     if x is None or y is None:
@@ -2607,6 +2611,10 @@ def pointwise_loss(n, fn, args, kwargs):
     if (y.shape[1:] if type(args[1]) is Batch else y.shape) != shape:
         return NotImplemented  # (shapes that broadcast: torch warns, once per instance)
     reduction = kwargs.get("reduction", "mean")
+    if reduction == "batchmean" and fn is F.kl_div and shape:
+        reduction, per = "sum", shape[0]  # (an instance's own first dim: torch's batch)
+    else:
+        per = 1
     if reduction not in ("none", "sum", "mean") or any(
             isinstance(v, torch.Tensor) and v.dim() > len(shape) for v in kwargs.values()):
         return NotImplemented  # (a weight of more dims than an instance's: broadcast onto the instances)
@@ -2616,7 +2624,8 @@ def pointwise_loss(n, fn, args, kwargs):
     if reduction == "none" or out.dim() == 1:
         return bt.from_tensor(out)
     dims = tuple(range(1, out.dim()))
-    return bt.from_tensor(out.sum(dims) if reduction == "sum" else out.mean(dims))
+    return bt.from_tensor((out.sum(dims) if per == 1 else out.sum(dims) / per) if reduction == "sum" else
+                          out.mean(dims))
 
 
 @BATCH.register(torch.norm)
@@ -2868,15 +2877,31 @@ def loss_module(n, module, args, kwargs):
     return cross_entropy(n, fn, args, {"reduction": module.reduction})
 
 
-@BATCH.register(nn.Bilinear)
-def bilinear(n, module, args, kwargs):
-    """``nn.Bilinear`` of two batched inputs of one shape but the last dim: the module on the batch's rows."""
-    if kwargs or len(args) != 2 or not all(type(a) is Batch for a in args) or "forward" in module.__dict__:
+@BATCH.register(nn.Bilinear, F.bilinear)
+def bilinear(n, fn, args, kwargs):
+    """``F.bilinear(x1, x2, weight, bias)`` or ``nn.Bilinear`` with shared weights, of inputs of one shape but
+    the last dim (one of them may be shared, of the instance's shape): one call on the batch's rows."""
+    if isinstance(fn, nn.Module):
+        if kwargs or len(args) != 2 or "forward" in fn.__dict__:
+            return NotImplemented
+        inputs, weights = args, (fn.weight, fn.bias)
+    else:
+        found = _by_names(args, kwargs, ("input1", "input2", "weight", "bias"))
+        if found is None or "weight" not in found:
+            return NotImplemented
+        inputs, weights = (found.get("input1"), found.get("input2")), (found["weight"], found.get("bias"))
+    if any(type(w) is Batch for w in weights) or not any(type(v) is Batch for v in inputs):
         return NotImplemented
-    a, b = (bt.tensor_of(v) for v in args)
-    if a is None or b is None or a.shape[:-1] != b.shape[:-1]:
+    a, b = (bt.tensor_of(v) if type(v) is Batch else v if type(v) in PLAIN_TENSORS else None for v in inputs)
+    if a is None or b is None:
         return NotImplemented
-    return bt.from_tensor(module(a, b))
+    if type(inputs[0]) is not Batch:
+        a = a.expand(b.shape[0], *a.shape)
+    if type(inputs[1]) is not Batch:
+        b = b.expand(a.shape[0], *b.shape)
+    if a.shape[:-1] != b.shape[:-1]:
+        return NotImplemented  # (inputs that broadcast: each instance's own call)
+    return bt.from_tensor(F.bilinear(a, b, *weights))
 
 
 def _sized(name):
