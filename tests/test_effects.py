@@ -8,7 +8,9 @@ import torch
 
 import recompile
 from bound_globals import bound_globals  # (tests/ is on sys.path under pytest)
+from recompile import config
 from recompile.passes import effects
+from test_segments import switched
 from recompile.passes.pipeline import FINAL
 
 
@@ -270,3 +272,105 @@ def test_an_inplace_flag_by_position_or_a_module_built_in_place_changes_its_argu
     assert f.callee(None).may_mutate is mutates
     x = torch.tensor([[2.0, -1.0, 3.0], [-2.0, 1.0, -0.5]])
     torch.testing.assert_close(recompile.vmap(f)(x), torch.stack([fn(r) for r in x]))
+
+
+# -- a stack the function keeps (a shift-reduce parser's), and ints a branch moves
+
+CELL = torch.nn.Linear(3, 3).double()
+
+
+def shift_reduce(xs, acts):
+    """A shift-reduce parser's stack: shift pushes the next word, reduce pops two and pushes their parent."""
+    stack = []
+    i = 0
+    for a in acts:
+        if a == 0:
+            stack.append(xs[i])
+            i += 1
+        elif len(stack) >= 2:
+            right = stack.pop()
+            left = stack.pop()
+            stack.append(torch.tanh(CELL(left + right)))
+    return torch.stack(stack).sum(0) + stack[-1]
+
+
+def popped_while_iterated(xs, acts):
+    stack = [xs[0], xs[1], xs[2]]
+    total = xs[0] * 0
+    for v in stack:
+        total = total + v
+        if len(stack) > 1:
+            stack.pop()
+    return total
+
+
+def counted_in_a_branch(xs, n):
+    t = 0
+    k = 0
+    while t < n:
+        if xs[t].sum() > 0:
+            k += 2
+        t += 1
+    return xs[k // 2] * 1.0
+
+
+def moved_by_a_tensor(xs, n):
+    k = 0
+    for t in range(n):
+        k += xs[t, 0]  # (an int plus a tensor: no int from here on)
+    return xs[0] * k
+
+
+@pytest.mark.parametrize("fn, local", [(shift_reduce, True), (popped_while_iterated, False)],
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_a_stack_the_function_keeps_changes_nothing_in_place_unless_a_for_reads_it(fn, local):
+    f = recompile.function(fn)
+    assert f.callee(None).may_mutate is not local
+
+
+@pytest.mark.parametrize("fn, ints", [(counted_in_a_branch, 2), (moved_by_a_tensor, 0)],
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_an_int_moved_by_ints_in_a_branch_changes_nothing_in_place(fn, ints):
+    f = recompile.function(fn)
+    assert len(effects.int_counting(f.callee(None).subgraph(FINAL))) == ints
+    if ints:
+        assert not f.callee(None).may_mutate
+
+
+ACTS = [[0, 0, 1, 0, 1, 0, 0, 1, 1, 0, 1], [0, 0, 0, 1, 1, 0, 1, 0, 0, 1, 1], [0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0],
+        [0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]]
+
+
+def test_a_shift_reduce_parser_under_vmap_batches_and_gives_eager_values_and_gradients():
+    xs = torch.randn(4, 6, 3, dtype=torch.float64, requires_grad=True)
+    acts = torch.tensor(ACTS)
+    f = recompile.function(shift_reduce)
+    with switched(config, "error", "PER_INSTANCE"):  # (every op batched: none runs once per instance)
+        got = recompile.vmap(f)(xs, acts)
+    want = torch.stack([shift_reduce(xs[k], acts[k]) for k in range(4)])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+    assert f.stats["per_instance"] == {}
+    xs = torch.randn(4, 6, 3, dtype=torch.float64)
+    n = torch.tensor([1, 3, 6, 2])
+    got = recompile.vmap(recompile.function(counted_in_a_branch))(xs, n)
+    torch.testing.assert_close(got, torch.stack([counted_in_a_branch(xs[k], int(n[k])) for k in range(4)]))
+
+
+def popped_regardless(xs, acts):
+    stack = []
+    for a in acts:
+        if a == 0:
+            stack.append(xs[0])
+        else:
+            stack.pop()
+    return xs[0] * len(stack)
+
+
+def test_a_pop_of_an_empty_stack_raises_pythons_index_error():
+    xs = torch.randn(3, 2)
+    f = recompile.vmap(recompile.function(popped_regardless))
+    torch.testing.assert_close(f(xs, torch.tensor([[0, 0, 1], [0, 1, 0], [0, 0, 0]])),
+                               xs[:, 0] * torch.tensor([1.0, 1.0, 3.0]))
+    with pytest.raises(IndexError, match="pop from empty list"):
+        f(xs, torch.tensor([[0, 0, 1], [0, 1, 1], [0, 0, 0]]))

@@ -284,6 +284,7 @@ GROWN = {
                            "torch._VariableFunctionsClass.max -> recompile:_dim_rule.<locals>.rule",
                            "torch._VariableFunctionsClass.min -> recompile:_dim_rule.<locals>.rule"}),
     "batch_rules.METHOD_RULES": ({"'append' -> recompile:appended", "'extend' -> recompile:extended",
+                                  "'pop' -> recompile:popped",
                                   "'numel' -> recompile:numel", "'masked_select' -> recompile:masked_select_method",
                                   *(f"'{m}' -> recompile:method_rule.<locals>.rule" for m in dicts.METHODS),
                                   "'nelement' -> recompile:numel",

@@ -79,23 +79,59 @@ def subgraph_may_mutate(sg, may_mutate):
 
 
 def int_counting(sg):
-    """The ``+=`` / ``-=`` ops (in ``sg`` and what it holds) of a loop's counter that starts as an int and
-    only moves by int constants (``t = 0; while ...: t += 1``): an int's augmented assignment makes a new
-    int, and changes nothing in place."""
-    found = set()
+    """The ``+=`` / ``-=`` ops (in ``sg`` and what it holds) of a value that is always an int: a counter that
+    starts as an int and moves by ints (``t = 0; while ...: t += 1``), in a loop or in a branch of one
+    (``if a == 0: i += 1``), or a sum of such. An int's augmented assignment makes a new int, and changes
+    nothing in place."""
+    ints = _int_values(sg)
+    return {o for s in sg.walk() for o in s.ops
+            if isinstance(o, ir.Call) and isinstance(o.fn, ir.Const) and o.fn.value in _COUNTING
+            and len(o.args) == 2 and not o.kwargs and all(_is_int(a, ints) for a in o.args)}
+
+
+# ops of two ints that give an int
+_INT_ARITHMETIC = (*_COUNTING, operator.add, operator.sub, operator.mul, operator.imul)
+
+
+def _is_int(operand, ints):
+    return type(operand.value) is int if isinstance(operand, ir.Const) else operand in ints
+
+
+def _int_values(sg):
+    """The Values of ``sg`` (and what it holds) that are ints in every run: what int arithmetic of ints gives, and
+    what branches and loops pass along of ints. The largest such set: every candidate is taken for an int, then
+    those that may not be are dropped until none is left to drop (a loop's counter feeds itself)."""
+    made, feeds = {}, {}  # Value -> the operands it is made of, or is given, all of which must be ints
     for s in sg.walk():
         for o in s.ops:
-            if not isinstance(o, ir.While):
-                continue
-            for j, start in enumerate(o.loop_vars):
-                step = o.body_sg.outputs[j]
-                up = step.op if isinstance(step, ir.Value) else None
-                if (isinstance(start, ir.Const) and type(start.value) is int and isinstance(up, ir.Call)
-                        and isinstance(up.fn, ir.Const) and up.fn.value in _COUNTING and len(up.args) == 2
-                        and not up.kwargs and up.args[0] is o.body_sg.inputs[j]
-                        and isinstance(up.args[1], ir.Const) and type(up.args[1].value) is int):
-                    found.add(up)
-    return found
+            if isinstance(o, ir.Call) and isinstance(o.fn, ir.Const) and o.fn.value in _INT_ARITHMETIC \
+                    and len(o.args) == 2 and not o.kwargs:
+                made[o.output] = list(o.args)
+            elif isinstance(o, ir.Cond):
+                for j, out in enumerate(o.outputs):
+                    made[out] = [o.then_sg.outputs[j], o.else_sg.outputs[j]]
+                for branch in (o.then_sg, o.else_sg):
+                    for given, value in zip(branch.inputs, o.args):
+                        feeds.setdefault(given, []).append(value)
+            elif isinstance(o, ir.While):
+                carried = [*o.loop_vars, *o.invariants]
+                for j, out in enumerate(o.outputs):
+                    made[out] = [o.loop_vars[j], o.body_sg.outputs[j]]
+                for part in (o.cond_sg, o.body_sg):
+                    for j, given in enumerate(part.inputs):
+                        feeds.setdefault(given, []).append(carried[j])
+                        if j < len(o.loop_vars):
+                            feeds[given].append(o.body_sg.outputs[j])
+    needs = {**made, **feeds}
+    ints = set(needs)
+    changed = True
+    while changed:
+        changed = False
+        for v in list(ints):
+            if not all(_is_int(a, ints) for a in needs[v]):
+                ints.discard(v)
+                changed = True
+    return ints
 
 
 def build_time_value(capture):
@@ -118,17 +154,18 @@ def subgraph_mutates(sg):
 
 
 _APPENDING = frozenset({"append", "extend", "insert"})
+_ITERATING = frozenset({intrinsics.as_sequence, intrinsics.has_index})  # (how a ``for`` reads a list)
 # what reads a list without keeping it or changing it (and any torch function: ``torch.stack(hs)``)
 _LIST_READS = frozenset({operator.getitem, len, intrinsics.as_sequence, intrinsics.has_index, intrinsics.unpack,
                          sum, max, min, tuple, list, sorted, any, all})
 
 
 def local_appends(sg):
-    """The ``xs.append(v)`` calls (``extend``, ``insert``; in function SubGraph ``sg`` and what it holds) of a
-    list the function built itself (``xs = []``) and hands to nothing but its own appends, reads
-    (``torch.stack(xs)``, ``xs[-1]``, ``len(xs)``, a ``for`` over it), its loops and branches, and its result:
-    no one else sees the list while it grows, and no tensor changes, so to the rest of the program (and to the
-    caller) the function changes nothing in place."""
+    """The ``xs.append(v)`` calls (``extend``, ``insert``, and ``pop`` of a list no ``for`` reads: a stack; in
+    function SubGraph ``sg`` and what it holds) of a list the function built itself (``xs = []``) and hands to
+    nothing but its own appends, reads (``torch.stack(xs)``, ``xs[-1]``, ``len(xs)``, a ``for`` over it), its
+    loops and branches, and its result: no one else sees the list while it changes, and no tensor changes, so to
+    the rest of the program (and to the caller) the function changes nothing in place."""
     uses = {}
     for s in sg.walk():
         for o in s.ops:
@@ -149,6 +186,7 @@ def _appends_of(built, uses, sg):
     """The append calls of list ``built`` where every use of it (and of the names loops and branches give it)
     is one ``local_appends`` allows, else None."""
     appends, pending, seen = set(), [built], set()
+    popped = iterated = False
     while pending:
         while pending:
             value = pending.pop()
@@ -168,7 +206,9 @@ def _appends_of(built, uses, sg):
                     pending += [o.then_sg.inputs[j], o.else_sg.inputs[j]]
                 elif not isinstance(o, ir.Call) or o.star or o.fn is value or any(v is value for _, v in o.kwargs):
                     return None  # (the list by keyword, ``torch.stack(tensors=hs)``; not other keywords, ``dim=1``)
-                elif _is_appender(o, value):
+                elif _is_appender(o, value) or _is_popper(o, value):
+                    if _is_popper(o, value):
+                        popped = True
                     callers = uses.get(o.output, ())
                     if not all(isinstance(c, ir.Call) and c.fn is o.output and o.output not in c.args
                                and not any(v is o.output for _, v in c.kwargs) for c in callers):
@@ -176,6 +216,8 @@ def _appends_of(built, uses, sg):
                     appends.update(callers)
                 elif not (_reads_lists(o) or _returned_in_tuple(o, uses, sg)):
                     return None
+                elif isinstance(o.fn, ir.Const) and o.fn.value in _ITERATING:
+                    iterated = True
         # where a loop or branch hands it on: a loop's body gives it back in its own place (else another name
         # could take it); a branch's result that may be it is followed as it is
         for s in sg.walk():
@@ -187,6 +229,8 @@ def _appends_of(built, uses, sg):
                 elif isinstance(o, ir.Cond):
                     pending += [out for k, out in enumerate(o.outputs) if out not in seen and (
                         o.then_sg.outputs[k] in seen or o.else_sg.outputs[k] in seen)]
+    if popped and iterated:
+        return None  # (a ``for`` over a list that also shrinks: the batch's copy of it tells a list that only grew)
     return appends
 
 
@@ -208,6 +252,12 @@ def growing(o):
 def _is_appender(o, value):
     found = growing(o)
     return found is not None and found[0] is value
+
+
+def _is_popper(o, value):
+    """Whether op ``o`` reads ``xs.pop`` of list ``value`` (a stack's: the item taken is the call's result)."""
+    return isinstance(o, ir.Call) and isinstance(o.fn, ir.Const) and o.fn.value is getattr and len(o.args) == 2 \
+        and o.args[0] is value and isinstance(o.args[1], ir.Const) and o.args[1].value == "pop"
 
 
 def _reads_lists(o):

@@ -1018,7 +1018,17 @@ def join(n, sides, order=None):
         kind, size = kinds.pop()
         items = [(_joined_items(v), p) for v, p in sides]
         return from_struct(kind, [join(n, [(each[j], p) for each, p in items], order) for j in range(size)], n)
-    return Batch(n, pieces=([(v, len(p)) for v, p in sides], order))
+    joined = Batch(n, pieces=([(v, len(p)) for v, p in sides], order))
+    if all(type(v) in NUMBERS or _numbers(v) for v, _ in sides):
+        # (``i += 1`` on one side: Python numbers, which nothing changes in place, are each instance's at once,
+        # so that the ops of ints and indices read them as such: ``xs[i]``, ``i + 1``)
+        return Batch(n, items=items_of(joined))
+    return joined
+
+
+def _numbers(value):
+    return type(value) is Batch and value.owner == "items" and value.thunk is None and all(
+        type(v) in NUMBERS for v in value.items)
 
 
 def _joined_kind(value):

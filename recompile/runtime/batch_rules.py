@@ -1714,7 +1714,7 @@ def attribute(n, fn, args, kwargs):
             return Batch(x.n, method=(x, name))
     if dicts.has_method(x, name):  # (``d.get("h")``, ``d.values()``: see ``dicts``)
         return Batch(x.n, method=(x, name))
-    if name in ("append", "extend") and (x.struct is not None and x.owner is None and x.struct[0] is list or
+    if name in ("append", "extend", "pop") and (x.struct is not None and x.owner is None and x.struct[0] is list or
                              x.owner == "items" and all(type(v) is list for v in x.items)):
         return Batch(x.n, method=(x, name))  # (``hs.append(h)`` of lists the program built: see ``appended``)
     if x.struct is not None and x.owner is None:  # (a field of what an op returned: ``x.max(-1).values``)
@@ -1853,6 +1853,22 @@ def extended(n, xs, args, kwargs):
             each.extend(more)
         return None
     return NotImplemented
+
+
+@BATCH.register("pop")
+def popped(n, xs, args, kwargs):
+    """``xs.pop()`` (``xs.pop(i)``, a shared int i) of a list the program built, held as its elements: the element
+    taken from the list every name of it sees; of each instance's own list, each instance's, where every list has
+    it (else each instance's own call: Python's IndexError where one has not)."""
+    if kwargs or len(args) > 1 or args and type(args[0]) is not int:
+        return NotImplemented
+    at = args[0] if args else -1
+    if xs.owner == "items" and all(type(v) is list and -len(v) <= at < len(v) for v in xs.items):
+        return bt.from_items([each.pop(at) for each in xs.items])
+    if xs.struct is None or xs.owner is not None or xs.struct[0] is not list or not \
+            -len(xs.struct[1]) <= at < len(xs.struct[1]):
+        return NotImplemented
+    return xs.struct[1].pop(at)
 
 
 @BATCH.register(int, float, bool)
