@@ -19,6 +19,7 @@ import bench_fusion  # noqa: E402
 import bench_in_place  # noqa: E402
 import bench_idioms  # noqa: E402
 import bench_memory  # noqa: E402
+import bench_parsers  # noqa: E402
 import bench_sequences  # noqa: E402
 import bench_threads  # noqa: E402
 import bench_tree_lstm as bench  # noqa: E402
@@ -178,3 +179,15 @@ def test_distributed_benchmark_checks_and_times_one_and_two_processes():
     efficiency = float(out.split("scaling efficiency of 2 processes: ")[1].split()[0])
     assert efficiency == pytest.approx(float(rows["2 processes, DDP"][0]) / (2 * float(rows["1 process"][0])),
                                        abs=0.01)
+
+
+@pytest.mark.slow  # (about 6 s: every spelling checked in float64)
+def test_parsers_benchmark_checks_and_times_every_stack_spelling(capsys):
+    bench_parsers.main(["--trees", "6", "--batch", "3", "--repeats", "1"])
+    out = capsys.readouterr().out
+    spellings = len(bench_parsers.SPELLINGS)
+    assert out.count("matches eager and the Tree-LSTM; per-instance ops: none") == spellings  # (main raises
+    # before the table otherwise)
+    assert "SPINN batched by hand      matches eager" in out
+    rows = [line for line in out.splitlines() if line.rstrip().endswith("x") and " 3 " in line]
+    assert len(rows) == 2 * spellings  # each spelling, inference and training

@@ -294,6 +294,37 @@ def shift_reduce(xs, acts):
     return torch.stack(stack).sum(0) + stack[-1]
 
 
+def shift_reduce_sliced(xs, acts):
+    """The stack cut by slices and grown by ``+``: each instance's new list each time."""
+    stack = []
+    i = 0
+    for a in acts:
+        if a == 0:
+            stack = stack + [xs[i]]
+            i += 1
+        elif len(stack) >= 2:
+            left, right = stack[-2:]
+            stack = stack[:-2] + [torch.tanh(CELL(left + right))]
+    return torch.stack(stack).sum(0) + stack[-1]
+
+
+def shift_reduce_deleted(xs, acts):
+    """The stack read by index and cut by ``del``."""
+    stack = []
+    i = 0
+    for a in acts:
+        if a == 0:
+            stack.append(xs[i])
+            i += 1
+        elif len(stack) >= 2:
+            left, right = stack[-2], stack[-1]
+            del stack[-2:]
+            stack.append(torch.tanh(CELL(left + right)))
+            del stack[0]
+            stack.insert(0, xs[0])
+    return torch.stack(stack).sum(0) + stack[-1]
+
+
 def popped_while_iterated(xs, acts):
     stack = [xs[0], xs[1], xs[2]]
     total = xs[0] * 0
@@ -311,7 +342,7 @@ def counted_in_a_branch(xs, n):
         if xs[t].sum() > 0:
             k += 2
         t += 1
-    return xs[k // 2] * 1.0
+    return xs[k // 4] * 1.0
 
 
 def moved_by_a_tensor(xs, n):
@@ -321,7 +352,8 @@ def moved_by_a_tensor(xs, n):
     return xs[0] * k
 
 
-@pytest.mark.parametrize("fn, local", [(shift_reduce, True), (popped_while_iterated, False)],
+@pytest.mark.parametrize("fn, local", [(shift_reduce, True), (shift_reduce_sliced, True), (shift_reduce_deleted, True),
+                                       (popped_while_iterated, False)],
                          ids=lambda v: getattr(v, "__name__", str(v)))
 def test_a_stack_the_function_keeps_changes_nothing_in_place_unless_a_for_reads_it(fn, local):
     f = recompile.function(fn)
@@ -341,13 +373,15 @@ ACTS = [[0, 0, 1, 0, 1, 0, 0, 1, 1, 0, 1], [0, 0, 0, 1, 1, 0, 1, 0, 0, 1, 1], [0
         [0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]]
 
 
-def test_a_shift_reduce_parser_under_vmap_batches_and_gives_eager_values_and_gradients():
+@pytest.mark.parametrize("parse", [shift_reduce, shift_reduce_sliced, shift_reduce_deleted],
+                         ids=lambda v: v.__name__)
+def test_a_shift_reduce_parser_under_vmap_batches_and_gives_eager_values_and_gradients(parse):
     xs = torch.randn(4, 6, 3, dtype=torch.float64, requires_grad=True)
     acts = torch.tensor(ACTS)
-    f = recompile.function(shift_reduce)
+    f = recompile.function(parse)
     with switched(config, "error", "PER_INSTANCE"):  # (every op batched: none runs once per instance)
         got = recompile.vmap(f)(xs, acts)
-    want = torch.stack([shift_reduce(xs[k], acts[k]) for k in range(4)])
+    want = torch.stack([parse(xs[k], acts[k]) for k in range(4)])
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
     assert f.stats["per_instance"] == {}

@@ -266,6 +266,8 @@ GROWN = {
                                     (intrinsics.build_dict, batch_rules.dict_display),
                                     # ``y[index] = v`` of each instance's own tensor: one write of the batch's rows
                                     (operator.setitem, batch_rules.set_item),
+                                    # ``del xs[-2:]`` of each instance's own list
+                                    (operator.delitem, batch_rules.deleted),
                                     # an index_select keeping only its input's sizes, as eager's (vmap's kept it)
                                     (torch.index_select, batch_rules._BY_DIM),
                                     # a norm over all of each instance's elements too (vmap's was per group)
@@ -284,7 +286,7 @@ GROWN = {
                            "torch._VariableFunctionsClass.max -> recompile:_dim_rule.<locals>.rule",
                            "torch._VariableFunctionsClass.min -> recompile:_dim_rule.<locals>.rule"}),
     "batch_rules.METHOD_RULES": ({"'append' -> recompile:appended", "'extend' -> recompile:extended",
-                                  "'pop' -> recompile:popped",
+                                  "'pop' -> recompile:popped", "'insert' -> recompile:inserted",
                                   "'numel' -> recompile:numel", "'masked_select' -> recompile:masked_select_method",
                                   *(f"'{m}' -> recompile:method_rule.<locals>.rule" for m in dicts.METHODS),
                                   "'nelement' -> recompile:numel",

@@ -123,13 +123,11 @@ _UNKNOWN = object()
 
 def inplace_position(fn):
     """The position of callable ``fn``'s ``inplace`` parameter (``F.relu``, ``F.leaky_relu``), or None."""
-    if isinstance(getattr(fn, "__self__", None), torch.Tensor):
-        return None  # (a tensor's method: ``x.relu_()`` is in place by its name, none takes ``inplace``)
-    # (kept for what lives as long as the program: functions, classes, a module's type; not for a call's own
-    # values, a bound method or a batch of callables, which the table would keep alive)
-    key = type(fn) if isinstance(fn, nn.Module) else fn if isinstance(
-        fn, (type, types.FunctionType, types.BuiltinFunctionType)) and not hasattr(fn, "__func__") else None
-    at = _INPLACE_AT.get(key, _UNKNOWN) if key is not None else _UNKNOWN
+    key = _inplace_key(fn)
+    try:
+        at = _INPLACE_AT.get(key, _UNKNOWN)  # (read once per key: this runs for every op a batched run calls)
+    except TypeError:  # (an unhashable callable)
+        key, at = None, _UNKNOWN
     if at is _UNKNOWN:
         try:
             names = list(inspect.signature(fn).parameters)
@@ -140,6 +138,21 @@ def inplace_position(fn):
             _INPLACE_AT[key] = at
     return at
 
+
+def _inplace_key(fn):
+    """What ``fn``'s parameters are read by in ``_INPLACE_AT``: something that lives as long as the program (a
+    function, a class, a module's type; a bound method's function, or the type and name of the object a builtin
+    method is bound to: ``hs.append``), never a call's own values, which the table would keep alive; None for
+    what has none (a batch of callables)."""
+    if isinstance(fn, nn.Module):
+        return type(fn)
+    kind = type(fn)
+    if kind is types.MethodType:
+        return kind, fn.__func__  # (its parameters but the first: not the function's own positions)
+    if kind is types.BuiltinMethodType:
+        bound = fn.__self__
+        return fn if bound is None or isinstance(bound, (type, types.ModuleType)) else (type(bound), fn.__name__)
+    return fn if isinstance(fn, (type, types.FunctionType)) else None
 
 
 def built_in_place(fn):

@@ -161,9 +161,9 @@ _LIST_READS = frozenset({operator.getitem, len, intrinsics.as_sequence, intrinsi
 
 
 def local_appends(sg):
-    """The ``xs.append(v)`` calls (``extend``, ``insert``, and ``pop`` of a list no ``for`` reads: a stack; in
-    function SubGraph ``sg`` and what it holds) of a list the function built itself (``xs = []``) and hands to
-    nothing but its own appends, reads (``torch.stack(xs)``, ``xs[-1]``, ``len(xs)``, a ``for`` over it), its
+    """The ``xs.append(v)`` calls (``extend``, ``insert``; ``pop`` and ``del xs[i]`` of a list no ``for`` reads: a
+    stack; in function SubGraph ``sg`` and what it holds) of a list the function built itself (``xs = []``) and
+    hands to nothing but its own appends, reads (``torch.stack(xs)``, ``xs[-1]``, ``len(xs)``, a ``for`` over it), its
     loops and branches, and its result: no one else sees the list while it changes, and no tensor changes, so to
     the rest of the program (and to the caller) the function changes nothing in place."""
     uses = {}
@@ -206,6 +206,10 @@ def _appends_of(built, uses, sg):
                     pending += [o.then_sg.inputs[j], o.else_sg.inputs[j]]
                 elif not isinstance(o, ir.Call) or o.star or o.fn is value or any(v is value for _, v in o.kwargs):
                     return None  # (the list by keyword, ``torch.stack(tensors=hs)``; not other keywords, ``dim=1``)
+                elif isinstance(o.fn, ir.Const) and o.fn.value is operator.delitem and o.args[0] is value and \
+                        value not in o.args[1:]:
+                    appends.add(o)  # (``del stack[-2:]``: it shrinks, as a pop does)
+                    popped = True
                 elif _is_appender(o, value) or _is_popper(o, value):
                     if _is_popper(o, value):
                         popped = True

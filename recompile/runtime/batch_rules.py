@@ -73,7 +73,7 @@ def call(n, fn, args, kwargs=None):
     else:
         with noted:
             out = _call(n, fn, args, kwargs)
-    if (bt.CACHES or bt.MADE_FROM) and (_changes_in_place(fn) or facts.asks_in_place(fn, args, kwargs)):
+    if (bt.CACHES or bt.MADE_FROM) and (_changes_in_place(fn) or _asks_in_place(fn, args, kwargs)):
         # (a change through a view of a value joined from pieces, or of a value copies were made from where eager
         # makes views: see bt.CACHES, bt.MADE_FROM)
         bt.after_in_place(_in_place_target(fn, args))
@@ -83,7 +83,7 @@ def call(n, fn, args, kwargs=None):
 def _noted_change(n, fn, args, kwargs):
     """The note of in-place op ``fn``'s change of its target's tensor in the run's ledger (saved_versions), or
     None for an op that changes nothing in place or no tensor of its own."""
-    if not (_changes_in_place(fn) or facts.asks_in_place(fn, args, kwargs)):
+    if not (_changes_in_place(fn) or _asks_in_place(fn, args, kwargs)):
         return None
     target = _in_place_target(fn, args)
     rows = n > 1 and type(target) is Batch
@@ -101,6 +101,11 @@ def _in_place_target(fn, args):
     if isinstance(receiver, torch.Tensor):
         return receiver
     return args[0] if args else None
+
+
+def _asks_in_place(fn, args, kwargs):
+    """``facts.asks_in_place``; a tensor method's batch (``x.relu``) takes no ``inplace`` flag."""
+    return type(fn) is not Batch and facts.asks_in_place(fn, args, kwargs)
 
 
 def _changes_in_place(fn):
@@ -474,7 +479,7 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     # the other instances' rows, viewed before, count as leaves, which autograd lets no one change, until what
     # autograd records of them is read again)
     target = _in_place_target(fn, args) if torch.is_grad_enabled() and (
-        _changes_in_place(fn) or facts.asks_in_place(fn, args, kwargs)) else None
+        _changes_in_place(fn) or _asks_in_place(fn, args, kwargs)) else None
     items = bt.items_of(target) if type(target) is Batch else None
     results = []
     for k in range(n):
@@ -817,11 +822,32 @@ def _joined_structs(n, fn, a, b):
     kind_b, parts_b = parts(b)
     if fn is operator.add and kind_a is not None and kind_a is kind_b:
         return bt.from_struct(kind_a, parts_a + parts_b, n)
+    own_a, own_b = _own_lists(a), _own_lists(b)
+    if fn is operator.add and (own_a or own_b) and (own_a or kind_a is list) and (own_b or kind_b is list):
+        # (``stack + [(h, c)]`` of each instance's own list: each instance's new list, as Python makes it)
+        each_a, each_b = (own or (bt.items_of(v) if type(v) is Batch else [v] * n) for own, v in
+                          ((own_a, a), (own_b, b)))
+        return bt.from_items([x + y for x, y in zip(each_a, each_b)])
     if fn is operator.mul and kind_a is not None and type(b) is int:
         return bt.from_struct(kind_a, parts_a * b, n)
     if fn is operator.mul and kind_b is not None and type(a) is int:
         return bt.from_struct(kind_b, a * parts_b, n)
     return NotImplemented
+
+
+_LIST_METHODS = frozenset(("append", "extend", "pop", "insert"))  # (of lists the program built: their rules)
+
+
+def _own_lists(v, kinds=(list,)):
+    """Each instance's own list (of ``kinds``) that Batch ``v`` holds, whether as its items or as the pieces a
+    branch or a loop joined (each list the object its side holds), else None."""
+    if type(v) is not Batch or v.thunk is not None:
+        return None
+    if v.owner is None and v.pieces is not None and v.struct is None:
+        if not all(type(p) in kinds or _own_lists(p, kinds) is not None for p, _ in v.pieces[0]):
+            return None
+        return bt.items_of(v)
+    return v.items if v.owner == "items" and all(type(each) in kinds for each in v.items) else None
 
 
 @BATCH.register(intrinsics.build_dict)
@@ -1238,7 +1264,8 @@ def join_along(n, fn, args, kwargs):
         if not args:
             return NotImplemented
     seq = args[0]
-    if type(seq) is Batch and seq.owner == "items":  # (each instance's list of its own length)
+    if type(seq) is Batch and (seq.owner == "items" or _own_lists(seq, (list, tuple)) is not None):
+        # (each instance's list of its own length; or the lists a loop or branch joined)
         dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
         if fn is torch.stack and type(dim) is int and dim != 0 and len(args) <= 2 and set(kwargs) <= {"dim"}:
             return _stacked_along(n, seq, dim)
@@ -1292,6 +1319,25 @@ def gather(n, fn, args, kwargs):
         # in place must move the copy's version too, so that a backward that saved it raises as eager's does)
         bt.note_made_from([x.tensor], out.tensor)
     return out
+
+
+def _of_each_list(x, fn, index):
+    """``fn(xs, index)`` (``xs[-1]``, ``xs[-2:]``, ``del xs[-2:]``) of each instance's own list or tuple, with a
+    shared int or slice: each instance's, as its own call would give (a batch of the results; None where ``fn``
+    gives none); NotImplemented where one raises (an index past an end: each instance raises its own, or not)."""
+    lists = _own_lists(x, (list, tuple))
+    if lists is None or type(index) is int and not all(-len(each) <= index < len(each) for each in lists):
+        return NotImplemented
+    out = [fn(each, index) for each in lists]
+    return None if fn is operator.delitem else bt.from_items(out)
+
+
+@BATCH.register(operator.delitem)
+def deleted(n, fn, args, kwargs):
+    """``del xs[i]`` / ``del xs[a:b]`` (shared i, a, b) of each instance's own list."""
+    if kwargs or len(args) != 2 or type(args[1]) not in (int, slice) or _own_lists(args[0]) is None:
+        return NotImplemented
+    return _of_each_list(args[0], fn, args[1])
 
 
 def _same_base(a, b):
@@ -1358,7 +1404,7 @@ def _gather(n, fn, args, kwargs):
             index = int(index)  # (``x[k]`` of a 0-d integer tensor reads as ``x[int]``: a view, as eager's)
         if (x.items is not None or rows.holds(x)) and type(index) is slice:
             found = rows.of(x)
-            out = rows.sliced(n, found, index) if found is not None else NotImplemented
+            out = rows.sliced(n, found, index) if found is not None else _of_each_list(x, operator.getitem, index)
             if out is not NotImplemented:
                 return out
         if padded.of(x) is not None:  # (``x[0]`` of a Conv1d's (1, C, L) output)
@@ -1384,11 +1430,9 @@ def _gather(n, fn, args, kwargs):
                 rows.item(found, index) if index >= 0 else rows.last_items(found, index)
             if out is not NotImplemented:
                 return out
-            if found is None and x.owner == "items" and all(type(each) in (list, tuple) for each in x.items):
-                try:  # (``hs[-1]`` of each instance's own list: each instance's item, as its own index reads it)
-                    return bt.from_items([each[index] for each in x.items])
-                except IndexError:
-                    return NotImplemented  # (each instance raises its own, or not)
+            out = _of_each_list(x, operator.getitem, index) if found is None else NotImplemented
+            if out is not NotImplemented:
+                return out  # (``hs[-1]``: each instance's item)
         if x.struct is not None and x.owner is None and issubclass(x.struct[0], bt.Keyed):
             keys = x.struct[0].keys_
             try:
@@ -1714,8 +1758,8 @@ def attribute(n, fn, args, kwargs):
             return Batch(x.n, method=(x, name))
     if dicts.has_method(x, name):  # (``d.get("h")``, ``d.values()``: see ``dicts``)
         return Batch(x.n, method=(x, name))
-    if name in ("append", "extend", "pop") and (x.struct is not None and x.owner is None and x.struct[0] is list or
-                             x.owner == "items" and all(type(v) is list for v in x.items)):
+    if name in _LIST_METHODS and (x.struct is not None and x.owner is None and x.struct[0] is list or
+                                  _own_lists(x) is not None):
         return Batch(x.n, method=(x, name))  # (``hs.append(h)`` of lists the program built: see ``appended``)
     if x.struct is not None and x.owner is None:  # (a field of what an op returned: ``x.max(-1).values``)
         kind, parts = x.struct
@@ -1820,9 +1864,10 @@ def appended(n, xs, args, kwargs):
     instance's v is appended to its list, as its own call would."""
     if kwargs or len(args) != 1:
         return NotImplemented
-    if xs.owner == "items" and all(type(v) is list for v in xs.items):
+    lists = _own_lists(xs)
+    if lists is not None:
         values = bt.items_of(args[0]) if type(args[0]) is Batch else [args[0]] * n
-        for each, v in zip(xs.items, values):
+        for each, v in zip(lists, values):
             each.append(v)
         return None
     if xs.struct is None or xs.owner is not None or xs.struct[0] is not list:
@@ -1847,12 +1892,31 @@ def extended(n, xs, args, kwargs):
         return None
     if built and type(ys) is Batch:
         bt.items_of(xs)  # (each instance's ys, of its own length maybe: each instance's own list from here)
-    if xs.owner == "items" and all(type(v) is list for v in xs.items):
+    lists = _own_lists(xs)
+    if lists is not None:
         each_ys = bt.items_of(ys) if type(ys) is Batch else [ys] * n
-        for each, more in zip(xs.items, each_ys):
+        for each, more in zip(lists, each_ys):
             each.extend(more)
         return None
     return NotImplemented
+
+
+@BATCH.register("insert")
+def inserted(n, xs, args, kwargs):
+    """``xs.insert(i, v)`` (a shared int i) of a list the program built, held as its elements (v, batched or
+    shared, its element i), or of each instance's own list (each instance's v at i of its list)."""
+    if kwargs or len(args) != 2 or type(args[0]) is not int:
+        return NotImplemented
+    if xs.struct is not None and xs.owner is None and xs.struct[0] is list:
+        xs.struct[1].insert(args[0], args[1])
+        return None
+    lists = _own_lists(xs)
+    if lists is None:
+        return NotImplemented
+    values = bt.items_of(args[1]) if type(args[1]) is Batch else [args[1]] * n
+    for each, v in zip(lists, values):
+        each.insert(args[0], v)
+    return None
 
 
 @BATCH.register("pop")
@@ -1863,8 +1927,9 @@ def popped(n, xs, args, kwargs):
     if kwargs or len(args) > 1 or args and type(args[0]) is not int:
         return NotImplemented
     at = args[0] if args else -1
-    if xs.owner == "items" and all(type(v) is list and -len(v) <= at < len(v) for v in xs.items):
-        return bt.from_items([each.pop(at) for each in xs.items])
+    lists = _own_lists(xs)
+    if lists is not None and all(-len(v) <= at < len(v) for v in lists):
+        return bt.from_items([each.pop(at) for each in lists])
     if xs.struct is None or xs.owner is not None or xs.struct[0] is not list or not \
             -len(xs.struct[1]) <= at < len(xs.struct[1]):
         return NotImplemented
