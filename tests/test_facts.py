@@ -268,6 +268,8 @@ GROWN = {
                                     (operator.setitem, batch_rules.set_item),
                                     # ``del xs[-2:]`` of each instance's own list
                                     (operator.delitem, batch_rules.deleted),
+                                    # its noise drawn for every instance at once
+                                    (F.gumbel_softmax, batch_rules.BATCH.by_callable[F.gumbel_softmax]),
                                     # an index_select keeping only its input's sizes, as eager's (vmap's kept it)
                                     (torch.index_select, batch_rules._BY_DIM),
                                     # a norm over all of each instance's elements too (vmap's was per group)

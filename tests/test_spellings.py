@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import recompile
 from recompile import config
@@ -994,3 +995,25 @@ def test_a_list_index_past_the_end_raises_pythons_index_error():
         element_past_the_end(xs[0])
     with pytest.raises(IndexError, match="list index out of range"):
         recompile.vmap(recompile.function(element_past_the_end))(xs)
+
+
+def gumbel_hard(x):
+    return F.gumbel_softmax(x, tau=0.5, hard=True)
+
+
+def gumbel_along_dim_zero(x):
+    return F.gumbel_softmax(x, 1.0, False, 1e-10, 0)
+
+
+def test_gumbel_softmax_draws_for_every_instance_at_once_along_each_instances_dim():
+    torch.manual_seed(0)
+    x = torch.randn(2000, 5, requires_grad=True)
+    with switched(config, "error", "PER_INSTANCE"):
+        y = recompile.vmap(recompile.function(gumbel_hard))(x)
+        soft = recompile.vmap(recompile.function(gumbel_along_dim_zero))(torch.randn(3, 5, 2))
+    assert y.shape == (2000, 5) and torch.equal(y.sum(-1), torch.ones(2000))
+    # (the noise is each instance's own: the largest logit wins about as often as Gumbel's argmax says, not always)
+    assert 0.4 < (y.argmax(-1) == x.argmax(-1)).float().mean() < 0.9
+    torch.testing.assert_close(soft.sum(1), torch.ones(3, 2))
+    (grad,) = torch.autograd.grad((y * torch.arange(5.0)).sum(), x)
+    assert grad.abs().sum() > 0

@@ -2535,6 +2535,8 @@ BATCH.register(torch.unbind)(_dim_rule(1, default=0))
 BATCH.register(torch.softmax, F.softmax, F.log_softmax, torch.log_softmax, torch.unsqueeze, torch.squeeze,
                torch.argmax, torch.logsumexp, torch.index_select)(_dim_rule(1))
 _BY_DIM = _dim_rule(1)
+# (its noise drawn for every instance's elements at once: each instance's independent of the others', as eager's)
+BATCH.register(F.gumbel_softmax)(_dim_rule(4, default=-1))
 
 
 _WHOLE = {torch.max: "max", torch.min: "min", torch.median: "median"}
