@@ -17,7 +17,7 @@ from recompile.codegen import emit, segments
 from recompile.ops import facts, syntax
 from recompile.autodiff import backprop, factors as deferred, rules as grad_rules
 from recompile.runtime import batch as bt
-from recompile.runtime import batch_rules, cells, dicts, ranges, rows
+from recompile.runtime import batch_rules, cells, dicts, distributions, ranges, rows
 
 convert = importlib.import_module("recompile.frontend.convert")
 
@@ -268,6 +268,9 @@ GROWN = {
                                     (operator.setitem, batch_rules.set_item),
                                     # ``del xs[-2:]`` of each instance's own list
                                     (operator.delitem, batch_rules.deleted),
+                                    # a distribution of each instance's parameters: one over the batch
+                                    *((c, distributions.build) for c in distributions.CLASSES),
+                                    (torch.distributions.kl_divergence, distributions.kl),
                                     # its noise drawn for every instance at once
                                     (F.gumbel_softmax, batch_rules.BATCH.by_callable[F.gumbel_softmax]),
                                     # an index_select keeping only its input's sizes, as eager's (vmap's kept it)
@@ -289,6 +292,7 @@ GROWN = {
                            "torch._VariableFunctionsClass.min -> recompile:_dim_rule.<locals>.rule"}),
     "batch_rules.METHOD_RULES": ({"'append' -> recompile:appended", "'extend' -> recompile:extended",
                                   "'pop' -> recompile:popped", "'insert' -> recompile:inserted",
+                                  *(f"'{m}' -> recompile:method_rule.<locals>.rule" for m in distributions.METHODS),
                                   "'numel' -> recompile:numel", "'masked_select' -> recompile:masked_select_method",
                                   *(f"'{m}' -> recompile:method_rule.<locals>.rule" for m in dicts.METHODS),
                                   "'nelement' -> recompile:numel",

@@ -43,7 +43,7 @@ from ..diagnostics import tracing_at
 from ..ops import facts, syntax
 from ..ops.table import RuleTable, has_hooks, tensor_method
 from ..runtime import batch as bt
-from ..runtime import batch_rules, control, helpers, lazy_weights, sharing
+from ..runtime import batch_rules, control, distributions, helpers, lazy_weights, sharing
 from ..runtime.batch import Batch
 from ..runtime.frames import annotated_by
 from ..runtime.levels import Deopt, NotPlain
@@ -58,7 +58,8 @@ _GENERIC_OK = (_OPERATORS | facts.LAZY
                | {getattr, intrinsics.build_tuple, intrinsics.build_list, intrinsics.unpack, intrinsics.check_bound,
                   intrinsics.read_global, intrinsics.read_cell}
                | set(batch_rules.BATCH.by_callable) - set(facts.IN_PLACE) - facts.DRAWS - _ITERATION
-               - {operator.setitem, operator.delitem})  # (``y[i] = v``, ``del xs[-1]``: run again, twice)
+               - {operator.setitem, operator.delitem}  # (``y[i] = v``, ``del xs[-1]``: run again, twice)
+               - {*distributions.CLASSES, torch.distributions.kl_divergence})  # (no traced value: a distribution)
 _GENERIC_OK_MODULES = tuple(set(batch_rules.BATCH.by_module) - facts.DRAWS)
 # (reading a Plain piece's traced lines: the names they define and read, and the instance count)
 _DEFINES = re.compile(r"^([\w, ]+?) = ")

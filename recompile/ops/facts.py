@@ -283,7 +283,7 @@ DRAWS = frozenset({
     nn.RReLU, torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
     torch.randint_like, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson,
 })
-DRAWING_METHODS = frozenset({"bernoulli", "multinomial"})
+DRAWING_METHODS = frozenset({"bernoulli", "multinomial", "sample", "rsample"})  # (a distribution's draws too)
 # Tensor methods that draw into their tensor in place (each instance's draws are its own, in its own order)
 DRAWING_IN_PLACE = frozenset({"bernoulli_", "normal_", "uniform_", "random_", "exponential_", "geometric_",
                               "cauchy_", "log_normal_"})

@@ -28,7 +28,8 @@ from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
 from . import batch as bt
 from . import saved_versions
-from . import cells, dicts, extremes, fallbacks, helpers, lazy_weights, padded, ranges, row_wise, rows, sharing, spreads
+from . import cells, dicts, distributions, extremes, fallbacks, helpers, lazy_weights, padded, ranges, row_wise, rows
+from . import sharing, spreads
 from .batch import Batch
 
 # Batch rules, filed as the gradient rules are (``ops.table``): ``rule(n, fn, args, kwargs)`` for a callable
@@ -1674,6 +1675,10 @@ def plain_index(index):
 BATCH.register(operator.contains, intrinsics.not_in)(dicts.contains)
 for _dict_method in dicts.METHODS:
     BATCH.register(_dict_method)(dicts.method_rule(_dict_method))
+BATCH.register(*distributions.CLASSES)(distributions.build)
+BATCH.register(torch.distributions.kl_divergence)(distributions.kl)
+for _method in distributions.METHODS:
+    BATCH.register(_method)(distributions.method_rule(_method))
 BATCH.register(range)(ranges.build)
 BATCH.register(slice)(rows.slices)
 BATCH.register(reversed)(rows.reversed_rows)
@@ -1738,6 +1743,10 @@ def attribute(n, fn, args, kwargs):
     x, name = args[0], args[1]
     if type(name) is not str or len(args) != 2:
         return NotImplemented
+    drawn = distributions.of(x)
+    if drawn is not None:  # (``d.log_prob``, ``d.mean`` of each instance's distribution: the batch's)
+        return Batch(x.n, method=(x, name)) if name in distributions.METHODS else \
+            distributions.attribute(x.n, drawn, name)
     if x.owner == "tensor" or (x.items is None and x.struct is None and bt.tensor_of(x) is not None):
         t = x.tensor
         if name in SHARED_ATTRS:

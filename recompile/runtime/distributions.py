@@ -1,0 +1,158 @@
+"""``torch.distributions`` of each instance's parameters, held as one distribution over the batch.
+
+``d = Categorical(logits=self.out(h))``, then ``d.sample()``, ``d.log_prob(a)``, ``d.entropy()``: eager code makes a
+distribution object per instance and calls its methods one instance at a time. In a run that changes nothing in
+place, the batch's instances' distributions are held as one distribution of the same class whose parameters are
+the batch's (``Batched``): each instance's parameters one row, their dims lined up so that torch's broadcasting
+within an instance stays within it. Its methods and its tensor attributes are one call for the batch:
+``log_prob`` / ``cdf`` / ``icdf`` of each instance's value (or a shared one), ``entropy()``, ``sample()`` /
+``rsample()`` (every instance's draw at once: each independent of the others, as eager's), ``mean``, ``stddev``,
+``probs``, ... and ``torch.distributions.kl_divergence`` of two such. Anything else (another method, the object
+handed to Python code) makes each instance's own distribution from its own parameters, as eager does
+(``fill``), and runs per instance.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import distributions as D
+
+from . import batch as bt
+from . import sharing
+from .batch import Batch
+
+# the classes whose parameters are alike: each of the distribution's shape (one of them its event's last dim too: a
+# Categorical's classes), broadcast against each other element by element
+CLASSES = (D.Normal, D.LogNormal, D.Laplace, D.Cauchy, D.Gumbel, D.Uniform, D.Bernoulli, D.Categorical,
+           D.OneHotCategorical, D.Beta, D.Gamma, D.Exponential, D.Poisson, D.Geometric, D.Binomial, D.StudentT,
+           D.ContinuousBernoulli, D.RelaxedBernoulli, D.Dirichlet, D.Chi2,
+           D.HalfNormal, D.HalfCauchy, D.VonMises, D.Kumaraswamy, D.Weibull)
+# methods of a value the instance's distribution scores, of no argument, and of a sample shape
+VALUE_METHODS = frozenset({"log_prob", "cdf", "icdf"})
+PLAIN_METHODS = frozenset({"entropy", "perplexity"})
+DRAWING_METHODS = frozenset({"sample", "rsample"})
+METHODS = VALUE_METHODS | PLAIN_METHODS | DRAWING_METHODS
+
+
+class Batched(list):
+    """The distributions of n instances: ``dist``, one of class ``cls`` over the batch (instance k's parameters its
+    row k), made from the call's arguments ``args`` / ``kwargs`` (plain, or batches); the list holds each instance's
+    own distribution once ``fill`` made them (until then, None for each)."""
+
+    __slots__ = ("dist", "cls", "args", "kwargs", "made")
+
+    def __init__(self, dist, cls, args, kwargs):
+        n = dist.batch_shape[0]
+        super().__init__([None] * n)
+        self.dist, self.cls, self.args, self.kwargs = dist, cls, args, kwargs
+        self.made = False
+
+    @property
+    def lengths(self):
+        return [1] * len(self)  # (``bt.Views`` counts the instances by it: one distribution each)
+
+    def fill(self):
+        """Make each instance's own distribution, from its own parameters (the object eager code holds)."""
+        if not self.made:
+            self[:] = [self.cls(*[bt.instance(a, k) for a in self.args],
+                                **{key: bt.instance(v, k) for key, v in self.kwargs.items()}) for k in range(len(self))]
+            self.made = True
+        return self
+
+    def taken(self, positions):
+        """The distributions of instances ``positions`` (a branch's side, a loop's instances that stay)."""
+        positions = list(positions)
+        index = torch.tensor(positions)
+        args = [bt.take(a, index, positions) for a in self.args]
+        kwargs = {key: bt.take(v, index, positions) for key, v in self.kwargs.items()}
+        made = build(len(positions), self.cls, args, kwargs)
+        return made.thunk.held if made is not NotImplemented else [self.fill()[k] for k in positions]
+
+
+def of(value):
+    """The ``Batched`` distributions Batch ``value`` holds, in a run that changes nothing in place, else None."""
+    return bt.held(value, Batched)
+
+
+def build(n, cls, args, kwargs):
+    """``cls(*args, **kwargs)`` with some parameters the batch's: one distribution over the batch (``Batched``), in
+    a run that changes nothing in place and where every batched parameter is a tensor of rows; else
+    NotImplemented (each instance makes its own)."""
+    if not sharing.state.fresh:
+        return NotImplemented
+    values = list(args) + list(kwargs.values())
+    tensors = [bt.tensor_of(v) if type(v) is Batch else None for v in values]
+    if any(type(v) is Batch and t is None for v, t in zip(values, tensors)):
+        return NotImplemented
+    rank = max([t.dim() - 1 for t in tensors if t is not None] +
+               [v.dim() for v, t in zip(values, tensors) if t is None and isinstance(v, torch.Tensor)])
+    lined = [_lined_up(t, rank) if t is not None else v.reshape((1,) * (rank - v.dim() + 1) + v.shape)
+             if isinstance(v, torch.Tensor) else v for v, t in zip(values, tensors)]
+    dist = cls(*lined[:len(args)], **dict(zip(kwargs, lined[len(args):])))
+    if len(dist.batch_shape) == 0 or dist.batch_shape[0] != n:
+        return NotImplemented  # (the batch's dim taken for an event's: each instance makes its own)
+    return Batch(n, thunk=bt.Views(Batched(dist, cls, list(args), dict(kwargs)), True))
+
+
+def _lined_up(t, rank):
+    """Rows ``t`` (n, *shape) with ones before an instance's shape up to ``rank`` dims: broadcasting within an
+    instance, as eager's."""
+    return t.reshape(t.shape[:1] + (1,) * (rank - t.dim() + 1) + t.shape[1:])
+
+
+def attribute(n, found, name):
+    """``d.name`` of each instance's distribution, not a method: a tensor attribute of the batch's (``mean``,
+    ``probs``: each instance's row), its shapes, or NotImplemented."""
+    if name in ("batch_shape", "event_shape"):
+        shape = getattr(found.dist, name)
+        return shape[1:] if name == "batch_shape" else shape
+    try:
+        value = getattr(found.dist, name)
+    except (AttributeError, NotImplementedError):
+        return NotImplemented
+    return bt.from_tensor(value) if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n else \
+        NotImplemented
+
+
+def method_rule(name):
+    """The batch rule of method ``name`` of each instance's distribution (``method``)."""
+
+    def rule(n, base, args, kwargs):
+        found = of(base)
+        return NotImplemented if found is None else method(n, found, name, args, kwargs)
+
+    return rule
+
+
+def method(n, found, name, args, kwargs):
+    """``d.name(*args, **kwargs)`` for every instance at once, or NotImplemented."""
+    dist = found.dist
+    if name in PLAIN_METHODS:
+        return bt.from_tensor(getattr(dist, name)()) if not args and not kwargs else NotImplemented
+    if name in DRAWING_METHODS:
+        shape = args[0] if len(args) == 1 and not kwargs else kwargs.get("sample_shape", torch.Size()) \
+            if set(kwargs) <= {"sample_shape"} and not args else None
+        if shape is None or type(shape) not in (tuple, list, torch.Size) or any(type(k) is not int for k in shape):
+            return NotImplemented
+        drawn = getattr(dist, name)(torch.Size(shape))
+        return bt.from_tensor(drawn.movedim(len(shape), 0))  # (the batch's dim first: each instance's draws)
+    if kwargs or len(args) != 1:
+        return NotImplemented
+    value = args[0]
+    rank = len(dist.batch_shape) + len(dist.event_shape) - 1
+    if type(value) is Batch:
+        t = bt.tensor_of(value)
+        if t is None or t.dim() - 1 > rank:
+            return NotImplemented  # (a value of more dims than the instance's: its sample dims, broadcast by each)
+        value = _lined_up(t, rank)
+    elif isinstance(value, torch.Tensor) and value.dim() > rank:
+        return NotImplemented
+    return bt.from_tensor(getattr(dist, name)(value))
+
+
+def kl(n, fn, args, kwargs):
+    """``kl_divergence(p, q)`` of two batches of distributions: one call on the batch's."""
+    found = [of(a) for a in args]
+    if kwargs or len(args) != 2 or None in found:
+        return NotImplemented
+    return bt.from_tensor(fn(found[0].dist, found[1].dist))
