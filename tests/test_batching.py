@@ -2499,6 +2499,46 @@ def test_multihead_attention_over_each_instances_sequence_is_one_call(first, wei
     assert_close(torch.autograd.grad(got.sum(), xb)[0], torch.autograd.grad(want.sum(), xe)[0])
 
 
+torch.manual_seed(0)
+ENCODE = {first: torch.nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=first).double()
+          for first in (True, False)}
+STACKED = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True), 2,
+                                      enable_nested_tensor=False).double()
+
+
+def encoded(x, keep, first, own_batch, stacked):
+    """A Transformer encoder layer (or two) over one instance's sequence x (6, 4): as the module's own batch of one
+    or unbatched, its padding mask each instance's own (none for the stack)."""
+    seq = (x[None] if first else x[:, None]) if own_batch else x
+    if stacked:
+        out = STACKED(seq, mask=torch.zeros(6, 6, dtype=F64))
+    else:
+        out = ENCODE[first](seq, src_key_padding_mask=(keep < 0.5)[None] if own_batch else keep < 0.5)
+    out = (out[0] if first else out[:, 0]) if own_batch else out
+    return out.sum(-1)
+
+
+@pytest.mark.parametrize("first, stacked", [(True, False), (False, False), (True, True)],
+                         ids=["batch_first", "sequence_first", "two_layers"])
+@pytest.mark.parametrize("own_batch", [True, False], ids=["own_batch", "unbatched"])
+@pytest.mark.parametrize("training", [True, False], ids=["training", "eval"])
+def test_a_transformer_encoder_over_each_instances_sequence_is_one_call(first, stacked, own_batch, training,
+                                                                         monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+    for module in (*ENCODE.values(), STACKED):
+        module.train(training)
+    x = torch.randn(4, 6, 4, dtype=F64, generator=torch.Generator().manual_seed(7))
+    keep = torch.tensor([[1.0, 1, 1, 1, 0, 0], [1.0, 1, 1, 1, 1, 1], [1.0, 1, 0, 0, 0, 0], [1.0, 1, 1, 0, 0, 0]],
+                        dtype=F64)
+    fn = functools.partial(encoded, first=first, own_batch=own_batch, stacked=stacked)
+    xe, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want = torch.stack([fn(xe[k], keep[k]) for k in range(4)])
+    got = recompile.vmap(recompile.function(encoded), in_dims=(0, 0, None, None, None))(
+        xb, keep, first, own_batch, stacked)
+    assert_close(got, want)
+    assert_close(torch.autograd.grad(got.sum(), xb)[0], torch.autograd.grad(want.sum(), xe)[0])
+
+
 class Doubler(torch.nn.Module):
     def forward(self, x, k):
         return x * 2 if k > 0 else x

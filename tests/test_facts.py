@@ -311,7 +311,9 @@ GROWN = {
                                            *((m, batch_rules.recurrent_layer) for m in _LAYERS),
                                            (torch.nn.Sequential, batch_rules.in_sequence),
                                            # every instance's sequences one batch of the module's
-                                           (torch.nn.MultiheadAttention, batch_rules.multihead_attention)])
+                                           (torch.nn.MultiheadAttention, batch_rules.multihead_attention),
+                                           (torch.nn.TransformerEncoderLayer, batch_rules.transformer_encoder),
+                                           (torch.nn.TransformerEncoder, batch_rules.transformer_encoder)])
                                  | _ruled(batch_rules.BATCH.by_module, _MORE_RULES)
                                  | _entries((m, batch_rules.elementwise) for m in _MORE_ACTIVATIONS), set()),
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, slice,
@@ -331,7 +333,8 @@ GROWN = {
                                             *((f, grad_rules.GRAD.by_callable[getattr(torch, f.method)].vjp)
                                               for f in _OUT_OF_PLACE)]), set()),
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS, *_LAYERS, torch.nn.Sequential, *_MORE_ACTIVATIONS,
-                                            torch.nn.MultiheadAttention)
+                                            torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
+                                            torch.nn.TransformerEncoder)
                                      | _ruled_keys(batch_rules.BATCH.by_module, _MORE_RULES), set()),
     # (views that move dims read no value of their input either, as ``transpose`` always did)
     "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS, *_VIEWS_MOVING_DIMS, grad_rules._detach, grad_rules._add_fresh),

@@ -2341,20 +2341,63 @@ def multihead_attention(n, module, args, kwargs):
     elif mask is not None:
         return NotImplemented  # (one mask every instance shares: each instance's own call)
     first = module.batch_first
-    if rank == 2:  # (each instance's (L, E): the instances are the batch)
-        batched = [t if first else t.transpose(0, 1) for t in tensors]
-    else:  # (each instance's own batch: the instances' batches laid end to end)
-        batched = [t.flatten(0, 1) if first else t.transpose(0, 1).flatten(1, 2) for t in tensors]
-        mask = None if mask is None else mask.flatten(0, 1)
+    batched = [_sequences_batched(t, rank, first) for t in tensors]
+    mask = mask.flatten(0, 1) if mask is not None and rank == 3 else mask
     call = {**{k: v for k, v in bound.items() if k not in ("query", "key", "value", "key_padding_mask")},
             "key_padding_mask": mask}
     out, weights = module(*batched, **call)
     if rank == 3:
-        out = out.unflatten(0, (n, -1)) if first else out.unflatten(1, (n, -1)).transpose(0, 1)
         weights = None if weights is None else weights.unflatten(0, (n, -1))
-    elif not first:
-        out = out.transpose(0, 1)
+    out = _sequences_unbatched(out, n, rank, first)
     return bt.from_struct(tuple, [bt.from_tensor(out), None if weights is None else bt.from_tensor(weights)], n)
+
+
+def _sequences_batched(t, rank, first):
+    """The batch's rows ``t`` of each instance's sequence (``rank`` 2: ``(L, E)``) or own batch of them (3), as
+    one batch of sequences for a module (``batch_first`` or not): the instances are the batch, or their batches
+    laid end to end."""
+    if rank == 2:
+        return t if first else t.transpose(0, 1)
+    return t.flatten(0, 1) if first else t.transpose(0, 1).flatten(1, 2)
+
+
+def _sequences_unbatched(out, n, rank, first):
+    """The module's output of ``_sequences_batched`` inputs back as the batch's rows, each instance's."""
+    if rank == 2:
+        return out if first else out.transpose(0, 1)
+    return out.unflatten(0, (n, -1)) if first else out.unflatten(1, (n, -1)).transpose(0, 1)
+
+
+@BATCH.register(nn.TransformerEncoderLayer, nn.TransformerEncoder)
+def transformer_encoder(n, module, args, kwargs):
+    """A Transformer encoder layer (or stack of them) over each instance's sequence (``(L, E)``, or a batch of its
+    own): one call with every instance's sequences as its batch, a key padding mask of each instance's with them,
+    a ``src_mask`` every instance shares. Not with dropout while training (each instance draws its own), nor
+    where the encoder would read a padding mask as nested tensors (its outputs past each end: zeros)."""
+    names = ("src", "mask" if type(module) is nn.TransformerEncoder else "src_mask", "src_key_padding_mask",
+             "is_causal")
+    bound = _by_names(args, kwargs, names)
+    if bound is None or "forward" in module.__dict__ or module.training and any(
+            isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules()):
+        return NotImplemented
+    src, padding = bound.get("src"), bound.get("src_key_padding_mask")
+    if any(type(bound.get(name)) is Batch for name in names[1:] if name != "src_key_padding_mask") or \
+            type(src) is not Batch or padding is not None and type(padding) is not Batch:
+        return NotImplemented
+    if isinstance(bound.get(names[1]), torch.Tensor) and bound[names[1]].dim() != 2:
+        return NotImplemented  # (a mask per batch row and head: the batch here is another)
+    x = bt.tensor_of(src)
+    layer = module.layers[0] if type(module) is nn.TransformerEncoder else module
+    if x is None or x.dim() not in (3, 4):
+        return NotImplemented
+    rank, first = x.dim() - 1, layer.self_attn.batch_first
+    call = {k: v for k, v in bound.items() if k not in ("src", "src_key_padding_mask")}
+    if padding is not None:
+        padding = bt.tensor_of(padding)
+        if padding is None or padding.dim() != rank or type(module) is nn.TransformerEncoder:
+            return NotImplemented
+        call["src_key_padding_mask"] = padding if rank == 2 else padding.flatten(0, 1)
+    return bt.from_tensor(_sequences_unbatched(module(_sequences_batched(x, rank, first), **call), n, rank, first))
 
 
 @BATCH.register(nn.RNN, nn.LSTM, nn.GRU)
