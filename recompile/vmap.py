@@ -10,7 +10,6 @@ own number of loop iterations, its own recursion (a tree per instance).
 from __future__ import annotations
 
 import types
-import weakref
 
 import torch
 
@@ -47,14 +46,16 @@ def vmap(fn, in_dims=0, out_dims=0):
     return batched
 
 
-_COMPILED = weakref.WeakKeyDictionary()  # plain function -> its CompiledFunction (vmap of the same one again)
-
-
 def _compiled(fn):
-    found = _COMPILED.get(fn)
+    """Plain function ``fn``'s CompiledFunction, kept on the function (a vmap of the same one again builds nothing;
+    the two go when the function goes)."""
+    found = fn.__dict__.get(_KEPT)
     if found is None:
-        found = _COMPILED[fn] = CompiledFunction(fn)
+        found = fn.__dict__[_KEPT] = CompiledFunction(fn)
     return found
+
+
+_KEPT = "__recompile_vmapped__"
 
 
 @opaque  # under torch.compile: a graph break, not a trace of the runtime

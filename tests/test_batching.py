@@ -2556,3 +2556,16 @@ def test_vmap_compiles_a_plain_function_a_lambda_a_method_and_a_module_once():
     want = torch.stack([m(a, b) for a, b in zip(x, k)])
     assert torch.equal(recompile.vmap(m)(x, k), want)
     assert torch.equal(recompile.vmap(m.forward)(x, k), want)
+
+
+def test_vmap_of_throwaway_functions_keeps_no_compiled_program_alive():
+    import gc
+
+    def make(k):
+        return lambda v: v * k
+
+    for k in range(5):
+        assert torch.equal(recompile.vmap(make(k))(torch.ones(2, 2)), torch.full((2, 2), float(k)))
+    gc.collect()
+    assert not any(isinstance(o, recompile.CompiledFunction) and o.python.__qualname__.startswith(
+        "test_vmap_of_throwaway_functions") for o in gc.get_objects())

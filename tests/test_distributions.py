@@ -154,3 +154,20 @@ def negative_scale(x):
 
 def test_the_rule_table_covers_the_methods():
     assert distributions.METHODS == {"log_prob", "cdf", "icdf", "entropy", "perplexity", "sample", "rsample"}
+
+
+def kl_of_other_ranks(x):
+    return D.kl_divergence(D.Normal(x[0], 1.0), D.Normal(x, 2.0))  # (batch shapes () and (4,): broadcast)
+
+
+def temperature_kept(x):
+    d = D.RelaxedBernoulli(x[0].exp(), logits=x)  # (its temperature kept as given: each instance's 0-d)
+    return d.temperature * d.probs
+
+
+@pytest.mark.parametrize("fn", [kl_of_other_ranks, temperature_kept], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("n", [3, 4])
+def test_what_the_batchs_distribution_would_line_up_otherwise_is_each_instances(fn, n):
+    x = torch.linspace(-0.9, 1.3, 4 * n, dtype=F64).view(n, 4)
+    got = recompile.vmap(recompile.function(fn))(x)
+    torch.testing.assert_close(got, torch.stack([fn(v) for v in x]))

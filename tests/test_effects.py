@@ -408,3 +408,60 @@ def test_a_pop_of_an_empty_stack_raises_pythons_index_error():
                                xs[:, 0] * torch.tensor([1.0, 1.0, 3.0]))
     with pytest.raises(IndexError, match="pop from empty list"):
         f(xs, torch.tensor([[0, 0, 1], [0, 1, 1], [0, 0, 0]]))
+
+
+def take_last_of(x, ext):
+    s = [x * 0]
+    if x.sum() > -100:
+        s = ext  # (the caller's list on this side: a del through s reaches it)
+    v = s[-1]
+    del s[-1]
+    return v
+
+
+def take_twice(x, ext):
+    return take_last_of(x, ext) * 10 + take_last_of(x * 2, ext)
+
+
+def test_a_list_a_branch_may_give_the_callers_is_not_the_functions_own():
+    assert recompile.function(take_last_of).callee(None).may_mutate
+    ext = [torch.ones(2)] * 6
+    recompile.vmap(recompile.function(take_twice), in_dims=(0, None))(torch.randn(2, 2), ext)
+    assert len(ext) == 2  # (two calls for each of two instances, each deleting one item, as eager's)
+
+
+STEP = torch.nn.GRUCell(3, 3).double()
+
+
+def collected_then_swapped(xs, n):
+    h = torch.zeros(3, dtype=torch.float64)
+    hs = []
+    for t in range(n):
+        h = STEP(xs[t], h)
+        hs.append(h)
+    last = hs.pop()
+    hs.pop()
+    hs.append(h * 2)  # (the same length, first and last item as before: the middle changed)
+    hs.append(last)
+    return torch.stack(hs).sum(0)
+
+
+def collected_then_cut(xs, n):
+    h = torch.zeros(3, dtype=torch.float64)
+    hs = []
+    for t in range(n):
+        h = STEP(xs[t], h)
+        hs.append(h)
+    hs.insert(1, h * 0)
+    del hs[2]
+    return torch.stack(hs).sum(0)
+
+
+@pytest.mark.parametrize("fn", [collected_then_swapped, collected_then_cut], ids=lambda f: f.__name__)
+def test_states_a_loop_collected_then_popped_or_cut_stack_as_the_lists_hold_them(fn):
+    xs = torch.randn(4, 5, 3, dtype=torch.float64, requires_grad=True)
+    n = torch.tensor([5, 3, 4, 5])
+    got = recompile.vmap(recompile.function(fn))(xs, n)
+    want = torch.stack([fn(xs[k], int(n[k])) for k in range(4)])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])

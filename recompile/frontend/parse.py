@@ -90,6 +90,7 @@ def _lambda_as_def(fn, filename):
     entry, a call's argument); of the lambdas on its first line, the one whose body holds every position
     Python's code for ``fn`` names (the innermost, where one holds another)."""
     code = fn.__code__
+    linecache.checkcache(filename)  # (as inspect reads a def's: the file as it is now)
     lines = linecache.getlines(filename)
     if not lines:
         raise CompileError(f"cannot read the source of {fn.__qualname__}: could not get source code",

@@ -231,11 +231,26 @@ def _appends_of(built, uses, sg):
                             v in seen and v is not o.body_sg.inputs[k] for k, v in enumerate(o.body_sg.outputs)):
                         return None
                 elif isinstance(o, ir.Cond):
-                    pending += [out for k, out in enumerate(o.outputs) if out not in seen and (
-                        o.then_sg.outputs[k] in seen or o.else_sg.outputs[k] in seen)]
+                    for k, out in enumerate(o.outputs):
+                        sides = (o.then_sg.outputs[k], o.else_sg.outputs[k])
+                        if out in seen or not any(v in seen for v in sides):
+                            continue
+                        if not all(v in seen or _not_a_list_of_others(v, uses) for v in sides):
+                            return None  # (``s = ext`` on one side: the caller's list, which a change reaches)
+                        pending.append(out)
     if popped and iterated:
         return None  # (a ``for`` over a list that also shrinks: the batch's copy of it tells a list that only grew)
     return appends
+
+
+def _not_a_list_of_others(value, uses):
+    """Whether a branch's result ``value`` is no list anyone else holds: a constant (``s = None``), or a list the
+    branch built and hands on unread (``s = []``)."""
+    if isinstance(value, ir.Const):
+        return True
+    made = value.op
+    return isinstance(made, ir.Call) and isinstance(made.fn, ir.Const) and made.fn.value is intrinsics.build_list \
+        and not uses.get(value)
 
 
 def _returned_in_tuple(o, uses, sg):

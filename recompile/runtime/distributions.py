@@ -100,18 +100,27 @@ def _lined_up(t, rank):
     return t.reshape(t.shape[:1] + (1,) * (rank - t.dim() + 1) + t.shape[1:])
 
 
+# tensor attributes of the distribution's shape (its parameters broadcast against each other as each instance's
+# are, or its statistics): each instance's row of the batch's (not a parameter kept as given: a temperature)
+ATTRIBUTES = frozenset({"mean", "mode", "stddev", "variance", "loc", "scale", "probs", "logits", "rate",
+                        "concentration", "concentration0", "concentration1", "low", "high", "df", "total_count"})
+
+
 def attribute(n, found, name):
     """``d.name`` of each instance's distribution, not a method: a tensor attribute of the batch's (``mean``,
     ``probs``: each instance's row), its shapes, or NotImplemented."""
     if name in ("batch_shape", "event_shape"):
         shape = getattr(found.dist, name)
         return shape[1:] if name == "batch_shape" else shape
+    if name not in ATTRIBUTES:
+        return NotImplemented
     try:
         value = getattr(found.dist, name)
     except (AttributeError, NotImplementedError):
         return NotImplemented
-    return bt.from_tensor(value) if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n else \
-        NotImplemented
+    dist = found.dist
+    shapes = (dist.batch_shape + dist.event_shape, getattr(dist, "param_shape", None))  # (a Categorical's classes)
+    return bt.from_tensor(value) if isinstance(value, torch.Tensor) and value.shape in shapes else NotImplemented
 
 
 def method_rule(name):
@@ -153,6 +162,6 @@ def method(n, found, name, args, kwargs):
 def kl(n, fn, args, kwargs):
     """``kl_divergence(p, q)`` of two batches of distributions: one call on the batch's."""
     found = [of(a) for a in args]
-    if kwargs or len(args) != 2 or None in found:
-        return NotImplemented
+    if kwargs or len(args) != 2 or None in found or len(found[0].dist.batch_shape) != len(found[1].dist.batch_shape):
+        return NotImplemented  # (instances' distributions of other ranks broadcast each by each: their own calls)
     return bt.from_tensor(fn(found[0].dist, found[1].dist))

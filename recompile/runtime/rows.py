@@ -436,7 +436,7 @@ class Appended(list):
         self.instance, self.step = instance, step  # each row's instance and step (LongTensors)
         self.lengths = lengths  # each instance's number of rows
         self.pending = pending  # the rows not in the lists yet
-        self._ends = None if pending else _ends_of(self)
+        self._ends = None if pending else _held(self)
 
     def fill(self):
         """Put the rows in the lists, each instance's in step order (where they are pending)."""
@@ -445,14 +445,20 @@ class Appended(list):
             for r, k in enumerate(self.instance.tolist()):
                 self[k].append(states[r])
             self.pending = False
-            self._ends = _ends_of(self)
+            self._ends = _held(self)
 
     def holds_its_rows_alone(self):
         """Whether each list still holds just the rows appended to it (nothing appended, inserted or taken
-        since: in a run that changes nothing in place, a list only grows), or none while they are pending."""
+        since), or none while they are pending. Every item is compared (once, where a stack reads them): a list
+        the function keeps to itself may shrink too (``hs.pop()``), so that ends alike tell nothing."""
         if self.pending:
             return all(not x for x in self)
-        return _unchanged(self, self._ends)
+        return all(len(x) == len(held) and all(a is b for a, b in zip(x, held)) for x, held in zip(self, self._ends))
+
+
+def _held(lists):
+    """What each of ``lists`` holds now (``Appended.holds_its_rows_alone`` compares it)."""
+    return [tuple(x) for x in lists]
 
 
 def _ends_of(lists):
