@@ -171,3 +171,44 @@ def test_what_the_batchs_distribution_would_line_up_otherwise_is_each_instances(
     x = torch.linspace(-0.9, 1.3, 4 * n, dtype=F64).view(n, 4)
     got = recompile.vmap(recompile.function(fn))(x)
     torch.testing.assert_close(got, torch.stack([fn(v) for v in x]))
+
+
+TRIL = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.5, 1.0, 0.0, 0.0], [0.0, 0.2, 0.8, 0.0], [0.1, 0.0, 0.3, 1.5]],
+                    dtype=F64)
+
+
+def diagonal_gaussian(x):
+    d = D.Independent(D.Normal(x, 0.5 + x * x), 1)
+    return d.log_prob(x * 0.5) + d.entropy() + d.mean.sum()
+
+
+def full_gaussian(x):
+    d = D.MultivariateNormal(x, scale_tril=TRIL * (1.0 + x[0] * x[0]))
+    return d.log_prob(torch.zeros(4, dtype=F64)) + d.entropy()
+
+
+def full_gaussian_shared_covariance(x):
+    d = D.MultivariateNormal(x, covariance_matrix=TRIL @ TRIL.t())
+    return d.log_prob(x * 2.0) + D.kl_divergence(d, D.MultivariateNormal(x * 0.5, covariance_matrix=TRIL @ TRIL.t()))
+
+
+def low_rank(x):
+    return D.LowRankMultivariateNormal(x, x.view(4, 1), 1.0 + x * x).log_prob(x * 0.5)
+
+
+def independent_in_a_branch(x):
+    d = D.Independent(D.Normal(x, 1.0 + x * x), 1)
+    if x.sum() > 0:
+        return d.log_prob(x)
+    return d.entropy()
+
+
+@pytest.mark.parametrize("fn", [diagonal_gaussian, full_gaussian, full_gaussian_shared_covariance, low_rank,
+                                independent_in_a_branch], ids=lambda f: f.__name__)
+def test_distributions_of_events_give_eagers_values_and_gradients(fn):
+    x = torch.linspace(-0.9, 1.3, 24, dtype=F64).view(6, 4).requires_grad_()
+    want = torch.stack([fn(v) for v in x])
+    with switched(config, "error", "PER_INSTANCE"):
+        got = recompile.vmap(recompile.function(fn))(x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], torch.autograd.grad(want.sum(), x)[0])

@@ -270,6 +270,8 @@ GROWN = {
                                     (operator.delitem, batch_rules.deleted),
                                     # a distribution of each instance's parameters: one over the batch
                                     *((c, distributions.build) for c in distributions.CLASSES),
+                                    *((c, distributions.build_with_events) for c in distributions.EVENT_PARAMETERS),
+                                    (torch.distributions.Independent, distributions.independent),
                                     (torch.distributions.kl_divergence, distributions.kl),
                                     # its noise drawn for every instance at once
                                     (F.gumbel_softmax, batch_rules.BATCH.by_callable[F.gumbel_softmax]),

@@ -59,7 +59,8 @@ _GENERIC_OK = (_OPERATORS | facts.LAZY
                   intrinsics.read_global, intrinsics.read_cell}
                | set(batch_rules.BATCH.by_callable) - set(facts.IN_PLACE) - facts.DRAWS - _ITERATION
                - {operator.setitem, operator.delitem}  # (``y[i] = v``, ``del xs[-1]``: run again, twice)
-               - {*distributions.CLASSES, torch.distributions.kl_divergence})  # (no traced value: a distribution)
+               - {*distributions.CLASSES, *distributions.EVENT_PARAMETERS, torch.distributions.Independent,
+                  torch.distributions.kl_divergence})  # (no traced value: a distribution)
 _GENERIC_OK_MODULES = tuple(set(batch_rules.BATCH.by_module) - facts.DRAWS)
 # (reading a Plain piece's traced lines: the names they define and read, and the instance count)
 _DEFINES = re.compile(r"^([\w, ]+?) = ")

@@ -1676,6 +1676,8 @@ BATCH.register(operator.contains, intrinsics.not_in)(dicts.contains)
 for _dict_method in dicts.METHODS:
     BATCH.register(_dict_method)(dicts.method_rule(_dict_method))
 BATCH.register(*distributions.CLASSES)(distributions.build)
+BATCH.register(*distributions.EVENT_PARAMETERS)(distributions.build_with_events)
+BATCH.register(torch.distributions.Independent)(distributions.independent)
 BATCH.register(torch.distributions.kl_divergence)(distributions.kl)
 for _method in distributions.METHODS:
     BATCH.register(_method)(distributions.method_rule(_method))

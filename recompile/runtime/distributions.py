@@ -39,12 +39,13 @@ class Batched(list):
     row k), made from the call's arguments ``args`` / ``kwargs`` (plain, or batches); the list holds each instance's
     own distribution once ``fill`` made them (until then, None for each)."""
 
-    __slots__ = ("dist", "cls", "args", "kwargs", "made")
+    __slots__ = ("dist", "cls", "args", "kwargs", "made", "make")
 
-    def __init__(self, dist, cls, args, kwargs):
+    def __init__(self, dist, cls, args, kwargs, make):
         n = dist.batch_shape[0]
         super().__init__([None] * n)
         self.dist, self.cls, self.args, self.kwargs = dist, cls, args, kwargs
+        self.make = make  # (the rule that built it: ``taken`` builds a part of it so)
         self.made = False
 
     @property
@@ -65,7 +66,7 @@ class Batched(list):
         index = torch.tensor(positions)
         args = [bt.take(a, index, positions) for a in self.args]
         kwargs = {key: bt.take(v, index, positions) for key, v in self.kwargs.items()}
-        made = build(len(positions), self.cls, args, kwargs)
+        made = self.make(len(positions), self.cls, args, kwargs)
         return made.thunk.held if made is not NotImplemented else [self.fill()[k] for k in positions]
 
 
@@ -91,7 +92,65 @@ def build(n, cls, args, kwargs):
     dist = cls(*lined[:len(args)], **dict(zip(kwargs, lined[len(args):])))
     if len(dist.batch_shape) == 0 or dist.batch_shape[0] != n:
         return NotImplemented  # (the batch's dim taken for an event's: each instance makes its own)
-    return Batch(n, thunk=bt.Views(Batched(dist, cls, list(args), dict(kwargs)), True))
+    return Batch(n, thunk=bt.Views(Batched(dist, cls, list(args), dict(kwargs), build), True))
+
+
+# classes whose parameters have event dims of their own (a mean's one, a covariance's two): each parameter's
+# name, in order, and its event dims
+EVENT_PARAMETERS = {
+    D.MultivariateNormal: {"loc": 1, "covariance_matrix": 2, "precision_matrix": 2, "scale_tril": 2,
+                           "validate_args": None},
+    D.LowRankMultivariateNormal: {"loc": 1, "cov_factor": 2, "cov_diag": 1, "validate_args": None},
+}
+
+
+def build_with_events(n, cls, args, kwargs):
+    """``MultivariateNormal(loc, scale_tril=...)`` (``EVENT_PARAMETERS``) with some parameters the batch's: one
+    distribution over the batch, where every batched parameter has as many batch dims of its own beyond its event
+    dims as the others (each instance's broadcast as the batch's), in a run that changes nothing in place."""
+    ranks = EVENT_PARAMETERS[cls]
+    if not sharing.state.fresh or len(args) > len(ranks) or set(kwargs) - set(ranks) or \
+            set(kwargs) & set(list(ranks)[:len(args)]):
+        return NotImplemented
+    given = {**dict(zip(ranks, args)), **kwargs}
+    own, shared = set(), set()
+    values = {}
+    for name, v in given.items():
+        if type(v) is Batch:
+            t = bt.tensor_of(v)
+            if t is None or ranks[name] is None:
+                return NotImplemented
+            own.add(t.dim() - 1 - ranks[name])
+            values[name] = t
+        else:
+            values[name] = v
+            if isinstance(v, torch.Tensor) and ranks[name] is not None:
+                shared.add(v.dim() - ranks[name])
+    if len(own) != 1 or any(k > min(own) for k in shared):
+        return NotImplemented  # (each instance's of its own batch dims: broadcast each by each)
+    dist = cls(**values)
+    if len(dist.batch_shape) == 0 or dist.batch_shape[0] != n:
+        return NotImplemented
+    return Batch(n, thunk=bt.Views(Batched(dist, cls, [], dict(given), build_with_events), True))
+
+
+def independent(n, cls, args, kwargs):
+    """``Independent(d, k)`` of each instance's distribution d (the batch's): the batch's, its last k batch dims
+    an event's, where the batch's own dim stays a batch dim."""
+    found = _by_names(args, kwargs, ("base_distribution", "reinterpreted_batch_ndims", "validate_args"))
+    base = of(found.get("base_distribution")) if found is not None else None
+    k = found.get("reinterpreted_batch_ndims") if found is not None else None
+    if base is None or type(k) is not int or not 0 <= k < len(base.dist.batch_shape) or \
+            type(found.get("validate_args")) is Batch:
+        return NotImplemented
+    dist = cls(base.dist, k, found.get("validate_args"))
+    return Batch(n, thunk=bt.Views(Batched(dist, cls, list(args), dict(kwargs), independent), True))
+
+
+def _by_names(args, kwargs, names):
+    if len(args) > len(names) or set(kwargs) - set(names) or set(kwargs) & set(names[:len(args)]):
+        return None
+    return {**dict(zip(names, args)), **kwargs}
 
 
 def _lined_up(t, rank):
