@@ -22,6 +22,18 @@ BOUND_BUILTIN = type([].append)  # a bound method of a builtin type: x.tanh for 
 BOUND_SLOT = type((0).__add__)  # a bound slot wrapper: x.__getitem__
 
 
+def by_names(args, kwargs, names):
+    """A rule's ``args`` and ``kwargs`` by parameter ``names`` (the values of the ones given), or None for an
+    unknown keyword, too many arguments, or one given both ways."""
+    if len(args) > len(names) or any(k not in names for k in kwargs):
+        return None
+    found = dict(zip(names, args))
+    if any(k in found for k in kwargs):
+        return None
+    found.update(kwargs)
+    return found
+
+
 def tensor_method(fn):
     """The name of the torch Tensor method ``fn`` is bound to (``x.tanh`` -> ``"tanh"``), else None. A
     method a Tensor subclass defines itself is not torch's, and gets none."""

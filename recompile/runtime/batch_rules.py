@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import config, intrinsics
 from ..ops import facts, syntax
-from ..ops.table import BOUND_BUILTIN, RuleTable, has_hooks, tensor_method, torch_callable
+from ..ops.table import BOUND_BUILTIN, RuleTable, by_names, has_hooks, tensor_method, torch_callable
 from . import batch as bt
 from . import saved_versions
 from . import cells, dicts, distributions, extremes, fallbacks, helpers, lazy_weights, padded, ranges, row_wise, rows
@@ -1745,10 +1745,6 @@ def attribute(n, fn, args, kwargs):
     x, name = args[0], args[1]
     if type(name) is not str or len(args) != 2:
         return NotImplemented
-    drawn = distributions.of(x)
-    if drawn is not None:  # (``d.log_prob``, ``d.mean`` of each instance's distribution: the batch's)
-        return Batch(x.n, method=(x, name)) if name in distributions.METHODS else \
-            distributions.attribute(x.n, drawn, name)
     if x.owner == "tensor" or (x.items is None and x.struct is None and bt.tensor_of(x) is not None):
         t = x.tensor
         if name in SHARED_ATTRS:
@@ -1767,6 +1763,10 @@ def attribute(n, fn, args, kwargs):
             return bt.from_tensor(swapped.conj() if name == "mH" else swapped)
         if callable(getattr(torch.Tensor, name, None)):
             return Batch(x.n, method=(x, name))
+    drawn = distributions.of(x)
+    if drawn is not None:  # (``d.log_prob``, ``d.mean`` of each instance's distribution: the batch's)
+        return Batch(x.n, method=(x, name)) if name in distributions.METHODS else \
+            distributions.attribute(x.n, drawn, name)
     if dicts.has_method(x, name):  # (``d.get("h")``, ``d.values()``: see ``dicts``)
         return Batch(x.n, method=(x, name))
     if name in _LIST_METHODS and (x.struct is not None and x.owner is None and x.struct[0] is list or
@@ -2378,7 +2378,7 @@ def transformer_encoder(n, module, args, kwargs):
     where the encoder would read a padding mask as nested tensors (its outputs past each end: zeros)."""
     names = ("src", "mask" if type(module) is nn.TransformerEncoder else "src_mask", "src_key_padding_mask",
              "is_causal")
-    bound = _by_names(args, kwargs, names)
+    bound = by_names(args, kwargs, names)
     if bound is None or "forward" in module.__dict__ or module.training and any(
             isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules()):
         return NotImplemented
@@ -2623,7 +2623,7 @@ def flatten_method(n, x, args, kwargs):
 
 
 def _flattened(x, args, kwargs, names):
-    found = _by_names(args, {k: v for k, v in kwargs.items() if k != "input"}, names)
+    found = by_names(args, {k: v for k, v in kwargs.items() if k != "input"}, names)
     if type(x) is not Batch or found is None or any(type(v) is not int for v in found.values()):
         return NotImplemented
     t = bt.tensor_of(x)
@@ -2675,22 +2675,10 @@ def _norm(x, p, dim, keepdim, dtype, n):
     return _wrap(torch.linalg.vector_norm(t, p, dims, keepdim, dtype=dtype), n)
 
 
-def _by_names(args, kwargs, names):
-    """``args`` and ``kwargs`` by parameter ``names`` (the values of the ones given), or None for an unknown
-    keyword or too many arguments."""
-    if len(args) > len(names) or any(k not in names for k in kwargs):
-        return None
-    found = dict(zip(names, args))
-    if any(k in found for k in kwargs):
-        return None
-    found.update(kwargs)
-    return found
-
-
 @BATCH.register(F.normalize)
 def normalize(n, fn, args, kwargs):
     """``F.normalize(x, p, dim, eps)`` of a batched x: the same dim of the batch's tensor."""
-    found = _by_names(args, kwargs, ("input", "p", "dim", "eps", "out"))
+    found = by_names(args, kwargs, ("input", "p", "dim", "eps", "out"))
     x = None if found is None else found.get("input")
     if type(x) is not Batch or found.get("out") is not None or any(
             type(v) is Batch for k, v in found.items() if k != "input") or type(found.get("dim", 1)) is not int:
@@ -2721,7 +2709,7 @@ _SOFTMAX_OF = {nn.Softmax: torch.softmax, nn.LogSoftmax: torch.log_softmax,
 def one_hot(n, fn, args, kwargs):
     """``F.one_hot(i, num_classes)`` of batched indices, the classes given: one call (each instance's shape
     gets the classes' dim last, as the batch's does)."""
-    found = _by_names(args, kwargs, ("tensor", "num_classes"))
+    found = by_names(args, kwargs, ("tensor", "num_classes"))
     classes = None if found is None else found.get("num_classes", -1)
     if type(classes) is not int or classes < 0 or type(found.get("tensor")) is not Batch:
         return NotImplemented  # (classes read from each instance's largest index: its own)
@@ -2768,7 +2756,7 @@ def pointwise_loss(n, fn, args, kwargs):
 @BATCH.register(torch.norm)
 def norm(n, fn, args, kwargs):
     """``torch.norm(x, p, dim, keepdim)`` of a batched x (no dim: over each instance's every element)."""
-    found = _by_names(args, kwargs, ("input", "p", "dim", "keepdim", "out", "dtype"))
+    found = by_names(args, kwargs, ("input", "p", "dim", "keepdim", "out", "dtype"))
     if found is None or found.get("out") is not None or any(type(v) is Batch for v in found.values()
                                                              if v is not found.get("input")):
         return NotImplemented
@@ -2780,7 +2768,7 @@ def norm(n, fn, args, kwargs):
 @BATCH.register("norm")
 def norm_method(n, x, args, kwargs):
     """``x.norm(p, dim, keepdim)`` of a batched x (see ``norm``)."""
-    found = _by_names(args, kwargs, ("p", "dim", "keepdim", "dtype"))
+    found = by_names(args, kwargs, ("p", "dim", "keepdim", "dtype"))
     if found is None or any(type(v) is Batch for v in found.values()):
         return NotImplemented
     out = _norm(x, found.get("p", "fro"), found.get("dim"), found.get("keepdim", False), found.get("dtype"), n)
@@ -2893,7 +2881,7 @@ def _whole_or_dims(name):
         if name in ("var", "std"):
             if args and type(args[0]) is bool:  # (``x.var(False)``: unbiased, by position)
                 args, kwargs = args[1:], {**kwargs, "unbiased": args[0]}
-            found = _by_names(args, kwargs, ("dim", "unbiased", "keepdim", "correction"))
+            found = by_names(args, kwargs, ("dim", "unbiased", "keepdim", "correction"))
             if found is None or _no_dims(found.get("dim")):
                 return NotImplemented
             dims = found.pop("dim", None)
@@ -3023,7 +3011,7 @@ def bilinear(n, fn, args, kwargs):
             return NotImplemented
         inputs, weights = args, (fn.weight, fn.bias)
     else:
-        found = _by_names(args, kwargs, ("input1", "input2", "weight", "bias"))
+        found = by_names(args, kwargs, ("input1", "input2", "weight", "bias"))
         if found is None or "weight" not in found:
             return NotImplemented
         inputs, weights = (found.get("input1"), found.get("input2")), (found["weight"], found.get("bias"))

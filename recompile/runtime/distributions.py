@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import distributions as D
 
+from ..ops.table import by_names
 from . import batch as bt
 from . import sharing
 from .batch import Batch
@@ -109,10 +110,9 @@ def build_with_events(n, cls, args, kwargs):
     distribution over the batch, where every batched parameter has as many batch dims of its own beyond its event
     dims as the others (each instance's broadcast as the batch's), in a run that changes nothing in place."""
     ranks = EVENT_PARAMETERS[cls]
-    if not sharing.state.fresh or len(args) > len(ranks) or set(kwargs) - set(ranks) or \
-            set(kwargs) & set(list(ranks)[:len(args)]):
+    given = by_names(args, kwargs, tuple(ranks))
+    if not sharing.state.fresh or given is None:
         return NotImplemented
-    given = {**dict(zip(ranks, args)), **kwargs}
     own, shared = set(), set()
     values = {}
     for name, v in given.items():
@@ -137,7 +137,7 @@ def build_with_events(n, cls, args, kwargs):
 def independent(n, cls, args, kwargs):
     """``Independent(d, k)`` of each instance's distribution d (the batch's): the batch's, its last k batch dims
     an event's, where the batch's own dim stays a batch dim."""
-    found = _by_names(args, kwargs, ("base_distribution", "reinterpreted_batch_ndims", "validate_args"))
+    found = by_names(args, kwargs, ("base_distribution", "reinterpreted_batch_ndims", "validate_args"))
     base = of(found.get("base_distribution")) if found is not None else None
     k = found.get("reinterpreted_batch_ndims") if found is not None else None
     if base is None or type(k) is not int or not 0 <= k < len(base.dist.batch_shape) or \
@@ -145,12 +145,6 @@ def independent(n, cls, args, kwargs):
         return NotImplemented
     dist = cls(base.dist, k, found.get("validate_args"))
     return Batch(n, thunk=bt.Views(Batched(dist, cls, list(args), dict(kwargs), independent), True))
-
-
-def _by_names(args, kwargs, names):
-    if len(args) > len(names) or set(kwargs) - set(names) or set(kwargs) & set(names[:len(args)]):
-        return None
-    return {**dict(zip(names, args)), **kwargs}
 
 
 def _lined_up(t, rank):
