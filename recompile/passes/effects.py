@@ -275,8 +275,8 @@ def _is_appender(o, value):
 
 def _is_popper(o, value):
     """Whether op ``o`` reads ``xs.pop`` of list ``value`` (a stack's: the item taken is the call's result)."""
-    return isinstance(o, ir.Call) and isinstance(o.fn, ir.Const) and o.fn.value is getattr and len(o.args) == 2 \
-        and o.args[0] is value and isinstance(o.args[1], ir.Const) and o.args[1].value == "pop"
+    read = attribute_read(o.outputs[0]) if isinstance(o, ir.Call) and o.outputs else None
+    return read is not None and read[0] is value and read[1] == "pop"
 
 
 def _reads_lists(o):
