@@ -1,6 +1,6 @@
 """The same tree models spelled as users write them, each against hand-batched PyTorch, in one process.
 
-    python benchmarks/bench_idioms.py [--data DIR] [--trees N] [--batch 25 256] [--repeats R]
+    python benchmarks/bench_idioms.py [--data DIR] [--trees N] [--batch 25 256] [--repeats R] [--only NAME ...]
 
 Each spelling is a subclass of ``examples/tree_lstm.py``'s TreeLSTM with the same parameters and another
 ``encode``: the example's ``chunk``; ``split`` by a list of sizes (the hidden size read from the module); slices
@@ -12,7 +12,8 @@ a node's children unpacked from a row of one stacked tensor, with ``cat``/``chun
 ``stack(...).sum(0)``; states kept as (1, H) rows with ``F.linear`` and tensor methods; a leaf's loss started as
 ``torch.zeros(())`` and the forget terms pooled by ``torch.maximum``; the tree read through
 Python numbers (``bool(tree.is_leaf[i])``, ``int(tree.left[i])``, ``.item()``); an ``encode`` that is not
-recursive calling ``self.walk(tree, i, 0)``, the recursion with a depth argument; the recursion returning a dict
+recursive calling ``self.walk(tree, i, 0)``, the recursion with a depth argument; the recursion a nested def of
+``encode`` reading ``self`` and ``tree`` from it (``def walk(j): ...``); the recursion returning a dict
 read by key, and its state as a namedtuple read by field.
 Before it is timed, each is checked against its eager twin (float64: per-tree h, c and loss, and the parameter
 gradients) and its per-instance ops are counted (``stats["per_instance"]``, which should be empty). Each is timed
@@ -323,6 +324,28 @@ class DepthWalk(TreeLSTM):
         return h, c, loss
 
 
+class NestedWalk(TreeLSTM):
+    """The recursion a nested def inside ``encode``, reading ``self`` and ``tree`` from it."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        def walk(j):
+            if tree.is_leaf[j]:
+                ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[j])), 3, dim=-1)
+                c = torch.sigmoid(ig) * torch.tanh(u)
+                loss = 0.0
+            else:
+                hl, cl, loss_l = walk(tree.left[j])
+                hr, cr, loss_r = walk(tree.right[j])
+                ig, og, u, fl, fr = torch.chunk(self.node(torch.cat([hl, hr], dim=-1)), 5, dim=-1)
+                c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cl + torch.sigmoid(fr) * cr
+                loss = loss_l + loss_r
+            h = torch.sigmoid(og) * torch.tanh(c)
+            return h, c, loss + self.node_loss(h, tree.labels[j])
+
+        return walk(i)
+
+
 class DictResults(TreeLSTM):
     """The recursion returning a dict, read by key."""
 
@@ -455,6 +478,7 @@ SPELLINGS = {"chunk (the example)": TreeLSTM, "split by sizes": SplitSizes, "sli
              "node_loss undecorated": UndecoratedLoss, "children unpacked": UnpackedChildren,
              "(1, H) rows, F.linear": RowStates, "zeros(()) loss, maximum": ZeroTensorMaximum,
              "int(), bool(), .item()": PythonNumbers, "forward, depth argument": DepthWalk,
+             "nested def walk": NestedWalk,
              "dict results": DictResults, "namedtuple states": NamedStates}
 RNTN_SPELLINGS = {"RNTN einsum (example)": RNTN, "RNTN linear of V.view": RNTNLinear}
 CELL_SPELLINGS = {"nn.LSTMCell": CellTreeLSTM}
@@ -486,7 +510,9 @@ def recompile_loss(model):
 
 
 def main(argv=None):
-    args = arguments(__doc__).parse_args(argv)
+    parser = arguments(__doc__)
+    parser.add_argument("--only", nargs="+", default=None, help="time only the spellings whose names hold one of these")
+    args = parser.parse_args(argv)
     data, sst, trees = sst_trees(args)
     forests = {size: [Forest.from_trees(chunk) for chunk in chunks(trees, size)] for size in args.batch}
     print(f"{len(trees)} SST trees from {data}, {args.threads} torch thread(s); each spelling checked against "
@@ -497,6 +523,10 @@ def main(argv=None):
                                           hand_batched_cells)):
         torch.manual_seed(0)
         base = next(iter(spellings.values()))(len(sst.vocab))
+        if args.only:
+            spellings = {name: cls for name, cls in spellings.items() if any(part in name for part in args.only)}
+            if not spellings:
+                continue
         print(family)
         check_hand_batched(base, trees[:8], hand_loss)
         print(f"  {'hand-batched':22} matches eager (float64: the loss and its gradients)")

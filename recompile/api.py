@@ -155,7 +155,8 @@ class CompiledFunction(Function):
     (bound like the Python function, run by the mode's scheduler) and the inspecting.
     """
 
-    def __init__(self, fn, mode="batched", fusion=True, threads=None, max_live_frames=_MAX_LIVE_FRAMES):
+    def __init__(self, fn, mode="batched", fusion=True, threads=None, max_live_frames=_MAX_LIVE_FRAMES, *,
+                 parsed=None):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
@@ -181,7 +182,8 @@ class CompiledFunction(Function):
         self._max_live_frames = max_live_frames
         functools.update_wrapper(self, fn)
         self.stats = Stats()
-        super().__init__(fn, fusion)  # (the fused ops' backend, or None; a TypeError for what is no function)
+        # (the fused ops' backend, or None; a TypeError for what is no function; ``parsed``: see ``nested``)
+        super().__init__(fn, fusion, parsed)
         # bind(*args, **kwargs): the parameters' values in order, bound as Python binds them (or its TypeError)
         self.bind = _make_binder(fn)
         self._owner = None
@@ -193,6 +195,10 @@ class CompiledFunction(Function):
 
     def on_build(self):
         self.stats.record_build()
+
+    def _like(self, python, parsed):
+        """A nested def lifted out of this function (``frontend.lifting``), compiled with this one's options."""
+        return CompiledFunction(python, **self._options, parsed=parsed)
 
     # -- calling
 

@@ -42,8 +42,13 @@ class _Undefined(Marker):
 UNDEFINED = _Undefined("UNDEFINED")
 
 
-def check_bound(value, name):
+def check_bound(value, name, free=False):
+    """``value`` of variable ``name`` where it is bound; Python's error where not (``free``: a variable of the
+    enclosing function, which a nested def lifted out reads as a parameter: ``frontend.lifting``)."""
     if value is UNDEFINED:
+        if free:
+            raise NameError(f"cannot access free variable '{name}' where it is not associated with a value in "
+                            "enclosing scope")
         raise UnboundLocalError(f"cannot access local variable '{name}' where it is not associated with a value")
     return value
 

@@ -10,13 +10,14 @@ is a Function that can also be called and inspected.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 
 from . import intrinsics, ir
 from .codegen import generate
 from .codegen.batched import generate_batched
-from .frontend import convert, parse_function, validate
+from .frontend import convert, lifting, parse_function, validate
 from .naming import Namer
 from .passes.effects import callables_named, invoke_may_mutate, program_may_mutate, program_runs_again_unseen
 from .passes.grad import backward_name, derive, forward_name
@@ -39,13 +40,19 @@ class Function:
     ``signature``, ``ir_name`` and ``fusion`` (the fused ops' backend, or None); its builds and handles,
     one per owner class (None for a plain function). Refused syntax raises CompileError here."""
 
-    def __init__(self, python, fusion):
+    def __init__(self, python, fusion, parsed=None):
         if not inspect.isfunction(python):
             raise TypeError(f"recompile.function expects a Python function, got {type(python).__name__}")
         self.python = python
         self.fusion = fusion
-        self.parsed = parse_function(python)
-        validate(self.parsed)
+        if parsed is None:  # (else a nested def lifted out of another compiled function: ``frontend.lifting``)
+            parsed = parse_function(python)
+            validate(parsed)
+            seen = lifting.visible(parsed)
+            parsed.lifted = lifting.find(parsed, seen)
+            for name, lift in parsed.lifted.items():
+                lift.make = functools.partial(self._lifted, name, seen)
+        self.parsed = parsed
         self.signature = self.parsed.signature
         self.ir_name = unique_ir_name(python.__qualname__)
         self._builds = {}
@@ -54,6 +61,19 @@ class Function:
 
     def on_build(self):
         """Called once for each build made (the api counts them)."""
+
+    def _lifted(self, name, seen, lift):
+        """The compiled function of nested def ``name``, lifted out of this one (``frontend.lifting``)."""
+        with self._lock:
+            if lift.function is None:
+                python, parsed = lifting.function_of(self.parsed, name, lift, seen)
+                validate(parsed)
+                lift.function = self._like(python, parsed)
+        return lift.function
+
+    def _like(self, python, parsed):
+        """A function compiled as this one is, of ``python`` parsed as ``parsed``."""
+        return Function(python, self.fusion, parsed)
 
     def callee(self, owner):
         """The handle of this function built for ``owner`` (an ``ir.Target``)."""

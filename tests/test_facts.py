@@ -211,7 +211,7 @@ _PYTHON_ARITHMETIC = (round, abs, min, max, divmod, *facts.MATH)
 _CELLS = (nn.RNNCell, nn.LSTMCell, nn.GRUCell)  # a batch of rows for the cell (batch_rules.recurrent_cell)
 _LAYERS = (nn.RNN, nn.LSTM, nn.GRU)  # every instance's sequences one batch for the module (batch_rules.recurrent_layer)
 _CLOSURES = (intrinsics.fixed_cell, intrinsics.set_cell, intrinsics.read_local_cell, intrinsics.delete_cell,
-             intrinsics.make_function)
+             intrinsics.make_function, intrinsics.cell_or_undefined)
 _IMPORTS = (intrinsics.import_module, intrinsics.import_from)  # (an import statement, made assignments)
 GROWN = {
     # a deferred call's result may flow into a dict display the function returns (``{"h": h, "loss": ...}``)
@@ -253,6 +253,7 @@ GROWN = {
                                     # closure cells, each instance's own, and nested functions made of them
                                     (intrinsics.fixed_cell, cells.fixed_cells), (intrinsics.set_cell, cells.set_cells),
                                     (intrinsics.read_local_cell, cells.read_cells),
+                                    (intrinsics.cell_or_undefined, cells.cells_or_undefined),
                                     (intrinsics.delete_cell, cells.delete_cells),
                                     (intrinsics.make_function, cells.make_functions),
                                     # a full max, min or median (ties share the gradient, as torch's)

@@ -69,6 +69,8 @@ def test_each_spelling_batches_as_the_example_does(name, monkeypatch):
         assert_same(run(model, forest), eager(cls, model, trees()))
     assert cls.encode.stats.get("per_instance", {}) == {}
     recursion = getattr(cls, "walk", cls.encode)  # (an encode that is not recursive calls ``walk``)
+    lifted = cls.encode.parsed.lifted.get("walk")  # (or a nested def of that name: frontend.lifting)
+    recursion = lifted.function if lifted is not None else recursion
     levels = recursion.callee(cls).batched_unit.levels
     if name in STRUCT_RESULTS:
         assert levels.runs >= 2 and levels.fallbacks == 0, (levels.runs, levels.fallbacks)

@@ -54,7 +54,7 @@ class Binding:
         self.state = state
 
 
-def _stored_names(nodes):
+def stored_names(nodes):
     """Names a list of statements (or one node) binds or deletes, in first-binding order, comprehension targets
     excluded."""
     if not isinstance(nodes, list):
@@ -108,12 +108,12 @@ class Converter:
         # (a comprehension's target names a builtin inside it, nested comprehensions too: ``[[a for i, a in
         # enumerate(x)] for enumerate in fs]``; any one counts, as the name may be that one wherever it is read)
         bound |= {x for node in gast.walk(self.p.node) if isinstance(node, gast.comprehension)
-                  for x in _stored_names(node.target)}
+                  for x in stored_names(node.target)}
         self.builtins = _LOWERED_BUILTINS - bound
         fdef = canon.canonicalize(copy.deepcopy(self.p.node), self.declared, self.builtins)
-        self.locals = (set(_stored_names(fdef.body)) | set(self.p.params)) - set(self.declared)
+        self.locals = (set(stored_names(fdef.body)) | set(self.p.params)) - set(self.declared)
         # (locals() lists parameters first, then variables in the order they are first bound)
-        self.frame_order = [n for n in dict.fromkeys([*self.p.params, *_stored_names(self.p.node.body)])
+        self.frame_order = [n for n in dict.fromkeys([*self.p.params, *stored_names(self.p.node.body)])
                             if n.isidentifier() and n not in self.declared]
         self.self_name = self.p.params[0] if (self.owner is not None and self.p.params) else None
         inputs = [ir.Value(p) for p in self.p.params]
@@ -121,7 +121,7 @@ class Converter:
             inputs[0].is_self = True
         sg = ir.SubGraph(self.name, inputs, self.p.loc(fdef), "function")
         self.sg = sg
-        self.env = {p: Binding(v) for p, v in zip(self.p.params, inputs)}
+        self.env = {p: Binding(v, MAYBE if p in self.p.maybe_unbound else DEF) for p, v in zip(self.p.params, inputs)}
         self._prepare_cells(fdef)
         self.block(fdef.body)
         return sg
@@ -133,10 +133,12 @@ class Converter:
         self.scope_codes, self.cells, self.fixed_cells, self.captured = {}, {}, {}, set()
         visible = (self.locals | set(self.p.freevars)) - set(self.declared)
         for node, around in closures.nested_scopes(fdef.body):
+            if isinstance(node, gast.FunctionDef) and node.name in self.p.lifted:
+                continue  # (lifted: its variables are passed at each call, no cells of theirs)
             code = closures.scope_code(node, visible | around, self.p.fn, self.p.class_name())
             self.scope_codes[id(node)] = code
             self.captured.update(self.demangle(n) for n in code.co_freevars)
-        rebound = set(_stored_names(fdef.body)) | closures.written_from_inside(fdef.body)
+        rebound = set(stored_names(fdef.body)) | closures.written_from_inside(fdef.body)
         for name in sorted(self.captured & self.locals):
             if name in self.env and name not in rebound:
                 self.fixed_cells[name] = self.call(fdef, intrinsics.fixed_cell, [self.env[name].value], hint=name)
@@ -199,7 +201,8 @@ class Converter:
         if b is not None:
             if b.state == DEF:
                 return b.value
-            value = self.call(node, intrinsics.check_bound, [b.value, ir.Const(ident)], hint=ident)
+            free = [ir.Const(True)] if ident in self.p.maybe_unbound else []  # (Python's error of a free variable)
+            value = self.call(node, intrinsics.check_bound, [b.value, ir.Const(ident), *free], hint=ident)
             self.env[ident] = Binding(value)
             return value
         if ident in self.locals:  # bound on no path that reaches here: raises when (if ever) it runs
@@ -320,7 +323,10 @@ class Converter:
         pass
 
     def stmt_FunctionDef(self, s):
-        """A nested def: its decorators, then the function object, decorated, bound to its name."""
+        """A nested def: its decorators, then the function object, decorated, bound to its name. A def lifted
+        out (``lifting``) makes nothing here: its calls are Invokes of its own program."""
+        if s.name in self.p.lifted:
+            return
         decorators = [self.expr(d) for d in s.decorator_list]
         fn = self._function(s)
         for d in reversed(decorators):
@@ -351,7 +357,7 @@ class Converter:
             self.block(s.body if s.test.value else s.orelse)
             return
         pred = self.test(s.test)
-        assigned = [n for n in _stored_names(s.body + s.orelse) if n in self.locals and n not in self.cells]
+        assigned = [n for n in stored_names(s.body + s.orelse) if n in self.locals and n not in self.cells]
         branches = []
         sgs = self.new_subgraphs("if", s, ("then", "else"))
         for sg, body in zip(sgs, (s.body, s.orelse)):
@@ -392,7 +398,7 @@ class Converter:
     def stmt_While(self, s):
         # every name the body binds is carried: a value from an earlier iteration may be read
         # (checked when read, like the first iteration of a name bound only in the body)
-        carried = [n for n in _stored_names(s.body) if n in self.locals and n not in self.cells]
+        carried = [n for n in stored_names(s.body) if n in self.locals and n not in self.cells]
         init, init_states = [], []
         for n in carried:
             b = self.env.get(n)
@@ -523,7 +529,7 @@ class Converter:
             env = dict(self.env)
             sg.outputs = [self.inside(sg, env, build)]
             envs.append(env)
-        walrus = [n for n in _stored_names(node) if n in self.locals
+        walrus = [n for n in stored_names(node) if n in self.locals
                   and any(env.get(n) is not self.env.get(n) for env in envs)]
         states = []
         for n in walrus:
@@ -627,8 +633,8 @@ class Converter:
         lowering.counter = 100000 * self.comprehensions  # keep its synthetic names apart from the function's
         stmts = lowering.block(stmts)
         # the comprehension's own names (targets, synthetic); a walrus inside binds in the function
-        scoped = [n for gen in node.generators for n in _stored_names(gen.target)]
-        scoped += [n for n in _stored_names(stmts) if n.startswith(".")]
+        scoped = [n for gen in node.generators for n in stored_names(gen.target)]
+        scoped += [n for n in stored_names(stmts) if n.startswith(".")]
         saved = {n: self.env.get(n) for n in scoped}
         saved_locals, saved_cells = set(self.locals), dict(self.cells)
         self.locals |= set(scoped)
@@ -781,7 +787,12 @@ class Converter:
         return b.value
 
     def _compiled_callee(self, func):
-        """(handle, prefix operands) when ``func`` names a compiled function at build time."""
+        """(handle, prefix operands) when ``func`` names a compiled function at build time, or a nested def
+        lifted out (``lifting``: the variables it reads are passed first)."""
+        lift = self.p.lifted.get(func.id) if isinstance(func, gast.Name) else None
+        if lift is not None:
+            handle = lift.callee(self.owner if lift.takes_receiver else None)
+            return handle, [self._value_or_undefined(name, func) for name in lift.params]
         if isinstance(func, gast.Name) and func.id == self.self_name and self._self_value() is not None:
             func_name, on_self = "__call__", True  # self(...) of a class with a compiled __call__
         elif (isinstance(func, gast.Attribute) and isinstance(func.value, gast.Name)
@@ -809,6 +820,16 @@ class Converter:
             return None
         handle = self.callee_of(obj, None)
         return (handle, []) if handle is not None else None
+
+    def _value_or_undefined(self, ident, node):
+        """Variable ``ident``'s value, UNDEFINED where it is unbound (what a lifted def's call passes: the def
+        raises Python's error where it reads it, as the closure would)."""
+        if ident in self.cells:
+            return self.call(node, intrinsics.cell_or_undefined, [self.cells[ident]], hint=ident)
+        b = self.env.get(ident)
+        if b is not None:
+            return b.value
+        return ir.Const(intrinsics.UNDEFINED) if ident in self.locals else self.load(ident, node)
 
     def _method_of_owner(self, func):
         """For ``x.m(...)`` in a method of class C whose ``m`` is compiled: the handle of C.m."""

@@ -22,6 +22,9 @@ class ParsedFunction:
         self.freevars = dict(zip(code.co_freevars, fn.__closure__ or ()))
         self.signature = inspect.signature(fn, follow_wrapped=False)
         self.params = list(self.signature.parameters)
+        self.lifted = {}  # name -> frontend.lifting.Lift: the nested defs compiled as functions of their own
+        # (of a lifted def: its parameters for the enclosing function's variables that may be unbound at a call)
+        self.maybe_unbound = frozenset()
 
     def loc(self, node):
         lineno = getattr(node, "lineno", None) or self.node.lineno

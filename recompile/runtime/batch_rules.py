@@ -1689,6 +1689,7 @@ BATCH.register(intrinsics.has_index)(ranges.has_index)
 BATCH.register(intrinsics.fixed_cell)(cells.fixed_cells)
 BATCH.register(intrinsics.set_cell)(cells.set_cells)
 BATCH.register(intrinsics.read_local_cell)(cells.read_cells)
+BATCH.register(intrinsics.cell_or_undefined)(cells.cells_or_undefined)
 BATCH.register(intrinsics.delete_cell)(cells.delete_cells)
 BATCH.register(intrinsics.make_function)(cells.make_functions)
 
@@ -1697,10 +1698,10 @@ BATCH.register(intrinsics.make_function)(cells.make_functions)
 def bound_check(n, fn, args, kwargs):
     """A read of a variable that some paths may leave unbound: UnboundLocalError if any instance's value is
     UNDEFINED, else the batch as it is (no instance is read by itself)."""
-    if kwargs or len(args) != 2 or type(args[1]) is not str:
+    if kwargs or len(args) not in (2, 3) or type(args[1]) is not str:
         return NotImplemented
     if _holds_undefined(args[0]):
-        intrinsics.check_bound(intrinsics.UNDEFINED, args[1])
+        intrinsics.check_bound(intrinsics.UNDEFINED, *args[1:])
     return args[0]
 
 

@@ -38,6 +38,12 @@ def read_cells(n, fn, args, kwargs):
     return bt.from_items([intrinsics.read_local_cell(cell, args[1]) for cell in bt.items_of(args[0])])
 
 
+def cells_or_undefined(n, fn, args, kwargs):
+    if kwargs or len(args) != 1 or type(args[0]) is not Batch:
+        return NotImplemented
+    return bt.from_items([intrinsics.cell_or_undefined(cell) for cell in bt.items_of(args[0])])
+
+
 def delete_cells(n, fn, args, kwargs):
     if kwargs or len(args) != 3 or type(args[0]) is not Batch:
         return NotImplemented
