@@ -196,9 +196,12 @@ class CompiledFunction(Function):
     def on_build(self):
         self.stats.record_build()
 
-    def _like(self, python, parsed):
-        """A nested def lifted out of this function (``frontend.lifting``), compiled with this one's options."""
-        return CompiledFunction(python, **self._options, parsed=parsed)
+    def _like(self, python, parsed, receiver):
+        """A nested def lifted out of this function (``frontend.lifting``), compiled with this one's options (a
+        method of this one's class where ``receiver``: called for one instance, it runs its program for the class)."""
+        lifted = CompiledFunction(python, **self._options, parsed=parsed)
+        lifted._owner = self._owner if receiver else None
+        return lifted
 
     # -- calling
 

@@ -68,11 +68,12 @@ class Function:
             if lift.function is None:
                 python, parsed = lifting.function_of(self.parsed, name, lift, seen)
                 validate(parsed)
-                lift.function = self._like(python, parsed)
+                lift.function = self._like(python, parsed, lift.takes_receiver)
         return lift.function
 
-    def _like(self, python, parsed):
-        """A function compiled as this one is, of ``python`` parsed as ``parsed``."""
+    def _like(self, python, parsed, receiver):
+        """A function compiled as this one is, of ``python`` parsed as ``parsed`` (``receiver``: its first
+        parameter is this method's ``self``)."""
         return Function(python, self.fusion, parsed)
 
     def callee(self, owner):

@@ -91,13 +91,47 @@ def defaults_and_keyword_only(x):
     return scaled(x), scaled(x, 2), scaled(x, m=5)
 
 
-def closure_inside_the_lifted_def(xs):
+def scopes_inside_the_lifted_def(xs):
     total = 10
 
-    def ranked(k):
-        return sorted(xs, key=lambda v: abs(v - k) + total)
+    def ranked(k):  # (its lambda reads none of the enclosing variables; its generator is consumed at once)
+        return sorted(xs, key=lambda v: abs(v - k)), sum(v + total for v in xs)
 
     return ranked(2)
+
+
+def arguments_before_the_variables(k):
+    x = 1
+
+    def g(j):
+        return x + j
+
+    return g((x := 10)), g(g((x := 5))), g((v := 3)) + v
+
+
+def bound_by_import_class_and_match(pair):
+    import math
+
+    class K:
+        size = 2
+
+    match pair:
+        case [first, _]:
+            pass
+
+    def g():
+        return math.pi, K.size, first
+
+    return g()
+
+
+def annotations_run_where_the_def_does(x):
+    log = []
+
+    def g(k: log.append(1), *, m: log.append(2) = 0) -> log.append(3):
+        return k + x
+
+    return g(1), log
 
 
 def unbound_where_read(flag):
@@ -124,7 +158,10 @@ def unbound_where_not_read(flag):
     (rebound_between_calls, [(3,)], ["show"]),
     (sibling_reads_what_the_caller_does_not, [(2,)], ["inner", "outer"]),
     (defaults_and_keyword_only, [(2,)], ["scaled"]),
-    (closure_inside_the_lifted_def, [([1, 5, 2, 3],)], ["ranked"]),
+    (scopes_inside_the_lifted_def, [([1, 5, 2, 3],)], ["ranked"]),
+    (arguments_before_the_variables, [(0,)], ["g"]),
+    (bound_by_import_class_and_match, [([4, 5],)], ["g"]),
+    (annotations_run_where_the_def_does, [(2,)], ["g"]),
     (unbound_where_read, [(True,), (False,)], ["read"]),
     (unbound_where_not_read, [(True,), (False,)], ["read"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
@@ -205,7 +242,136 @@ def called_in_a_try(x):
         return 0
 
 
+def closure_inside_the_lifted_def(xs):
+    total = 10
+
+    def ranked(k):
+        return sorted(xs, key=lambda v: abs(v - k) + total)
+
+    return ranked(2)
+
+
+def a_closure_made_inside_outlives_the_call():
+    x = 1
+
+    def g():
+        return lambda: x
+
+    h = g()
+    x = 2
+    return h()
+
+
+def another_scope_writes_nonlocal():
+    count = 0
+
+    def bump():
+        nonlocal count
+        count += 1
+
+    def read(h):
+        h()
+        return count
+
+    return read(bump)
+
+
+def a_generator_walrus_writes_the_variable():
+    y = 0
+    gen = ((y := k) for k in range(3))
+
+    def read(g):
+        list(g)
+        return y
+
+    return read(gen)
+
+
+def shadowed_by_a_comprehension():
+    i = 100
+
+    def g():
+        return i
+
+    return [g() for i in range(3)]
+
+
+def undefined_annotation():
+    def g(k: Undefined):  # noqa: F821 - Python's NameError is the outcome compared
+        return k
+
+    return g(1)
+
+
+def keyword_arguments_collected(x):
+    def g(**kw):
+        return x, kw
+
+    return g(x=7)
+
+
+def a_wrong_call(x):
+    def g(k):
+        return x + k
+
+    return g(1, 2)
+
+
+def an_async_def_inside():
+    def g():
+        async def h():
+            return 1
+
+        return h.__name__
+
+    return g()
+
+
+class Base:
+    def m(self):
+        return "Base.m"
+
+
+class Derived(Base):
+    def m(self):
+        def g():
+            self
+            return super().m()
+
+        return g()
+
+
+def zero_argument_super():
+    return Derived().m()
+
+
+def locals_in_a_with_block(x):
+    import contextlib
+
+    def g():
+        return x
+
+    with contextlib.nullcontext():
+        names = sorted(locals())
+    return names, g()
+
+
+def test_a_frame_read_in_a_block_keeps_every_def_python():
+    # (the block's locals() are compared nowhere here: inside a with block it lists the block's own names)
+    assert recompile.function(locals_in_a_with_block).parsed.lifted == {}
+
+
 @pytest.mark.parametrize("fn,cases,lifted", [
+    (closure_inside_the_lifted_def, [([1, 5, 2, 3],)], []),
+    (a_closure_made_inside_outlives_the_call, [()], []),
+    (another_scope_writes_nonlocal, [()], []),
+    (a_generator_walrus_writes_the_variable, [()], []),
+    (shadowed_by_a_comprehension, [()], []),
+    (undefined_annotation, [()], ["g"]),
+    (keyword_arguments_collected, [(5,)], []),
+    (a_wrong_call, [(5,)], []),
+    (an_async_def_inside, [()], []),
+    (zero_argument_super, [()], []),
     (passed_as_a_value, [([3, 1, 2],)], []),
     (nonlocal_writer, [(3,)], []),
     (called_before_it_is_defined, [(True,), (False,)], []),

@@ -326,6 +326,7 @@ class Converter:
         """A nested def: its decorators, then the function object, decorated, bound to its name. A def lifted
         out (``lifting``) makes nothing here: its calls are Invokes of its own program."""
         if s.name in self.p.lifted:
+            self._annotations(s)  # (evaluated where the def runs, as Python does, though nothing keeps them)
             return
         decorators = [self.expr(d) for d in s.decorator_list]
         fn = self._function(s)
@@ -711,6 +712,11 @@ class Converter:
     # calls
 
     def expr_Call(self, node):
+        lift = self.p.lifted.get(node.func.id) if isinstance(node.func, gast.Name) else None
+        if lift is not None:  # (its arguments first; then the variables it reads, as it would read them)
+            args, kwargs = self._call_args(node)
+            passed = [self._value_or_undefined(name, node.func) for name in lift.params]
+            return self._invoke(node, lift.callee(self.owner if lift.takes_receiver else None), passed + args, kwargs)
         resolved = self._compiled_callee(node.func)
         if resolved is not None:
             handle, prefix = resolved
@@ -787,12 +793,7 @@ class Converter:
         return b.value
 
     def _compiled_callee(self, func):
-        """(handle, prefix operands) when ``func`` names a compiled function at build time, or a nested def
-        lifted out (``lifting``: the variables it reads are passed first)."""
-        lift = self.p.lifted.get(func.id) if isinstance(func, gast.Name) else None
-        if lift is not None:
-            handle = lift.callee(self.owner if lift.takes_receiver else None)
-            return handle, [self._value_or_undefined(name, func) for name in lift.params]
+        """(handle, prefix operands) when ``func`` names a compiled function at build time."""
         if isinstance(func, gast.Name) and func.id == self.self_name and self._self_value() is not None:
             func_name, on_self = "__call__", True  # self(...) of a class with a compiled __call__
         elif (isinstance(func, gast.Attribute) and isinstance(func.value, gast.Name)

@@ -25,6 +25,11 @@ for _name in ("TypeAlias",):
 
 
 
+def refused(node):
+    """Whether ``node`` is a construct outside the subset."""
+    return type(node) in _REFUSED
+
+
 def validate(parsed):
     """Raise CompileError at the first construct outside the subset."""
     # only the body is compiled: decorators and defaults ran, as Python, when the def did; a nested function,
