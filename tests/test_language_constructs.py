@@ -526,6 +526,18 @@ def make_nonlocal_user():
     return add
 
 
+def make_nonlocal_reader():
+    z = 1
+
+    def set_and_read(v):
+        nonlocal z
+        z = v
+        read = lambda: z  # noqa: E731 - a nested scope reading the enclosing function's variable
+        return read(), [read][0]()
+
+    return set_and_read
+
+
 def generator_expressions(xs):
     return (sum(x * x for x in xs), any(x > 2 for x in xs), tuple(x for x in xs if x % 2),
             sorted((x for x in xs), reverse=True), sum(x * y for x in xs for y in xs if x < y))
@@ -611,6 +623,10 @@ def test_global_and_nonlocal_statements():
         plain = make_nonlocal_user()
         compiled = recompile.function(mode=mode)(make_nonlocal_user())
         assert [compiled(2), compiled(3)] == [plain(2), plain(3)]
+        # its nested scope reads that variable through the enclosing function's cell
+        plain = make_nonlocal_reader()
+        compiled = recompile.function(mode=mode)(make_nonlocal_reader())
+        assert [compiled(2), compiled(5)] == [plain(2), plain(5)]
     COUNTER = 0
 
 

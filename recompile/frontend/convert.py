@@ -131,7 +131,8 @@ class Converter:
         A parameter that nothing rebinds keeps its value: the scope gets a cell of that value; any other
         such variable lives in its cell, read and written there by the function too."""
         self.scope_codes, self.cells, self.fixed_cells, self.captured = {}, {}, {}, set()
-        visible = (self.locals | set(self.p.freevars)) - set(self.declared)
+        # (a variable declared nonlocal is the enclosing function's, which a scope here reads through its cell)
+        visible = (self.locals | set(self.p.freevars)) - {n for n, k in self.declared.items() if k == "global"}
         for node, around in closures.nested_scopes(fdef.body):
             if isinstance(node, gast.FunctionDef) and node.name in self.p.lifted:
                 continue  # (lifted: its variables are passed at each call, no cells of theirs)

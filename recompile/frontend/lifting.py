@@ -64,7 +64,9 @@ def visible(parsed):
     """The names a nested scope of ``parsed`` may read of it: its variables and free variables."""
     body = parsed.node.body
     bound = {name for stmt in body for name in python_blocks.bound_by(stmt)}
-    return (bound | set(parsed.params) | set(parsed.freevars)) - set(closures.declarations(body))
+    declared = closures.declarations(body)
+    return (bound - set(declared) | set(parsed.params) | set(parsed.freevars)) - \
+        {n for n, kind in declared.items() if kind == "global"}
 
 
 def find(parsed, visible):
