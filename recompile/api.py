@@ -182,7 +182,7 @@ class CompiledFunction(Function):
         self._max_live_frames = max_live_frames
         functools.update_wrapper(self, fn)
         self.stats = Stats()
-        # (the fused ops' backend, or None; a TypeError for what is no function; ``parsed``: see ``nested``)
+        # (the fused ops' backend, or None; a TypeError for what is no function; ``parsed``: see ``_like``)
         super().__init__(fn, fusion, parsed)
         # bind(*args, **kwargs): the parameters' values in order, bound as Python binds them (or its TypeError)
         self.bind = _make_binder(fn)

@@ -184,10 +184,7 @@ class Converter:
         return attr
 
     def demangle(self, name):
-        """A variable's name as written, from the name Python compiled it under in a method (``_C__x``)."""
-        cls = self.p.class_name()
-        prefix = f"_{cls.lstrip('_')}__" if cls else None
-        return "__" + name[len(prefix):] if prefix and cls.strip("_") and name.startswith(prefix) else name
+        return self.p.demangle(name)
 
     # -- variables
 

@@ -51,13 +51,11 @@ class Lift:
         self.params = ()
         self.takes_receiver = False
         self.maybe_unbound = frozenset()  # (params that may be unbound at a call: read with Python's check)
-        self.function = None  # (made on first use: ``program.Function.lifted``)
+        self.function = None  # (made on first use by ``make(self)``: ``program.Function._lifted``, which sets it)
         self.make = None
 
     def callee(self, owner):
-        if self.function is None:
-            self.function = self.make(self)
-        return self.function.callee(owner)
+        return (self.function or self.make(self)).callee(owner)
 
 
 def visible(parsed):
@@ -94,7 +92,7 @@ def find(parsed, visible):
     lifts = {}
     for name, (node, index) in candidates.items():
         code = closures.scope_code(node, visible, parsed.fn, parsed.class_name())
-        free = [_demangled(parsed, n) for n in code.co_freevars]
+        free = [parsed.demangle(n) for n in code.co_freevars]
         passed = [n for n in free if n in visible and n not in parsed.freevars and n not in candidates]
         if _read_by_inner_scopes(node, passed):
             continue
@@ -223,12 +221,6 @@ def _own_scope(stmt):
             stack.extend(reversed(closures.enclosing_parts(node)))
         elif not isinstance(node, _BLOCKS):
             stack.extend(reversed(list(gast.iter_child_nodes(node))))
-
-
-def _demangled(parsed, name):
-    cls = parsed.class_name()
-    prefix = f"_{cls.lstrip('_')}__" if cls else None
-    return "__" + name[len(prefix):] if prefix and cls.strip("_") and name.startswith(prefix) else name
 
 
 def function_of(parsed, name, lift, visible):

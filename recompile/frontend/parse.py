@@ -34,6 +34,12 @@ class ParsedFunction:
             col = len(line.encode("utf-8")[:col].decode("utf-8", errors="ignore"))
         return Location(self.filename, lineno, col + 1)
 
+    def demangle(self, name):
+        """A variable's name as written, from the name Python compiled it under in a method (``_C__x``)."""
+        cls = self.class_name()
+        prefix = f"_{cls.lstrip('_')}__" if cls else None
+        return "__" + name[len(prefix):] if prefix and cls.strip("_") and name.startswith(prefix) else name
+
     def class_name(self):
         """The innermost class whose body encloses the function, from its qualname (for private-name
         mangling), or None. In a qualname a function is followed by ``<locals>``, a class is not."""
