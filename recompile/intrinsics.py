@@ -57,7 +57,7 @@ def as_sequence(obj):
     """What a ``for`` loop iterates, made indexable: sequences and tensors as they are, other iterables
     wrapped so that items are drawn from the iterator only as the loop reaches them."""
     kind = type(obj)
-    if kind in _INDEXABLE:
+    if kind in _INDEXABLE or kind is ReversedSequence:
         return obj
     if isinstance(obj, torch.Tensor) and kind.__iter__ is torch.Tensor.__iter__:
         if obj.dim() == 0:
@@ -96,6 +96,33 @@ class DrawnSequence:
         return self._item
 
 
+class ReversedSequence:
+    """The items of a list, tuple, str, range or module list from its end, as ``reversed`` gives them to a lowered
+    ``for``: item i is ``seq[start - i]``, ``start`` the sequence's last index when the loop began, there while that
+    index lies in the sequence (as a list's reverse iterator reads it). A view of the sequence: every instance of a
+    batch that shares the sequence shares it, and reads each item once for all."""
+
+    __slots__ = ("seq", "start")
+
+    def __init__(self, seq):
+        self.seq = seq
+        self.start = len(seq) - 1
+
+    def has(self, i):
+        j = self.start - i
+        return 0 <= j < len(self.seq)
+
+    def __getitem__(self, i):
+        return self.seq[self.start - i]
+
+
+def reversed_sequence(seq):
+    """What ``for x in reversed(seq)`` iterates: a ``ReversedSequence`` of a list, tuple, str, range or module list;
+    of anything else what ``reversed`` gives (a tensor's rows flipped, a dict's keys from the last)."""
+    out = reversed(seq)  # (Python's own errors: a set or an iterator is no sequence)
+    return ReversedSequence(seq) if type(seq) in _INDEXABLE else out
+
+
 def builtin_read(value, ident):
     """``value``, the name ``ident`` read where the frontend wrote a loop over Python's builtin of that name as an
     index loop (``for i, x in enumerate(xs)``), or gave it a list for a generator (``sum(h for h in hs)``): an
@@ -114,7 +141,7 @@ def has_index(seq, i):
     """The test of a lowered ``for``: is there an item at position i? (A list's length is read each
     time, so items appended during the loop are visited, as in Python.)"""
     kind = type(seq)
-    if kind is DrawnSequence:
+    if kind is DrawnSequence or kind is ReversedSequence:
         return seq.has(i)
     if kind is range:  # len() of a range beyond sys.maxsize overflows; indexing does not
         try:

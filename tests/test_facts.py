@@ -203,11 +203,16 @@ def _out_of_place_metadata():
                         if r.vjp not in _RESULT_READERS}))
 
 
+def _builtin_pow_metadata():
+    r = grad_rules.GRAD.by_callable[operator.pow]
+    return set(listing({f"{describe(pow)} function": (r.reads_out, r.reads_inputs, tuple(r.read_for_others))}))
+
+
 _BITWISE = (operator.and_, operator.or_, operator.xor, operator.invert, operator.floordiv, operator.mod,
             *_TORCH_BITWISE)
 _FRESH = tuple(intrinsics.AUGMENTED_FRESH.values())
 _OUT_OF_PLACE = intrinsics.OUT_OF_PLACE  # (``x.relu_()``, ``torch.relu_(x)`` written out of place)
-_PYTHON_ARITHMETIC = (round, abs, min, max, divmod, *facts.MATH)
+_PYTHON_ARITHMETIC = (round, abs, min, max, divmod, pow, *facts.MATH)
 _CELLS = (nn.RNNCell, nn.LSTMCell, nn.GRUCell)  # a batch of rows for the cell (batch_rules.recurrent_cell)
 _LAYERS = (nn.RNN, nn.LSTM, nn.GRU)  # every instance's sequences one batch for the module (batch_rules.recurrent_layer)
 _CLOSURES = (intrinsics.fixed_cell, intrinsics.set_cell, intrinsics.read_local_cell, intrinsics.delete_cell,
@@ -216,14 +221,20 @@ _IMPORTS = (intrinsics.import_module, intrinsics.import_from)  # (an import stat
 GROWN = {
     # a deferred call's result may flow into a dict display the function returns (``{"h": h, "loss": ...}``)
     "batching.LAZY_FLOW": (_names(intrinsics.build_dict), set()),
+    # a for over ``reversed(xs)`` iterates xs as ``reversed`` does: a tensor's rows taken for their gradients
+    "backprop._ITERATING": (_names(intrinsics.reversed_sequence), set()),
     # Python's math functions are pure: ``math.sqrt(H)`` of a constant runs once for every instance
     # (and the read of ``enumerate`` a for over it as an index loop checks: it hands the builtin back)
     # (and ``operator.index`` of a ``reversed(range(n))`` loop's bound, which the frontend counts down)
     # (and ``x += y`` written out of place: a new object, x unchanged, one call for instances that share x and y)
-    "semantics.PURE": (_names(*facts.MATH, intrinsics.builtin_read, operator.index, *_FRESH, *_OUT_OF_PLACE), set()),
-    "plan._MOVABLE": (_names(*facts.MATH, intrinsics.builtin_read, operator.index, *_FRESH, *_OUT_OF_PLACE), set()),
+    # (and the sequence a for over ``reversed(xs)`` reads from its end, a view of xs)
+    "semantics.PURE": (_names(*facts.MATH, intrinsics.builtin_read, operator.index, *_FRESH, *_OUT_OF_PLACE,
+                              intrinsics.reversed_sequence), set()),
+    "plan._MOVABLE": (_names(*facts.MATH, intrinsics.builtin_read, operator.index, *_FRESH, *_OUT_OF_PLACE,
+                             intrinsics.reversed_sequence), set()),
     # a slice, a range, a frozenset and ``...`` are values no call can change: every instance shares one
-    "batch_rules._IMMUTABLE": (_names(slice, range, frozenset, type(Ellipsis)), set()),
+    # (and a view of a sequence from its end, as shared as the sequence is)
+    "batch_rules._IMMUTABLE": (_names(slice, range, frozenset, type(Ellipsis), intrinsics.ReversedSequence), set()),
     "batch_rules._ELEMENTWISE": (_names(*_ADDCMUL, *_BITWISE, *_MORE_ELEMENTWISE), set()),
     "batch_rules._ACTIVATIONS": (_names(*_MORE_ACTIVATIONS), set()),
     # ``x @ w`` of a batched x and a shared matrix, or of two batches, is one product (batch_rules.matmul), else
@@ -236,6 +247,8 @@ GROWN = {
                                     (intrinsics.has_index, ranges.has_index), (operator.not_, batch_rules.negation),
                                     # ``words[:n]`` with n per instance: each instance's slice (runtime.rows)
                                     (slice, rows.slices), (reversed, rows.reversed_rows),
+                                    # ``for x in reversed(xs)``: each instance's rows flipped, its own list reversed
+                                    (intrinsics.reversed_sequence, batch_rules.reversed_sequences),
                                     (operator.index, batch_rules.index_numbers),
                                     # ``state is None``: the rows of a tensor and a built tuple are not None
                                     (operator.is_, batch_rules.none_test), (operator.is_not, batch_rules.none_test),
@@ -320,7 +333,7 @@ GROWN = {
                                  | _ruled(batch_rules.BATCH.by_module, _MORE_RULES)
                                  | _entries((m, batch_rules.elementwise) for m in _MORE_ACTIVATIONS), set()),
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, slice,
-                                    reversed, len, intrinsics.build_dict,
+                                    reversed, intrinsics.reversed_sequence, len, intrinsics.build_dict,
                                     *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE, *_FRESH,
                                     *_OUT_OF_PLACE, *_PYTHON_ARITHMETIC,
                                     int, float, bool, operator.index, any, all, torch.masked_select,
@@ -334,7 +347,8 @@ GROWN = {
                                             (intrinsics.imul_fresh, grad_rules._mul),
                                             (intrinsics.itruediv_fresh, grad_rules._div),
                                             *((f, grad_rules.GRAD.by_callable[getattr(torch, f.method)].vjp)
-                                              for f in _OUT_OF_PLACE)]), set()),
+                                              for f in _OUT_OF_PLACE),
+                                            (pow, grad_rules._pow)]), set()),  # (``pow(x, 2)`` is ``x ** 2``)
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS, *_LAYERS, torch.nn.Sequential, *_MORE_ACTIVATIONS,
                                             torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
                                             torch.nn.TransformerEncoder)
@@ -349,6 +363,7 @@ GROWN = {
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: tuple(r.read_for_others))
                                  | _fresh_metadata() | _out_of_place_metadata()
                                  | _metadata_of({grad_rules._getitem}, True)
+                                 | _builtin_pow_metadata()  # (``pow(x, 2)``: as ``x ** 2`` reads)
                                  # (the unary ops whose gradient reads their input alone do not read their result)
                                  | _metadata_of(_INPUT_READERS, True, skip=_OUT_OF_PLACE, reads_out=False)
                                  | _metadata_of(_PASSING, True, reads_out=False) | _metadata_of(_PRODUCTS, True),

@@ -1307,6 +1307,97 @@ def test_a_reversed_or_range_rebound_after_compiling():
             del G[ident]
 
 
+def reversed_list_growing(x):
+    hs = [x, x * 2, x * 3]
+    out = x * 0
+    for h in reversed(hs):  # (a reverse iterator never reaches what the loop appends)
+        out = out * 2 + h
+        hs.append(h * 10)
+    return out, len(hs)
+
+
+def reversed_list_shrinking(x):
+    hs = [x, x * 2, x * 3, x * 4]
+    out = x * 0
+    for h in reversed(hs):  # (it stops where its next index lies past the list's end)
+        out = out * 2 + h
+        hs.pop()
+        if len(hs) > 2:
+            hs.pop()
+    return out, len(hs)
+
+
+def reversed_list_set(x):
+    hs = [x, x * 2, x * 3]
+    out = x * 0
+    for i, h in enumerate(reversed(hs)):  # (an item set ahead of the loop is the one it reads)
+        out = out * 2 + h
+        hs[0] = x * 7
+    return out, i
+
+
+def reversed_sequences(x):
+    out = x
+    for k in reversed((1.0, 2.0)):
+        out = out * k + 1
+    for c in reversed("ab"):
+        out = out + (1 if c == "a" else 2)
+    for j in reversed(range(1, 6, 2)):
+        out = out * j
+    for k in reversed({"a": 1.0, "b": 2.0}):
+        out = out + len(k)
+    for a, b in zip(reversed([x, x * 2, x * 3]), [1.0, 2.0]):
+        out = out * 3 + a * b
+    return out
+
+
+def reversed_not_a_sequence(x, kind):
+    for k in reversed({1, 2} if kind == 0 else iter([1, 2]) if kind == 1 else x.sum()):
+        x = x * k
+    return x
+
+
+def reversed_else(x):
+    for h in reversed([x, x + 1]):
+        if h.sum() > 100:
+            break
+    else:
+        h = h * 5
+    return h, type(reversed).__name__
+
+
+def test_for_over_reversed_of_a_sequence_runs_as_python_does():
+    x = T(1.0, -2.0)
+    for fn in (reversed_list_growing, reversed_list_shrinking, reversed_list_set, reversed_sequences,
+               reversed_else):
+        check(fn, (x,))
+    check(reversed_not_a_sequence, (x, 0), (x, 1), (x, 2))
+
+
+def reversed_own_states(xs, n):
+    hs = [torch.tanh(xs[t]) for t in range(n)]
+    out = torch.zeros_like(xs[0])
+    for h in reversed(hs):  # (each instance's own list, of its own length)
+        out = torch.sin(out + h)
+    for t in range(len(hs) - 1, -1, -1):  # (and read by each instance's own index)
+        out = torch.cos(out * hs[t] + hs[t - 1])
+    return out
+
+
+def reversed_display(xs, n):
+    out = xs[0] * 0
+    for a, w in zip(reversed([xs[0], xs[1] * 2, xs[2]]), [1.0, 2.0, 3.0]):
+        out = torch.tanh(out + a * w)
+    return out
+
+
+def test_for_over_reversed_of_a_list_batches():
+    xs = torch.randn(4, 5, 3, dtype=F64)
+    for fn in (reversed_own_states, reversed_display):
+        check_vmap(fn, (0, 0), xs, torch.tensor([5, 2, 3, 1]))
+        check_grad(fn, xs[0].clone().requires_grad_(), 4)
+
+
 def losses_listed(xs, n):
     losses = []
     for t in range(n):

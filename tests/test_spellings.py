@@ -513,6 +513,23 @@ def idiom_module_list(x, k):
     return x * x.numel() + x.view(2, 2).T.reshape(-1) + x.view(1, 2, 2).mT.reshape(-1)
 
 
+def idiom_reversed_module_list(x, k):
+    for layer in reversed(LAYERS):  # (a list every instance shares, read from its end: each layer once for all)
+        x = torch.tanh(layer(x))
+    for j, layer in enumerate(reversed(LAYERS)):
+        x = x + layer(x) * j
+    return x
+
+
+SIZES, NAMES, SETTINGS = [1, 3], ("a", "b"), {"scale": 2.0}
+
+
+def idiom_builtins_of_shared_values(x, k):  # (Python's builtins and a container's reads of shared values: once)
+    n = sum(SIZES) + round(H / 3) + divmod(7, 2)[0] + sorted(SIZES, reverse=True)[0] + min([3, H, 5])
+    n = n + NAMES.index("b") + len("-".join(NAMES)) + any([s > 2 for s in SIZES]) + pow(H, 2)
+    return x * n * SETTINGS.get("scale", 1.0) + pow(x, 2) + x[:sum(SIZES)].sum() + x.split(SIZES)[1].sum()
+
+
 def idiom_built_lists(x, k):
     hs = [h * 2 for h in (x, x + 1)]  # (a comprehension: appends to a list the program built)
     ones = [1.0] * H

@@ -313,7 +313,7 @@ def _pos(fn, g, out, input):
     yield input, g
 
 
-@rule(operator.pow, *_forms("pow"))  # x.__pow__ is named pow
+@rule(operator.pow, pow, *_forms("pow"))  # x.__pow__ is named pow; pow(x, 2) is x ** 2
 def _pow(fn, g, out, input=None, exponent=None, self=None):
     base = self if input is None else input  # torch.pow(self=2, exponent=x) names a number base ``self``
     if is_tensor(base):

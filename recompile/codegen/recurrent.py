@@ -431,6 +431,11 @@ def _items_at(value, layout, counter, counters):
     stretches = rows.of(value)
     if stretches is not None:
         return rows.items_at(stretches, layout.index, counters)
+    if type(value) is Batch and value.owner == "items" and value.thunk is None:
+        # (``hs[t]`` of each instance's own list of states, ``for t in range(len(hs))``: their stack, read once)
+        stack = rows.stacked(len(value.items), value, (), {})
+        if stack is not NotImplemented:
+            return _items_at(stack, layout, counter, counters)
     t = bt.tensor_of(value) if type(value) is Batch else value if type(value) is torch.Tensor else None
     if t is None or t.dim() < (2 if type(value) is Batch else 1):
         return batch_rules.item(layout.rows, layout.take(value), counter)

@@ -30,6 +30,7 @@ RETVAL = ".retval"
 RETFLAG = ".returned"
 # internal names the converter binds to runtime helpers, whatever the user calls len etc.
 AS_SEQUENCE = ".as_sequence"
+REVERSED_SEQUENCE = ".reversed_sequence"
 HAS_INDEX = ".has_index"
 BUILTIN_READ = ".builtin_read"
 INDEX = ".index"
@@ -350,6 +351,12 @@ class Canonicalizer:
                                                                       right=const(start, at)), at)
                 return located(gast.Tuple(elts=[number, inner(seqs, index, at)], ctx=gast.Load()), at)
             return sources, counted, names | {"enumerate"}
+        if call is not None and call.func.id == "reversed" and len(call.args) == 1:
+            # (``for layer in reversed(self.layers)``: an index loop over the list read from its end, which the
+            # instances sharing the list read at once, where the list's reverse iterator is each one's own)
+            view = located(gast.Call(func=name(REVERSED_SEQUENCE, at=it), args=call.args, keywords=[]), it)
+            return [view], lambda seqs, index, at: located(gast.Subscript(
+                value=name(next(seqs), at=at), slice=index(), ctx=gast.Load()), at), {"reversed"}
         if call is not None and call.func.id == "zip":
             parts = [self._iterated(a) for a in call.args]
 

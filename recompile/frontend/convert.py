@@ -41,6 +41,7 @@ _SET = ".set"  # (a set comprehension's empty set, whatever the user calls set)
 # comprehension: canonicalize)
 _LOWERED_BUILTINS = frozenset({"enumerate", "zip", "reversed", "range", *canon.CONSUMERS})
 INTERNAL = {canon.AS_SEQUENCE: intrinsics.as_sequence, canon.HAS_INDEX: intrinsics.has_index,
+            canon.REVERSED_SEQUENCE: intrinsics.reversed_sequence,
             canon.BUILTIN_READ: intrinsics.builtin_read, canon.INDEX: operator.index,
             canon.ASSERTION_ERROR: AssertionError, _SET: set, canon.IMPORT: intrinsics.import_module,
             canon.IMPORT_FROM: intrinsics.import_from}

@@ -40,6 +40,7 @@ PURE = _pure_operators() | {
     intrinsics.finds_in_class, intrinsics.build_tuple, intrinsics.build_list, intrinsics.build_dict,
     intrinsics.build_set, intrinsics.unpack, intrinsics.check_bound, intrinsics.as_sequence,
     intrinsics.has_index, intrinsics.format_value, intrinsics.join_str, intrinsics.builtin_read, operator.index,
+    intrinsics.reversed_sequence,
     *intrinsics.AUGMENTED_FRESH.values(),  # (``x += y`` written out of place: a new object, x unchanged)
     *intrinsics.OUT_OF_PLACE,  # (``x.relu_()``, ``torch.relu_(x)`` so written)
 }
@@ -66,6 +67,20 @@ SHAREABLE = frozenset({
     len, type, intrinsics.fixed_cell, intrinsics.make_function, operator.index, intrinsics.import_module,
     intrinsics.import_from,
 })
+
+# Builtins whose result is a function of their arguments' values alone and that change nothing, given no
+# iterator (which they would consume): a batch runs them once for instances that share their arguments
+# (``sum(self.sizes)``, ``round(self.d / 3)``, ``sorted(self.names)``), as every instance would get the same.
+VALUE_BUILTINS = frozenset({
+    sum, round, divmod, pow, sorted, any, all, min, max, abs, len, str, repr, format, ascii, chr, ord, bin, hex,
+    oct, int, float, bool, complex, tuple, list, frozenset, hash,
+})
+# Methods of a builtin container that read it and change nothing: ``self.config.get("scale", 1.0)``,
+# ``self.names.index(name)``. (Every method of an immutable value changes nothing.)
+READING_METHODS = frozenset({"get", "index", "count", "copy", "keys", "values", "items", "__contains__",
+                             "__getitem__", "__len__", "isdisjoint", "issubset", "issuperset", "union",
+                             "intersection", "difference", "symmetric_difference"})
+
 
 # Calls that change their arguments in place (``passes.effects``: a compiled call that may run one keeps
 # its place among its group).
@@ -235,7 +250,7 @@ READS = frozenset({getattr, operator.getitem, intrinsics.unpack})
 # Calls that build a container of the very values given.
 BUILDERS = (intrinsics.build_tuple, intrinsics.build_list, intrinsics.build_set, intrinsics.build_dict)
 # Calls that iterate what they are given: a tensor gives its rows (as ``for row in x`` does).
-ITERATING = frozenset({enumerate, zip, list, tuple, reversed, iter, sorted})
+ITERATING = frozenset({enumerate, zip, list, tuple, reversed, iter, sorted, intrinsics.reversed_sequence})
 # Python's containers: their methods move objects and compute nothing.
 CONTAINERS = (list, dict, set, frozenset, tuple, str, bytes, bytearray, collections.deque)
 # Tensor attributes whose read is differentiable; other attribute reads are bound methods or data.
@@ -329,7 +344,8 @@ LAZY_FLOW = LAZY | {intrinsics.build_tuple, intrinsics.build_dict}
 NUMBERS = (int, float, bool)  # Python's numbers, by exact type
 # Values no call can change: every instance may share one (a tuple too, when its items are: ``immutable``).
 IMMUTABLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size, slice, range,
-             frozenset, type(Ellipsis))
+             frozenset, type(Ellipsis),
+             intrinsics.ReversedSequence)  # (a view of a sequence, changed by nothing: as shared as the sequence is)
 # dtypes of integer indices (not uint8: torch reads a uint8 index as a mask)
 INTEGER_INDEX = (torch.long, torch.int, torch.int16, torch.int8)
 
@@ -348,4 +364,19 @@ def among(fn, fact):
         return fn in fact
     except TypeError:
         return False
+
+
+def value_call(fn):
+    """Whether ``fn`` computes its result from its arguments' values alone and changes nothing, given no iterator:
+    a ``VALUE_BUILTINS`` builtin, a method of an immutable value, a ``READING_METHODS`` method of a list, tuple,
+    dict or set."""
+    if among(fn, VALUE_BUILTINS):
+        return True
+    owner = getattr(fn, "__self__", None) if type(fn) is _BOUND_BUILTIN else None
+    if owner is None:
+        return False
+    return immutable(owner) or (type(owner) in (list, tuple, dict, set, frozenset) and fn.__name__ in READING_METHODS)
+
+
+_BOUND_BUILTIN = type([].append)  # (a bound method of a builtin type: ``d.get``)
 

@@ -154,10 +154,11 @@ def subgraph_mutates(sg):
 
 
 _APPENDING = frozenset({"append", "extend", "insert"})
-_ITERATING = frozenset({intrinsics.as_sequence, intrinsics.has_index})  # (how a ``for`` reads a list)
+# (how a ``for`` reads a list, from its start or from its end)
+_ITERATING = frozenset({intrinsics.as_sequence, intrinsics.has_index, intrinsics.reversed_sequence})
 # what reads a list without keeping it or changing it (and any torch function: ``torch.stack(hs)``)
 _LIST_READS = frozenset({operator.getitem, len, intrinsics.as_sequence, intrinsics.has_index, intrinsics.unpack,
-                         sum, max, min, tuple, list, sorted, any, all})
+                         intrinsics.reversed_sequence, sum, max, min, tuple, list, sorted, any, all})
 
 
 def local_appends(sg):

@@ -33,7 +33,8 @@ _REMOVING = frozenset({"pop", "popleft", "popitem", "remove", "discard", "clear"
 _TAKES_ITEM = frozenset({"pop", "popleft", "popitem", "setdefault", "heappop", "heappushpop", "heapreplace"})
 # Callables whose result may be (part of) an argument: reads, iteration, views.
 _READS = frozenset({getattr, operator.getitem, intrinsics.as_sequence, intrinsics.unpack, intrinsics.unpack_starred,
-                    iter, next, reversed, builtins.min, builtins.max})  # (``max(node.kids, key=...)``: a kid)
+                    iter, next, reversed, intrinsics.reversed_sequence,
+                    builtins.min, builtins.max})  # (``max(node.kids, key=...)``: a kid)
 # What may hand back its receiver or a part of it: views, and the methods that split, detach or convert
 _VIEW_NAMES = facts.VIEW_METHODS | {"swapdims", "detach", "numpy", "data", "split", "chunk", "unbind", "tensor_split",
                                     "hsplit", "vsplit", "dsplit", "split_with_sizes", "indices", "values",

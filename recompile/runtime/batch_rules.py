@@ -18,6 +18,7 @@ import operator
 import string
 import threading
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,7 @@ _IN_PLACE = frozenset(facts.IN_PLACE)
 _AUGMENTED = frozenset(syntax.AUGMENTED) | frozenset(intrinsics.AUGMENTED_FRESH.values())
 _NUMBERS, _LAZY = facts.NUMBERS, facts.LAZY
 _SHAREABLE, _PURE, _IMMUTABLE = facts.SHAREABLE, facts.PURE, facts.IMMUTABLE
+_DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
 
 
 class Counters(threading.local):
@@ -54,7 +56,14 @@ class Counters(threading.local):
 counters = Counters()
 
 
+# (the lowered ``for``'s own calls, named as the user wrote the loop)
+_LOOP_NAMES = {intrinsics.as_sequence: "for ... in", intrinsics.has_index: "for ... in",
+               intrinsics.reversed_sequence: "for ... in reversed(...)"}
+
+
 def _name(fn):
+    if facts.among(fn, _LOOP_NAMES):
+        return _LOOP_NAMES[fn]
     if type(fn) is Batch:
         if fn.method is not None:
             return "Tensor." + fn.method[1]
@@ -156,6 +165,10 @@ def _call(n, fn, args, kwargs):
     else:
         if not kwargs or not any(type(v) is Batch for v in kwargs.values()):
             return _unbatched(n, fn, args, kwargs)
+    if facts.value_call(fn):  # (``min([3, self.k])``: a list display of shared items is one list for all)
+        out = _of_shared_lists(n, fn, args, kwargs)
+        if out is not NotImplemented:
+            return out
     try:
         rule = BATCH.by_callable.get(fn)
     except TypeError:  # unhashable callable
@@ -374,6 +387,8 @@ def _unbatched(n, fn, args, kwargs):
             (sharing.state.fresh and computes_alike(fn, kwargs))
     except TypeError:  # unhashable callable
         reads = known = False
+    valued = facts.value_call(fn) and not any(isinstance(a, Iterator) for a in (*args, *(kwargs or {}).values()))
+    known = known or valued
     if not known and helpers.kind(fn) is not None:
         # an undecorated helper of shared values (``init_state(self)``): its compiled program run once for the
         # group, where each op inside is computed once or per instance as that op needs
@@ -388,6 +403,10 @@ def _unbatched(n, fn, args, kwargs):
     first = fn(*args, **kwargs) if kwargs else fn(*args)
     if fn is operator.getitem and _copied(args[0], first):
         return _made_once(n, first)
+    if valued and type(first) is list:  # (``sorted(self.names)``: a list of shared items, each instance's made
+        return bt.from_struct(list, first, n)  # where it needs one, as a list display's)
+    if valued and type(first) in _DICT_VIEWS:  # (``self.config.items()``: a view of a dict every instance shares)
+        return first
     # (a pure call giving back an argument, ``as_sequence`` of a shared list, makes nothing new: shared as it is)
     shared = known and (facts.immutable(first) or any(first is a for a in args)
                         or (sharing.state.fresh and sharing.shareable_result(first)))
@@ -576,6 +595,16 @@ def _run_helper(n, fn, args, kwargs):
         return out
     add_counts(counters.per_instance, out[1])  # (the helper's run's, counted as this run's)
     return out[0]
+
+
+def _of_shared_lists(n, fn, args, kwargs):
+    """``fn`` of arguments every instance shares, lists and dicts the program built of shared items among them:
+    run once, as ``_unbatched`` runs it (NotImplemented where an argument differs between instances)."""
+    plain = _shared_structs(args) or list(args)
+    plain_kwargs = dict(zip(kwargs, _shared_structs(kwargs.values()) or kwargs.values())) if kwargs else kwargs
+    if any(type(a) is Batch for a in (*plain, *(plain_kwargs or {}).values())):
+        return NotImplemented
+    return _unbatched(n, fn, tuple(plain), plain_kwargs)
 
 
 def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
@@ -1333,6 +1362,31 @@ def _of_each_list(x, fn, index):
     return None if fn is operator.delitem else bt.from_items(out)
 
 
+def _item_of_each_list(n, x, index):
+    """``xs[i]`` of each instance's own list or tuple at its own int i: each instance's item, the very object its
+    own read gives; NotImplemented where an index is no int or lies past an end (each instance raises its own)."""
+    lists = _own_lists(x, (list, tuple))
+    ints = bt.instance_ints(n, index) if lists is not None else None
+    if ints is None or not all(type(i) is int and -len(each) <= i < len(each) for each, i in zip(lists, ints)):
+        return NotImplemented
+    return bt.from_items([each[i] for each, i in zip(lists, ints)])
+
+
+@BATCH.register(intrinsics.reversed_sequence)
+def reversed_sequences(n, fn, args, kwargs):
+    """What ``for x in reversed(xs)`` iterates: of each instance's rows, their flip (``reversed``'s rule); of each
+    instance's own list, in a run that changes nothing in place (where such a list only grows, and a reverse
+    iterator never reaches what is appended), a copy of it reversed, which the ``for`` reads as one stack."""
+    out = rows.reversed_rows(n, fn, args, kwargs)
+    if out is not NotImplemented or len(args) != 1 or kwargs or not sharing.state.fresh:
+        return out
+    xs = args[0]
+    if type(xs) is Batch and xs.struct is not None and xs.owner is None and xs.struct[0] in (list, tuple):
+        return bt.from_struct(list, xs.struct[1][::-1], n)  # (``reversed([a, b, c])``: its items, from the last)
+    lists = _own_lists(xs, (list, tuple))
+    return NotImplemented if lists is None else bt.from_items([list(reversed(each)) for each in lists])
+
+
 @BATCH.register(operator.delitem)
 def deleted(n, fn, args, kwargs):
     """``del xs[i]`` / ``del xs[a:b]`` (shared i, a, b) of each instance's own list."""
@@ -1381,6 +1435,10 @@ def _gather(n, fn, args, kwargs):
             return out
     if type(x) is Batch and type(index) is Batch and rows.of(x) is not None and index.struct is None:
         out = rows.item_each(rows.of(x), index)  # (``xs[len(xs) - 1]``: an int per instance)
+        if out is not NotImplemented:
+            return out
+    if type(x) is Batch and type(index) is Batch and index.struct is None:
+        out = _item_of_each_list(n, x, index)  # (``hs[t - 1]`` of each instance's own list, t its own)
         if out is not NotImplemented:
             return out
     if type(x) is not Batch and type(index) is Batch and type(x) in PLAIN_TENSORS:  # (``self.embed.weight[i]``)
@@ -1971,7 +2029,7 @@ def python_any_all(n, fn, args, kwargs):
     return bt.from_items((truth.any(1) if fn is any else truth.all(1)).tolist())
 
 
-@BATCH.register(round, abs, min, max, divmod, *facts.MATH)
+@BATCH.register(round, abs, min, max, divmod, pow, *facts.MATH)
 def python_arithmetic(n, fn, args, kwargs):
     """Python's builtins and ``math`` of each instance's Python numbers (``round(t.item(), 2)``,
     ``math.exp(float(t))``): each instance's computed as Python computes it (Python code of Python values, not
@@ -1983,6 +2041,8 @@ def python_arithmetic(n, fn, args, kwargs):
         return elementwise(n, torch.abs, args, {})
     if (fn is max or fn is min) and not kwargs:
         return _extreme_of_tensors(n, fn, args)
+    if fn is pow and len(args) == 2 and not kwargs:  # (``pow(x, 2)`` is ``x ** 2``)
+        return call(n, operator.pow, args)
     return NotImplemented
 
 
@@ -2021,6 +2081,8 @@ def index_numbers(n, fn, args, kwargs):
     """``operator.index(t)`` of each instance's 0-d integer tensor (the bound of a ``reversed(range(t))`` loop):
     every instance's int from one ``tolist`` of the rows; other values each instance's own call."""
     x = args[0] if len(args) == 1 and not kwargs else None
+    if type(x) is Batch and x.owner == "items" and all(type(i) is int for i in x.items):
+        return x  # (each instance's int: its own index, as it is)
     t = x.tensor if type(x) is Batch and x.owner == "tensor" else None
     if t is None or t.dim() != 1 or t.dtype not in facts.INTEGER_INDEX:
         return NotImplemented

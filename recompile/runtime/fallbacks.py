@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from .. import config
+from .. import config, intrinsics
 from ..diagnostics import user_line, warn_once
 from ..errors import PerInstanceError, PerInstanceWarning
 from ..ops import facts, syntax
@@ -46,6 +46,9 @@ WRITES = ("it changes each instance's tensor in place", "write it out of place (
 OWN_DICT = ("each instance holds a dict of its own here (the program changes dicts, and keys(), values() or items() "
             "of one it changed, copied or sent down one side of a branch read each instance's)",
             "read it by key (d['h'] + d['c']), or build the dict after its last change")
+LOOPED = ("a for over each instance's own iterable that no rule reads at once (an iterator, a dict, a list the "
+          "program changes in place)", "loop over a range or a tensor's rows, or over a list the program does not "
+          "change in place (build a new one: xs = xs[:-1], not xs.pop())")
 PYTHON_VALUES = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy", int, float, bool}
 # Python's builtins of tensors, which read each instance's values as Python numbers or bools: the torch op to
 # write instead
@@ -71,6 +74,8 @@ def reason(fn):
         return WRITES
     if fn is slice:  # (``x[:k]`` with a per-instance k: a shape of each instance's own)
         return UNVMAPPABLE
+    if fn in (intrinsics.as_sequence, intrinsics.has_index, intrinsics.reversed_sequence):
+        return LOOPED
     instead = BUILTINS_OF_TENSORS.get(fn) if isinstance(fn, types.BuiltinFunctionType) else None
     if instead is not None:
         return (f"Python's {fn.__name__} reads each instance's tensors as Python values", f"write {instead}")

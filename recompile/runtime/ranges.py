@@ -95,12 +95,22 @@ def has_index(n, fn, args, kwargs):
         return rows.listed_has_index(seq.items, i)
     ranges = of(seq) if type(seq) is Batch and type(i) is int and i >= 0 else None
     if ranges is None:
-        return NotImplemented
+        return _list_has_index(seq, i)
     if i < ranges.shortest:
         return True
     if i >= ranges.longest:
         return False
     return bt.from_tensor(ranges.counts > i)
+
+
+def _list_has_index(seq, i):
+    """Whether each instance's own list or tuple (a Batch's items) has an item at the shared position i: one answer
+    where all agree."""
+    lists = seq.items if type(seq) is Batch and seq.owner == "items" and seq.thunk is None else None
+    if lists is None or type(i) is not int or i < 0 or not all(type(x) in (list, tuple) for x in lists):
+        return NotImplemented
+    found = [i < len(x) for x in lists]
+    return found[0] if all(f is found[0] for f in found) else bt.from_tensor(torch.tensor(found))
 
 
 def _built(seq):
