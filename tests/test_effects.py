@@ -66,6 +66,20 @@ def keep(hs):
     return len(hs)
 
 
+def filtered_then_tested(xs, n):  # (a branch taken by the list's truth: a read)
+    kept = [xs[t] for t in range(n) if xs[t].sum() > 0]
+    return torch.stack(kept).sum(0) if kept else xs[0]
+
+
+def reversed_then_iterated(xs, n):  # (a for over it from its end: a read)
+    hs = []
+    for t in range(n):
+        hs.append(xs[t])
+    for h in reversed(hs):
+        xs = xs + h
+    return xs
+
+
 def appended_to_an_argument(xs, out):
     out.append(xs * 2.0)
     return xs
@@ -88,6 +102,7 @@ def stored(self, xs):
 
 @pytest.mark.parametrize("fn, local", [(collected, True), (collected_in_branches, True), (comprehension, True),
                                        (stacked_by_keywords, True), (given_by_keyword, False),
+                                       (filtered_then_tested, True), (reversed_then_iterated, True),
                                        (handed_to_a_helper, False), (appended_to_an_argument, False),
                                        (renamed_in_the_loop, False), (stored, False)],
                          ids=lambda v: getattr(v, "__name__", str(v)))

@@ -521,6 +521,12 @@ def idiom_reversed_module_list(x, k):
     return x
 
 
+def idiom_filtered_list(x, k):  # (each instance's own list, kept where its test holds; a branch on its truth)
+    hs = [x * (j + 1) for j in range(k)]
+    kept = [h for h in hs if h.sum() > 0]
+    return (torch.stack(kept).sum(0) if kept else x * 3) + len(kept)
+
+
 SIZES, NAMES, SETTINGS = [1, 3], ("a", "b"), {"scale": 2.0}
 
 

@@ -201,8 +201,9 @@ def _appends_of(built, uses, sg):
                         pending.append(o.outputs[j])
                     pending += [o.body_sg.inputs[j], o.cond_sg.inputs[j]]
                 elif isinstance(o, ir.Cond):
-                    if o.pred is value:
-                        return None
+                    # (``... if kept else h``: the branch taken reads the list's truth, and keeps nothing)
+                    if o.pred is value and not any(a is value for a in o.args):
+                        continue
                     j = o.args.index(value)
                     pending += [o.then_sg.inputs[j], o.else_sg.inputs[j]]
                 elif not isinstance(o, ir.Call) or o.star or o.fn is value or any(v is value for _, v in o.kwargs):
