@@ -48,6 +48,13 @@ def values_after_a_change(x):
     return sum(v.sum() for v in view) + ("z" in state)
 
 
+def chart_read_by_each_instances_key(x, n):  # (a chart keyed by spans, read at each instance's own span)
+    chart = {(i, i + 1): x * (i + 1) for i in range(3)}
+    chart[0, 2] = chart[0, 1] + chart[1, 2]
+    chart[0, 3] = torch.tanh(chart[0, 2] + chart[2, 3])
+    return chart[0, int(n)] + chart[int(n) - 1, int(n)]
+
+
 @pytest.mark.parametrize("fn, per_instance", [
     (summed_losses, "error"), (items_walked, "error"), (keys_walked, "error"), (read_by_get_and_in, "error"),
     (values_after_a_change, "allow")], ids=lambda v: getattr(v, "__name__", v))
@@ -58,6 +65,41 @@ def test_a_dict_with_shared_keys_is_read_as_eager_reads_each_instances(fn, per_i
     want = torch.stack([torch.as_tensor(fn(x), dtype=F64) for x in xs])
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+
+
+def value_read_by_each_instances_key_changed(x, n):  # (the very value: its change is the dict's)
+    d = {(0, 1): x * 1.0, (0, 2): x * 2.0, (0, 3): x * 3.0}
+    y = d[0, int(n)]
+    y.add_(1.0)
+    return d[0, int(n)] + y + d[0, 1]
+
+
+@pytest.mark.parametrize("fn", [chart_read_by_each_instances_key, value_read_by_each_instances_key_changed],
+                         ids=lambda f: f.__name__)
+def test_a_key_of_each_instances_own_reads_each_instances_value(fn):
+    xs = torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    for ns in ([2, 3, 1, 3, 2], [3] * 5):
+        ns = torch.tensor(ns)
+        with switched(config, "error", "PER_INSTANCE"):
+            got = recompile.vmap(recompile.function(fn))(xs, ns)
+        want = torch.stack([fn(x, n) for x, n in zip(xs, ns)])
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+
+
+KEY = torch.tensor(1)
+
+
+def read_by_a_tensor(x):
+    return {1: x, "b": x * 2.0}[KEY]  # (a tensor hashes by identity: Python finds no key 1 by it)
+
+
+def test_a_tensor_key_finds_no_int_key_as_python_looks_it_up():
+    xs = torch.randn(3, 2, dtype=F64)
+    with pytest.raises(KeyError):
+        read_by_a_tensor(xs[0])
+    with pytest.raises(KeyError):
+        recompile.vmap(recompile.function(read_by_a_tensor))(xs)
 
 
 def test_a_key_no_instance_can_share_is_left_to_each_instance():

@@ -1372,6 +1372,23 @@ def _item_of_each_list(n, x, index):
     return bt.from_items([each[i] for each, i in zip(lists, ints)])
 
 
+def _value_of_each_key(n, d, key):
+    """``d[key]`` of a dict held as its values (keys every instance shares) with each instance's own key: the one
+    value where every instance's key is the same, else each instance's from their stack (``_element_each``), or
+    where the program changes values in place each instance's own value;
+    NotImplemented where a key is missing (each instance raises its own KeyError) or no shared key can be one
+    (a tensor, a list: each instance's own lookup says)."""
+    keys, values = d.struct[0].keys_, d.struct[1]
+    places = [dicts.place(keys, k) for k in bt.items_of(key)]
+    if any(p is None or p is NotImplemented for p in places):
+        return NotImplemented
+    if all(p == places[0] for p in places):
+        return values[places[0]]
+    out = _element_each(n, values, bt.from_items(places)) if sharing.state.fresh else NotImplemented
+    # (where the program changes values in place: each instance's very value, its row, as its own read gives it)
+    return bt.from_items([bt.instance(values[p], k) for k, p in enumerate(places)]) if out is NotImplemented else out
+
+
 @BATCH.register(intrinsics.reversed_sequence)
 def reversed_sequences(n, fn, args, kwargs):
     """What ``for x in reversed(xs)`` iterates: of each instance's rows, their flip (``reversed``'s rule); of each
@@ -1441,6 +1458,11 @@ def _gather(n, fn, args, kwargs):
         out = _item_of_each_list(n, x, index)  # (``hs[t - 1]`` of each instance's own list, t its own)
         if out is not NotImplemented:
             return out
+    if type(x) is Batch and type(index) is Batch and x.struct is not None and x.owner is None and \
+            issubclass(x.struct[0], bt.Keyed):
+        out = _value_of_each_key(n, x, index)  # (``chart[0, n]`` of a dict with shared keys, n each instance's)
+        if out is not NotImplemented:
+            return out
     if type(x) is not Batch and type(index) is Batch and type(x) in PLAIN_TENSORS:  # (``self.embed.weight[i]``)
         i = bt.tensor_of(index)
         if i is None:
@@ -1459,7 +1481,8 @@ def _gather(n, fn, args, kwargs):
             return bt.from_tensor(x[i])
         return bt.from_tensor(index_rows(x, i))
     if type(x) is Batch and type(index) is not Batch:
-        if type(index) is torch.Tensor and index.dim() == 0 and index.dtype in facts.INTEGER_INDEX and index.is_cpu:
+        if type(index) is torch.Tensor and index.dim() == 0 and index.dtype in facts.INTEGER_INDEX and \
+                index.is_cpu and not dicts.held(x):  # (a dict's key is the tensor: no int finds it)
             index = int(index)  # (``x[k]`` of a 0-d integer tensor reads as ``x[int]``: a view, as eager's)
         if (x.items is not None or rows.holds(x)) and type(index) is slice:
             found = rows.of(x)
@@ -1493,11 +1516,8 @@ def _gather(n, fn, args, kwargs):
             if out is not NotImplemented:
                 return out  # (``hs[-1]``: each instance's item)
         if x.struct is not None and x.owner is None and issubclass(x.struct[0], bt.Keyed):
-            keys = x.struct[0].keys_
-            try:
-                return x.struct[1][keys.index(index)] if index in keys else NotImplemented
-            except TypeError:  # (an unhashable key: each instance raises)
-                return NotImplemented
+            at = dicts.place(x.struct[0].keys_, index)
+            return NotImplemented if at is None or at is NotImplemented else x.struct[1][at]
         if x.struct is not None and x.owner is None and type(index) is int:
             return x.struct[1][index]
         if x.struct is not None and x.owner is None and type(index) is slice and x.struct[0] in (tuple, list):

@@ -29,7 +29,7 @@ def held(value):
         issubclass(value.struct[0], bt.Keyed)
 
 
-def _place(keys, key):
+def place(keys, key):
     """``key``'s position among ``keys``, None where it is not one of them, NotImplemented where no instance
     can hold it as a shared key (a batch, an unhashable or mutable value: each instance's own call says)."""
     if type(key) is Batch or not facts.immutable(key):
@@ -43,7 +43,7 @@ def _place(keys, key):
 def set_field(target, key, value):
     """``d[key] = v``: the struct's value replaced, or the key added at its end, as a dict orders its keys."""
     kind, parts = target.struct
-    at = _place(kind.keys_, key)
+    at = place(kind.keys_, key)
     if at is NotImplemented:
         return NotImplemented
     if at is None:
@@ -61,7 +61,7 @@ def contains(n, fn, args, kwargs):
     d, key = args if fn is operator.contains else args[::-1]
     if not held(d):
         return NotImplemented
-    at = _place(d.struct[0].keys_, key)
+    at = place(d.struct[0].keys_, key)
     return NotImplemented if at is NotImplemented else (at is not None) is (fn is operator.contains)
 
 
@@ -72,7 +72,7 @@ def method(n, d, name, args, kwargs):
         return NotImplemented
     kind, parts = d.struct
     if name == "get" and 1 <= len(args) <= 2:
-        at = _place(kind.keys_, args[0])
+        at = place(kind.keys_, args[0])
         if at is NotImplemented:
             return NotImplemented
         return parts[at] if at is not None else args[1] if len(args) == 2 else None
