@@ -24,7 +24,10 @@ runs taking turns; the table gives trees/s and recompile / hand-batched. The RNT
 bilinear form with ``torch.einsum`` on the shared tensor V) and the same form written
 ``F.linear(x, V.view(...)).view(...) @ x`` go the same way, beside an RNTN batched by hand by height, and so
 does the Tree-LSTM written with modules (an ``nn.LSTMCell`` over the projected children, their summed state its
-state), beside the same model batched by hand.
+state), beside the same model batched by hand. Last, two spellings that do not run as one batch per depth, each
+with its warning, timed to say how far they fall: every node's loss appended to a list the recursion is handed
+(DyNet's way: an instance's calls then keep their order), and every node's losses returned as lists the parents
+join.
 """
 
 import copy
@@ -369,6 +372,57 @@ class DictResults(TreeLSTM):
         return {"h": h, "c": c, "loss": loss + self.node_loss(h, tree.labels[i])}
 
 
+class AppendedLosses(TreeLSTM):
+    """Each node's loss appended to a list the recursion is handed (as DyNet users collect theirs), summed at the
+    root by ``torch.stack(losses).sum()``: the recursion changes what its caller holds, so an instance's calls keep
+    their order (warned)."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        losses = []
+        h, c = self.walk(tree, i, losses)
+        return h, c, torch.stack(losses).sum()
+
+    @recompile.function
+    def walk(self, tree, i, losses):
+        if tree.is_leaf[i]:
+            ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u)
+        else:
+            hl, cl = self.walk(tree, tree.left[i], losses)
+            hr, cr = self.walk(tree, tree.right[i], losses)
+            ig, og, u, fl, fr = torch.chunk(self.node(torch.cat([hl, hr], dim=-1)), 5, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cl + torch.sigmoid(fr) * cr
+        h = torch.sigmoid(og) * torch.tanh(c)
+        losses.append(self.node_loss(h, tree.labels[i]))
+        return h, c
+
+
+class ReturnedLosses(TreeLSTM):
+    """Each node's losses returned as a list, the children's concatenated up the tree, summed at the root by
+    ``torch.stack(losses).sum()``: each instance's own lists, joined once per instance (warned)."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        h, c, losses = self.walk(tree, i)
+        return h, c, torch.stack(losses).sum()
+
+    @recompile.function
+    def walk(self, tree, i):
+        if tree.is_leaf[i]:
+            ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u)
+            losses = []
+        else:
+            hl, cl, ll = self.walk(tree, tree.left[i])
+            hr, cr, lr = self.walk(tree, tree.right[i])
+            ig, og, u, fl, fr = torch.chunk(self.node(torch.cat([hl, hr], dim=-1)), 5, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cl + torch.sigmoid(fr) * cr
+            losses = ll + lr
+        h = torch.sigmoid(og) * torch.tanh(c)
+        return h, c, losses + [self.node_loss(h, tree.labels[i])]
+
+
 State = namedtuple("State", "h c")
 
 
@@ -482,6 +536,8 @@ SPELLINGS = {"chunk (the example)": TreeLSTM, "split by sizes": SplitSizes, "sli
              "dict results": DictResults, "namedtuple states": NamedStates}
 RNTN_SPELLINGS = {"RNTN einsum (example)": RNTN, "RNTN linear of V.view": RNTNLinear}
 CELL_SPELLINGS = {"nn.LSTMCell": CellTreeLSTM}
+# Spellings that do not run as one batch per depth, each with its warning: timed to say how far they fall.
+WARNED_SPELLINGS = {"losses appended": AppendedLosses, "losses returned": ReturnedLosses}
 
 
 def check(cls, base, trees, device="cpu"):
@@ -520,7 +576,8 @@ def main(argv=None):
     for family, spellings, hand_loss in (("Tree-LSTM (embed 300, hidden 150)", SPELLINGS, hand_batched),
                                          ("RNTN (embed 300, hidden 50)", RNTN_SPELLINGS, hand_batched_rntn),
                                          ("Tree-LSTM of module cells (embed 300, hidden 150)", CELL_SPELLINGS,
-                                          hand_batched_cells)):
+                                          hand_batched_cells),
+                                         ("Tree-LSTM, node losses in lists (warned)", WARNED_SPELLINGS, hand_batched)):
         torch.manual_seed(0)
         base = next(iter(spellings.values()))(len(sst.vocab))
         if args.only:

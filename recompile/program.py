@@ -19,11 +19,12 @@ from .codegen import generate
 from .codegen.batched import generate_batched
 from .frontend import convert, lifting, parse_function, validate
 from .naming import Namer
-from .passes.effects import callables_named, invoke_may_mutate, program_may_mutate, program_runs_again_unseen
+from .passes.effects import (callables_named, first_change, invoke_may_mutate, program_may_mutate,
+                             program_runs_again_unseen, recursions_kept_in_order)
 from .passes.grad import backward_name, derive, forward_name
 from .passes.holding import caller_visible_change
 from .passes.pipeline import FINAL, run_passes
-from .runtime import helpers
+from .runtime import fallbacks, helpers
 
 _ir_names = Namer(suffix=lambda k: f"#{k}")
 _ir_names_lock = threading.Lock()
@@ -142,7 +143,14 @@ class FunctionBuild:
     @property
     def batched_code(self):
         """The batched program (codegen.batched): its ``unit`` is where frames of this function merge."""
-        return self._once("_batched_code", lambda: generate_batched(self.stages[FINAL], self._may_mutate))
+        return self._once("_batched_code", self._generate_batched)
+
+    def _generate_batched(self):
+        sg = self.stages[FINAL]
+        for invoke in recursions_kept_in_order(sg, FINAL, self._may_mutate):  # (never slower without a word)
+            change = first_change(invoke.target, FINAL)
+            fallbacks.calls_in_order(invoke.loc, invoke.target.qualname, change.loc if change is not None else None)
+        return generate_batched(sg, self._may_mutate)
 
     @property
     def grad(self):

@@ -76,3 +76,42 @@ def test_a_fallback_inside_a_traced_piece_names_the_users_line(monkeypatch):
     lines, start = inspect.getsourcelines(masked_tree)
     masked = start + next(k for k, line in enumerate(lines) if "(the masked line)" in line)
     assert {(w.filename, w.lineno) for w in seen if "nonzero" in str(w.message)} == {(__file__, masked)}
+
+
+def collect(xs, left, right, i, out):  # (a recursion appending to the list its caller holds)
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+    else:
+        h = torch.tanh(collect(xs, left, right, left[i], out) + collect(xs, left, right, right[i], out))
+    out.append(h.sum())
+    return h
+
+
+def collected(xs, left, right, i):
+    out = []
+    h = collect(xs, left, right, i, out)
+    return h + len(out)
+
+
+def test_a_recursion_changing_what_its_caller_holds_says_its_calls_keep_their_order(monkeypatch):
+    """Its calls run one after another within each instance (the changes in their order), not one batch per
+    depth: each recursive call's line is warned of, naming the change, with what to write instead; with
+    ``config.PER_INSTANCE == "error"`` the build refuses."""
+    from recompile import config, diagnostics
+
+    monkeypatch.setattr(diagnostics, "_warned", set())
+    left, right = torch.tensor([1, 3, -1, -1, -1]), torch.tensor([2, 4, -1, -1, -1])
+    xs = torch.randn(5, 3, dtype=torch.float64)
+    want = torch.stack([collected(xs, left, right, i) for i in (0, 1, 2)])
+    monkeypatch.setitem(collected.__globals__, "collect", recompile.function(collect))
+    with pytest.warns(recompile.PerInstanceWarning, match=r"the calls of collect at test_fallbacks\.py:\d+ run one "
+                                                          r"after another .*changes what its caller holds "
+                                                          r"\(test_fallbacks\.py:\d+\).*return what the calls make"):
+        got = recompile.vmap(recompile.function(collected), in_dims=(None, None, None, 0))(
+            xs, left, right, torch.tensor([0, 1, 2]))
+    torch.testing.assert_close(got, want)
+    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+    fresh = recompile.function(collect.python)  # (built anew: the warning is the build's)
+    monkeypatch.setitem(collected.__globals__, "collect", fresh)
+    with pytest.raises(recompile.PerInstanceError, match="run one after another"):
+        fresh(xs, left, right, 0, [])

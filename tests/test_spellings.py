@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import recompile
-from recompile import config
+from recompile import config, diagnostics
 from recompile.data import Forest
 from test_segments import WORDS, assert_same, switched, trees
 
@@ -113,6 +113,20 @@ def view_by_list(x):
 
 def index_by(x, i):
     return (x * 2)[i] + 1
+
+
+@pytest.mark.parametrize("name, warned", [("losses appended", r"the calls of AppendedLosses\.walk at "
+                                                                   r"bench_idioms\.py:\d+ run one after another"),
+                                          ("losses returned", r"add runs once per instance")])
+def test_a_spelling_off_the_batch_per_depth_gives_eagers_values_and_says_so(name, warned, monkeypatch):
+    cls = bench_idioms.WARNED_SPELLINGS[name]
+    monkeypatch.setattr(diagnostics, "_warned", set())  # (an earlier run may have warned of these lines)
+    torch.manual_seed(0)
+    model = small(cls)
+    forest = Forest.from_trees(trees())
+    with pytest.warns(recompile.PerInstanceWarning, match=warned):
+        got = run(model, forest)
+    assert_same(got, eager(cls, model, trees()))
 
 
 def test_a_helper_changing_a_value_computed_once_changes_its_instances_copy():

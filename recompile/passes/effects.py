@@ -304,6 +304,32 @@ def program_may_mutate(target, stage):
     return any(subgraph_mutates(t.subgraph(stage)) for t in ir.reachable(target, stage))
 
 
+def first_change(target, stage):
+    """The first op (in the order the functions are reached) by which the program of ``target`` may change state its
+    caller can see (what ``program_may_mutate`` found), or None."""
+    for t in ir.reachable(target, stage):
+        sg = t.subgraph(stage)
+        unseen = int_counting(sg) | local_appends(sg)
+        for s in sg.walk():
+            for op in s.ops:
+                if op_mutates(op) and op not in unseen:
+                    return op
+    return None
+
+
+def recursions_kept_in_order(sg, stage, may_mutate):
+    """The Invokes in function SubGraph ``sg`` of a recursion (one whose program may run ``sg`` again) that may change
+    state their caller sees: codegen keeps each in its place (``codegen.plan``), so that a batched run runs each
+    instance's calls one after another, each batching only with other instances' calls of the same step."""
+    found = []
+    for s in sg.walk():
+        for op in s.ops:
+            if isinstance(op, ir.Invoke) and may_mutate(op) and any(
+                    t.ir_name == sg.name for t in ir.reachable(op.target, stage)):
+                found.append(op)
+    return found
+
+
 # Builtins whose call is an effect of its own, seen by the user (output, input, files)
 _VISIBLE = frozenset({print, input, open, breakpoint, exec, eval})
 

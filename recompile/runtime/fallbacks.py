@@ -100,6 +100,23 @@ def _nested(fn):
 
 
 
+def calls_in_order(call, callee, change):
+    """Warn (or, with ``config.PER_INSTANCE == "error"``, refuse) that the recursive calls of ``callee`` at ``call``
+    (an ``errors.Location``) keep their order, since its program may change what its caller holds (at ``change``,
+    a Location, or None): an instance's calls then run one after another, not one batch per depth."""
+    if config.PER_INSTANCE == "allow":
+        return
+    at = f" ({os.path.basename(change.filename)}:{change.lineno})" if change is not None else ""
+    message = (f"recompile: the calls of {callee} at {os.path.basename(call.filename)}:{call.lineno} run one after "
+               f"another within each instance, in their order, since {callee} changes what its caller holds{at}: "
+               f"each batches only with other instances' calls of the same step, not as one batch per depth; "
+               f"return what the calls make instead (return h, loss, and add the losses up), or build and change a "
+               f"list of the call's own")
+    if config.PER_INSTANCE == "error":
+        raise PerInstanceError(message + ' (config.PER_INSTANCE is "error")')
+    warn_once((call.filename, call.lineno), callee, message, PerInstanceWarning)
+
+
 def fell_back(name, n, why):
     """Warn of (or, with ``config.PER_INSTANCE == "error"``, refuse) an op run once per instance, at the
     user's line."""
