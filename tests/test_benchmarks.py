@@ -58,7 +58,7 @@ def test_idioms_benchmark_checks_and_times_every_spelling(capsys):
     warned = len(bench_idioms.WARNED_SPELLINGS)  # (each with its warning, and ops once per instance or not)
     assert out.count("matches eager") == spellings + warned + 4  # (and each family's hand-batched code; main
     # raises before the table otherwise)
-    assert out.count("per-instance ops: none") >= spellings
+    assert out.count("per-instance ops: none") == spellings
     rows = [line for line in out.splitlines() if line.rstrip().endswith("x") and " 4 " in line]
     assert len(rows) == 2 * (spellings + warned)  # each spelling, inference and training
 

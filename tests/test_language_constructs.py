@@ -1391,11 +1391,21 @@ def reversed_display(xs, n):
     return out
 
 
+def reversed_own_list_inserted_in_front(xs, n):
+    hs = [xs[t] for t in range(n)]
+    out = xs[0] * 0
+    for h in reversed(hs):  # (the reverse iterator reads what the insert shifted: each instance its own list)
+        out = out * 3 + h
+        hs.insert(0, xs[0] * 10)
+    return out
+
+
 def test_for_over_reversed_of_a_list_batches():
     xs = torch.randn(4, 5, 3, dtype=F64)
     for fn in (reversed_own_states, reversed_display):
         check_vmap(fn, (0, 0), xs, torch.tensor([5, 2, 3, 1]))
         check_grad(fn, xs[0].clone().requires_grad_(), 4)
+    check_vmap(reversed_own_list_inserted_in_front, (0, 0), xs, torch.tensor([5, 2, 3, 1]), per_instance=True)
 
 
 def losses_listed(xs, n):

@@ -238,6 +238,48 @@ def test_a_helper_changing_a_value_computed_once_without_handing_it_back_warns()
             recompile.vmap(recompile.function(product_bumped_and_handed_back), in_dims=(0, None))(x, w)
 
 
+class Counted:
+    """An iterable of the program's own (no iterator): each iteration draws its next number."""
+
+    def __init__(self):
+        self.k = 0
+
+    def __iter__(self):
+        self.k += 1
+        return iter([self.k, 0])
+
+
+COUNTED, SEEN, LISTS, SETTINGS_OF_LISTS = Counted(), [], [[1], [2, 3]], {"sizes": [1, 2]}
+
+
+def builtins_running_the_programs_code(x):  # (a builtin that runs the program's code runs for each instance)
+    drawn = list(COUNTED)[0]
+    order = sorted([2, 1], key=lambda s: (SEEN.append(s), s)[1])
+    return x * drawn + order[0]  # (not len(SEEN): the instances' effects interleave in a batch)
+
+
+def builtins_handing_back_what_exists(x):  # (a list a builtin hands back is the one that exists, not a copy)
+    same = (max(LISTS) is LISTS[1]) + (SETTINGS_OF_LISTS.get("sizes") is SETTINGS_OF_LISTS["sizes"])
+    return x * same
+
+
+def test_a_builtin_of_shared_values_runs_once_only_where_python_would_give_every_instance_the_same():
+    xs = torch.randn(4, 3, dtype=torch.float64)
+    for fn, once in ((builtins_running_the_programs_code, False), (builtins_handing_back_what_exists, True)):
+        COUNTED.k = 0
+        SEEN.clear()
+        want = torch.stack([fn(x) for x in xs])
+        COUNTED.k = 0
+        SEEN.clear()
+        compiled = recompile.function(fn)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore" if not once else "error", recompile.PerInstanceWarning)
+            got = recompile.vmap(compiled)(xs)
+        torch.testing.assert_close(got, want)
+        assert (compiled.stats.get("per_instance", {}) == {}) is once
+        assert len(SEEN) == (0 if once else 2 * len(xs))  # (each instance's key calls)
+
+
 def test_a_method_of_a_module_and_random_draws_run_for_each_instance():
     m = TwoLinears()
     m.count = recompile.function(TwoLinears.count).__get__(m)

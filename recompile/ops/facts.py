@@ -77,9 +77,8 @@ VALUE_BUILTINS = frozenset({
 })
 # Methods of a builtin container that read it and change nothing: ``self.config.get("scale", 1.0)``,
 # ``self.names.index(name)``. (Every method of an immutable value changes nothing.)
-READING_METHODS = frozenset({"get", "index", "count", "copy", "keys", "values", "items", "__contains__",
-                             "__getitem__", "__len__", "isdisjoint", "issubset", "issuperset", "union",
-                             "intersection", "difference", "symmetric_difference"})
+READING_METHODS = frozenset({"get", "index", "count", "keys", "values", "items", "__contains__", "__getitem__",
+                             "__len__", "isdisjoint", "issubset", "issuperset"})
 
 
 # Calls that change their arguments in place (``passes.effects``: a compiled call that may run one keeps
@@ -245,6 +244,9 @@ NO_GRADIENT_METHODS = frozenset({
     "is_floating_point", "is_complex", "sign", "__bool__", "__len__", "__int__", "__float__", "__index__",
     "bool", "long", "int", "byte", "logical_not", "logical_and", "logical_or", "count_nonzero",
 })
+# The calls a lowered ``for`` makes (``frontend.canonicalize``): its sequence (read from its end for ``reversed``),
+# the test of each step.
+FOR_LOOP = frozenset({intrinsics.as_sequence, intrinsics.has_index, intrinsics.reversed_sequence})
 # Calls whose result may be a tensor from outside the program (a parameter): the forward notes it.
 READS = frozenset({getattr, operator.getitem, intrinsics.unpack})
 # Calls that build a container of the very values given.
@@ -366,17 +368,30 @@ def among(fn, fact):
         return False
 
 
-def value_call(fn):
-    """Whether ``fn`` computes its result from its arguments' values alone and changes nothing, given no iterator:
+_BUILTIN_CALLABLE = type(len)  # (a builtin function, or a method of a builtin type's value: ``d.get``)
+_PLAIN_CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
+def value_call(fn, args, kwargs):
+    """Whether ``fn(*args, **kwargs)`` computes its result from the arguments' values alone and changes nothing:
     a ``VALUE_BUILTINS`` builtin, a method of an immutable value, a ``READING_METHODS`` method of a list, tuple,
-    dict or set."""
-    if among(fn, VALUE_BUILTINS):
+    dict or set, given plain data (``plain_data``: no iterator it would consume, no ``key=`` callable or object of
+    the program's own whose methods it would call)."""
+    if not among(fn, VALUE_BUILTINS):
+        owner = getattr(fn, "__self__", None) if type(fn) is _BUILTIN_CALLABLE else None
+        if owner is None or not (immutable(owner) or type(owner) in _PLAIN_CONTAINERS
+                                 and fn.__name__ in READING_METHODS):
+            return False
+    return all(plain_data(a) for a in args) and (not kwargs or all(plain_data(v) for v in kwargs.values()))
+
+
+def plain_data(value, depth=2, items=64):
+    """Whether ``value`` is data a builtin reads without running the program's code: an immutable value, a tensor,
+    or a list, tuple, dict or set of such values (nested ``depth`` deep, at most ``items`` of each)."""
+    if immutable(value) or isinstance(value, torch.Tensor):
         return True
-    owner = getattr(fn, "__self__", None) if type(fn) is _BOUND_BUILTIN else None
-    if owner is None:
+    kind = type(value)
+    if depth == 0 or kind not in _PLAIN_CONTAINERS or len(value) > items:
         return False
-    return immutable(owner) or (type(owner) in (list, tuple, dict, set, frozenset) and fn.__name__ in READING_METHODS)
-
-
-_BOUND_BUILTIN = type([].append)  # (a bound method of a builtin type: ``d.get``)
-
+    parts = (*value.keys(), *value.values()) if kind is dict else value
+    return all(plain_data(v, depth - 1, items) for v in parts)

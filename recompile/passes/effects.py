@@ -149,13 +149,17 @@ def build_time_value(capture):
 
 
 def subgraph_mutates(sg):
+    return any(_changes(sg))
+
+
+def _changes(sg):
+    """The ops of function SubGraph ``sg`` (and what it holds) that may change state in place, in order."""
     unseen = int_counting(sg) | local_appends(sg)
-    return any(op_mutates(op) and op not in unseen for s in sg.walk() for op in s.ops)
+    return (op for s in sg.walk() for op in s.ops if op_mutates(op) and op not in unseen)
 
 
 _APPENDING = frozenset({"append", "extend", "insert"})
-# (how a ``for`` reads a list, from its start or from its end)
-_ITERATING = frozenset({intrinsics.as_sequence, intrinsics.has_index, intrinsics.reversed_sequence})
+_ITERATING = facts.FOR_LOOP  # (how a ``for`` reads a list, from its start or from its end)
 # what reads a list without keeping it or changing it (and any torch function: ``torch.stack(hs)``)
 _LIST_READS = frozenset({operator.getitem, len, intrinsics.as_sequence, intrinsics.has_index, intrinsics.unpack,
                          intrinsics.reversed_sequence, sum, max, min, tuple, list, sorted, any, all})
@@ -187,7 +191,7 @@ def _appends_of(built, uses, sg):
     """The append calls of list ``built`` where every use of it (and of the names loops and branches give it)
     is one ``local_appends`` allows, else None."""
     appends, pending, seen = set(), [built], set()
-    popped = iterated = False
+    popped = iterated = inserted = reversed_ = False
     while pending:
         while pending:
             value = pending.pop()
@@ -215,6 +219,7 @@ def _appends_of(built, uses, sg):
                 elif _is_appender(o, value) or _is_popper(o, value):
                     if _is_popper(o, value):
                         popped = True
+                    inserted = inserted or (growing(o) or (None, None))[1] == "insert"
                     callers = uses.get(o.output, ())
                     if not all(isinstance(c, ir.Call) and c.fn is o.output and o.output not in c.args
                                and not any(v is o.output for _, v in c.kwargs) for c in callers):
@@ -224,6 +229,7 @@ def _appends_of(built, uses, sg):
                     return None
                 elif isinstance(o.fn, ir.Const) and o.fn.value in _ITERATING:
                     iterated = True
+                    reversed_ = reversed_ or o.fn.value is intrinsics.reversed_sequence
         # where a loop or branch hands it on: a loop's body gives it back in its own place (else another name
         # could take it); a branch's result that may be it is followed as it is
         for s in sg.walk():
@@ -242,6 +248,8 @@ def _appends_of(built, uses, sg):
                         pending.append(out)
     if popped and iterated:
         return None  # (a ``for`` over a list that also shrinks: the batch's copy of it tells a list that only grew)
+    if inserted and reversed_:
+        return None  # (a ``for`` from its end over a list that grows in front: the batch's reversed copy is not it)
     return appends
 
 
@@ -305,28 +313,22 @@ def program_may_mutate(target, stage):
 
 
 def first_change(target, stage):
-    """The first op (in the order the functions are reached) by which the program of ``target`` may change state its
-    caller can see (what ``program_may_mutate`` found), or None."""
-    for t in ir.reachable(target, stage):
-        sg = t.subgraph(stage)
-        unseen = int_counting(sg) | local_appends(sg)
-        for s in sg.walk():
-            for op in s.ops:
-                if op_mutates(op) and op not in unseen:
-                    return op
-    return None
+    """The first op (in the order the functions are reached) by which the program of ``target`` may change state in
+    place (what ``program_may_mutate`` found), or None."""
+    return next((op for t in ir.reachable(target, stage) for op in _changes(t.subgraph(stage))), None)
 
 
 def recursions_kept_in_order(sg, stage, may_mutate):
-    """The Invokes in function SubGraph ``sg`` of a recursion (one whose program may run ``sg`` again) that may change
-    state their caller sees: codegen keeps each in its place (``codegen.plan``), so that a batched run runs each
-    instance's calls one after another, each batching only with other instances' calls of the same step."""
+    """The recursive Invokes of function SubGraph ``sg`` (their program may run ``sg`` again) that may change state in
+    place, where two or more stand in one block: codegen keeps each in its place (``codegen.plan``) where it would
+    issue them together (a node's two children), so that a batched run runs each instance's calls one after
+    another, each batching only with other instances' calls of the same step, not one batch per depth."""
     found = []
     for s in sg.walk():
-        for op in s.ops:
-            if isinstance(op, ir.Invoke) and may_mutate(op) and any(
-                    t.ir_name == sg.name for t in ir.reachable(op.target, stage)):
-                found.append(op)
+        kept = [op for op in s.ops if isinstance(op, ir.Invoke) and may_mutate(op)
+                and any(t.ir_name == sg.name for t in ir.reachable(op.target, stage))]
+        if len(kept) >= 2:
+            found.extend(kept)
     return found
 
 

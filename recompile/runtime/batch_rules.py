@@ -18,7 +18,6 @@ import operator
 import string
 import threading
 import types
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -165,7 +164,7 @@ def _call(n, fn, args, kwargs):
     else:
         if not kwargs or not any(type(v) is Batch for v in kwargs.values()):
             return _unbatched(n, fn, args, kwargs)
-    if facts.value_call(fn):  # (``min([3, self.k])``: a list display of shared items is one list for all)
+    if facts.value_call(fn, (), None):  # (``min([3, self.k])``: a list display of shared items is one list for all)
         out = _of_shared_lists(n, fn, args, kwargs)
         if out is not NotImplemented:
             return out
@@ -387,7 +386,8 @@ def _unbatched(n, fn, args, kwargs):
             (sharing.state.fresh and computes_alike(fn, kwargs))
     except TypeError:  # unhashable callable
         reads = known = False
-    valued = facts.value_call(fn) and not any(isinstance(a, Iterator) for a in (*args, *(kwargs or {}).values()))
+    # (Python's builtins of plain data; not of a tensor computed once, which Python code gets a copy of: below)
+    valued = facts.value_call(fn, args, kwargs) and not sharing.any_fresh((*args, *(kwargs or {}).values()))
     known = known or valued
     if not known and helpers.kind(fn) is not None:
         # an undecorated helper of shared values (``init_state(self)``): its compiled program run once for the
@@ -403,11 +403,14 @@ def _unbatched(n, fn, args, kwargs):
     first = fn(*args, **kwargs) if kwargs else fn(*args)
     if fn is operator.getitem and _copied(args[0], first):
         return _made_once(n, first)
-    if valued and type(first) is list:  # (``sorted(self.names)``: a list of shared items, each instance's made
-        return bt.from_struct(list, first, n)  # where it needs one, as a list display's)
+    if valued and type(first) is list and _made_anew(fn) and all(facts.immutable(v) for v in first):
+        # (``sorted(self.names)``: a new list of shared values, each instance's own made where it needs one)
+        return bt.from_struct(list, first, n)
     if valued and type(first) in _DICT_VIEWS:  # (``self.config.items()``: a view of a dict every instance shares)
         return first
-    # (a pure call giving back an argument, ``as_sequence`` of a shared list, makes nothing new: shared as it is)
+    # (a pure call giving back an argument, ``as_sequence`` of a shared list, makes nothing new: shared as it is;
+    # nor does a builtin's read of what a shared container holds, ``max(self.lists)``, ``self.config.get(k)``)
+    reads = reads or (valued and _held_by(first, args, fn))
     shared = known and (facts.immutable(first) or any(first is a for a in args)
                         or (sharing.state.fresh and sharing.shareable_result(first)))
     if reads or shared:
@@ -434,6 +437,23 @@ def _unbatched(n, fn, args, kwargs):
     if all(r is first for r in results):  # (None from a helper run for its effect)
         return first
     return bt.from_items(results)
+
+
+def _held_by(value, args, fn):
+    """Whether ``value`` is one of ``args`` or ``fn``'s receiver, or what one of them that is a list, tuple, set or
+    dict holds (an item, a dict's value)."""
+    for a in (*args, getattr(fn, "__self__", None)):
+        kind = type(a)
+        if value is a or (kind in (list, tuple, set, frozenset) and any(value is v for v in a)) or \
+                (kind is dict and any(value is v for v in a.values())):
+            return True
+    return False
+
+
+def _made_anew(fn):
+    """Whether ``fn``, a ``facts.value_call``, makes the list it returns (``sorted``, ``list``, ``"a b".split()``),
+    where ``max(lists)`` or ``d.get(k)`` hands back one that exists."""
+    return fn is sorted or fn is list or (type(fn) is BOUND_BUILTIN and facts.immutable(fn.__self__))
 
 
 def _copied(x, out):

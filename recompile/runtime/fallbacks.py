@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from .. import config, intrinsics
+from .. import config
 from ..diagnostics import user_line, warn_once
 from ..errors import PerInstanceError, PerInstanceWarning
 from ..ops import facts, syntax
@@ -74,7 +74,7 @@ def reason(fn):
         return WRITES
     if fn is slice:  # (``x[:k]`` with a per-instance k: a shape of each instance's own)
         return UNVMAPPABLE
-    if fn in (intrinsics.as_sequence, intrinsics.has_index, intrinsics.reversed_sequence):
+    if facts.among(fn, facts.FOR_LOOP):
         return LOOPED
     instead = BUILTINS_OF_TENSORS.get(fn) if isinstance(fn, types.BuiltinFunctionType) else None
     if instead is not None:
@@ -101,19 +101,17 @@ def _nested(fn):
 
 
 def calls_in_order(call, callee, change):
-    """Warn (or, with ``config.PER_INSTANCE == "error"``, refuse) that the recursive calls of ``callee`` at ``call``
-    (an ``errors.Location``) keep their order, since its program may change what its caller holds (at ``change``,
-    a Location, or None): an instance's calls then run one after another, not one batch per depth."""
+    """Warn (unless ``config.PER_INSTANCE == "allow"``) that the recursive calls of ``callee`` at ``call`` (an
+    ``errors.Location``) keep their order, since its program may change a value in place (at ``change``, a
+    Location, or None): an instance's calls then run one after another, not one batch per depth."""
     if config.PER_INSTANCE == "allow":
         return
     at = f" ({os.path.basename(change.filename)}:{change.lineno})" if change is not None else ""
     message = (f"recompile: the calls of {callee} at {os.path.basename(call.filename)}:{call.lineno} run one after "
-               f"another within each instance, in their order, since {callee} changes what its caller holds{at}: "
-               f"each batches only with other instances' calls of the same step, not as one batch per depth; "
-               f"return what the calls make instead (return h, loss, and add the losses up), or build and change a "
-               f"list of the call's own")
-    if config.PER_INSTANCE == "error":
-        raise PerInstanceError(message + ' (config.PER_INSTANCE is "error")')
+               f"another within each instance, in their order, since {callee} may change a value in place{at}: "
+               f"each batches only with other instances' calls of the same step, not as one batch per depth; return "
+               f"what the calls make instead of changing what they are given (return h, loss, and add the losses "
+               f"up), or change a copy (y = x + 1, not x += 1)")
     warn_once((call.filename, call.lineno), callee, message, PerInstanceWarning)
 
 
