@@ -346,6 +346,17 @@ RULED = {
                                     (_ROWS(w), w(rand(N, 2, 4, seed=2).sigmoid())), {}),
     "F_bce_0d": lambda w: (F.binary_cross_entropy, (w(rand(N, seed=1).sigmoid()), w(rand(N, seed=2).sigmoid())),
                            {}),
+    # (the margin losses, which torch's vmap has no rule for; any operand shared)
+    "F_margin_ranking": lambda w: (F.margin_ranking_loss,
+                                   (_ROWS(w), rand(2, 4, seed=2), w(rand(N, 2, 4, seed=3).sign())), {"margin": 0.1}),
+    "F_margin_ranking_none": lambda w: (F.margin_ranking_loss, (_ROWS(w), w(rand(N, 2, 4, seed=2)), rand(2, 4, seed=3)),
+                                        {"reduction": "none"}),
+    "F_triplet_swap": lambda w: (F.triplet_margin_loss, (_ROWS(w), w(rand(N, 2, 4, seed=2)), rand(2, 4, seed=3)),
+                                 {"swap": True, "p": 1}),
+    "F_triplet_1d_sum": lambda w: (F.triplet_margin_loss,
+                                   (w(rand(N, 4, seed=1)), rand(4, seed=2), w(rand(N, 4, seed=3))),
+                                   {"reduction": "sum", "margin": 2.0}),
+    "F_rrelu_eval": lambda w: (F.rrelu, (_ROWS(w), 0.1, 0.3), {"training": False}),
     "F_relu6": lambda w: (F.relu6, (_ROWS(w),), {}),
     "F_hardtanh_bounds": lambda w: (F.hardtanh, (_ROWS(w), -0.5, 0.5), {}),
     "F_mish": lambda w: (F.mish, (_ROWS(w),), {}),
@@ -955,6 +966,27 @@ def test_cross_entropy_of_many_rows_of_few_classes_is_torchs(classes, reduction,
                                {"reduction": reduction}))
     assert not taken and got.requires_grad  # (torch's own, which autograd records)
     torch.testing.assert_close(got.detach(), want)
+
+
+@pytest.mark.parametrize("fn, kwargs", [(F.margin_ranking_loss, {"margin": 0.2}),
+                                        (F.triplet_margin_loss, {"swap": True}),
+                                        (F.triplet_margin_loss, {"p": 1, "reduction": "none"})],
+                         ids=["margin_ranking", "triplet_swap", "triplet_p1_none"])
+def test_a_margin_loss_has_eagers_gradient_ties_at_the_margin_included(fn, kwargs):
+    """Each instance's gradient as eager's call gives it, where an element's loss is exactly at zero too."""
+    a, b = rand(N, 3, 4, seed=1).requires_grad_(), rand(N, 3, 4, seed=2).requires_grad_()
+    if fn is F.margin_ranking_loss:
+        c = torch.ones(N, 3, 4, dtype=F64)
+        with torch.no_grad():
+            b[:, 0] = a[:, 0] + kwargs["margin"]  # (-(a - b) + margin is 0 there: torch's clamp_min decides)
+    else:
+        c = rand(N, 3, 4, seed=3)
+    got = bt.tensor_of(br.call(N, fn, (bt.from_tensor(a), bt.from_tensor(b), bt.from_tensor(c)), kwargs))
+    want = torch.stack([fn(a[k], b[k], c[k], **kwargs) for k in range(N)])
+    torch.testing.assert_close(got, want)
+    for x in (a, b):
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), x, retain_graph=True)[0],
+                                   torch.autograd.grad(want.sum(), x, retain_graph=True)[0])
 
 
 

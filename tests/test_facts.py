@@ -249,6 +249,9 @@ GROWN = {
                                     (slice, rows.slices), (reversed, rows.reversed_rows),
                                     # ``for x in reversed(xs)``: each instance's rows flipped, its own list reversed
                                     (intrinsics.reversed_sequence, batch_rules.reversed_sequences),
+                                    # the margin losses torch's vmap has no rule for; rrelu out of training
+                                    (F.margin_ranking_loss, batch_rules.margin_loss),
+                                    (F.triplet_margin_loss, batch_rules.margin_loss), (F.rrelu, batch_rules.rrelu_eval),
                                     (operator.index, batch_rules.index_numbers),
                                     # ``state is None``: the rows of a tensor and a built tuple are not None
                                     (operator.is_, batch_rules.none_test), (operator.is_not, batch_rules.none_test),
@@ -337,6 +340,7 @@ GROWN = {
                                     *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE, *_FRESH,
                                     *_OUT_OF_PLACE, *_PYTHON_ARITHMETIC,
                                     int, float, bool, operator.index, any, all, torch.masked_select,
+                                    F.margin_ranking_loss, F.triplet_margin_loss,
                                     operator.contains, intrinsics.not_in)
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),
     "segments._OPERATORS": (_names(operator.index), set()),  # (pure: a trace may run its batch rule)

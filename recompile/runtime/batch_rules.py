@@ -3071,6 +3071,66 @@ def addmm(n, fn, args, kwargs):
     return NotImplemented if out is None or m is None else bt.from_tensor(torch.add(m, out))
 
 
+def _instance_reduced(out, reduction):
+    """Each instance's loss elements (rows of ``out``) reduced as an instance's call reduces its own: ``none``,
+    ``sum`` or ``mean`` of all of them; None for another reduction."""
+    if reduction == "none" or reduction in ("sum", "mean") and out.dim() == 1:
+        return bt.from_tensor(out)  # (as it is: each instance's one element, or no reduction)
+    if reduction not in ("sum", "mean"):
+        return None
+    flat = out.reshape(out.shape[0], -1)
+    return bt.from_tensor(flat.sum(1) if reduction == "sum" else flat.mean(1))
+
+
+_MARGIN_RANKING = ("input1", "input2", "target", "margin", "size_average", "reduce", "reduction")
+_TRIPLET = ("anchor", "positive", "negative", "margin", "p", "eps", "swap", "size_average", "reduce", "reduction")
+
+
+@BATCH.register(F.margin_ranking_loss, F.triplet_margin_loss)
+def margin_loss(n, fn, args, kwargs):
+    """``F.margin_ranking_loss(x1, x2, y)`` (``max(0, -y (x1 - x2) + margin)``) and ``F.triplet_margin_loss(a, p,
+    n)`` (``max(0, margin + d(a, p) - d(a, n))``, d the pairwise distance over the last dim) of instance tensors of
+    one rank, any of them shared: their loss elements at once, then each instance's reduction (torch has no vmap
+    rule for either)."""
+    found = by_names(args, kwargs, _MARGIN_RANKING if fn is F.margin_ranking_loss else _TRIPLET)
+    tensors = list(found.values())[:3] if found is not None and len(found) >= 3 else ()
+    if len(tensors) != 3 or found.get("size_average") is not None or found.get("reduce") is not None or any(
+            type(v) is Batch for k, v in found.items() if k not in _MARGIN_RANKING[:3] + _TRIPLET[:3]):
+        return NotImplemented
+    rows_of = [_rows_each(n, t) for t in tensors]
+    if any(r is None for r in rows_of) or len({r.dim() for r in rows_of}) != 1:
+        return NotImplemented  # (ranks that differ: each instance's call raises torch's error)
+    reduction = found.get("reduction", "mean")
+    if fn is F.margin_ranking_loss:
+        x1, x2, y = rows_of
+        out = (-y * (x1 - x2) + found.get("margin", 0.0)).clamp_min(0)
+    else:
+        a, pos, neg = rows_of
+        if not 2 <= a.dim() <= 3:
+            return NotImplemented  # (an instance's anchor of another rank: its call raises torch's error)
+        p, eps = found.get("p", 2), found.get("eps", 1e-6)
+        near, far = F.pairwise_distance(a, pos, p, eps), F.pairwise_distance(a, neg, p, eps)
+        if found.get("swap", False):
+            far = torch.min(far, F.pairwise_distance(pos, neg, p, eps))
+        out = (found.get("margin", 1.0) + near - far).clamp_min(0)
+    reduced = _instance_reduced(out, reduction)
+    return NotImplemented if reduced is None else reduced
+
+
+@BATCH.register(F.rrelu)
+def rrelu_eval(n, fn, args, kwargs):
+    """``F.rrelu(x, lower, upper, training=False)``: the leaky ReLU of slope ``(lower + upper) / 2`` it is, on the
+    batch's tensor (in training it draws a slope per element: each instance's own draws, its own call)."""
+    found = by_names(args, kwargs, ("input", "lower", "upper", "training", "inplace"))
+    if found is None or found.get("training", False) or found.get("inplace", False) or \
+            type(found.get("input")) is not Batch or any(type(v) is Batch for k, v in found.items() if k != "input"):
+        return NotImplemented
+    x = bt.tensor_of(found["input"])
+    if x is None:
+        return NotImplemented
+    return bt.from_tensor(F.rrelu(x, found.get("lower", 1.0 / 8), found.get("upper", 1.0 / 3), False))
+
+
 @BATCH.register(F.cosine_similarity, F.pairwise_distance)
 def similarity(n, fn, args, kwargs):
     """``F.cosine_similarity(a, b, dim)`` / ``F.pairwise_distance(a, b)`` of instance tensors of one rank (one
