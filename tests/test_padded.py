@@ -108,6 +108,14 @@ def attention_weights(m, words, x, n):
     return weights.sum((1, 2)) * 2.0 + each.amax((0, 1))[:1]
 
 
+def padded_to_one_length(m, words, x, n):  # (each stretch padded to one length: one tensor of them)
+    a = F.pad(x[:n], (0, 0, 0, 7 - n))  # (7, 3): zeros past each end
+    b = F.pad(m.embed(words[:n]).sum(1), (1, 8 - n), value=-1.0)  # (10,): a left pad they share, -1 past each end
+    c = F.pad(x[:n].sum(1), (0, 4 - n))  # (4,): a negative pad crops a longer stretch
+    d = F.pad(torch.tanh(x[:n]), (1, 2, 0, 7 - n), value=0.5)  # (7, 6): the other dim's pads shared
+    return torch.cat([a.flatten(), b, c, d.flatten()])
+
+
 def test_attention_weights_are_each_instances_own_view(monkeypatch):
     monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
     counts = compare(attention_weights)
@@ -124,7 +132,7 @@ def gated_and_normalized(m, words, x, n):
 @pytest.mark.parametrize("fn", [text_cnn, kim_with_conv2d, transformer_encoders, stacked_along_a_later_dim,
                                 self_attention, gated_and_normalized, batch_first_rnn, functional_forms,
                                 moves_and_indices, elementwise_with_shared_values, whole_reductions,
-                                spreads_and_positions, matmul_by_shared_matrices])
+                                spreads_and_positions, matmul_by_shared_matrices, padded_to_one_length])
 def test_ops_on_values_of_their_own_length_along_a_later_dim_run_once(fn):
     assert compare(fn) == {}
 

@@ -3297,10 +3297,23 @@ def reshaped(n, fn, args, kwargs):
     return NotImplemented if t is None else bt.from_tensor(t.reshape(t.shape[0], *shape))
 
 
+def _integer_scalar(v):
+    return type(v) is torch.Tensor and v.dim() == 0 and v.dtype in facts.INTEGER_INDEX
+
+
 @BATCH.register(F.pad)
 def constant_padded(n, fn, args, kwargs):
-    """``F.pad(x, pad)`` of a batched x, constant mode: the pad reaches only the instance's last dims."""
+    """``F.pad(x, pad)`` of a batched x, constant mode: the pad reaches only the instance's last dims; of each
+    instance's stretch ``x[:n]`` padded to one length (``F.pad(x, (0, L - n))``), one tensor of them."""
     pad = args[1] if len(args) > 1 else kwargs.get("pad")
+    found = by_names(args, kwargs, ("input", "pad", "mode", "value"))
+    seq = rows.of(found["input"]) if found is not None and "pad" in found else None
+    if seq is not None and found.get("mode", "constant") == "constant" and type(found.get("value")) is not Batch:
+        pads = [tuple(operator.index(v) if _integer_scalar(v) else v for v in bt.instance(found["pad"], k))
+                for k in range(n)]  # (``6 - n`` of each instance's 0-d n: an int, as the pad reads it)
+        out = padded.padded_out(n, seq, pads, found.get("value") or 0.0)
+        if out is not None:
+            return out
     if type(args[0]) is not Batch or type(pad) not in (tuple, list) or kwargs.get("mode", "constant") != "constant" \
             or len(args) > 2 and args[2] != "constant" or any(type(v) is Batch for v in (*args[1:], *kwargs.values())):
         return NotImplemented

@@ -111,6 +111,30 @@ def from_rows(seq):
     return torch.where(_mask(t, 0, seq.lengths), t, t.new_zeros(())), 0, seq.lengths, True
 
 
+def padded_out(n, seq, pads, value):
+    """``F.pad(x, pad, value=value)`` of each instance's stretch (Rows ``seq``) with ``pads`` its own (a tuple of
+    ints each), where only the right pad of the stretch's own dim differs and every instance comes out as long
+    there (``F.pad(x, (0, L - n))``): one tensor of the stretches, ``value`` past each end, cut or extended to that
+    length, the pads of the other dims shared; None for any other pads."""
+    rank = seq.source.dim() - 1  # (an instance's value's: its stretch's dim first)
+    width = len(pads[0])
+    if rank < 1 or width % 2 or not rank <= width // 2 or any(len(p) != width or not all(type(v) is int for v in p)
+                                                           for p in pads):
+        return None  # (a pad that does not reach the stretch's dim, or reaches past its rank: each instance's own)
+    right = 2 * rank - 1  # (the stretch's right pad: pairs count from the last dim, the stretch's is the rank-th)
+    if any(p[:right] != pads[0][:right] or p[right + 1:] != pads[0][right + 1:] for p in pads):
+        return None
+    ends = {m + p[right] for m, p in zip(seq.lengths, pads)}
+    if len(ends) != 1 or min(ends) < 0:
+        return None
+    t, _, lengths, _ = from_rows(seq)  # (zeros past each end)
+    if value:
+        t = torch.where(_mask(t, 0, lengths), t, t.new_full((), value))
+    shared = list(pads[0])
+    shared[right] = ends.pop() - t.shape[1]  # (the rows past every end dropped or added: all of them pad)
+    return bt.from_tensor(F.pad(t, shared, value=value))
+
+
 # ---- ops that move dims ------------------------------------------------------------------------------------
 
 WHOLE = frozenset({"sum", "mean", "max", "min", "amax", "amin"})  # (reductions over an instance's whole value)
