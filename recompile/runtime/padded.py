@@ -118,8 +118,7 @@ def padded_out(n, seq, pads, value):
     length, the pads of the other dims shared; None for any other pads."""
     rank = seq.source.dim() - 1  # (an instance's value's: its stretch's dim first)
     width = len(pads[0])
-    if rank < 1 or width % 2 or not rank <= width // 2 or any(len(p) != width or not all(type(v) is int for v in p)
-                                                           for p in pads):
+    if rank < 1 or width != 2 * rank or any(len(p) != width or not all(type(v) is int for v in p) for p in pads):
         return None  # (a pad that does not reach the stretch's dim, or reaches past its rank: each instance's own)
     right = 2 * rank - 1  # (the stretch's right pad: pairs count from the last dim, the stretch's is the rank-th)
     if any(p[:right] != pads[0][:right] or p[right + 1:] != pads[0][right + 1:] for p in pads):
