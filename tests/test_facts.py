@@ -252,6 +252,9 @@ GROWN = {
                                     # the margin losses torch's vmap has no rule for; rrelu out of training
                                     (F.margin_ranking_loss, batch_rules.margin_loss),
                                     (F.triplet_margin_loss, batch_rules.margin_loss), (F.rrelu, batch_rules.rrelu_eval),
+                                    # zeros of each instance's own length: the stretches of one tensor
+                                    (torch.zeros, batch_rules.made_of_own_length),
+                                    (torch.ones, batch_rules.made_of_own_length),
                                     (operator.index, batch_rules.index_numbers),
                                     # ``state is None``: the rows of a tensor and a built tuple are not None
                                     (operator.is_, batch_rules.none_test), (operator.is_not, batch_rules.none_test),
@@ -340,7 +343,7 @@ GROWN = {
                                     *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE, *_FRESH,
                                     *_OUT_OF_PLACE, *_PYTHON_ARITHMETIC,
                                     int, float, bool, operator.index, any, all, torch.masked_select,
-                                    F.margin_ranking_loss, F.triplet_margin_loss,
+                                    F.margin_ranking_loss, F.triplet_margin_loss, torch.zeros, torch.ones,
                                     operator.contains, intrinsics.not_in)
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),
     "segments._OPERATORS": (_names(operator.index), set()),  # (pure: a trace may run its batch rule)

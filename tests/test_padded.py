@@ -116,6 +116,12 @@ def padded_to_one_length(m, words, x, n):  # (each stretch padded to one length:
     return torch.cat([a.flatten(), b, c, d.flatten()])
 
 
+def joined_with_zeros_to_one_length(m, words, x, n):  # (zeros of each instance's own length: one tensor's rows)
+    a = torch.cat([torch.tanh(x[:n]), x.new_zeros(7 - n, 3)])  # (7, 3)
+    b = torch.cat([x[:n].sum(1), torch.ones((7 - n,), dtype=x.dtype), torch.zeros(n, dtype=x.dtype)])  # (7 + n,)
+    return a.flatten() * 2.0 + b.sum()
+
+
 def test_attention_weights_are_each_instances_own_view(monkeypatch):
     monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
     counts = compare(attention_weights)
@@ -132,7 +138,8 @@ def gated_and_normalized(m, words, x, n):
 @pytest.mark.parametrize("fn", [text_cnn, kim_with_conv2d, transformer_encoders, stacked_along_a_later_dim,
                                 self_attention, gated_and_normalized, batch_first_rnn, functional_forms,
                                 moves_and_indices, elementwise_with_shared_values, whole_reductions,
-                                spreads_and_positions, matmul_by_shared_matrices, padded_to_one_length])
+                                spreads_and_positions, matmul_by_shared_matrices, padded_to_one_length,
+                                joined_with_zeros_to_one_length])
 def test_ops_on_values_of_their_own_length_along_a_later_dim_run_once(fn):
     assert compare(fn) == {}
 

@@ -3267,6 +3267,12 @@ def _new_like(name):
     instance's call makes one)."""
 
     def rule(n, x, args, kwargs):
+        if name in ("new_zeros", "new_ones") and (len(args) != 1 or type(args[0]) is Batch) and \
+                not set(kwargs) - {"dtype", "device"}:  # (``x.new_zeros(L - n, H)``: each its own length)
+            base = bt.tensor_of(x) if x.owner == "tensor" or rows.of(x) is None else rows.of(x).source
+            out = _stretches_of(n, lambda shape: getattr(base, name)(shape, **kwargs), _size_parts(args))
+            if out is not NotImplemented:
+                return out
         t = bt.tensor_of(x)
         if name != "new_full" and len(args) > 1 and all(type(a) is int for a in args):
             args = (args,)  # (``x.new_zeros(2, 3)``: the size as separate ints)
@@ -3284,6 +3290,39 @@ def _new_like(name):
 
 for _op in ("new_zeros", "new_ones", "new_full", "new_empty"):
     BATCH.register(_op)(_new_like(_op))
+
+
+def _size_parts(args):
+    """The elements of a size given as separate values (``zeros(a, b)``) or as one tuple or list, a built one
+    included (``zeros((L - n, H))``)."""
+    if len(args) == 1 and type(args[0]) is Batch and args[0].struct is not None and args[0].owner is None and \
+            args[0].struct[0] in (tuple, list):
+        return list(args[0].struct[1])
+    if len(args) == 1 and type(args[0]) in (tuple, list):
+        return list(args[0])
+    return list(args)
+
+
+def _stretches_of(n, make, parts):
+    """A new tensor of each instance's own first size and the shared rest (``torch.zeros(L - n, H)``), as the
+    stretches of one ``make((n, longest, *rest))``: what ``torch.cat`` with each instance's stretch reads at once;
+    NotImplemented for any other size (each instance's own call says what it makes of it), and in a run that
+    changes values in place (where each instance's tensor is its own, with a version of its own)."""
+    if not sharing.state.fresh or not parts or type(parts[0]) is not Batch or any(
+            type(k) is not int for k in parts[1:]):
+        return NotImplemented
+    lengths = [operator.index(v) if _integer_scalar(v) else v for v in bt.instance_ints(n, parts[0])]
+    if any(type(m) is not int or m < 0 for m in lengths):
+        return NotImplemented
+    return rows.batch(n, rows.padded_rows(n, make((n, max(lengths), *parts[1:])), lengths))
+
+
+@BATCH.register(torch.zeros, torch.ones)
+def made_of_own_length(n, fn, args, kwargs):
+    """``torch.zeros(L - n, H)`` (``ones``) of each instance's own first size: the stretches of one tensor."""
+    if set(kwargs) - {"dtype", "device"} or any(type(v) is Batch for v in kwargs.values()):
+        return NotImplemented
+    return _stretches_of(n, lambda shape: fn(shape, **kwargs), _size_parts(args))
 
 
 @BATCH.register(torch.reshape)
