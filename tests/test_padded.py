@@ -119,7 +119,9 @@ def padded_to_one_length(m, words, x, n):  # (each stretch padded to one length:
 def joined_with_zeros_to_one_length(m, words, x, n):  # (zeros of each instance's own length: one tensor's rows)
     a = torch.cat([torch.tanh(x[:n]), x.new_zeros(7 - n, 3)])  # (7, 3)
     b = torch.cat([x[:n].sum(1), torch.ones((7 - n,), dtype=x.dtype), torch.zeros(n, dtype=x.dtype)])  # (7 + n,)
-    return a.flatten() * 2.0 + b.sum()
+    h = torch.sin(x[:n])
+    c = torch.cat([h, h.new_ones(7 - n, 3)]) + h.new_zeros(3)  # (a stretch's new tensors: its dtype and device)
+    return a.flatten() * 2.0 + b.sum() + c.flatten()
 
 
 def test_attention_weights_are_each_instances_own_view(monkeypatch):

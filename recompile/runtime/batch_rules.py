@@ -1890,7 +1890,8 @@ def attribute(n, fn, args, kwargs):
         return Batch(x.n, method=(x, name)) if name in padded.METHODS else NotImplemented
     if name == "T" and rows.of(x) is not None and rows.of(x).source.dim() == 3:
         return padded.rows_method(x.n, "t", rows.of(x), (), {})
-    if (name in rows.ALONG_ROWS or name in row_wise.METHODS or name in padded.ROWS_METHODS) and rows.of(x) is not None:
+    if (name in rows.ALONG_ROWS or name in row_wise.METHODS or name in padded.ROWS_METHODS or
+            name in ("new_zeros", "new_ones")) and rows.of(x) is not None:
         return Batch(x.n, method=(x, name))  # (``torch.stack(hs).mean(0)``, ``xs.tanh()``: see ``rows``, ``row_wise``)
     if x.owner == "items" and sharing.state.fresh and not name.endswith("_") and x.thunk is None \
             and callable(getattr(torch.Tensor, name, None)) and all(type(v) in PLAIN_TENSORS for v in x.items) \
@@ -3267,13 +3268,13 @@ def _new_like(name):
     instance's call makes one)."""
 
     def rule(n, x, args, kwargs):
-        if name in ("new_zeros", "new_ones") and (len(args) != 1 or type(args[0]) is Batch) and \
-                not set(kwargs) - {"dtype", "device"}:  # (``x.new_zeros(L - n, H)``: each its own length)
-            base = bt.tensor_of(x) if x.owner == "tensor" or rows.of(x) is None else rows.of(x).source
-            out = _stretches_of(n, lambda shape: getattr(base, name)(shape, **kwargs), _size_parts(args))
+        # (what it makes reads x's dtype and device alone: a stretch's source has them too)
+        t = bt.tensor_of(x) if x.owner == "tensor" or rows.of(x) is None else rows.of(x).source
+        if name in ("new_zeros", "new_ones") and t is not None and (len(args) != 1 or type(args[0]) is Batch) \
+                and not set(kwargs) - {"dtype", "device"}:  # (``x.new_zeros(L - n, H)``: each its own length)
+            out = _stretches_of(n, lambda shape: getattr(t, name)(shape, **kwargs), _size_parts(args))
             if out is not NotImplemented:
                 return out
-        t = bt.tensor_of(x)
         if name != "new_full" and len(args) > 1 and all(type(a) is int for a in args):
             args = (args,)  # (``x.new_zeros(2, 3)``: the size as separate ints)
         size = args[0] if args else kwargs.get("size")
@@ -3283,7 +3284,7 @@ def _new_like(name):
             return NotImplemented
         size = (size,) if type(size) is int else tuple(size)
         rest = {k: v for k, v in kwargs.items() if k != "size"}
-        return bt.from_tensor(getattr(t, name)((t.shape[0], *size), *args[1:], **rest))
+        return bt.from_tensor(getattr(t, name)((n, *size), *args[1:], **rest))
 
     return rule
 
