@@ -357,6 +357,9 @@ RULED = {
                                    (w(rand(N, 4, seed=1)), rand(4, seed=2), w(rand(N, 4, seed=3))),
                                    {"reduction": "sum", "margin": 2.0}),
     "F_rrelu_eval": lambda w: (F.rrelu, (_ROWS(w), 0.1, 0.3), {"training": False}),
+    # (``torch.take``: each instance's elements read flat, by a shared index or each instance's own, negative too)
+    "torch_take_shared": lambda w: (torch.take, (_ROWS(w), torch.tensor([[7, -1], [0, 3]])), {}),
+    "torch_take_own": lambda w: (torch.take, (_ROWS(w), w(randint(8, N, 3, seed=4) - 4)), {}),
     "F_relu6": lambda w: (F.relu6, (_ROWS(w),), {}),
     "F_hardtanh_bounds": lambda w: (F.hardtanh, (_ROWS(w), -0.5, 0.5), {}),
     "F_mish": lambda w: (F.mish, (_ROWS(w),), {}),

@@ -255,6 +255,8 @@ GROWN = {
                                     # zeros of each instance's own length: the stretches of one tensor
                                     (torch.zeros, batch_rules.made_of_own_length),
                                     (torch.ones, batch_rules.made_of_own_length),
+                                    # each instance's elements read flat (torch's vmap has no rule for it)
+                                    (torch.take, batch_rules.taken),
                                     (operator.index, batch_rules.index_numbers),
                                     # ``state is None``: the rows of a tensor and a built tuple are not None
                                     (operator.is_, batch_rules.none_test), (operator.is_not, batch_rules.none_test),
@@ -343,7 +345,7 @@ GROWN = {
                                     *_CLOSURES, torch.median, torch.index_select, *_MORE_ELEMENTWISE, *_FRESH,
                                     *_OUT_OF_PLACE, *_PYTHON_ARITHMETIC,
                                     int, float, bool, operator.index, any, all, torch.masked_select,
-                                    F.margin_ranking_loss, F.triplet_margin_loss, torch.zeros, torch.ones,
+                                    F.margin_ranking_loss, F.triplet_margin_loss, torch.zeros, torch.ones, torch.take,
                                     operator.contains, intrinsics.not_in)
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),
     "segments._OPERATORS": (_names(operator.index), set()),  # (pure: a trace may run its batch rule)

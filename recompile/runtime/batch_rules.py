@@ -3326,6 +3326,25 @@ def made_of_own_length(n, fn, args, kwargs):
     return _stretches_of(n, lambda shape: fn(shape, **kwargs), _size_parts(args))
 
 
+@BATCH.register(torch.take)
+def taken(n, fn, args, kwargs):
+    """``torch.take(x, index)``: ``x.reshape(-1)[index]`` of each instance (torch's vmap has no rule for it), the
+    index shared or each instance's own; NotImplemented where an index lies outside an instance's elements (its
+    own call raises torch's error)."""
+    found = by_names(args, kwargs, ("input", "index"))
+    if found is None or len(found) != 2:
+        return NotImplemented
+    x, index = (_rows_each(n, v) for v in (found["input"], found["index"]))
+    if x is None or index is None or index.dtype not in facts.INTEGER_INDEX:
+        return NotImplemented
+    flat = x.reshape(n, -1)
+    size = flat.shape[1]
+    if index.numel() and bool(((index < -size) | (index >= size)).any()):
+        return NotImplemented
+    at = torch.where(index < 0, index + size, index).reshape(n, -1)
+    return bt.from_tensor(flat.gather(1, at).view(index.shape))
+
+
 @BATCH.register(torch.reshape)
 def reshaped(n, fn, args, kwargs):
     """``torch.reshape(x, shape)`` of a batched x: the batch's tensor to (instances, *shape)."""
