@@ -358,6 +358,8 @@ RULED = {
                                    {"reduction": "sum", "margin": 2.0}),
     "F_rrelu_eval": lambda w: (F.rrelu, (_ROWS(w), 0.1, 0.3), {"training": False}),
     # (``torch.take``: each instance's elements read flat, by a shared index or each instance's own, negative too)
+    "F_triplet_keywords_out_of_order": lambda w: (F.triplet_margin_loss, (), {
+        "negative": rand(2, 4, seed=3), "anchor": _ROWS(w), "positive": w(rand(N, 2, 4, seed=2))}),
     "torch_take_shared": lambda w: (torch.take, (_ROWS(w), torch.tensor([[7, -1], [0, 3]])), {}),
     "torch_take_own": lambda w: (torch.take, (_ROWS(w), w(randint(8, N, 3, seed=4) - 4)), {}),
     "F_relu6": lambda w: (F.relu6, (_ROWS(w),), {}),

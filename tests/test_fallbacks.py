@@ -1,5 +1,6 @@
 """runtime.fallbacks: why an op ran once per instance, and what to write instead."""
 
+import inspect
 import operator
 import warnings
 
@@ -104,12 +105,19 @@ def test_a_recursion_changing_what_its_caller_holds_says_its_calls_keep_their_or
     xs = torch.randn(5, 3, dtype=torch.float64)
     want = torch.stack([collected(xs, left, right, i) for i in (0, 1, 2)])
     monkeypatch.setitem(collected.__globals__, "collect", recompile.function(collect))
+    lines, start = inspect.getsourcelines(collect)
+    calls = start + next(k for k, line in enumerate(lines) if "tanh(collect(" in line)
+    change = start + next(k for k, line in enumerate(lines) if "out.append" in line)
     with pytest.warns(recompile.PerInstanceWarning, match=r"the calls of collect at test_fallbacks\.py:\d+ run one "
                                                           r"after another .*may change a value in place "
-                                                          r"\(test_fallbacks\.py:\d+\).*return what the calls make"):
+                                                          r"\(test_fallbacks\.py:\d+\).*return what the calls make") \
+            as seen:
         got = recompile.vmap(recompile.function(collected), in_dims=(None, None, None, 0))(
             xs, left, right, torch.tensor([0, 1, 2]))
     torch.testing.assert_close(got, want)
+    warned = [w for w in seen if "run one after another" in str(w.message)]
+    assert {(w.filename, w.lineno) for w in warned} == {(__file__, calls)}  # (both calls stand on one line)
+    assert all(f"test_fallbacks.py:{change})" in str(w.message) for w in warned)
     with warnings.catch_warnings():
         warnings.simplefilter("error", recompile.PerInstanceWarning)
         chain = recompile.function(counted_down)

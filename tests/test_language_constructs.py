@@ -1408,6 +1408,15 @@ def test_for_over_reversed_of_a_list_batches():
     check_vmap(reversed_own_list_inserted_in_front, (0, 0), xs, torch.tensor([5, 2, 3, 1]), per_instance=True)
 
 
+def powers_by_the_builtin(x, k):
+    return pow(x, 2) + pow(2.0, x) + pow(x, k) * x.sum()  # (``pow(a, b)`` is ``a ** b``, its gradient too)
+
+
+def test_the_builtin_pow_has_eagers_gradient_in_every_mode():
+    check_grad(powers_by_the_builtin, T(0.5, -1.5, 2.0), 3)
+    check_vmap(powers_by_the_builtin, (0, None), T([0.5, -1.5], [2.0, 0.25]), 3)
+
+
 def losses_listed(xs, n):
     losses = []
     for t in range(n):

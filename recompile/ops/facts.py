@@ -22,6 +22,7 @@ from torch import nn
 
 from .. import intrinsics
 from . import syntax
+from .table import BOUND_BUILTIN
 
 # -- what a call changes
 
@@ -368,8 +369,8 @@ def among(fn, fact):
         return False
 
 
-_BUILTIN_CALLABLE = type(len)  # (a builtin function, or a method of a builtin type's value: ``d.get``)
-_PLAIN_CONTAINERS = (list, tuple, dict, set, frozenset)
+# Python's containers whose items a builtin reads as data (``plain_data``, a read of what one holds)
+PLAIN_CONTAINERS = (list, tuple, dict, set, frozenset)
 
 
 def value_call(fn, args, kwargs):
@@ -378,8 +379,8 @@ def value_call(fn, args, kwargs):
     dict or set, given plain data (``plain_data``: no iterator it would consume, no ``key=`` callable or object of
     the program's own whose methods it would call)."""
     if not among(fn, VALUE_BUILTINS):
-        owner = getattr(fn, "__self__", None) if type(fn) is _BUILTIN_CALLABLE else None
-        if owner is None or not (immutable(owner) or type(owner) in _PLAIN_CONTAINERS
+        owner = getattr(fn, "__self__", None) if type(fn) is BOUND_BUILTIN else None
+        if owner is None or not (immutable(owner) or type(owner) in PLAIN_CONTAINERS
                                  and fn.__name__ in READING_METHODS):
             return False
     return all(plain_data(a) for a in args) and (not kwargs or all(plain_data(v) for v in kwargs.values()))
@@ -391,7 +392,7 @@ def plain_data(value, depth=2, items=64):
     if immutable(value) or isinstance(value, torch.Tensor):
         return True
     kind = type(value)
-    if depth == 0 or kind not in _PLAIN_CONTAINERS or len(value) > items:
+    if depth == 0 or kind not in PLAIN_CONTAINERS or len(value) > items:
         return False
     parts = (*value.keys(), *value.values()) if kind is dict else value
     return all(plain_data(v, depth - 1, items) for v in parts)

@@ -219,7 +219,8 @@ def _appends_of(built, uses, sg):
                 elif _is_appender(o, value) or _is_popper(o, value):
                     if _is_popper(o, value):
                         popped = True
-                    inserted = inserted or (growing(o) or (None, None))[1] == "insert"
+                    grown = growing(o)
+                    inserted = inserted or (grown is not None and grown[1] == "insert")
                     callers = uses.get(o.output, ())
                     if not all(isinstance(c, ir.Call) and c.fn is o.output and o.output not in c.args
                                and not any(v is o.output for _, v in c.kwargs) for c in callers):
@@ -309,7 +310,7 @@ def invoke_may_mutate(invoke, stage):
 def program_may_mutate(target, stage):
     """Whether the compiled function ``target`` names (an ``ir.Target``), or anything it may invoke, may
     mutate state."""
-    return any(subgraph_mutates(t.subgraph(stage)) for t in ir.reachable(target, stage))
+    return first_change(target, stage) is not None
 
 
 def first_change(target, stage):

@@ -164,7 +164,8 @@ def _call(n, fn, args, kwargs):
     else:
         if not kwargs or not any(type(v) is Batch for v in kwargs.values()):
             return _unbatched(n, fn, args, kwargs)
-    if facts.value_call(fn, (), None):  # (``min([3, self.k])``: a list display of shared items is one list for all)
+    if any(type(a) is Batch and a.struct is not None and a.owner is None for a in args) and \
+            facts.value_call(fn, (), None):  # (``min([3, self.k])``: a list display of shared items is one list)
         out = _of_shared_lists(n, fn, args, kwargs)
         if out is not NotImplemented:
             return out
@@ -443,9 +444,8 @@ def _held_by(value, args, fn):
     """Whether ``value`` is one of ``args`` or ``fn``'s receiver, or what one of them that is a list, tuple, set or
     dict holds (an item, a dict's value)."""
     for a in (*args, getattr(fn, "__self__", None)):
-        kind = type(a)
-        if value is a or (kind in (list, tuple, set, frozenset) and any(value is v for v in a)) or \
-                (kind is dict and any(value is v for v in a.values())):
+        if value is a or (type(a) in facts.PLAIN_CONTAINERS and any(
+                value is v for v in (a.values() if type(a) is dict else a))):
             return True
     return False
 
@@ -1474,7 +1474,7 @@ def _gather(n, fn, args, kwargs):
         out = rows.item_each(rows.of(x), index)  # (``xs[len(xs) - 1]``: an int per instance)
         if out is not NotImplemented:
             return out
-    if type(x) is Batch and type(index) is Batch and index.struct is None:
+    if type(x) is Batch and type(index) is Batch and index.struct is None and x.owner != "tensor":
         out = _item_of_each_list(n, x, index)  # (``hs[t - 1]`` of each instance's own list, t its own)
         if out is not NotImplemented:
             return out
@@ -3093,10 +3093,11 @@ def margin_loss(n, fn, args, kwargs):
     n)`` (``max(0, margin + d(a, p) - d(a, n))``, d the pairwise distance over the last dim) of instance tensors of
     one rank, any of them shared: their loss elements at once, then each instance's reduction (torch has no vmap
     rule for either)."""
-    found = by_names(args, kwargs, _MARGIN_RANKING if fn is F.margin_ranking_loss else _TRIPLET)
-    tensors = list(found.values())[:3] if found is not None and len(found) >= 3 else ()
-    if len(tensors) != 3 or found.get("size_average") is not None or found.get("reduce") is not None or any(
-            type(v) is Batch for k, v in found.items() if k not in _MARGIN_RANKING[:3] + _TRIPLET[:3]):
+    names = _MARGIN_RANKING if fn is F.margin_ranking_loss else _TRIPLET
+    found = by_names(args, kwargs, names)
+    tensors = [found.get(k) for k in names[:3]] if found is not None else [None]
+    if None in tensors or found.get("size_average") is not None or found.get("reduce") is not None or any(
+            type(found.get(k)) is Batch for k in names[3:]):
         return NotImplemented
     rows_of = [_rows_each(n, t) for t in tensors]
     if any(r is None for r in rows_of) or len({r.dim() for r in rows_of}) != 1:
@@ -3269,7 +3270,8 @@ def _new_like(name):
 
     def rule(n, x, args, kwargs):
         # (what it makes reads x's dtype and device alone: a stretch's source has them too)
-        t = bt.tensor_of(x) if x.owner == "tensor" or rows.of(x) is None else rows.of(x).source
+        seq = rows.of(x) if x.owner != "tensor" else None
+        t = bt.tensor_of(x) if seq is None else seq.source
         if name in ("new_zeros", "new_ones") and t is not None and (len(args) != 1 or type(args[0]) is Batch) \
                 and not set(kwargs) - {"dtype", "device"}:  # (``x.new_zeros(L - n, H)``: each its own length)
             out = _stretches_of(n, lambda shape: getattr(t, name)(shape, **kwargs), _size_parts(args))
