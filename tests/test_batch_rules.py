@@ -139,6 +139,7 @@ def tup(*parts):
 
 
 BILINEAR = nn.Bilinear(3, 2, 4).double()
+BAG, BAG_SUM = (nn.EmbeddingBag(10, 3, mode=mode).double() for mode in ("mean", "sum"))
 LSTM_CELL, GRU_CELL, RNN_CELL = (cell(3, 5).double() for cell in (nn.LSTMCell, nn.GRUCell, nn.RNNCell))
 torch.manual_seed(0)
 SEQUENTIAL = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.LayerNorm(4),
@@ -361,6 +362,29 @@ RULED = {
     "F_triplet_keywords_out_of_order": lambda w: (F.triplet_margin_loss, (), {
         "negative": rand(2, 4, seed=3), "anchor": _ROWS(w), "positive": w(rand(N, 2, 4, seed=2))}),
     "torch_take_shared": lambda w: (torch.take, (_ROWS(w), torch.tensor([[7, -1], [0, 3]])), {}),
+    # (a Gaussian's and a multi-class margin's losses, torch's vmap has no rule for them; any operand shared)
+    "F_gaussian_nll": lambda w: (F.gaussian_nll_loss, (_ROWS(w), w(rand(N, 2, 4, seed=2)),
+                                                       w(rand(N, 2, 4, seed=3).abs() + 0.1)), {}),
+    "F_gaussian_nll_var_a_rank_less_sum_full": lambda w: (F.gaussian_nll_loss, (
+        _ROWS(w), rand(2, 4, seed=2), w(rand(N, 2, seed=3).abs())), {"reduction": "sum", "full": True}),
+    "F_gaussian_nll_shared_var_of_one_none": lambda w: (F.gaussian_nll_loss, (
+        w(rand(N, 4, seed=1)), w(rand(N, 4, seed=2)), torch.tensor([0.5], dtype=F64)), {"reduction": "none"}),
+    "F_multi_margin": lambda w: (F.multi_margin_loss, (_ROWS(w), w(randint(4, N, 2, seed=2))), {}),
+    "F_multi_margin_vector_shared_class": lambda w: (F.multi_margin_loss, (w(rand(N, 4, seed=1)), torch.tensor(2)), {
+        "p": 2, "margin": 0.5, "weight": rand(4, seed=5).abs(), "reduction": "none"}),
+    "F_multi_margin_sum": lambda w: (F.multi_margin_loss, (), {
+        "target": w(randint(4, N, 2, seed=2)), "input": _ROWS(w), "reduction": "sum"}),
+    # (``torch.column_stack``: each instance's vectors and numbers as columns, any shared)
+    "torch_column_stack": lambda w: (torch.column_stack, (lst(w(rand(N, 2, seed=1)), rand(2, seed=2),
+                                                              w(rand(N, 2, 3, seed=3))),), {}),
+    "torch_column_stack_numbers": lambda w: (torch.column_stack, (tup(w(rand(N, seed=1)), w(rand(N, seed=2))),), {}),
+    "nn_embedding_bag_rows": lambda w: (BAG, (w(randint(10, N, 2, 3, seed=1)),), {}),
+    "nn_embedding_bag_offsets_weighted": lambda w: (BAG_SUM, (w(randint(10, N, 5, seed=1)), torch.tensor([0, 2, 2])),
+                                                    {"per_sample_weights": w(rand(N, 5, seed=2))}),
+    "F_embedding_bag_offsets_max": lambda w: (F.embedding_bag, (w(randint(10, N, 5, seed=1)), TABLE,
+                                                                torch.tensor([0, 3])), {"mode": "max"}),
+    "F_embedding_bag_rows_padding": lambda w: (F.embedding_bag, (w(randint(10, N, 3, 2, seed=1)), TABLE), {
+        "mode": "sum", "padding_idx": 0}),
     "torch_take_own": lambda w: (torch.take, (_ROWS(w), w(randint(8, N, 3, seed=4) - 4)), {}),
     "F_relu6": lambda w: (F.relu6, (_ROWS(w),), {}),
     "F_hardtanh_bounds": lambda w: (F.hardtanh, (_ROWS(w), -0.5, 0.5), {}),
@@ -395,6 +419,13 @@ RULED = {
                                         {}),
     "nn_nll_loss_sum": lambda w: (nn.NLLLoss(reduction="sum"), (w(rand(N, 3, 5, seed=1)), w(randint(5, N, 3, seed=2))),
                                   {}),
+    "torch_isin": lambda w: (torch.isin, (w(randint(5, N, 2, 3, seed=1)), torch.tensor([1, 3])), {}),
+    "torch_isin_invert_number": lambda w: (torch.isin, (w(randint(5, N, 3, seed=1)), 2), {"invert": True}),
+    "torch_bincount_weights": lambda w: (torch.bincount, (w(randint(5, N, 6, seed=1)),),
+                                         {"weights": w(rand(N, 6, seed=2)), "minlength": 7}),
+    "torch_bincount_own_lengths": lambda w: (torch.bincount, (w(torch.tensor([[0, 1, 1], [4, 0, 2], [1, 1, 1],
+                                                                              [7, 7, 0]])),), {}),
+    "real_of_rows": lambda w: (getattr, (_ROWS(w), "real"), {}),
     "nn_bilinear": lambda w: (BILINEAR, (w(rand(N, 3, seed=1)), w(rand(N, 2, seed=2))), {}),
     "nn_bilinear_shared_second": lambda w: (BILINEAR, (w(rand(N, 3, seed=1)), rand(2, seed=2)), {}),
     "F_bilinear_rows": lambda w: (F.bilinear, (w(rand(N, 2, 3, seed=1)), w(rand(N, 2, 2, seed=2)),
@@ -1033,6 +1064,17 @@ def test_a_list_of_shared_items_is_one_list_per_instance_that_torch_ops_read_as_
     assert bt.items_of(sizes) == [[2, 4, 7]] * N and len({id(v) for v in bt.items_of(sizes)}) == N
 
 
+def test_a_nested_list_of_shared_items_is_one_list_to_a_torch_op_and_each_instances_own_to_a_builtin(sharing):
+    reset_counters()
+    rows = [br.call(N, intrinsics.build_list, (1.0, 0.0)), br.call(N, intrinsics.build_list, (2.0, 3.0))]
+    table = br.call(N, intrinsics.build_list, tuple(rows))
+    out = br.call(N, torch.tensor, (table,), {"dtype": F64})  # (``torch.tensor([[1.0, 0.0], [2.0, 3.0]])``)
+    assert type(out) is torch.Tensor and br.counters.per_instance == {}
+    assert torch.equal(out, torch.tensor([[1.0, 0.0], [2.0, 3.0]], dtype=F64))
+    largest = bt.items_of(br.call(N, max, (table,)))  # (Python hands each instance its own inner list)
+    assert largest == [[2.0, 3.0]] * N and len({id(v) for v in largest}) == N
+
+
 def test_torch_ops_of_shared_values_are_computed_once_in_a_run_that_changes_nothing(sharing):
     w = rand(3, 2, seed=1)
     reset_counters()
@@ -1466,16 +1508,16 @@ def test_an_activation_of_one_instances_row_changes_a_copy_whose_version_its_lat
 
 
 def test_an_op_torch_func_vmap_has_no_batching_rule_for_runs_per_instance_where_it_is_counted():
-    """vmap loops over the rows of an op it has no batching rule for (``bincount``), unseen but for a warning of
+    """vmap loops over the rows of an op it has no batching rule for (``histc``), unseen but for a warning of
     torch's: the loop is refused there, and the op runs per instance, counted and warned of as every such op."""
-    words = Batch(N, tensor=torch.tensor([[1, 2, 2], [0, 0, 3], [4, 4, 4], [1, 0, 2]]))
+    x = Batch(N, tensor=rand(N, 6, seed=1))
     reset_counters()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (torch's "performance drop" warning is not raised)
-        with pytest.warns(recompile.PerInstanceWarning, match="bincount"):
-            out = br.call(N, torch.bincount, (words,), {"minlength": 6})
+        with pytest.warns(recompile.PerInstanceWarning, match="histc"):
+            out = br.call(N, torch.histc, (x,), {"bins": 4, "min": -2, "max": 2})
     assert br.counters.per_instance
-    assert torch.equal(bt.tensor_of(out), torch.stack([torch.bincount(w, minlength=6) for w in words.tensor]))
+    assert torch.equal(bt.tensor_of(out), torch.stack([torch.histc(r, bins=4, min=-2, max=2) for r in x.tensor]))
     assert torch._C._functorch._is_vmap_fallback_enabled()  # (vmap's own loop is back on for other callers)
     reset_counters()
 
@@ -1645,7 +1687,9 @@ def _float_parts(value):
 
 
 # rules whose result carries no gradient (indices, new tensors of a value, a conversion to another dtype)
-_NO_GRADIENT_RESULT = {"F_one_hot", "torch_argsort", "method_new_zeros", "method_new_full", "torch_zeros_like",
+_NO_GRADIENT_RESULT = {"F_one_hot", "torch_isin", "torch_isin_invert_number", "torch_bincount_weights",
+                       "torch_bincount_own_lengths", "nn_embedding_bag_rows", "F_embedding_bag_offsets_max",
+                       "F_embedding_bag_rows_padding", "torch_argsort", "method_new_zeros", "method_new_full", "torch_zeros_like",
                        "torch_full_like", "method_to", "method_type_as"}
 
 
@@ -1675,6 +1719,17 @@ def test_op_with_a_rule_of_its_own_gives_per_instance_gradients(name):
             assert g is None or not g.any()
         else:
             torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["mean", "max"])
+def test_an_embedding_bag_of_each_instances_bags_gives_its_table_each_instances_gradient(mode):
+    bag = nn.EmbeddingBag(10, 3, mode=mode).double()
+    words = randint(10, N, 6, seed=3)
+    out = br.call(N, bag, (Batch(N, tensor=words.clone()), torch.tensor([0, 4])))
+    got = torch.autograd.grad((bt.tensor_of(out) * rand(N, 2, 3, seed=4)).sum(), bag.weight)[0]
+    want = torch.autograd.grad(sum((bag(w, torch.tensor([0, 4])) * r).sum() for w, r in zip(words, rand(
+        N, 2, 3, seed=4))), bag.weight)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def products_three_ways(x):

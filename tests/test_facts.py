@@ -257,6 +257,12 @@ GROWN = {
                                     (torch.ones, batch_rules.made_of_own_length),
                                     # each instance's elements read flat (torch's vmap has no rule for it)
                                     (torch.take, batch_rules.taken),
+                                    # more ops torch's vmap has no rule for: two losses, column_stack, isin,
+                                    # bincount (each instance's values past the others' bins), embedding bags
+                                    (F.gaussian_nll_loss, batch_rules.gaussian_nll),
+                                    (F.multi_margin_loss, batch_rules.multi_margin),
+                                    (torch.column_stack, batch_rules.column_stack), (torch.isin, batch_rules.isin),
+                                    (torch.bincount, batch_rules.bincount), (F.embedding_bag, batch_rules.embedding_bag),
                                     (operator.index, batch_rules.index_numbers),
                                     # ``state is None``: the rows of a tensor and a built tuple are not None
                                     (operator.is_, batch_rules.none_test), (operator.is_not, batch_rules.none_test),
@@ -337,7 +343,9 @@ GROWN = {
                                            # every instance's sequences one batch of the module's
                                            (torch.nn.MultiheadAttention, batch_rules.multihead_attention),
                                            (torch.nn.TransformerEncoderLayer, batch_rules.transformer_encoder),
-                                           (torch.nn.TransformerEncoder, batch_rules.transformer_encoder)])
+                                           (torch.nn.TransformerEncoder, batch_rules.transformer_encoder),
+                                           # every instance's bags one bag of the module's
+                                           (torch.nn.EmbeddingBag, batch_rules.embedding_bag)])
                                  | _ruled(batch_rules.BATCH.by_module, _MORE_RULES)
                                  | _entries((m, batch_rules.elementwise) for m in _MORE_ACTIVATIONS), set()),
     "segments._GENERIC_OK": (_names(*_ADDCMUL, *_TORCH_BITWISE, torch.matmul, torch.einsum, isinstance, range, slice,
@@ -346,7 +354,8 @@ GROWN = {
                                     *_OUT_OF_PLACE, *_PYTHON_ARITHMETIC,
                                     int, float, bool, operator.index, any, all, torch.masked_select,
                                     F.margin_ranking_loss, F.triplet_margin_loss, torch.zeros, torch.ones, torch.take,
-                                    operator.contains, intrinsics.not_in)
+                                    operator.contains, intrinsics.not_in, F.gaussian_nll_loss, F.multi_margin_loss,
+                                    torch.column_stack, torch.isin, torch.bincount, F.embedding_bag)
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),
     "segments._OPERATORS": (_names(operator.index), set()),  # (pure: a trace may run its batch rule)
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)
@@ -360,7 +369,7 @@ GROWN = {
                                             (pow, grad_rules._pow)]), set()),  # (``pow(x, 2)`` is ``x ** 2``)
     "segments._GENERIC_OK_MODULES": (_names(*_CELLS, *_LAYERS, torch.nn.Sequential, *_MORE_ACTIVATIONS,
                                             torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
-                                            torch.nn.TransformerEncoder)
+                                            torch.nn.TransformerEncoder, torch.nn.EmbeddingBag)
                                      | _ruled_keys(batch_rules.BATCH.by_module, _MORE_RULES), set()),
     # (views that move dims read no value of their input either, as ``transpose`` always did)
     "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS, *_VIEWS_MOVING_DIMS, grad_rules._detach, grad_rules._add_fresh),

@@ -594,15 +594,35 @@ _STATEFUL_NAMES = ("rand", "dropout", "bernoulli", "multinomial", "normal", "poi
                    "batch_norm", "instance_norm", "sample", "seed", "manual", "set_", "empty")
 
 
-def _shared_structs(values):
+def _shared_structs(values, nested=False):
     """``values`` with each list or tuple of shared items, held as a struct (``_unbatched``), made the one
-    list or tuple every instance has; None if there is none."""
+    list or tuple every instance has; None if there is none. ``nested``: of such structs too, for a torch op
+    (``torch.tensor([[1.0, 0.0]])``), which keeps none of them; a builtin may hand back an inner list
+    (``max([[1], [2]])``), each instance's own."""
     out, found = list(values), False
     for i, v in enumerate(out):
-        if type(v) is Batch and v.struct is not None and v.owner is None and \
-                not any(type(p) is Batch for p in v.struct[1]):
-            out[i], found = bt.build(*v.struct), True
+        plain = _shared_struct(v, nested)
+        if plain is not _DIFFERS:
+            out[i], found = plain, True
     return out if found else None
+
+
+_DIFFERS = object()
+
+
+def _shared_struct(v, nested):
+    """The one list or tuple every instance has, where ``v`` is a struct of shared items (or, ``nested``, of such
+    structs); else ``_DIFFERS``."""
+    if type(v) is not Batch or v.struct is None or v.owner is not None:
+        return _DIFFERS
+    items = []
+    for p in v.struct[1]:
+        if type(p) is Batch:
+            p = _shared_struct(p, nested) if nested else _DIFFERS
+            if p is _DIFFERS:
+                return _DIFFERS
+        items.append(p)
+    return bt.build(v.struct[0], items)
 
 
 def _run_helper(n, fn, args, kwargs):
@@ -634,8 +654,8 @@ def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
     bound = tensor_method(fn) if method is None else None  # (``base.scatter_add``: a shared tensor's method)
     torch_op = method is not None or bound is not None or torch_callable(fn)
     if torch_op:  # (a torch op neither keeps nor changes a list it is given: one may do)
-        plain = _shared_structs(args)
-        plain_kwargs = _shared_structs(kwargs.values()) if kwargs else None
+        plain = _shared_structs(args, nested=True)
+        plain_kwargs = _shared_structs(kwargs.values(), nested=True) if kwargs else None
         if plain is not None or plain_kwargs is not None:
             args = tuple(plain) if plain is not None else args
             if plain_kwargs is not None:
@@ -1854,6 +1874,8 @@ def attribute(n, fn, args, kwargs):
             return t.dim() - 1
         if name == "data":  # (each instance's tensor's values, detached: rows of the batch's)
             return bt.from_tensor(t.data)
+        if name in ("real", "imag"):  # (views of each element: the rows' own; a real dtype's imag raises)
+            return bt.from_tensor(getattr(t, name))
         if name in ("T", "H") and t.dim() <= 3:  # (all of an instance's dims reversed: at most two, as torch allows)
             flipped = t.permute(0, *reversed(range(1, t.dim())))
             return bt.from_tensor(flipped.conj() if name == "H" else flipped)
@@ -3119,6 +3141,47 @@ def margin_loss(n, fn, args, kwargs):
     return NotImplemented if reduced is None else reduced
 
 
+_GAUSSIAN_NLL = ("input", "target", "var", "full", "eps", "reduction")
+
+
+@BATCH.register(F.gaussian_nll_loss)
+def gaussian_nll(n, fn, args, kwargs):
+    """``F.gaussian_nll_loss(x, target, var)`` of instance tensors, any of them shared (``var`` of x's rank, or one
+    less: torch's forms): torch's loss elements of every instance at once (its checks of var's shape and sign
+    too), then each instance's reduction."""
+    found = by_names(args, kwargs, _GAUSSIAN_NLL)
+    tensors = [found.get(k) for k in _GAUSSIAN_NLL[:3]] if found is not None else [None]
+    if None in tensors or any(type(found.get(k)) is Batch for k in _GAUSSIAN_NLL[3:]):
+        return NotImplemented
+    x, target, var = (_rows_each(n, t) for t in tensors)
+    if x is None or target is None or var is None or target.dim() != x.dim() or var.dim() not in (
+            x.dim(), x.dim() - 1):
+        return NotImplemented  # (ranks that differ: each instance's call broadcasts them, or raises)
+    out = fn(x, target, var, full=found.get("full", False), eps=found.get("eps", 1e-6), reduction="none")
+    reduced = _instance_reduced(out, found.get("reduction", "mean"))
+    return NotImplemented if reduced is None else reduced
+
+
+_MULTI_MARGIN = ("input", "target", "p", "margin", "weight", "size_average", "reduce", "reduction")
+
+
+@BATCH.register(F.multi_margin_loss)
+def multi_margin(n, fn, args, kwargs):
+    """``F.multi_margin_loss(x, y)`` of each instance's scores (a vector and its class, or a matrix and a class a
+    row), either shared: every instance's rows one matrix for one call, then each instance's reduction."""
+    found = by_names(args, kwargs, _MULTI_MARGIN)
+    if found is None or found.get("size_average") is not None or found.get("reduce") is not None or any(
+            type(found.get(k)) is Batch for k in _MULTI_MARGIN[2:]):
+        return NotImplemented
+    x, y = _rows_each(n, found.get("input")), _rows_each(n, found.get("target"))
+    if x is None or y is None or x.dim() not in (2, 3) or y.dim() != x.dim() - 1 or x.shape[:-1] != y.shape:
+        return NotImplemented  # (shapes torch refuses: each instance's call raises its error)
+    out = fn(x.reshape(-1, x.shape[-1]), y.reshape(-1), p=found.get("p", 1), margin=found.get("margin", 1.0),
+             weight=found.get("weight"), reduction="none").view(y.shape)
+    reduced = _instance_reduced(out, found.get("reduction", "mean"))
+    return NotImplemented if reduced is None else reduced
+
+
 @BATCH.register(F.rrelu)
 def rrelu_eval(n, fn, args, kwargs):
     """``F.rrelu(x, lower, upper, training=False)``: the leaky ReLU of slope ``(lower + upper) / 2`` it is, on the
@@ -3345,6 +3408,110 @@ def taken(n, fn, args, kwargs):
         return NotImplemented
     at = torch.where(index < 0, index + size, index).reshape(n, -1)
     return bt.from_tensor(flat.gather(1, at).view(index.shape))
+
+
+@BATCH.register(torch.column_stack)
+def column_stack(n, fn, args, kwargs):
+    """``torch.column_stack([a, b, ...])`` of a list the program built (instance tensors, any shared): each
+    instance's vector or number a column, the columns side by side, one ``cat`` of the rows."""
+    found = by_names(args, kwargs, ("tensors", "out"))
+    seq = found.get("tensors") if found is not None and found.get("out") is None else None
+    if type(seq) is not Batch or seq.struct is None or seq.owner is not None or seq.struct[0] not in (list, tuple):
+        return NotImplemented
+    parts = [_rows_each(n, p) for p in seq.struct[1]]
+    if not parts or None in parts:
+        return NotImplemented
+    columns = [p.reshape(n, -1, 1) if p.dim() <= 2 else p for p in parts]
+    first = columns[0]
+    if any(c.dim() != first.dim() or c.shape[:2] != first.shape[:2] or c.shape[3:] != first.shape[3:]
+           for c in columns):
+        return NotImplemented  # (sizes that differ: each instance's call raises torch's error)
+    return bt.from_tensor(torch.cat(columns, 2))
+
+
+@BATCH.register(torch.isin)
+def isin(n, fn, args, kwargs):
+    """``torch.isin(x, test)`` of batched elements against shared test elements: elementwise, one call."""
+    found = by_names(args, kwargs, ("elements", "test_elements", "assume_unique", "invert"))
+    if found is None or type(found.get("elements")) is not Batch or any(
+            type(v) is Batch for k, v in found.items() if k != "elements") or "test_elements" not in found:
+        return NotImplemented
+    x = bt.tensor_of(found["elements"])
+    if x is None:
+        return NotImplemented
+    return bt.from_tensor(fn(x, found["test_elements"], assume_unique=found.get("assume_unique", False),
+                             invert=found.get("invert", False)))
+
+
+@BATCH.register(torch.bincount)
+def bincount(n, fn, args, kwargs):
+    """``torch.bincount(x, weights, minlength)`` of each instance's vector of counts: each instance's values moved
+    past the others' bins, one call; each instance's length its own (``max(x) + 1``, at least minlength: one host
+    read). NotImplemented where an instance's values are empty or negative (its call gives or raises its own)."""
+    found = by_names(args, kwargs, ("input", "weights", "minlength"))
+    if found is None or any(type(found.get(k)) is Batch for k in ("minlength",)) or "input" not in found:
+        return NotImplemented
+    x = _rows_each(n, found["input"])
+    weights = found.get("weights")
+    weights = _rows_each(n, weights) if weights is not None else None
+    minlength = found.get("minlength", 0)
+    if x is None or x.dim() != 2 or x.shape[1] == 0 or x.dtype not in facts.INTEGER_INDEX or \
+            type(minlength) is not int or found.get("weights") is not None and (
+                weights is None or weights.shape != x.shape):
+        return NotImplemented
+    low, high = x.aminmax(dim=1)
+    if bool((low < 0).any()):
+        return NotImplemented
+    lengths = [max(minlength, h + 1) for h in high.tolist()]
+    size = max(lengths)
+    at = x + torch.arange(n, device=x.device).unsqueeze(1) * size
+    out = fn(at.reshape(-1), None if weights is None else weights.reshape(-1), minlength=n * size).view(n, size)
+    if all(length == size for length in lengths):
+        return bt.from_tensor(out)
+    return bt.from_items([row[:length] for row, length in zip(out.unbind(0), lengths)])
+
+
+_BAG = ("input", "offsets", "per_sample_weights")
+_BAG_FUNCTION = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse",
+                 "per_sample_weights", "include_last_offset", "padding_idx")
+
+
+@BATCH.register(nn.EmbeddingBag, F.embedding_bag)
+def embedding_bag(n, fn, args, kwargs):
+    """An ``nn.EmbeddingBag`` (or ``F.embedding_bag``) of each instance's bags: a matrix of bags of one length, or
+    a vector cut by shared offsets (``bag(words, torch.tensor([0]))``). Every instance's bags one call: the
+    matrices' rows laid end to end, or the vectors with each instance's offsets moved past the others'. Not with
+    ``max_norm`` (the lookup renormalizes the table in place, each instance's call in turn)."""
+    module = isinstance(fn, nn.Module)
+    found = by_names(args, kwargs, _BAG if module else _BAG_FUNCTION)
+    if found is None or (module and (type(fn) is not nn.EmbeddingBag or "forward" in fn.__dict__)):
+        return NotImplemented
+    last = fn.include_last_offset if module else found.get("include_last_offset", False)
+    max_norm = fn.max_norm if module else found.get("max_norm")
+    offsets, weights = found.get("offsets"), found.get("per_sample_weights")
+    if max_norm is not None or last or type(found.get("input")) is not Batch or any(
+            type(v) is Batch for k, v in found.items() if k not in ("input", "per_sample_weights")):
+        return NotImplemented
+    x = bt.tensor_of(found["input"])
+    w = _rows_each(n, weights) if weights is not None else None
+    if x is None or weights is not None and (w is None or w.shape != x.shape):
+        return NotImplemented
+    if offsets is None and x.dim() == 3:  # (each instance's bags the rows of a matrix)
+        bags, flat, flat_offsets = x.shape[1], x.reshape(-1, x.shape[2]), None
+    elif offsets is not None and x.dim() == 2 and type(offsets) in PLAIN_TENSORS and offsets.dim() == 1:
+        starts, size = offsets.tolist(), x.shape[1]
+        if not starts or starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])) or starts[-1] > size:
+            return NotImplemented  # (offsets torch refuses, or none: each instance's call raises, or gives its own)
+        bags, flat = len(starts), x.reshape(-1)
+        flat_offsets = (offsets.unsqueeze(0) + size * torch.arange(n, device=offsets.device).unsqueeze(1)).reshape(-1)
+    else:
+        return NotImplemented
+    flat_weights = None if w is None else w.reshape(flat.shape)
+    if module:
+        out = fn(flat, flat_offsets, flat_weights)
+    else:
+        out = fn(**{**found, "input": flat, "offsets": flat_offsets, "per_sample_weights": flat_weights})
+    return bt.from_tensor(out.view(n, bags, *out.shape[1:]))
 
 
 @BATCH.register(torch.reshape)
