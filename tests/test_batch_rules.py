@@ -1689,7 +1689,8 @@ def _float_parts(value):
 # rules whose result carries no gradient (indices, new tensors of a value, a conversion to another dtype)
 _NO_GRADIENT_RESULT = {"F_one_hot", "torch_isin", "torch_isin_invert_number", "torch_bincount_weights",
                        "torch_bincount_own_lengths", "nn_embedding_bag_rows", "F_embedding_bag_offsets_max",
-                       "F_embedding_bag_rows_padding", "torch_argsort", "method_new_zeros", "method_new_full", "torch_zeros_like",
+                       "F_embedding_bag_rows_padding", "torch_argsort", "method_new_zeros", "method_new_full",
+                       "torch_zeros_like",
                        "torch_full_like", "method_to", "method_type_as"}
 
 

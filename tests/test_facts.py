@@ -262,7 +262,8 @@ GROWN = {
                                     (F.gaussian_nll_loss, batch_rules.gaussian_nll),
                                     (F.multi_margin_loss, batch_rules.multi_margin),
                                     (torch.column_stack, batch_rules.column_stack), (torch.isin, batch_rules.isin),
-                                    (torch.bincount, batch_rules.bincount), (F.embedding_bag, batch_rules.embedding_bag),
+                                    (torch.bincount, batch_rules.bincount),
+                                    (F.embedding_bag, batch_rules.embedding_bag),
                                     (operator.index, batch_rules.index_numbers),
                                     # ``state is None``: the rows of a tensor and a built tuple are not None
                                     (operator.is_, batch_rules.none_test), (operator.is_not, batch_rules.none_test),
