@@ -14,6 +14,7 @@ agree with each other. Then the batch plumbing: ``concat``, ``part``,
 
 from __future__ import annotations
 
+import copy
 import operator
 import warnings
 
@@ -419,6 +420,7 @@ RULED = {
                                         {}),
     "nn_nll_loss_sum": lambda w: (nn.NLLLoss(reduction="sum"), (w(rand(N, 3, 5, seed=1)), w(randint(5, N, 3, seed=2))),
                                   {}),
+    "method_tolist": lambda w: (method(w(rand(N, 3, seed=1)), "tolist"), (), {}),
     "torch_isin": lambda w: (torch.isin, (w(randint(5, N, 2, 3, seed=1)), torch.tensor([1, 3])), {}),
     "torch_isin_invert_number": lambda w: (torch.isin, (w(randint(5, N, 3, seed=1)), 2), {"invert": True}),
     "torch_bincount_weights": lambda w: (torch.bincount, (w(randint(5, N, 6, seed=1)),),
@@ -497,7 +499,6 @@ OPS.update({
     "all_of_empty_rows": lambda w: (all, (w(rand(N, 0, seed=1)),), {}),
 })
 PER_INSTANCE = {
-    "tolist": lambda w: (method(w(rand(N, 3, seed=1)), "tolist"), (), {}),
     "python_helper": lambda w: (lambda t: t * t.sum(), (w(rand(N, 3, seed=1)),), {}),
 }
 # (each instance's own dim, or bound: a Python number per instance)
@@ -1073,6 +1074,63 @@ def test_a_nested_list_of_shared_items_is_one_list_to_a_torch_op_and_each_instan
     assert torch.equal(out, torch.tensor([[1.0, 0.0], [2.0, 3.0]], dtype=F64))
     largest = bt.items_of(br.call(N, max, (table,)))  # (Python hands each instance its own inner list)
     assert largest == [[2.0, 3.0]] * N and len({id(v) for v in largest}) == N
+
+
+def test_a_list_the_program_built_is_no_tensor_and_stays_one_list_of_its_items():
+    """``tensor_of`` of a list display (``[0.5] * 6`` read by a trace as an operand) is None, and leaves it the
+    list of shared items it was: a later ``* 6`` repeats them, with no op per instance."""
+    reset_counters()
+    xs = br.call(N, intrinsics.build_list, (0.5,))
+    assert bt.tensor_of(xs) is None and xs.struct is not None and xs.owner is None
+    out = br.call(N, operator.mul, (xs, 6))
+    assert out.struct[1] == [0.5] * 6 and br.counters.per_instance == {}
+
+
+def test_an_item_of_a_list_the_program_built_is_set_by_a_shared_int_as_python_sets_it():
+    reset_counters()
+    hs = br.call(N, operator.mul, (br.call(N, intrinsics.build_list, (None,)), 3))  # (``[None] * 3``)
+    x = Batch(N, tensor=rand(N, 2, seed=1))
+    br.call(N, operator.setitem, (hs, 1, x))
+    br.call(N, operator.setitem, (hs, -1, 2.0))
+    assert br.counters.per_instance == {}
+    check_readers(hs, [[None, row, 2.0] for row in x.tensor], N)
+    with pytest.raises(IndexError, match="list assignment index out of range"):
+        br.call(N, operator.setitem, (hs, 3, x))
+
+
+def test_tolist_of_each_instances_tensor_is_one_tolist_giving_each_its_own_lists():
+    reset_counters()
+    x = Batch(N, tensor=rand(N, 2, 3, seed=1))
+    out = br.call(N, method(x, "tolist"), ())
+    assert br.counters.per_instance == {}
+    check_readers(out, [row.tolist() for row in x.tensor], N)
+    assert len({id(v) for v in bt.items_of(out)}) == N
+    numbers = br.call(N, method(Batch(N, tensor=torch.tensor([1, -2, 3, 4])), "tolist"), ())
+    assert bt.items_of(numbers) == [1, -2, 3, 4]
+
+
+@pytest.mark.parametrize("each, dtype", [
+    ([[1.0, 2.5], [0.0, -1.0], [3.0, 4.0], [2.0, 2.0]], None),
+    ([[1, 2.5], [0, -1.5], [3, 4.0], [2, 2.5]], None),  # (an int and a float in each: float32 in each)
+    ([[[True], [False]], [[False], [False]], [[True], [True]], [[False], [True]]], None),
+    ([1, 2, 3, 4], F64), ([[1, 2.5], [0, -1], [3, 4], [2, 2]], F64)])
+def test_torch_tensor_of_each_instances_python_numbers_is_one_tensor(each, dtype):
+    reset_counters()
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    for fn in (torch.tensor, torch.as_tensor):
+        out = br.call(N, fn, (bt.from_items(copy.deepcopy(each)),), kwargs)
+        assert br.counters.per_instance == {}
+        check_readers(out, [fn(v, **kwargs) for v in each], N)
+
+
+@pytest.mark.parametrize("each", [[[1, 2], [0, 1], [3, 4], [2.0, 2]],  # (instance 3's floats: float32, others int64)
+                                  [[1.0, 2.0], [0.0], [3.0, 4.0], [2.0, 2.0]]])  # (lengths that differ)
+def test_torch_tensor_of_numbers_an_instances_own_call_reads_otherwise_runs_per_instance(each, monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    reset_counters()
+    out = br.call(N, torch.tensor, (bt.from_items(copy.deepcopy(each)),))
+    assert br.counters.per_instance
+    check_readers(out, [torch.tensor(v) for v in each], N)
 
 
 def test_torch_ops_of_shared_values_are_computed_once_in_a_run_that_changes_nothing(sharing):
@@ -1687,7 +1745,7 @@ def _float_parts(value):
 
 
 # rules whose result carries no gradient (indices, new tensors of a value, a conversion to another dtype)
-_NO_GRADIENT_RESULT = {"F_one_hot", "torch_isin", "torch_isin_invert_number", "torch_bincount_weights",
+_NO_GRADIENT_RESULT = {"F_one_hot", "method_tolist", "torch_isin", "torch_isin_invert_number", "torch_bincount_weights",
                        "torch_bincount_own_lengths", "nn_embedding_bag_rows", "F_embedding_bag_offsets_max",
                        "F_embedding_bag_rows_padding", "torch_argsort", "method_new_zeros", "method_new_full",
                        "torch_zeros_like",

@@ -677,6 +677,14 @@ def idiom_table_of_constants(x, k):  # (a nested list of shared numbers: one ten
     return x.view(2, 2) @ torch.tensor([[1.0, 0.0], [0.5, 2.0]], dtype=torch.float64)
 
 
+def idiom_lists_of_numbers(x, k):  # (shared lists repeated and set; each instance's Python numbers, one tensor)
+    scale = torch.tensor([0.5] * H, dtype=torch.float64)
+    hs = [None] * 3
+    hs[0], hs[-1] = x * scale, x.tanh()
+    numbers = torch.tensor([float(v) * 2 for v in x], dtype=torch.float64) + torch.tensor(x.tolist())
+    return hs[0] + hs[2] + numbers
+
+
 BAG = torch.nn.EmbeddingBag(7, H, mode="sum").double()
 
 

@@ -434,8 +434,8 @@ def tensor_of(b):
     if b.made is not None:
         _check_cache(b)
     if b.tensor is None:
-        if b.struct is not None and b.owner is None and issubclass(b.struct[0], Keyed):
-            return None  # (dicts are not tensors: asking must not make each instance's dict)
+        if b.struct is not None and b.owner is None:
+            return None  # (a list, tuple or dict is no tensor: asking must not make each instance's own)
         if b.pieces is not None:
             t = _joined_tensor(b.pieces, None)
             if t is None:

@@ -1009,12 +1009,17 @@ def _aligned(value, rank):
 @BATCH.register(operator.setitem)
 def set_item(n, fn, args, kwargs):
     """``y[index] = v`` of each instance's own tensor ``y``: one write of the batch's rows, by an index every
-    instance shares (ints, slices, None, ``...``) or by each instance's mask of its whole shape (``y[m] = 0.0``)."""
+    instance shares (ints, slices, None, ``...``) or by each instance's mask of its whole shape (``y[m] = 0.0``);
+    of a list the program built, by a shared int: its element."""
     if kwargs or len(args) != 3:
         return NotImplemented
     target, index, value = args
     if dicts.held(target):
         return dicts.set_field(target, index, value)
+    if type(target) is Batch and target.struct is not None and target.owner is None and target.struct[0] is list \
+            and type(index) is int:  # (``hs = [None] * 3; hs[1] = h``: the element of the list every name sees)
+        target.struct[1][index] = value  # (out of range: Python's IndexError, as each instance's list raises)
+        return None
     t = _own_rows(target)
     if t is None:  # (each instance's own tensor held apart: written in their stack, each then given its row)
         out = _stacked_in_place(target, (index, value), {}, lambda stacked: _write_rows(stacked, index, value))
@@ -2157,6 +2162,16 @@ def item_numbers(n, x, args, kwargs):
     """``t.item()`` of each instance's one-element tensor: one ``tolist`` of the rows."""
     numbers = None if args or kwargs else _numbers_of(n, x)
     return NotImplemented if numbers is None else bt.from_items(numbers)
+
+
+@BATCH.register("tolist")
+def listed(n, x, args, kwargs):
+    """``t.tolist()`` of each instance's tensor: one ``tolist`` of the rows, each instance's own nested list (or
+    number, of a 0-d tensor)."""
+    t = None if args or kwargs else bt.tensor_of(x)
+    if t is None or t.layout is not torch.strided:
+        return NotImplemented
+    return bt.from_items(t.tolist())
 
 
 def _numbers_of(n, x):
@@ -3469,6 +3484,39 @@ def bincount(n, fn, args, kwargs):
     if all(length == size for length in lengths):
         return bt.from_tensor(out)
     return bt.from_items([row[:length] for row, length in zip(out.unbind(0), lengths)])
+
+
+@BATCH.register(torch.tensor, torch.as_tensor)
+def tensor_of_numbers(n, fn, args, kwargs):
+    """``torch.tensor(xs)`` of each instance's Python numbers (a number, or lists of them: ``[float(v) for v in
+    x]``, ``x.tolist()``), nested alike in every instance: one tensor of them all. The dtype an instance's own call
+    infers from the types of its numbers is every instance's where each holds the same types (or the dtype is
+    given); NotImplemented otherwise, or where the instances' lists differ in length (each its own call)."""
+    x = args[0] if len(args) == 1 else None
+    if type(x) is not Batch or not (x.owner == "items" or x.struct is not None and x.owner is None) or any(
+            type(v) is Batch for v in kwargs.values()):
+        return NotImplemented  # (a batch's tensors: vmap's, as before)
+    if _shared_struct(x, True) is not _DIFFERS:
+        return NotImplemented  # (lists of shared numbers: the one list, made once: ``_vmapped_or_per_instance``)
+    values = bt.items_of(x)
+    kinds = [set() for _ in values]
+    if not all(_number_leaves(v, each) for v, each in zip(values, kinds)) or kwargs.get("dtype") is None and any(
+            each != kinds[0] for each in kinds):
+        return NotImplemented
+    try:
+        return bt.from_tensor(fn(values, **kwargs))
+    except (ValueError, TypeError, RuntimeError):  # (lists of lengths that differ: each instance's own call)
+        return NotImplemented
+
+
+def _number_leaves(value, kinds):
+    """Whether ``value`` is a Python number (bool, int or float), or lists and tuples of them; their types noted
+    in ``kinds``."""
+    kind = type(value)
+    if kind in (bool, int, float):
+        kinds.add(kind)
+        return True
+    return kind in (list, tuple) and all(_number_leaves(v, kinds) for v in value)
 
 
 _BAG = ("input", "offsets", "per_sample_weights")
