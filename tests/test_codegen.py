@@ -149,6 +149,47 @@ def cg_deep_fail_plain(n, k):
     return cg_deep_fail_plain(n + 1, k)
 
 
+@recompile.function
+def cg_children_appended(left, right, i):
+    if left[i] < 0:
+        return 1
+    hs = []
+    for child in (left[i], right[i]):  # (a loop over a display: its body once per item)
+        hs.append(cg_children_appended(left, right, child) * 2)
+    return hs[0] + hs[-1] + len(hs)
+
+
+@recompile.function
+def cg_children_comprehended(left, right, i):
+    if left[i] < 0:
+        return 1
+    a, b = [cg_children_comprehended(left, right, child) for child in (left[i], right[i])]
+    return a - b + 3
+
+
+@recompile.function
+def cg_list_handed_on(left, right, i, seen):
+    if left[i] < 0:
+        return len(seen)
+    hs = []
+    hs.append(cg_list_handed_on(left, right, left[i], seen))
+    return hs[0] + cg_list_handed_on(left, right, right[i], hs)  # (the second call reads the list: after it)
+
+
+def children_plain(left, right, i, kind):
+    if left[i] < 0:
+        return 1
+    a, b = children_plain(left, right, left[i], kind), children_plain(left, right, right[i], kind)
+    return 2 * a + 2 * b + 2 if kind == "appended" else a - b + 3
+
+
+def list_handed_on_plain(left, right, i, seen):
+    if left[i] < 0:
+        return len(seen)
+    hs = [list_handed_on_plain(left, right, left[i], seen)]
+    return hs[0] + list_handed_on_plain(left, right, right[i], hs)
+
+
 LEFT = [1, 3, -1, 5, -1, -1, -1]
 RIGHT = [2, 4, -1, 6, -1, -1, -1]
 
@@ -157,7 +198,8 @@ RIGHT = [2, 4, -1, 6, -1, -1, -1]
 # the source is valid Python, one def per SubGraph
 
 
-ALL = [cg_tree, cg_dependent, cg_inorder, cg_uses_tree, cg_deep_fail]
+ALL = [cg_tree, cg_dependent, cg_inorder, cg_uses_tree, cg_deep_fail, cg_children_appended, cg_children_comprehended,
+       cg_list_handed_on]
 ALL_PLAIN = [cg_loops, cg_fail, cg_multiline, cg_attr]
 
 
@@ -217,6 +259,21 @@ def test_side_effect_between_calls_keeps_them_apart_and_in_order():
     got, want = [], []
     assert cg_inorder(LEFT, RIGHT, 0, got) == cg_inorder_plain(LEFT, RIGHT, 0, want)
     assert got == want == [5, 3, 6, 1, 4, 0, 2]
+
+
+@pytest.mark.parametrize("fn, kind", [(cg_children_appended, "appended"), (cg_children_comprehended, "listed")])
+def test_calls_on_the_children_appended_to_a_list_of_the_frames_own_are_one_yield(fn, kind):
+    """``hs.append(f(child))`` for each child of a display (a ``for`` or a comprehension over it): the list is the
+    frame's own, which no call reads, so both calls are requested together, the appends after them in order."""
+    branches = [node for name, node in defs(fn.source()).items() if name.endswith("_else")]
+    assert len(branches) == 1 and n_yields(branches[0]) == 1
+    assert fn(LEFT, RIGHT, 0) == children_plain(LEFT, RIGHT, 0, kind)
+
+
+def test_a_list_a_later_call_reads_keeps_its_append_before_that_call():
+    branches = [node for name, node in defs(cg_list_handed_on.source()).items() if name.endswith("_else")]
+    assert n_yields(branches[0]) == 2
+    assert cg_list_handed_on(LEFT, RIGHT, 0, []) == list_handed_on_plain(LEFT, RIGHT, 0, [])
 
 
 def test_no_yield_without_compiled_calls():

@@ -74,5 +74,5 @@ def collected(x, flag):
 
 def test_a_list_a_method_changes_with_per_instance_values_is_batched_after():
     how = {op.split(" = ")[-1]: mark for op, mark in marks(recompile.function(collected).dump(instances=()))}
-    assert how["call getitem(%listcomp1.3, 0)"] == "batched"
+    assert how["call getitem(%listcomp1.1, 0)"] == "batched"
     assert how["call getitem(%kept.3, 0)"] == "batched"

@@ -10,6 +10,10 @@ Layout
   2. variables bound on some paths only
   3. del, set and dict comprehensions, starred targets, *args and **kwargs in calls of compiled functions
   4. lambda, nested def, closures, nonlocal, global, generator expressions
+  5. with, try, match; for over enumerate(...)
+  6. for over reversed(range(...))
+  7. a generator a builtin consumes whole
+  8. a for over a display of a few items
 """
 
 from __future__ import annotations
@@ -1492,3 +1496,54 @@ def test_a_consuming_builtin_rebound_after_compiling():
             f([1, 2])
     finally:
         del G["sum"]
+
+
+# ---------------------------------------------------------------------------
+# 8. a for over a display of a few items runs its body once per item (the items evaluated first, in order)
+# ---------------------------------------------------------------------------
+
+def over_a_display(x, log):
+    for v in (log.append(1) or x, log.append(2) or x * 2):  # (both items first, then the body for each)
+        log.append(v * 10)
+    for a, (b, c) in [(1, (x, 2)), (3, (x, 4))]:
+        log.append(a + b * c)
+    total = 0
+    for w in [x]:
+        total = total + w
+        w = w * 3  # (rebinding the target: the next item rebinds it again)
+    return log, total, v, w, [u * 2 for u in (x, x + 1) if u is not None]
+
+
+def over_a_display_jumping(x):
+    for v in (x, x + 1, x + 2):
+        if v > 2:
+            break  # (a jump keeps the loop a loop)
+    else:
+        v = -1
+    for k in (0, 1, 2, 3, 4, 5, 6, 7, 8):  # (more items than are unrolled)
+        x = x + k
+    return v, x
+
+
+def over_a_display_unpacked_wrongly(x):
+    for a, b in (x, x):
+        pass
+
+
+def test_a_for_over_a_display_runs_its_body_once_per_item_as_python_does():
+    check(over_a_display, (2, []), (T(1.0, -2.0), []))
+    check(over_a_display_jumping, (1,), (2.5,), (5,))
+    check(over_a_display_unpacked_wrongly, (3,), ((1, 2),))
+
+
+def children_summed(x, k):
+    hs = []
+    for h in (x * 2, x.sin()):
+        hs.append(torch.tanh(h) + k)
+    return sum([h * h for h in (hs[0], hs[1])])
+
+
+def test_a_for_over_a_display_batches():
+    xs = torch.randn(4, 3, dtype=F64)
+    check_vmap(children_summed, (0, 0), xs, torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=F64))
+    check_grad(children_summed, xs[0].clone().requires_grad_(), torch.tensor(2.0, dtype=F64))

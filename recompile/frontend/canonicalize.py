@@ -8,7 +8,8 @@ AST -> AST, before conversion to the IR:
   or, when one branch of an ``if`` always jumps, moved into the other branch.
 - ``for target in xs`` becomes an index loop over ``as_sequence(xs)`` while ``has_index(seq, i)``; ``for i, x in
   enumerate(xs)`` the same loop over xs, i its index, ``for x, y in zip(xs, ys)`` one over xs and ys, and
-  ``for t in reversed(range(a, b))`` a counter from b - 1 down to a.
+  ``for t in reversed(range(a, b))`` a counter from b - 1 down to a. A ``for`` over a tuple or list display of a
+  few items (``for child in (left, right)``, a comprehension over one) is its body once per item.
 - ``assert`` becomes ``if not test: raise AssertionError(msg)``.
 - ``import`` becomes assignments of what Python's import gives (``intrinsics.import_module``, ``import_from``).
 - ``with``, ``try``, ``match`` and ``class`` become a call of a nested function holding the statement
@@ -19,6 +20,8 @@ knows that a block ends there. Flags nobody reads are dropped afterwards.
 """
 
 from __future__ import annotations
+
+import copy
 
 import gast
 
@@ -276,6 +279,8 @@ class Canonicalizer:
     def stmt_For(self, s):
         self.counter += 1
         n = self.counter
+        if _unrollable(s):
+            return self._unrolled(s, n)
         idx = f".idx{n}"
         bounds = self._reversed_range(s.iter)
         if bounds is not None:
@@ -298,6 +303,19 @@ class Canonicalizer:
         bind = located(gast.Assign(targets=[s.target], value=item, type_comment=None), s.target)
         step = assign(idx, located(gast.BinOp(left=name(idx, at=s), op=gast.Add(), right=const(1, s)), s), s)
         return self._loop(s, test, s.body, s.orelse, prelude, [bind, step])
+
+    def _unrolled(self, s, n):
+        """``for x in (a, b): body`` over a display of a few items, as the statements it runs: the items evaluated
+        first, in order, then ``x = a``, the body, ``x = b``, the body. A node's calls on its children
+        (``for child in (tree.left[i], tree.right[i])``, a comprehension over them) are then calls of one block,
+        which the batched and threaded runtimes issue together, where a loop issues one an iteration."""
+        items = [f".item{n}_{k}" for k in range(len(s.iter.elts))]
+        stmts = [assign(item, x, x) for item, x in zip(items, s.iter.elts)]
+        for item in items:
+            stmts.append(located(gast.Assign(targets=[copy.deepcopy(s.target)], value=name(item, at=s.target),
+                                             type_comment=None), s.target))
+            stmts += copy.deepcopy(s.body)
+        return self.block(stmts)
 
     def _reversed_range(self, it):
         """The bounds (start or None, stop) of ``reversed(range(stop))`` or ``reversed(range(start, stop))``, where
@@ -442,6 +460,24 @@ def _builtin_reads(names, at):
     now stands for another."""
     return [located(gast.Expr(value=located(gast.Call(
         func=name(BUILTIN_READ, at=at), args=[name(b, at=at), const(b, at)], keywords=[]), at)), at) for b in names]
+
+
+_UNROLLED_ITEMS = 8  # (a display of more items stays a loop: its body is not copied more often)
+# (what keeps a loop a loop: a jump out of the body; a nested scope or a with / try / match statement, which the
+# converter finds again by the very node, so its body may not be copied)
+_KEPT_LOOP = (gast.Break, gast.Continue, gast.Return, gast.Yield, gast.YieldFrom, gast.Await, gast.FunctionDef,
+              gast.AsyncFunctionDef, gast.Lambda, gast.ClassDef, gast.GeneratorExp, gast.ListComp, gast.SetComp,
+              gast.DictComp, gast.With, gast.AsyncWith, gast.Try, gast.Match, *python_blocks.KINDS)
+
+
+def _unrollable(s):
+    """Whether ``for`` statement ``s`` runs over a tuple or list display of at most ``_UNROLLED_ITEMS`` items (no
+    starred one), with no ``else`` and nothing in its body that keeps a loop a loop (``_KEPT_LOOP``)."""
+    it = s.iter
+    if not isinstance(it, (gast.Tuple, gast.List)) or not 0 < len(it.elts) <= _UNROLLED_ITEMS or s.orelse or any(
+            isinstance(x, gast.Starred) for x in it.elts):
+        return False
+    return not any(isinstance(node, _KEPT_LOOP) for stmt in s.body for node in gast.walk(stmt))
 
 
 def _breaks_out(stmts):
