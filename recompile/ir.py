@@ -516,6 +516,22 @@ def format_dot(program):
 # Copying
 
 
+def uses(sg, outputs=False):
+    """{Value: the ops reading it} over SubGraph ``sg`` and the SubGraphs it holds; with ``outputs``, a SubGraph's
+    output counts as a read by None (handed out where the SubGraph ends)."""
+    found = {}
+    for s in sg.walk():
+        for op in s.ops:
+            for v in op.operands():
+                if isinstance(v, Value):
+                    found.setdefault(v, []).append(op)
+        if outputs:
+            for v in s.outputs:
+                if isinstance(v, Value):
+                    found.setdefault(v, []).append(None)
+    return found
+
+
 def clone(sg, mapping=None):
     """A deep copy of a SubGraph's structure: new Values and ops, the same constants.
 

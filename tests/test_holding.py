@@ -190,7 +190,7 @@ def first_line_with(fn, text):
     (add_into_argument, "buf.add_"), (append_to_global, "STORED.append"), (returned_argument_changed, "h += 1.0"),
     (item_of_own_list_changed, "hs[0].add_"), (through_concatenation, "k.state ="),
     (popped_off_own_stack, "n.state ="), (deepest_kid, "best.state ="), (kids_added_to_own_list, "k.state ="),
-    (kids_repeated, "k.state ="), (kid_in_a_nested_own_list, "groups[0].append"),
+    (kids_repeated, "k.state ="), (kid_in_a_nested_own_list, "k.state ="),  # (``groups[0]`` is the own ``[]``)
 ])
 def test_a_change_the_caller_can_see_is_found_at_its_line(fn, text):
     assert line_of(fn) == first_line_with(fn, text)

@@ -1,5 +1,6 @@
 """passes/unpack.py: a recursive call's tuple read by constant indices is unpacked once where it is made."""
 
+import pytest
 import torch
 
 import recompile
@@ -182,3 +183,64 @@ def test_a_tuple_built_and_unpacked_at_once_is_its_items():
             torch.testing.assert_close(got, want)
             torch.testing.assert_close(torch.autograd.grad(got[0].sum() + got[1], xs),
                                        torch.autograd.grad(want[0].sum() + want[1], xs))
+
+
+# -- lists a frame builds by appends, and items read off displays
+
+
+def appended_then_read(x):
+    hs, cs = [], []
+    for k in (1, 2):  # (a for over a display: its body once per item)
+        hs.append(x * k)
+        cs.append(x + k)
+    a, b = [v.sin() for v in (x, x * 3)]
+    return torch.cat(hs) + cs[0].repeat(2) + cs[-1].repeat(2) + a.repeat(2) * b.repeat(2), len(hs), (x, 4)[1]
+
+
+def read_between_appends(x):
+    hs = []
+    hs.append(x)
+    n = len(hs)  # (the list read before its last append: it stays a list appended to)
+    hs.append(x * n)
+    return hs
+
+
+def handed_on_between_appends(x, seen):
+    hs = []
+    hs.append(x)
+    seen.append(hs)  # (the list handed on: whoever holds it may see the next append)
+    hs.append(x * 2)
+    return hs[1]
+
+
+def read_past_the_end(x):
+    hs = [x]
+    return hs[1]
+
+
+def test_a_list_built_by_appends_is_its_display_and_its_items_are_read_off_it():
+    ir = ir_of(appended_then_read, "unpack")
+    assert "'append'" not in ir and ir.count("call build_list(") == 2 and "getitem(" not in ir
+    x = torch.randn(3, dtype=torch.float64)
+    for mode in ("sequential", "batched"):
+        got, want = recompile.function(appended_then_read, mode=mode)(x), appended_then_read(x)
+        torch.testing.assert_close(got[0], want[0])
+        assert got[1:] == want[1:]
+
+
+def test_a_list_read_or_handed_on_before_its_last_append_keeps_its_appends():
+    for fn in (read_between_appends, handed_on_between_appends):
+        assert ir_of(fn, "unpack").count("getattr(%hs, 'append')") == 2
+    x = torch.randn(3, dtype=torch.float64)
+    got, want = recompile.function(read_between_appends)(x), read_between_appends(x)
+    assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
+    seen_got, seen_want = [], []
+    assert torch.equal(recompile.function(handed_on_between_appends)(x, seen_got),
+                       handed_on_between_appends(x, seen_want))
+    assert len(seen_got[0]) == len(seen_want[0]) == 2
+
+
+def test_an_item_past_a_displays_end_raises_pythons_index_error():
+    assert "getitem(" in ir_of(read_past_the_end, "unpack")
+    with pytest.raises(IndexError, match="list index out of range"):
+        recompile.function(read_past_the_end)(torch.ones(2))

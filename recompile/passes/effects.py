@@ -171,12 +171,7 @@ def local_appends(sg):
     hands to nothing but its own appends, reads (``torch.stack(xs)``, ``xs[-1]``, ``len(xs)``, a ``for`` over it), its
     loops and branches, and its result: no one else sees the list while it changes, and no tensor changes, so to
     the rest of the program (and to the caller) the function changes nothing in place."""
-    uses = {}
-    for s in sg.walk():
-        for o in s.ops:
-            for v in o.operands():
-                if isinstance(v, ir.Value):
-                    uses.setdefault(v, []).append(o)
+    uses = ir.uses(sg)
     found = set()
     for s in sg.walk():
         for o in s.ops:

@@ -360,8 +360,9 @@ def _zero_of(x, branch):
 def tree_sums(shape, split):
     """The TreeSums of a late split, or None: where every late element ``p`` is, in ``post``, the cond's
     output ``q`` plus deferred results, an invoking branch's output ``q`` the sum of its calls' element
-    ``p`` (each once), and a leaf branch's output ``q`` a zero, the element at the root is the sum of its
-    deferred results over the call tree."""
+    ``p`` (each once; a sum may start at a zero: ``loss = 0.0``, then ``loss = loss + l`` for each child), and a
+    leaf branch's output ``q`` a zero, the element at the root is the sum of its deferred results over the call
+    tree."""
     post = [op for op in shape.post if split.is_late(op)]
     deferred = {inv.output: k for k, inv in enumerate(split.deferred)}
     terms, zeros, ops = [], [], []
@@ -385,7 +386,9 @@ def tree_sums(shape, split):
                     return None
                 continue
             wanted = sorted(id(u.outputs[p]) for u in unpacks)
-            if sorted(id(x) for x, _ in _addends(out, [op for op in br.up if split.is_late(op)])) != wanted:
+            # (a sum started at zero, ``loss = 0.0`` then ``loss = loss + l`` for each child: the calls' elements)
+            if sorted(id(x) for x, how in _addends(out, [op for op in br.up if split.is_late(op)])
+                      if not (_is_zero(x) and _NODE_TERMS.get(how, 1) == 1)) != wanted:
                 return None
         if any(_NODE_TERMS.get(how) == -1 for _, how in found) and \
                 any(callable(z) and z().dtype is torch.bool for z in zeros[-1]):

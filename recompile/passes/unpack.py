@@ -7,7 +7,10 @@ elements off the unpacking, would not find the tree's recursion; after this pass
 program. Only calls of the function itself are rewritten, and only where nothing but constant indices (of that
 tuple's length) reads the result, in the SubGraph that makes the call.
 
-A tuple built and unpacked at once (``left, right = self.walk(...), self.walk(...)``) is its items, and a
+A list the frame builds by appends in one block and uses for nothing else before its last append is its
+display (``_appended_displays``), an item of a display read by a constant index is that item
+(``_display_items``), and a tuple or list built and unpacked at once
+(``left, right = self.walk(...), self.walk(...)``) is its items, and a
 tuple each branch of an ``if`` builds and hands out (``return h, c, loss`` in both branches, an early return)
 becomes as many outputs of the ``if``, the tuple built once after it: the function then returns the tuple it
 builds itself, as ``return h, c, loss`` after the ``if`` does, and the branches hand out plain values.
@@ -22,8 +25,11 @@ from .. import intrinsics, ir
 
 def unpack(sg, parsed=None):
     """Apply the pass to a function SubGraph (in place) and return it."""
-    for s in sg.walk():
+    for s in sg.walk():  # (``hs, cs = [], []`` first: its lists, then their appends; then the lists unpacked)
         _direct_tuples(s)
+        _appended_displays(s, sg)
+        _direct_tuples(s)
+        _display_items(s)
     for s in reversed(list(sg.walk())):  # (innermost first: a nested if's tuple, built after it, is its branch's)
         _split_branch_tuples(s)
     k = _returned_length(sg)
@@ -37,12 +43,92 @@ def unpack(sg, parsed=None):
     return sg
 
 
+def _appended_displays(s, sg):
+    """``hs = []``, then ``hs.append(a)``, ``hs.append(b)`` in block ``s`` (a node's children, a comprehension over
+    a display): where nothing but those appends uses the list before the last of them, the list is its display
+    ``[a, b]``, built where the last append was. An append changes nothing else and never raises, so no one can
+    tell; and the function no longer changes a list in place, which kept it off traced code and level programs
+    (``effects.local_appends``)."""
+    uses = ir.uses(sg, outputs=True)  # (an output: a use where its block ends)
+    at = {id(op): k for k, op in enumerate(s.ops)}
+    for built in [op for op in s.ops if _calls_plain(op, intrinsics.build_list)]:
+        appends = []  # (the getattr of ``append``, its call), in order
+        for user in uses.get(built.output, ()):
+            if not _calls_plain(user, getattr) or id(user) not in at or len(user.args) != 2 or \
+                    user.args[0] is not built.output or not _is_const(user.args[1], "append"):
+                continue
+            calls = uses.get(user.output, ())
+            if len(calls) == 1 and calls[0] is not None and id(calls[0]) in at and calls[0].fn is user.output and \
+                    len(calls[0].args) == 1 and not calls[0].kwargs and not calls[0].star and \
+                    calls[0].args[0] is not built.output and calls[0].args[0] is not user.output and \
+                    not uses.get(calls[0].output):
+                appends.append((user, calls[0]))
+        if not appends:
+            continue
+        appends.sort(key=lambda pair: at[id(pair[1])])
+        last = at[id(appends[-1][1])]
+        moved = {id(op) for pair in appends for op in pair}
+        if any(user is None or id(user) not in at or at[id(user)] < last
+               for user in uses.get(built.output, ()) if id(user) not in moved):
+            continue  # (read, handed on or changed otherwise before the last append: it stays a list changed)
+        display = ir.Call(built.loc, built.fn, [*built.args, *(call.args[0] for _, call in appends)])
+        display.outputs = list(built.outputs)
+        s.ops = [display if op is appends[-1][1] else op for op in s.ops
+                 if op is not built and (id(op) not in moved or op is appends[-1][1])]
+        for v in display.outputs:
+            v.op = display
+        at = {id(op): k for k, op in enumerate(s.ops)}
+
+
+def _display_items(s):
+    """``cs[0]`` of a tuple display of block ``s``, or of a list display that nothing but such reads, ``len`` and
+    unpacking use before: the item itself (an index out of range stays the read, which raises)."""
+    item = {}
+    for k, op in enumerate(s.ops):
+        if not (_calls_plain(op, operator.getitem) and len(op.args) == 2 and isinstance(op.args[1], ir.Const)
+                and type(op.args[1].value) is int and isinstance(op.args[0], ir.Value)):
+            continue
+        shown, index = op.args[0], op.args[1].value
+        built = shown.op
+        if built not in s.ops[:k] or not (_calls_plain(built, intrinsics.build_tuple) or _calls_plain(
+                built, intrinsics.build_list) and all(_only_reads(other, shown) for other in s.ops[:k]
+                                                       if shown in other.operands())):
+            continue
+        if -len(built.args) <= index < len(built.args):
+            item[op.output] = built.args[index]
+    if not item:
+        return
+    s.ops = [op for op in s.ops if not (isinstance(op, ir.Call) and op.outputs and op.output in item)]
+    for inner in s.walk():
+        for op in inner.ops:
+            op.map_operands(lambda v: item.get(v, v) if isinstance(v, ir.Value) else v)
+        inner.outputs = [item.get(v, v) if isinstance(v, ir.Value) else v for v in inner.outputs]
+
+
+def _only_reads(op, shown):
+    """Whether ``op`` only reads list ``shown``: an item, its length or its items unpacked."""
+    return any(_calls_plain(op, fn) for fn in (operator.getitem, len, intrinsics.unpack)) and \
+        op.args[0] is shown and shown not in op.args[1:]
+
+
+def _is_const(v, text):
+    return isinstance(v, ir.Const) and type(v.value) is str and v.value == text
+
+
+def _calls_plain(op, fn):
+    return isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value is fn and not op.kwargs \
+        and not op.star
+
+
 def _direct_tuples(s):
-    """``a, b = f(), g()``: a tuple built and at once unpacked, read by nothing else, is its items."""
+    """``a, b = f(), g()``: a tuple built and at once unpacked, read by nothing else, is its items (and so is a
+    list: ``a, b = [f(x) for x in (l, r)]``)."""
     for u in [op for op in s.ops if isinstance(op, ir.Call) and isinstance(op.fn, ir.Const)
               and op.fn.value is intrinsics.unpack and not op.kwargs and not op.star]:
         built = u.args[0].op if isinstance(u.args[0], ir.Value) else None
-        if built not in s.ops or _tuple_made(s, u.args[0], reader=u) is None or len(built.args) != len(u.outputs):
+        if built not in s.ops or _tuple_made(s, u.args[0], reader=u, kinds=(intrinsics.build_tuple,
+                                                                              intrinsics.build_list)) is None \
+                or len(built.args) != len(u.outputs):
             continue
         item = dict(zip(u.outputs, built.args))
         s.ops = [op for op in s.ops if op is not u and op is not built]
@@ -75,14 +161,14 @@ def _split_branch_tuples(s):
             s.ops.insert(at + 1, built)
 
 
-def _tuple_made(branch, v, reader=None):
-    """The ``build_tuple`` of ``branch`` that makes its output ``v`` (or, given ``reader``, the value ``reader``
-    alone reads), where nothing else there reads it; or None."""
+def _tuple_made(branch, v, reader=None, kinds=(intrinsics.build_tuple,)):
+    """The ``build_tuple`` (of ``kinds``) of ``branch`` that makes its output ``v`` (or, given ``reader``, the value
+    ``reader`` alone reads), where nothing else there reads it; or None."""
     if not isinstance(v, ir.Value) or sum(o is v for o in branch.outputs) != (reader is None):
         return None
     op = v.op
     if not (isinstance(op, ir.Call) and op in branch.ops and isinstance(op.fn, ir.Const)
-            and op.fn.value is intrinsics.build_tuple and not op.kwargs and not op.star):
+            and op.fn.value in kinds and not op.kwargs and not op.star):
         return None
     if any(v in other.operands() for other in branch.ops if other is not reader) or any(
             v in o.operands() or v in inner.outputs for other in branch.ops for inner in other.subgraphs()
