@@ -420,6 +420,10 @@ RULED = {
                                         {}),
     "nn_nll_loss_sum": lambda w: (nn.NLLLoss(reduction="sum"), (w(rand(N, 3, 5, seed=1)), w(randint(5, N, 3, seed=2))),
                                   {}),
+    "torch_vander": lambda w: (torch.vander, (w(rand(N, 3, seed=1)),), {"N": 4}),
+    "torch_vander_increasing_ints": lambda w: (torch.vander, (w(randint(5, N, 3, seed=1)),), {"increasing": True}),
+    "torch_renorm": lambda w: (torch.renorm, (_ROWS(w), 2, 0, 1.0), {}),
+    "method_renorm_last_dim": lambda w: (method(_ROWS(w), "renorm"), (1, -1, 0.5), {}),
     "method_tolist": lambda w: (method(w(rand(N, 3, seed=1)), "tolist"), (), {}),
     "torch_isin": lambda w: (torch.isin, (w(randint(5, N, 2, 3, seed=1)), torch.tensor([1, 3])), {}),
     "torch_isin_invert_number": lambda w: (torch.isin, (w(randint(5, N, 3, seed=1)), 2), {"invert": True}),
@@ -1744,12 +1748,13 @@ def _float_parts(value):
     return []
 
 
-# rules whose result carries no gradient (indices, new tensors of a value, a conversion to another dtype)
-_NO_GRADIENT_RESULT = {"F_one_hot", "method_tolist", "torch_isin", "torch_isin_invert_number", "torch_bincount_weights",
-                       "torch_bincount_own_lengths", "nn_embedding_bag_rows", "F_embedding_bag_offsets_max",
-                       "F_embedding_bag_rows_padding", "torch_argsort", "method_new_zeros", "method_new_full",
-                       "torch_zeros_like",
-                       "torch_full_like", "method_to", "method_type_as"}
+# rules whose result carries no gradient (indices, new tensors of a value, a conversion to another dtype; vander,
+# whose backward torch refuses: with a gradient it runs per instance)
+_NO_GRADIENT_RESULT = {"F_one_hot", "method_tolist", "torch_vander_increasing_ints", "torch_vander", "torch_isin",
+                       "torch_isin_invert_number", "torch_bincount_weights", "torch_bincount_own_lengths",
+                       "nn_embedding_bag_rows", "F_embedding_bag_offsets_max", "F_embedding_bag_rows_padding",
+                       "torch_argsort", "method_new_zeros", "method_new_full", "torch_zeros_like", "torch_full_like",
+                       "method_to", "method_type_as"}
 
 
 @pytest.mark.parametrize("name", [k for k in RULED if k not in _NO_GRADIENT_RESULT])
@@ -1789,6 +1794,16 @@ def test_an_embedding_bag_of_each_instances_bags_gives_its_table_each_instances_
     want = torch.autograd.grad(sum((bag(w, torch.tensor([0, 4])) * r).sum() for w, r in zip(words, rand(
         N, 2, 3, seed=4))), bag.weight)[0]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_vander_of_rows_that_need_a_gradient_is_each_instances_own_whose_backward_torch_refuses(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    x = rand(N, 3, seed=1).requires_grad_()
+    reset_counters()
+    out = br.call(N, torch.vander, (Batch(N, tensor=x),), {"N": 4})
+    assert br.counters.per_instance
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        bt.stack_output(out, N).sum().backward()
 
 
 def products_three_ways(x):

@@ -266,6 +266,7 @@ GROWN = {
                                     (F.embedding_bag, batch_rules.embedding_bag),
                                     # ``torch.tensor([float(v) for v in x])``: each instance's numbers, one tensor
                                     (torch.tensor, batch_rules.tensor_of_numbers),
+                                    (torch.vander, batch_rules.vander), (torch.renorm, batch_rules.renorm),
                                     (torch.as_tensor, batch_rules.tensor_of_numbers),
                                     (operator.index, batch_rules.index_numbers),
                                     # ``state is None``: the rows of a tensor and a built tuple are not None
@@ -335,7 +336,7 @@ GROWN = {
                                   "'median' -> recompile:_extreme_method.<locals>.rule",
                                   "'index_select' -> recompile:method_dim.<locals>.rule",
                                   "'norm' -> recompile:norm_method", "'item' -> recompile:item_numbers",
-                                  "'tolist' -> recompile:listed",
+                                  "'tolist' -> recompile:listed", "'renorm' -> recompile:renorm_method",
                                   *_ruled(batch_rules.BATCH.by_method, _MORE_METHOD_RULES),
                                   # in-place elementwise methods of each instance's own tensor: one on the batch's
                                   *(f"'{m}' -> recompile:_in_place_method.<locals>.rule"
@@ -361,7 +362,7 @@ GROWN = {
                                     F.margin_ranking_loss, F.triplet_margin_loss, torch.zeros, torch.ones, torch.take,
                                     operator.contains, intrinsics.not_in, F.gaussian_nll_loss, F.multi_margin_loss,
                                     torch.column_stack, torch.isin, torch.bincount, F.embedding_bag, torch.tensor,
-                                    torch.as_tensor)
+                                    torch.as_tensor, torch.vander, torch.renorm)
                              | _ruled_keys(batch_rules.BATCH.by_callable, _MORE_RULES), set()),
     "segments._OPERATORS": (_names(operator.index), set()),  # (pure: a trace may run its batch rule)
     "segments._PLAIN_MODULES": (_names(*_CELLS), set()),  # (a trace form of the recurrent cells)

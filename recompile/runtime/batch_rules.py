@@ -3486,6 +3486,56 @@ def bincount(n, fn, args, kwargs):
     return bt.from_items([row[:length] for row, length in zip(out.unbind(0), lengths)])
 
 
+@BATCH.register(torch.vander)
+def vander(n, fn, args, kwargs):
+    """``torch.vander(x, N, increasing)`` of each instance's vector: the powers of every row at once, as torch
+    makes them (a column of ones, then the running product of x; a ``cumprod``, which takes an integer x to
+    int64 as ``vander`` does), their order flipped unless increasing. Not where x needs a gradient: torch's
+    ``vander`` changes its own result in place and refuses its backward, and so must each instance's."""
+    found = by_names(args, kwargs, ("x", "N", "increasing"))
+    if found is None or type(found.get("x")) is not Batch or any(type(v) is Batch for k, v in found.items()
+                                                                   if k != "x"):
+        return NotImplemented
+    x = bt.tensor_of(found["x"])
+    size = found.get("N")
+    if x is None or x.dim() != 2 or x.requires_grad and torch.is_grad_enabled():
+        return NotImplemented  # (no vector: its own call raises; torch's vander has no working gradient: as it is)
+    size = x.shape[1] if size is None else size
+    if type(size) is not int or size < 1:
+        return NotImplemented
+    columns = torch.cat([torch.ones(*x.shape, 1, dtype=x.dtype, device=x.device),
+                         x.unsqueeze(-1).expand(*x.shape, size - 1)], -1)
+    powers = torch.cumprod(columns, -1)
+    return bt.from_tensor(powers if found.get("increasing", False) else powers.flip(-1))
+
+
+@BATCH.register(torch.renorm)
+def renorm(n, fn, args, kwargs):
+    """``torch.renorm(x, p, dim, maxnorm)`` of a batched x (see ``_renormed``)."""
+    found = by_names(args, kwargs, ("input", "p", "dim", "maxnorm"))
+    return NotImplemented if found is None or len(found) != 4 else _renormed(n, found["input"], found)
+
+
+@BATCH.register("renorm")
+def renorm_method(n, x, args, kwargs):
+    """``x.renorm(p, dim, maxnorm)`` of a batched x (see ``_renormed``)."""
+    found = by_names(args, kwargs, ("p", "dim", "maxnorm"))
+    return NotImplemented if found is None or len(found) != 3 else _renormed(n, x, found)
+
+
+def _renormed(n, x, found):
+    """Each instance's sub-tensors along its ``dim`` scaled to a p-norm of at most maxnorm: every instance's
+    sub-tensors the rows of one matrix, renormed along its first dim."""
+    t = bt.tensor_of(x) if type(x) is Batch else None
+    dim = found["dim"]
+    if t is None or t.dim() < 2 or t.numel() == 0 or type(dim) is not int or not -(t.dim() - 1) <= dim < t.dim() - 1 \
+            or any(type(found[k]) is Batch for k in ("p", "maxnorm")):
+        return NotImplemented
+    moved = t.movedim(dim % (t.dim() - 1) + 1, 1)
+    out = torch.renorm(moved.reshape(n * moved.shape[1], -1), found["p"], 0, found["maxnorm"])
+    return bt.from_tensor(out.reshape(moved.shape).movedim(1, dim % (t.dim() - 1) + 1))
+
+
 @BATCH.register(torch.tensor, torch.as_tensor)
 def tensor_of_numbers(n, fn, args, kwargs):
     """``torch.tensor(xs)`` of each instance's Python numbers (a number, or lists of them: ``[float(v) for v in
