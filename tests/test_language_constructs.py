@@ -13,7 +13,7 @@ Layout
   5. with, try, match; for over enumerate(...)
   6. for over reversed(range(...))
   7. a generator a builtin consumes whole
-  8. a for over a display of a few items
+  8. a for over a display of a few items, or over a range of a few
 """
 
 from __future__ import annotations
@@ -1499,7 +1499,8 @@ def test_a_consuming_builtin_rebound_after_compiling():
 
 
 # ---------------------------------------------------------------------------
-# 8. a for over a display of a few items runs its body once per item (the items evaluated first, in order)
+# 8. a for over a display of a few items (or a range of a few) runs its body once per item (the items evaluated
+# first, in order)
 # ---------------------------------------------------------------------------
 
 def over_a_display(x, log):
@@ -1525,6 +1526,24 @@ def over_a_display_jumping(x):
     return v, x
 
 
+def over_a_small_range(x):
+    out = []
+    for k in range(3):
+        out.append(x * k)
+    for k in range(4, 0, -2):
+        out.append(x - k)
+    for k in range(0):
+        out.append(k)
+    for k in range(2, 5, 0):  # (a step of 0: Python's ValueError, at the loop)
+        out.append(k)
+    return out
+
+
+def over_a_range_shadowed(x):
+    range = lambda n: [x, x + 1]  # noqa: E731 - a name of the function's own, not the builtin
+    return [v * 2 for v in range(2)]
+
+
 def over_a_display_unpacked_wrongly(x):
     for a, b in (x, x):
         pass
@@ -1534,6 +1553,10 @@ def test_a_for_over_a_display_runs_its_body_once_per_item_as_python_does():
     check(over_a_display, (2, []), (T(1.0, -2.0), []))
     check(over_a_display_jumping, (1,), (2.5,), (5,))
     check(over_a_display_unpacked_wrongly, (3,), ((1, 2),))
+    check(over_a_small_range, (2,), (T(1.0, 2.0),))
+    ir = recompile.function(over_a_small_range).dump(stage="frontend")
+    assert ir.count(" = while ") == 3  # (``range(3)`` its body three times; a step written -2 and no items: loops)
+    check(over_a_range_shadowed, (2,))
 
 
 def children_summed(x, k):

@@ -9,7 +9,8 @@ AST -> AST, before conversion to the IR:
 - ``for target in xs`` becomes an index loop over ``as_sequence(xs)`` while ``has_index(seq, i)``; ``for i, x in
   enumerate(xs)`` the same loop over xs, i its index, ``for x, y in zip(xs, ys)`` one over xs and ys, and
   ``for t in reversed(range(a, b))`` a counter from b - 1 down to a. A ``for`` over a tuple or list display of a
-  few items (``for child in (left, right)``, a comprehension over one) is its body once per item.
+  few items (``for child in (left, right)``, a comprehension over one), or over ``range(2)``, is its body once
+  per item.
 - ``assert`` becomes ``if not test: raise AssertionError(msg)``.
 - ``import`` becomes assignments of what Python's import gives (``intrinsics.import_module``, ``import_from``).
 - ``with``, ``try``, ``match`` and ``class`` become a call of a nested function holding the statement
@@ -279,8 +280,9 @@ class Canonicalizer:
     def stmt_For(self, s):
         self.counter += 1
         n = self.counter
-        if _unrollable(s):
-            return self._unrolled(s, n)
+        items = self._unrolled_items(s)
+        if items is not None:
+            return self._unrolled(s, n, items)
         idx = f".idx{n}"
         bounds = self._reversed_range(s.iter)
         if bounds is not None:
@@ -304,13 +306,42 @@ class Canonicalizer:
         step = assign(idx, located(gast.BinOp(left=name(idx, at=s), op=gast.Add(), right=const(1, s)), s), s)
         return self._loop(s, test, s.body, s.orelse, prelude, [bind, step])
 
-    def _unrolled(self, s, n):
-        """``for x in (a, b): body`` over a display of a few items, as the statements it runs: the items evaluated
-        first, in order, then ``x = a``, the body, ``x = b``, the body. A node's calls on its children
-        (``for child in (tree.left[i], tree.right[i])``, a comprehension over them) are then calls of one block,
-        which the batched and threaded runtimes issue together, where a loop issues one an iteration."""
-        items = [f".item{n}_{k}" for k in range(len(s.iter.elts))]
-        stmts = [assign(item, x, x) for item, x in zip(items, s.iter.elts)]
+    def _unrolled_items(self, s):
+        """The items of ``for`` statement ``s`` where it runs over a tuple or list display of at most
+        ``_UNROLLED_ITEMS`` items (no starred one), or over ``range`` (the builtin) of int constants that many
+        whose body hands no value to the next iteration (``_carries``: such a loop may step as an RNN), with no
+        ``else`` and nothing in its body that keeps a loop a loop (``_KEPT_LOOP``); else None."""
+        it = s.iter
+        if isinstance(it, (gast.Tuple, gast.List)) and not any(isinstance(x, gast.Starred) for x in it.elts):
+            items = list(it.elts)
+        elif isinstance(it, gast.Call) and isinstance(it.func, gast.Name) and it.func.id == "range" and \
+                "range" in self.builtins and not it.keywords and 1 <= len(it.args) <= 3 and all(
+                    isinstance(a, gast.Constant) and type(a.value) is int for a in it.args):
+            try:
+                numbers = range(*(a.value for a in it.args))
+                if len(numbers) > _UNROLLED_ITEMS:
+                    return None
+            except (ValueError, OverflowError):  # (a step of 0, a huge range: the loop raises or runs as written)
+                return None
+            if _carries(s.body):
+                return None  # (``h = cell(x[t], h)``: one step after another either way, and a loop may step as an RNN)
+            items = [const(k, it) for k in numbers]
+        else:
+            return None
+        if not 0 < len(items) <= _UNROLLED_ITEMS or s.orelse or any(
+                isinstance(node, _KEPT_LOOP) for stmt in s.body for node in gast.walk(stmt)):
+            return None
+        return items
+
+    def _unrolled(self, s, n, elements):
+        """``for x in (a, b): body`` over a few items, as the statements it runs: the items evaluated first, in
+        order, then ``x = a``, the body, ``x = b``, the body (``for k in range(2)``: ``k = 0``, the body, ``k = 1``,
+        the body, ``range`` read as the builtin). A node's calls on its children (``for child in (tree.left[i],
+        tree.right[i])``, a comprehension over them) are then calls of one block, which the batched and threaded
+        runtimes issue together, where a loop issues one an iteration."""
+        items = [f".item{n}_{k}" for k in range(len(elements))]
+        stmts = _builtin_reads(("range",), s) if isinstance(s.iter, gast.Call) else []
+        stmts += [assign(item, x, x) for item, x in zip(items, elements)]
         for item in items:
             stmts.append(located(gast.Assign(targets=[copy.deepcopy(s.target)], value=name(item, at=s.target),
                                              type_comment=None), s.target))
@@ -470,14 +501,20 @@ _KEPT_LOOP = (gast.Break, gast.Continue, gast.Return, gast.Yield, gast.YieldFrom
               gast.DictComp, gast.With, gast.AsyncWith, gast.Try, gast.Match, *python_blocks.KINDS)
 
 
-def _unrollable(s):
-    """Whether ``for`` statement ``s`` runs over a tuple or list display of at most ``_UNROLLED_ITEMS`` items (no
-    starred one), with no ``else`` and nothing in its body that keeps a loop a loop (``_KEPT_LOOP``)."""
-    it = s.iter
-    if not isinstance(it, (gast.Tuple, gast.List)) or not 0 < len(it.elts) <= _UNROLLED_ITEMS or s.orelse or any(
-            isinstance(x, gast.Starred) for x in it.elts):
-        return False
-    return not any(isinstance(node, _KEPT_LOOP) for stmt in s.body for node in gast.walk(stmt))
+def _carries(body):
+    """Whether a name ``body`` binds is read in it before the body binds it (``h = cell(x[t], h)``, ``total += v``):
+    a value one iteration hands the next."""
+    bound = {n.id for stmt in body for n in gast.walk(stmt) if isinstance(n, gast.Name)
+             and isinstance(n.ctx, gast.Store)}
+    seen = set()
+    for stmt in body:
+        nodes = list(gast.walk(stmt))
+        read = {n.id for n in nodes if isinstance(n, gast.Name) and isinstance(n.ctx, gast.Load)}
+        read |= {n.target.id for n in nodes if isinstance(n, gast.AugAssign) and isinstance(n.target, gast.Name)}
+        if (read & bound) - seen:
+            return True
+        seen |= {n.id for n in nodes if isinstance(n, gast.Name) and isinstance(n.ctx, gast.Store)}
+    return False
 
 
 def _breaks_out(stmts):
