@@ -1785,9 +1785,12 @@ def test_op_with_a_rule_of_its_own_gives_per_instance_gradients(name):
             torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("mode", ["mean", "max"])
-def test_an_embedding_bag_of_each_instances_bags_gives_its_table_each_instances_gradient(mode):
-    bag = nn.EmbeddingBag(10, 3, mode=mode).double()
+@pytest.mark.parametrize("mode, by_freq", [("mean", False), ("max", False), ("sum", True)])
+def test_an_embedding_bag_of_each_instances_bags_gives_its_table_each_instances_gradient(mode, by_freq, monkeypatch):
+    """(``scale_grad_by_freq``: a word's gradient scaled by its count in the instance's own bags, each
+    instance's own call)"""
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    bag = nn.EmbeddingBag(10, 3, mode=mode, scale_grad_by_freq=by_freq).double()
     words = randint(10, N, 6, seed=3)
     out = br.call(N, bag, (Batch(N, tensor=words.clone()), torch.tensor([0, 4])))
     got = torch.autograd.grad((bt.tensor_of(out) * rand(N, 2, 3, seed=4)).sum(), bag.weight)[0]
@@ -1804,6 +1807,11 @@ def test_vander_of_rows_that_need_a_gradient_is_each_instances_own_whose_backwar
     assert br.counters.per_instance
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         bt.stack_output(out, N).sum().backward()
+
+
+def test_bincount_of_a_negative_minlength_raises_torchs_error():
+    with pytest.raises(RuntimeError, match="minlength should be >= 0"):
+        br.call(N, torch.bincount, (Batch(N, tensor=randint(3, N, 4, seed=1)),), {"minlength": -1})
 
 
 def products_three_ways(x):

@@ -659,6 +659,34 @@ def binary_helper_leaf(xs, left, right, i):
     return h, loss + score(h)
 
 
+def binary_started_at_a_float_over_int_leaves(xs, left, right, i):
+    """A sum started at 0.0 over int losses and a leaf's int zero: a float at every inner node, where the leaves'
+    zero keeps a tree sum an int; not summed."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = 0
+    else:
+        loss = 0.0
+        hs = []
+        for child in (left[i], right[i]):
+            h, child_loss = binary_started_at_a_float_over_int_leaves(xs, left, right, child)
+            hs.append(h)
+            loss = loss + child_loss
+        h = torch.tanh(xs[i] + 0.5 * hs[0] - 0.25 * hs[1])
+    return h, loss + score(h)
+
+
+def test_a_sum_started_at_a_float_over_int_losses_stays_a_float_as_eagers():
+    compiled = recursion(binary_started_at_a_float_over_int_leaves, score=count)
+    eager = recursion(binary_started_at_a_float_over_int_leaves, compiled=False, score=count)
+    assert program(compiled).late.sums is None
+    left, right, roots = torch.tensor([1, -1, 3, -1, -1]), torch.tensor([2, -1, 4, -1, -1]), torch.tensor([0, 2])
+    xs = torch.randn(5, 3, dtype=torch.float64)
+    got = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)[1]
+    want = torch.stack([eager(xs, left, right, int(r))[1] for r in roots])
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("fn, callee, terms, summed", [
     (binary, score, [[0]], True), (binary_twice, score, [[0, 0, 1]], True), (binary, vector, [[0]], True),
     (binary, count, [[0]], True), (binary_mixed, score, [[0, 1]], True), (binary_one, score, None, False),

@@ -331,6 +331,16 @@ _ZERO_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.fl
                           torch.int32, torch.int64, torch.uint8, torch.bool})
 
 
+def _absorbs(zero, number):
+    """Whether adding Python ``number`` to a leaf's ``zero`` (a number, or a call making a 0-d tensor) keeps its
+    type, so that a sum started at ``number`` is the sum started at the leaves' zeros."""
+    if callable(zero):
+        made = zero()
+        return torch.result_type(made, number) == made.dtype
+    rank = {bool: 0, int: 1, float: 2}
+    return type(number) in rank and type(zero) in rank and rank[type(zero)] >= rank[type(number)]
+
+
 def _zero_of(x, branch):
     """A leaf branch's output ``x`` as the zero its tree sums start from: ``0``, ``0.0``, or the call that makes
     a 0-d zero tensor of torch constants (``torch.zeros(())``, ``torch.tensor(0.0)``: a ``partial`` a run calls,
@@ -377,6 +387,7 @@ def tree_sums(shape, split):
             return None
         q = list(shape.cond.outputs).index(outs[0][0])
         zeros.append([])
+        dropped = []
         for br, sg, unpacks in zip(shape.branches, shape.cond.subgraphs(), split.unpacks):
             out = sg.outputs[q]
             leaf = br is None or not br.invokes  # (one whose calls are all a helper's: a leaf, ``_as_call``)
@@ -387,9 +398,13 @@ def tree_sums(shape, split):
                 continue
             wanted = sorted(id(u.outputs[p]) for u in unpacks)
             # (a sum started at zero, ``loss = 0.0`` then ``loss = loss + l`` for each child: the calls' elements)
-            if sorted(id(x) for x, how in _addends(out, [op for op in br.up if split.is_late(op)])
-                      if not (_is_zero(x) and _NODE_TERMS.get(how, 1) == 1)) != wanted:
+            found_here = _addends(out, [op for op in br.up if split.is_late(op)])
+            started = [x for x, how in found_here if _is_zero(x) and _NODE_TERMS.get(how, 1) == 1]
+            if sorted(id(x) for x, _ in found_here if x not in started) != wanted:
                 return None
+            dropped.extend(started)
+        if not all(_absorbs(z, x.value) for z in zeros[-1] if z is not None for x in dropped):
+            return None  # (``0.0 + l`` of int losses is a float, where the leaves' zero ``0`` keeps them ints)
         if any(_NODE_TERMS.get(how) == -1 for _, how in found) and \
                 any(callable(z) and z().dtype is torch.bool for z in zeros[-1]):
             return None  # (``flag - t`` of a bool zero: eager refuses it, one by one)

@@ -3471,7 +3471,7 @@ def bincount(n, fn, args, kwargs):
     weights = _rows_each(n, weights) if weights is not None else None
     minlength = found.get("minlength", 0)
     if x is None or x.dim() != 2 or x.shape[1] == 0 or x.dtype not in facts.INTEGER_INDEX or \
-            type(minlength) is not int or found.get("weights") is not None and (
+            type(minlength) is not int or minlength < 0 or found.get("weights") is not None and (
                 weights is None or weights.shape != x.shape):
         return NotImplemented
     low, high = x.aminmax(dim=1)
@@ -3579,13 +3579,16 @@ def embedding_bag(n, fn, args, kwargs):
     """An ``nn.EmbeddingBag`` (or ``F.embedding_bag``) of each instance's bags: a matrix of bags of one length, or
     a vector cut by shared offsets (``bag(words, torch.tensor([0]))``). Every instance's bags one call: the
     matrices' rows laid end to end, or the vectors with each instance's offsets moved past the others'. Not with
-    ``max_norm`` (the lookup renormalizes the table in place, each instance's call in turn)."""
+    ``max_norm`` (the lookup renormalizes the table in place, each instance's call in turn) or
+    ``scale_grad_by_freq`` (a word's gradient scaled by its count in the instance's own bags)."""
     module = isinstance(fn, nn.Module)
     found = by_names(args, kwargs, _BAG if module else _BAG_FUNCTION)
     if found is None or (module and (type(fn) is not nn.EmbeddingBag or "forward" in fn.__dict__)):
         return NotImplemented
     last = fn.include_last_offset if module else found.get("include_last_offset", False)
     max_norm = fn.max_norm if module else found.get("max_norm")
+    if (fn.scale_grad_by_freq if module else found.get("scale_grad_by_freq", False)):
+        return NotImplemented
     offsets, weights = found.get("offsets"), found.get("per_sample_weights")
     if max_norm is not None or last or type(found.get("input")) is not Batch or any(
             type(v) is Batch for k, v in found.items() if k not in ("input", "per_sample_weights")):
