@@ -1539,6 +1539,15 @@ def over_a_small_range(x):
     return out
 
 
+def over_an_enumerated_display(x):
+    out = []
+    for k, v in enumerate((x, x * 2)):
+        out.append(v * k)
+    for k, v in enumerate([x, -x], -1):
+        out.append(v + k)
+    return out, [k * v for k, v in enumerate((x, x + 1), 5)]
+
+
 def over_a_range_shadowed(x):
     range = lambda n: [x, x + 1]  # noqa: E731 - a name of the function's own, not the builtin
     return [v * 2 for v in range(2)]
@@ -1555,7 +1564,9 @@ def test_a_for_over_a_display_runs_its_body_once_per_item_as_python_does():
     check(over_a_display_unpacked_wrongly, (3,), ((1, 2),))
     check(over_a_small_range, (2,), (T(1.0, 2.0),))
     ir = recompile.function(over_a_small_range).dump(stage="frontend")
-    assert ir.count(" = while ") == 3  # (``range(3)`` its body three times; a step written -2 and no items: loops)
+    assert ir.count(" = while ") == 2  # (``range(3)``, ``range(4, 0, -2)``: their bodies; no items, a step of 0)
+    check(over_an_enumerated_display, (2,), (T(1.0, 2.0),))
+    assert " = while " not in recompile.function(over_an_enumerated_display).dump(stage="frontend")
     check(over_a_range_shadowed, (2,))
 
 

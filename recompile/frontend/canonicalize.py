@@ -9,8 +9,8 @@ AST -> AST, before conversion to the IR:
 - ``for target in xs`` becomes an index loop over ``as_sequence(xs)`` while ``has_index(seq, i)``; ``for i, x in
   enumerate(xs)`` the same loop over xs, i its index, ``for x, y in zip(xs, ys)`` one over xs and ys, and
   ``for t in reversed(range(a, b))`` a counter from b - 1 down to a. A ``for`` over a tuple or list display of a
-  few items (``for child in (left, right)``, a comprehension over one), or over ``range(2)``, is its body once
-  per item.
+  few items (``for child in (left, right)``, a comprehension over one, ``enumerate`` of one), or over
+  ``range(2)``, is its body once per item.
 - ``assert`` becomes ``if not test: raise AssertionError(msg)``.
 - ``import`` becomes assignments of what Python's import gives (``intrinsics.import_module``, ``import_from``).
 - ``with``, ``try``, ``match`` and ``class`` become a call of a nested function holding the statement
@@ -280,9 +280,9 @@ class Canonicalizer:
     def stmt_For(self, s):
         self.counter += 1
         n = self.counter
-        items = self._unrolled_items(s)
-        if items is not None:
-            return self._unrolled(s, n, items)
+        found = self._unrolled_items(s)
+        if found is not None:
+            return self._unrolled(s, n, found)
         idx = f".idx{n}"
         bounds = self._reversed_range(s.iter)
         if bounds is not None:
@@ -307,40 +307,48 @@ class Canonicalizer:
         return self._loop(s, test, s.body, s.orelse, prelude, [bind, step])
 
     def _unrolled_items(self, s):
-        """The items of ``for`` statement ``s`` where it runs over a tuple or list display of at most
-        ``_UNROLLED_ITEMS`` items (no starred one), or over ``range`` (the builtin) of int constants that many
-        whose body hands no value to the next iteration (``_carries``: such a loop may step as an RNN), with no
-        ``else`` and nothing in its body that keeps a loop a loop (``_KEPT_LOOP``); else None."""
+        """(the items, the builtins read) of ``for`` statement ``s`` where it runs over a tuple or list display of
+        at most ``_UNROLLED_ITEMS`` items (no starred one), ``enumerate`` of one, or ``range`` of int constants
+        that many whose body hands no value to the next iteration (``_carries``: such a loop may step as an RNN),
+        ``enumerate`` and ``range`` the builtins, with no ``else`` and nothing in its body that keeps a loop a
+        loop (``_KEPT_LOOP``); else None."""
         it = s.iter
-        if isinstance(it, (gast.Tuple, gast.List)) and not any(isinstance(x, gast.Starred) for x in it.elts):
-            items = list(it.elts)
-        elif isinstance(it, gast.Call) and isinstance(it.func, gast.Name) and it.func.id == "range" and \
-                "range" in self.builtins and not it.keywords and 1 <= len(it.args) <= 3 and all(
-                    isinstance(a, gast.Constant) and type(a.value) is int for a in it.args):
+        call = it.func.id if isinstance(it, gast.Call) and isinstance(it.func, gast.Name) and not it.keywords \
+            and it.func.id in self.builtins and not any(isinstance(a, gast.Starred) for a in it.args) else None
+        if _display(it):
+            items, read = list(it.elts), ()
+        elif call == "enumerate" and 1 <= len(it.args) <= 2 and _display(it.args[0]) and (
+                len(it.args) == 1 or _int_constant(it.args[1]) is not None):
+            start = _int_constant(it.args[1]) if len(it.args) == 2 else 0
+            items = [located(gast.Tuple(elts=[const(start + k, x), x], ctx=gast.Load()), x)
+                     for k, x in enumerate(it.args[0].elts)]
+            read = ("enumerate",)
+        elif call == "range" and 1 <= len(it.args) <= 3 and all(_int_constant(a) is not None for a in it.args):
             try:
-                numbers = range(*(a.value for a in it.args))
+                numbers = range(*(_int_constant(a) for a in it.args))
                 if len(numbers) > _UNROLLED_ITEMS:
                     return None
             except (ValueError, OverflowError):  # (a step of 0, a huge range: the loop raises or runs as written)
                 return None
             if _carries(s.body):
                 return None  # (``h = cell(x[t], h)``: one step after another either way, and a loop may step as an RNN)
-            items = [const(k, it) for k in numbers]
+            items, read = [const(k, it) for k in numbers], ("range",)
         else:
             return None
         if not 0 < len(items) <= _UNROLLED_ITEMS or s.orelse or any(
                 isinstance(node, _KEPT_LOOP) for stmt in s.body for node in gast.walk(stmt)):
             return None
-        return items
+        return items, read
 
-    def _unrolled(self, s, n, elements):
+    def _unrolled(self, s, n, found):
         """``for x in (a, b): body`` over a few items, as the statements it runs: the items evaluated first, in
         order, then ``x = a``, the body, ``x = b``, the body (``for k in range(2)``: ``k = 0``, the body, ``k = 1``,
         the body, ``range`` read as the builtin). A node's calls on its children (``for child in (tree.left[i],
         tree.right[i])``, a comprehension over them) are then calls of one block, which the batched and threaded
         runtimes issue together, where a loop issues one an iteration."""
+        elements, read = found
         items = [f".item{n}_{k}" for k in range(len(elements))]
-        stmts = _builtin_reads(("range",), s) if isinstance(s.iter, gast.Call) else []
+        stmts = _builtin_reads(read, s)
         stmts += [assign(item, x, x) for item, x in zip(items, elements)]
         for item in items:
             stmts.append(located(gast.Assign(targets=[copy.deepcopy(s.target)], value=name(item, at=s.target),
@@ -499,6 +507,18 @@ _UNROLLED_ITEMS = 8  # (a display of more items stays a loop: its body is not co
 _KEPT_LOOP = (gast.Break, gast.Continue, gast.Return, gast.Yield, gast.YieldFrom, gast.Await, gast.FunctionDef,
               gast.AsyncFunctionDef, gast.Lambda, gast.ClassDef, gast.GeneratorExp, gast.ListComp, gast.SetComp,
               gast.DictComp, gast.With, gast.AsyncWith, gast.Try, gast.Match, *python_blocks.KINDS)
+
+
+def _display(x):
+    return isinstance(x, (gast.Tuple, gast.List)) and not any(isinstance(e, gast.Starred) for e in x.elts)
+
+
+def _int_constant(x):
+    """The int an int literal is (``2``, ``-2``), else None."""
+    if isinstance(x, gast.UnaryOp) and isinstance(x.op, (gast.USub, gast.UAdd)):
+        inner = _int_constant(x.operand)
+        return None if inner is None else -inner if isinstance(x.op, gast.USub) else inner
+    return x.value if isinstance(x, gast.Constant) and type(x.value) is int else None
 
 
 def _carries(body):
