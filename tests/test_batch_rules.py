@@ -1809,6 +1809,35 @@ def test_vander_of_rows_that_need_a_gradient_is_each_instances_own_whose_backwar
         bt.stack_output(out, N).sum().backward()
 
 
+@pytest.mark.parametrize("how", ["module", "function"])
+def test_an_embedding_scaling_gradients_by_frequency_looks_up_each_instances_words_on_its_own(how, monkeypatch):
+    """``scale_grad_by_freq`` scales a word's gradient by its count among one call's indices: one call of every
+    instance's would count them together (a wrong gradient), so each instance's call is its own."""
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    table = nn.Embedding(5, 3, scale_grad_by_freq=True).double()
+    fn, extra = (table, ()) if how == "module" else (F.embedding, (table.weight,))
+    kwargs = {} if how == "module" else {"scale_grad_by_freq": True}
+    words = torch.tensor([[1, 1, 2], [1, 3, 3], [2, 2, 2], [4, 0, 4]])
+    reset_counters()
+    out = br.call(N, fn, (Batch(N, tensor=words.clone()), *extra), kwargs)
+    assert sum(br.counters.per_instance.values()) == N
+    got = torch.autograd.grad((bt.stack_output(out, N) * rand(N, 3, 3, seed=2)).sum(), table.weight)[0]
+    want = torch.autograd.grad(sum((fn(w, *extra, **kwargs) * r).sum() for w, r in zip(words, rand(
+        N, 3, 3, seed=2))), table.weight)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("fn, args, kwargs, error", [
+    (torch.renorm, (2, 0, 1.0), {}, RuntimeError),  # (an instance's vector: renorm needs two dims)
+    (torch.vander, (3, 1), {}, TypeError)])  # (increasing an int, not a bool)
+def test_what_each_instances_call_refuses_is_refused(fn, args, kwargs, error, monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    with pytest.raises(error):
+        fn(rand(2, seed=1), *args, **kwargs)
+    with pytest.raises(error):
+        br.call(N, fn, (Batch(N, tensor=rand(N, 2, seed=1)), *args), kwargs)
+
+
 def test_bincount_of_a_negative_minlength_raises_torchs_error():
     with pytest.raises(RuntimeError, match="minlength should be >= 0"):
         br.call(N, torch.bincount, (Batch(N, tensor=randint(3, N, 4, seed=1)),), {"minlength": -1})

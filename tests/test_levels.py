@@ -676,6 +676,33 @@ def binary_started_at_a_float_over_int_leaves(xs, left, right, i):
     return h, loss + score(h)
 
 
+def binary_leaves_of_negative_zero(xs, left, right, i):
+    """A leaf's loss ``-0.0``: not a zero tree sums may start from (``-0.0 + t`` keeps t's sign)."""
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+        loss = -0.0
+    else:
+        hl, loss_l = binary_leaves_of_negative_zero(xs, left, right, left[i])
+        hr, loss_r = binary_leaves_of_negative_zero(xs, left, right, right[i])
+        h = torch.tanh(xs[i] + 0.5 * hl - 0.25 * hr)
+        loss = loss_l + loss_r
+    return h, loss + score(h)
+
+
+def negative_zero(x):
+    return -(x * 0.0).sum()
+
+
+def test_a_leafs_negative_zero_keeps_the_sign_eager_gives():
+    compiled = recursion(binary_leaves_of_negative_zero, score=negative_zero)
+    eager = recursion(binary_leaves_of_negative_zero, compiled=False, score=negative_zero)
+    left, right, roots = forest_of_trees()
+    xs = torch.randn(len(left), 3, dtype=torch.float64)
+    got = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)[1]
+    want = torch.stack([eager(xs, left, right, int(r))[1] for r in roots])
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
 def test_a_sum_started_at_a_float_over_int_losses_stays_a_float_as_eagers():
     compiled = recursion(binary_started_at_a_float_over_int_leaves, score=count)
     eager = recursion(binary_started_at_a_float_over_int_leaves, compiled=False, score=count)

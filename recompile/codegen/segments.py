@@ -1345,8 +1345,8 @@ def _module_form(tr, fn, fn_slot, args, kwargs):
             return None
         value = lazy_weights.linear(x.value, fn.weight, fn.bias, lazy_weights.of_run(fn.weight))
     else:
-        if x.value.dtype not in facts.INTEGER_INDEX:
-            return None
+        if x.value.dtype not in facts.INTEGER_INDEX or fn.scale_grad_by_freq:
+            return None  # (a word's gradient scaled by its count in each call's own indices: each its own)
         value = lazy_weights.lookup(fn, x.value)
     tr.guard_callable(fn, fn_slot)
     fn_name = fn_slot.name if fn_slot is not None else tr.const(fn)

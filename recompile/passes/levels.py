@@ -26,6 +26,7 @@ then one ``index_add`` by each call's root, not one pass per depth.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import types
 
@@ -347,7 +348,7 @@ def _zero_of(x, branch):
     as the branch would, its dtype the default one of then; not -0.0: ``-0.0 + t`` keeps t's sign, where the sums
     start from 0.0), or None."""
     if _is_zero(x):
-        return x.value
+        return None if type(x.value) is float and math.copysign(1.0, x.value) < 0 else x.value
     op = x.op if isinstance(x, ir.Value) and x.op in branch.ops else None
     fn = None if op is None else constructor(op)
     if fn is None or not facts.among(fn, _ZERO_MAKERS):

@@ -1377,6 +1377,8 @@ def over_last_dims(n, fn, args, kwargs):
     x = bt.tensor_of(args[0])
     if x is None or (x.dim() < 2 and fn not in _ANY_RANK):  # (an instance's 0-d input: rank matters)
         return NotImplemented
+    if fn is F.embedding and (kwargs.get("scale_grad_by_freq") or len(args) > 5 and args[5]):
+        return per_instance(n, fn, args, kwargs, why=fallbacks.COUNTED)
     return bt.from_tensor(fn(x, *args[1:], **kwargs))
 
 
@@ -2383,6 +2385,8 @@ _ANY_RANK = {F.embedding}
 @BATCH.register(nn.Linear, nn.Embedding, nn.LayerNorm)
 def _module_over_last_dims(n, module, args, kwargs):
     kind = type(module)
+    if kind is nn.Embedding and module.scale_grad_by_freq:
+        return per_instance(n, module, args, kwargs, why=fallbacks.COUNTED)
     if kind is nn.Embedding and len(args) == 1 and not kwargs and type(args[0]) is Batch:
         found = rows.of(args[0])
         if found is not None:  # (each instance's stretch of indices, ``self.embed(words[:n])``)
@@ -3501,7 +3505,7 @@ def vander(n, fn, args, kwargs):
     if x is None or x.dim() != 2 or x.requires_grad and torch.is_grad_enabled():
         return NotImplemented  # (no vector: its own call raises; torch's vander has no working gradient: as it is)
     size = x.shape[1] if size is None else size
-    if type(size) is not int or size < 1:
+    if type(size) is not int or size < 1 or type(found.get("increasing", False)) is not bool:
         return NotImplemented
     columns = torch.cat([torch.ones(*x.shape, 1, dtype=x.dtype, device=x.device),
                          x.unsqueeze(-1).expand(*x.shape, size - 1)], -1)
@@ -3528,7 +3532,7 @@ def _renormed(n, x, found):
     sub-tensors the rows of one matrix, renormed along its first dim."""
     t = bt.tensor_of(x) if type(x) is Batch else None
     dim = found["dim"]
-    if t is None or t.dim() < 2 or t.numel() == 0 or type(dim) is not int or not -(t.dim() - 1) <= dim < t.dim() - 1 \
+    if t is None or t.dim() < 3 or t.numel() == 0 or type(dim) is not int or not -(t.dim() - 1) <= dim < t.dim() - 1 \
             or any(type(found[k]) is Batch for k in ("p", "maxnorm")):
         return NotImplemented
     moved = t.movedim(dim % (t.dim() - 1) + 1, 1)
@@ -3588,7 +3592,7 @@ def embedding_bag(n, fn, args, kwargs):
     last = fn.include_last_offset if module else found.get("include_last_offset", False)
     max_norm = fn.max_norm if module else found.get("max_norm")
     if (fn.scale_grad_by_freq if module else found.get("scale_grad_by_freq", False)):
-        return NotImplemented
+        return per_instance(n, fn, args, kwargs, why=fallbacks.COUNTED)
     offsets, weights = found.get("offsets"), found.get("per_sample_weights")
     if max_norm is not None or last or type(found.get("input")) is not Batch or any(
             type(v) is Batch for k, v in found.items() if k not in ("input", "per_sample_weights")):

@@ -49,6 +49,8 @@ OWN_DICT = ("each instance holds a dict of its own here (the program changes dic
 LOOPED = ("a for over each instance's own iterable that no rule reads at once (an iterator, a dict, a list the "
           "program changes in place)", "loop over a range or a tensor's rows, or over a list the program does not "
           "change in place (build a new one: xs = xs[:-1], not xs.pop())")
+COUNTED = ("its gradient scales each index by its count among the call's own indices (scale_grad_by_freq), which "
+           "one call of every instance's would count together", "leave scale_grad_by_freq off")
 PYTHON_VALUES = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy", int, float, bool}
 # Python's builtins of tensors, which read each instance's values as Python numbers or bools: the torch op to
 # write instead
