@@ -516,6 +516,11 @@ def format_dot(program):
 # Copying
 
 
+def is_call(op, fn):
+    """Whether ``op`` calls the constant callable ``fn`` with positional arguments only (no keyword, no ``*``)."""
+    return isinstance(op, Call) and isinstance(op.fn, Const) and op.fn.value is fn and not op.kwargs and not op.star
+
+
 def uses(sg, outputs=False):
     """{Value: the ops reading it} over SubGraph ``sg`` and the SubGraphs it holds; with ``outputs``, a SubGraph's
     output counts as a read by None (handed out where the SubGraph ends)."""

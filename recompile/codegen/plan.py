@@ -34,15 +34,11 @@ def _pure(op):
     return isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and facts.among(op.fn.value, facts.PURE)
 
 
-def _call_of(op, fn):
-    return isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value is fn
-
-
 def _private_lists(ops):
     """({list value: the index of its first use that is not an append, an index or ``len``}, {an append's bound
     method value: its list}) of the lists ``ops`` build (``build_list``). Before that index, nothing but its own
     appends reaches the list (not a call's argument, nor a container's item, nor a name outside)."""
-    built = {op.outputs[0]: len(ops) for op in ops if _call_of(op, intrinsics.build_list)}
+    built = {op.outputs[0]: len(ops) for op in ops if ir.is_call(op, intrinsics.build_list)}
     appends = {}
     for k, op in enumerate(ops):
         operands = op.operands()
@@ -55,11 +51,11 @@ def _private_lists(ops):
                 continue
             if x not in built:
                 continue
-            if _call_of(op, getattr) and len(op.args) == 2 and op.args[0] is x and \
+            if ir.is_call(op, getattr) and len(op.args) == 2 and op.args[0] is x and \
                     isinstance(op.args[1], ir.Const) and op.args[1].value == "append":
                 appends[op.outputs[0]] = x
-            elif not ((_call_of(op, operator.getitem) and not op.kwargs and op.args[0] is x and op.args[1] is not x)
-                      or (_call_of(op, len) and len(op.args) == 1 and not op.kwargs)):
+            elif not ((ir.is_call(op, operator.getitem) and op.args[0] is x and op.args[1] is not x)
+                      or (ir.is_call(op, len) and len(op.args) == 1)):
                 built[x] = min(built[x], k)
     return built, appends
 

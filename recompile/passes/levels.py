@@ -101,11 +101,6 @@ def _as_call(op, sg):
     return call
 
 
-def _calls(op, fn):
-    return (isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value is fn and not op.kwargs
-            and not op.star)
-
-
 def _spread(ops, late):
     """Add to ``late`` the outputs of ``ops`` (in order) that read a late value."""
     for op in ops:
@@ -123,14 +118,14 @@ def _result_build(shape):
     builds = [op for op in post if ret in op.outputs]
     if len(builds) != 1 or any(ret in op.operands() for op in post):
         return None
-    if _calls(builds[0], intrinsics.build_tuple) or _result_keys(builds[0]) is not None:
+    if ir.is_call(builds[0], intrinsics.build_tuple) or _result_keys(builds[0]) is not None:
         return builds[0]
     return None
 
 
 def _result_keys(build):
     """The keys of a dict display ``build`` whose keys are distinct constant strings, in order; else None."""
-    if not _calls(build, intrinsics.build_dict) or len(build.args) % 2:
+    if not ir.is_call(build, intrinsics.build_dict) or len(build.args) % 2:
         return None
     keys = build.args[::2]
     if not all(isinstance(k, ir.Const) and type(k.value) is str for k in keys):
@@ -157,7 +152,7 @@ def _key_reads(result, users, keys):
     """The KeyReads of an invoke's ``result`` read only by ``users``, each a ``getitem`` of one key; or None."""
     found = {}
     for op in users:
-        if not _calls(op, operator.getitem) or len(op.args) != 2 or op.args[0] is not result \
+        if not ir.is_call(op, operator.getitem) or len(op.args) != 2 or op.args[0] is not result \
                 or not isinstance(op.args[1], ir.Const) or op.args[1].value not in keys or op.args[1].value in found:
             return None
         found[op.args[1].value] = op
@@ -189,7 +184,7 @@ def late_split(shape, slices=()):
                     return None
                 found.append(reads)
                 continue
-            if len(users) != 1 or not _calls(users[0], intrinsics.unpack) or len(users[0].outputs) != len(elements):
+            if len(users) != 1 or not ir.is_call(users[0], intrinsics.unpack) or len(users[0].outputs) != len(elements):
                 return None
             found.append(users[0])
         unpacks.append(found)
@@ -292,7 +287,7 @@ def _addends(value, ops, signs=None):
         v, how, descend = stack.pop()
         op = made.get(v)
         fn = op.fn.value if descend and isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) else None
-        if fn is not None and facts.among(fn, signs) and _calls(op, fn) and len(op.args) == 2 \
+        if fn is not None and facts.among(fn, signs) and ir.is_call(op, fn) and len(op.args) == 2 \
                 and len(op.outputs) == 1:
             stack.append((op.args[1], fn, signs[fn] > 0))
             stack.append((op.args[0], how, True))
@@ -313,10 +308,10 @@ def _constant(x):
     ``()``), else _NOT_CONSTANT."""
     if isinstance(x, ir.Const):
         return x.value
-    if isinstance(x, ir.Value) and _calls(x.op, intrinsics.build_tuple):
+    if isinstance(x, ir.Value) and ir.is_call(x.op, intrinsics.build_tuple):
         items = [_constant(a) for a in x.op.args]
         return _NOT_CONSTANT if any(a is _NOT_CONSTANT for a in items) else tuple(items)
-    if isinstance(x, ir.Value) and _calls(x.op, getattr) \
+    if isinstance(x, ir.Value) and ir.is_call(x.op, getattr) \
             and isinstance(effects.resolve(x.op.args[0]), types.ModuleType):
         # (``torch.float64``: a module's, read at build time as ``constructor`` reads ``torch.zeros``; not an
         # object's, which the program may set again)

@@ -51,10 +51,10 @@ def _appended_displays(s, sg):
     (``effects.local_appends``)."""
     uses = ir.uses(sg, outputs=True)  # (an output: a use where its block ends)
     at = {id(op): k for k, op in enumerate(s.ops)}
-    for built in [op for op in s.ops if _calls_plain(op, intrinsics.build_list)]:
+    for built in [op for op in s.ops if ir.is_call(op, intrinsics.build_list)]:
         appends = []  # (the getattr of ``append``, its call), in order
         for user in uses.get(built.output, ()):
-            if not _calls_plain(user, getattr) or id(user) not in at or len(user.args) != 2 or \
+            if not ir.is_call(user, getattr) or id(user) not in at or len(user.args) != 2 or \
                     user.args[0] is not built.output or not _is_const(user.args[1], "append"):
                 continue
             calls = uses.get(user.output, ())
@@ -85,12 +85,12 @@ def _display_items(s):
     unpacking use before: the item itself (an index out of range stays the read, which raises)."""
     item = {}
     for k, op in enumerate(s.ops):
-        if not (_calls_plain(op, operator.getitem) and len(op.args) == 2 and isinstance(op.args[1], ir.Const)
+        if not (ir.is_call(op, operator.getitem) and len(op.args) == 2 and isinstance(op.args[1], ir.Const)
                 and type(op.args[1].value) is int and isinstance(op.args[0], ir.Value)):
             continue
         shown, index = op.args[0], op.args[1].value
         built = shown.op
-        if built not in s.ops[:k] or not (_calls_plain(built, intrinsics.build_tuple) or _calls_plain(
+        if built not in s.ops[:k] or not (ir.is_call(built, intrinsics.build_tuple) or ir.is_call(
                 built, intrinsics.build_list) and all(_only_reads(other, shown) for other in s.ops[:k]
                                                        if shown in other.operands())):
             continue
@@ -107,17 +107,12 @@ def _display_items(s):
 
 def _only_reads(op, shown):
     """Whether ``op`` only reads list ``shown``: an item, its length or its items unpacked."""
-    return any(_calls_plain(op, fn) for fn in (operator.getitem, len, intrinsics.unpack)) and \
+    return any(ir.is_call(op, fn) for fn in (operator.getitem, len, intrinsics.unpack)) and \
         op.args[0] is shown and shown not in op.args[1:]
 
 
 def _is_const(v, text):
     return isinstance(v, ir.Const) and type(v.value) is str and v.value == text
-
-
-def _calls_plain(op, fn):
-    return isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value is fn and not op.kwargs \
-        and not op.star
 
 
 def _direct_tuples(s):

@@ -1377,9 +1377,19 @@ def over_last_dims(n, fn, args, kwargs):
     x = bt.tensor_of(args[0])
     if x is None or (x.dim() < 2 and fn not in _ANY_RANK):  # (an instance's 0-d input: rank matters)
         return NotImplemented
-    if fn is F.embedding and (kwargs.get("scale_grad_by_freq") or len(args) > 5 and args[5]):
+    if _counts_its_indices(fn, args, kwargs):
         return per_instance(n, fn, args, kwargs, why=fallbacks.COUNTED)
     return bt.from_tensor(fn(x, *args[1:], **kwargs))
+
+
+def _counts_its_indices(fn, args, kwargs):
+    """Whether ``fn`` is an embedding lookup (or bag) whose gradient scales each index by its count among the
+    call's own indices (``scale_grad_by_freq``): one call of every instance's would count them together."""
+    if isinstance(fn, (nn.Embedding, nn.EmbeddingBag)):
+        return bool(fn.scale_grad_by_freq)
+    if fn is F.embedding or fn is F.embedding_bag:  # (both take it as their sixth parameter)
+        return bool(kwargs.get("scale_grad_by_freq") or len(args) > 5 and args[5])
+    return False
 
 
 PLAIN_TENSORS = bt.PLAIN_TENSORS  # (tensors as torch's ops take them: no subclass's own overrides)
@@ -2385,7 +2395,7 @@ _ANY_RANK = {F.embedding}
 @BATCH.register(nn.Linear, nn.Embedding, nn.LayerNorm)
 def _module_over_last_dims(n, module, args, kwargs):
     kind = type(module)
-    if kind is nn.Embedding and module.scale_grad_by_freq:
+    if _counts_its_indices(module, args, kwargs):
         return per_instance(n, module, args, kwargs, why=fallbacks.COUNTED)
     if kind is nn.Embedding and len(args) == 1 and not kwargs and type(args[0]) is Batch:
         found = rows.of(args[0])
@@ -3468,7 +3478,7 @@ def bincount(n, fn, args, kwargs):
     past the others' bins, one call; each instance's length its own (``max(x) + 1``, at least minlength: one host
     read). NotImplemented where an instance's values are empty or negative (its call gives or raises its own)."""
     found = by_names(args, kwargs, ("input", "weights", "minlength"))
-    if found is None or any(type(found.get(k)) is Batch for k in ("minlength",)) or "input" not in found:
+    if found is None or type(found.get("minlength")) is Batch or "input" not in found:
         return NotImplemented
     x = _rows_each(n, found["input"])
     weights = found.get("weights")
@@ -3591,7 +3601,7 @@ def embedding_bag(n, fn, args, kwargs):
         return NotImplemented
     last = fn.include_last_offset if module else found.get("include_last_offset", False)
     max_norm = fn.max_norm if module else found.get("max_norm")
-    if (fn.scale_grad_by_freq if module else found.get("scale_grad_by_freq", False)):
+    if _counts_its_indices(fn, args, kwargs):
         return per_instance(n, fn, args, kwargs, why=fallbacks.COUNTED)
     offsets, weights = found.get("offsets"), found.get("per_sample_weights")
     if max_norm is not None or last or type(found.get("input")) is not Batch or any(
