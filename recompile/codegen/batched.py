@@ -14,11 +14,11 @@ import ast
 import operator
 
 from .. import config, intrinsics, ir
-from ..passes import aliasing
+from ..passes import aliasing, fission
 from ..passes.batching import BatchPlan
 from ..passes.effects import local_appends, subgraph_may_mutate
 from ..passes.levels import level_shape
-from ..runtime import batch_rules, control, levels as rt_levels, ranges
+from ..runtime import batch_rules, control, levels as rt_levels, ranges, split_loops
 from ..runtime.units import Unit
 from . import emit, levels, recurrent, segments
 from .loader import Module, locate
@@ -207,6 +207,10 @@ class _BatchedEmitter(emit.FunctionEmitter):
         return [first, self.results(op.outputs, joined, op.loc)]
 
     def while_stmts(self, op):
+        found = fission.split(op, self.emission.appends, self.emission.may_mutate) \
+            if not self.emission.changes and op.body_sg in self.batch_plan.generators else None
+        if found is not None:
+            return self.split_loop(found)
         loop = self.var(ir.Value("_loop"))
         carried = ast.Tuple(elts=[self.load(v) for v in op.loop_vars] + [self.load(v) for v in op.invariants],
                             ctx=ast.Load())
@@ -238,6 +242,64 @@ class _BatchedEmitter(emit.FunctionEmitter):
                           args=[], keywords=[])
         written = [start, *ordered, body] + ([self.results(op.outputs, result, op.loc)] if op.outputs else [])
         return self.as_one_rnn(op, written)
+
+    def split_loop(self, found):
+        """A loop whose calls wait for nothing it computes after them (``passes.fission``), in two passes
+        (``runtime.split_loops``): the first runs its test and ``pre``, then every iteration's calls are asked
+        for at once, then the second runs ``post``."""
+        op, body = found.op, found.op.body_sg
+        k = len(op.loop_vars)
+        later = [body.inputs[j] for j in found.later]
+        pre_out = [body.outputs[j] if j not in found.later else ir.Const(None) for j in range(k)]
+        pre_out += [x for inv in found.invokes for x in inv.args] + found.crossing
+        pre = self.plain_piece(body, "pre", found.pre, body.inputs, pre_out, as_tuple=True)
+        post = self.plain_piece(body, "post", found.post,
+                                later + body.inputs[k:] + found.crossing + [inv.output for inv in found.invokes],
+                                [body.outputs[j] for j in found.later], as_tuple=False)
+        name = self.var(ir.Value("_split"))
+
+        def at(attr):
+            return ast.Attribute(value=ast.Name(id=name, ctx=ast.Load()), attr=attr, ctx=ast.Load())
+
+        def method(attr, *args):
+            return ast.Call(func=at(attr), args=list(args), keywords=[])
+
+        def call(fn):
+            return ast.Call(func=ast.Name(id=fn, ctx=ast.Load()),
+                            args=[at("n"), ast.Starred(value=at("carried"), ctx=ast.Load())], keywords=[])
+
+        start = ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=ast.Call(
+            func=self.helper(split_loops.SplitLoop, "SplitLoop"),
+            args=[self.n_load(), ast.Tuple(elts=[self.load(v) for v in op.loop_vars + op.invariants], ctx=ast.Load()),
+                  ast.Constant(value=k), ast.Constant(value=tuple(found.later)),
+                  ast.Constant(value=tuple(len(inv.args) for inv in found.invokes))], keywords=[]))
+        first = ast.While(test=method("keep", call(self.emission.fn_name[op.cond_sg])),
+                          body=[ast.Expr(value=method("step", call(pre)))], orelse=[])
+        asked, got = self.var(ir.Value("_asked")), self.var(ir.Value("_got"))
+        calls = ast.Tuple(elts=[ast.Tuple(elts=[t, s], ctx=ast.Load()) for t, _, s in
+                                (emit.FunctionEmitter.request(self, inv) for inv in found.invokes)], ctx=ast.Load())
+        ask = ast.Assign(targets=[ast.Name(id=asked, ctx=ast.Store())], value=method("requests", calls))
+        answer = ast.Assign(targets=[ast.Name(id=got, ctx=ast.Store())], value=ast.IfExp(
+            test=ast.Name(id=asked, ctx=ast.Load()), body=ast.Yield(value=ast.Name(id=asked, ctx=ast.Load())),
+            orelse=ast.Tuple(elts=[], ctx=ast.Load())))
+        stmts = [start, first, ask, answer]
+        for stmt in stmts:
+            locate(stmt, op.loc)
+        finish = method("finish", ast.Name(id=got, ctx=ast.Load()), ast.Name(id=post, ctx=ast.Load()))
+        return stmts + ([self.results(op.outputs, finish, op.loc)] if op.outputs else [self.assign([], finish, op.loc)])
+
+    def plain_piece(self, sg, name, ops, inputs, outputs, as_tuple):
+        """``def name(_n, *inputs): ops; return outputs`` of some of SubGraph ``sg``'s ops, none yielding."""
+        fn = self.emission.extra_names.fresh(f"{self.emission.fn_name[sg]}_{name}")
+        saved = self.current, self.live_out
+        self.current, self.live_out = None, {v for v in outputs if isinstance(v, ir.Value)}
+        try:
+            stmts = self.body(sg, plan(ops, self.emission.may_mutate))
+        finally:
+            self.current, self.live_out = saved
+        self.extra_def(fn, inputs, stmts, outputs, ops[0].loc if ops else sg.loc, ops[-1].loc if ops else sg.loc,
+                       as_tuple)
+        return fn
 
     def ordered(self, op, loop):
         """``loop.order_by(trip counts)`` for a loop that counts up to an end (``recurrent.counting``): its
@@ -373,7 +435,8 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     emission.reached = aliasing.reached(sg, may_mutate)
     # (a list the function builds and appends to changes nothing others see, but traced code, which replays
     # torch ops alone, would drop the appends: such a function runs op by op, as one that changes values)
-    emission.replays = not emission.changes and not local_appends(sg)
+    emission.appends = local_appends(sg)
+    emission.replays = not emission.changes and not emission.appends
     emission.units = _units(batch_plan)  # SubGraph -> Unit
     module = Module()
     emitters = [_BatchedEmitter(module, emission, batch_plan) for _ in emission.sgs]

@@ -1,0 +1,131 @@
+"""A loop whose compiled calls wait for nothing the loop computes after them runs in two passes (an analysis).
+
+``for k in range(tree.n_kids[i]): h, c, l = self.encode(tree, tree.kids[i, k]); hs.append(h); ...``: run as
+written, a frame asks for one child's call an iteration and waits for it before it asks for the next, so a
+node's children run one after the other, each subtree to its leaves. But no call's arguments read what an
+earlier iteration's call gave. The loop then splits (loop fission, as Yu et al.'s parallel iterations):
+
+1. the *first pass* runs the loop's test and the ops its calls' arguments and its own counting need
+   (``pre``), every iteration, and collects each iteration's arguments;
+2. every iteration's calls are one request each (a node's children, however many, of every instance);
+3. the *second pass* runs the rest of the body (``post``) iteration by iteration, each with its own calls'
+   results, the instances leaving the loop where they did in the first pass.
+
+It applies, in a function that changes nothing in place but lists of its own (``effects.local_appends``; the
+caller asks), where (``split``):
+
+- the calls are the body's own (not in a nested branch or loop), none reads a call's result or a loop
+  variable ``post`` computes, and none may change state (``passes.effects``); no other compiled call is in the
+  loop;
+- the test reads only loop variables the first pass computes;
+- the lists ``post`` appends to are handed to the loop unchanged, and nothing of ``pre``, the test, or the
+  loop's other operands reads them (``as_sequence(hs)``: a ``for`` over the list it grows).
+
+Moved as the batched run moves every op that changes nothing, ``pre`` runs before earlier iterations' calls and
+``post`` after later ones: where a later iteration's arguments fail (an index past a tensor's end) and an
+earlier iteration's call fails too, the first pass's error comes first.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from .. import ir
+
+
+class LoopSplit:
+    """How While ``op`` splits: ``pre`` and ``post`` (body ops, in order), the ``invokes``, the loop variables
+    ``post`` computes (``later``: positions), and what ``post`` reads of the first pass (``crossing``: values
+    of the body, each computed by ``pre`` or a loop variable the first pass carries)."""
+
+    def __init__(self, op, pre, post, invokes, later, crossing):
+        self.op, self.pre, self.post, self.invokes = op, pre, post, invokes
+        self.later, self.crossing = later, crossing
+
+
+def _calls(op):
+    """Whether ``op`` is or holds a compiled call."""
+    return isinstance(op, ir.Invoke) or any(_calls(o) for s in op.subgraphs() for o in s.ops)
+
+
+def split(op, appends, may_mutate):
+    """The LoopSplit of While ``op``, or None. ``appends``: the function's appends to lists
+    no one else sees (``effects.local_appends``)."""
+    body, test = op.body_sg, op.cond_sg
+    invokes = [o for o in body.ops if isinstance(o, ir.Invoke)]
+    if not invokes or any(may_mutate(o) for o in invokes):
+        return None
+    k = len(op.loop_vars)
+    # what depends on the calls' results: their outputs, what reads them, and the loop variables they reach
+    tainted = {o.output for o in invokes}
+    while True:
+        for o in body.ops:
+            if not isinstance(o, ir.Invoke) and any(x in tainted for x in o.operands() if isinstance(x, ir.Value)):
+                tainted.update(o.outputs)
+        more = {body.inputs[j] for j in range(k) if body.outputs[j] in tainted} - tainted
+        if not more:
+            break
+        tainted |= more
+    later = [j for j in range(k) if body.outputs[j] in tainted]
+    if any(x in tainted for o in invokes for x in o.operands() if isinstance(x, ir.Value)):
+        return None  # (a call reads an earlier call's result: the iterations are a chain)
+    if any(_reads(test, test.inputs[j]) for j in later):
+        return None  # (the test reads what the calls give: how long the loop runs is not known first)
+    needed = {x for o in invokes for x in o.operands() if isinstance(x, ir.Value)}
+    needed.update(body.outputs[j] for j in range(k) if j not in later and isinstance(body.outputs[j], ir.Value))
+    pre = set()
+    for o in reversed(body.ops):
+        if not isinstance(o, ir.Invoke) and any(v in needed for v in o.outputs):
+            pre.add(o)
+            needed.update(x for x in o.operands() if isinstance(x, ir.Value))
+    post = [o for o in body.ops if o not in pre and not isinstance(o, ir.Invoke)]
+    pre = [o for o in body.ops if o in pre]
+    if any(_calls(o) for o in pre + post + test.ops):
+        return None
+    if not _lists_apart(op, pre, post, appends):
+        return None
+    made = {v for o in pre for v in o.outputs} | {body.inputs[j] for j in range(k) if j not in later}
+    crossing = []
+    for o in post:
+        for x in o.operands():
+            if x in made and x not in crossing:
+                crossing.append(x)
+    for j in later:
+        x = body.outputs[j]
+        if x in made and x not in crossing:
+            crossing.append(x)
+    return LoopSplit(op, pre, post, invokes, later, crossing)
+
+
+def _reads(sg, value):
+    return value in sg.outputs or any(value in o.operands() for s in sg.walk() for o in s.ops)
+
+
+def _lists_apart(op, pre, post, appends):
+    """Whether the lists ``post`` changes are invariants of the loop that nothing else of it reads: not ``pre``,
+    not the test, not another operand of the loop made from them (``as_sequence(hs)``)."""
+    body = op.body_sg
+    operands = op.loop_vars + op.invariants
+    changed = {_changed_list(g) for o in post for s in [None, *o.subgraphs()] for g in ([o] if s is None else s.ops)
+               if g in appends}
+    for value in changed:
+        if value not in body.inputs:
+            return False  # (a list of a nested branch's own, or one read off another value)
+        j = body.inputs.index(value)
+        if j < len(op.loop_vars) or _reads(op.cond_sg, op.cond_sg.inputs[j]) or \
+                any(value in o.operands() for o in pre):
+            return False
+        outer = operands[j]
+        for i, other in enumerate(operands):
+            if i != j and (other is outer or isinstance(other, ir.Value) and other.op is not None
+                           and outer in other.op.operands()):
+                return False
+    return True
+
+
+def _changed_list(op):
+    """The list an append (``xs.append(v)``, ``xs.pop()``, ``del xs[i]``) of ``effects.local_appends`` changes."""
+    if ir.is_call(op, operator.delitem):
+        return op.args[0]
+    method = op.fn.op if isinstance(op.fn, ir.Value) else None
+    return method.args[0] if ir.is_call(method, getattr) else None

@@ -1,0 +1,242 @@
+"""Loops whose compiled calls wait for nothing the loop computes after them (passes/fission.py, runtime/split_loops.py).
+
+Each model is a plain method body, compiled into a batched and a sequential class and run as plain Python in a
+third; values and gradients must agree (float64). The loops that split must also run their calls together: one
+run of the function per depth of the trees, not one per child.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import recompile
+from recompile import ir
+from recompile.passes import fission
+from recompile.passes.effects import invoke_may_mutate, local_appends
+from recompile.passes.pipeline import FINAL
+
+LINES = open(__file__, encoding="utf-8").read().splitlines()
+
+# Trees as index tensors: node i has n_kids[i] children, kids[i, :n_kids[i]] (-1 past them).
+KIDS = torch.tensor([[1, 2, 3], [4, 5, -1], [-1, -1, -1], [6, -1, -1], [-1, -1, -1], [-1, -1, -1], [-1, -1, -1],
+                     [8, 9, -1], [10, -1, -1], [-1, -1, -1], [-1, -1, -1]])
+N_KIDS = (KIDS >= 0).sum(1)
+WORDS = torch.arange(11) % 7
+ROOTS = torch.tensor([0, 7, 2, 1, 3])  # subtrees of 3, 3, 1, 2 and 2 levels
+
+
+class Base(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(7, 4)
+        self.mix = nn.Linear(4, 4)
+        self.gate = nn.Linear(4, 4)
+
+
+def child_sum(self, kids, n_kids, words, i):
+    h = self.embed(words[i])
+    for k in range(n_kids[i]):
+        h = h + self.encode(kids, n_kids, words, kids[i, k])
+    return torch.tanh(self.mix(h))
+
+
+def appended(self, kids, n_kids, words, i):
+    hs = [self.embed(words[i])]
+    fs = []
+    for k in range(n_kids[i]):
+        child = kids[i, k]
+        h = self.encode(kids, n_kids, words, child)
+        hs.append(h)
+        fs.append(torch.sigmoid(self.gate(h)) * child.double())
+    total = torch.stack(hs).sum(0)
+    if fs:
+        total = total + torch.stack(fs).max(0).values
+    return torch.tanh(self.mix(total))
+
+
+def two_calls(self, kids, n_kids, words, i):
+    h = self.embed(words[i])
+    loss = torch.zeros(())
+    for k in range(n_kids[i]):
+        a, la = self.encode(kids, n_kids, words, kids[i, k])
+        b, lb = self.encode(kids, n_kids, words, kids[i, 0])
+        h = h + a * b if k % 2 == 0 else h - a
+        loss = loss + la + lb.sum() * 0.5
+    return torch.tanh(self.mix(h)), loss + h.pow(2).sum()
+
+
+def chained(self, kids, n_kids, words, i):
+    """Which child is called reads the previous call's result: the iterations are a chain, and the loop stays one."""
+    h = self.embed(words[i])
+    for k in range(n_kids[i]):
+        child = kids[i, k] if h.sum() > 0 else kids[i, n_kids[i] - 1 - k]
+        h = self.encode(kids, n_kids, words, child) * torch.sigmoid(h)
+    return torch.tanh(self.mix(h))
+
+
+def run_until(self, kids, n_kids, words, i):
+    """The test reads what the calls give: how long the loop runs is not known first."""
+    h = self.embed(words[i])
+    k = 0
+    while k < n_kids[i] and h.sum() < 100.0:
+        h = h + self.encode(kids, n_kids, words, kids[i, k]).abs()
+        k += 1
+    return torch.tanh(self.mix(h))
+
+
+def stops_early(self, kids, n_kids, words, i):
+    """A ``break`` on the counter and a ``for`` over a tensor's row: the first pass knows where each loop ends."""
+    h = self.embed(words[i])
+    for k, child in enumerate(kids[i][:n_kids[i]]):
+        h = h * 0.5 + self.encode(kids, n_kids, words, child)
+        if k == 1:
+            break
+    return torch.tanh(self.mix(h))
+
+
+def guarded(self, kids, n_kids, words, i):
+    """A call under an ``if`` in the loop (a padded row of children): the loop stays one."""
+    h = self.embed(words[i])
+    for child in kids[i]:
+        if child >= 0:
+            h = h + self.encode(kids, n_kids, words, child)
+    return torch.tanh(self.mix(h))
+
+
+def handed_on(self, kids, n_kids, words, i, seen):
+    """The list the calls append to is their argument (the order of a depth-first walk): the loop stays one."""
+    seen.append(int(i))
+    h = self.embed(words[i])
+    for k in range(n_kids[i]):
+        h = h + self.encode(kids, n_kids, words, kids[i, k], seen)
+    return torch.tanh(self.mix(h))
+
+
+def grows_what_it_reads(self, kids, n_kids, words, i):
+    """A ``for`` over the very list its body appends to: the loop stays one."""
+    hs = [self.embed(words[i])]
+    for h in hs:
+        if len(hs) <= n_kids[i]:
+            hs.append(self.encode(kids, n_kids, words, kids[i, len(hs) - 1]) + h)
+    return torch.tanh(self.mix(torch.stack(hs).sum(0)))
+
+
+MODELS = {"child_sum": child_sum, "appended": appended, "two_calls": two_calls, "chained": chained,
+          "run_until": run_until, "stops_early": stops_early, "guarded": guarded,
+          "grows_what_it_reads": grows_what_it_reads}
+
+
+def three(body):
+    plain = type("Plain", (Base,), {"encode": body})().double()
+    batched = type("Batched", (Base,), {"encode": recompile.function(body, mode="batched")})().double()
+    seq = type("Seq", (Base,), {"encode": recompile.function(body, mode="sequential")})().double()
+    return plain, batched, seq
+
+
+def flat(result):
+    return list(result) if isinstance(result, tuple) else [result]
+
+
+def grads_of(model, outputs):
+    total = sum(o.sum() for o in outputs)
+    return torch.autograd.grad(total, list(model.parameters()), allow_unused=True)
+
+
+def assert_all_close(got, want):
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None or not g.any()
+            continue
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_batched_and_sequential_give_plain_values_and_gradients(name):
+    plain, batched, seq = three(MODELS[name])
+    per_root = [flat(plain.encode(KIDS, N_KIDS, WORDS, r)) for r in ROOTS]
+    want = [torch.stack(col) for col in zip(*per_root)]
+    want_grads = grads_of(plain, want)
+    got = flat(recompile.vmap(batched.encode, in_dims=(None, None, None, 0))(KIDS, N_KIDS, WORDS, ROOTS))
+    assert_all_close(got, want)
+    assert_all_close(grads_of(batched, got), want_grads)
+    for r, w in zip(ROOTS, per_root):  # one instance at a time, each mode
+        for model in (batched, seq):
+            assert_all_close(flat(model.encode(KIDS, N_KIDS, WORDS, r)), w)
+
+
+@pytest.mark.parametrize("name", ["child_sum", "appended", "two_calls", "stops_early"])
+def test_a_split_loop_runs_each_depth_of_every_tree_once(name):
+    _, batched, _ = three(MODELS[name])
+    encode = type(batched).encode
+    encode.stats.reset()
+    recompile.vmap(batched.encode, in_dims=(None, None, None, 0))(KIDS, N_KIDS, WORDS, ROOTS)
+    runs = encode.stats["batches"][encode.ir_name]["runs"]
+    assert runs == 3  # (the roots, then each level below: every node's children asked for at once)
+
+
+@pytest.mark.parametrize("name, splits", [("child_sum", True), ("appended", True), ("two_calls", True),
+                                          ("stops_early", True), ("chained", False), ("run_until", False),
+                                          ("grows_what_it_reads", False), ("handed_on", False),
+                                          ("guarded", False)])
+def test_which_loops_split(name, splits):
+    _, batched, _ = three(MODELS.get(name, handed_on))
+    sg = type(batched).encode.build_for(type(batched)).stages[FINAL]
+    appends = local_appends(sg)
+    found = [fission.split(op, appends, lambda invoke: invoke_may_mutate(invoke, FINAL))
+             for s in sg.walk() for op in s.ops
+             if isinstance(op, ir.While)]
+    assert found
+    assert any(f is not None for f in found) == splits
+
+
+def test_calls_handed_the_list_they_append_to_keep_their_order():
+    plain, batched, seq = three(handed_on)
+    for model in (plain, batched, seq):
+        seen = []
+        model.encode(KIDS, N_KIDS, WORDS, 0, seen)
+        assert seen == [0, 1, 4, 5, 2, 3, 6]
+
+
+def test_no_instance_runs_an_iteration():
+    plain, batched, _ = three(child_sum)
+    leaves = torch.tensor([2, 4, 6])
+    got = recompile.vmap(batched.encode, in_dims=(None, None, None, 0))(KIDS, N_KIDS, WORDS, leaves)
+    torch.testing.assert_close(got, torch.stack([plain.encode(KIDS, N_KIDS, WORDS, r) for r in leaves]))
+
+
+def test_threads_give_the_same_values():
+    plain, _, _ = three(appended)
+    threaded = type("Threaded", (Base,), {"encode": recompile.function(appended, mode="batched", threads=2)})()
+    threaded = threaded.double()
+    got = recompile.vmap(threaded.encode, in_dims=(None, None, None, 0))(KIDS, N_KIDS, WORDS, ROOTS)
+    torch.testing.assert_close(got, torch.stack([plain.encode(KIDS, N_KIDS, WORDS, r) for r in ROOTS]))
+
+
+def test_an_error_in_a_split_loop_names_its_chain():
+    bad = KIDS.clone()
+    bad[8, 0] = 11  # (node 8's child is past the end: its call fails reading its word)
+    _, batched, _ = three(child_sum)
+    with pytest.raises(IndexError) as info:
+        recompile.vmap(batched.encode, in_dims=(None, None, None, 0))(bad, N_KIDS, WORDS, ROOTS)
+    chain = "\n".join(n for n in getattr(info.value, "__notes__", []) if "recompile call chain" in n)
+    lines = chain.splitlines()[1:]
+    assert len(lines) == 3 and all("child_sum" in line for line in lines)  # (root 7, node 8, node 11)
+    assert "self.embed(words[i])" in LINES[int(lines[-1].rsplit(":", 1)[1].rstrip(")")) - 1]
+
+
+def test_a_function_changing_a_value_in_place_keeps_its_loop():
+    def in_place(self, kids, n_kids, words, i):
+        h = self.embed(words[i]).clone()
+        for k in range(n_kids[i]):
+            h += self.encode(kids, n_kids, words, kids[i, k])
+        return torch.tanh(self.mix(h))
+
+    plain, batched, _ = three(in_place)
+    encode = type(batched).encode
+    encode.stats.reset()
+    got = recompile.vmap(batched.encode, in_dims=(None, None, None, 0))(KIDS, N_KIDS, WORDS, ROOTS)
+    torch.testing.assert_close(got, torch.stack([plain.encode(KIDS, N_KIDS, WORDS, r) for r in ROOTS]))
+    assert encode.stats["batches"][encode.ir_name]["runs"] > 3
