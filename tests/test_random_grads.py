@@ -9,7 +9,8 @@ itself with a smaller ``d``, a second compiled function ``g(a, w, k)`` that may 
   ``range(k)`` (some with a data-dependent ``break``), over a matrix's rows and over a list, lists appended
   in a loop and stacked or summed, list comprehensions, tuple unpacking (``vals, idx = torch.max(m, 0)``,
   ``torch.chunk``), a ``raise`` some inputs reach;
-- recursion, calls of the other compiled function and of the plain helper;
+- recursion (also in a ``for`` whose trips' calls batched mode asks for at once), calls of the other compiled
+  function and of the plain helper;
 - in-place updates of tensors the function made itself (``t += u``, ``t.mul_(2.0)``, ``t[0] = s``,
   ``t.tanh_()``), also after an op saved them for its gradient (eager then refuses the backward);
 - reductions with ties (``max``, ``amax``, ``torch.max(m, dim=0).values``, ``min``, ``median``, ``sum``,
@@ -165,6 +166,9 @@ class ProgramGenerator:
         # (choices added since seeds were first run draw from their own stream: a seed's program stays the one
         # its earlier runs, and FOUND, name)
         self.aside = random.Random(seed * 7919 + 1)
+        # (and so do the loops of recursive calls: a program without one is the one earlier runs found)
+        self.looped = random.Random(seed * 104729 + 2)
+        self.loops_calls = self.looped.random() < 0.3
         self.counter = itertools.count()
         self.fragile = False
         self.features = set()
@@ -544,7 +548,10 @@ class ProgramGenerator:
             table += [(1, "call_g"), (1, "call_h")]
         if self.fn == "g":
             table.append((1, "call_h"))
-        kind = self.weighted(table)
+        if self.fn == "f" and self.loops_calls and self.calls_left >= 2 and self.looped.random() < 0.3:
+            kind = "recurse_loop"
+        else:
+            kind = self.weighted(table)
         getattr(self, "st_" + kind)(scope, lines, indent, nest, carried)
 
     def st_raise(self, scope, lines, indent, nest, carried):
@@ -873,6 +880,36 @@ class ProgramGenerator:
         scope.tensors[r] = Var("V", False, False)
         scope.tensors[s] = Var("S", False, False)
         for e in (a, b, m, base_v, base_s):
+            for n in e.aliases:
+                if n in scope.tensors:
+                    scope.tensors[n].fresh = False
+
+    def st_recurse_loop(self, scope, lines, indent, nest, carried):
+        """Recursion in a loop whose trips' calls read only the counter and values made before it: batched mode
+        asks for every trip's call at once (``passes.fission``), then gathers their results, in a list and in a
+        carried sum."""
+        self.features.add("recurse_loop")
+        k = self.pick((2, 3)) if self.calls_left >= 3 else 2
+        self.calls_left -= k
+        r, s, i, acc, tot = self.name("r"), self.name("s"), self.name("i"), self.name("acc"), self.name("tot")
+        a, b = self.expr(scope, "V", 2), self.expr(scope, "V", 1)
+        step = self.pick(("1", "2"))
+        self.emit(scope, lines, f"{indent}if d > {int(step) - 1}:")
+        lines.append(f"{indent}    {acc} = []")
+        self.emit(scope, lines, f"{indent}    {tot} = {self.expr(scope, 'S', 1).text}")
+        lines.append(f"{indent}    for {i} in range({k}):")
+        self.emit(scope, lines, f"{indent}        {r}, {s} = f({a.text} + {i}, {b.text}, w, d - {step})")
+        lines.append(f"{indent}        {acc}.append({r} * {self.const()})")
+        lines.append(f"{indent}        {tot} = {tot} {self.pick(('+', '-', '*'))} {s}")
+        lines.append(f"{indent}    {r} = torch.stack({acc}).{self.pick(('sum', 'mean'))}(0)")
+        lines.append(f"{indent}    {s} = {tot}")
+        lines.append(f"{indent}else:")
+        base_v, base_s = self.expr(scope, "V", 1), self.expr(scope, "S", 1)
+        self.emit(scope, lines, f"{indent}    {r} = {base_v.text}")
+        self.emit(scope, lines, f"{indent}    {s} = {base_s.text}")
+        scope.tensors[r] = Var("V", False, False)
+        scope.tensors[s] = Var("S", False, False)
+        for e in (a, b, base_v, base_s):
             for n in e.aliases:
                 if n in scope.tensors:
                     scope.tensors[n].fresh = False
@@ -1301,7 +1338,7 @@ def test_generator_is_deterministic_and_the_default_seeds_cover_the_constructs()
         seen |= gen.features
         for mode in compared:
             compared[mode] += mode not in skipped_modes(gen)
-    for feature in ("recurse", "recurse_twice", "recurse_tensor_guard", "call_g", "recurse_g", "call_h", "if_int",
+    for feature in ("recurse", "recurse_twice", "recurse_tensor_guard", "recurse_loop", "call_g", "recurse_g", "call_h", "if_int",
                     "for_range", "for_rows", "for_list", "for_break", "while", "while_tensor", "append", "raise",
                     "inplace:setitem", "inplace:mul_", "inplace:add_", "inplace:idiv", "inplace_hazard",
                     "reduce:max", "reduce:amax", "reduce:maxdim", "reduce:norm", "reduce:lse", "reduce_m:maxdim",
