@@ -1338,8 +1338,9 @@ def test_generator_is_deterministic_and_the_default_seeds_cover_the_constructs()
         seen |= gen.features
         for mode in compared:
             compared[mode] += mode not in skipped_modes(gen)
-    for feature in ("recurse", "recurse_twice", "recurse_tensor_guard", "recurse_loop", "call_g", "recurse_g", "call_h", "if_int",
-                    "for_range", "for_rows", "for_list", "for_break", "while", "while_tensor", "append", "raise",
+    for feature in ("recurse", "recurse_twice", "recurse_tensor_guard", "recurse_loop", "call_g", "recurse_g",
+                    "call_h", "if_int", "for_range", "for_rows", "for_list", "for_break", "while", "while_tensor",
+                    "append", "raise",
                     "inplace:setitem", "inplace:mul_", "inplace:add_", "inplace:idiv", "inplace_hazard",
                     "reduce:max", "reduce:amax", "reduce:maxdim", "reduce:norm", "reduce:lse", "reduce_m:maxdim",
                     "v:where", "v:clamp", "v:matmul", "v:cat", "v:stack", "v:gather", "index_tensor", "s:argmax"):
