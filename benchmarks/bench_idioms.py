@@ -15,7 +15,8 @@ Python numbers (``bool(tree.is_leaf[i])``, ``int(tree.left[i])``, ``.item()``); 
 recursive calling ``self.walk(tree, i, 0)``, the recursion with a depth argument; the recursion a nested def of
 ``encode`` reading ``self`` and ``tree`` from it (``def walk(j): ...``); the recursion returning a dict
 read by key, and its state as a namedtuple read by field; the children visited in a loop over ``(tree.left[i],
-tree.right[i])``, their states appended to lists and their losses added up, and as a list comprehension over them.
+tree.right[i])``, their states appended to lists and their losses added up, as a list comprehension over them, and
+by a ``for`` over a list of them the node builds (a loop of any length: its calls asked for at once).
 Before it is timed, each is checked against its eager twin (float64: per-tree h, c and loss, and the parameter
 gradients) and its per-instance ops are counted (``stats["per_instance"]``, which should be empty). Each is timed
 through
@@ -416,6 +417,31 @@ class ChildrenComprehended(TreeLSTM):
         return h, c, loss
 
 
+class ChildrenListed(TreeLSTM):
+    """The children a list the node builds, ``children = [tree.left[i], tree.right[i]]``, visited by a ``for`` over
+    it: a loop of any length, whose calls are asked for at once (``passes.fission``)."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        if tree.is_leaf[i]:
+            ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u)
+            loss = 0.0
+        else:
+            children = [tree.left[i], tree.right[i]]
+            hs, cs, loss = [], [], 0.0
+            for child in children:
+                h, c, child_loss = self.encode(tree, child)
+                hs.append(h)
+                cs.append(c)
+                loss = loss + child_loss
+            ig, og, u, fl, fr = torch.chunk(self.node(torch.cat(hs, dim=-1)), 5, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cs[0] + torch.sigmoid(fr) * cs[1]
+        h = torch.sigmoid(og) * torch.tanh(c)
+        loss = loss + self.node_loss(h, tree.labels[i])
+        return h, c, loss
+
+
 class AppendedLosses(TreeLSTM):
     """Each node's loss appended to a list the recursion is handed (as DyNet users collect theirs), summed at the
     root by ``torch.stack(losses).sum()``: the recursion changes what its caller holds, so an instance's calls keep
@@ -578,7 +604,8 @@ SPELLINGS = {"chunk (the example)": TreeLSTM, "split by sizes": SplitSizes, "sli
              "int(), bool(), .item()": PythonNumbers, "forward, depth argument": DepthWalk,
              "nested def walk": NestedWalk,
              "dict results": DictResults, "namedtuple states": NamedStates,
-             "children in a for, appended": ChildrenLooped, "children comprehended": ChildrenComprehended}
+             "children in a for, appended": ChildrenLooped, "children comprehended": ChildrenComprehended,
+             "children in a list, looped": ChildrenListed}
 RNTN_SPELLINGS = {"RNTN einsum (example)": RNTN, "RNTN linear of V.view": RNTNLinear}
 CELL_SPELLINGS = {"nn.LSTMCell": CellTreeLSTM}
 # Spellings that do not run as one batch per depth, each with its warning: timed to say how far they fall.

@@ -84,10 +84,10 @@ def test_a_for_over_per_instance_ranges_batches_with_values_and_gradients_of_eag
     assert compiled.stats["per_instance"] == {}
 
 
-def test_the_range_of_a_per_instance_start_runs_each_instances_own_and_says_so():
+def test_the_range_of_a_per_instance_start_gives_each_instance_its_own_int():
     compiled = recompile.function(per_instance_start)
     xs, n = inputs()
-    with switched(config, False, "RECURRENT_LOOPS"), pytest.warns(recompile.PerInstanceWarning, match="getitem"):
+    with switched(config, False, "RECURRENT_LOOPS"), switched(config, "error", "PER_INSTANCE"):
         got, want = both(per_instance_start, compiled, xs, n)  # (the loop as written: each instance's own t)
     torch.testing.assert_close(got, want)
     compiled = recompile.function(per_instance_start)
@@ -115,6 +115,9 @@ def test_a_batch_of_ranges_knows_its_lengths_and_shared_start():
     assert (found.shortest, found.longest, found.start, found.step) == (0, 4, 0, 1)
     assert ranges.has_index(3, None, (value, 5), {}) is False
     assert ranges.item(value, 0) is NotImplemented  # (the second instance has no item 0)
+    starts = ranges.build(2, range, (bt.from_items([3, 5]), bt.from_items([6, 7])), {})
+    assert bt.items_of(ranges.item(starts, 1)) == [4, 6]  # (``range(start[i], start[i + 1])``: each its own)
+    assert ranges.item(starts, 2) is NotImplemented
     steps = ranges.build(2, range, (1, bt.from_items([9, 7]), 3), {})
     assert ranges.item(steps, 1) == 4 and ranges.has_index(2, None, (steps, 1), {}) is True
     two = ranges.build(2, range, (bt.from_items([2, 9]),), {})

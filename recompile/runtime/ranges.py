@@ -120,11 +120,14 @@ def _built(seq):
 
 
 def item(seq, i):
-    """``seq[i]`` of a batch of ranges at the shared position i: one shared int where every range starts
-    and steps alike and has an item there; NotImplemented otherwise (each instance then indexes its own)."""
+    """``seq[i]`` of a batch of ranges at the shared position i where every range has an item there: one shared
+    int where every range starts and steps alike, else each instance's int (``range(start[i], start[i + 1])``);
+    NotImplemented otherwise (each instance then indexes its own)."""
     ranges = of(seq)
-    if ranges is None or ranges.start is None or not 0 <= i < ranges.shortest:
+    if ranges is None or not 0 <= i < ranges.shortest:
         return NotImplemented
+    if ranges.start is None:
+        return bt.from_items([r[i] for r in ranges])
     return ranges.start + i * ranges.step
 
 
