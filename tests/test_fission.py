@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import recompile
-from recompile import config, ir
+from recompile import config, diagnostics, ir
 from recompile.passes import fission
 from recompile.passes.effects import invoke_may_mutate, local_appends
 from recompile.passes.pipeline import FINAL
@@ -66,6 +66,19 @@ def flat_list(self, kids, n_kids, words, i):
     for j in range(STARTS[i], STARTS[i + 1]):
         h = h + self.encode(kids, n_kids, words, FLAT[j]) * 0.5
     return torch.tanh(self.mix(h))
+
+
+def summed(self, kids, n_kids, words, i):
+    """Tai et al.'s child sum: ``sum`` of a comprehension's list, a leaf's empty (Python's 0)."""
+    hs = [self.encode(kids, n_kids, words, kids[i, k]) for k in range(n_kids[i])]
+    return torch.tanh(self.mix(self.embed(words[i]) + sum(hs)))
+
+
+def summed_apart(self, kids, n_kids, words, i):
+    """A leaf's 0 beside a (2, 1) tensor is (2, 1), a node's children's sum (2, 4): each instance's own."""
+    hs = [self.encode(kids, n_kids, words, kids[i, k]) for k in range(n_kids[i])]
+    total = torch.ones(2, 1, dtype=torch.float64) * words[i] + sum(hs)
+    return torch.tanh(self.mix(self.embed(words[i]) + total.sum(0)))
 
 
 def two_calls(self, kids, n_kids, words, i):
@@ -135,7 +148,8 @@ def grows_what_it_reads(self, kids, n_kids, words, i):
     return torch.tanh(self.mix(torch.stack(hs).sum(0)))
 
 
-MODELS = {"child_sum": child_sum, "appended": appended, "flat_list": flat_list, "two_calls": two_calls, "chained": chained,
+MODELS = {"child_sum": child_sum, "appended": appended, "flat_list": flat_list, "summed": summed,
+          "summed_apart": summed_apart, "two_calls": two_calls, "chained": chained,
           "run_until": run_until, "stops_early": stops_early, "guarded": guarded,
           "grows_what_it_reads": grows_what_it_reads}
 
@@ -178,7 +192,7 @@ def test_batched_and_sequential_give_plain_values_and_gradients(name):
             assert_all_close(flat(model.encode(KIDS, N_KIDS, WORDS, r)), w)
 
 
-@pytest.mark.parametrize("name", ["child_sum", "appended", "flat_list", "two_calls", "stops_early"])
+@pytest.mark.parametrize("name", ["child_sum", "appended", "flat_list", "summed", "two_calls", "stops_early"])
 def test_a_split_loop_runs_each_depth_of_every_tree_once(name):
     _, batched, _ = three(MODELS[name])
     encode = type(batched).encode
@@ -252,3 +266,11 @@ def test_a_function_changing_a_value_in_place_keeps_its_loop():
     got = recompile.vmap(batched.encode, in_dims=(None, None, None, 0))(KIDS, N_KIDS, WORDS, ROOTS)
     torch.testing.assert_close(got, torch.stack([plain.encode(KIDS, N_KIDS, WORDS, r) for r in ROOTS]))
     assert encode.stats["batches"][encode.ir_name]["runs"] > 3
+
+
+def test_a_sum_of_no_children_beside_a_tensor_it_does_not_fit_runs_per_instance(monkeypatch):
+    monkeypatch.setattr(diagnostics, "_warned", set())  # (warned once per program point: again here)
+    plain, batched, _ = three(summed_apart)
+    with pytest.warns(recompile.PerInstanceWarning, match="add"):
+        got = recompile.vmap(batched.encode, in_dims=(None, None, None, 0))(KIDS, N_KIDS, WORDS, ROOTS)
+    torch.testing.assert_close(got, torch.stack([plain.encode(KIDS, N_KIDS, WORDS, r) for r in ROOTS]))

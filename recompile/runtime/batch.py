@@ -737,26 +737,43 @@ def tensor_like(b, dtype):
     return torch.stack(rows)
 
 
+def rows_beside(b, shape, dtype):
+    """Batch ``b``, joined from pieces of tensors and Python numbers (``sum(hs)`` of an empty list is 0), as one
+    tensor whose number pieces are full rows, for an elementwise op with an operand of per-instance ``shape``
+    and ``dtype``: where the tensors' rows broadcast to that shape, a number's row gives each element what the
+    number does. None otherwise."""
+    if b.pieces is None or b.tensor is not None:
+        return None
+    like = _first_rows(b)
+    if like is None or like.dtype is not dtype or torch.broadcast_shapes(tuple(shape), like.shape[1:]) != shape:
+        return None
+    return _joined_tensor(b.pieces, like, rows=True)
+
+
 def _pieces_like(b, dtype):
     """tensor_like of a joined batch, piece by piece: a piece of one shared number becomes one full tensor."""
-    like = None
-    for v, _ in b.pieces[0]:
-        t = tensor_of(v) if type(v) is Batch else v.unsqueeze(0) if type(v) is torch.Tensor else None
-        if t is not None:
-            like = t
-            break
+    like = _first_rows(b)
     if like is None or like.dtype is not dtype:
         return None
     return _joined_tensor(b.pieces, like)
 
 
-def _joined_tensor(pieces, like):
+def _first_rows(b):
+    """The rows of the first piece of joined batch ``b`` that is a tensor (a shared one as one row), or None."""
+    for v, _ in b.pieces[0]:
+        t = tensor_of(v) if type(v) is Batch else v.unsqueeze(0) if type(v) is torch.Tensor else None
+        if t is not None:
+            return t
+    return None
+
+
+def _joined_tensor(pieces, like, rows=False):
     """The rows of joined ``pieces`` as one tensor in instance order; with a tensor ``like``, a piece of
-    one shared Python number becomes rows of its dtype."""
+    one shared Python number becomes rows of its dtype (``rows``: of its shape too, see ``rows_beside``)."""
     parts = []
     for v, count in pieces[0]:
         if like is not None and type(v) in NUMBERS:
-            if not _number_fits([v], like.dtype) or like.dim() > 1:  # (only beside each instance's 0-d tensor)
+            if not _number_fits([v], like.dtype) or like.dim() > 1 and not rows:  # (else beside 0-d tensors only)
                 return None
             parts.append(torch.full((count, *like.shape[1:]), v, dtype=like.dtype, device=like.device))
             continue

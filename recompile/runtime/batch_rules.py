@@ -776,6 +776,23 @@ def _tensor_args(n, args, like=None):
     return out
 
 
+def _numbers_as_rows(a, b):
+    """The tensors of ``a`` and ``b`` where one is joined from tensors and Python numbers (``x + sum(hs)``, some
+    lists empty) and the other a tensor of each instance's or a shared one: the numbers as full rows
+    (``bt.rows_beside``), else None."""
+    for joined, other in ((a, b), (b, a)):
+        if type(joined) is not Batch or joined.pieces is None:
+            continue
+        t = other.tensor if type(other) is Batch and other.owner == "tensor" else \
+            other if type(other) is torch.Tensor else None
+        if t is None:
+            continue
+        rows = bt.rows_beside(joined, t.shape[1:] if type(other) is Batch else t.shape, t.dtype)
+        if rows is not None:
+            return [rows, t] if joined is a else [t, rows]
+    return None
+
+
 def _dtype_hint(args):
     for a in args:
         if type(a) is Batch and a.tensor is not None:
@@ -815,6 +832,8 @@ def elementwise(n, fn, args, kwargs):
             return joined
     like = _dtype_hint(args)
     values = _tensor_args(n, args, like)
+    if values is None and len(args) == 2 and fn not in _IN_PLACE:
+        values = _numbers_as_rows(*args)
     if values is None:
         return NotImplemented
     if fn is torch.where and len(values) == 3 and values[0].dtype is torch.bool:  # (the condition apart)
@@ -1964,12 +1983,19 @@ def python_sum(n, fn, args, kwargs):
 
 
 def _summed_lists(n, lists):
-    """``sum(xs)`` of each instance's own list of tensors of one shape and dtype (lists of their own lengths,
-    none empty): position by position, every instance's j-th tensor added to its total at once, from zero, so
-    that each total rounds as ``0 + a + b ...`` does (and the same way every run, on any device);
-    NotImplemented for anything else."""
-    if not all(type(each) is list and each for each in lists):
+    """``sum(xs)`` of each instance's own list of tensors of one shape and dtype (lists of their own lengths):
+    position by position, every instance's j-th tensor added to its total at once, from zero, so that each total
+    rounds as ``0 + a + b ...`` does (and the same way every run, on any device); an empty list's sum is Python's
+    0 (a leaf's children), joined with the others' totals. NotImplemented for anything else."""
+    if not all(type(each) is list for each in lists):
         return NotImplemented
+    empty = [k for k, each in enumerate(lists) if not each]
+    if empty:
+        if len(empty) == n:
+            return NotImplemented
+        full = [k for k, each in enumerate(lists) if each]
+        total = _summed_lists(len(full), [lists[k] for k in full])
+        return total if total is NotImplemented else bt.join(n, [(0, empty), (total, full)])
     flat = [t for each in lists for t in each]
     first = flat[0]
     if type(first) is not torch.Tensor or not (first.is_floating_point() or first.is_complex()) or any(
