@@ -68,6 +68,14 @@ def flat_list(self, kids, n_kids, words, i):
     return torch.tanh(self.mix(h))
 
 
+def row_stretch(self, kids, n_kids, words, i):
+    """A ``for`` over each node's own stretch of its row, ``kids[i, :n_kids[i]]``."""
+    h = self.embed(words[i])
+    for child in kids[i, :n_kids[i]]:
+        h = h + self.encode(kids, n_kids, words, child) * 0.5
+    return torch.tanh(self.mix(h))
+
+
 def summed(self, kids, n_kids, words, i):
     """Tai et al.'s child sum: ``sum`` of a comprehension's list, a leaf's empty (Python's 0)."""
     hs = [self.encode(kids, n_kids, words, kids[i, k]) for k in range(n_kids[i])]
@@ -149,7 +157,7 @@ def grows_what_it_reads(self, kids, n_kids, words, i):
 
 
 MODELS = {"child_sum": child_sum, "appended": appended, "flat_list": flat_list, "summed": summed,
-          "summed_apart": summed_apart, "two_calls": two_calls, "chained": chained,
+          "row_stretch": row_stretch, "summed_apart": summed_apart, "two_calls": two_calls, "chained": chained,
           "run_until": run_until, "stops_early": stops_early, "guarded": guarded,
           "grows_what_it_reads": grows_what_it_reads}
 
@@ -192,7 +200,8 @@ def test_batched_and_sequential_give_plain_values_and_gradients(name):
             assert_all_close(flat(model.encode(KIDS, N_KIDS, WORDS, r)), w)
 
 
-@pytest.mark.parametrize("name", ["child_sum", "appended", "flat_list", "summed", "two_calls", "stops_early"])
+@pytest.mark.parametrize("name", ["child_sum", "appended", "flat_list", "summed", "row_stretch", "two_calls",
+                                  "stops_early"])
 def test_a_split_loop_runs_each_depth_of_every_tree_once(name):
     _, batched, _ = three(MODELS[name])
     encode = type(batched).encode

@@ -1519,6 +1519,8 @@ def _gather(n, fn, args, kwargs):
         return rows.stretch(n, x, index)  # (``words[:n]``, n per instance)
     if type(index) is Batch and index.struct is not None and index.owner is None and index.struct[0] is tuple:
         out = _points(n, x, index.struct[1])  # (``trans[tags[t - 1], tags[t]]``, ``emits[t, tags[t]]``)
+        if out is NotImplemented:
+            out = _row_then_rest(n, x, index.struct[1])  # (``kids[i, :n_kids[i]]``)
         if out is not NotImplemented:
             return out
     if type(x) is Batch and type(index) is Batch and x.struct is not None and x.owner is None and \
@@ -1755,12 +1757,27 @@ def _points(n, x, parts):
     if len(at) > found.source.dim() - 1:  # (more ints than an instance has dims)
         return NotImplemented
     row = gather(n, operator.getitem, (x, at[0]), {}) if type(at[0]) is int else rows.item_each(found, parts[0])
-    rest = parts[1:]
+    return _in_row(n, row, parts[1:])
+
+
+def _in_row(n, row, rest):
+    """``row[rest]`` (the places after a row's, each shared or each instance's), or ``row`` where none is left."""
     if row is NotImplemented or not rest:
         return row
     index = rest[0] if len(rest) == 1 else \
         bt.from_struct(tuple, list(rest), n) if any(type(p) is Batch for p in rest) else tuple(rest)
     return gather(n, operator.getitem, (row, index), {})
+
+
+def _row_then_rest(n, x, parts):
+    """``x[i, ...]`` of a shared tensor x, i each instance's int, the rest holding what ``_points`` does not read
+    (``kids[i, :n_kids[i]]``, each instance's own stretch): each instance's row of x, one gather, then the rest
+    in it, as ``x[i][...]`` reads the same. Only in a run that changes nothing in place (eager's is a view of x,
+    the row here a copy)."""
+    if not sharing.state.fresh or type(x) not in PLAIN_TENSORS or len(parts) < 2 or x.dim() < len(parts) or \
+            type(parts[0]) is not Batch or bt.instance_index(parts[0]) is None:
+        return NotImplemented
+    return _in_row(n, gather(n, operator.getitem, (x, parts[0]), {}), parts[1:])
 
 
 def _held_index(i, x):
