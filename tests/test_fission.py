@@ -130,10 +130,39 @@ def stops_early(self, kids, n_kids, words, i):
 
 
 def guarded(self, kids, n_kids, words, i):
-    """A call under an ``if`` in the loop (a padded row of children): the loop stays one."""
+    """A call under an ``if`` in the loop (a padded row of children): the instances taking it ask for it."""
     h = self.embed(words[i])
     for child in kids[i]:
         if child >= 0:
+            h = h + self.encode(kids, n_kids, words, child)
+    return torch.tanh(self.mix(h))
+
+
+def guarded_appends(self, kids, n_kids, words, i):
+    """The call on the ``else`` side, its result appended there to the frame's own list."""
+    hs = [self.embed(words[i])]
+    for child in kids[i]:
+        if child < 0:
+            hs.append(hs[0] * 0.0)
+        else:
+            hs.append(torch.sigmoid(self.encode(kids, n_kids, words, child)))
+    return torch.tanh(self.mix(torch.stack(hs).sum(0) / len(hs)))
+
+
+def guarded_computed(self, kids, n_kids, words, i):
+    """The side computes its call's argument: the loop stays one."""
+    h = self.embed(words[i])
+    for child in kids[i]:
+        if child >= 0:
+            h = h + self.encode(kids, n_kids, words, child * 1)
+    return torch.tanh(self.mix(h))
+
+
+def guarded_by_results(self, kids, n_kids, words, i):
+    """The test around the call reads an earlier call's result: the loop stays one."""
+    h = self.embed(words[i])
+    for child in kids[i]:
+        if child >= 0 and h.sum() > -100.0:
             h = h + self.encode(kids, n_kids, words, child)
     return torch.tanh(self.mix(h))
 
@@ -159,6 +188,8 @@ def grows_what_it_reads(self, kids, n_kids, words, i):
 MODELS = {"child_sum": child_sum, "appended": appended, "flat_list": flat_list, "summed": summed,
           "row_stretch": row_stretch, "summed_apart": summed_apart, "two_calls": two_calls, "chained": chained,
           "run_until": run_until, "stops_early": stops_early, "guarded": guarded,
+          "guarded_appends": guarded_appends, "guarded_computed": guarded_computed,
+          "guarded_by_results": guarded_by_results,
           "grows_what_it_reads": grows_what_it_reads}
 
 
@@ -201,7 +232,7 @@ def test_batched_and_sequential_give_plain_values_and_gradients(name):
 
 
 @pytest.mark.parametrize("name", ["child_sum", "appended", "flat_list", "summed", "row_stretch", "two_calls",
-                                  "stops_early"])
+                                  "stops_early", "guarded", "guarded_appends"])
 def test_a_split_loop_runs_each_depth_of_every_tree_once(name):
     _, batched, _ = three(MODELS[name])
     encode = type(batched).encode
@@ -215,7 +246,8 @@ def test_a_split_loop_runs_each_depth_of_every_tree_once(name):
 @pytest.mark.parametrize("name, splits", [("child_sum", True), ("appended", True), ("two_calls", True),
                                           ("stops_early", True), ("chained", False), ("run_until", False),
                                           ("grows_what_it_reads", False), ("handed_on", False),
-                                          ("guarded", False)])
+                                          ("guarded", True), ("guarded_appends", True),
+                                          ("guarded_computed", False), ("guarded_by_results", False)])
 def test_which_loops_split(name, splits):
     _, batched, _ = three(MODELS.get(name, handed_on))
     sg = type(batched).encode.build_for(type(batched)).stages[FINAL]

@@ -34,6 +34,7 @@ class _BatchedEmitter(emit.FunctionEmitter):
         self.segments = {}  # function name -> Segment
         self.live_out = None  # a level piece's outputs (codegen.levels): what its last segment must hand on
         self.recurrent = []  # codegen.recurrent.RecurrentLoop of each loop run as one RNN where it can
+        self.guarded = {}  # an if around a call of a split loop, in its second pass: its side making the call
         self.n = "_n"
         self.names.reserve(self.n)
 
@@ -163,7 +164,7 @@ class _BatchedEmitter(emit.FunctionEmitter):
                              args=[self.n_load(), self.load(op.base), ast.Constant(value=op.source)], keywords=[])
             return [self.assign(op.outputs, value, op.loc)]
         if isinstance(op, ir.Cond):
-            return self.cond_stmts(op)
+            return self.guarded_cond(op) if op in self.guarded else self.cond_stmts(op)
         if isinstance(op, ir.While):
             return self.while_stmts(op)
         return super().op_stmts(op)
@@ -251,11 +252,15 @@ class _BatchedEmitter(emit.FunctionEmitter):
         k = len(op.loop_vars)
         later = [body.inputs[j] for j in found.later]
         pre_out = [body.outputs[j] if j not in found.later else ir.Const(None) for j in range(k)]
-        pre_out += [x for inv in found.invokes for x in inv.args] + found.crossing
+        pre_out += [x for c in found.calls for x in ([c.guard[0].pred] if c.guard else []) + c.args] + found.crossing
         pre = self.plain_piece(body, "pre", found.pre, body.inputs, pre_out, as_tuple=True)
-        post = self.plain_piece(body, "post", found.post,
-                                later + body.inputs[k:] + found.crossing + [inv.output for inv in found.invokes],
-                                [body.outputs[j] for j in found.later], as_tuple=False)
+        saved, self.guarded = self.guarded, {c.guard[0]: (c.guard[1], c.invoke) for c in found.calls if c.guard}
+        try:
+            post = self.plain_piece(body, "post", found.post, later + body.inputs[k:] + found.crossing +
+                                    [c.invoke.output for c in found.calls],
+                                    [body.outputs[j] for j in found.later], as_tuple=False)
+        finally:
+            self.guarded = saved
         name = self.var(ir.Value("_split"))
 
         def at(attr):
@@ -272,12 +277,13 @@ class _BatchedEmitter(emit.FunctionEmitter):
             func=self.helper(split_loops.SplitLoop, "SplitLoop"),
             args=[self.n_load(), ast.Tuple(elts=[self.load(v) for v in op.loop_vars + op.invariants], ctx=ast.Load()),
                   ast.Constant(value=k), ast.Constant(value=tuple(found.later)),
-                  ast.Constant(value=tuple(len(inv.args) for inv in found.invokes))], keywords=[]))
+                  ast.Constant(value=tuple(len(c.args) for c in found.calls)),
+                  ast.Constant(value=tuple(c.guard[1] if c.guard else None for c in found.calls))], keywords=[]))
         first = ast.While(test=method("keep", call(self.emission.fn_name[op.cond_sg])),
                           body=[ast.Expr(value=method("step", call(pre)))], orelse=[])
         asked, got = self.var(ir.Value("_asked")), self.var(ir.Value("_got"))
         calls = ast.Tuple(elts=[ast.Tuple(elts=[t, s], ctx=ast.Load()) for t, _, s in
-                                (emit.FunctionEmitter.request(self, inv) for inv in found.invokes)], ctx=ast.Load())
+                                (emit.FunctionEmitter.request(self, c.invoke) for c in found.calls)], ctx=ast.Load())
         ask = ast.Assign(targets=[ast.Name(id=asked, ctx=ast.Store())], value=method("requests", calls))
         answer = ast.Assign(targets=[ast.Name(id=got, ctx=ast.Store())], value=ast.IfExp(
             test=ast.Name(id=asked, ctx=ast.Load()), body=ast.Yield(value=ast.Name(id=asked, ctx=ast.Load())),
@@ -287,6 +293,27 @@ class _BatchedEmitter(emit.FunctionEmitter):
             locate(stmt, op.loc)
         finish = method("finish", ast.Name(id=got, ctx=ast.Load()), ast.Name(id=post, ctx=ast.Load()))
         return stmts + ([self.results(op.outputs, finish, op.loc)] if op.outputs else [self.assign([], finish, op.loc)])
+
+    def guarded_cond(self, op):
+        """An ``if`` around a call of a split loop, in its second pass: the side making the call gets its results
+        (``runtime.split_loops.guarded_run``)."""
+        which, invoke = self.guarded[op]
+        side, other = op.subgraphs()[which], op.subgraphs()[1 - which]
+        called = self.plain_piece(side, "called", [o for o in side.ops if o is not invoke],
+                                  side.inputs + [invoke.output], side.outputs, as_tuple=False)
+        b = self.var(ir.Value("_branch"))
+        first = ast.Assign(targets=[ast.Name(id=b, ctx=ast.Store())], value=ast.Call(
+            func=self.helper(control.Branch, "Branch"),
+            args=[self.n_load(), self.load(op.pred), ast.Tuple(elts=[self.load(a) for a in op.args], ctx=ast.Load()),
+                  *self.changes(op)], keywords=[]))
+        locate(first, op.loc)
+        ran = ast.Call(func=self.helper(split_loops.guarded_run, "guarded_run"), args=[
+            ast.Name(id=b, ctx=ast.Load()), ast.Constant(value=which), ast.Name(id=called, ctx=ast.Load()),
+            ast.Name(id=self.emission.fn_name[other], ctx=ast.Load()),
+            ast.Tuple(elts=[self.load(invoke.output)], ctx=ast.Load())], keywords=[])
+        joined = ast.Call(func=ast.Attribute(value=ast.Name(id=b, ctx=ast.Load()), attr="join", ctx=ast.Load()),
+                          args=[ran, ast.Constant(value=len(op.outputs))], keywords=[])
+        return [first, self.results(op.outputs, joined, op.loc)]
 
     def plain_piece(self, sg, name, ops, inputs, outputs, as_tuple):
         """``def name(_n, *inputs): ops; return outputs`` of some of SubGraph ``sg``'s ops, none yielding."""

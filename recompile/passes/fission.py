@@ -14,9 +14,11 @@ earlier iteration's call gave. The loop then splits (loop fission, as Yu et al.'
 It applies, in a function that changes nothing in place but lists of its own (``effects.local_appends``; the
 caller asks), where (``split``):
 
-- the calls are the body's own (not in a nested branch or loop), none reads a call's result or a loop
-  variable ``post`` computes, and none may change state (``passes.effects``); no other compiled call is in the
-  loop;
+- the calls are the body's own, or one side's of an ``if`` of the body whose other side makes none, with
+  arguments computed before the ``if`` (``for child in kids[i]: if child >= 0: ...``: the instances whose test
+  takes that side ask for it, and in the second pass that side gets their results); none reads a call's
+  result or a loop variable ``post`` computes, neither does an ``if``'s test, and none may change state
+  (``passes.effects``); no other compiled call is in the loop;
 - the test reads only loop variables the first pass computes;
 - the lists ``post`` appends to are handed to the loop unchanged, and nothing of ``pre``, the test, or the
   loop's other operands reads them (``as_sequence(hs)``: a ``for`` over the list it grows).
@@ -34,13 +36,22 @@ from .. import ir
 
 
 class LoopSplit:
-    """How While ``op`` splits: ``pre`` and ``post`` (body ops, in order), the ``invokes``, the loop variables
+    """How While ``op`` splits: ``pre`` and ``post`` (body ops, in order), its ``calls``, the loop variables
     ``post`` computes (``later``: positions), and what ``post`` reads of the first pass (``crossing``: values
     of the body, each computed by ``pre`` or a loop variable the first pass carries)."""
 
-    def __init__(self, op, pre, post, invokes, later, crossing):
-        self.op, self.pre, self.post, self.invokes = op, pre, post, invokes
+    def __init__(self, op, pre, post, calls, later, crossing):
+        self.op, self.pre, self.post, self.calls = op, pre, post, calls
         self.later, self.crossing = later, crossing
+
+
+class LoopCall:
+    """A call of a split loop's body: ``invoke``, and its arguments as values of the body (``args``). A call under
+    an ``if`` (``guard``: the Cond, and 0 for its then side or 1 for its else side) is asked for by the instances
+    whose test takes that side; its arguments are the Cond's operands that side's inputs stand for."""
+
+    def __init__(self, invoke, args, guard=None):
+        self.invoke, self.args, self.guard = invoke, args, guard
 
 
 def _calls(op):
@@ -48,16 +59,45 @@ def _calls(op):
     return isinstance(op, ir.Invoke) or any(_calls(o) for s in op.subgraphs() for o in s.ops)
 
 
+def _guarded(op):
+    """The LoopCall of Cond ``op`` whose one side makes one compiled call among its own ops (not nested), with
+    arguments that side is given or constants, and whose other side makes none; else None."""
+    if not isinstance(op, ir.Cond):
+        return None
+    for which, side in enumerate(op.subgraphs()):
+        invokes = [o for o in side.ops if isinstance(o, ir.Invoke)]
+        other = op.subgraphs()[1 - which]
+        if len(invokes) != 1 or any(_calls(o) for o in side.ops if o is not invokes[0]) or \
+                any(_calls(o) for o in other.ops):
+            continue
+        args = []
+        for x in invokes[0].args:
+            if isinstance(x, ir.Value) and x not in side.inputs:
+                return None  # (an argument the side computes)
+            args.append(op.args[side.inputs.index(x)] if isinstance(x, ir.Value) else x)
+        return LoopCall(invokes[0], args, (op, which))
+    return None
+
+
 def split(op, appends, may_mutate):
     """The LoopSplit of While ``op``, or None. ``appends``: the function's appends to lists
     no one else sees (``effects.local_appends``)."""
     body, test = op.body_sg, op.cond_sg
-    invokes = [o for o in body.ops if isinstance(o, ir.Invoke)]
-    if not invokes or any(may_mutate(o) for o in invokes):
+    calls = []
+    for o in body.ops:
+        if isinstance(o, ir.Invoke):
+            calls.append(LoopCall(o, list(o.args)))
+        elif _calls(o):
+            found = _guarded(o)
+            if found is None:
+                return None
+            calls.append(found)
+    if not calls or any(may_mutate(c.invoke) for c in calls):
         return None
     k = len(op.loop_vars)
-    # what depends on the calls' results: their outputs, what reads them, and the loop variables they reach
-    tainted = {o.output for o in invokes}
+    # what depends on the calls' results: their outputs (an if's around a call), what reads them, and the loop
+    # variables they reach
+    tainted = {v for c in calls for v in (c.guard[0].outputs if c.guard else c.invoke.outputs)}
     while True:
         for o in body.ops:
             if not isinstance(o, ir.Invoke) and any(x in tainted for x in o.operands() if isinstance(x, ir.Value)):
@@ -67,20 +107,21 @@ def split(op, appends, may_mutate):
             break
         tainted |= more
     later = [j for j in range(k) if body.outputs[j] in tainted]
-    if any(x in tainted for o in invokes for x in o.operands() if isinstance(x, ir.Value)):
+    needed = {x for c in calls for x in c.args + ([c.guard[0].pred] if c.guard else []) if isinstance(x, ir.Value)}
+    if needed & tainted:
         return None  # (a call reads an earlier call's result: the iterations are a chain)
     if any(_reads(test, test.inputs[j]) for j in later):
         return None  # (the test reads what the calls give: how long the loop runs is not known first)
-    needed = {x for o in invokes for x in o.operands() if isinstance(x, ir.Value)}
     needed.update(body.outputs[j] for j in range(k) if j not in later and isinstance(body.outputs[j], ir.Value))
     pre = set()
     for o in reversed(body.ops):
         if not isinstance(o, ir.Invoke) and any(v in needed for v in o.outputs):
             pre.add(o)
             needed.update(x for x in o.operands() if isinstance(x, ir.Value))
+    guards = {c.guard[0] for c in calls if c.guard}
     post = [o for o in body.ops if o not in pre and not isinstance(o, ir.Invoke)]
     pre = [o for o in body.ops if o in pre]
-    if any(_calls(o) for o in pre + post + test.ops):
+    if any(_calls(o) for o in pre + test.ops) or any(_calls(o) for o in post if o not in guards):
         return None
     if not _lists_apart(op, pre, post, appends):
         return None
@@ -94,7 +135,7 @@ def split(op, appends, may_mutate):
         x = body.outputs[j]
         if x in made and x not in crossing:
             crossing.append(x)
-    return LoopSplit(op, pre, post, invokes, later, crossing)
+    return LoopSplit(op, pre, post, calls, later, crossing)
 
 
 def _reads(sg, value):
@@ -106,8 +147,20 @@ def _lists_apart(op, pre, post, appends):
     not the test, not another operand of the loop made from them (``as_sequence(hs)``)."""
     body = op.body_sg
     operands = op.loop_vars + op.invariants
-    changed = {_changed_list(g) for o in post for s in [None, *o.subgraphs()] for g in ([o] if s is None else s.ops)
-               if g in appends}
+    if any(_nested_appends(o, appends) for o in pre):
+        return False  # (the first pass would change it before the second reads it)
+    changed = {_changed_list(o) for o in post if o in appends}
+    for o in post:
+        if isinstance(o, ir.Cond):  # (``if child >= 0: hs.append(...)``: the list the branch is given)
+            for side in o.subgraphs():
+                for g in side.ops:
+                    if g in appends:
+                        found = _changed_list(g)
+                        changed.add(o.args[side.inputs.index(found)] if found in side.inputs else None)
+                    elif _nested_appends(g, appends):
+                        return False
+        elif _nested_appends(o, appends):
+            return False  # (a list a nested loop changes)
     for value in changed:
         if value not in body.inputs:
             return False  # (a list of a nested branch's own, or one read off another value)
@@ -121,6 +174,10 @@ def _lists_apart(op, pre, post, appends):
                            and outer in other.op.operands()):
                 return False
     return True
+
+
+def _nested_appends(op, appends):
+    return any(g in appends for s in op.subgraphs() for ss in s.walk() for g in ss.ops)
 
 
 def _changed_list(op):

@@ -60,6 +60,12 @@ def _index(positions, like):
     return bt.long_tensor(positions, device)
 
 
+def take_side(values, side):
+    """The sub-batches of ``values`` for the instances of ``side`` (one of ``split``'s), in a run that changes
+    nothing in place."""
+    return tuple(_take_all(values, side))
+
+
 def _take_all(values, side, copies=None, taken=None, noted=False):
     """The sub-batches of ``values`` for the instances of ``side`` (positions, index). A value given twice is
     taken once, so the side sees one object, as each instance does. With ``copies`` (where the program may

@@ -12,23 +12,24 @@ from __future__ import annotations
 
 from . import batch as bt
 from . import sharing
-from .control import Loop
+from .control import Loop, split, take_side
 from .units import unit_of
 
 
 class SplitLoop:
-    __slots__ = ("first", "n0", "k", "later", "widths", "initial", "tests", "steps", "arities")
+    __slots__ = ("first", "n0", "k", "later", "widths", "guards", "initial", "tests", "steps", "arities", "asked")
 
-    def __init__(self, n, carried, k, later, widths):
+    def __init__(self, n, carried, k, later, widths, guards):
         """``carried``: the loop variables' first values, then its invariants; ``later``: the positions of the
-        variables ``post`` computes; ``widths``: how many arguments each call takes."""
-        self.n0, self.k, self.later, self.widths = n, k, later, widths
+        variables ``post`` computes; per call, ``widths``: how many arguments it takes, ``guards``: None, or the
+        side of an ``if`` whose instances make it (0 then, 1 else)."""
+        self.n0, self.k, self.later, self.widths, self.guards = n, k, later, widths, guards
         first = list(carried)
         for j in later:
             first[j] = None  # (the first pass neither reads nor computes them)
         self.first = Loop(n, first, k)
         self.initial = [carried[j] for j in later] + list(carried[k:])
-        self.tests, self.steps, self.arities = [], [], None
+        self.tests, self.steps, self.arities, self.asked = [], [], None, []
 
     @property
     def n(self):
@@ -43,31 +44,43 @@ class SplitLoop:
         return self.first.keep(pred)
 
     def step(self, out):
-        """``out``: ``pre``'s k loop variables (None where ``post`` computes one), each call's arguments, and
-        what ``post`` reads."""
-        k = self.k
+        """``out``: ``pre``'s k loop variables (None where ``post`` computes one); per call, its ``if``'s test
+        where it has one, and its arguments; then what ``post`` reads."""
+        k, n = self.k, self.first.n
         self.first.step(out[0] if k == 1 else out[:k])
-        args, at = [], k
-        for width in self.widths:
-            args.append(out[at:at + width])
-            at += width
-        self.steps.append((self.first.n, args, out[at:]))
+        calls, at = [], k
+        for width, guard in zip(self.widths, self.guards):
+            if guard is None:
+                calls.append((out[at:at + width], n))
+                at += width
+                continue
+            args, side = out[at + 1:at + 1 + width], split(n, out[at])[guard]
+            at += 1 + width
+            count = len(side[0])
+            calls.append((args if count == n else take_side(args, side) if count else None, count))
+        self.steps.append((n, calls, out[at:]))
 
     def requests(self, calls):
-        """The requests of every iteration's calls: one per call site ((target, site) in ``calls``), or None
-        where no instance ran an iteration."""
-        if not self.steps:
-            return None
-        total = sum(n for n, _, _ in self.steps)
+        """The requests of every iteration's calls: one per call site ((target, site) in ``calls``) that some
+        instance made, or None where none did."""
         self.arities = [unit_of(target).arity for target, _ in calls]
-        return tuple((target, bt.concat_args([(args[i], n) for n, args, _ in self.steps]), total, site, False)
-                     for i, (target, site) in enumerate(calls))
+        asked = []
+        for i, (target, site) in enumerate(calls):
+            parts = [made[i] for _, made, _ in self.steps if made[i][1]]
+            if parts:
+                self.asked.append(i)
+                asked.append((target, bt.concat_args(parts), sum(c for _, c in parts), site, False))
+        return tuple(asked) or None
 
     def finish(self, results, post):
         """The loop's final variables: the first pass's, and those ``post`` computes over ``results``."""
-        counts = [n for n, _, _ in self.steps]
-        split = sharing.state.fresh  # (a split's pieces are views no one may change in place)
-        parts = [bt.cut_result(r, counts, arity > 1, split) for r, arity in zip(results, self.arities or ())]
+        split_ = sharing.state.fresh  # (a split's pieces are views no one may change in place)
+        parts = []
+        for i, arity in enumerate(self.arities or ()):
+            counts = [made[i][1] for _, made, _ in self.steps]
+            each = iter(bt.cut_result(results[self.asked.index(i)], [c for c in counts if c], arity > 1, split_)
+                        if i in self.asked else ())
+            parts.append([next(each) if c else None for c in counts])
         loop = Loop(self.n0, self.initial, len(self.later))
         for t, pred in enumerate(self.tests):
             if not loop.keep(pred):
@@ -80,3 +93,10 @@ class SplitLoop:
         for i, j in enumerate(self.later):
             values[j] = later if len(self.later) == 1 else later[i]
         return values[0] if self.k == 1 else tuple(values)
+
+
+def guarded_run(branch, which, called, other, got):
+    """``branch.run`` of an ``if`` around a call of a split loop: side ``which`` (``called``) gets the call's
+    results ``got`` as its last arguments, the rows of the instances that took it, in their order."""
+    return tuple(called(len(positions), *args, *got) if side == which else other(len(positions), *args)
+                 for side, args, positions in branch.sides)
