@@ -150,11 +150,22 @@ def guarded_appends(self, kids, n_kids, words, i):
 
 
 def guarded_computed(self, kids, n_kids, words, i):
-    """The side computes its call's argument: the loop stays one."""
+    """The side computes its call's argument, guarded by the test (past a node's children, ``kids[i, k]`` would
+    read past the row): only the instances taking it compute it, and again in the second pass."""
+    h = self.embed(words[i])
+    for k in range(3):
+        if k < n_kids[i]:
+            h = h + self.encode(kids, n_kids, words, kids[i, k + 3 * (k >= n_kids[i])] * 1)
+    return torch.tanh(self.mix(h))
+
+
+def guarded_noise(self, kids, n_kids, words, i):
+    """The side computes its call's argument from a random draw, which running it again would not give: the
+    loop stays one."""
     h = self.embed(words[i])
     for child in kids[i]:
         if child >= 0:
-            h = h + self.encode(kids, n_kids, words, child * 1)
+            h = h + self.encode(kids, n_kids, words, child + torch.randint(1, (), dtype=child.dtype))
     return torch.tanh(self.mix(h))
 
 
@@ -189,7 +200,7 @@ MODELS = {"child_sum": child_sum, "appended": appended, "flat_list": flat_list, 
           "row_stretch": row_stretch, "summed_apart": summed_apart, "two_calls": two_calls, "chained": chained,
           "run_until": run_until, "stops_early": stops_early, "guarded": guarded,
           "guarded_appends": guarded_appends, "guarded_computed": guarded_computed,
-          "guarded_by_results": guarded_by_results,
+          "guarded_by_results": guarded_by_results, "guarded_noise": guarded_noise,
           "grows_what_it_reads": grows_what_it_reads}
 
 
@@ -232,7 +243,7 @@ def test_batched_and_sequential_give_plain_values_and_gradients(name):
 
 
 @pytest.mark.parametrize("name", ["child_sum", "appended", "flat_list", "summed", "row_stretch", "two_calls",
-                                  "stops_early", "guarded", "guarded_appends"])
+                                  "stops_early", "guarded", "guarded_appends", "guarded_computed"])
 def test_a_split_loop_runs_each_depth_of_every_tree_once(name):
     _, batched, _ = three(MODELS[name])
     encode = type(batched).encode
@@ -247,7 +258,8 @@ def test_a_split_loop_runs_each_depth_of_every_tree_once(name):
                                           ("stops_early", True), ("chained", False), ("run_until", False),
                                           ("grows_what_it_reads", False), ("handed_on", False),
                                           ("guarded", True), ("guarded_appends", True),
-                                          ("guarded_computed", False), ("guarded_by_results", False)])
+                                          ("guarded_computed", True), ("guarded_by_results", False),
+                                          ("guarded_noise", False)])
 def test_which_loops_split(name, splits):
     _, batched, _ = three(MODELS.get(name, handed_on))
     sg = type(batched).encode.build_for(type(batched)).stages[FINAL]

@@ -254,6 +254,9 @@ class _BatchedEmitter(emit.FunctionEmitter):
         pre_out = [body.outputs[j] if j not in found.later else ir.Const(None) for j in range(k)]
         pre_out += [x for c in found.calls for x in ([c.guard[0].pred] if c.guard else []) + c.args] + found.crossing
         pre = self.plain_piece(body, "pre", found.pre, body.inputs, pre_out, as_tuple=True)
+        prepares = [ast.Name(id=self.plain_piece(c.guard[0].subgraphs()[c.guard[1]], "args", c.prepare, c.given,
+                                                 c.invoke.args, as_tuple=True), ctx=ast.Load())
+                    if c.guard else ast.Constant(value=None) for c in found.calls]
         saved, self.guarded = self.guarded, {c.guard[0]: (c.guard[1], c.invoke) for c in found.calls if c.guard}
         try:
             post = self.plain_piece(body, "post", found.post, later + body.inputs[k:] + found.crossing +
@@ -278,7 +281,8 @@ class _BatchedEmitter(emit.FunctionEmitter):
             args=[self.n_load(), ast.Tuple(elts=[self.load(v) for v in op.loop_vars + op.invariants], ctx=ast.Load()),
                   ast.Constant(value=k), ast.Constant(value=tuple(found.later)),
                   ast.Constant(value=tuple(len(c.args) for c in found.calls)),
-                  ast.Constant(value=tuple(c.guard[1] if c.guard else None for c in found.calls))], keywords=[]))
+                  ast.Constant(value=tuple(c.guard[1] if c.guard else None for c in found.calls)),
+                  ast.Tuple(elts=prepares, ctx=ast.Load())], keywords=[]))
         first = ast.While(test=method("keep", call(self.emission.fn_name[op.cond_sg])),
                           body=[ast.Expr(value=method("step", call(pre)))], orelse=[])
         asked, got = self.var(ir.Value("_asked")), self.var(ir.Value("_got"))

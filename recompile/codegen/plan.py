@@ -23,15 +23,7 @@ from __future__ import annotations
 import operator
 
 from .. import intrinsics, ir
-from ..ops import facts
-
-
-def _pure(op):
-    """A pure op (``facts.PURE``; the forward-with-saves program's bookkeeping is pure too, so a node's two
-    children are still issued together when their gradients are derived) or a read of an outer name."""
-    if isinstance(op, ir.Capture):
-        return True
-    return isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and facts.among(op.fn.value, facts.PURE)
+from ..passes.effects import pure_op
 
 
 def _private_lists(ops):
@@ -88,13 +80,13 @@ def plan(ops, may_mutate=lambda invoke: False):
                 group.append(o)
                 tainted.update(o.outputs)
                 last = j
-            elif (_pure(o) or appended is not None and j < private[appended]) and depends:
+            elif (pure_op(o) or appended is not None and j < private[appended]) and depends:
                 deferred.append(o)
                 tainted.update(o.outputs)
                 if appended is not None:  # (what reads or appends to the list after it: after it, in order)
                     tainted.add(appended)
                     reach = min(reach, private[appended])
-            elif _pure(o):
+            elif pure_op(o):
                 hoisted.append(o)
             else:
                 break

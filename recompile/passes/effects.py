@@ -23,6 +23,14 @@ from ..ops import facts
 _COUNTING = (operator.iadd, operator.isub)
 
 
+def pure_op(op):
+    """A pure op (``facts.PURE``; the forward-with-saves program's bookkeeping is pure too) or a read of an outer
+    name: it may move across a compiled call, or run again, and mean the same."""
+    if isinstance(op, ir.Capture):
+        return True
+    return isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and facts.among(op.fn.value, facts.PURE)
+
+
 def op_mutates(op):
     """True when ``op`` itself may change an object in place."""
     if not isinstance(op, ir.Call):

@@ -14,9 +14,10 @@ earlier iteration's call gave. The loop then splits (loop fission, as Yu et al.'
 It applies, in a function that changes nothing in place but lists of its own (``effects.local_appends``; the
 caller asks), where (``split``):
 
-- the calls are the body's own, or one side's of an ``if`` of the body whose other side makes none, with
-  arguments computed before the ``if`` (``for child in kids[i]: if child >= 0: ...``: the instances whose test
-  takes that side ask for it, and in the second pass that side gets their results); none reads a call's
+- the calls are the body's own, or one side's of an ``if`` of the body whose other side makes none
+  (``for child in kids[i]: if child >= 0: ...``: the instances whose test takes that side ask for it, that side's
+  ops computing its arguments (pure ones, ``facts.PURE``: they run again) run for them in the first pass, and
+  in the second pass the side, run again, gets their results); none reads a call's
   result or a loop variable ``post`` computes, neither does an ``if``'s test, and none may change state
   (``passes.effects``); no other compiled call is in the loop;
 - the test reads only loop variables the first pass computes;
@@ -33,6 +34,7 @@ from __future__ import annotations
 import operator
 
 from .. import ir
+from .effects import pure_op
 
 
 class LoopSplit:
@@ -46,12 +48,15 @@ class LoopSplit:
 
 
 class LoopCall:
-    """A call of a split loop's body: ``invoke``, and its arguments as values of the body (``args``). A call under
-    an ``if`` (``guard``: the Cond, and 0 for its then side or 1 for its else side) is asked for by the instances
-    whose test takes that side; its arguments are the Cond's operands that side's inputs stand for."""
+    """A call of a split loop's body: ``invoke``, and what the first pass hands it as values of the body
+    (``args``). A call under an ``if`` (``guard``: the Cond, and 0 for its then side or 1 for its else side) is
+    asked for by the instances whose test takes that side: ``args`` are then the Cond's operands standing for
+    the side's inputs ``given``, from which the side's ops ``prepare`` compute the call's arguments (for those
+    instances alone: the test may guard them, ``if k < n: f(kids[i, k])``)."""
 
-    def __init__(self, invoke, args, guard=None):
+    def __init__(self, invoke, args, guard=None, given=(), prepare=()):
         self.invoke, self.args, self.guard = invoke, args, guard
+        self.given, self.prepare = list(given), list(prepare)
 
 
 def _calls(op):
@@ -60,8 +65,8 @@ def _calls(op):
 
 
 def _guarded(op):
-    """The LoopCall of Cond ``op`` whose one side makes one compiled call among its own ops (not nested), with
-    arguments that side is given or constants, and whose other side makes none; else None."""
+    """The LoopCall of Cond ``op`` whose one side makes one compiled call among its own ops (not nested), and
+    whose other side makes none; else None."""
     if not isinstance(op, ir.Cond):
         return None
     for which, side in enumerate(op.subgraphs()):
@@ -70,12 +75,17 @@ def _guarded(op):
         if len(invokes) != 1 or any(_calls(o) for o in side.ops if o is not invokes[0]) or \
                 any(_calls(o) for o in other.ops):
             continue
-        args = []
-        for x in invokes[0].args:
-            if isinstance(x, ir.Value) and x not in side.inputs:
-                return None  # (an argument the side computes)
-            args.append(op.args[side.inputs.index(x)] if isinstance(x, ir.Value) else x)
-        return LoopCall(invokes[0], args, (op, which))
+        needed, prepare = {x for x in invokes[0].args if isinstance(x, ir.Value)}, set()
+        for o in reversed(side.ops):
+            if o is not invokes[0] and any(v in needed for v in o.outputs):
+                prepare.add(o)
+                needed.update(x for x in o.operands() if isinstance(x, ir.Value))
+        if not all(pure_op(o) or isinstance(o, ir.Fused) for o in prepare):
+            return None  # (run again in the second pass: only what gives the same value twice; a fused op's are
+            # elementwise)
+        given = [x for x in side.inputs if x in needed]
+        return LoopCall(invokes[0], [op.args[side.inputs.index(x)] for x in given], (op, which), given,
+                        [o for o in side.ops if o in prepare])
     return None
 
 

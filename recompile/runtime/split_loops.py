@@ -17,13 +17,16 @@ from .units import unit_of
 
 
 class SplitLoop:
-    __slots__ = ("first", "n0", "k", "later", "widths", "guards", "initial", "tests", "steps", "arities", "asked")
+    __slots__ = ("first", "n0", "k", "later", "widths", "guards", "prepares", "initial", "tests", "steps", "arities",
+                 "asked")
 
-    def __init__(self, n, carried, k, later, widths, guards):
+    def __init__(self, n, carried, k, later, widths, guards, prepares):
         """``carried``: the loop variables' first values, then its invariants; ``later``: the positions of the
-        variables ``post`` computes; per call, ``widths``: how many arguments it takes, ``guards``: None, or the
-        side of an ``if`` whose instances make it (0 then, 1 else)."""
+        variables ``post`` computes; per call, ``widths``: how many values ``pre`` hands it, ``guards``: None, or
+        the side of an ``if`` whose instances make it (0 then, 1 else), and ``prepares``: None, or what computes
+        its arguments from those values, for the instances making it."""
         self.n0, self.k, self.later, self.widths, self.guards = n, k, later, widths, guards
+        self.prepares = prepares
         first = list(carried)
         for j in later:
             first[j] = None  # (the first pass neither reads nor computes them)
@@ -49,15 +52,19 @@ class SplitLoop:
         k, n = self.k, self.first.n
         self.first.step(out[0] if k == 1 else out[:k])
         calls, at = [], k
-        for width, guard in zip(self.widths, self.guards):
+        for width, guard, prepare in zip(self.widths, self.guards, self.prepares):
             if guard is None:
                 calls.append((out[at:at + width], n))
                 at += width
                 continue
-            args, side = out[at + 1:at + 1 + width], split(n, out[at])[guard]
+            given, side = out[at + 1:at + 1 + width], split(n, out[at])[guard]
             at += 1 + width
             count = len(side[0])
-            calls.append((args if count == n else take_side(args, side) if count else None, count))
+            if count:
+                args = prepare(count, *(given if count == n else take_side(given, side)))
+                calls.append((args, count))
+            else:
+                calls.append((None, 0))
         self.steps.append((n, calls, out[at:]))
 
     def requests(self, calls):
