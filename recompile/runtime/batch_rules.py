@@ -28,7 +28,8 @@ from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, by_names, has_hooks, tensor_method, torch_callable
 from . import batch as bt
 from . import saved_versions
-from . import cells, dicts, distributions, extremes, fallbacks, helpers, lazy_weights, padded, ranges, row_wise, rows
+from . import cells, chosen, dicts, distributions, extremes, fallbacks, helpers, lazy_weights, padded, ranges
+from . import row_wise, rows
 from . import sharing, spreads
 from .batch import Batch
 
@@ -157,7 +158,8 @@ def _call(n, fn, args, kwargs):
                 # (else each instance's own call: its views differ in shape, which vmap would pad)
                 return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
             return _vmapped_or_per_instance(n, fn, (base, *args), kwargs, method=name)
-        return per_instance(n, fn, args, kwargs)
+        out = chosen.grouped(n, fn, args, kwargs, call)  # (``self.ops[op[i]](x)``: one call per module)
+        return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
     for a in args:
         if type(a) is Batch:
             break
@@ -1539,6 +1541,10 @@ def _gather(n, fn, args, kwargs):
     if type(x) is Batch and type(index) is Batch and x.struct is not None and x.owner is None and \
             issubclass(x.struct[0], bt.Keyed):
         out = _value_of_each_key(n, x, index)  # (``chart[0, n]`` of a dict with shared keys, n each instance's)
+        if out is not NotImplemented:
+            return out
+    if type(x) is not Batch and type(index) is Batch and type(x) not in PLAIN_TENSORS:
+        out = chosen.picked(x, index)  # (``self.ops[op[i]]``: each instance's module)
         if out is not NotImplemented:
             return out
     if type(x) is not Batch and type(index) is Batch and type(x) in PLAIN_TENSORS:  # (``self.embed.weight[i]``)

@@ -1,0 +1,76 @@
+"""Callables the data chooses (``self.ops[op[i]](x)``): one batched call per callable, as DyNet groups by signature.
+
+Each instance may call its own module, picked from a shared ``nn.ModuleList`` (or a list, tuple or ``nn.ModuleDict``)
+by an index of its own. ``picked`` reads each instance's pick (Python's own indexing: its errors are each
+instance's); ``grouped`` then calls each distinct callable once, on the rows of the instances that picked it, by
+that callable's own batch rule, and joins the results in instance order. Only modules and plain module-level
+functions group: a nested function or lambda may be each instance's own closure, and a method of each instance's
+tensor is another rule's. Where the run changes values in place, the instances' rows would be copies their
+changes must reach: each instance then calls its own, as before.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import torch
+from torch import nn
+
+from . import batch as bt
+from . import sharing
+from .batch import Batch
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, list, tuple)
+
+
+def picked(x, index):
+    """``x[index]`` of a shared container of callables, index each instance's: a Batch of each instance's pick,
+    or NotImplemented."""
+    if type(x) not in _CONTAINERS or not sharing.state.fresh or not len(x):
+        return NotImplemented
+    values = x.values() if isinstance(x, nn.ModuleDict) else x
+    if not all(groups(v) for v in values):
+        return NotImplemented
+    at = bt.instance_index(index) if not isinstance(x, nn.ModuleDict) else None
+    if at is not None and at.numel() and -len(x) <= int(at.min()) and int(at.max()) < len(x):
+        listed = list(x)  # (one read of the list, then Python's own list indexing: a ModuleList's is slow)
+        return bt.from_items([listed[k] for k in at.tolist()])
+    keys = bt.items_of(index)
+    if not all(type(k) is int or type(k) is str or isinstance(k, torch.Tensor) and k.dim() == 0 for k in keys):
+        return NotImplemented
+    return bt.from_items([x[k] for k in keys])  # (each instance's IndexError or KeyError as its own)
+
+
+def groups(fn):
+    """Whether instances calling ``fn`` may be one call: a module (no hooks looked at here: its rule does), a
+    builtin function (not a method bound to an object: each instance's tensor's ``t.sum``), or a plain function
+    defined at a module's top level."""
+    if isinstance(fn, nn.Module):
+        return True
+    if isinstance(fn, types.BuiltinFunctionType):
+        return fn.__self__ is None or isinstance(fn.__self__, types.ModuleType)
+    return inspect.isfunction(fn) and fn.__closure__ is None and "<locals>" not in fn.__qualname__
+
+
+def grouped(n, fn, args, kwargs, call):
+    """``fn(*args, **kwargs)`` where ``fn`` holds each instance's callable: ``call`` (``batch_rules.call``) once
+    per distinct callable on its instances' rows, the results joined; NotImplemented where they do not group."""
+    if not sharing.state.fresh or fn.method is not None:
+        return NotImplemented
+    chosen = bt.items_of(fn)
+    order = {}
+    for k, c in enumerate(chosen):
+        if not groups(c):
+            return NotImplemented
+        order.setdefault(id(c), (c, []))[1].append(k)
+    kwargs = kwargs or {}
+    if len(order) == 1:
+        return call(n, chosen[0], args, kwargs)
+    sides = []
+    for c, positions in order.values():
+        index = bt.long_tensor(positions)
+        rows = [bt.take(a, index, positions) if type(a) is Batch else a for a in args]
+        given = {key: bt.take(v, index, positions) if type(v) is Batch else v for key, v in kwargs.items()}
+        sides.append((call(len(positions), c, tuple(rows), given), positions))
+    return bt.join(n, sides)

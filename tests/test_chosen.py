@@ -1,0 +1,109 @@
+"""Callables the data chooses (runtime/chosen.py): ``self.ops[k](x)`` with k each instance's, one batched call per
+module, against eager PyTorch (float64 values and gradients), with no op once per instance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import recompile
+from recompile import config, diagnostics
+from test_segments import switched
+
+ACTIVATIONS = [torch.tanh, torch.sigmoid, F.relu]
+
+
+class ModuleNet(nn.Module):
+    """A module network: each step applies the module its program names."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.ops = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        self.named = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+        self.out = nn.Linear(4, 2)
+
+    def run(self, x, program):
+        h = x
+        for step in range(program.shape[0]):
+            h = ACTIVATIONS[program[step] % 3](self.ops[program[step]](h))
+        return self.out(h)
+
+    def tree(self, left, right, op, leaf, i):
+        """A node's module chosen by its op, over its children's results (a leaf's is its vector)."""
+        if left[i] < 0:
+            return leaf[i]
+        return torch.tanh(self.ops[op[i]](self.tree(left, right, op, leaf, left[i])
+                                          + self.tree(left, right, op, leaf, right[i])))
+
+
+def models():
+    plain = ModuleNet().double()
+    compiled = ModuleNet().double()
+    compiled.load_state_dict(plain.state_dict())
+    type(compiled).run_c = recompile.function(ModuleNet.run)
+    type(compiled).tree_c = recompile.function(ModuleNet.tree)
+    return plain, compiled
+
+
+def grads(model, value):
+    return torch.autograd.grad(value.sum(), list(model.parameters()), allow_unused=True)
+
+
+def assert_grads(got, want):
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None or not g.any()
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
+
+
+def test_each_instance_applies_the_modules_its_program_names():
+    plain, compiled = models()
+    torch.manual_seed(1)
+    xs = torch.randn(7, 4, dtype=torch.float64)
+    programs = torch.randint(0, 3, (7, 3))
+    want = torch.stack([plain.run(x, p) for x, p in zip(xs, programs)])
+    with switched(config, "error", "PER_INSTANCE"):
+        got = recompile.vmap(compiled.run_c)(xs, programs)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    assert_grads(grads(compiled, got), grads(plain, want))
+
+
+def test_a_tree_whose_nodes_choose_their_module():
+    plain, compiled = models()
+    left = torch.tensor([-1, -1, 0, -1, 2, -1, -1, 5])
+    right = torch.tensor([-1, -1, 1, -1, 3, -1, -1, 6])
+    op = torch.tensor([0, 0, 2, 0, 1, 0, 0, 1])
+    torch.manual_seed(2)
+    leaf = torch.randn(8, 4, dtype=torch.float64)
+    roots = torch.tensor([4, 7, 2])
+    want = torch.stack([plain.tree(left, right, op, leaf, r) for r in roots])
+    with switched(config, "error", "PER_INSTANCE"):
+        got = recompile.vmap(compiled.tree_c, in_dims=(None, None, None, None, 0))(left, right, op, leaf, roots)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    assert_grads(grads(compiled, got), grads(plain, want))
+
+
+def test_a_pick_past_the_list_raises_as_python_does():
+    _, compiled = models()
+    xs = torch.zeros(2, 4, dtype=torch.float64)
+    with pytest.raises(IndexError):
+        recompile.vmap(compiled.run_c)(xs, torch.tensor([[0, 1], [1, 3]]))
+
+
+def test_closures_chosen_by_the_data_run_per_instance_and_say_so(monkeypatch):
+    monkeypatch.setattr(diagnostics, "_warned", set())
+
+    def scaled(x, k):
+        fns = [lambda v: v * 2.0, lambda v: v - 1.0]  # (each instance's own closures, for all we know)
+        return fns[k](x)
+
+    compiled = recompile.function(scaled)
+    xs = torch.arange(6.0).reshape(3, 2)
+    ks = torch.tensor([0, 1, 0])
+    with pytest.warns(recompile.PerInstanceWarning, match="<lambda> runs once per instance"):
+        got = recompile.vmap(compiled)(xs, ks)
+    torch.testing.assert_close(got, torch.stack([scaled(x, k) for x, k in zip(xs, ks)]))
