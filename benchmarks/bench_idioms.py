@@ -26,7 +26,9 @@ runs taking turns; the table gives trees/s and recompile / hand-batched. The RNT
 bilinear form with ``torch.einsum`` on the shared tensor V) and the same form written
 ``F.linear(x, V.view(...)).view(...) @ x`` go the same way, beside an RNTN batched by hand by height, and so
 does the Tree-LSTM written with modules (an ``nn.LSTMCell`` over the projected children, their summed state its
-state), beside the same model batched by hand. Last, two spellings that do not run as one batch per depth, each
+state), beside the same model batched by hand, and a module network: a Tree-RNN whose nodes pick their
+composition module from an ``nn.ModuleList`` by the data (which children are leaves), beside the same model batched
+by hand by height, each kind one call. Last, two spellings that do not run as one batch per depth, each
 with its warning, timed to say how far they fall: every node's loss appended to a list the recursion is handed
 (DyNet's way: an instance's calls then keep their order), and every node's losses returned as lists the parents
 join.
@@ -554,6 +556,54 @@ def hand_batched_rntn(model, forest):
     return F.cross_entropy(model.out(torch.cat(hs)), plan.labels, reduction="sum")
 
 
+class ModuleNetwork(SentimentModel):
+    """A Tree-RNN whose composition is a module the data chooses, as syntactically untied models pick theirs by
+    category: each internal node applies ``self.compose[kind]``, its kind which of its children are leaves (four
+    kinds, ``nn.ModuleList``)."""
+
+    def __init__(self, vocab_size, embed=300, hidden=150, classes=5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, embed)
+        self.leaf = nn.Linear(embed, hidden)
+        self.compose = nn.ModuleList([nn.Linear(2 * hidden, hidden) for _ in range(4)])
+        self.out = nn.Linear(hidden, classes)
+
+    @recompile.function
+    def encode(self, tree, i):
+        if tree.is_leaf[i]:
+            h = torch.tanh(self.leaf(self.embed(tree.words[i])))
+            loss = 0.0
+        else:
+            hl, loss_l = self.encode(tree, tree.left[i])
+            hr, loss_r = self.encode(tree, tree.right[i])
+            kind = 2 * tree.is_leaf[tree.left[i]].long() + tree.is_leaf[tree.right[i]].long()
+            h = torch.tanh(self.compose[kind](torch.cat([hl, hr], dim=-1)))
+            loss = loss_l + loss_r
+        return h, loss + self.node_loss(h, tree.labels[i])
+
+
+def hand_batched_modules(model, forest):
+    """Summed loss over every node of ``forest`` under ModuleNetwork ``model``, one batch per height, each kind's
+    nodes of a height one call of its module."""
+    plan = level_plan(forest)
+    hidden = model.out.in_features
+    h = torch.tanh(model.leaf(model.embed(plan.leaf_words)))
+    hs, blocks = [h], [by_reader(plan, h, 0)]
+    for level, children in enumerate(plan.children, 1):
+        x = inputs(blocks, level).index_select(0, children).view(-1, 2 * hidden)
+        leaves = (children < plan.uses[0][level]).view(-1, 2).long()  # (level 0's rows come first in the inputs)
+        kind = 2 * leaves[:, 0] + leaves[:, 1]
+        h = x.new_empty(x.shape[0], hidden)
+        for k, module in enumerate(model.compose):
+            at = (kind == k).nonzero().view(-1)
+            if at.numel():
+                h = h.index_copy(0, at, module(x.index_select(0, at)))
+        h = torch.tanh(h)
+        hs.append(h)
+        blocks.append(by_reader(plan, h, level))
+    return F.cross_entropy(model.out(torch.cat(hs)), plan.labels, reduction="sum")
+
+
 class CellTreeLSTM(SentimentModel):
     """The Tree-LSTM written with modules: an ``nn.LSTMCell`` reads the projection of the children's states,
     their summed (h, c) its state; a leaf runs the cell from a zero state."""
@@ -608,6 +658,7 @@ SPELLINGS = {"chunk (the example)": TreeLSTM, "split by sizes": SplitSizes, "sli
              "children in a list, looped": ChildrenListed}
 RNTN_SPELLINGS = {"RNTN einsum (example)": RNTN, "RNTN linear of V.view": RNTNLinear}
 CELL_SPELLINGS = {"nn.LSTMCell": CellTreeLSTM}
+MODULE_SPELLINGS = {"modules chosen by kind": ModuleNetwork}
 # Spellings that do not run as one batch per depth, each with its warning: timed to say how far they fall.
 WARNED_SPELLINGS = {"losses appended": AppendedLosses, "losses returned": ReturnedLosses}
 
@@ -649,6 +700,8 @@ def main(argv=None):
                                          ("RNTN (embed 300, hidden 50)", RNTN_SPELLINGS, hand_batched_rntn),
                                          ("Tree-LSTM of module cells (embed 300, hidden 150)", CELL_SPELLINGS,
                                           hand_batched_cells),
+                                         ("Tree-RNN of modules chosen by the data (embed 300, hidden 150)",
+                                          MODULE_SPELLINGS, hand_batched_modules),
                                          ("Tree-LSTM, node losses in lists (warned)", WARNED_SPELLINGS, hand_batched)):
         torch.manual_seed(0)
         base = next(iter(spellings.values()))(len(sst.vocab))

@@ -54,9 +54,10 @@ def test_batching_benchmark_runs(capsys):
 def test_idioms_benchmark_checks_and_times_every_spelling(capsys):
     bench_idioms.main(["--trees", "8", "--batch", "4", "--repeats", "1"])
     out = capsys.readouterr().out
-    spellings = len(bench_idioms.SPELLINGS) + len(bench_idioms.RNTN_SPELLINGS) + len(bench_idioms.CELL_SPELLINGS)
+    spellings = len(bench_idioms.SPELLINGS) + len(bench_idioms.RNTN_SPELLINGS) + len(bench_idioms.CELL_SPELLINGS) \
+        + len(bench_idioms.MODULE_SPELLINGS)
     warned = len(bench_idioms.WARNED_SPELLINGS)  # (each with its warning, and ops once per instance or not)
-    assert out.count("matches eager") == spellings + warned + 4  # (and each family's hand-batched code; main
+    assert out.count("matches eager") == spellings + warned + 5  # (and each family's hand-batched code; main
     # raises before the table otherwise)
     assert out.count("per-instance ops: none") == spellings
     rows = [line for line in out.splitlines() if line.rstrip().endswith("x") and " 4 " in line]

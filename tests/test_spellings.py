@@ -5,7 +5,7 @@ of ``test_segments``' trees, runs over a forest through ``recompile.vmap``: ever
 parameter gradients equal eager PyTorch's per tree (float64), no op runs once per instance
 (``stats["per_instance"]`` is empty), and the recursion runs as a plain level program (no Batch values
 between its pieces), as the spelling of the example does (a node looping over a list of its children: on the
-agenda, one run per depth). Then cases where computing a value once for
+agenda, one run per depth; a module chosen by the data: a level program on Batch values). Then cases where computing a value once for
 every instance would be wrong, each checked against eager; recurrent cells in a tree; and idioms beyond the
 benchmark's models (views, fields of what an op returns, ``sum`` of a list, mixed dtypes, ...), each batched
 with no op once per instance and each instance's values and dtypes.
@@ -30,13 +30,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_idioms  # noqa: E402  (the spellings the benchmark times)
 from bench_batching import eager_twin  # noqa: E402
 
-SPELLINGS = {**bench_idioms.SPELLINGS, **bench_idioms.RNTN_SPELLINGS, **bench_idioms.CELL_SPELLINGS}
+SPELLINGS = {**bench_idioms.SPELLINGS, **bench_idioms.RNTN_SPELLINGS, **bench_idioms.CELL_SPELLINGS,
+             **bench_idioms.MODULE_SPELLINGS}
 # a dict the recursion returns with a node's deferred loss in it: no late split (a tuple's elements only), so no
 # plain run; a level program on Batch values
 STRUCT_RESULTS = set()
 # spellings whose node runs a loop of any length over its children: its calls asked for at once (passes.fission),
 # the recursion on the agenda, one run per depth
 LOOPS_OF_CALLS = {"children in a list, looped"}
+# spellings calling a module the data chooses (runtime.chosen): a level program, its pieces on Batch values (a plain
+# piece has no form for each kind's own call)
+CHOSEN_MODULES = {"modules chosen by kind"}
 
 
 def small(cls):
@@ -49,7 +53,7 @@ def run(model, forest):
     model.zero_grad()
     out = recompile.vmap(model.encode, in_dims=(None, 0))(forest, forest.roots)
     (out[0].sum() + out[-1].sum()).backward()
-    return tuple(v.detach() for v in out), {k: p.grad.clone() for k, p in model.named_parameters()}
+    return tuple(v.detach() for v in out), grads(model)
 
 
 def eager(cls, model, tree_list):
@@ -58,7 +62,12 @@ def eager(cls, model, tree_list):
     outs = [plain.encode(t, t.root) for t in tree_list]
     values = tuple(torch.stack([o[j] for o in outs]) for j in range(len(outs[0])))
     (values[0].sum() + values[-1].sum()).backward()
-    return tuple(v.detach() for v in values), {k: p.grad.clone() for k, p in plain.named_parameters()}
+    return tuple(v.detach() for v in values), grads(plain)
+
+
+def grads(model):
+    """Each parameter's gradient; none where the trees never reach it (a module the data never chooses)."""
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("name", list(SPELLINGS))
@@ -79,7 +88,7 @@ def test_each_spelling_batches_as_the_example_does(name, monkeypatch):
     if name in LOOPS_OF_CALLS:
         runs = cls.encode.stats["batches"][cls.encode.ir_name]["runs"]
         assert levels is None and runs == 2 * 4, runs  # (two calls; the deepest tree has 4 levels)
-    elif name in STRUCT_RESULTS:
+    elif name in STRUCT_RESULTS or name in CHOSEN_MODULES:
         assert levels.runs >= 2 and levels.fallbacks == 0, (levels.runs, levels.fallbacks)
     else:
         assert levels.plain.runs >= 2, (levels.runs, levels.plain.runs, levels.plain.refused)
