@@ -51,6 +51,7 @@ from bench_batching import (arguments, by_reader, check_hand_batched, chunks, ea
 from rntn import RNTN  # noqa: E402
 from sst_runner import SentimentModel  # noqa: E402
 from tree_lstm import TreeLSTM  # noqa: E402
+from tree_rnn import TreeRNN  # noqa: E402
 
 import recompile  # noqa: E402
 from recompile.data import Forest  # noqa: E402
@@ -556,17 +557,14 @@ def hand_batched_rntn(model, forest):
     return F.cross_entropy(model.out(torch.cat(hs)), plan.labels, reduction="sum")
 
 
-class ModuleNetwork(SentimentModel):
-    """A Tree-RNN whose composition is a module the data chooses, as syntactically untied models pick theirs by
-    category: each internal node applies ``self.compose[kind]``, its kind which of its children are leaves (four
-    kinds, ``nn.ModuleList``)."""
+class ModuleNetwork(TreeRNN):
+    """``examples/tree_rnn.py``'s Tree-RNN with a composition the data chooses, as syntactically untied models pick
+    theirs by category: each internal node applies ``self.compose[kind]``, its kind which of its children are
+    leaves (four kinds, ``nn.ModuleList``)."""
 
     def __init__(self, vocab_size, embed=300, hidden=150, classes=5):
-        super().__init__()
-        self.embed = nn.Embedding(vocab_size, embed)
-        self.leaf = nn.Linear(embed, hidden)
+        super().__init__(vocab_size, embed, hidden, classes)
         self.compose = nn.ModuleList([nn.Linear(2 * hidden, hidden) for _ in range(4)])
-        self.out = nn.Linear(hidden, classes)
 
     @recompile.function
     def encode(self, tree, i):
