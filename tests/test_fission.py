@@ -196,11 +196,23 @@ def grows_what_it_reads(self, kids, n_kids, words, i):
     return torch.tanh(self.mix(torch.stack(hs).sum(0)))
 
 
+def guarded_reads_list(self, kids, n_kids, words, i):
+    """The side reads the list the loop appends to after its call: in the second pass, in order."""
+    hs = [self.embed(words[i])]
+    for child in kids[i]:
+        if child >= 0:
+            hs.append(self.encode(kids, n_kids, words, child) + hs[-1])
+        else:
+            hs.append(hs[-1] * 0.5)
+    return torch.tanh(self.mix(torch.stack(hs).sum(0)))
+
+
 MODELS = {"child_sum": child_sum, "appended": appended, "flat_list": flat_list, "summed": summed,
           "row_stretch": row_stretch, "summed_apart": summed_apart, "two_calls": two_calls, "chained": chained,
           "run_until": run_until, "stops_early": stops_early, "guarded": guarded,
           "guarded_appends": guarded_appends, "guarded_computed": guarded_computed,
           "guarded_by_results": guarded_by_results, "guarded_noise": guarded_noise,
+          "guarded_reads_list": guarded_reads_list,
           "grows_what_it_reads": grows_what_it_reads}
 
 
@@ -259,7 +271,7 @@ def test_a_split_loop_runs_each_depth_of_every_tree_once(name):
                                           ("grows_what_it_reads", False), ("handed_on", False),
                                           ("guarded", True), ("guarded_appends", True),
                                           ("guarded_computed", True), ("guarded_by_results", False),
-                                          ("guarded_noise", False)])
+                                          ("guarded_noise", False), ("guarded_reads_list", True)])
 def test_which_loops_split(name, splits):
     _, batched, _ = three(MODELS.get(name, handed_on))
     sg = type(batched).encode.build_for(type(batched)).stages[FINAL]
@@ -327,3 +339,43 @@ def test_a_sum_of_no_children_beside_a_tensor_it_does_not_fit_runs_per_instance(
     with pytest.warns(recompile.PerInstanceWarning, match="add"):
         got = recompile.vmap(batched.encode, in_dims=(None, None, None, 0))(KIDS, N_KIDS, WORDS, ROOTS)
     torch.testing.assert_close(got, torch.stack([plain.encode(KIDS, N_KIDS, WORDS, r) for r in ROOTS]))
+
+
+class Chained(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+
+
+def hand_on_last(self, kids, i, prev):
+    """The call under the ``if`` is handed the last item of the list the loop appends to."""
+    hs = [self.emb[i] + prev]
+    for child in kids[i]:
+        if child >= 0:
+            hs.append(self.encode(kids, child, hs[-1]))
+    return torch.tanh(torch.stack(hs).sum(0))
+
+
+def test_a_call_under_an_if_handed_the_list_the_loop_grows_keeps_the_loop():
+    plain = type("P", (Chained,), {"encode": hand_on_last})()
+    batched = type("B", (Chained,), {"encode": recompile.function(hand_on_last, mode="batched")})()
+    kids, prev = torch.tensor([[1, 2], [-1, -1], [3, -1], [-1, -1]]), torch.zeros(3, dtype=torch.float64)
+    want = plain.encode(kids, 0, prev)
+    got = batched.encode(kids, 0, prev)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), batched.emb)[0],
+                               torch.autograd.grad(want.sum(), plain.emb)[0])
+
+
+def test_a_number_where_torch_refuses_one_raises_as_python_does():
+    def fn(x, n):
+        hs = [x * k for k in range(n)]
+        return torch.maximum(x, sum(hs))
+
+    compiled = recompile.function(fn)
+    xs = torch.arange(8.0).reshape(4, 2)
+    with pytest.raises(TypeError):
+        fn(xs[0], 0)
+    with pytest.raises(TypeError):
+        recompile.vmap(compiled)(xs, torch.tensor([0, 2, 0, 1]))

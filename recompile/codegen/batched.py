@@ -286,6 +286,7 @@ class _BatchedEmitter(emit.FunctionEmitter):
         first = ast.While(test=method("keep", call(self.emission.fn_name[op.cond_sg])),
                           body=[ast.Expr(value=method("step", call(pre)))], orelse=[])
         asked, got = self.var(ir.Value("_asked")), self.var(ir.Value("_got"))
+        # (each call's target and site; its arguments and count are the first pass's: not this class's request)
         calls = ast.Tuple(elts=[ast.Tuple(elts=[t, s], ctx=ast.Load()) for t, _, s in
                                 (emit.FunctionEmitter.request(self, c.invoke) for c in found.calls)], ctx=ast.Load())
         ask = ast.Assign(targets=[ast.Name(id=asked, ctx=ast.Store())], value=method("requests", calls))

@@ -75,11 +75,8 @@ def _guarded(op):
         if len(invokes) != 1 or any(_calls(o) for o in side.ops if o is not invokes[0]) or \
                 any(_calls(o) for o in other.ops):
             continue
-        needed, prepare = {x for x in invokes[0].args if isinstance(x, ir.Value)}, set()
-        for o in reversed(side.ops):
-            if o is not invokes[0] and any(v in needed for v in o.outputs):
-                prepare.add(o)
-                needed.update(x for x in o.operands() if isinstance(x, ir.Value))
+        needed = {x for x in invokes[0].args if isinstance(x, ir.Value)}
+        prepare = _needing(side.ops, needed)
         if not all(pure_op(o) or isinstance(o, ir.Fused) for o in prepare):
             return None  # (run again in the second pass: only what gives the same value twice; a fused op's are
             # elementwise)
@@ -87,6 +84,17 @@ def _guarded(op):
         return LoopCall(invokes[0], [op.args[side.inputs.index(x)] for x in given], (op, which), given,
                         [o for o in side.ops if o in prepare])
     return None
+
+
+def _needing(ops, needed):
+    """The ops of ``ops`` (not calls) that compute what ``needed`` holds, and what those read in turn (``needed``
+    grows with it)."""
+    found = set()
+    for o in reversed(ops):
+        if not isinstance(o, ir.Invoke) and any(v in needed for v in o.outputs):
+            found.add(o)
+            needed.update(x for x in o.operands() if isinstance(x, ir.Value))
+    return found
 
 
 def split(op, appends, may_mutate):
@@ -123,17 +131,13 @@ def split(op, appends, may_mutate):
     if any(_reads(test, test.inputs[j]) for j in later):
         return None  # (the test reads what the calls give: how long the loop runs is not known first)
     needed.update(body.outputs[j] for j in range(k) if j not in later and isinstance(body.outputs[j], ir.Value))
-    pre = set()
-    for o in reversed(body.ops):
-        if not isinstance(o, ir.Invoke) and any(v in needed for v in o.outputs):
-            pre.add(o)
-            needed.update(x for x in o.operands() if isinstance(x, ir.Value))
+    pre = _needing(body.ops, needed)
     guards = {c.guard[0] for c in calls if c.guard}
     post = [o for o in body.ops if o not in pre and not isinstance(o, ir.Invoke)]
     pre = [o for o in body.ops if o in pre]
     if any(_calls(o) for o in pre + test.ops) or any(_calls(o) for o in post if o not in guards):
         return None
-    if not _lists_apart(op, pre, post, appends):
+    if not _lists_apart(op, pre, post, appends, [x for c in calls if c.guard for x in c.args]):
         return None
     made = {v for o in pre for v in o.outputs} | {body.inputs[j] for j in range(k) if j not in later}
     crossing = []
@@ -152,9 +156,10 @@ def _reads(sg, value):
     return value in sg.outputs or any(value in o.operands() for s in sg.walk() for o in s.ops)
 
 
-def _lists_apart(op, pre, post, appends):
+def _lists_apart(op, pre, post, appends, guarded):
     """Whether the lists ``post`` changes are invariants of the loop that nothing else of it reads: not ``pre``,
-    not the test, not another operand of the loop made from them (``as_sequence(hs)``)."""
+    not what a call under an ``if`` is handed (``guarded``: ``if c: f(hs[-1])``), not the test, not another
+    operand of the loop made from them (``as_sequence(hs)``)."""
     body = op.body_sg
     operands = op.loop_vars + op.invariants
     if any(_nested_appends(o, appends) for o in pre):
@@ -175,7 +180,7 @@ def _lists_apart(op, pre, post, appends):
         if value not in body.inputs:
             return False  # (a list of a nested branch's own, or one read off another value)
         j = body.inputs.index(value)
-        if j < len(op.loop_vars) or _reads(op.cond_sg, op.cond_sg.inputs[j]) or \
+        if j < len(op.loop_vars) or _reads(op.cond_sg, op.cond_sg.inputs[j]) or value in guarded or \
                 any(value in o.operands() for o in pre):
             return False
         outer = operands[j]

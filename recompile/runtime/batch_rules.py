@@ -834,8 +834,8 @@ def elementwise(n, fn, args, kwargs):
             return joined
     like = _dtype_hint(args)
     values = _tensor_args(n, args, like)
-    if values is None and len(args) == 2 and fn not in _IN_PLACE:
-        values = _numbers_as_rows(*args)
+    if values is None and len(args) == 2 and fn in _NUMBER_OPERATORS and fn not in _IN_PLACE:
+        values = _numbers_as_rows(*args)  # (Python's operators only: ``torch.maximum(x, 0)`` refuses the int)
     if values is None:
         return NotImplemented
     if fn is torch.where and len(values) == 3 and values[0].dtype is torch.bool:  # (the condition apart)

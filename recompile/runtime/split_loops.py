@@ -17,6 +17,9 @@ from .units import unit_of
 
 
 class SplitLoop:
+    """A split loop for n instances: its first pass (``keep``, ``step``), its calls (``requests``), its second
+    pass and result (``finish``)."""
+
     __slots__ = ("first", "n0", "k", "later", "widths", "guards", "prepares", "initial", "tests", "steps", "arities",
                  "asked")
 
@@ -81,11 +84,11 @@ class SplitLoop:
 
     def finish(self, results, post):
         """The loop's final variables: the first pass's, and those ``post`` computes over ``results``."""
-        split_ = sharing.state.fresh  # (a split's pieces are views no one may change in place)
+        by_split = sharing.state.fresh  # (a split's pieces are views no one may change in place)
         parts = []
         for i, arity in enumerate(self.arities or ()):
             counts = [made[i][1] for _, made, _ in self.steps]
-            each = iter(bt.cut_result(results[self.asked.index(i)], [c for c in counts if c], arity > 1, split_)
+            each = iter(bt.cut_result(results[self.asked.index(i)], [c for c in counts if c], arity > 1, by_split)
                         if i in self.asked else ())
             parts.append([next(each) if c else None for c in counts])
         loop = Loop(self.n0, self.initial, len(self.later))
