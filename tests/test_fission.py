@@ -302,8 +302,11 @@ def test_threads_give_the_same_values():
     plain, _, _ = three(appended)
     threaded = type("Threaded", (Base,), {"encode": recompile.function(appended, mode="batched", threads=2)})()
     threaded = threaded.double()
+    threaded.load_state_dict(plain.state_dict())
     got = recompile.vmap(threaded.encode, in_dims=(None, None, None, 0))(KIDS, N_KIDS, WORDS, ROOTS)
-    torch.testing.assert_close(got, torch.stack([plain.encode(KIDS, N_KIDS, WORDS, r) for r in ROOTS]))
+    want = torch.stack([plain.encode(KIDS, N_KIDS, WORDS, r) for r in ROOTS])
+    torch.testing.assert_close(got, want)
+    assert_all_close(grads_of(threaded, [got]), grads_of(plain, [want]))
 
 
 def test_an_error_in_a_split_loop_names_its_chain():

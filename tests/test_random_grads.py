@@ -871,6 +871,11 @@ class ProgramGenerator:
             self.emit(scope, lines, f"{indent}    {r2}, {s2} = f({c.text}, {a.text}, w, d - {step})")
             self.emit(scope, lines, f"{indent}    {r} = {r} {self.pick(('+', '-', '*'))} {r2}")
             self.emit(scope, lines, f"{indent}    {s} = {s} + {s2} * 0.5")
+        self.base_case(scope, lines, indent, r, s, a, b, m)
+
+    def base_case(self, scope, lines, indent, r, s, *read):
+        """The ``else`` of a recursion's guard, ``r`` and ``s`` given plain values there; after it they hold a
+        call's values, and what the calls read (``read``) may be another name's."""
         lines.append(f"{indent}else:")
         base_v, base_s = self.expr(scope, "V", 1), self.expr(scope, "S", 1)
         self.emit(scope, lines, f"{indent}    {r} = {base_v.text}")
@@ -879,10 +884,7 @@ class ProgramGenerator:
         # do not follow; a call's result is never changed in place)
         scope.tensors[r] = Var("V", False, False)
         scope.tensors[s] = Var("S", False, False)
-        for e in (a, b, m, base_v, base_s):
-            for n in e.aliases:
-                if n in scope.tensors:
-                    scope.tensors[n].fresh = False
+        self.unfresh(scope, *read, base_v, base_s)
 
     def st_recurse_loop(self, scope, lines, indent, nest, carried):
         """Recursion in a loop whose trips' calls read only the counter and values made before it: batched mode
@@ -915,16 +917,7 @@ class ProgramGenerator:
             lines.append(f"{indent}        {tot} = {tot} {self.pick(('+', '-', '*'))} {s}")
         lines.append(f"{indent}    {r} = torch.stack({acc}).{self.pick(('sum', 'mean'))}(0)")
         lines.append(f"{indent}    {s} = {tot}")
-        lines.append(f"{indent}else:")
-        base_v, base_s = self.expr(scope, "V", 1), self.expr(scope, "S", 1)
-        self.emit(scope, lines, f"{indent}    {r} = {base_v.text}")
-        self.emit(scope, lines, f"{indent}    {s} = {base_s.text}")
-        scope.tensors[r] = Var("V", False, False)
-        scope.tensors[s] = Var("S", False, False)
-        for e in (a, b, base_v, base_s):
-            for n in e.aliases:
-                if n in scope.tensors:
-                    scope.tensors[n].fresh = False
+        self.base_case(scope, lines, indent, r, s, a, b)
 
     def st_recurse_g(self, scope, lines, indent, nest, carried):
         self.features.add("recurse_g")
