@@ -9,9 +9,9 @@ from .debugging import disable  # noqa: F401
 from .errors import (CompileError, GradFallbackWarning, PerInstanceError, PerInstanceWarning,  # noqa: F401
                      RecompileError, SharedChangeWarning)
 from .passes.pipeline import FINAL, STAGES  # noqa: F401
-from .vmap import vmap  # noqa: F401
+from .vmap import map, vmap  # noqa: F401
 
-__all__ = ["function", "vmap", "disable", "CompiledFunction", "CompileError", "RecompileError",
+__all__ = ["function", "vmap", "map", "disable", "CompiledFunction", "CompileError", "RecompileError",
            "PerInstanceError", "PerInstanceWarning", "GradFallbackWarning", "SharedChangeWarning", "STAGES", "dump"]
 __version__ = "0.1.0"
 

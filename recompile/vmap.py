@@ -1,10 +1,15 @@
-"""``recompile.vmap``: many instances of a compiled function in one batched run.
+"""``recompile.vmap`` and ``recompile.map``: many instances of a compiled function in one batched run.
 
-The conventions are torch.func.vmap's: ``in_dims`` gives, per positional
+``vmap``'s conventions are torch.func.vmap's: ``in_dims`` gives, per positional
 argument, the dim its instances lie along (None: shared by every instance);
 results come back stacked along ``out_dims``. Unlike torch.func.vmap, each
 instance may take its own path through the function: its own branches, its
 own number of loop iterations, its own recursion (a tree per instance).
+
+``map``'s are Python's ``map``: an iterable per positional argument, an
+instance per item (a tree as the user's own linked objects, a sequence of its
+own length, a Python number), and a list of results, each as the function
+returned it for that instance (an int, a list of tokens, a namedtuple).
 """
 
 from __future__ import annotations
@@ -24,6 +29,50 @@ def vmap(fn, in_dims=0, out_dims=0):
     """``fn`` run for a batch of instances: a ``recompile.function`` or a plain Python function (a def or a
     lambda, compiled here as ``recompile.function`` would, once per function), either of them bound to an
     object (``model.encode``), or a module without hooks (its ``forward``)."""
+    cf, bound_self = _batched_function(fn, "vmap")
+    if not (out_dims is None or type(out_dims) is int):
+        raise TypeError("recompile.vmap: out_dims must be an int")
+
+    def batched(*args):
+        return _run(cf, bound_self, in_dims, out_dims, args)
+
+    return batched
+
+
+def map(fn, *iterables, strict=False):
+    """``[fn(*args) for args in zip(*iterables)]`` in one batched run: ``fn`` as ``vmap`` takes it; an instance
+    per item of the iterables (stopping at the shortest, as Python's ``map``; ``strict=True``: a ValueError where
+    their lengths differ, as ``zip``'s). An argument whose every item is the one object (``itertools.repeat(emb)``)
+    is shared. Returns a list: each instance's result as ``fn`` returns it."""
+    cf, bound_self = _batched_function(fn, "map")
+    if not iterables:
+        raise TypeError("recompile.map needs at least one iterable of arguments")
+    return _run_map(cf, bound_self, [list(row) for row in zip(*iterables, strict=strict)])
+
+
+@opaque
+def _run_map(cf, bound_self, rows):
+    n = len(rows)
+    if n == 0:
+        return []
+    if config.DISABLED:  # (recompile.disable(): one plain call per instance)
+        return [cf.python(*bound_self, *row) for row in rows]
+    cf.bind(*bound_self, *rows[0])  # (Python's own TypeError for a wrong call, before anything runs)
+    columns = [_column([row[j] for row in rows]) for j in range(len(rows[0]))]
+    args = cf.bind(*bound_self, *columns)
+    out = cf.run_batched(args, n, type(bound_self[0]) if bound_self else None)
+    return [bt.instance(out, k) for k in range(n)]
+
+
+def _column(items):
+    """The value of one argument for the instances: the one object where each has that same object, else a
+    Batch of each instance's own."""
+    first = items[0]
+    return first if all(x is first for x in items) else bt.from_items(items)
+
+
+def _batched_function(fn, name):
+    """The CompiledFunction ``fn`` stands for (in batched mode), and the object it is bound to, if any."""
     if isinstance(fn, torch.nn.Module) and not has_hooks(fn):
         fn = fn.forward
     bound_self = ()
@@ -33,17 +82,11 @@ def vmap(fn, in_dims=0, out_dims=0):
     if isinstance(cf, types.FunctionType):
         cf = _compiled(cf)
     if not isinstance(cf, CompiledFunction):
-        raise TypeError(f"recompile.vmap expects a function (a recompile.function, a def or a lambda), "
+        raise TypeError(f"recompile.{name} expects a function (a recompile.function, a def or a lambda), "
                         f"got {type(fn).__name__}")
     if cf.mode != "batched":
-        raise ValueError(f"recompile.vmap needs a function compiled with mode='batched' (this one is {cf.mode!r})")
-    if not (out_dims is None or type(out_dims) is int):
-        raise TypeError("recompile.vmap: out_dims must be an int")
-
-    def batched(*args):
-        return _run(cf, bound_self, in_dims, out_dims, args)
-
-    return batched
+        raise ValueError(f"recompile.{name} needs a function compiled with mode='batched' (this one is {cf.mode!r})")
+    return cf, bound_self
 
 
 def _compiled(fn):

@@ -17,6 +17,7 @@ import bench_batching  # noqa: E402
 import bench_dynet  # noqa: E402
 import bench_fusion  # noqa: E402
 import bench_in_place  # noqa: E402
+import bench_objects  # noqa: E402
 import bench_idioms  # noqa: E402
 import bench_memory  # noqa: E402
 import bench_parsers  # noqa: E402
@@ -48,6 +49,17 @@ def test_batching_benchmark_runs(capsys):
         assert float(row[8][:-1]) == pytest.approx(float(row[7]) / float(row[3]), rel=0.02, abs=0.01)
         assert float(row[9][:-1]) == pytest.approx(float(row[4]) / float(row[7]), rel=0.02, abs=0.01)
     assert "recompile failed" not in out
+
+
+def test_objects_benchmark_checks_and_times_both_models(capsys):
+    bench_objects.main(["--trees", "6", "--batch", "3", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert out.count("recompile.map and hand-batched match eager") == 2  # (main raises before a table otherwise)
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("inference", "training"))]
+    assert [row[:2] for row in rows] == [["inference", "3"], ["training", "3"]] * 2
+    for row in rows:  # mode batch | hand recompile rec/hand
+        assert float(row[2]) > 0 and float(row[3]) > 0
+        assert float(row[4][:-1]) == pytest.approx(float(row[3]) / float(row[2]), rel=0.02, abs=0.01)
 
 
 @pytest.mark.slow  # (about 6 s: every spelling checked in float64)

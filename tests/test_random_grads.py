@@ -1147,6 +1147,20 @@ def batched_eager(mod, inputs, shared, d):
     return differentiate(call, leaves, output_weights)
 
 
+def raised_by_an_instance(got, mod, inputs, shared, d):
+    """Whether the vmap's call raised what one of its instances, called alone, raises at its call: the
+    instances run together, not one after another, so where two instances raise different errors either may
+    come first (docs/language.md, Order of calls and effects)."""
+    if got.error is None or got.phase != "call":
+        return False
+    x, y, w = inputs
+    for i in range(BATCH):
+        alone = single(mod, (x[i], y if shared["y"] else y[i], w if shared["w"] else w[i]), d)
+        if alone.phase == "call" and type(alone.error) is type(got.error):
+            return True
+    return False
+
+
 def batched_compiled(mod, inputs, shared, d):
     x, y, w = (t.detach().clone().requires_grad_() for t in inputs)
     leaves = [x, y, w, mod.C]
@@ -1292,6 +1306,8 @@ def check_seed(seed, folder, modes=MODES + ("vmap",), cases=2):
                 bad = compare(got, want)
                 if bad and chaotic(lambda xs: batched_eager(mods["eager"], xs, shared, d), inputs, want):
                     continue  # (31689: a tie of ``torch.max(.., 1)`` on values a norm made)
+                if bad and raised_by_an_instance(got, mods["eager"], inputs, shared, d):
+                    continue  # (14739: the instances run together, so another instance's error may come first)
                 if bad:
                     failures.append((f"vmap shared={shared}", case, d, inputs, bad))
     return gen, failures

@@ -1957,6 +1957,8 @@ def attribute(n, fn, args, kwargs):
         fields = getattr(kind, "_fields", None) or getattr(kind, "__match_args__", ())
         if name in fields:
             return parts[fields.index(name)]
+    if name in SHARED_ATTRS and name != "requires_grad" and rows.of(x) is not None:  # (``seq.dtype``)
+        return getattr(rows.of(x).source, name)
     if name in ("shape", "ndim") and rows.of(x) is not None:  # (``xs.shape[0]``: each instance's length)
         seq = rows.of(x)
         rest = list(seq.source.shape[2:])
@@ -1985,7 +1987,24 @@ def attribute(n, fn, args, kwargs):
         # (``v.add_(...)`` of each instance's own tensor: run per instance on the Batch, which then forgets a
         # tensor stacked from its items before the change)
         return Batch(x.n, method=(x, name))
+    if x.owner == "items" and x.thunk is None and not any(isinstance(v, torch.Tensor) for v in x.items):
+        return _attribute_of_each(x.items, name)
     return NotImplemented
+
+
+def _attribute_of_each(objects, name):
+    """``obj.name`` of each instance's own Python object (``node.children``, ``node.word`` of a tree of the user's
+    nodes under ``recompile.map``): each one's, read as Python reads it, in one pass; the one object where every
+    instance's is that object. NotImplemented where one raises (each instance then raises its own, in order)."""
+    try:
+        found = [getattr(v, name) for v in objects]
+    except Exception:
+        return NotImplemented
+    first = found[0]
+    for v in found:  # (a loop, not all(genexpr): it runs at every node)
+        if v is not first:
+            return bt.from_items(found)
+    return first
 
 
 @BATCH.register(sum)

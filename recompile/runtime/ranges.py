@@ -77,7 +77,17 @@ def as_sequence(n, fn, args, kwargs):
     keys = dicts.iterated(seq)  # (``for k in d`` of a dict built with shared keys: its keys)
     if keys is not None:
         return keys
-    return rows.listed(n, seq) if sharing.state.fresh else NotImplemented  # (``for h in hs``, each its own list)
+    out = rows.listed(n, seq) if sharing.state.fresh else NotImplemented  # (``for h in hs``, each its own list)
+    if out is NotImplemented and _own_sequences(seq):
+        # (``for ch in node.children``, each instance's list of anything: as it is, since a lowered ``for`` reads
+        # a list or tuple as Python's iterator does, by position, its length again at each step)
+        return seq
+    return out
+
+
+def _own_sequences(seq):
+    return type(seq) is Batch and seq.owner == "items" and seq.thunk is None and \
+        all(type(x) in (list, tuple) for x in seq.items)
 
 
 def has_index(n, fn, args, kwargs):

@@ -177,8 +177,30 @@ def gather_rows(source, rows, places):
 def of(value):
     """The Rows a Batch holds as its instances' values (their views made or not: ``Rows.fill``), in a run that
     changes nothing in place (elsewhere a view's shape or values may have changed since: ``ys.unsqueeze_(0)``),
-    else None."""
-    return bt.held(value, Rows)
+    else None. Each instance's own tensor of a length of its own (``recompile.map`` over sequences) is read as
+    Rows too."""
+    found = bt.held(value, Rows)
+    if found is None and type(value) is Batch and type(value.items) is list and value.thunk is None and \
+            value.owner == "items" and sharing.state.fresh:
+        found = _ragged(value)
+    return found
+
+
+def _ragged(value):
+    """The Rows of Batch ``value`` whose items are tensors of one dtype, device and shape but dim 0, not all as
+    long: the instances' own tensors, kept as their values, and a zero-padded copy of them as the source the
+    rules read (from which a gradient reaches them). None for other items."""
+    items = value.items
+    if not all(type(t) in bt.PLAIN_TENSORS and t.dim() for t in items) or not bt.same_kind(items, 1):
+        return None
+    lengths = [t.shape[0] for t in items]
+    if min(lengths) == max(lengths):
+        return None  # (one tensor holds them: ``tensor_of``)
+    found = padded_rows(value.n, torch.nn.utils.rnn.pad_sequence(items, batch_first=True), lengths)
+    found[:] = items
+    found.made = True
+    value.items = found
+    return found
 
 
 def holds(value):

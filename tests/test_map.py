@@ -1,0 +1,236 @@
+"""``recompile.map`` (vmap.py): a function over a list of what users hold, in one batched run, each result as the
+function returns it; differential against the plain calls."""
+
+import itertools
+import random
+import sys
+from collections import namedtuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import recompile
+from recompile import diagnostics
+
+H = 6
+
+
+class Node:
+    def __init__(self, word, label, children):
+        self.word, self.label, self.children = word, label, children
+
+
+def random_tree(rng, depth=0):
+    """A tree of Nodes with 0 to 4 children each."""
+    arity = 0 if depth >= 3 or (depth and rng.random() < 0.35) else rng.randint(1, 4)
+    return Node(torch.tensor(rng.randrange(20)), torch.tensor(rng.randrange(3)),
+                [random_tree(rng, depth + 1) for _ in range(arity)])
+
+
+class ChildSum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, H)
+        self.iou = nn.Linear(2 * H, 3 * H)
+        self.f = nn.Linear(2 * H, H)
+        self.out = nn.Linear(H, 3)
+
+    @recompile.function
+    def forward(self, node):
+        x = self.embed(node.word)
+        hs, cs, loss = [], [], 0.0
+        for child in node.children:
+            h, c, child_loss = self.forward(child)
+            hs.append(h)
+            cs.append(c)
+            loss = loss + child_loss
+        h_sum = sum(hs) if hs else torch.zeros(H, dtype=x.dtype)
+        i, o, u = torch.chunk(self.iou(torch.cat([x, h_sum])), 3)
+        c = torch.sigmoid(i) * torch.tanh(u)
+        for h_k, c_k in zip(hs, cs):
+            c = c + torch.sigmoid(self.f(torch.cat([x, h_k]))) * c_k
+        h = torch.sigmoid(o) * torch.tanh(c)
+        return h, c, loss + F.cross_entropy(self.out(h), node.label)
+
+
+def grads(model, loss):
+    params = list(model.parameters())
+    return torch.autograd.grad(loss, params)
+
+
+@pytest.fixture
+def strict(monkeypatch):
+    """Per-instance fallbacks raise (a model that must batch whole)."""
+    monkeypatch.setattr(recompile.config, "PER_INSTANCE", "error")
+    monkeypatch.setattr(diagnostics, "_warned", set())
+
+
+def test_a_child_sum_over_node_objects_gives_each_trees_values_and_gradients_and_batches(strict):
+    torch.manual_seed(0)
+    model = ChildSum().double()
+    rng = random.Random(1)
+    roots = [random_tree(rng) for _ in range(9)]
+    want = [model.forward.python(model, root) for root in roots]
+    want_grads = grads(model, sum(w[2] for w in want))
+    type(model).forward.stats.reset()
+    got = recompile.map(model, roots)
+    assert type(got) is list and len(got) == len(roots)
+    for g, w in zip(got, want):
+        assert type(g) is tuple and len(g) == 3
+        for a, b in zip(g, w):
+            torch.testing.assert_close(a, b.detach())
+    for a, b in zip(grads(model, sum(g[2] for g in got)), want_grads):
+        torch.testing.assert_close(a, b)
+    stats = type(model).forward.stats
+    assert not stats.get("per_instance")
+    nodes = sum(1 for _ in _walk(roots))
+    assert stats["batches"]["ChildSum.forward"]["mean_batch"] > 3  # (a node's children of every tree at once)
+    assert stats["frames"] < nodes
+
+
+def _walk(nodes):
+    for node in nodes:
+        yield node
+        yield from _walk(node.children)
+
+
+def test_sequences_of_their_own_lengths_run_as_rows_with_eagers_gradients(strict):
+    torch.manual_seed(0)
+    cell = nn.LSTMCell(4, H).double()
+
+    @recompile.function
+    def encode(seq):
+        h = torch.zeros(H, dtype=seq.dtype)
+        c = torch.zeros(H, dtype=seq.dtype)
+        for x in seq:
+            h, c = cell(x, (h, c))
+        return h, seq.sum(0), len(seq)
+
+    seqs = [torch.randn(m, 4, dtype=torch.float64, requires_grad=True) for m in (3, 1, 5, 2, 5)]
+    got = recompile.map(encode, seqs)
+    want = [encode.python(s) for s in seqs]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g[0], w[0])
+        torch.testing.assert_close(g[1], w[1])
+        assert type(g[2]) is int and g[2] == w[2]
+    loss_got = sum(g[0].sum() + g[1].sum() for g in got)
+    loss_want = sum(w[0].sum() + w[1].sum() for w in want)
+    for a, b in zip(torch.autograd.grad(loss_got, seqs), torch.autograd.grad(loss_want, seqs)):
+        torch.testing.assert_close(a, b)
+    assert not encode.stats.get("per_instance")
+
+
+Decoded = namedtuple("Decoded", "tokens steps")
+
+
+def test_a_greedy_decoder_returns_each_instances_python_list_and_namedtuple(strict):
+    torch.manual_seed(7)
+    cell = nn.LSTMCell(4, H)
+    proj = nn.Linear(H, 5)
+    embed = nn.Embedding(5, 4)
+    with torch.no_grad():
+        proj.bias[4] = 0.0  # (END is drawn now and then: the instances stop after 0 to 6 tokens)
+
+    @recompile.function
+    def decode(h, c, limit):
+        tokens, token = [], 0
+        while len(tokens) < limit:
+            h, c = cell(embed.weight[token], (h, c))
+            token = int(proj(h).argmax())
+            if token == 4:
+                break
+            tokens.append(token)
+        return Decoded(tokens, len(tokens))
+
+    states = [(torch.randn(H) * 2, torch.randn(H)) for _ in range(24)]
+    got = recompile.map(decode, [s[0] for s in states], [s[1] for s in states], itertools.repeat(6))
+    want = [decode.python(h, c, 6) for h, c in states]
+    assert got == want
+    assert all(type(g) is Decoded and type(g.tokens) is list for g in got)
+    assert len({len(g.tokens) for g in got}) > 1  # (instances stop at steps of their own)
+    assert [b["runs"] for b in decode.stats["batches"].values()] == [1]  # (one run, 24 instances)
+
+
+def test_an_argument_every_instance_holds_is_shared(monkeypatch):
+    @recompile.function
+    def scaled(x, table):
+        return table[x] * 2.0
+
+    mapping = sys.modules["recompile.vmap"]
+    seen = []
+    original = mapping._column
+    monkeypatch.setattr(mapping, "_column", lambda items: seen.append(original(items)) or seen[-1])
+    table = torch.arange(5.0)
+    got = recompile.map(scaled, [torch.tensor(1), torch.tensor(3)], [table, table])
+    assert seen[1] is table  # (one object for all: given as it is, not as a batch of copies)
+    assert [float(g) for g in got] == [2.0, 6.0]
+
+
+def test_each_instances_own_object_comes_back_as_itself():
+    @recompile.function
+    def deepest(node):
+        for child in node.children:
+            return deepest(child)
+        return node
+
+    rng = random.Random(4)
+    roots = [random_tree(rng) for _ in range(6)]
+    assert all(g is deepest.python(r) for g, r in zip(recompile.map(deepest, roots), roots))
+
+
+def test_lengths_like_pythons_map_and_zip():
+    @recompile.function
+    def add(a, b):
+        return a + b
+
+    xs = [torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)]
+    assert recompile.map(add, xs, xs[:2]) == [torch.tensor(2.0), torch.tensor(4.0)]
+    with pytest.raises(ValueError):
+        recompile.map(add, xs, xs[:2], strict=True)
+    assert recompile.map(add, [], []) == []
+    assert recompile.map(add, xs[:1], xs[:1]) == [torch.tensor(2.0)]
+    assert recompile.map(add, iter(xs), itertools.repeat(torch.tensor(10.0))) == \
+        [torch.tensor(11.0), torch.tensor(12.0), torch.tensor(13.0)]
+
+
+def test_misuse_raises_pythons_errors():
+    @recompile.function
+    def one(a):
+        return a
+
+    with pytest.raises(TypeError, match="at least one iterable"):
+        recompile.map(one)
+    with pytest.raises(TypeError, match="recompile.map expects a function"):
+        recompile.map(3, [1, 2])
+    with pytest.raises(TypeError):
+        recompile.map(one, [1, 2], [3, 4])  # (two arguments for one parameter: Python's own message)
+    with pytest.raises(ValueError, match="mode='batched'"):
+        recompile.map(recompile.function(lambda a: a, mode="sequential"), [1, 2])
+
+
+def test_an_instances_error_is_raised():
+    @recompile.function
+    def first_child(node):
+        return node.children[0].word
+
+    rng = random.Random(5)
+    roots = [random_tree(rng) for _ in range(3)] + [Node(torch.tensor(1), torch.tensor(0), [])]
+    with pytest.raises(IndexError):
+        recompile.map(first_child, roots)
+    with pytest.raises(AttributeError, match="'int' object has no attribute 'children'"):
+        recompile.map(first_child, [roots[0], 7])
+
+
+def test_under_disable_each_instance_is_a_plain_call():
+    calls = []
+
+    @recompile.function
+    def noted(x):
+        calls.append(float(x))
+        return x * 2
+
+    with recompile.disable():
+        got = recompile.map(noted, [torch.tensor(1.0), torch.tensor(2.0)])
+    assert calls == [1.0, 2.0] and got == [torch.tensor(2.0), torch.tensor(4.0)]
