@@ -2822,6 +2822,34 @@ def test_an_input_changed_after_an_op_that_reads_only_its_result_keeps_eagers_gr
     torch.testing.assert_close(x.grad, want)
 
 
+PICK = torch.tensor([2, 0, 2])
+
+
+def changed_after_index_select(x):
+    v = x * 2.0
+    v.add_(torch.index_select(v, 0, PICK))  # (index_select's gradient reads PICK and v's shape, not v)
+    return (v * v).sum()
+
+
+def changed_after_gather(x):
+    u = x * 3.0
+    u.add_(torch.gather(u, 0, PICK))  # (eager's gather keeps u for its gradient: refused)
+    return (u * u).sum()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "threaded", "batched"])
+def test_an_input_changed_after_an_op_that_reads_only_its_shape_and_an_index_keeps_eagers_gradient(mode):
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True, generator=torch.Generator().manual_seed(2))
+    changed_after_index_select(x).backward()
+    want, x.grad = x.grad, None
+    recompile.function(changed_after_index_select, mode=mode)(x).backward()
+    torch.testing.assert_close(x.grad, want)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        changed_after_gather(x).backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        recompile.function(changed_after_gather, mode=mode)(x).backward()
+
+
 TABLE = torch.zeros(3, 2, dtype=torch.float64)
 
 

@@ -1109,7 +1109,9 @@ READ_FOR_OTHERS = {_mul: (0, 1), _div: (0,)}  # x / y: x is read for y's gradien
 READ_FOR_OTHERS.update(dict.fromkeys((_matmul, _rmatmul, _mm, _mv, _dot, _outer, _linear), (0, 1)))
 # torch.where(c, x, y) reads c, and only the shapes of x and y; x[i] reads i (where the cotangent goes: an index
 # tensor changed in place afterwards would send it elsewhere), and only x's shape
-READS_ONLY = {_where: (0,), _where_method: (1,), _getitem: (1,)}
+# (``torch.index_select(x, dim, i)`` likewise reads i, and only x's shape; eager's ``gather`` keeps x, and so
+# refuses a change of it, as its rule here does)
+READS_ONLY = {_where: (0,), _where_method: (1,), _getitem: (1,), _index_select: (2,)}
 # vjps that read nothing where their first argument is no tensor (a list's item is the object itself)
 ITEM_READS = frozenset({_getitem})
 # vjps that read no value of their input along a dim (``torch.max(v, 0)``: the indices of their result alone)
