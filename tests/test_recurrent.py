@@ -1170,3 +1170,93 @@ def test_a_loop_reading_a_batched_tensors_rows_from_their_end(steps):
     torch.manual_seed(4)
     model = Model().double()
     compare(model, whole_rows_from_the_end, (sentences(3, 6), lengths(*steps)), (None, 0, 0))
+
+
+class ChildSum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(HIDDEN, HIDDEN)
+
+
+def forget_zipped(m, x, hs, cs):
+    c = x
+    for h_k, c_k in zip(hs, cs):
+        c = c + torch.sigmoid(x + m.f(h_k)) * c_k
+    return c
+
+
+def forget_listed(m, x, hs):
+    c = x
+    for h in hs:
+        c = torch.tanh(c + m.f(h))
+    return c
+
+
+def forget_three_zipped(m, x, hs, cs, ws):
+    total = x * 0.0
+    for h_k, c_k, w in zip(hs, cs, ws):
+        total = total + m.f(h_k) * c_k * w
+    return total
+
+
+def _states(counts, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(HIDDEN, dtype=torch.float64, generator=g) for _ in range(k)] for k in counts]
+
+
+@pytest.mark.parametrize("fn, lists", [(forget_zipped, 2), (forget_listed, 1), (forget_three_zipped, 3)])
+def test_a_for_over_each_instances_own_lists_or_a_zip_of_them_steps_as_an_update(fn, lists):
+    """``for h, c in zip(hs, cs)`` over each instance's own lists (a child-sum's children, some with none), under
+    recompile.map: the step inputs for every (instance, step) at once, then the update or the sum; values and
+    gradients as the plain calls'. A zip runs as long as its shortest list."""
+    torch.manual_seed(22)
+    m = ChildSum().double()
+    counts = [2, 0, 3, 1, 3]
+    xs = [torch.randn(HIDDEN, dtype=torch.float64) for _ in counts]
+    columns = [_states(counts, seed) for seed in range(lists)]
+    if lists == 3:
+        columns[2][2] = columns[2][2][:1]  # (one instance's third list is shorter: its zip stops there)
+    compiled = recompile.function(fn)
+    got = recompile.map(compiled, [m] * len(counts), xs, *columns)
+    sum(g.sum() for g in got).backward()
+    got_grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    want = [fn(m, x, *each) for x, *each in zip(xs, *columns)]
+    sum(w.sum() for w in want).backward()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    for g, w in zip(got_grads, [p.grad for p in m.parameters()]):
+        torch.testing.assert_close(g, w)
+    (loop,) = compiled.callee(None).build.batched_code.recurrent
+    assert loop.runs == 1 and loop.declined == 0
+
+
+def child_sum(m, node):
+    """A node's children's states (its calls), then a loop over their zip, in the same function."""
+    hs, cs = [], []
+    for child in node[1]:
+        h, c = child_sum(m, child)
+        hs.append(h)
+        cs.append(c)
+    c = node[0]
+    for h_k, c_k in zip(hs, cs):
+        c = c + torch.sigmoid(node[0] + m.f(h_k)) * c_k
+    return torch.tanh(c), c
+
+
+def test_a_loop_without_calls_in_a_function_that_makes_calls_steps_as_an_update():
+    torch.manual_seed(23)
+    m = ChildSum().double()
+
+    def tree(depth):
+        arity = 0 if depth == 0 else int(torch.randint(0, 4, ()))
+        return (torch.randn(HIDDEN, dtype=torch.float64), [tree(depth - 1) for _ in range(arity)])
+
+    trees = [tree(3) for _ in range(6)]
+    compiled = recompile.function(child_sum)
+    got = recompile.map(compiled, [m] * len(trees), trees)
+    want = [child_sum(m, t) for t in trees]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    loops = compiled.callee(None).build.batched_code.recurrent
+    assert [loop.runs > 0 for loop in loops] == [True]

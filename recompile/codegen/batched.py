@@ -342,9 +342,10 @@ class _BatchedEmitter(emit.FunctionEmitter):
         counter, (kind, end) = found
         starts = ast.Call(func=self.helper(ranges.counter_values, "counter_values"),
                           args=[self.n_load(), self.load(op.loop_vars[counter])], keywords=[])
+        ends = ast.Tuple(elts=[self.load(op.invariants[p]) for p in end], ctx=ast.Load()) if kind == "zip" else \
+            self.load(end if isinstance(end, ir.Const) else op.invariants[end])
         counts = ast.Call(func=self.helper(ranges.trip_counts, "trip_counts"),
-                          args=[self.n_load(), starts, ast.Constant(value=kind),
-                                self.load(end if isinstance(end, ir.Const) else op.invariants[end])], keywords=[])
+                          args=[self.n_load(), starts, ast.Constant(value=kind), ends], keywords=[])
         stmt = ast.Expr(value=ast.Call(func=ast.Attribute(value=ast.Name(id=loop, ctx=ast.Load()), attr="order_by",
                                                           ctx=ast.Load()), args=[counts], keywords=[]))
         locate(stmt, op.loc)
@@ -353,9 +354,11 @@ class _BatchedEmitter(emit.FunctionEmitter):
     def as_one_rnn(self, op, written):
         """A loop stepping an RNN cell (``codegen.recurrent``): ``out = loop(_n, vars, invariants)``, and the
         loop as written where that declines."""
+        # (in a function that makes calls too, a loop that makes none: ``for h, c in zip(hs, cs)`` after the
+        # children's calls)
+        generators = self.batch_plan.generators
         found = recurrent.plan(op, self.current) if not self.emission.changes and \
-            self.current not in self.batch_plan.generators \
-            else None
+            op.body_sg not in generators and op.cond_sg not in generators else None
         if found is None:
             return written
         found.compile(generate_batched)

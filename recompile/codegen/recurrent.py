@@ -180,9 +180,10 @@ class RecurrentLoop:
         args += [layout.take(v) if used else None for v, used in zip(invariants, self.used)]
         try:
             items = self.range_items(invariants, layout, counters) if any(
-                b == "range" or b == "item" and not _rows(invariants[p]) for p, b in self.indexed) else None
+                b == "range" or b == "item" and not _rows_or_lists(invariants[p]) for p, b in self.indexed) \
+                else None
             item = (bt.from_items(items) if len(items) > 1 else items[0]) if items is not None else None
-            args += [item if by == "item" and not _rows(invariants[p]) else
+            args += [item if by == "item" and not _rows_or_lists(invariants[p]) else
                      _items_at(invariants[p], layout, item, items) if by == "range" else
                      _items_at(invariants[p], layout, args[0], counters) for p, by in self.indexed]
             outs = _tuple(self.chain(layout.rows, *args), len(self.chain_sg.outputs))
@@ -323,7 +324,8 @@ class RecurrentLoop:
 
     def trip_counts(self, n, starts, invariants):
         kind, where = self.end
-        end = where.value if isinstance(where, ir.Const) else invariants[where]
+        end = where.value if isinstance(where, ir.Const) else tuple(invariants[p] for p in where) \
+            if kind == "zip" else invariants[where]
         return ranges.trip_counts(n, starts, kind, end)
 
     def _results(self, n, loop_vars, starts, steps, layout, finals, chained, sums):
@@ -425,6 +427,13 @@ def _rows(seq):
     return type(seq) is torch.Tensor or type(seq) is Batch and (seq.owner == "tensor" or rows.of(seq) is not None)
 
 
+def _rows_or_lists(seq):
+    """Whether a ``for`` runs over ``seq``'s rows (``_rows``) or over each instance's own list or tuple
+    (``for h in hs``, ``for child in node.children``), not over a range."""
+    return _rows(seq) or type(seq) is Batch and seq.owner == "items" and seq.thunk is None and \
+        all(type(x) in (list, tuple) for x in seq.items)
+
+
 def _items_at(value, layout, counter, counters):
     """``value[t]`` for each row's instance and counter t: one advanced index of a tensor's rows, without
     taking the whole sequence for each row."""
@@ -436,6 +445,12 @@ def _items_at(value, layout, counter, counters):
         stack = rows.stacked(len(value.items), value, (), {})
         if stack is not NotImplemented:
             return _items_at(stack, layout, counter, counters)
+        if all(type(x) in (list, tuple) for x in value.items):
+            # (a list empty or of values of their own shapes: each row's item, one stack where they are alike)
+            found = [value.items[k][t] for k, t in zip(layout.instance, counters)]
+            if all(type(x) in bt.PLAIN_TENSORS for x in found) and bt.same_kind(found, 0):
+                return bt.from_tensor(torch.stack(found))
+            return bt.from_items(found) if len(found) > 1 else found[0]
     t = bt.tensor_of(value) if type(value) is Batch else value if type(value) is torch.Tensor else None
     if t is None or t.dim() < (2 if type(value) is Batch else 1):
         return batch_rules.item(layout.rows, layout.take(value), counter)
@@ -755,10 +770,13 @@ def _only_stacked(value, loop, holder):
 
 
 def counting(op):
-    """(the counter's loop-variable position, the end) of a While whose test is ``counter < end`` or a ``for``'s
-    ``has_index(seq, counter)`` with a body adding 1 to the counter, or ``counter > end`` / ``counter >= end``
-    with a body taking 1 from it; else None."""
+    """(the counter's loop-variable position, the end) of a While whose test is ``counter < end``, a ``for``'s
+    ``has_index(seq, counter)`` or a ``for`` over a ``zip``'s (``_zipped``) with a body adding 1 to the counter,
+    or ``counter > end`` / ``counter >= end`` with a body taking 1 from it; else None."""
     cond, body, k = op.cond_sg, op.body_sg, len(op.loop_vars)
+    zipped = _zipped(cond, k)
+    if zipped is not None:
+        return _counted(body, *zipped)
     if len(cond.ops) != 1 or len(cond.outputs) != 1 or cond.outputs[0] is not cond.ops[0].output:
         return None
     test = cond.ops[0]
@@ -780,6 +798,47 @@ def counting(op):
         counter, end = params.index(b), ("range", params.index(a) - k)
     else:
         return None
+    return _counted(body, counter, end)
+
+
+def _zipped(cond, k):
+    """(the counter's position, ("zip", the sequences' invariant positions)) of a ``for`` over ``zip(a, b,
+    ...)``, whose test is ``has_index(a, i) and has_index(b, i) and ...``; else None."""
+    params = cond.inputs
+    found = _has_index_chain(cond, {p: p for p in params})
+    if found is None or len(found) < 2:
+        return None
+    counters = {i for _, i in found}
+    if len(counters) != 1 or not all(a in params[k:] for a, _ in found):
+        return None
+    (i,) = counters
+    if i not in params[:k]:
+        return None
+    return params.index(i), ("zip", tuple(params.index(a) - k for a, _ in found))
+
+
+def _has_index_chain(sg, names):
+    """[(sequence, counter)] of a test ``has_index(a, i) and has_index(b, i) and ...`` (each of sg's values
+    named by the outermost test's parameter it is: ``names``), or None for another test."""
+    ops = sg.ops
+    first = ops[0] if ops and len(sg.outputs) == 1 else None
+    if not (isinstance(first, ir.Call) and isinstance(first.fn, ir.Const) and first.fn.value is intrinsics.has_index
+            and len(first.args) == 2 and not first.kwargs and not first.star):
+        return None
+    found = [(names.get(first.args[0]), names.get(first.args[1]))]
+    if len(ops) == 1:
+        return found if sg.outputs[0] is first.output else None
+    test = ops[1]
+    if len(ops) != 2 or not isinstance(test, ir.Cond) or test.pred is not first.output or \
+            sg.outputs[0] is not test.output or test.else_sg.ops or len(test.else_sg.outputs) != 1 or \
+            not (isinstance(test.else_sg.outputs[0], ir.Const) and test.else_sg.outputs[0].value is False):
+        return None
+    rest = _has_index_chain(test.then_sg, {p: names.get(a) for p, a in zip(test.then_sg.inputs, test.args)})
+    return None if rest is None else found + rest
+
+
+def _counted(body, counter, end):
+    """(counter, end) where the body moves the counter by 1 the way ``end`` counts, else None."""
     step = body.outputs[counter]
     up = step.op if isinstance(step, ir.Value) else None
     if not (isinstance(up, ir.Call) and isinstance(up.fn, ir.Const) and len(up.args) == 2 and not up.kwargs

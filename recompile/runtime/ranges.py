@@ -191,19 +191,17 @@ def direction(kind):
 
 def trip_counts(n, starts, kind, end):
     """Each instance's number of steps of a loop whose counter goes by 1 from ``starts`` (``counter_values``):
-    up while ``counter < end`` (kind ``"lt"``) or while a ``for`` over the range ``end`` has an item at it
-    (``"range"``), down while ``counter > end`` (``"gt"``) or ``counter >= end`` (``"ge"``), as Python's test
-    would count them; None where that is not known here."""
+    up while ``counter < end`` (kind ``"lt"``), while a ``for`` over the range ``end`` has an item at it
+    (``"range"``) or one over ``zip(*end)`` has (``"zip"``), down while ``counter > end`` (``"gt"``) or
+    ``counter >= end`` (``"ge"``), as Python's test would count them; None where that is not known here."""
     if starts is None:
         return None
-    if kind == "range":
-        lengths = [len(end)] * n if type(end) is range or (type(end) is torch.Tensor and end.dim()) else None
-        if type(end) is Batch:
-            found = (rows.of(end) or of(end)) if end.owner != "tensor" else None
-            lengths = found.lengths if found is not None else \
-                [end.tensor.shape[1]] * n if end.owner == "tensor" and end.tensor.dim() >= 2 else None
-        if lengths is None or min(starts) < 0:
+    if kind in ("range", "zip"):
+        # (``zip``: a ``for`` over several sequences at once, ``for h, c in zip(hs, cs)``, as long as the shortest)
+        found = [_lengths(n, seq) for seq in (end if kind == "zip" else (end,))]
+        if any(each is None for each in found) or min(starts) < 0:
             return None
+        lengths = [min(each) for each in zip(*found)]
         return [max(0, length - s) for length, s in zip(lengths, starts)]
     ends = _numbers(n, end)
     if ends is None or not all(type(e) is int or math.isfinite(e) for e in ends):
@@ -213,6 +211,21 @@ def trip_counts(n, starts, kind, end):
     if kind == "gt":
         return [max(0, math.ceil(s - e)) for e, s in zip(ends, starts)]
     return [max(0, math.floor(s - e) + 1) for e, s in zip(ends, starts)]
+
+
+def _lengths(n, seq):
+    """Each instance's length of what a ``for`` iterates: a range, a tensor's rows, each instance's own range,
+    rows, stretch of rows, list or tuple; None where that is not known here."""
+    if type(seq) is range or (type(seq) is torch.Tensor and seq.dim()):
+        return [len(seq)] * n
+    if type(seq) is not Batch:
+        return None
+    if seq.owner == "tensor":
+        return [seq.tensor.shape[1]] * n if seq.tensor.dim() >= 2 else None
+    found = rows.of(seq) or of(seq)
+    if found is not None:
+        return found.lengths
+    return [len(x) for x in seq.items] if _own_sequences(seq) else None
 
 
 def _numbers(n, value):
