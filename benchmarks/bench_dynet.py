@@ -13,7 +13,10 @@ minibatch loss) before it is timed:
 - the Tree-LSTM of ``examples/tree_lstm.py``, the Tree-RNN of ``examples/tree_rnn.py`` and the RNTN of
   ``examples/rntn.py`` (every node's cross-entropy summed) over SST trees, recompile running
   ``recompile.vmap(model.encode, in_dims=(None, 0))``;
-- the variable-length LSTM and the top-down model of ``bench_sequences.py`` (its ``for t in range(n)`` form).
+- the variable-length LSTM and the top-down model of ``bench_sequences.py`` (its ``for t in range(n)`` form);
+- ``bench_objects.py``'s child-sum Tree-LSTM over the user's own node objects and its greedy
+  sequence-to-sequence model (the decoder reading each step's argmax, with ``.npvalue()`` in DyNet), recompile
+  running ``recompile.map(model, examples)``.
 
 Throughput is trees (sentences, start states) per second, best of --repeats; training is forward, backward
 and an SGD step per minibatch (DyNet's SimpleSGDTrainer, torch.optim.SGD), inference the forward alone.
@@ -34,6 +37,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
+import bench_objects as objects  # noqa: E402
 import bench_sequences as seq  # noqa: E402
 from bench_batching import arguments, chunks, eager_twin, sst_trees, throughputs  # noqa: E402
 from bench_idioms import recompile_loss  # noqa: E402
@@ -41,6 +45,7 @@ from rntn import RNTN  # noqa: E402
 from tree_lstm import TreeLSTM  # noqa: E402
 from tree_rnn import TreeRNN  # noqa: E402
 
+import recompile  # noqa: E402
 from recompile.data import Forest  # noqa: E402
 
 dy = None  # the dynet module, once main() has set it up (``load_dynet``)
@@ -143,18 +148,64 @@ def rntn_node(params, word, children):
     return dy.tanh(dy.transpose(per_k) * x + params.affine("W", x))
 
 
+def lstm_step(params, cell, x, h, c):
+    """One step of the ``nn.LSTMCell`` named ``cell`` (torch's gate order: input, forget, cell, output)."""
+    hidden = params[cell + ".weight_hh"].shape()[1]
+    g = dy.affine_transform([params[cell + ".bias_ih"], params[cell + ".weight_ih"], x, params[cell + ".weight_hh"],
+                             h])
+    g = g + params[cell + ".bias_hh"]
+    i, f, u, o = (dy.pick_range(g, k * hidden, (k + 1) * hidden) for k in range(4))
+    c = dy.cmult(dy.logistic(f), c) + dy.cmult(dy.logistic(i), dy.tanh(u))
+    return dy.cmult(dy.logistic(o), dy.tanh(c)), c
+
+
 def dynet_sentence_loss(params, words, label):
-    """The sentence LSTM step by step (torch's gate order: input, forget, cell, output)."""
-    hidden = params["out.weight"].shape()[1]
-    h = c = dy.zeros(hidden)
+    """The sentence LSTM step by step."""
+    h = c = dy.zeros(params["out.weight"].shape()[1])
     for w in words:
-        x = dy.lookup(params["embed.weight"], w)
-        g = dy.affine_transform([params["cell.bias_ih"], params["cell.weight_ih"], x, params["cell.weight_hh"], h])
-        g = g + params["cell.bias_hh"]
-        i, f, u, o = (dy.pick_range(g, k * hidden, (k + 1) * hidden) for k in range(4))
-        c = dy.cmult(dy.logistic(f), c) + dy.cmult(dy.logistic(i), dy.tanh(u))
-        h = dy.cmult(dy.logistic(o), dy.tanh(c))
+        h, c = lstm_step(params, "cell", dy.lookup(params["embed.weight"], w), h, c)
     return dy.pickneglogsoftmax(params.affine("out", h), label)
+
+
+def held_nodes(node):
+    """``bench_objects``' Node as a DyNet user holds one: (word, label, children), ints."""
+    return int(node.word), int(node.label), [held_nodes(child) for child in node.children]
+
+
+def dynet_child_sum(params, node):
+    """(h, c, the subtree's summed loss) of ``bench_objects``' child-sum Tree-LSTM, children first."""
+    word, label, children = node
+    hidden = params["out.weight"].shape()[1]
+    x = dy.lookup(params["embed.weight"], word)
+    kids = [dynet_child_sum(params, child) for child in children]
+    h_sum = dy.esum([h for h, _, _ in kids]) if kids else dy.zeros(hidden)
+    iou = params.affine("ioux", x) + params["iouh.weight"] * h_sum
+    i, o, u = (dy.pick_range(iou, k * hidden, (k + 1) * hidden) for k in range(3))
+    c = dy.cmult(dy.logistic(i), dy.tanh(u))
+    fx = params.affine("fx", x)
+    for h_k, c_k, _ in kids:
+        c = c + dy.cmult(dy.logistic(fx + params["fh.weight"] * h_k), c_k)
+    h = dy.cmult(dy.logistic(o), dy.tanh(c))
+    loss = dy.pickneglogsoftmax(params.affine("out", h), label)
+    return h, c, dy.esum([loss, *(each for _, _, each in kids)])
+
+
+def dynet_greedy_loss(params, pair):
+    """``bench_objects``' sequence-to-sequence loss: the encoder over the words, then the decoder fed its own
+    argmax (read with ``.npvalue()``, which runs the graph so far) until END or the target's length."""
+    words, target = pair
+    h = c = dy.zeros(params["out.weight"].shape()[1])
+    for w in words:
+        h, c = lstm_step(params, "encoder", dy.lookup(params["embed.weight"], w), h, c)
+    token, losses = objects.START, []
+    for t in range(len(target)):
+        h, c = lstm_step(params, "decoder", dy.lookup(params["embed.weight"], token), h, c)
+        logits = params.affine("out", h)
+        losses.append(dy.pickneglogsoftmax(logits, target[t]))
+        token = int(logits.npvalue().argmax())
+        if token == objects.END:
+            break
+    return dy.esum(losses)
 
 
 def dynet_expand(params, h, depth):
@@ -268,11 +319,44 @@ def main(argv=None):
                   params, lambda p, h: dy.sum_elems(dynet_expand(p, dy.inputTensor(h), 0)),
                   {s: chunks(as_inputs, s) for s in args.batch}, args.repeats)
 
+    rows += held_families(sst, trees, args)
+
     print(f"{'':22} {'mode':>9} {'batch':>5} {'DyNet /s':>10} {'recompile /s':>13} {'rec/DyNet':>10}")
     for name, mode, size, dynet_rate, rec in rows:
         ratio = f"{rec / dynet_rate:9.2f}x" if not isinstance(rec, Exception) else f"{type(rec).__name__:>10}"
         rate = f"{rec:13.1f}" if not isinstance(rec, Exception) else f"{'-':>13}"
         print(f"{name:22} {mode:>9} {size:5d} {dynet_rate:10.1f} {rate} {ratio}")
+
+
+def held_families(sst, trees, args):
+    """The rows of ``bench_objects``' models over what users hold, through ``recompile.map``: the child-sum
+    Tree-LSTM over node objects, and the greedy sequence-to-sequence model."""
+    torch.manual_seed(0)
+    model = objects.ChildSumTreeLSTM(len(sst.vocab))
+    if args.sparse:
+        sparse_table(model)
+    params = Params(model)
+    roots = [objects.nodes_of(t) for t in trees]
+    held = [held_nodes(root) for root in roots]
+    with torch.no_grad():
+        want = sum(model.forward.python(model, root)[2] for root in roots[:8])
+    checked("child-sum over nodes", want, params, lambda p, n: dynet_child_sum(p, n)[2], held[:8])
+    rows = timed("child-sum over nodes", model, lambda batch: sum(r[2] for r in recompile.map(model, batch)),
+                 {size: chunks(roots, size) for size in args.batch}, params, lambda p, n: dynet_child_sum(p, n)[2],
+                 {size: chunks(held, size) for size in args.batch}, args.repeats)
+    model = objects.Seq2Seq()
+    if args.sparse:
+        sparse_table(model)
+    params = Params(model)
+    pairs = [objects.sentence_pair(t) for t in trees]
+    held = [(w.tolist(), t.tolist()) for w, t in pairs]
+    with torch.no_grad():
+        want = sum(model.forward.python(model, *pair)[1] for pair in pairs[:8])
+    checked("seq2seq, greedy", want, params, dynet_greedy_loss, held[:8])
+    rows += timed("seq2seq, greedy", model, lambda batch: sum(r[1] for r in recompile.map(model, *zip(*batch))),
+                  {size: chunks(pairs, size) for size in args.batch}, params, dynet_greedy_loss,
+                  {size: chunks(held, size) for size in args.batch}, args.repeats)
+    return rows
 
 
 def timed(name, model, loss_fn, batches, params, dynet_loss, dynet_batches, repeats):

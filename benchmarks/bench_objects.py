@@ -92,9 +92,10 @@ class ChildSumTreeLSTM(nn.Module):
 
 
 def tree_plan(roots):
-    """The nodes of ``roots`` by height, as tensors: per height the words, and each child's row among the nodes
-    below (in height order) with its parent's row in the height; the labels in that order."""
-    levels = []  # per height: [(node, [children's (height, position)])]
+    """The nodes of ``roots`` by height, as tensors: per height the words, and its nodes' children as pieces,
+    one per lower height (that height, the children's rows in it, their parents' rows in this height); the
+    labels in height order."""
+    levels = []  # per height: its nodes
     where = {}
 
     def visit(node):
@@ -107,41 +108,42 @@ def tree_plan(roots):
 
     for root in roots:
         visit(root)
-    starts = [0]
-    for level in levels:
-        starts.append(starts[-1] + len(level))
     plan = []
     for level in levels:
-        rows, parents = [], []
+        pieces = {}  # lower height: (children's rows, parents' rows)
         for p, node in enumerate(level):
             for child in node.children:
                 height, k = where[id(child)]
-                rows.append(starts[height] + k)
+                rows, parents = pieces.setdefault(height, ([], []))
+                rows.append(k)
                 parents.append(p)
-        plan.append((torch.stack([n.word for n in level]), torch.tensor(rows, dtype=torch.long),
-                     torch.tensor(parents, dtype=torch.long)))
+        plan.append((torch.stack([n.word for n in level]),
+                     [(height, torch.tensor(rows), torch.tensor(parents)) for height, (rows, parents) in
+                      sorted(pieces.items())]))
     labels = torch.stack([n.label for level in levels for n in level])
     return plan, labels
 
 
 def hand_batched_tree(model, plan):
-    """The summed loss of every node, one batch per height."""
+    """The summed loss of every node, one batch per height: each height's children read from the heights below
+    by one index each, their sums by ``index_add``."""
     steps, labels = plan
     hs, cs = [], []
-    for words, rows, parents in steps:
+    for words, pieces in steps:
         x = model.embed(words)
         n = x.shape[0]
-        if rows.numel():
-            h_below, c_below = torch.cat(hs), torch.cat(cs)
-            hk, ck = h_below[rows], c_below[rows]
-            h_sum = x.new_zeros(n, HIDDEN).index_add(0, parents, hk)
-        else:
-            h_sum = x.new_zeros(n, HIDDEN)
+        h_sum = x.new_zeros(n, HIDDEN)
+        c = x.new_zeros(n, HIDDEN)
+        if pieces:
+            parents = torch.cat([p for _, _, p in pieces])
+            hk = torch.cat([hs[height].index_select(0, rows) for height, rows, _ in pieces])
+            ck = torch.cat([cs[height].index_select(0, rows) for height, rows, _ in pieces])
+            h_sum = h_sum.index_add(0, parents, hk)
         fx = model.fx(x)
         i, o, u = torch.chunk(model.ioux(x) + model.iouh(h_sum), 3, dim=-1)
-        c = torch.sigmoid(i) * torch.tanh(u)
-        if rows.numel():
-            c = c + x.new_zeros(n, HIDDEN).index_add(0, parents, torch.sigmoid(fx[parents] + model.fh(hk)) * ck)
+        if pieces:
+            c = c.index_add(0, parents, torch.sigmoid(fx.index_select(0, parents) + model.fh(hk)) * ck)
+        c = torch.sigmoid(i) * torch.tanh(u) + c
         h = torch.sigmoid(o) * torch.tanh(c)
         hs.append(h)
         cs.append(c)

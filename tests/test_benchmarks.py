@@ -92,9 +92,9 @@ def test_dynet_benchmark_checks_and_times_every_model_or_says_dynet_is_missing(c
     out = capsys.readouterr().out
     if "DyNet is not installed" in out:
         return
-    assert out.count("DyNet matches eager PyTorch") == 5  # (main raises before the table otherwise)
+    assert out.count("DyNet matches eager PyTorch") == 7  # (main raises before the table otherwise)
     rows = [line for line in out.splitlines() if line.rstrip().endswith("x") and " 4 " in line]
-    assert len(rows) == 2 * 5
+    assert len(rows) == 2 * 7
 
 
 @pytest.mark.slow  # (about 4 s: a process per measure)

@@ -164,6 +164,21 @@ def test_an_embedding_with_options_that_reads_differ_looks_up_each_instances_own
     compare(model, embedded_first, (sentences(4, 6), lengths(6, 1, 4, 2)), (None, 0, 0))
 
 
+def test_an_embedding_with_sparse_gradients_looks_up_the_stretches_alone():
+    """A sparse gradient has a row for each index looked up: the stretches' own indices, laid end to end, one
+    lookup, none of the rows past an end (the gradient's rows are each instance's own lookup's)."""
+    torch.manual_seed(5)
+    model = Model().double()
+    model.embed = nn.Embedding(VOCAB, EMBED, sparse=True).double()
+    words, n = sentences(4, 6), lengths(6, 1, 0, 2)
+    compare(model, embedded_first, (words, n), (None, 0, 0))
+    got = recompile.vmap(recompile.function(embedded_first), in_dims=(None, 0, 0))(model, words, n)
+    model.zero_grad()
+    got.sum().backward()
+    read = {int(w) for k in range(4) for w in words[k, :n[k]]}
+    assert set(model.embed.weight.grad.coalesce().indices()[0].tolist()) == read
+
+
 def test_rows_keep_where_they_lie_when_instances_are_taken(monkeypatch):
     monkeypatch.setattr(sharing.state, "fresh", True)  # (as in a run that changes nothing in place)
     xs = torch.arange(24.0).view(4, 6).clone()

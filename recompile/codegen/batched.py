@@ -293,7 +293,9 @@ class _BatchedEmitter(emit.FunctionEmitter):
         answer = ast.Assign(targets=[ast.Name(id=got, ctx=ast.Store())], value=ast.IfExp(
             test=ast.Name(id=asked, ctx=ast.Load()), body=ast.Yield(value=ast.Name(id=asked, ctx=ast.Load())),
             orelse=ast.Tuple(elts=[], ctx=ast.Load())))
-        stmts = [start, first, ask, answer]
+        # (where each instance's trip count is known as the loop starts, both passes take the instances longest
+        # first, so that those that stay at each step are the first rows: views, no gather)
+        stmts = [start, *self.ordered(op, name), first, ask, answer]
         for stmt in stmts:
             locate(stmt, op.loc)
         finish = method("finish", ast.Name(id=got, ctx=ast.Load()), ast.Name(id=post, ctx=ast.Load()))

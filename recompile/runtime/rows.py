@@ -324,21 +324,28 @@ def items_at(seq, instances, steps):
 
 def embedded(module, seq, lookup):
     """An ``nn.Embedding`` of each instance's stretch of indices: one ``lookup`` of the rows they lie in, whose
-    stretches are the instances' results (Rows); None where the module's options make a lookup of rows no
-    instance reads differ from none (a norm renormalising the rows it reads, gradients scaled by counts, sparse
-    gradients) or the lookup fails (an index out of range: each instance then raises its own, or not)."""
-    if type(module) is not nn.Embedding or module.max_norm is not None or module.scale_grad_by_freq \
-            or module.sparse:
+    stretches are the instances' results (Rows); with sparse gradients, of the stretches' indices alone, laid end
+    to end (a sparse gradient has a row for each index read); None where the module's options make a lookup of
+    rows no instance reads differ from none (a norm renormalising the rows it reads, gradients scaled by counts)
+    or the lookup fails (an index out of range: each instance then raises its own, or not)."""
+    if type(module) is not nn.Embedding or module.max_norm is not None or module.scale_grad_by_freq:
         return None
-    end = max(a + m for a, m in zip(seq.starts, seq.lengths))
-    source = seq.source if seq.rows is None else seq.source[seq.row_index(seq.source.device)]
-    source = source[:, :end]
+    if module.sparse:
+        device = seq.source.device
+        k, i = seq.where(device)
+        source = gather_rows(seq.source, seq.row_index(device)[k], seq.start_index(device)[k] + i)
+    else:
+        end = max(a + m for a, m in zip(seq.starts, seq.lengths))
+        source = seq.source if seq.rows is None else seq.source[seq.row_index(seq.source.device)]
+        source = source[:, :end]
     if not source.is_cpu and not bool(((source >= 0) & (source < module.num_embeddings)).all()):
         return None  # (on a device an index out of the table is an assert there, not an error to catch)
     try:
         out = lookup(module, source)
     except (IndexError, RuntimeError):
         return None
+    if module.sparse:
+        return batch(len(seq), packed_rows(len(seq), out, seq.lengths, seq))
     return batch(len(seq), Rows(None, out, None, seq.starts, seq.lengths))
 
 

@@ -21,7 +21,7 @@ class SplitLoop:
     pass and result (``finish``)."""
 
     __slots__ = ("first", "n0", "k", "later", "widths", "guards", "prepares", "initial", "tests", "steps", "arities",
-                 "asked")
+                 "asked", "counts")
 
     def __init__(self, n, carried, k, later, widths, guards, prepares):
         """``carried``: the loop variables' first values, then its invariants; ``later``: the positions of the
@@ -36,6 +36,13 @@ class SplitLoop:
         self.first = Loop(n, first, k)
         self.initial = [carried[j] for j in later] + list(carried[k:])
         self.tests, self.steps, self.arities, self.asked = [], [], None, []
+        self.counts = None
+
+    def order_by(self, counts):
+        """Take the instances longest first in both passes (``Loop.order_by``): the second replays the first's
+        tests, so it starts in the same order."""
+        self.counts = counts
+        self.first.order_by(counts)
 
     @property
     def n(self):
@@ -92,6 +99,7 @@ class SplitLoop:
                         if i in self.asked else ())
             parts.append([next(each) if c else None for c in counts])
         loop = Loop(self.n0, self.initial, len(self.later))
+        loop.order_by(self.counts)
         for t, pred in enumerate(self.tests):
             if not loop.keep(pred):
                 break
