@@ -234,3 +234,60 @@ def test_under_disable_each_instance_is_a_plain_call():
     with recompile.disable():
         got = recompile.map(noted, [torch.tensor(1.0), torch.tensor(2.0)])
     assert calls == [1.0, 2.0] and got == [torch.tensor(2.0), torch.tensor(4.0)]
+
+
+Held = namedtuple("Held", "word children")
+
+
+def held_tree(rng, kind, depth=0):
+    """A tree held as a user's namedtuple, dict, or tuple of (word, children)."""
+    arity = 0 if depth >= 3 or (depth and rng.random() < 0.4) else rng.randint(1, 3)
+    word, children = rng.randrange(20), [held_tree(rng, kind, depth + 1) for _ in range(arity)]
+    return Held(word, children) if kind == "namedtuple" else {"word": word, "children": children} \
+        if kind == "dict" else (word, children)
+
+
+EMBED = nn.Embedding(20, H).double()
+COMBINE = nn.Linear(2 * H, H).double()
+
+
+@recompile.function
+def by_fields(node):
+    states = [by_fields(child) for child in node.children]
+    h_sum = torch.stack(states).sum(0) if states else torch.zeros(H, dtype=torch.float64)
+    if not node.children:
+        return torch.tanh(EMBED.weight[node.word])
+    return torch.tanh(COMBINE(torch.cat([EMBED.weight[node.word], h_sum])))
+
+
+@recompile.function
+def by_keys(node):
+    h = torch.zeros(H, dtype=torch.float64)
+    for k in range(len(node["children"])):
+        h = h + by_keys(node["children"][k])
+    return torch.tanh(COMBINE(torch.cat([EMBED.weight[node["word"]], h])))
+
+
+@recompile.function
+def by_places(node):
+    word, children = node
+    h = sum(by_places(child) for child in children) if children else torch.zeros(H, dtype=torch.float64)
+    return torch.tanh(COMBINE(torch.cat([EMBED.weight[word], h])))
+
+
+@pytest.mark.parametrize("fn, kind", [(by_fields, "namedtuple"), (by_keys, "dict"), (by_places, "tuple")])
+def test_trees_held_as_namedtuples_dicts_or_tuples_batch_whole(fn, kind, strict):
+    """A node's fields, a dict's keys, a tuple's places, ``not node.children``, a comprehension over the
+    children: each instance's read in one pass, nothing once per instance; values and gradients as the plain
+    calls'."""
+    rng = random.Random(6)
+    trees = [held_tree(rng, kind) for _ in range(10)]
+    got = recompile.map(fn, trees)
+    want = [fn.python(t) for t in trees]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    params = list(COMBINE.parameters())
+    for a, b in zip(torch.autograd.grad(sum(g.sum() for g in got), params),
+                    torch.autograd.grad(sum(w.sum() for w in want), params)):
+        torch.testing.assert_close(a, b)
+    assert not fn.stats.get("per_instance")

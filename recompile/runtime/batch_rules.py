@@ -1599,6 +1599,11 @@ def _gather(n, fn, args, kwargs):
             out = _of_each_list(x, operator.getitem, index) if found is None else NotImplemented
             if out is not NotImplemented:
                 return out  # (``hs[-1]``: each instance's item)
+        if x.owner == "items" and x.thunk is None and type(index) in (str, int) and \
+                all(type(v) is dict for v in x.items):
+            out = _read_of_each(x.items, lambda d: d[index])  # (``node["children"]`` of each instance's own dict)
+            if out is not NotImplemented:
+                return out
         if x.struct is not None and x.owner is None and issubclass(x.struct[0], bt.Keyed):
             at = dicts.place(x.struct[0].keys_, index)
             return NotImplemented if at is None or at is NotImplemented else x.struct[1][at]
@@ -1988,16 +1993,17 @@ def attribute(n, fn, args, kwargs):
         # tensor stacked from its items before the change)
         return Batch(x.n, method=(x, name))
     if x.owner == "items" and x.thunk is None and not any(isinstance(v, torch.Tensor) for v in x.items):
-        return _attribute_of_each(x.items, name)
+        # (``node.children``, ``node.word`` of each instance's own object: a tree of the user's nodes)
+        return _read_of_each(x.items, lambda v: getattr(v, name))
     return NotImplemented
 
 
-def _attribute_of_each(objects, name):
-    """``obj.name`` of each instance's own Python object (``node.children``, ``node.word`` of a tree of the user's
-    nodes under ``recompile.map``): each one's, read as Python reads it, in one pass; the one object where every
-    instance's is that object. NotImplemented where one raises (each instance then raises its own, in order)."""
+def _read_of_each(objects, read):
+    """``read(obj)`` of each instance's own Python object (``node.children``; ``node["word"]`` of a dict):
+    each one's, as Python reads it, in one pass; the one object where every instance's is that object.
+    NotImplemented where one raises (each instance then raises its own, in order)."""
     try:
-        found = [getattr(v, name) for v in objects]
+        found = [read(v) for v in objects]
     except Exception:
         return NotImplemented
     first = found[0]
@@ -2756,16 +2762,22 @@ def none_test(n, fn, args, kwargs):
 
 @BATCH.register(operator.not_)
 def negation(n, fn, args, kwargs):
-    """``not x`` of a batch (a loop's break flag, joined from the instances that broke and those that did not):
-    each instance's bool, from one host read where x holds one number per instance."""
+    """``not x`` of a batch (a loop's break flag, joined from the instances that broke and those that did not;
+    ``not node.children`` of each instance's own list): each instance's bool, from one host read where x holds
+    one number per instance."""
     (x,) = args
     t = bt.tensor_of(x) if x.items is None else None
     if t is not None and t.numel() == n:
         return bt.from_items((t.reshape(n) == 0).tolist())
     items = bt.items_of(x)
-    if not all(type(v) is bool for v in items):
+    if not all(type(v) in _PLAIN_TRUTH for v in items):
         return NotImplemented
     return bt.from_items([not v for v in items])
+
+
+# Python values whose truth Python's own types define (a tensor's raises for many elements; a user's class may
+# define its own): ``not`` of each instance's, in one pass
+_PLAIN_TRUTH = (bool, int, float, str, list, tuple, dict, type(None))
 
 
 @BATCH.register(torch.einsum)
