@@ -11,8 +11,9 @@ from .errors import (CompileError, GradFallbackWarning, PerInstanceError, PerIns
 from .passes.pipeline import FINAL, STAGES  # noqa: F401
 from .vmap import map, vmap  # noqa: F401
 
-__all__ = ["function", "vmap", "map", "disable", "CompiledFunction", "CompileError", "RecompileError",
+__all__ = ["function", "vmap", "disable", "CompiledFunction", "CompileError", "RecompileError",
            "PerInstanceError", "PerInstanceWarning", "GradFallbackWarning", "SharedChangeWarning", "STAGES", "dump"]
+# (``recompile.map`` is public too, but not star-imported: ``from recompile import *`` would hide the builtin)
 __version__ = "0.1.0"
 
 

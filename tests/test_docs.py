@@ -329,6 +329,7 @@ def public_names():
     """Every public name, as docs/api.md's entry must begin: module-level names with their module, members
     with their class."""
     names = [f"recompile.{n}" for n in recompile.__all__]
+    names += ["recompile.map"]  # (public, and kept out of __all__: a star import would hide the builtin)
     names += [f"recompile.config.{n}" for n in dir(config) if n.isupper()]
     names += [f"recompile.data.{n}" for n in recompile.data.__all__]
 

@@ -2,6 +2,7 @@
 function returns it; differential against the plain calls."""
 
 import itertools
+import warnings
 import random
 import sys
 from collections import namedtuple
@@ -291,3 +292,111 @@ def test_trees_held_as_namedtuples_dicts_or_tuples_batch_whole(fn, kind, strict)
                     torch.autograd.grad(sum(w.sum() for w in want), params)):
         torch.testing.assert_close(a, b)
     assert not fn.stats.get("per_instance")
+
+
+def doubled_in_place(seq):
+    seq.mul_(2.0)
+
+
+class Holder:
+    """Holds a helper the program reads at run time (so each instance runs it on its own tensor)."""
+
+    def __init__(self, f):
+        self.f = f
+
+
+@recompile.function
+def summed_around_a_helper(seq, holder):
+    before = seq.sum(0)
+    holder.f(seq)
+    return seq.sum(0) + before, seq[0]
+
+
+@pytest.mark.parametrize("lengths", [(2, 4), (3, 3)], ids=["ragged", "equal"])
+def test_an_argument_a_helper_changes_in_place_is_read_changed(lengths):
+    """The padded copy of sequences of their own lengths is made again once a helper run per instance changed
+    one in place; the reads after it see the change, as eager's do."""
+    def make():
+        return [torch.ones(m, 3) * (k + 1) for k, m in enumerate(lengths)]
+
+    holder = Holder(doubled_in_place)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+        got = recompile.map(summed_around_a_helper, make(), itertools.repeat(holder))
+    want = [summed_around_a_helper.python(s, holder) for s in make()]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@recompile.function
+def relu_in_place(seq):
+    F.relu(seq, inplace=True)
+    return seq.sum(0)
+
+
+@recompile.function
+def filled_in_place(seq):
+    nn.init.constant_(seq, 2.0)
+    return seq.sum(0)
+
+
+@pytest.mark.parametrize("fn", [relu_in_place, filled_in_place])
+def test_a_function_that_changes_an_argument_in_place_changes_each_instances_own(fn):
+    """``F.relu(x, inplace=True)``, ``nn.init.constant_(x, c)``: each instance's own tensor is changed, and the
+    function reads it changed, as eager code does."""
+    got_in = [-torch.ones(2, 3), torch.ones(2, 3)]
+    want_in = [-torch.ones(2, 3), torch.ones(2, 3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+        got = recompile.map(fn, got_in)
+    want = [fn.python(s) for s in want_in]
+    for g, w, a, b in zip(got, want, got_in, want_in):
+        torch.testing.assert_close(g, w)
+        torch.testing.assert_close(a, b)
+
+
+def test_sparse_arguments_of_their_own_shapes_run_as_each_instances_own():
+    @recompile.function
+    def total(s):
+        return s.sum()
+
+    sparse = [torch.ones(2, 2).to_sparse(), torch.ones(3, 2).to_sparse()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+        assert [float(t) for t in recompile.map(total, sparse)] == [4.0, 6.0]
+
+
+class Counted:
+    reads = 0
+
+    def __init__(self, value):
+        self._value = value
+
+    @property
+    def value(self):
+        Counted.reads += 1
+        if self._value < 0:
+            raise ValueError(f"bad {self._value}")
+        return self._value
+
+
+def test_an_attribute_is_read_once_per_instance_and_the_first_error_raised():
+    @recompile.function
+    def read(obj):
+        return obj.value * 2
+
+    Counted.reads = 0
+    assert recompile.map(read, [Counted(1), Counted(2), Counted(3)]) == [2, 4, 6]
+    assert Counted.reads == 3
+    Counted.reads = 0
+    with pytest.raises(ValueError, match="bad -2"):
+        recompile.map(read, [Counted(1), Counted(-2), Counted(-3)])
+    assert Counted.reads == 2  # (as a loop of calls reads them: the first two, once each)
+
+
+def test_strict_lengths_that_agree_run():
+    @recompile.function
+    def add(a, b):
+        return a + b
+
+    assert recompile.map(add, [1, 2], [3, 4], strict=True) == [4, 6]

@@ -118,6 +118,19 @@ def _asks_in_place(fn, args, kwargs):
     return type(fn) is not Batch and facts.asks_in_place(fn, args, kwargs)
 
 
+def _in_place_function_of_items(fn, args, kwargs):
+    """Whether ``fn`` is a function (not a tensor's method, not an operator) that changes its first argument in
+    place (``F.relu(x, inplace=True)``, ``nn.init.constant_(x, c)``, ``torch.relu_(x)``), and that argument is
+    each instance's own tensor (a Batch's items): a rule would change a tensor stacked from them, not theirs,
+    so each instance's runs on its own."""
+    target = args[0] if args else None
+    if type(target) is not Batch or target.owner != "items" or type(fn) is Batch or fn is operator.setitem \
+            or fn in _IN_PLACE or isinstance(getattr(fn, "__self__", None), torch.Tensor):
+        return False
+    return _asks_in_place(fn, args, kwargs) or getattr(fn, "__name__", "").endswith("_") and \
+        (getattr(fn, "__module__", None) or "").startswith("torch")  # (not ``operator.not_``, ``and_``)
+
+
 def _changes_in_place(fn):
     """Whether callable ``fn`` is an in-place op: ``x += y``, ``x[i] = y``, ``x.mul_(y)``."""
     if type(fn) is Batch:
@@ -134,6 +147,8 @@ def _call(n, fn, args, kwargs):
         if out is not NotImplemented:
             return out
         return fn(*args, **kwargs) if kwargs else fn(*args)
+    if _in_place_function_of_items(fn, args, kwargs):
+        return per_instance(n, fn, args, kwargs)
     kind = type(fn)
     if kind is Batch:
         bt.ready(fn)
@@ -1601,9 +1616,7 @@ def _gather(n, fn, args, kwargs):
                 return out  # (``hs[-1]``: each instance's item)
         if x.owner == "items" and x.thunk is None and type(index) in (str, int) and \
                 all(type(v) is dict for v in x.items):
-            out = _read_of_each(x.items, lambda d: d[index])  # (``node["children"]`` of each instance's own dict)
-            if out is not NotImplemented:
-                return out
+            return _read_of_each(x.items, lambda d: d[index])  # (``node["children"]`` of each instance's own dict)
         if x.struct is not None and x.owner is None and issubclass(x.struct[0], bt.Keyed):
             at = dicts.place(x.struct[0].keys_, index)
             return NotImplemented if at is None or at is NotImplemented else x.struct[1][at]
@@ -2000,12 +2013,9 @@ def attribute(n, fn, args, kwargs):
 
 def _read_of_each(objects, read):
     """``read(obj)`` of each instance's own Python object (``node.children``; ``node["word"]`` of a dict):
-    each one's, as Python reads it, in one pass; the one object where every instance's is that object.
-    NotImplemented where one raises (each instance then raises its own, in order)."""
-    try:
-        found = [read(v) for v in objects]
-    except Exception:
-        return NotImplemented
+    each one's, as Python reads it, in one pass, in instance order (an instance's error raised there, as a loop
+    of its reads raises it, each read made once); the one object where every instance's is that object."""
+    found = [read(v) for v in objects]  # (the first instance's error, raised as its own read raises it)
     first = found[0]
     for v in found:  # (a loop, not all(genexpr): it runs at every node)
         if v is not first:

@@ -216,8 +216,8 @@ def trip_counts(n, starts, kind, end):
 def _lengths(n, seq):
     """Each instance's length of what a ``for`` iterates: a range, a tensor's rows, each instance's own range,
     rows, stretch of rows, list or tuple; None where that is not known here."""
-    if type(seq) is range or (type(seq) is torch.Tensor and seq.dim()):
-        return [len(seq)] * n
+    if type(seq) in (range, list, tuple) or (type(seq) is torch.Tensor and seq.dim()):
+        return [len(seq)] * n  # (one every instance shares)
     if type(seq) is not Batch:
         return None
     if seq.owner == "tensor":

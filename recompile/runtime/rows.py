@@ -28,7 +28,7 @@ class Rows(list):
     ``fill`` made them: until then, None for each)."""
 
     __slots__ = ("source", "rows", "starts", "lengths", "shortest", "longest", "made", "_layout", "packed", "_at",
-                 "_alike")
+                 "_alike", "versions")
 
     def __init__(self, views, source, rows, starts, lengths):
         super().__init__([None] * len(lengths) if views is None else views)
@@ -39,6 +39,8 @@ class Rows(list):
         self.shortest, self.longest = min(lengths), max(lengths)
         self._layout = self._at = self._alike = None
         self.packed = None  # the stretches end to end, once ``row_wise.packed`` made them
+        # (Rows of each instance's own tensors, ``_ragged``: their versions when the source was copied from them)
+        self.versions = None
 
     def fill(self):
         """Make each instance's view (where they are not made yet): the views eager indexing makes."""
@@ -61,13 +63,17 @@ class Rows(list):
             k = len(positions)
             views = self[:k] if self.made else None
             if self.rows is None:
-                return Rows(views, self.source[:k], None, self.starts[:k], self.lengths[:k])
-            first = Rows(views, self.source, self.rows[:k], self.starts[:k], self.lengths[:k])
-            first._at = None if self._at is None else (self._at[0][:k], self._at[1][:k])
+                first = Rows(views, self.source[:k], None, self.starts[:k], self.lengths[:k])
+            else:
+                first = Rows(views, self.source, self.rows[:k], self.starts[:k], self.lengths[:k])
+                first._at = None if self._at is None else (self._at[0][:k], self._at[1][:k])
+            first.versions = None if self.versions is None else self.versions[:k]
             return first
         rows = list(positions) if self.rows is None else [self.rows[k] for k in positions]
-        return Rows([self[k] for k in positions] if self.made else None, self.source, rows,
-                    [self.starts[k] for k in positions], [self.lengths[k] for k in positions])
+        taken = Rows([self[k] for k in positions] if self.made else None, self.source, rows,
+                     [self.starts[k] for k in positions], [self.lengths[k] for k in positions])
+        taken.versions = None if self.versions is None else [self.versions[k] for k in positions]
+        return taken
 
     def layout(self):
         """The tensors of the lengths, shared by every Rows of the same lengths (``Layout``)."""
@@ -180,6 +186,9 @@ def of(value):
     else None. Each instance's own tensor of a length of its own (``recompile.map`` over sequences) is read as
     Rows too."""
     found = bt.held(value, Rows)
+    if found is not None and found.versions is not None and _changed(found):
+        value.items = list(found)  # (an instance's tensor changed in place since it was copied: copy it again)
+        found = None
     if found is None and type(value) is Batch and type(value.items) is list and value.thunk is None and \
             value.owner == "items" and sharing.state.fresh:
         found = _ragged(value)
@@ -187,20 +196,35 @@ def of(value):
 
 
 def _ragged(value):
-    """The Rows of Batch ``value`` whose items are tensors of one dtype, device and shape but dim 0, not all as
-    long: the instances' own tensors, kept as their values, and a zero-padded copy of them as the source the
-    rules read (from which a gradient reaches them). None for other items."""
+    """The Rows of Batch ``value`` whose items are (strided) tensors of one dtype, device and shape but dim 0,
+    not all as long: the instances' own tensors, kept as their values, and a zero-padded copy of them as the
+    source the rules read (from which a gradient reaches them), with their versions (a helper run per instance
+    may change one in place: the copy is then made again). None for other items."""
     items = value.items
-    if not all(type(t) in bt.PLAIN_TENSORS and t.dim() for t in items) or not bt.same_kind(items, 1):
+    if not all(type(t) in bt.PLAIN_TENSORS and t.dim() and t.layout is torch.strided and not t.is_quantized
+               for t in items) or not bt.same_kind(items, 1):
         return None
     lengths = [t.shape[0] for t in items]
     if min(lengths) == max(lengths):
         return None  # (one tensor holds them: ``tensor_of``)
-    found = padded_rows(value.n, torch.nn.utils.rnn.pad_sequence(items, batch_first=True), lengths)
+    try:
+        padded = torch.nn.utils.rnn.pad_sequence(items, batch_first=True)
+    except RuntimeError:
+        return None
+    found = padded_rows(value.n, padded, lengths)
     found[:] = items
     found.made = True
+    found.versions = [None if t.is_inference() else t._version for t in items]
     value.items = found
     return found
+
+
+def _changed(found):
+    """Whether an instance's own tensor of Rows ``found`` (``_ragged``) changed in place since it was copied."""
+    for t, version in zip(found, found.versions):
+        if version is not None and t._version != version:
+            return True
+    return False
 
 
 def holds(value):
