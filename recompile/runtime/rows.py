@@ -201,6 +201,8 @@ def _ragged(value):
     source the rules read (from which a gradient reaches them), with their versions (a helper run per instance
     may change one in place: the copy is then made again). None for other items."""
     items = value.items
+    if type(items[0]) not in bt.PLAIN_TENSORS:  # (at once: asked of every batch of items a rule reads)
+        return None
     if not all(type(t) in bt.PLAIN_TENSORS and t.dim() and t.layout is torch.strided and not t.is_quantized
                for t in items) or not bt.same_kind(items, 1):
         return None
