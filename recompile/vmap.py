@@ -57,9 +57,8 @@ def _run_map(cf, bound_self, rows):
         return []
     if config.DISABLED:  # (recompile.disable(): one plain call per instance)
         return [cf.python(*bound_self, *row) for row in rows]
-    cf.bind(*bound_self, *rows[0])  # (Python's own TypeError for a wrong call, before anything runs)
     columns = [_column([row[j] for row in rows]) for j in range(len(rows[0]))]
-    args = cf.bind(*bound_self, *columns)
+    args = cf.bind(*bound_self, *columns)  # (Python's own TypeError for a wrong call, before anything runs)
     out = cf.run_batched(args, n, type(bound_self[0]) if bound_self else None)
     return [bt.instance(out, k) for k in range(n)]
 

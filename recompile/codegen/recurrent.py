@@ -430,8 +430,7 @@ def _rows(seq):
 def _rows_or_lists(seq):
     """Whether a ``for`` runs over ``seq``'s rows (``_rows``) or over each instance's own list or tuple
     (``for h in hs``, ``for child in node.children``), not over a range."""
-    return _rows(seq) or type(seq) is Batch and seq.owner == "items" and seq.thunk is None and \
-        all(type(x) in (list, tuple) for x in seq.items)
+    return _rows(seq) or ranges.own_sequences(seq)
 
 
 def _items_at(value, layout, counter, counters):
@@ -445,7 +444,7 @@ def _items_at(value, layout, counter, counters):
         stack = rows.stacked(len(value.items), value, (), {})
         if stack is not NotImplemented:
             return _items_at(stack, layout, counter, counters)
-        if all(type(x) in (list, tuple) for x in value.items):
+        if ranges.own_sequences(value):
             # (a list empty or of values of their own shapes: each row's item, one stack where they are alike)
             found = [value.items[k][t] for k, t in zip(layout.instance, counters)]
             if all(type(x) in bt.PLAIN_TENSORS for x in found) and bt.same_kind(found, 0):

@@ -385,6 +385,18 @@ def items_of(b):
     return b.items
 
 
+def own_lists(v, kinds=(list,)):
+    """Each instance's own list (of ``kinds``) that Batch ``v`` holds, whether as its items or as the pieces a
+    branch or a loop joined (each list the object its side holds), else None."""
+    if type(v) is not Batch or v.thunk is not None:
+        return None
+    if v.owner is None and v.pieces is not None and v.struct is None:
+        if not all(type(p) in kinds or own_lists(p, kinds) is not None for p, _ in v.pieces[0]):
+            return None
+        return items_of(v)
+    return v.items if v.owner == "items" and all(type(each) in kinds for each in v.items) else None
+
+
 def instance_shape(b):
     """The shape every instance's tensor of Batch ``b`` has, read without joining or stacking them (a Batch's
     tensor, its items, its pieces); None where its values are not all tensors of one shape, or not computed yet."""

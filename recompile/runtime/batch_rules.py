@@ -554,6 +554,7 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     for x in given:
         if type(x) is Batch and x.owner == "items":
             x.tensor = None  # the op may have changed the items: a tensor made from them is stale
+            rows.forget_stale_copy(x)  # (and so is a padded copy of them)
     return bt.from_items(results)
 
 
@@ -928,7 +929,7 @@ def _joined_structs(n, fn, a, b):
     kind_b, parts_b = parts(b)
     if fn is operator.add and kind_a is not None and kind_a is kind_b:
         return bt.from_struct(kind_a, parts_a + parts_b, n)
-    own_a, own_b = _own_lists(a), _own_lists(b)
+    own_a, own_b = bt.own_lists(a), bt.own_lists(b)
     if fn is operator.add and (own_a or own_b) and (own_a or kind_a is list) and (own_b or kind_b is list):
         # (``stack + [(h, c)]`` of each instance's own list: each instance's new list, as Python makes it)
         each_a, each_b = (own or (bt.items_of(v) if type(v) is Batch else [v] * n) for own, v in
@@ -942,18 +943,6 @@ def _joined_structs(n, fn, a, b):
 
 
 _LIST_METHODS = frozenset(("append", "extend", "pop", "insert"))  # (of lists the program built: their rules)
-
-
-def _own_lists(v, kinds=(list,)):
-    """Each instance's own list (of ``kinds``) that Batch ``v`` holds, whether as its items or as the pieces a
-    branch or a loop joined (each list the object its side holds), else None."""
-    if type(v) is not Batch or v.thunk is not None:
-        return None
-    if v.owner is None and v.pieces is not None and v.struct is None:
-        if not all(type(p) in kinds or _own_lists(p, kinds) is not None for p, _ in v.pieces[0]):
-            return None
-        return bt.items_of(v)
-    return v.items if v.owner == "items" and all(type(each) in kinds for each in v.items) else None
 
 
 @BATCH.register(intrinsics.build_dict)
@@ -1375,7 +1364,7 @@ def join_along(n, fn, args, kwargs):
         if not args:
             return NotImplemented
     seq = args[0]
-    if type(seq) is Batch and (seq.owner == "items" or _own_lists(seq, (list, tuple)) is not None):
+    if type(seq) is Batch and (seq.owner == "items" or bt.own_lists(seq, (list, tuple)) is not None):
         # (each instance's list of its own length; or the lists a loop or branch joined)
         dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
         if fn is torch.stack and type(dim) is int and dim != 0 and len(args) <= 2 and set(kwargs) <= {"dim"}:
@@ -1448,7 +1437,7 @@ def _of_each_list(x, fn, index):
     """``fn(xs, index)`` (``xs[-1]``, ``xs[-2:]``, ``del xs[-2:]``) of each instance's own list or tuple, with a
     shared int or slice: each instance's, as its own call would give (a batch of the results; None where ``fn``
     gives none); NotImplemented where one raises (an index past an end: each instance raises its own, or not)."""
-    lists = _own_lists(x, (list, tuple))
+    lists = bt.own_lists(x, (list, tuple))
     if lists is None or type(index) is int and not all(-len(each) <= index < len(each) for each in lists):
         return NotImplemented
     out = [fn(each, index) for each in lists]
@@ -1458,7 +1447,7 @@ def _of_each_list(x, fn, index):
 def _item_of_each_list(n, x, index):
     """``xs[i]`` of each instance's own list or tuple at its own int i: each instance's item, the very object its
     own read gives; NotImplemented where an index is no int or lies past an end (each instance raises its own)."""
-    lists = _own_lists(x, (list, tuple))
+    lists = bt.own_lists(x, (list, tuple))
     ints = bt.instance_ints(n, index) if lists is not None else None
     if ints is None or not all(type(i) is int and -len(each) <= i < len(each) for each, i in zip(lists, ints)):
         return NotImplemented
@@ -1493,14 +1482,14 @@ def reversed_sequences(n, fn, args, kwargs):
     xs = args[0]
     if type(xs) is Batch and xs.struct is not None and xs.owner is None and xs.struct[0] in (list, tuple):
         return bt.from_struct(list, xs.struct[1][::-1], n)  # (``reversed([a, b, c])``: its items, from the last)
-    lists = _own_lists(xs, (list, tuple))
+    lists = bt.own_lists(xs, (list, tuple))
     return NotImplemented if lists is None else bt.from_items([list(reversed(each)) for each in lists])
 
 
 @BATCH.register(operator.delitem)
 def deleted(n, fn, args, kwargs):
     """``del xs[i]`` / ``del xs[a:b]`` (shared i, a, b) of each instance's own list."""
-    if kwargs or len(args) != 2 or type(args[1]) not in (int, slice) or _own_lists(args[0]) is None:
+    if kwargs or len(args) != 2 or type(args[1]) not in (int, slice) or bt.own_lists(args[0]) is None:
         return NotImplemented
     return _of_each_list(args[0], fn, args[1])
 
@@ -1968,7 +1957,7 @@ def attribute(n, fn, args, kwargs):
     if dicts.has_method(x, name):  # (``d.get("h")``, ``d.values()``: see ``dicts``)
         return Batch(x.n, method=(x, name))
     if name in _LIST_METHODS and (x.struct is not None and x.owner is None and x.struct[0] is list or
-                                  _own_lists(x) is not None):
+                                  bt.own_lists(x) is not None):
         return Batch(x.n, method=(x, name))  # (``hs.append(h)`` of lists the program built: see ``appended``)
     if x.struct is not None and x.owner is None:  # (a field of what an op returned: ``x.max(-1).values``)
         kind, parts = x.struct
@@ -2098,7 +2087,7 @@ def appended(n, xs, args, kwargs):
     instance's v is appended to its list, as its own call would."""
     if kwargs or len(args) != 1:
         return NotImplemented
-    lists = _own_lists(xs)
+    lists = bt.own_lists(xs)
     if lists is not None:
         values = bt.items_of(args[0]) if type(args[0]) is Batch else [args[0]] * n
         for each, v in zip(lists, values):
@@ -2126,7 +2115,7 @@ def extended(n, xs, args, kwargs):
         return None
     if built and type(ys) is Batch:
         bt.items_of(xs)  # (each instance's ys, of its own length maybe: each instance's own list from here)
-    lists = _own_lists(xs)
+    lists = bt.own_lists(xs)
     if lists is not None:
         each_ys = bt.items_of(ys) if type(ys) is Batch else [ys] * n
         for each, more in zip(lists, each_ys):
@@ -2144,7 +2133,7 @@ def inserted(n, xs, args, kwargs):
     if xs.struct is not None and xs.owner is None and xs.struct[0] is list:
         xs.struct[1].insert(args[0], args[1])
         return None
-    lists = _own_lists(xs)
+    lists = bt.own_lists(xs)
     if lists is None:
         return NotImplemented
     values = bt.items_of(args[1]) if type(args[1]) is Batch else [args[1]] * n
@@ -2161,7 +2150,7 @@ def popped(n, xs, args, kwargs):
     if kwargs or len(args) > 1 or args and type(args[0]) is not int:
         return NotImplemented
     at = args[0] if args else -1
-    lists = _own_lists(xs)
+    lists = bt.own_lists(xs)
     if lists is not None and all(-len(v) <= at < len(v) for v in lists):
         return bt.from_items([each.pop(at) for each in lists])
     if xs.struct is None or xs.owner is not None or xs.struct[0] is not list or not \

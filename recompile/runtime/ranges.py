@@ -78,16 +78,16 @@ def as_sequence(n, fn, args, kwargs):
     if keys is not None:
         return keys
     out = rows.listed(n, seq) if sharing.state.fresh else NotImplemented  # (``for h in hs``, each its own list)
-    if out is NotImplemented and _own_sequences(seq):
+    if out is NotImplemented and own_sequences(seq):
         # (``for ch in node.children``, each instance's list of anything: as it is, since a lowered ``for`` reads
         # a list or tuple as Python's iterator does, by position, its length again at each step)
         return seq
     return out
 
 
-def _own_sequences(seq):
-    return type(seq) is Batch and seq.owner == "items" and seq.thunk is None and \
-        all(type(x) in (list, tuple) for x in seq.items)
+def own_sequences(seq):
+    """Whether Batch ``seq`` holds each instance's own list or tuple as its items."""
+    return type(seq) is Batch and seq.owner == "items" and bt.own_lists(seq, (list, tuple)) is not None
 
 
 def has_index(n, fn, args, kwargs):
@@ -225,7 +225,7 @@ def _lengths(n, seq):
     found = rows.of(seq) or of(seq)
     if found is not None:
         return found.lengths
-    return [len(x) for x in seq.items] if _own_sequences(seq) else None
+    return [len(x) for x in seq.items] if own_sequences(seq) else None
 
 
 def _numbers(n, value):

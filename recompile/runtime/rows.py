@@ -186,9 +186,6 @@ def of(value):
     else None. Each instance's own tensor of a length of its own (``recompile.map`` over sequences) is read as
     Rows too."""
     found = bt.held(value, Rows)
-    if found is not None and found.versions is not None and _changed(found):
-        value.items = list(found)  # (an instance's tensor changed in place since it was copied: copy it again)
-        found = None
     if found is None and type(value) is Batch and type(value.items) is list and value.thunk is None and \
             value.owner == "items" and sharing.state.fresh:
         found = _ragged(value)
@@ -199,7 +196,7 @@ def _ragged(value):
     """The Rows of Batch ``value`` whose items are (strided) tensors of one dtype, device and shape but dim 0,
     not all as long: the instances' own tensors, kept as their values, and a zero-padded copy of them as the
     source the rules read (from which a gradient reaches them), with their versions (a helper run per instance
-    may change one in place: the copy is then made again). None for other items."""
+    may change one in place: ``forget_stale_copy``). None for other items."""
     items = value.items
     if type(items[0]) not in bt.PLAIN_TENSORS:  # (at once: asked of every batch of items a rule reads)
         return None
@@ -221,12 +218,14 @@ def _ragged(value):
     return found
 
 
-def _changed(found):
-    """Whether an instance's own tensor of Rows ``found`` (``_ragged``) changed in place since it was copied."""
-    for t, version in zip(found, found.versions):
-        if version is not None and t._version != version:
-            return True
-    return False
+def forget_stale_copy(value):
+    """After an op ran per instance on Batch ``value`` (a helper may change each instance's tensor in place):
+    where it holds Rows of the instances' own tensors (``_ragged``) one of which changed since their copy was
+    made, their plain list again (``of`` copies them again when next read)."""
+    found = value.items
+    if type(found) is Rows and found.versions is not None and any(
+            version is not None and t._version != version for t, version in zip(found, found.versions)):
+        value.items = list(found)
 
 
 def holds(value):
