@@ -10,7 +10,7 @@ from torch import nn
 
 import recompile
 from recompile import config, diagnostics
-from test_segments import switched
+from test_segments import built, switched
 
 ACTIVATIONS = [torch.tanh, torch.sigmoid, F.relu]
 
@@ -38,6 +38,16 @@ class ModuleNet(nn.Module):
         return torch.tanh(self.ops[op[i]](self.tree(left, right, op, leaf, left[i])
                                           + self.tree(left, right, op, leaf, right[i])))
 
+    def kinds(self, left, right, op, leaf, i):
+        """A node's module and activation chosen by its op, over its children's joined results (a leaf's is its
+        vector), with a loss per node: a level program, its pieces on plain tensors."""
+        if left[i] < 0:
+            return leaf[i], leaf[i].sum()
+        hl, loss_l = self.kinds(left, right, op, leaf, left[i])
+        hr, loss_r = self.kinds(left, right, op, leaf, right[i])
+        h = ACTIVATIONS[op[i] % 3](self.ops[op[i]](hl + hr))
+        return h, loss_l + loss_r + self.out(h).sum()
+
 
 def models():
     plain = ModuleNet().double()
@@ -45,6 +55,7 @@ def models():
     compiled.load_state_dict(plain.state_dict())
     type(compiled).run_c = recompile.function(ModuleNet.run)
     type(compiled).tree_c = recompile.function(ModuleNet.tree)
+    type(compiled).kinds_c = recompile.function(ModuleNet.kinds)
     return plain, compiled
 
 
@@ -85,6 +96,46 @@ def test_a_tree_whose_nodes_choose_their_module():
         got = recompile.vmap(compiled.tree_c, in_dims=(None, None, None, None, 0))(left, right, op, leaf, roots)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
     assert_grads(grads(compiled, got), grads(plain, want))
+
+
+def kinds_forest(op):
+    """Three trees (depths 1, 2 and 4: the deepest levels hold one node) over 13 nodes, each node's op ``op``."""
+    left = torch.tensor([-1, -1, 0, -1, 2, -1, -1, 5, -1, -1, 8, 7, 10])
+    right = torch.tensor([-1, -1, 1, -1, 3, -1, -1, 6, -1, -1, 9, 4, 11])
+    return left, right, torch.tensor(op), torch.tensor([2, 12, 7])
+
+
+@pytest.mark.parametrize("op", [[0] * 13, [0, 0, 2, 0, 1, 0, 0, 1, 0, 0, -2, 2, 0],
+                                [1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1]])
+def test_a_level_program_choosing_modules_runs_on_plain_tensors(op):
+    """``self.ops[op[i]]`` and ``ACTIVATIONS[op[i] % 3]`` in a recursion that is a level program: each depth's
+    rows grouped by the callable they pick, one call each, in the pieces on plain tensors (every row picking
+    one, rows picking each, a negative pick, depths of one row), as eager computes it."""
+    plain, compiled = models()
+    left, right, op, roots = kinds_forest(op)
+    torch.manual_seed(3)
+    leaf = torch.randn(13, 4, dtype=torch.float64)
+    pairs = [plain.kinds(left, right, op, leaf, r) for r in roots]
+    want = torch.stack([h for h, _ in pairs]), torch.stack([loss for _, loss in pairs])
+    pieces = built(ModuleNet.kinds_c, ModuleNet).unit.levels.plain
+    runs, failures = pieces.runs, pieces.failures
+    with switched(config, "error", "PER_INSTANCE"):
+        got = recompile.vmap(compiled.kinds_c, in_dims=(None, None, None, None, 0))(left, right, op, leaf, roots)
+    assert pieces.runs == runs + 1 and pieces.failures == failures
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
+    assert_grads(grads(compiled, got[0] + got[1][:, None]), grads(plain, want[0] + want[1][:, None]))
+
+
+def test_a_pick_past_the_list_in_a_level_program_raises_as_python_does():
+    plain, compiled = models()
+    left, right, op, roots = kinds_forest([0, 0, 2, 0, 1, 0, 0, 1, 0, 0, 3, 2, 0])
+    leaf = torch.zeros(13, 4, dtype=torch.float64)
+    with pytest.raises(IndexError) as eager:
+        plain.kinds(left, right, op, leaf, roots[1])
+    with pytest.raises(IndexError) as got:
+        recompile.vmap(compiled.kinds_c, in_dims=(None, None, None, None, 0))(left, right, op, leaf, roots)
+    assert str(got.value) == str(eager.value)
 
 
 def test_a_pick_past_the_list_raises_as_python_does():

@@ -43,7 +43,7 @@ from ..diagnostics import tracing_at
 from ..ops import facts, syntax
 from ..ops.table import RuleTable, has_hooks, tensor_method
 from ..runtime import batch as bt
-from ..runtime import batch_rules, control, distributions, helpers, lazy_weights, sharing
+from ..runtime import batch_rules, chosen, control, distributions, helpers, lazy_weights, sharing
 from ..runtime.batch import Batch
 from ..runtime.frames import annotated_by
 from ..runtime.levels import Deopt, NotPlain
@@ -330,8 +330,10 @@ class _Untraceable(Exception):
 class _Slot:
     """A value of the trace: ``kind`` S (shared: a plain value), B (batched: a plain tensor, dim 0 the
     instance), T (a tuple or list built in the segment: ``items`` are slots), O (a Batch, handled by the
-    batch rules) or M (a method of a batched tensor: ``value`` is (its B slot, the name), for the call that
-    follows); ``name`` holds it in the raw function; ``value`` is this call's."""
+    batch rules), M (a method of a batched tensor: ``value`` is (its B slot, the name), for the call that
+    follows) or C (each row's pick from a shared list of callables: ``items`` are the S slot of the callables and
+    the B slot of the indices, for the call that follows); ``name`` holds it in the raw function; ``value`` is
+    this call's."""
 
     __slots__ = ("kind", "name", "value", "items", "as_b", "fixed", "number")
 
@@ -418,8 +420,8 @@ class _Tracer:
 
     def as_batch(self, slot):
         """An expression holding ``slot`` as the batch rules take it (a Batch, or a plain value)."""
-        if slot.kind == "M":
-            raise _Untraceable  # (a method of a batched tensor, not called at once)
+        if slot.kind in ("M", "C"):
+            raise _Untraceable  # (a method of a batched tensor, or each row's pick, not called at once)
         if slot.kind == "B":
             return f"_wrap({slot.name})"
         if slot.kind == "T":
@@ -429,7 +431,7 @@ class _Tracer:
 
     def wrapped_value(self, slot):
         """This call's value of ``slot`` as the batch rules take it."""
-        if slot.kind == "M":
+        if slot.kind in ("M", "C"):
             raise _Untraceable
         if slot.kind == "B":
             return bt.from_tensor(slot.value)
@@ -686,6 +688,8 @@ class _Tracer:
             raise _Untraceable
         if isinstance(op.fn, ir.Value) and self.env[op.fn].kind == "M":
             return self.method_call(op, self.env[op.fn])
+        if isinstance(op.fn, ir.Value) and self.env[op.fn].kind == "C":
+            return self.chosen_call(op, self.env[op.fn])
         fn, fn_slot = self.callable_slot(op)
         args = [self.load(a) for a in op.args]
         kwargs = {k: self.load(v) for k, v in op.kwargs}
@@ -817,6 +821,34 @@ class _Tracer:
         name = self.fresh()
         self.emit(f"{name} = {fn_name}({_arguments(args, kwargs)})")
         return _Slot("S", name, value)
+
+    def chosen_call(self, op, picked):
+        """``self.ops[k](x)`` of a C slot: each distinct callable once, by its batch rule, on the rows that picked
+        it, the results' rows joined in row order (``chosen.rows_grouped``; its arguments batched rows or
+        shared, its keywords shared)."""
+        args = [self.load(a) for a in op.args]
+        kwargs = {k: self.load(v) for k, v in op.kwargs}
+        if len(op.outputs) != 1 or any(s.kind != "S" for s in kwargs.values()):
+            raise _Untraceable
+        raw = [self.as_b(s) if s.kind == "O" else s for s in args]
+        if any(s is None or s.kind not in ("B", "S") or s.number for s in raw):
+            raise _Untraceable
+        batched = tuple(s.kind == "B" for s in raw)
+        if not any(batched):
+            raise _Untraceable
+        fns, index = picked.items
+        value = chosen.rows_grouped(self.n, fns.value, index.value, [s.value for s in raw], batched,
+                                    {k: s.value for k, s in kwargs.items()}, batch_rules.call)
+        if value is None:
+            raise Deopt(self.segment.name)  # (an index out of range: the run on Batch values raises it)
+        if value is NotImplemented:
+            raise _Untraceable
+        name = self.fresh()
+        kw_text = ", ".join(f"{k!r}: {s.name}" for k, s in kwargs.items())
+        self.emit(f"{name} = _grouped(_n, {fns.name}, {index.name}, ({''.join(s.name + ', ' for s in raw)}), "
+                  f"{batched!r}, {{{kw_text}}})")
+        self.emit(f"if {name}.dim() != {value.dim()} or {name}.dtype is not {self.const(value.dtype)}: raise _Deopt")
+        self.define(op.outputs[0], _Slot("B", name, value))
 
     def generic(self, op, fn, fn_slot, args, kwargs):
         slot = self.generic_slot(op, fn, fn_slot, args, kwargs)
@@ -1085,6 +1117,8 @@ def _getitem_form(tr, fn, fn_slot, args, kwargs):
         name = tr.fresh()
         tr.emit(f"{name} = {b.name}[{tr.const(index)}]")
         return _Slot("B", name, b.value[index])
+    if x.kind == "S" and tr.plain is not None and type(x.value) not in _PLAIN_TENSORS:
+        return _picked_form(tr, fn, fn_slot, x, i)
     if x.kind != "S" or type(x.value) not in _PLAIN_TENSORS:
         return None
     i = tr.as_b(i)
@@ -1097,6 +1131,40 @@ def _getitem_form(tr, fn, fn_slot, args, kwargs):
     value = batch_rules.index_rows(x.value, i.value)
     tr.emit(f"{name} = _rows({x.name}, {i.name})")
     return _Slot("B", name, value)
+
+
+def _picked_form(tr, fn, fn_slot, x, i):
+    """``self.ops[k]`` in a plain piece: a shared list of modules (or functions) that change and draw nothing,
+    picked by each row's integer ``k``: a C slot, which only a call takes (``_Tracer.chosen_call``)."""
+    fns = _plain_choices(x.value)
+    i = tr.as_b(i) if i.kind in ("B", "O") else None
+    if fns is None or i is None or i.value.dim() != 1 or i.value.dtype not in facts.INTEGER_INDEX:
+        return None
+    tr.guard_callable(fn, fn_slot)
+    name = tr.fresh()
+    tr.emit(f"{name} = _choices({x.name})")
+    return _Slot("C", name, (fns, i.value), items=(_Slot("S", name, fns), i))
+
+
+def _plain_choices(container):
+    """The callables of ``container`` a plain piece may group by each row's pick (``chosen.choices``), each one
+    that a trace may run again by its batch rule; else None."""
+    fns = chosen.choices(container)
+    return fns if fns is not None and all(rerunnable(f) for f in fns) else None
+
+
+def _choices(container):
+    fns = _plain_choices(container)
+    if fns is None:
+        raise Deopt
+    return fns
+
+
+def _grouped(n, fns, index, args, batched, kwargs):
+    out = chosen.rows_grouped(n, fns, index, args, batched, kwargs, batch_rules.call)
+    if out is None or out is NotImplemented:
+        raise Deopt
+    return out
 
 
 @TRACE.register(getattr)
@@ -1767,5 +1835,5 @@ _HELPERS = {"_Batch": Batch, "_MethodType": types.MethodType, "_Tensor": torch.T
             "_call": batch_rules.call, "_by_rule": _by_rule, "_rows_of": _rows_of, "_item": batch_rules.item,
             "_fused": batch_rules.fused,
             "_unpack": control.unpack, "_sharing": sharing.state, "_batched_product": batch_rules.batched_product,
-            "_mark_fresh": sharing.mark_fresh, "_same": _same,
+            "_mark_fresh": sharing.mark_fresh, "_same": _same, "_choices": _choices, "_grouped": _grouped,
             "_PLAIN_TENSORS": _PLAIN_TENSORS, "__builtins__": __builtins__}

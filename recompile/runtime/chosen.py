@@ -6,7 +6,8 @@ instance's); ``grouped`` then calls each distinct callable once, on the rows of 
 that callable's own batch rule, and joins the results in instance order. Only modules and plain module-level
 functions group: a nested function or lambda may be each instance's own closure, and a method of each instance's
 tensor is another rule's. Where the run changes values in place, the instances' rows would be copies their
-changes must reach: each instance then calls its own, as before.
+changes must reach: each instance then calls its own, as before. In a level program's pieces on plain tensors
+(``codegen.segments``), ``rows_grouped`` does the same for rows that picked by an integer of their own.
 """
 
 from __future__ import annotations
@@ -74,3 +75,62 @@ def grouped(n, fn, args, kwargs, call):
         given = {key: bt.take(v, index, positions) if type(v) is Batch else v for key, v in kwargs.items()}
         sides.append((call(len(positions), c, tuple(rows), given), positions))
     return bt.join(n, sides)
+
+
+def choices(container):
+    """The callables of a shared list of them (``nn.ModuleList``, ``nn.Sequential``, a list or tuple) that each
+    row of a plain piece may pick by an integer of its own (``segments``), as a tuple; None for anything else (a
+    ``ModuleDict``, picked by key, or a callable that may not group)."""
+    if type(container) not in _CONTAINERS or isinstance(container, nn.ModuleDict) or not len(container):
+        return None
+    fns = tuple(container)
+    return fns if all(groups(fn) for fn in fns) else None
+
+
+def rows_grouped(n, fns, index, args, batched, kwargs, call):
+    """``fns[index[r]](*row r of args, **kwargs)`` for each of n rows (a plain piece's: dim 0 the instance;
+    ``batched`` says which of ``args`` are such rows, the others shared): ``call`` (``batch_rules.call``) once
+    per distinct callable on its rows, their results' rows joined back in row order. None where an index is out
+    of range (the run on Batch values raises its instance's IndexError); NotImplemented where a result is no
+    tensor of rows of one shape and dtype."""
+    count = len(fns)
+    group, numbers, picked = [], {}, []  # each row's group; a callable's group; each group's callable
+    for k in index.tolist():
+        if not -count <= k < count:
+            return None
+        fn = fns[k]
+        g = numbers.get(id(fn))
+        if g is None:
+            g = numbers[id(fn)] = len(picked)
+            picked.append(fn)
+        group.append(g)
+    if len(picked) == 1:
+        return _rows_call(n, picked[0], args, batched, kwargs, call)
+    sizes = [0] * len(picked)
+    for g in group:
+        sizes[g] += 1
+    # (the rows sorted by group, one gather; each group's rows a stretch of it; the results put back by one copy)
+    at = torch.tensor(sorted(range(n), key=group.__getitem__), device=next(a.device for a, b in zip(args, batched)
+                                                                            if b))
+    stretches = [a.index_select(0, at).split(sizes) if b else None for a, b in zip(args, batched)]
+    outs = []
+    for g, fn in enumerate(picked):
+        out = _rows_call(sizes[g], fn, [s[g] if b else a for a, s, b in zip(args, stretches, batched)], batched,
+                         kwargs, call)
+        if out is NotImplemented:
+            return out
+        outs.append(out)
+    if not bt.same_kind(outs, 1):
+        return NotImplemented
+    joined = torch.cat(outs)
+    return joined.new_empty(joined.shape).index_copy(0, at.to(joined.device), joined)
+
+
+def _rows_call(count, fn, args, batched, kwargs, call):
+    """``fn`` on ``count`` rows by its batch rule (one row: on that instance's own values), its result's rows."""
+    if count == 1:
+        out = call(1, fn, tuple(a[0] if b else a for a, b in zip(args, batched)), kwargs)
+        return out.unsqueeze(0) if type(out) in bt.PLAIN_TENSORS else NotImplemented
+    out = call(count, fn, tuple(bt.from_tensor(a) if b else a for a, b in zip(args, batched)), kwargs)
+    t = bt.tensor_of(out) if type(out) is Batch and out.thunk is None else None
+    return NotImplemented if t is None or t.shape[0] != count else t
