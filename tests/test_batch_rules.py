@@ -30,6 +30,7 @@ from recompile.runtime import batch_rules as br
 from recompile.runtime.sharing import state as sharing_state
 from recompile import config, intrinsics
 from recompile.runtime.batch import Batch
+from test_segments import switched
 
 F64 = torch.float64
 N = 4
@@ -1860,3 +1861,33 @@ def test_a_prod_with_zeros_in_some_instances_differentiates_as_each_instances_ow
         torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], torch.autograd.grad(want.sum(), x)[0],
                                    equal_nan=True)
         assert bool(f.stats.get("per_instance")) == (rows[0][0] == 0.0)  # (batched where zeros are alike)
+
+
+def _numerator_joined(x, t, d):
+    """A numerator joined from a branch giving a Python number and one giving a tensor, over ``t``, and over each
+    instance's own number."""
+    if x.sum() > 0:
+        v = 3.0
+    else:
+        v = x * 1.0
+    w = 2.0 if d > 1 else 4.0
+    return v / t, (v / w) * t
+
+
+def test_a_number_over_a_tensor_divides_as_eager_beside_tensors():
+    """``v / t`` of a Python number v is ``t.reciprocal() * v`` in eager, which rounds apart from one division:
+    instances whose numerator is a number beside instances whose numerator is a tensor give eager's bits (and a
+    number over a number stays Python's float), with eager's gradients, and no op runs per instance."""
+    compiled = recompile.function(_numerator_joined)
+    torch.manual_seed(0)
+    xs = torch.randn(300, 1)
+    ts = (torch.rand(300, 1) * 7 + 0.1).requires_grad_()
+    ds = torch.randint(0, 3, (300,))
+    with switched(config, "error", "PER_INSTANCE"):
+        got = recompile.vmap(compiled)(xs, ts, ds)
+    want = [_numerator_joined(x, t, d) for x, t, d in zip(xs, ts, ds)]
+    for j in range(2):
+        assert torch.equal(got[j], torch.stack([each[j] for each in want]))
+    (grad,) = torch.autograd.grad(got[0].sum() + got[1].sum(), ts)
+    (eager,) = torch.autograd.grad(sum(v.sum() + u.sum() for v, u in want), ts)
+    assert torch.equal(grad, eager)

@@ -811,6 +811,46 @@ def _numbers_as_rows(a, b):
     return None
 
 
+# ``v / t``, ``v /= t``: of a Python number v, eager computes ``t.reciprocal() * v`` (``Tensor.__rtruediv__``), which
+# rounds apart from one division of v's value as a tensor
+_TRUE_DIVISIONS = frozenset({operator.truediv, operator.itruediv, intrinsics.itruediv_fresh})
+
+
+def _holds_numbers(value):
+    """Whether Batch ``value`` holds a Python number for some instance beside others' tensors (joined from a
+    branch that gives ``0.0`` and one that gives a tensor)."""
+    if type(value) is not Batch or value.owner == "tensor" or value.struct is not None:
+        return False
+    if value.pieces is not None and value.items is None:
+        return any(type(v) in _NUMBERS or _holds_numbers(v) for v, _ in value.pieces[0])
+    return value.items is not None and any(type(v) in _NUMBERS for v in value.items)
+
+
+def _divided_apart(n, a, b):
+    """``a / b`` where ``a`` holds Python numbers for some instances, tensors for others: a number over a tensor as
+    eager computes it, ``b.reciprocal() * v``; a number over a number as Python does; a tensor's as one division;
+    joined."""
+    a_items = bt.items_of(a)
+    b_items = bt.items_of(b) if type(b) is Batch else [b] * n
+    kinds = [0 if type(x) not in _NUMBERS else 1 if type(y) not in _NUMBERS else 2 for x, y in zip(a_items, b_items)]
+    sides = []
+    for kind in (0, 1, 2):
+        positions = [k for k, c in enumerate(kinds) if c == kind]
+        if not positions:
+            continue
+        m, index = len(positions), bt.long_tensor(positions)
+        a_side, b_side = bt.take(a, index, positions), bt.take(b, index, positions)
+        if kind == 0:
+            out = call(m, operator.truediv, (a_side, b_side))
+        elif kind == 1:
+            out = call(m, operator.mul, (call(m, torch.reciprocal, (b_side,)), a_side))
+        else:
+            out = bt.from_items([a_items[k] / b_items[k] for k in positions]) if m > 1 else \
+                a_items[positions[0]] / b_items[positions[0]]
+        sides.append((out, positions))
+    return bt.join(n, sides)
+
+
 def _dtype_hint(args):
     for a in args:
         if type(a) is Batch and a.tensor is not None:
@@ -848,6 +888,8 @@ def elementwise(n, fn, args, kwargs):
         joined = _joined_structs(n, fn, *args)
         if joined is not NotImplemented:
             return joined
+    if fn in _TRUE_DIVISIONS and len(args) == 2 and not kwargs and _holds_numbers(args[0]):
+        return _divided_apart(n, *args)
     like = _dtype_hint(args)
     values = _tensor_args(n, args, like)
     if values is None and len(args) == 2 and fn in _NUMBER_OPERATORS and fn not in _IN_PLACE:
