@@ -1891,3 +1891,40 @@ def test_a_number_over_a_tensor_divides_as_eager_beside_tensors():
     (grad,) = torch.autograd.grad(got[0].sum() + got[1].sum(), ts)
     (eager,) = torch.autograd.grad(sum(v.sum() + u.sum() for v, u in want), ts)
     assert torch.equal(grad, eager)
+
+
+class _LeafZeroLoss(nn.Module):
+    """A tree RNN whose leaves return a Python ``0.0`` as their loss: a node whose children are both leaves adds two
+    numbers (a Python float), one with a leaf and an inner node a number and a tensor."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def encode(self, left, right, leaf, i):
+        if left[i] < 0:
+            return leaf[i], 0.0
+        hl, loss_l = self.encode(left, right, leaf, left[i])
+        hr, loss_r = self.encode(left, right, leaf, right[i])
+        h = torch.tanh(self.lin(hl + hr))
+        return h, loss_l + loss_r + self.out(h).sum()
+
+
+def test_numbers_met_by_numbers_beside_tensors_batch_as_python_adds_them():
+    eager = _LeafZeroLoss().double()
+    model = copy.deepcopy(eager)
+    type(model).encode_c = recompile.function(_LeafZeroLoss.encode)
+    left = torch.tensor([-1, -1, 0, -1, 2, -1, -1, 5, -1, -1, 8, 7, 10])
+    right = torch.tensor([-1, -1, 1, -1, 3, -1, -1, 6, -1, -1, 9, 4, 11])
+    roots = torch.tensor([2, 12, 7, 4])
+    leaf = torch.randn(13, 4, dtype=torch.float64)
+    with switched(config, "error", "PER_INSTANCE"):
+        h, loss = recompile.vmap(model.encode_c, in_dims=(None, None, None, 0))(left, right, leaf, roots)
+    want = [eager.encode(left, right, leaf, r) for r in roots]
+    torch.testing.assert_close(h, torch.stack([w[0] for w in want]), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss, torch.stack([w[1] for w in want]), rtol=1e-12, atol=1e-12)
+    got = torch.autograd.grad(loss.sum() + h.sum(), list(model.parameters()))
+    expected = torch.autograd.grad(sum(w[1] + w[0].sum() for w in want), list(eager.parameters()))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)

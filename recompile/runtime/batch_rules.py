@@ -811,9 +811,11 @@ def _numbers_as_rows(a, b):
     return None
 
 
-# ``v / t``, ``v /= t``: of a Python number v, eager computes ``t.reciprocal() * v`` (``Tensor.__rtruediv__``), which
-# rounds apart from one division of v's value as a tensor
-_TRUE_DIVISIONS = frozenset({operator.truediv, operator.itruediv, intrinsics.itruediv_fresh})
+# ``v / t`` (``v /= t`` of a frame's own v): of a Python number v, eager computes ``t.reciprocal() * v``
+# (``Tensor.__rtruediv__``), which rounds apart from one division of v's value as a tensor
+_TRUE_DIVISIONS = frozenset({operator.truediv, intrinsics.itruediv_fresh})
+# Python's arithmetic where one instance's operands may be two numbers, another's a number and a tensor
+_APART = frozenset({operator.add, operator.sub, operator.mul, *_TRUE_DIVISIONS, *intrinsics.AUGMENTED_FRESH.values()})
 
 
 def _holds_numbers(value):
@@ -826,13 +828,18 @@ def _holds_numbers(value):
     return value.items is not None and any(type(v) in _NUMBERS for v in value.items)
 
 
-def _divided_apart(n, a, b):
-    """``a / b`` where ``a`` holds Python numbers for some instances, tensors for others: a number over a tensor as
-    eager computes it, ``b.reciprocal() * v``; a number over a number as Python does; a tensor's as one division;
-    joined."""
-    a_items = bt.items_of(a)
+def _numbers_apart(n, fn, a, b):
+    """``fn(a, b)`` where an instance's operands may both be Python numbers (a leaf's ``loss = 0.0`` met by its
+    sibling's) while others' hold tensors: those instances as Python computes them; a number over a tensor as
+    eager does, ``t.reciprocal() * v``; the others by the rule; joined. NotImplemented where only the others are
+    here (the rule then takes them all)."""
+    a_items = bt.items_of(a) if type(a) is Batch else [a] * n
     b_items = bt.items_of(b) if type(b) is Batch else [b] * n
-    kinds = [0 if type(x) not in _NUMBERS else 1 if type(y) not in _NUMBERS else 2 for x, y in zip(a_items, b_items)]
+    division = fn in _TRUE_DIVISIONS
+    kinds = [0 if type(x) not in _NUMBERS else 2 if type(y) in _NUMBERS else 1 if division else 0
+             for x, y in zip(a_items, b_items)]
+    if not any(kinds):
+        return NotImplemented
     sides = []
     for kind in (0, 1, 2):
         positions = [k for k, c in enumerate(kinds) if c == kind]
@@ -841,12 +848,12 @@ def _divided_apart(n, a, b):
         m, index = len(positions), bt.long_tensor(positions)
         a_side, b_side = bt.take(a, index, positions), bt.take(b, index, positions)
         if kind == 0:
-            out = call(m, operator.truediv, (a_side, b_side))
+            out = call(m, fn, (a_side, b_side))
         elif kind == 1:
             out = call(m, operator.mul, (call(m, torch.reciprocal, (b_side,)), a_side))
         else:
-            out = bt.from_items([a_items[k] / b_items[k] for k in positions]) if m > 1 else \
-                a_items[positions[0]] / b_items[positions[0]]
+            out = bt.from_items([fn(a_items[k], b_items[k]) for k in positions]) if m > 1 else \
+                fn(a_items[positions[0]], b_items[positions[0]])
         sides.append((out, positions))
     return bt.join(n, sides)
 
@@ -860,6 +867,11 @@ def _dtype_hint(args):
     for a in args:
         if type(a) is Batch and bt.tensor_of(a) is not None:
             return a.tensor.dtype
+    for a in args:  # (each instance's own values, Python numbers beside tensors: the tensors')
+        if type(a) is Batch and a.owner == "items" and a.thunk is None:
+            first = next((x for x in a.items if type(x) in PLAIN_TENSORS), None)
+            if first is not None:
+                return first.dtype
     return None
 
 
@@ -888,8 +900,10 @@ def elementwise(n, fn, args, kwargs):
         joined = _joined_structs(n, fn, *args)
         if joined is not NotImplemented:
             return joined
-    if fn in _TRUE_DIVISIONS and len(args) == 2 and not kwargs and _holds_numbers(args[0]):
-        return _divided_apart(n, *args)
+    if fn in _APART and len(args) == 2 and not kwargs and (_holds_numbers(args[0]) or _holds_numbers(args[1])):
+        apart = _numbers_apart(n, fn, *args)
+        if apart is not NotImplemented:
+            return apart
     like = _dtype_hint(args)
     values = _tensor_args(n, args, like)
     if values is None and len(args) == 2 and fn in _NUMBER_OPERATORS and fn not in _IN_PLACE:
