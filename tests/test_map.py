@@ -1,6 +1,7 @@
 """``recompile.map`` (vmap.py): a function over a list of what users hold, in one batched run, each result as the
 function returns it; differential against the plain calls."""
 
+import collections
 import itertools
 import warnings
 import random
@@ -89,6 +90,27 @@ def test_a_child_sum_over_node_objects_gives_each_trees_values_and_gradients_and
     nodes = sum(1 for _ in _walk(roots))
     assert stats["batches"]["ChildSum.forward"]["mean_batch"] > 3  # (a node's children of every tree at once)
     assert stats["frames"] < nodes
+
+
+def test_each_instances_rows_take_their_gradient_as_one_stack(strict):
+    """The rows each instance holds as its own (its children's states, appended to its lists) are views whose
+    gradient is one stack of the batch's rows: no row's view makes a zero tensor of the whole batch in the
+    backward (a backward that grows with the rows times the batch)."""
+    torch.manual_seed(0)
+    model = ChildSum().double()
+    rng = random.Random(3)
+    roots = [random_tree(rng) for _ in range(6)]
+    loss = sum(g[2] for g in recompile.map(model, roots))
+    seen, stack, kinds = set(), [loss.grad_fn], collections.Counter()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        kinds[type(fn).__name__] += 1
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    # (a view per result read: each tree's loss, and a run of one instance's own values)
+    assert kinds["UnbindBackward0"] and kinds["SelectBackward0"] < 2 * len(roots) < sum(1 for _ in _walk(roots))
 
 
 def _walk(nodes):

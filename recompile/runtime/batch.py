@@ -365,9 +365,11 @@ def items_of(b):
     if b.items is None:
         if b.tensor is not None:
             t = b.tensor
-            # (select views where autograd records, not unbind's: it lets an instance's row be changed in place,
-            # with a value that needs a gradient too)
-            b.items = [t[k] for k in range(b.n)] if t.requires_grad or torch.is_grad_enabled() else list(t.unbind(0))
+            # (unbind's views, whose gradients are one stack: select's each make a zero tensor of the whole batch.
+            # Where autograd records in a run that may change values in place, select's: torch lets those be
+            # changed in place)
+            recorded = t.requires_grad or torch.is_grad_enabled()
+            b.items = [t[k] for k in range(b.n)] if recorded and not sharing.state.fresh else list(t.unbind(0))
         elif b.struct is not None:
             kind, parts = b.struct
             columns = [items_of(p) if type(p) is Batch else [p] * b.n for p in parts]
