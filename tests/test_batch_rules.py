@@ -1928,3 +1928,24 @@ def test_numbers_met_by_numbers_beside_tensors_batch_as_python_adds_them():
     expected = torch.autograd.grad(sum(w[1] + w[0].sum() for w in want), list(eager.parameters()))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+def _powers_and_products(x, y):
+    return x ** 2, -x, x < 1, x * y
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_an_instances_python_numbers_beside_anothers_tensors_stay_as_python_computes_them(dtype):
+    """Ops of a value that is a Python number for one instance and a tensor for another: the number's instance gets
+    Python's own numbers; a product of half floats and numbers is each instance's own (a number rounded to a half
+    float before the op would give what eager's does not)."""
+    compiled = recompile.function(_powers_and_products)
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=dtype)
+    xs, ys = [x, 0.1, x], [0.1, 0.2, 0.3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+        got = recompile.map(compiled, xs, ys)
+    for g, w in zip(got, (_powers_and_products(a, b) for a, b in zip(xs, ys))):
+        for a, b in zip(g, w):
+            assert type(a) is type(b)
+            assert torch.equal(a, b) if type(b) is torch.Tensor else a == b

@@ -133,9 +133,12 @@ def test_a_pick_past_the_list_in_a_level_program_raises_as_python_does():
     leaf = torch.zeros(13, 4, dtype=torch.float64)
     with pytest.raises(IndexError) as eager:
         plain.kinds(left, right, op, leaf, roots[1])
+    pieces = built(ModuleNet.kinds_c, ModuleNet).unit.levels.plain
+    failures = pieces.failures
     with pytest.raises(IndexError) as got:
         recompile.vmap(compiled.kinds_c, in_dims=(None, None, None, None, 0))(left, right, op, leaf, roots)
     assert str(got.value) == str(eager.value)
+    assert pieces.failures == failures + 1  # (the pieces on plain tensors gave the run to Batch values, which raised)
 
 
 def test_a_pick_past_the_list_raises_as_python_does():

@@ -792,7 +792,9 @@ def _joined_tensor(pieces, like, rows=False):
             parts.append(torch.full((count, *like.shape[1:]), v, dtype=like.dtype, device=like.device))
             continue
         if like is not None and _numbers(v):  # (each instance's own Python number: ``v / w`` of numbers)
-            if not _number_fits(v.items, like.dtype) or like.dim() > 1 and not rows:
+            # (not as half floats: a number rounded to one before the op gives what eager's, unrounded, does not)
+            if not _number_fits(v.items, like.dtype) or like.dtype in (torch.float16, torch.bfloat16) or \
+                    like.dim() > 1 and not rows:
                 return None
             column = torch.tensor(v.items, dtype=like.dtype, device=like.device)
             parts.append(column.view(count, *(1,) * (like.dim() - 1)).expand(count, *like.shape[1:]))

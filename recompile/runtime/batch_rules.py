@@ -814,6 +814,7 @@ def _numbers_as_rows(a, b):
 # ``v / t`` (``v /= t`` of a frame's own v): of a Python number v, eager computes ``t.reciprocal() * v``
 # (``Tensor.__rtruediv__``), which rounds apart from one division of v's value as a tensor
 _TRUE_DIVISIONS = frozenset({operator.truediv, intrinsics.itruediv_fresh})
+_WIDE_FLOATS = (torch.float32, torch.float64)  # (a Python float meets them as a tensor of theirs would)
 # Python's arithmetic where one instance's operands may be two numbers, another's a number and a tensor
 _APART = frozenset({operator.add, operator.sub, operator.mul, *_TRUE_DIVISIONS, *intrinsics.AUGMENTED_FRESH.values()})
 
@@ -835,6 +836,11 @@ def _numbers_apart(n, fn, a, b):
     here (the rule then takes them all)."""
     a_items = bt.items_of(a) if type(a) is Batch else [a] * n
     b_items = bt.items_of(b) if type(b) is Batch else [b] * n
+    tensors = [x for x in (*a_items, *b_items) if type(x) not in _NUMBERS]
+    like = tensors[0].dtype if tensors and type(tensors[0]) in PLAIN_TENSORS else None
+    if like is None or like.is_floating_point and like not in _WIDE_FLOATS or any(
+            type(x) not in PLAIN_TENSORS or x.dtype is not like for x in tensors):
+        return NotImplemented  # (a number as a half float rounds before the op, which eager's does not)
     division = fn in _TRUE_DIVISIONS
     kinds = [0 if type(x) not in _NUMBERS else 2 if type(y) in _NUMBERS else 1 if division else 0
              for x, y in zip(a_items, b_items)]
@@ -848,7 +854,9 @@ def _numbers_apart(n, fn, a, b):
         m, index = len(positions), bt.long_tensor(positions)
         a_side, b_side = bt.take(a, index, positions), bt.take(b, index, positions)
         if kind == 0:
-            out = call(m, fn, (a_side, b_side))
+            out = fn(a_side, b_side) if m == 1 else _as_tensors(m, fn, (a_side, b_side), {}, like)
+            if out is NotImplemented:
+                return out
         elif kind == 1:
             out = call(m, operator.mul, (call(m, torch.reciprocal, (b_side,)), a_side))
         else:
@@ -867,11 +875,6 @@ def _dtype_hint(args):
     for a in args:
         if type(a) is Batch and bt.tensor_of(a) is not None:
             return a.tensor.dtype
-    for a in args:  # (each instance's own values, Python numbers beside tensors: the tensors')
-        if type(a) is Batch and a.owner == "items" and a.thunk is None:
-            first = next((x for x in a.items if type(x) in PLAIN_TENSORS), None)
-            if first is not None:
-                return first.dtype
     return None
 
 
@@ -904,7 +907,12 @@ def elementwise(n, fn, args, kwargs):
         apart = _numbers_apart(n, fn, *args)
         if apart is not NotImplemented:
             return apart
-    like = _dtype_hint(args)
+    return _as_tensors(n, fn, args, kwargs, _dtype_hint(args))
+
+
+def _as_tensors(n, fn, args, kwargs, like):
+    """``elementwise`` of arguments read as tensors, Python numbers among a batch's values as tensors of dtype
+    ``like``."""
     values = _tensor_args(n, args, like)
     if values is None and len(args) == 2 and fn in _NUMBER_OPERATORS and fn not in _IN_PLACE:
         values = _numbers_as_rows(*args)  # (Python's operators only: ``torch.maximum(x, 0)`` refuses the int)
