@@ -829,6 +829,14 @@ def _holds_numbers(value):
     return value.items is not None and any(type(v) in _NUMBERS for v in value.items)
 
 
+def _numbers_meet(fn, a, b):
+    """Whether some instance's operands of ``fn`` may both be Python numbers, or a number be divided by a tensor
+    (``_numbers_apart``); not where one operand is every instance's tensor and the op no division of a number."""
+    if _holds_numbers(a):
+        return fn in _TRUE_DIVISIONS or type(b) in _NUMBERS or _holds_numbers(b)
+    return type(a) in _NUMBERS and _holds_numbers(b)
+
+
 def _numbers_apart(n, fn, a, b):
     """``fn(a, b)`` where an instance's operands may both be Python numbers (a leaf's ``loss = 0.0`` met by its
     sibling's) while others' hold tensors: those instances as Python computes them; a number over a tensor as
@@ -903,7 +911,7 @@ def elementwise(n, fn, args, kwargs):
         joined = _joined_structs(n, fn, *args)
         if joined is not NotImplemented:
             return joined
-    if fn in _APART and len(args) == 2 and not kwargs and (_holds_numbers(args[0]) or _holds_numbers(args[1])):
+    if fn in _APART and len(args) == 2 and not kwargs and _numbers_meet(fn, *args):
         apart = _numbers_apart(n, fn, *args)
         if apart is not NotImplemented:
             return apart
