@@ -1874,14 +1874,15 @@ def _numerator_joined(x, t, d):
     return v / t, (v / w) * t
 
 
-def test_a_number_over_a_tensor_divides_as_eager_beside_tensors():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_number_over_a_tensor_divides_as_eager_beside_tensors(dtype):
     """``v / t`` of a Python number v is ``t.reciprocal() * v`` in eager, which rounds apart from one division:
     instances whose numerator is a number beside instances whose numerator is a tensor give eager's bits (and a
     number over a number stays Python's float), with eager's gradients, and no op runs per instance."""
     compiled = recompile.function(_numerator_joined)
     torch.manual_seed(0)
-    xs = torch.randn(300, 1)
-    ts = (torch.rand(300, 1) * 7 + 0.1).requires_grad_()
+    xs = torch.randn(300, 1, dtype=dtype)
+    ts = (torch.rand(300, 1, dtype=dtype) * 7 + 0.1).requires_grad_()
     ds = torch.randint(0, 3, (300,))
     with switched(config, "error", "PER_INSTANCE"):
         got = recompile.vmap(compiled)(xs, ts, ds)

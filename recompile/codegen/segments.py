@@ -331,9 +331,9 @@ class _Slot:
     """A value of the trace: ``kind`` S (shared: a plain value), B (batched: a plain tensor, dim 0 the
     instance), T (a tuple or list built in the segment: ``items`` are slots), O (a Batch, handled by the
     batch rules), M (a method of a batched tensor: ``value`` is (its B slot, the name), for the call that
-    follows) or C (each row's pick from a shared list of callables: ``items`` are the S slot of the callables and
-    the B slot of the indices, for the call that follows); ``name`` holds it in the raw function; ``value`` is
-    this call's."""
+    follows) or C (each row's pick from a shared list of callables: ``value`` is the callables, ``items`` the B
+    slot of the indices, for the call that follows); ``name`` holds it in the raw function; ``value`` is this
+    call's."""
 
     __slots__ = ("kind", "name", "value", "items", "as_b", "fixed", "number")
 
@@ -836,8 +836,8 @@ class _Tracer:
         batched = tuple(s.kind == "B" for s in raw)
         if not any(batched):
             raise _Untraceable
-        fns, index = picked.items
-        value = chosen.rows_grouped(self.n, fns.value, index.value, [s.value for s in raw], batched,
+        (index,) = picked.items
+        value = chosen.rows_grouped(self.n, picked.value, index.value, [s.value for s in raw], batched,
                                     {k: s.value for k, s in kwargs.items()}, batch_rules.call)
         if value is None:
             raise Deopt(self.segment.name)  # (an index out of range: the run on Batch values raises it)
@@ -845,7 +845,7 @@ class _Tracer:
             raise _Untraceable
         name = self.fresh()
         kw_text = ", ".join(f"{k!r}: {s.name}" for k, s in kwargs.items())
-        self.emit(f"{name} = _grouped(_n, {fns.name}, {index.name}, ({''.join(s.name + ', ' for s in raw)}), "
+        self.emit(f"{name} = _grouped(_n, {picked.name}, {index.name}, ({''.join(s.name + ', ' for s in raw)}), "
                   f"{batched!r}, {{{kw_text}}})")
         self.emit(f"if {name}.dim() != {value.dim()} or {name}.dtype is not {self.const(value.dtype)}: raise _Deopt")
         self.define(op.outputs[0], _Slot("B", name, value))
@@ -1143,7 +1143,7 @@ def _picked_form(tr, fn, fn_slot, x, i):
     tr.guard_callable(fn, fn_slot)
     name = tr.fresh()
     tr.emit(f"{name} = _choices({x.name})")
-    return _Slot("C", name, (fns, i.value), items=(_Slot("S", name, fns), i))
+    return _Slot("C", name, fns, items=(i,))
 
 
 def _plain_choices(container):
