@@ -16,7 +16,7 @@ recursive calling ``self.walk(tree, i, 0)``, the recursion with a depth argument
 ``encode`` reading ``self`` and ``tree`` from it (``def walk(j): ...``); the recursion returning a dict
 read by key, and its state as a namedtuple read by field; the children visited in a loop over ``(tree.left[i],
 tree.right[i])``, their states appended to lists and their losses added up, as a list comprehension over them, and
-by a ``for`` over a list of them the node builds (a loop of any length: its calls asked for at once).
+by a ``for`` over a list of them the node builds.
 Before it is timed, each is checked against its eager twin (float64: per-tree h, c and loss, and the parameter
 gradients) and its per-instance ops are counted (``stats["per_instance"]``, which should be empty). Each is timed
 through
@@ -422,7 +422,7 @@ class ChildrenComprehended(TreeLSTM):
 
 class ChildrenListed(TreeLSTM):
     """The children a list the node builds, ``children = [tree.left[i], tree.right[i]]``, visited by a ``for`` over
-    it: a loop of any length, whose calls are asked for at once (``passes.fission``)."""
+    it: walked as the display itself (``frontend.held_displays``), its body once per child."""
 
     @recompile.function
     def encode(self, tree, i):

@@ -35,9 +35,6 @@ SPELLINGS = {**bench_idioms.SPELLINGS, **bench_idioms.RNTN_SPELLINGS, **bench_id
 # a dict the recursion returns with a node's deferred loss in it: no late split (a tuple's elements only), so no
 # plain run; a level program on Batch values
 STRUCT_RESULTS = set()
-# spellings whose node runs a loop of any length over its children: its calls asked for at once (passes.fission),
-# the recursion on the agenda, one run per depth
-LOOPS_OF_CALLS = {"children in a list, looped"}
 # spellings calling a module the data chooses (runtime.chosen): a level program, its pieces on Batch values (a plain
 # piece has no form for each kind's own call)
 CHOSEN_MODULES = {"modules chosen by kind"}
@@ -85,10 +82,7 @@ def test_each_spelling_batches_as_the_example_does(name, monkeypatch):
     lifted = cls.encode.parsed.lifted.get("walk")  # (or a nested def of that name: frontend.lifting)
     recursion = lifted.function if lifted is not None else recursion
     levels = recursion.callee(cls).batched_unit.levels
-    if name in LOOPS_OF_CALLS:
-        runs = cls.encode.stats["batches"][cls.encode.ir_name]["runs"]
-        assert levels is None and runs == 2 * 4, runs  # (two calls; the deepest tree has 4 levels)
-    elif name in STRUCT_RESULTS or name in CHOSEN_MODULES:
+    if name in STRUCT_RESULTS or name in CHOSEN_MODULES:
         assert levels.runs >= 2 and levels.fallbacks == 0, (levels.runs, levels.fallbacks)
     else:
         assert levels.plain.runs >= 2, (levels.runs, levels.plain.runs, levels.plain.refused)

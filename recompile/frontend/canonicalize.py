@@ -9,8 +9,8 @@ AST -> AST, before conversion to the IR:
 - ``for target in xs`` becomes an index loop over ``as_sequence(xs)`` while ``has_index(seq, i)``; ``for i, x in
   enumerate(xs)`` the same loop over xs, i its index, ``for x, y in zip(xs, ys)`` one over xs and ys, and
   ``for t in reversed(range(a, b))`` a counter from b - 1 down to a. A ``for`` over a tuple or list display of a
-  few items (``for child in (left, right)``, a comprehension over one, ``enumerate`` of one), or over
-  ``range(2)``, is its body once per item.
+  few items (``for child in (left, right)``, a comprehension over one, ``enumerate`` of one; a name holding one
+  that nothing else reads there: ``held_displays``), or over ``range(2)``, is its body once per item.
 - ``assert`` becomes ``if not test: raise AssertionError(msg)``.
 - ``import`` becomes assignments of what Python's import gives (``intrinsics.import_module``, ``import_from``).
 - ``with``, ``try``, ``match`` and ``class`` become a call of a nested function holding the statement
@@ -26,7 +26,7 @@ import copy
 
 import gast
 
-from . import python_blocks
+from . import held_displays, python_blocks
 
 # Names this pass makes up start with "." so that no Python identifier can clash with them
 # (the gast tree is converted, never compiled, so any string is a valid name here).
@@ -131,7 +131,7 @@ class Canonicalizer:
         self.first_param = first[0].id if first else None
         body = [s for i, s in enumerate(fdef.body) if not (i == 0 and _is_docstring(s))]
         consumed = _GeneratorsConsumed(self.builtins)
-        body = [consumed.visit(s) for s in body]
+        body = held_displays.walked_displays([consumed.visit(s) for s in body], self.declared)
         new_body = self.block(body)
         at = fdef
         prelude = _builtin_reads(sorted(consumed.lowered), at)

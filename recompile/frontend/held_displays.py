@@ -1,0 +1,113 @@
+"""A list or tuple display a name holds, then walked by ``for`` (``children = [tree.left[i], tree.right[i]]``,
+``for child in children:``), walked as the display itself.
+
+AST -> AST, before canonicalize. Where the name is a local of the function that no nested scope reads, and
+every mention of it after the assignment, up to the first other one, is the iterable of a ``for`` or of a
+comprehension's first ``for``, the items are held by names of their own (evaluated in order, before the list is
+made, as Python does) and those walks go over a display of those names: the objects the list holds, which
+nothing can change, since nothing else reads the list there. A ``for`` over a display of a few items is then its
+body once per item (canonicalize), so a node's calls on its children are calls of one block, which a batched
+run issues together and a level program takes, where a loop issues one an iteration.
+"""
+
+from __future__ import annotations
+
+import gast
+
+_MOST_ITEMS = 8  # (canonicalize unrolls a display of at most this many: more stays a loop, gaining nothing)
+_NESTED = (gast.FunctionDef, gast.AsyncFunctionDef, gast.Lambda, gast.ClassDef)
+# (statements whose bodies run as nested Python functions, found again by the very node: not rewritten)
+_KEPT = (gast.With, gast.AsyncWith, gast.Try, gast.Match, *([gast.TryStar] if hasattr(gast, "TryStar") else []))
+
+
+def walked_displays(body, declared):
+    """``body`` (the function's statements) with such walks rewritten; ``declared``: its global and nonlocal
+    names."""
+    closed = {n.id for stmt in body for node in gast.walk(stmt) if isinstance(node, _NESTED)
+              for n in gast.walk(node) if isinstance(n, gast.Name)}
+    counter = [0]
+    return _block(body, set(declared) | closed, counter)
+
+
+def _block(stmts, excluded, counter):
+    out = []
+    for i, s in enumerate(stmts):
+        if isinstance(s, (gast.If, gast.For, gast.While)):
+            s.body, s.orelse = _block(s.body, excluded, counter), _block(s.orelse, excluded, counter)
+        held = _held_display(s, excluded)
+        if held is None or not _walks(stmts[i + 1:], held.targets[0].id):
+            out.append(s)
+            continue
+        counter[0] += 1
+        items = [f".held{counter[0]}_{k}" for k in range(len(held.value.elts))]
+        out += [gast.copy_location(gast.Assign(targets=[_name(item, gast.Store(), e)], value=e, type_comment=None),
+                                   e) for item, e in zip(items, held.value.elts)]
+        held.value.elts = [_name(item, gast.Load(), e) for item, e in zip(items, held.value.elts)]
+        out.append(held)
+        _rewrite(stmts[i + 1:], held.targets[0].id, items)
+    return out
+
+
+def _held_display(s, excluded):
+    """Assignment ``s`` where it is ``x = [a, b]`` (or a tuple) of a few items, none starred, x a local name."""
+    if not isinstance(s, gast.Assign) or len(s.targets) != 1 or not isinstance(s.targets[0], gast.Name):
+        return None
+    value = s.value
+    if not isinstance(value, (gast.List, gast.Tuple)) or not 0 < len(value.elts) <= _MOST_ITEMS or any(
+            isinstance(e, gast.Starred) for e in value.elts):
+        return None
+    return None if s.targets[0].id in excluded else s
+
+
+def _walks(rest, ident):
+    """Whether the first statements of ``rest`` that mention ``ident`` mention it only as what a ``for`` walks,
+    and some do."""
+    found = False
+    for s in rest:
+        mentions = _mentions(s, ident)
+        if not mentions:
+            continue
+        if isinstance(s, _KEPT) or len(mentions) != len(_walked_at(s, ident)):
+            return found
+        found = True
+    return found
+
+
+def _rewrite(rest, ident, items):
+    """Each walk of ``ident`` in those statements of ``rest`` a walk of the display of ``items``."""
+    for s in rest:
+        mentions = _mentions(s, ident)
+        if not mentions:
+            continue
+        walked = _walked_at(s, ident)
+        if isinstance(s, _KEPT) or len(mentions) != len(walked):
+            return
+        for node in walked:
+            at = node.iter
+            node.iter = gast.copy_location(
+                gast.Tuple(elts=[_name(item, gast.Load(), at) for item in items], ctx=gast.Load()), at)
+
+
+def _mentions(s, ident):
+    return [n for n in gast.walk(s) if isinstance(n, gast.Name) and n.id == ident]
+
+
+def _walked_at(s, ident):
+    """The ``for`` statements and comprehensions' first ``for`` in ``s`` that walk ``ident`` itself. (Not a
+    generator expression's: it may walk the list after a later statement changed it.)"""
+    found = []
+    for node in gast.walk(s):
+        if isinstance(node, gast.For) and _is_name(node.iter, ident):
+            found.append(node)
+        elif isinstance(node, (gast.ListComp, gast.SetComp, gast.DictComp)) and _is_name(
+                node.generators[0].iter, ident):
+            found.append(node.generators[0])
+    return found
+
+
+def _is_name(x, ident):
+    return isinstance(x, gast.Name) and x.id == ident
+
+
+def _name(ident, ctx, at):
+    return gast.copy_location(gast.Name(id=ident, ctx=ctx, annotation=None, type_comment=None), at)
