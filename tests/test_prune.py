@@ -1,4 +1,5 @@
-"""recompile.passes.prune: Cond outputs nothing reads and Cond inputs no branch reads are dropped; every op stays."""
+"""recompile.passes.prune: Cond outputs nothing reads, Cond inputs no branch reads, and loop variables no one reads
+but to hand them on are dropped; every op stays."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from recompile import ir
 MODES = ("sequential", "batched", "threaded")
 
 
-def conds(fn, stage="prune"):
-    return [op for sg in fn.program(stage).all_subgraphs() for op in sg.ops if isinstance(op, ir.Cond)]
+def conds(fn, stage="prune", kind=ir.Cond):
+    return [op for sg in fn.program(stage).all_subgraphs() for op in sg.ops if isinstance(op, kind)]
 
 
 def hints(values):
@@ -74,6 +75,41 @@ def one_branch_reads(x, s, k):
     return out
 
 
+def parser(xs, leaves):
+    """A shift-reduce loop: the popped states are bound on one side of the ``if`` and handed on by the other, at
+    every step, though no step reads an earlier one's and nothing after the loop reads them."""
+    stack, total = [], 0.0
+    for t in range(len(leaves)):
+        if leaves[t]:
+            h = xs[t] * 2.0
+        else:
+            right = stack.pop()
+            left = stack.pop()
+            h = left * right
+        total = total + h.sum()
+        stack.append(h)
+    return total, stack
+
+
+def chained(xs):
+    """b is read after the loop; a only to compute b; t by the test; d only by the op computing its next value,
+    which stays (every op does), and so does d; c by nothing but the op computing d."""
+    a, b, c, d, t = xs[0], xs[0], xs[0], xs[0], 0
+    while t < len(xs):
+        b = a * 2.0
+        a = xs[t]
+        c = xs[t] * 3.0  # (computed, not read: dropped as a variable, still computed)
+        d = d + c
+        t = t + 1
+    return b
+
+
+def unpacked_unread(pairs):
+    for a, b in pairs:  # (a and b are read by nothing: the unpacking still raises where it fails)
+        pass
+    return len(pairs)
+
+
 # ---------------------------------------------------------------------------
 # 1. what the pass drops, and what it keeps
 
@@ -113,6 +149,20 @@ def test_cond_inputs_no_branch_reads_are_dropped_and_inputs_one_branch_reads_are
     assert hints(op.args) == ["s", "x"]  # s: only the then branch reads it
 
 
+def test_loop_variables_read_only_to_hand_them_on_are_dropped():
+    f = recompile.function(parser)
+    (before,) = conds(f, "capture", ir.While)
+    (after,) = conds(f, "prune", ir.While)
+    assert {"t", "h", "right", "left"} <= set(hints(before.outputs))
+    assert hints(after.outputs) == ["idx1", "total"]  # (the position in the range, and what the loop returns)
+    (branch,) = [op for op in after.body_sg.ops if isinstance(op, ir.Cond)]
+    assert hints(branch.outputs) == ["h"]
+    g = recompile.function(chained)
+    (loop,) = conds(g, "prune", ir.While)
+    assert hints(loop.outputs) == ["a", "b", "d", "t"]
+    assert len(loop.body_sg.inputs) == 4 + len(loop.invariants) == len(loop.cond_sg.inputs)
+
+
 def test_capture_stage_is_not_modified():
     f = recompile.function(gates)
     f.program("prune")
@@ -150,6 +200,30 @@ def test_an_effect_computing_a_dropped_output_still_happens(mode):
     assert f(log, 1, True) == effect_in_dropped_output(want, 1, True)
     assert f(log, 2, False) == effect_in_dropped_output(want, 2, False)
     assert log == want == [("then", 1), ("else", 2)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_loops_without_their_unread_variables_compute_what_python_does(mode):
+    torch.manual_seed(2)
+    xs = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    leaves = [True, True, False, True, False]
+    got, want = recompile.function(parser, mode=mode)(xs, leaves), parser(xs, leaves)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got[0], xs)[0], torch.autograd.grad(want[0], xs)[0])
+    torch.testing.assert_close(recompile.function(chained, mode=mode)(xs), chained(xs))
+    f = recompile.function(unpacked_unread, mode=mode)
+    assert f([(1, 2), (3, 4)]) == 2
+    with pytest.raises(ValueError, match="too many values to unpack"):
+        f([(1, 2, 3)])
+
+
+def test_a_batched_parser_loop_without_its_unread_variables():
+    torch.manual_seed(3)
+    xs = torch.randn(4, 5, 3, dtype=torch.float64)
+    leaves = torch.tensor([[True, True, False, True, False]] * 2 + [[True, True, True, False, False]] * 2)
+    got = recompile.vmap(recompile.function(lambda x, l: parser(x, l)[0]), in_dims=(0, 0))(xs, leaves)
+    want = torch.stack([parser(x, l)[0] for x, l in zip(xs, leaves)])
+    torch.testing.assert_close(got, want)
 
 
 def test_batched_cond_over_diverging_instances_with_dropped_values():

@@ -713,9 +713,14 @@ def plan(op, holder=None):
     steps = _needed([*stepped, *chained], chain)
     if steps is None or added_chain is None:
         return None
-    if any(isinstance(o, ir.Call) and isinstance(o.fn, ir.Value) for o in
-           chain - steps - reads - added_chain - update_ops):
-        return None  # (a call of what the loop reads, its result not needed: run for an effect, which must run)
+    tested = {invariant_params[j] for j in (end[1] if end[0] == "zip" else (end[1],) if end[0] == "range" else ())}
+    if any(not (isinstance(o, ir.Capture) or _const_fn(o) is getattr or _const_fn(o) is operator.getitem and not
+                o.kwargs and o.args[0] in tested and o.args[1] is counter_param)
+           for o in chain - steps - reads - added_chain - update_ops - {step_up}):
+        # (an op whose result no step needs, run for an effect or an error, which must happen: a call, ``a, b = x``
+        # of an item of another length; not an attribute read, nor the item of a sequence whose index the loop's
+        # test checks)
+        return None
     name = body.name + ".steps"
     # ``x[t]`` of a sequence the loop does not change: each row's item read at once, as the chain's input
     # (and ``x[t]`` of the range's item ``t = seq[i]`` in a ``for t in range(...)``: each row's t is known too)
