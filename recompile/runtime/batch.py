@@ -396,7 +396,8 @@ def own_lists(v, kinds=(list,)):
         if not all(type(p) in kinds or own_lists(p, kinds) is not None for p, _ in v.pieces[0]):
             return None
         return items_of(v)
-    return v.items if v.owner == "items" and all(type(each) in kinds for each in v.items) else None
+    # (the set of their types, not all(genexpr): it runs at every append of a loop over each node's children)
+    return v.items if v.owner == "items" and set(map(type, v.items)).issubset(kinds) else None
 
 
 def instance_shape(b):
@@ -717,7 +718,12 @@ def _repeat(value, count):
 def same_kind(tensors, skip):
     first = tensors[0]
     shape, dtype, device = first.shape[skip:], first.dtype, first.device
-    for t in tensors[1:]:  # (a loop, not all(genexpr): it runs for every join and gathered input)
+    if not skip:  # (each instance's own tensor: its whole shape, read without slicing it)
+        for t in tensors:  # (a loop, not all(genexpr): it runs for every join and gathered input)
+            if t.dtype is not dtype or t.shape != shape or t.device != device:
+                return False
+        return True
+    for t in tensors[1:]:
         if t.dtype is not dtype or t.shape[skip:] != shape or t.device != device:
             return False
     return True
