@@ -1263,3 +1263,27 @@ def test_a_loop_without_calls_in_a_function_that_makes_calls_steps_as_an_update(
         torch.testing.assert_close(g, w)
     loops = compiled.callee(None).build.batched_code.recurrent
     assert [loop.runs > 0 for loop in loops] == [True]
+
+
+def forget_terms(m, x, hs, cs):
+    """A child-sum's forget terms over one node's own lists of its children's states (``zip(hs, cs)`` in a frame
+    of one instance): every row's items are those lists'."""
+    c = torch.zeros(HIDDEN, dtype=torch.float64)
+    for h, c_k in zip(hs, cs):
+        c = c + torch.sigmoid(m.ih(x) + m.hh(h))[:HIDDEN] * c_k
+    return c
+
+
+def test_the_steps_of_one_instances_own_lists_are_read_at_once():
+    torch.manual_seed(28)
+    m = Gates().double()
+    x = torch.randn(EMBED, dtype=torch.float64)
+    hs = [torch.randn(HIDDEN, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    cs = [torch.randn(HIDDEN, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    compiled = recompile.function(forget_terms)
+    got = compiled(m, x, hs, cs)
+    want = forget_terms(m, x, hs, cs)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), hs + cs), torch.autograd.grad(want.sum(), hs + cs))
+    assert compiled.callee(None).build.batched_code.recurrent[0].runs == 1
+    assert compiled.stats["per_instance"] == {}

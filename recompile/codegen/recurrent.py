@@ -445,11 +445,10 @@ def _items_at(value, layout, counter, counters):
         if stack is not NotImplemented:
             return _items_at(stack, layout, counter, counters)
         if ranges.own_sequences(value):
-            # (a list empty or of values of their own shapes: each row's item, one stack where they are alike)
-            found = [value.items[k][t] for k, t in zip(layout.instance, counters)]
-            if all(type(x) in bt.PLAIN_TENSORS for x in found) and bt.same_kind(found, 0):
-                return bt.from_tensor(torch.stack(found))
-            return bt.from_items(found) if len(found) > 1 else found[0]
+            # (a list empty or of values of their own shapes: each row's item)
+            return _stacked_or_items([value.items[k][t] for k, t in zip(layout.instance, counters)])
+    if type(value) in (list, tuple):  # (``hs[t]`` of a list every row reads: one frame's node's own)
+        return _stacked_or_items([value[t] for t in counters])  # (the written loop raises an IndexError at its step)
     t = bt.tensor_of(value) if type(value) is Batch else value if type(value) is torch.Tensor else None
     if t is None or t.dim() < (2 if type(value) is Batch else 1):
         return batch_rules.item(layout.rows, layout.take(value), counter)
@@ -460,6 +459,13 @@ def _items_at(value, layout, counter, counters):
     if places is None:  # (the written loop raises it at its step)
         raise IndexError(f"index out of range for dimension 0 with size {t.shape[1]}")
     return bt.from_tensor(rows.gather_rows(t, layout.index.to(t.device), places))
+
+
+def _stacked_or_items(found):
+    """Each row's item ``found``: one stack where they are tensors alike, else the rows' items."""
+    if all(type(x) in bt.PLAIN_TENSORS for x in found) and bt.same_kind(found, 0):
+        return bt.from_tensor(torch.stack(found))
+    return bt.from_items(found) if len(found) > 1 else found[0]
 
 
 def _run_cell(cell, data, layout, state, outputs=False, one_row=False):
