@@ -373,8 +373,11 @@ def items_of(b):
         elif b.struct is not None:
             kind, parts = b.struct
             columns = [items_of(p) if type(p) is Batch else [p] * b.n for p in parts]
-            b.items = [build(kind, list(row)) for row in zip(*columns)] if columns else \
-                [build(kind, []) for _ in range(b.n)]
+            if kind is list or kind is tuple:  # (each instance's own, made at once: ``hs = []`` of every node)
+                b.items = [kind(row) for row in zip(*columns)] if columns else [kind() for _ in range(b.n)]
+            else:
+                b.items = [build(kind, list(row)) for row in zip(*columns)] if columns else \
+                    [build(kind, []) for _ in range(b.n)]
             if not issubclass(kind, tuple):
                 # each instance now has its own list, which the program may change: from here on the
                 # items are the truth
