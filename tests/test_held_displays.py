@@ -2,6 +2,7 @@
 (frontend/held_displays.py), with Python's values in every mode, and the recursion of a node that loops over a
 list of its children run as a level program."""
 
+import contextlib
 import textwrap
 import warnings
 
@@ -20,7 +21,7 @@ def rewritten(source, declared=()):
     """The loops of function ``source``'s body after the pass: per ``for`` (and comprehension), what it walks, as
     the source of a name or of a tuple of names (sorted)."""
     fdef = gast.parse(textwrap.dedent(source)).body[0]
-    body = walked_displays(fdef.body, {d: "global" for d in declared})
+    body = walked_displays(fdef.body, {d: "global" for d in declared}, 8)
     walked = []
     for node in gast.walk(gast.Module(body=body, type_ignores=[])):
         it = node.iter if isinstance(node, (gast.For, gast.comprehension)) else None
@@ -108,6 +109,15 @@ def test_lists_others_may_read_or_change_stay_lists():
                 with a:
                     for x in xs:
                         pass""",
+        "in a try statement in a branch": """
+            def f(a, b):
+                xs = [a, b]
+                if a:
+                    try:
+                        for x in xs:
+                            pass
+                    finally:
+                        pass""",
     }
     for what, source in cases.items():
         walked = rewritten(source, declared=("xs",) if what == "a global" else ())
@@ -155,11 +165,22 @@ def listed_with_a_jump(x):
     return v
 
 
+def walked_in_a_with(x, flag):
+    xs = [x, x * 2]
+    out = []
+    if flag:
+        with contextlib.nullcontext():  # (its body runs as Python: it walks the list itself)
+            for v in xs:
+                out.append(v + 1)
+    return out
+
+
 def test_values_are_pythons_in_every_mode():
     check(children_listed, (torch.tensor(1.5), []), (2, []))
     check(listed_then_changed, (torch.tensor(0.5),), (3,))
     check(listed_holding_itself, (torch.tensor(1.0),))
     check(listed_with_a_jump, (1,), (2,), (torch.tensor(0.5),))
+    check(walked_in_a_with, (torch.tensor(1.5), True), (2, False))
 
 
 def squared_children(x):

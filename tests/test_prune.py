@@ -104,6 +104,19 @@ def chained(xs):
     return b
 
 
+def bound_twice(xs):
+    """h bound under two ``if``s at each step, read by nothing after the loop: the first ``if``'s h fed only the
+    second's (dropped once the loop's h went)."""
+    total = 0.0
+    for x in xs:
+        if x.sum() > 0:
+            h = x * 2
+        if x.sum() > 1:
+            h = x * 3
+        total = total + x.sum()
+    return total
+
+
 def unpacked_unread(pairs):
     for a, b in pairs:  # (a and b are read by nothing: the unpacking still raises where it fails)
         pass
@@ -161,6 +174,9 @@ def test_loop_variables_read_only_to_hand_them_on_are_dropped():
     (loop,) = conds(g, "prune", ir.While)
     assert hints(loop.outputs) == ["a", "b", "d", "t"]
     assert len(loop.body_sg.inputs) == 4 + len(loop.invariants) == len(loop.cond_sg.inputs)
+    (loop,) = conds(recompile.function(bound_twice), "prune", ir.While)
+    assert "h" not in hints(loop.outputs)
+    assert all("h" not in hints(op.outputs) for op in loop.body_sg.ops if isinstance(op, ir.Cond))
 
 
 def test_capture_stage_is_not_modified():
@@ -211,6 +227,7 @@ def test_loops_without_their_unread_variables_compute_what_python_does(mode):
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(torch.autograd.grad(got[0], xs)[0], torch.autograd.grad(want[0], xs)[0])
     torch.testing.assert_close(recompile.function(chained, mode=mode)(xs), chained(xs))
+    torch.testing.assert_close(recompile.function(bound_twice, mode=mode)(xs), bound_twice(xs))
     f = recompile.function(unpacked_unread, mode=mode)
     assert f([(1, 2), (3, 4)]) == 2
     with pytest.raises(ValueError, match="too many values to unpack"):

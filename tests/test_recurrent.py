@@ -1287,3 +1287,34 @@ def test_the_steps_of_one_instances_own_lists_are_read_at_once():
     torch.testing.assert_close(torch.autograd.grad(got.sum(), hs + cs), torch.autograd.grad(want.sum(), hs + cs))
     assert compiled.callee(None).build.batched_code.recurrent[0].runs == 1
     assert compiled.stats["per_instance"] == {}
+
+
+def values_no_step_reads(m, words, n):
+    """Values the loop computes that no step and nothing after the loop reads (``passes.prune`` carries none of
+    them): they still run with the steps' inputs."""
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    for t in range(n):
+        x = m.embed(words[t])
+        position = t + 1
+        doubled = x * 2.0
+        projected = m.proj(x)
+        h = m.cell(x, h)
+    return h
+
+
+def a_read_that_fails(m, words, n):
+    h = torch.zeros(HIDDEN, dtype=torch.float64)
+    for t in range(n):
+        x = m.embed(words[t])
+        h = m.cell(x, h)
+        missing = x.no_such_attribute  # (read by no one: still raised, at the loop's first step)
+    return h
+
+
+def test_values_no_step_reads_run_with_the_steps_and_raise_where_they_fail():
+    torch.manual_seed(29)
+    compare(Model(nn.GRUCell).double(), values_no_step_reads, (sentences(4, 6), lengths(6, 2, 0, 4)), (None, 0, 0))
+    compiled = recompile.function(a_read_that_fails)
+    config.PER_INSTANCE = "allow"  # (the loop as written reads a missing attribute of each instance's tensor)
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        recompile.vmap(compiled, in_dims=(None, 0, 0))(Model(nn.GRUCell).double(), sentences(3, 4), lengths(4, 2, 1))

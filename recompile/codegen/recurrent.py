@@ -719,14 +719,11 @@ def plan(op, holder=None):
     steps = _needed([*stepped, *chained], chain)
     if steps is None or added_chain is None:
         return None
-    tested = {invariant_params[j] for j in (end[1] if end[0] == "zip" else (end[1],) if end[0] == "range" else ())}
-    if any(not (isinstance(o, ir.Capture) or _const_fn(o) is getattr or _const_fn(o) is operator.getitem and not
-                o.kwargs and o.args[0] in tested and o.args[1] is counter_param)
-           for o in chain - steps - reads - added_chain - update_ops - {step_up}):
-        # (an op whose result no step needs, run for an effect or an error, which must happen: a call, ``a, b = x``
-        # of an item of another length; not an attribute read, nor the item of a sequence whose index the loop's
-        # test checks)
-        return None
+    # (an op whose result no step needs runs with the steps' inputs all the same: it may fail, as the written
+    # loop's would at its step (``a, b = x[t]`` of an item of another length, a missing attribute); a call among
+    # them is checked to change and draw nothing, as every call of the chain is)
+    leftover = chain - steps - reads - added_chain - update_ops - {step_up}
+    steps |= _needed([v for o in leftover for v in o.outputs], chain)
     name = body.name + ".steps"
     # ``x[t]`` of a sequence the loop does not change: each row's item read at once, as the chain's input
     # (and ``x[t]`` of the range's item ``t = seq[i]`` in a ``for t in range(...)``: each row's t is known too)

@@ -131,7 +131,8 @@ class Canonicalizer:
         self.first_param = first[0].id if first else None
         body = [s for i, s in enumerate(fdef.body) if not (i == 0 and _is_docstring(s))]
         consumed = _GeneratorsConsumed(self.builtins)
-        body = held_displays.walked_displays([consumed.visit(s) for s in body], self.declared)
+        body = held_displays.walked_displays([consumed.visit(s) for s in body], self.declared,
+                                              _UNROLLED_ITEMS)
         new_body = self.block(body)
         at = fdef
         prelude = _builtin_reads(sorted(consumed.lowered), at)

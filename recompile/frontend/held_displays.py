@@ -14,27 +14,27 @@ from __future__ import annotations
 
 import gast
 
-_MOST_ITEMS = 8  # (canonicalize unrolls a display of at most this many: more stays a loop, gaining nothing)
 _NESTED = (gast.FunctionDef, gast.AsyncFunctionDef, gast.Lambda, gast.ClassDef)
 # (statements whose bodies run as nested Python functions, found again by the very node: not rewritten)
 _KEPT = (gast.With, gast.AsyncWith, gast.Try, gast.Match, *([gast.TryStar] if hasattr(gast, "TryStar") else []))
 
 
-def walked_displays(body, declared):
-    """``body`` (the function's statements) with such walks rewritten; ``declared``: its global and nonlocal
+def walked_displays(body, declared, most):
+    """``body`` (the function's statements) with such walks rewritten, of displays of at most ``most`` items (as
+    many as canonicalize unrolls: more stay a loop, gaining nothing); ``declared``: its global and nonlocal
     names."""
     closed = {n.id for stmt in body for node in gast.walk(stmt) if isinstance(node, _NESTED)
               for n in gast.walk(node) if isinstance(n, gast.Name)}
     counter = [0]
-    return _block(body, set(declared) | closed, counter)
+    return _block(body, set(declared) | closed, counter, most)
 
 
-def _block(stmts, excluded, counter):
+def _block(stmts, excluded, counter, most):
     out = []
     for i, s in enumerate(stmts):
         if isinstance(s, (gast.If, gast.For, gast.While)):
-            s.body, s.orelse = _block(s.body, excluded, counter), _block(s.orelse, excluded, counter)
-        held = _held_display(s, excluded)
+            s.body, s.orelse = _block(s.body, excluded, counter, most), _block(s.orelse, excluded, counter, most)
+        held = _held_display(s, excluded, most)
         if held is None or not _walks(stmts[i + 1:], held.targets[0].id):
             out.append(s)
             continue
@@ -48,12 +48,12 @@ def _block(stmts, excluded, counter):
     return out
 
 
-def _held_display(s, excluded):
+def _held_display(s, excluded, most):
     """Assignment ``s`` where it is ``x = [a, b]`` (or a tuple) of a few items, none starred, x a local name."""
     if not isinstance(s, gast.Assign) or len(s.targets) != 1 or not isinstance(s.targets[0], gast.Name):
         return None
     value = s.value
-    if not isinstance(value, (gast.List, gast.Tuple)) or not 0 < len(value.elts) <= _MOST_ITEMS or any(
+    if not isinstance(value, (gast.List, gast.Tuple)) or not 0 < len(value.elts) <= most or any(
             isinstance(e, gast.Starred) for e in value.elts):
         return None
     return None if s.targets[0].id in excluded else s
@@ -67,7 +67,7 @@ def _walks(rest, ident):
         mentions = _mentions(s, ident)
         if not mentions:
             continue
-        if isinstance(s, _KEPT) or len(mentions) != len(_walked_at(s, ident)):
+        if _holds_kept(s) or len(mentions) != len(_walked_at(s, ident)):
             return found
         found = True
     return found
@@ -80,12 +80,17 @@ def _rewrite(rest, ident, items):
         if not mentions:
             continue
         walked = _walked_at(s, ident)
-        if isinstance(s, _KEPT) or len(mentions) != len(walked):
+        if _holds_kept(s) or len(mentions) != len(walked):
             return
         for node in walked:
             at = node.iter
             node.iter = gast.copy_location(
                 gast.Tuple(elts=[_name(item, gast.Load(), at) for item in items], ctx=gast.Load()), at)
+
+
+def _holds_kept(s):
+    """Whether statement ``s`` is or holds (in a branch, a loop's body) a ``with``, ``try`` or ``match``."""
+    return any(isinstance(node, _KEPT) for node in gast.walk(s))
 
 
 def _mentions(s, ident):

@@ -21,20 +21,30 @@ from .. import ir
 
 def prune(sg, parsed=None):
     """Apply the pass to a function SubGraph (in place) and return it."""
+    # (again while something went: a loop's variable dropped leaves unread the output of a Cond that fed only the
+    # next Cond's value of it, ``if a: h = x`` then ``if b: h = y``)
+    while _pruned(sg):
+        pass
+    return sg
+
+
+def _pruned(sg):
+    """One pass over ``sg``; whether it dropped anything."""
+    dropped = False
     # Outputs outermost first: dropping a branch's output (a loop's variable) may leave a Cond inside it unread.
     for s in sg.walk():
         read = _read_values(s)
         for op in s.ops:
             if isinstance(op, ir.Cond):
-                _drop_outputs(op, read)
+                dropped |= _drop_outputs(op, read)
             elif isinstance(op, ir.While):
-                _drop_loop_variables(op, read)
+                dropped |= _drop_loop_variables(op, read)
     # Inputs innermost first: a branch's inner Conds drop theirs before its own are counted.
     for s in reversed(list(sg.walk())):
         for op in s.ops:
             if isinstance(op, ir.Cond):
-                _drop_inputs(op)
-    return sg
+                dropped |= _drop_inputs(op)
+    return dropped
 
 
 def _read_values(sg):
@@ -48,10 +58,11 @@ def _read_values(sg):
 def _drop_outputs(op, read):
     keep = [k for k, v in enumerate(op.outputs) if v in read]
     if len(keep) == len(op.outputs):
-        return
+        return False
     op.outputs = [op.outputs[k] for k in keep]
     for branch in op.subgraphs():
         branch.outputs = [branch.outputs[k] for k in keep]
+    return True
 
 
 def _drop_loop_variables(op, read):
@@ -67,13 +78,14 @@ def _drop_loop_variables(op, read):
             break
         live = more
     if len(live) == count:
-        return
+        return False
     keep = sorted(live)
     op.loop_vars = [op.loop_vars[k] for k in keep]
     op.outputs = [op.outputs[k] for k in keep]
     op.body_sg.outputs = [op.body_sg.outputs[k] for k in keep]
     for inner in op.subgraphs():
         inner.inputs = [inner.inputs[k] for k in keep] + inner.inputs[count:]
+    return True
 
 
 def _live_inputs(sg, needed):
@@ -97,7 +109,8 @@ def _drop_inputs(op):
     keep = [k for k in range(len(op.args))
             if any(branch.inputs[k] in r for branch, r in zip(op.subgraphs(), read))]
     if len(keep) == len(op.args):
-        return
+        return False
     op.args = [op.args[k] for k in keep]
     for branch in op.subgraphs():
         branch.inputs = [branch.inputs[k] for k in keep]
+    return True
