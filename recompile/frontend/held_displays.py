@@ -12,6 +12,8 @@ run issues together and a level program takes, where a loop issues one an iterat
 
 from __future__ import annotations
 
+import itertools
+
 import gast
 
 _NESTED = (gast.FunctionDef, gast.AsyncFunctionDef, gast.Lambda, gast.ClassDef)
@@ -25,8 +27,7 @@ def walked_displays(body, declared, most):
     names."""
     closed = {n.id for stmt in body for node in gast.walk(stmt) if isinstance(node, _NESTED)
               for n in gast.walk(node) if isinstance(n, gast.Name)}
-    counter = [0]
-    return _block(body, set(declared) | closed, counter, most)
+    return _block(body, set(declared) | closed, itertools.count(1), most)
 
 
 def _block(stmts, excluded, counter, most):
@@ -35,16 +36,19 @@ def _block(stmts, excluded, counter, most):
         if isinstance(s, (gast.If, gast.For, gast.While)):
             s.body, s.orelse = _block(s.body, excluded, counter, most), _block(s.orelse, excluded, counter, most)
         held = _held_display(s, excluded, most)
-        if held is None or not _walks(stmts[i + 1:], held.targets[0].id):
+        walks = _walks(stmts[i + 1:], held.targets[0].id) if held is not None else []
+        if not walks:
             out.append(s)
             continue
-        counter[0] += 1
-        items = [f".held{counter[0]}_{k}" for k in range(len(held.value.elts))]
+        n = next(counter)
+        items = [f".held{n}_{k}" for k in range(len(held.value.elts))]
         out += [gast.copy_location(gast.Assign(targets=[_name(item, gast.Store(), e)], value=e, type_comment=None),
                                    e) for item, e in zip(items, held.value.elts)]
         held.value.elts = [_name(item, gast.Load(), e) for item, e in zip(items, held.value.elts)]
         out.append(held)
-        _rewrite(stmts[i + 1:], held.targets[0].id, items)
+        for walk in walks:  # (each now walks the display of the held items)
+            walk.iter = gast.copy_location(
+                gast.Tuple(elts=[_name(item, gast.Load(), walk.iter) for item in items], ctx=gast.Load()), walk.iter)
     return out
 
 
@@ -60,32 +64,18 @@ def _held_display(s, excluded, most):
 
 
 def _walks(rest, ident):
-    """Whether the first statements of ``rest`` that mention ``ident`` mention it only as what a ``for`` walks,
-    and some do."""
-    found = False
-    for s in rest:
-        mentions = _mentions(s, ident)
-        if not mentions:
-            continue
-        if _holds_kept(s) or len(mentions) != len(_walked_at(s, ident)):
-            return found
-        found = True
-    return found
-
-
-def _rewrite(rest, ident, items):
-    """Each walk of ``ident`` in those statements of ``rest`` a walk of the display of ``items``."""
+    """The ``for`` statements and comprehensions' first ``for`` that walk ``ident`` in the first statements of
+    ``rest`` that mention it only so (up to one that mentions it otherwise, or holds a python block)."""
+    found = []
     for s in rest:
         mentions = _mentions(s, ident)
         if not mentions:
             continue
         walked = _walked_at(s, ident)
         if _holds_kept(s) or len(mentions) != len(walked):
-            return
-        for node in walked:
-            at = node.iter
-            node.iter = gast.copy_location(
-                gast.Tuple(elts=[_name(item, gast.Load(), at) for item in items], ctx=gast.Load()), at)
+            break
+        found += walked
+    return found
 
 
 def _holds_kept(s):

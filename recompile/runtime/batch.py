@@ -217,6 +217,8 @@ def _values_alone(kind):
 def build(kind, items):
     """A struct's value of ``kind`` (tuple, list, a namedtuple, torch's return types, a plain dataclass) from its
     ``items``."""
+    if kind is list or kind is tuple:  # (first: every instance's own ``hs = []`` of every node is made here)
+        return kind(items)
     return kind._make(items) if hasattr(kind, "_make") else kind(*items) if plain_dataclass(kind) else kind(items)
 
 
@@ -373,11 +375,8 @@ def items_of(b):
         elif b.struct is not None:
             kind, parts = b.struct
             columns = [items_of(p) if type(p) is Batch else [p] * b.n for p in parts]
-            if kind is list or kind is tuple:  # (each instance's own, made at once: ``hs = []`` of every node)
-                b.items = [kind(row) for row in zip(*columns)] if columns else [kind() for _ in range(b.n)]
-            else:
-                b.items = [build(kind, list(row)) for row in zip(*columns)] if columns else \
-                    [build(kind, []) for _ in range(b.n)]
+            b.items = [build(kind, list(row)) for row in zip(*columns)] if columns else \
+                [build(kind, []) for _ in range(b.n)]
             if not issubclass(kind, tuple):
                 # each instance now has its own list, which the program may change: from here on the
                 # items are the truth
@@ -721,13 +720,9 @@ def _repeat(value, count):
 def same_kind(tensors, skip):
     first = tensors[0]
     shape, dtype, device = first.shape[skip:], first.dtype, first.device
-    if not skip:  # (each instance's own tensor: its whole shape, read without slicing it)
-        for t in tensors:  # (a loop, not all(genexpr): it runs for every join and gathered input)
-            if t.dtype is not dtype or t.shape != shape or t.device != device:
-                return False
-        return True
-    for t in tensors[1:]:
-        if t.dtype is not dtype or t.shape[skip:] != shape or t.device != device:
+    for t in tensors:  # (a loop, not all(genexpr): it runs for every join and gathered input)
+        # (each instance's own tensor, ``skip`` 0: its whole shape, read without slicing it)
+        if t.dtype is not dtype or (t.shape[skip:] if skip else t.shape) != shape or t.device != device:
             return False
     return True
 
