@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import recompile
+from recompile import ir
+from recompile.passes.effects import growing
 from bound_globals import bound_globals
 from test_batching import lstm_encode  # the Tree-LSTM node of the batching tests
 from recompile import config
@@ -249,6 +251,61 @@ def test_a_function_that_changes_a_value_in_place_gets_no_segments():
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(y, want_y)
     assert built(f).segments == []
+
+
+
+def appended_rows(x, w):
+    y = torch.tanh(x) * 2.0 + w
+    hs = []
+    for row in y:
+        hs.append(torch.sigmoid(row) * 3.0)
+    total = torch.stack(hs).sum(0)
+    return torch.tanh(total) * 0.5 + total * y.sum(0)
+
+
+def test_a_function_whose_only_changes_are_appends_to_its_own_lists_runs_its_other_ops_raw():
+    # (child-sum Tree-LSTMs and decoders build lists: the rest of such a function ran op by op)
+    x = torch.randn(4, 3, 2, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, dtype=torch.float64, requires_grad=True)
+
+    def run(f):
+        out = recompile.vmap(f, in_dims=(0, None))(x, w)
+        return (out.detach(),), dict(zip("xw", torch.autograd.grad(out.sum(), (x, w))))
+
+    with segments_enabled(True):
+        f = recompile.function(appended_rows)
+        code = built(f)
+    with segments_enabled(False):
+        plain = recompile.function(appended_rows)
+    want = ((torch.stack([appended_rows(r, w) for r in x]).detach(),),
+            dict(zip("xw", torch.autograd.grad(torch.stack([appended_rows(r, w) for r in x]).sum(), (x, w)))))
+    for _ in range(3):  # the first call traces; the others run the raw functions
+        got = run(f)
+        assert_same(got, run(plain))
+        assert_same(got, want)
+    assert code.segments and all(not s.off and s.hits for s in code.segments), \
+        [(s.name, s.off, s.hits) for s in code.segments]
+    held = [op for s in code.segments for op in s.ops]
+    assert not any(growing(op) for op in held)  # (no ``hs.append``, nor its call)
+    assert sum(isinstance(op, ir.Fused) for op in held) >= 2  # (``tanh(x) * 2.0 + w``, the loop's and the last)
+
+
+def walked_between(x):
+    y = torch.tanh(x) * 2.0
+    total = y[0] * 0.0
+    for row in y:  # (the walk's ``as_sequence`` draws items: the ops before it are a segment of their own)
+        total = total + row
+    return torch.sigmoid(total) * 3.0 + total
+
+
+def test_a_segment_ends_where_a_walk_draws_its_items_and_both_sides_run_raw():
+    x = torch.randn(3, 4, 2, dtype=torch.float64)
+    cf = recompile.function(walked_between)
+    code = built(cf)
+    for _ in range(3):
+        torch.testing.assert_close(recompile.vmap(cf)(x), torch.stack([walked_between(r) for r in x]))
+    assert code.segments and all(not s.off for s in code.segments), [(s.name, s.off) for s in code.segments]
+    assert not any(segments.draws_items(op) for s in code.segments for op in s.ops)
 
 
 # -- what a trace must not take for granted (each found wrong once)

@@ -80,7 +80,7 @@ class _BatchedEmitter(emit.FunctionEmitter):
     def body(self, sg, items):
         """Maximal runs of plain ops (calls, captures, fused ops) become ``segments.Segment`` calls, in a
         function that changes nothing in place; the rest as ``emit`` writes it."""
-        if not self.emission.replays or not config.SEGMENTS:
+        if self.emission.changes or not config.SEGMENTS:
             return super().body(sg, items)
         used_after = [set() for _ in range(len(items) + 1)]
         used_after[-1] = self.live_out if self.live_out is not None else \
@@ -90,7 +90,8 @@ class _BatchedEmitter(emit.FunctionEmitter):
             used_after[k] = used_after[k + 1] | {x for op in ops for x in op.operands() if isinstance(x, ir.Value)}
         out, run = [], []
         for k, item in enumerate(items + [None]):
-            if item is not None and _segmentable(item):
+            if item is not None and _segmentable(item) and item not in self.emission.kept_out \
+                    and not segments.draws_items(item):
                 run.append(item)
                 continue
             if sum(_dispatches(op) for op in run) >= 2:
@@ -429,6 +430,13 @@ class _LevelEmitter(_BatchedEmitter):
         return stmt
 
 
+def _appending(appends):
+    """The ops a segment leaves out of a function whose only changes are its own lists' appends (``appends``):
+    those calls and the reads of their methods (``hs.append``), so that every segment is pure, as traced code
+    (which replays torch ops alone) must be."""
+    return set(appends) | {op.fn.op for op in appends if isinstance(op, ir.Call) and isinstance(op.fn, ir.Value)}
+
+
 def _segmentable(item):
     """An op a segment may hold: a call (not a raise, not one unpacking ``*args``), a capture, a fused op."""
     if isinstance(item, (ir.Capture, ir.Fused)):
@@ -471,9 +479,10 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     emission.changes = subgraph_may_mutate(sg, may_mutate)
     emission.reached = aliasing.reached(sg, may_mutate)
     # (a list the function builds and appends to changes nothing others see, but traced code, which replays
-    # torch ops alone, would drop the appends: such a function runs op by op, as one that changes values)
+    # torch ops alone, would drop the appends: its segments leave them out, and it gets no level program)
     emission.appends = local_appends(sg)
     emission.replays = not emission.changes and not emission.appends
+    emission.kept_out = _appending(emission.appends)
     emission.units = _units(batch_plan)  # SubGraph -> Unit
     module = Module()
     emitters = [_BatchedEmitter(module, emission, batch_plan) for _ in emission.sgs]

@@ -18,8 +18,11 @@ later calls run instead of the op-by-op code. Ops with no such form (a lazy
 value's arithmetic, an unpacking of a batch of tuples) stay calls of their
 batch rule inside that function.
 
-Only functions that change nothing in place get raw segments, and only ops
-that change nothing are traced: a guard that fails, or an error of any kind,
+Only functions that change nothing in place get raw segments (or whose only
+changes are appends to lists of their own, ``effects.local_appends``: their
+segments leave the appends out), only ops that change nothing are traced, and
+a segment ends where a walk draws an iterator's items (``draws_items``). A
+guard that fails, or an error of any kind,
 leaves the raw function for the op-by-op code, which runs the segment again
 from its start (what the raw one computed is dropped) and raises the user's
 error from the user's line. A segment whose raw function keeps failing its
@@ -50,6 +53,15 @@ from ..runtime.levels import Deopt, NotPlain
 
 # a lowered ``for``'s, ``sum``, ``list``, ``tuple`` and starred unpacking: they draw the items of an iterator
 _ITERATION = {intrinsics.as_sequence, intrinsics.has_index, sum, intrinsics.unpack_starred, list, tuple}
+_DRAWING = {intrinsics.as_sequence, intrinsics.has_index, intrinsics.unpack_starred}
+
+
+def draws_items(op):
+    """Whether ``op`` calls one of the intrinsics that draw an iterator's items (a lowered ``for``, a starred
+    unpacking): no trace runs it (a run cut short would draw them twice), so segments end at it."""
+    return isinstance(op, ir.Call) and isinstance(op.fn, ir.Const) and op.fn.value in _DRAWING
+
+
 # ops a trace may run through their batch rule, inside the raw function: they change nothing and draw nothing,
 # so a run cut short by a failed guard may run them again (not builtins such as max or tuple, which would
 # consume an iterator twice)
