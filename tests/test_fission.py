@@ -7,6 +7,8 @@ run of the function per depth of the trees, not one per child.
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import pytest
 import torch
 from torch import nn
@@ -16,6 +18,7 @@ from recompile import config, diagnostics, ir
 from recompile.passes import fission
 from recompile.passes.effects import invoke_may_mutate, local_appends
 from recompile.passes.pipeline import FINAL
+from recompile.runtime import split_loops
 from test_segments import switched
 
 LINES = open(__file__, encoding="utf-8").read().splitlines()
@@ -207,13 +210,67 @@ def guarded_reads_list(self, kids, n_kids, words, i):
     return torch.tanh(self.mix(torch.stack(hs).sum(0)))
 
 
+def taken_apart(self, kids, n_kids, words, i):
+    """The loop only takes each call's result apart, appends its parts and adds one up (``fission.at_once``): one
+    step over every child's rows; a leaf's sum stays Python's 0.0, and the lists are read every way after it."""
+    x = self.embed(words[i])
+    hs, gs, total = [], [], 0.0
+    for k in range(n_kids[i]):
+        h, g, t = self.encode(kids, n_kids, words, kids[i, k])
+        hs.append(h)
+        gs.append(g)
+        total = total + t
+    h = torch.tanh(self.mix(x + (torch.stack(hs).sum(0) if hs else 0.0)))
+    g = torch.sigmoid(self.gate(h)) + (sum(gs) if gs else 0.0) * 0.5
+    for h_k, g_k in zip(hs, gs):
+        g = g + h_k * g_k
+    if hs:
+        g = g + hs[-1] * len(hs) + torch.cat(gs).mean()
+    return h, g, total + h.sum() * 0.25
+
+
+def summed_onto_rows(self, kids, n_kids, words, i):
+    """A sum that starts from each node's own tensor, its term added on the left (``t + total``)."""
+    x = self.embed(words[i])
+    total, hs = x.sum() * 0.5, []
+    for k in range(n_kids[i]):
+        h, t = self.encode(kids, n_kids, words, kids[i, k])
+        total = t + total
+        hs.append(h)
+    h = torch.tanh(self.mix(x + (torch.stack(hs).sum(0) if hs else 0.0)))
+    return h, total + h.sum()
+
+
+def appended_whole(self, kids, n_kids, words, i):
+    """Each call's result appended as it is; a list appended to again after the loop."""
+    hs = []
+    for k in range(n_kids[i]):
+        hs.append(self.encode(kids, n_kids, words, kids[i, k]))
+    hs.append(self.embed(words[i]))
+    return torch.tanh(self.mix(torch.stack(hs).sum(0)))
+
+
+def counted(self, kids, n_kids, words, i):
+    """An int count added up beside a float sum: no float rows for it, the loop runs as written."""
+    h = self.embed(words[i])
+    hs, size = [], torch.tensor(1)
+    for k in range(n_kids[i]):
+        h_k, n_k = self.encode(kids, n_kids, words, kids[i, k])
+        hs.append(h_k)
+        size = size + n_k
+    if hs:
+        h = h + torch.stack(hs).sum(0)
+    return torch.tanh(self.mix(h)) * size, size
+
+
 MODELS = {"child_sum": child_sum, "appended": appended, "flat_list": flat_list, "summed": summed,
           "row_stretch": row_stretch, "summed_apart": summed_apart, "two_calls": two_calls, "chained": chained,
           "run_until": run_until, "stops_early": stops_early, "guarded": guarded,
           "guarded_appends": guarded_appends, "guarded_computed": guarded_computed,
           "guarded_by_results": guarded_by_results, "guarded_noise": guarded_noise,
           "guarded_reads_list": guarded_reads_list,
-          "grows_what_it_reads": grows_what_it_reads}
+          "grows_what_it_reads": grows_what_it_reads, "taken_apart": taken_apart,
+          "summed_onto_rows": summed_onto_rows, "appended_whole": appended_whole, "counted": counted}
 
 
 def three(body):
@@ -281,6 +338,71 @@ def test_which_loops_split(name, splits):
              if isinstance(op, ir.While)]
     assert found
     assert any(f is not None for f in found) == splits
+
+
+def split_of(body):
+    """The LoopSplit of ``body``'s one loop that splits."""
+    _, batched, _ = three(body)
+    sg = type(batched).encode.build_for(type(batched)).stages[FINAL]
+    appends = local_appends(sg)
+    (found,) = [f for s in sg.walk() for op in s.ops if isinstance(op, ir.While)
+                for f in [fission.split(op, appends, lambda invoke: invoke_may_mutate(invoke, FINAL))] if f]
+    return found
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("taken_apart", (3, [0, 1], (2,))), ("summed_onto_rows", (2, [0], (1,))), ("appended_whole", (None, [0], ())),
+    ("child_sum", (None, [], (0,))), ("counted", (2, [0], (1,))), ("appended", None), ("two_calls", None),
+    ("guarded_appends", None)])
+def test_which_second_passes_run_at_once(name, shape):
+    """(the result's length where it is unpacked, the elements appended, each sum's element), or None."""
+    found = fission.at_once(split_of(MODELS[name]))
+    assert (found and (found[0], [e for _, e in found[1]], found[2])) == shape
+    if found:  # (each list its own invariant of the loop)
+        assert len({q for q, _ in found[1]}) == len(found[1])
+
+
+def at_once_results(monkeypatch):
+    """A list that gets what every split loop's second pass at once gave (None where it ran as written)."""
+    ran = []
+    real = split_loops.SplitLoop._at_once
+
+    def noted(self, result):
+        ran.append(real(self, result))
+        return ran[-1]
+
+    monkeypatch.setattr(split_loops.SplitLoop, "_at_once", noted)
+    return ran
+
+
+@pytest.mark.parametrize("name, at_once", [("taken_apart", True), ("summed_onto_rows", True),
+                                           ("appended_whole", True), ("child_sum", True), ("counted", False)])
+def test_a_second_pass_at_once_runs_where_its_rows_are_tensors_alike(name, at_once, monkeypatch):
+    ran = at_once_results(monkeypatch)
+    plain, batched, _ = three(MODELS[name])
+    got = flat(recompile.vmap(batched.encode, in_dims=(None, None, None, 0))(KIDS, N_KIDS, WORDS, ROOTS))
+    assert_all_close(got, [torch.stack(col) for col in zip(*[flat(plain.encode(KIDS, N_KIDS, WORDS, r))
+                                                             for r in ROOTS])])
+    assert ran and all((r is not None) == at_once for r in ran)
+
+
+def test_a_leaf_keeps_the_start_of_a_sum_the_loop_added_to_at_once(monkeypatch):
+    def total_of(self, kids, n_kids, words, i):
+        total = 0.0
+        for k in range(n_kids[i]):
+            v, _ = self.encode(kids, n_kids, words, kids[i, k])
+            total = total + v
+        return self.embed(words[i]).sum() * 0.5, total  # (a leaf's total is Python's 0.0, its parent's a tensor)
+
+    ran = at_once_results(monkeypatch)
+    plain, batched, _ = three(total_of)
+    roots = torch.tensor([0, 1, 7, 3, 2])  # (node 1's children are leaves: a leaf beside them in their frame)
+    want = [plain.encode(KIDS, N_KIDS, WORDS, r) for r in roots]
+    got = recompile.map(batched.encode, repeat(KIDS), repeat(N_KIDS), repeat(WORDS), list(roots))
+    assert [type(g[1]) for g in got] == [type(w[1]) for w in want] and float in {type(w[1]) for w in want}
+    for g, w in zip(got, want):
+        assert g[1] == w[1] if type(w[1]) is float else torch.equal(g[1], w[1])
+    assert any(r is not None for r in ran)
 
 
 def test_calls_handed_the_list_they_append_to_keep_their_order():

@@ -283,7 +283,7 @@ class _BatchedEmitter(emit.FunctionEmitter):
                   ast.Constant(value=k), ast.Constant(value=tuple(found.later)),
                   ast.Constant(value=tuple(len(c.args) for c in found.calls)),
                   ast.Constant(value=tuple(c.guard[1] if c.guard else None for c in found.calls)),
-                  ast.Tuple(elts=prepares, ctx=ast.Load())], keywords=[]))
+                  ast.Tuple(elts=prepares, ctx=ast.Load()), ast.Constant(value=fission.at_once(found))], keywords=[]))
         first = ast.While(test=method("keep", call(self.emission.fn_name[op.cond_sg])),
                           body=[ast.Expr(value=method("step", call(pre)))], orelse=[])
         asked, got = self.var(ir.Value("_asked")), self.var(ir.Value("_got"))

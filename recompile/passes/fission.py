@@ -24,6 +24,9 @@ caller asks), where (``split``):
 - the lists ``post`` appends to are handed to the loop unchanged, and nothing of ``pre``, the test, or the
   loop's other operands reads them (``as_sequence(hs)``: a ``for`` over the list it grows).
 
+Where ``post`` only takes the call's result apart, appends the parts to lists and adds them to its loop variables
+(``at_once``), the second pass is one step over every iteration's rows (``SplitLoop._at_once``).
+
 Moved as the batched run moves every op that changes nothing, ``pre`` runs before earlier iterations' calls and
 ``post`` after later ones: where a later iteration's arguments fail (an index past a tensor's end) and an
 earlier iteration's call fails too, the first pass's error comes first.
@@ -33,8 +36,8 @@ from __future__ import annotations
 
 import operator
 
-from .. import ir
-from .effects import pure_op
+from .. import intrinsics, ir
+from .effects import growing, pure_op
 
 
 class LoopSplit:
@@ -150,6 +153,57 @@ def split(op, appends, may_mutate):
         if x in made and x not in crossing:
             crossing.append(x)
     return LoopSplit(op, pre, post, calls, later, crossing)
+
+
+def at_once(found):
+    """How LoopSplit ``found``'s second pass runs as one step over every iteration's rows, or None: where its
+    one call is unguarded and ``post`` only takes the call's result apart (``h, c, l = self.f(child)``), appends
+    those elements to lists (each list once) and adds them to the loop variables ``post`` computes (each once,
+    ``loss = loss + l``), as (the result's length where it is unpacked, else None; per append, the list's place
+    among the loop's invariants and the element's; per variable of ``later``, in order, the element's place)."""
+    if len(found.calls) != 1 or found.calls[0].guard or len(found.calls[0].invoke.outputs) != 1:
+        return None
+    op, body, post = found.op, found.op.body_sg, found.post
+    k = len(op.loop_vars)
+    result = found.calls[0].invoke.output
+    readers = {}
+    for o in post:
+        for x in o.operands():
+            readers.setdefault(x, []).append(o)
+    elements, length, rest = [result], None, post
+    (first, *others) = readers.get(result, [None])
+    if not others and ir.is_call(first, intrinsics.unpack) and len(first.args) == 2 and first.args[0] is result \
+            and isinstance(first.args[1], ir.Const) and len(first.outputs) == first.args[1].value:
+        elements, length, rest = list(first.outputs), first.args[1].value, [o for o in post if o is not first]
+    later = {body.inputs[j]: i for i, j in enumerate(found.later)}
+    appends, sums, methods = [], {}, {}
+    outputs = set(body.outputs)
+    for o in rest:
+        if not isinstance(o, ir.Call) or o.star or o.kwargs:
+            return None
+        grown = growing(o)
+        if grown is not None and grown[1] == "append" and grown[0] in body.inputs[k:] \
+                and len(readers.get(o.output, ())) == 1 and o.output not in outputs:
+            methods[o.output] = body.inputs.index(grown[0]) - k
+        elif o.fn in methods and len(o.args) == 1 and o.args[0] in elements and not readers.get(o.output) \
+                and o.output not in outputs:
+            appends.append((methods.pop(o.fn), elements.index(o.args[0])))
+        elif ir.is_call(o, operator.add) and len(o.args) == 2:
+            sides = [(a, b) for a, b in (o.args, o.args[::-1]) if a in later and b in elements]
+            if not sides:
+                return None
+            acc, element = sides[0]
+            i = later[acc]
+            if i in sums or len(readers[acc]) != 1 or acc in outputs or \
+                    o.output is not body.outputs[found.later[i]] or readers.get(o.output):
+                return None
+            sums[i] = elements.index(element)
+        else:
+            return None
+    lists = [q for q, _ in appends]
+    if methods or len(set(lists)) != len(lists) or len(sums) != len(found.later):
+        return None
+    return length, tuple(appends), tuple(sums[i] for i in range(len(found.later)))
 
 
 def _reads(sg, value):

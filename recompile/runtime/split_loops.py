@@ -5,13 +5,17 @@ false (``control.Loop``), and keeps, per iteration, how many instances stayed, t
 ``post`` reads. Every iteration's call of one site is then one request, of as many instances as the iterations
 held in all (``requests``: a node's children, however many, of every instance of the frame). The second pass
 runs ``post`` over the same iterations, each with its rows of the calls' results, the instances leaving where
-they left before (the first pass's tests, again), and ``finish`` joins both passes' loop variables.
+they left before (the first pass's tests, again), and ``finish`` joins both passes' loop variables. A second
+pass that only takes the results apart, appends and adds up (``passes.fission.at_once``) runs once over every
+iteration's rows instead.
 """
 
 from __future__ import annotations
 
 from . import batch as bt
 from . import sharing
+from .batch import Batch
+from .rows import Appended
 from .control import Loop, split, take_side
 from .units import unit_of
 
@@ -21,15 +25,18 @@ class SplitLoop:
     pass and result (``finish``)."""
 
     __slots__ = ("first", "n0", "k", "later", "widths", "guards", "prepares", "initial", "tests", "steps", "arities",
-                 "asked", "counts")
+                 "asked", "counts", "at_once", "rows")
 
-    def __init__(self, n, carried, k, later, widths, guards, prepares):
+    def __init__(self, n, carried, k, later, widths, guards, prepares, at_once=None):
         """``carried``: the loop variables' first values, then its invariants; ``later``: the positions of the
         variables ``post`` computes; per call, ``widths``: how many values ``pre`` hands it, ``guards``: None, or
         the side of an ``if`` whose instances make it (0 then, 1 else), and ``prepares``: None, or what computes
-        its arguments from those values, for the instances making it."""
+        its arguments from those values, for the instances making it; ``at_once``: how ``post`` runs as one step
+        over every iteration's rows (``passes.fission.at_once``), or None."""
         self.n0, self.k, self.later, self.widths, self.guards = n, k, later, widths, guards
         self.prepares = prepares
+        self.at_once = at_once if n > 1 else None
+        self.rows = []  # (with ``at_once``) per iteration, its instances (positions among the n), in row order
         first = list(carried)
         for j in later:
             first[j] = None  # (the first pass neither reads nor computes them)
@@ -60,6 +67,8 @@ class SplitLoop:
         """``out``: ``pre``'s k loop variables (None where ``post`` computes one); per call, its ``if``'s test
         where it has one, and its arguments; then what ``post`` reads."""
         k, n = self.k, self.first.n
+        if self.at_once is not None:
+            self.rows.append(self.first.positions)
         self.first.step(out[0] if k == 1 else out[:k])
         calls, at = [], k
         for width, guard, prepare in zip(self.widths, self.guards, self.prepares):
@@ -91,6 +100,10 @@ class SplitLoop:
 
     def finish(self, results, post):
         """The loop's final variables: the first pass's, and those ``post`` computes over ``results``."""
+        if self.at_once is not None and self.asked == [0]:
+            values = self._at_once(results[0])
+            if values is not None:
+                return values
         by_split = sharing.state.fresh  # (a split's pieces are views no one may change in place)
         parts = []
         for i, arity in enumerate(self.arities or ()):
@@ -105,12 +118,82 @@ class SplitLoop:
                 break
             got = [p[t] for p in parts]
             loop.step(post(loop.n, *loop.carried, *self.steps[t][2], *got))
+        later = loop.result()
+        return self._with_later([later] if len(self.later) == 1 else list(later))
+
+    def _with_later(self, later):
+        """The loop's final variables: the first pass's, with ``later`` (in ``self.later``'s order)."""
         values = self.first.result()
         values = [values] if self.k == 1 else list(values)
-        later = loop.result()
-        for i, j in enumerate(self.later):
-            values[j] = later if len(self.later) == 1 else later[i]
+        for j, value in zip(self.later, later):
+            values[j] = value
         return values[0] if self.k == 1 else tuple(values)
+
+    def _at_once(self, result):
+        """``post`` run once over the call's ``result`` for every iteration's rows (``at_once``: it takes the
+        result apart, appends elements to lists that start empty, adds elements to loop variables): each list
+        given its instance's rows in iteration order (``rows.Appended``), each sum its start plus its instance's
+        rows, ``index_add``ed in row order (in iteration order on the CPU, as the loop adds them); None where the
+        values are not tensor rows of one shape and dtype, a start of another kind or a list not empty, in a
+        run that may change values in place (the rows are views), or on another device than the CPU."""
+        length, appends, sums = self.at_once
+        if not sharing.state.fresh or type(result) is not Batch:
+            return None
+        bt.ready(result)
+        if length is None:
+            elements = [result]
+        elif result.struct is not None and result.owner is None and len(result.struct[1]) == length:
+            elements = list(result.struct[1])
+        else:
+            return None
+        instance = [k for positions in self.rows for k in positions]
+        packed = {}
+        for e in {e for _, e in appends} | set(sums):
+            t = bt.rows_tensor(elements[e]) if type(elements[e]) is Batch else None
+            if t is None or t.shape[0] != len(instance) or t.device.type != "cpu":
+                return None
+            packed[e] = t
+        lists = []
+        for q, e in appends:
+            held = self.initial[len(self.later) + q]
+            each = bt.items_of(held) if type(held) is Batch else None
+            if each is None or len(each) != self.n0 or not all(type(x) is list and not x for x in each):
+                return None
+            lists.append((held, each, packed[e]))
+        if len({id(x) for _, each, _ in lists for x in each}) != self.n0 * len(lists):
+            return None  # (one list under two names: its appends interleave)
+        index = bt.long_tensor(instance)
+        starts = []
+        for i, e in enumerate(sums):
+            start, t = self.initial[i], packed[e]
+            if not t.is_floating_point():
+                return None
+            if type(start) in (int, float):
+                rows = t.new_full((self.n0, *t.shape[1:]), start)
+            else:
+                rows = bt.rows_tensor(start) if type(start) is Batch else None
+                if rows is None or rows.shape != (self.n0, *t.shape[1:]) or rows.dtype != t.dtype \
+                        or rows.device != t.device:
+                    return None
+            starts.append((start, rows))
+        counts = [0] * self.n0
+        for k in instance:
+            counts[k] += 1
+        step = bt.long_tensor([t for t, positions in enumerate(self.rows) for _ in positions])
+        for held, each, rows_of in lists:
+            found = Appended(each, rows_of, index, step, counts, pending=True)
+            held.items = found
+            found.fill()
+        later = []
+        for (start, rows), e in zip(starts, sums):
+            total = rows.index_add(0, index, packed[e])
+            if type(start) is Batch or all(counts):
+                later.append(bt.from_tensor(total))
+                continue
+            ran = [k for k in range(self.n0) if counts[k]]  # (an instance that made no call keeps its start)
+            kept = [k for k in range(self.n0) if not counts[k]]
+            later.append(bt.join(self.n0, [(bt.from_tensor(total[bt.long_tensor(ran)]), ran), (start, kept)]))
+        return self._with_later(later)
 
 
 def guarded_run(branch, which, called, other, got):
