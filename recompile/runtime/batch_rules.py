@@ -2066,9 +2066,9 @@ def attribute(n, fn, args, kwargs):
         # (``v.add_(...)`` of each instance's own tensor: run per instance on the Batch, which then forgets a
         # tensor stacked from its items before the change)
         return Batch(x.n, method=(x, name))
-    if x.owner == "items" and x.thunk is None and not any(isinstance(v, torch.Tensor) for v in x.items):
+    if x.owner == "items" and x.thunk is None and not any(issubclass(t, torch.Tensor) for t in set(map(type, x.items))):
         # (``node.children``, ``node.word`` of each instance's own object: a tree of the user's nodes)
-        return _read_of_each(x.items, lambda v: getattr(v, name))
+        return _read_of_each(x.items, operator.attrgetter(name))
     return NotImplemented
 
 
@@ -2076,7 +2076,7 @@ def _read_of_each(objects, read):
     """``read(obj)`` of each instance's own Python object (``node.children``; ``node["word"]`` of a dict):
     each one's, as Python reads it, in one pass, in instance order (an instance's error raised there, as a loop
     of its reads raises it, each read made once); the one object where every instance's is that object."""
-    found = [read(v) for v in objects]  # (the first instance's error, raised as its own read raises it)
+    found = list(map(read, objects))  # (the first instance's error, raised as its own read raises it)
     first = found[0]
     for v in found:  # (a loop, not all(genexpr): it runs at every node)
         if v is not first:

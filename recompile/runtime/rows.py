@@ -12,6 +12,7 @@ none.
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -507,7 +508,7 @@ class Appended(list):
         the function keeps to itself may shrink too (``hs.pop()``), so that ends alike tell nothing."""
         if self.pending:
             return all(not x for x in self)
-        return all(len(x) == len(held) and all(a is b for a, b in zip(x, held)) for x, held in zip(self, self._ends))
+        return all(len(x) == len(held) and all(map(operator.is_, x, held)) for x, held in zip(self, self._ends))
 
 
 def _held(lists):
