@@ -18,7 +18,7 @@ from recompile import config, diagnostics, ir
 from recompile.passes import fission
 from recompile.passes.effects import invoke_may_mutate, local_appends
 from recompile.passes.pipeline import FINAL
-from recompile.runtime import split_loops
+from recompile.runtime import rows, split_loops
 from test_segments import switched
 
 LINES = open(__file__, encoding="utf-8").read().splitlines()
@@ -384,6 +384,23 @@ def test_a_second_pass_at_once_runs_where_its_rows_are_tensors_alike(name, at_on
     assert_all_close(got, [torch.stack(col) for col in zip(*[flat(plain.encode(KIDS, N_KIDS, WORDS, r))
                                                              for r in ROOTS])])
     assert ran and all((r is not None) == at_once for r in ran)
+
+
+def test_a_loop_over_lists_a_loop_filled_at_once_reads_their_rows_where_they_lie(monkeypatch):
+    read = []
+    real = rows.Appended.rows_at
+
+    def noted(self, instances, steps):
+        read.append(real(self, instances, steps) is self.packed)
+        return self.packed if read[-1] else real(self, instances, steps)
+
+    monkeypatch.setattr(rows.Appended, "rows_at", noted)
+    plain, batched, _ = three(taken_apart)  # (``for h_k, g_k in zip(hs, gs)``, a leaf's lists empty beside them)
+    got = flat(recompile.vmap(batched.encode, in_dims=(None, None, None, 0))(KIDS, N_KIDS, WORDS, ROOTS))
+    want = [torch.stack(col) for col in zip(*[flat(plain.encode(KIDS, N_KIDS, WORDS, r)) for r in ROOTS])]
+    assert_all_close(got, want)
+    assert_all_close(grads_of(batched, got), grads_of(plain, want))
+    assert read and all(read)
 
 
 def test_a_leaf_keeps_the_start_of_a_sum_the_loop_added_to_at_once(monkeypatch):

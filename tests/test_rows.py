@@ -811,3 +811,17 @@ def test_index_tensors_kept_from_an_inference_run_serve_a_run_with_grad():
         evaluated = f(model, words, n, tags)
     compare(model, scored_rows, (words, n, tags), (None, 0, 0, 0), expect_runs=None)
     torch.testing.assert_close(f(model, words, n, tags).detach(), evaluated.clone())
+
+
+def test_appended_rows_are_read_where_they_lie():
+    # (three lists: rows 0-2 the first step's items of instances 0, 2 and 1, rows 3-4 the second's of 0 and 2)
+    packed = torch.arange(10.0).reshape(5, 2)
+    lists = rows.Appended([[], [], []], packed, torch.tensor([0, 2, 1, 0, 2]), torch.tensor([0, 0, 0, 1, 1]),
+                          [2, 1, 2], pending=True)
+    lists.fill()
+    assert [len(x) for x in lists] == [2, 1, 2] and torch.equal(lists[2][1], packed[4])
+    assert lists.rows_at([0, 2, 1, 0, 2], [0, 0, 0, 1, 1]) is packed  # (laid out as they were appended)
+    torch.testing.assert_close(lists.rows_at([1, 2, 0], [0, 1, 1]), packed[[2, 4, 3]])
+    assert lists.rows_at([1], [1]) is None  # (instance 1's list holds one item)
+    lists[0].append(packed[0])
+    assert not lists.holds_its_rows_alone()  # (its readers then read the lists themselves)

@@ -56,7 +56,7 @@ from ..ops.table import has_hooks
 from ..passes import effects, fusion
 from ..passes.effects import op_mutates
 from ..runtime import batch as bt
-from ..runtime import batch_rules, lazy_weights, ranges, rows
+from ..runtime import batch_rules, lazy_weights, ranges, rows, sharing
 from ..runtime.batch import Batch
 from . import segments
 
@@ -440,6 +440,12 @@ def _items_at(value, layout, counter, counters):
     if stretches is not None:
         return rows.items_at(stretches, layout.index, counters)
     if type(value) is Batch and value.owner == "items" and value.thunk is None:
+        lists = value.items
+        if type(lists) is rows.Appended and sharing.state.fresh and lists.holds_its_rows_alone():
+            # (lists a loop appended its rows to: the rows read where they lie, leaves' empty lists beside them)
+            found = lists.rows_at(layout.instance, counters)
+            if found is not None:
+                return bt.from_tensor(found)
         # (``hs[t]`` of each instance's own list of states, ``for t in range(len(hs))``: their stack, read once)
         stack = rows.stacked(len(value.items), value, (), {})
         if stack is not NotImplemented:

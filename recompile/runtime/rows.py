@@ -483,7 +483,7 @@ class Appended(list):
     only by that stack (``recurrent.plan``), the rows are not put in them until something else needs them
     (``pending``, ``fill``): a Python append per row, and the views, cost more than the steps without grad."""
 
-    __slots__ = ("packed", "instance", "step", "lengths", "pending", "_ends")
+    __slots__ = ("packed", "instance", "step", "lengths", "pending", "_ends", "_where")
 
     def __init__(self, lists, packed, instance, step, lengths, pending=False):
         super().__init__(lists)
@@ -492,6 +492,23 @@ class Appended(list):
         self.lengths = lengths  # each instance's number of rows
         self.pending = pending  # the rows not in the lists yet
         self._ends = None if pending else _held(self)
+        self._where = None
+
+    def rows_at(self, instances, steps):
+        """The rows of item ``steps[r]`` of instance ``instances[r]``'s list for each r, while the lists hold their
+        rows alone: the packed rows themselves where they are those, in that order (a loop over the lists laid
+        out as the loop that appended them), else one index of them; None where an item is not there."""
+        if self._where is None:
+            order = list(zip(self.instance.tolist(), self.step.tolist()))
+            self._where = (order, {pair: r for r, pair in enumerate(order)})
+        order, where = self._where
+        wanted = list(zip(instances, steps))
+        if wanted == order:
+            return self.packed
+        index = [where.get(pair) for pair in wanted]
+        if None in index:
+            return None
+        return self.packed.index_select(0, torch.tensor(index, device=self.packed.device))
 
     def fill(self):
         """Put the rows in the lists, each instance's in step order (where they are pending)."""
