@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import recompile
-from recompile import config
+from recompile import config, diagnostics
 from recompile.runtime import batch as bt
 from recompile.runtime import dicts
 from test_segments import switched  # tests/ is on sys.path under pytest
@@ -55,9 +57,31 @@ def chart_read_by_each_instances_key(x, n):  # (a chart keyed by spans, read at 
     return chart[0, int(n)] + chart[int(n) - 1, int(n)]
 
 
+def keys_unpacked(x):  # (a dict unpacks to its keys: found giving its values, the wrong value in silence)
+    state = {"h": x * 2.0, "cc": x + 1.0}
+    first, second = state
+    return state[first] * len(second) + state[second]
+
+
+def keys_unpacked_starred(x):  # (found raising a TypeError where Python gives the keys)
+    state = {"h": x * 2.0, "cc": x + 1.0, "ddd": x * 3.0}
+    first, *rest = state
+    return state[first] * len("".join(rest)) + state[rest[-1]]
+
+
+def keys_of_a_callee_unpacked(x):
+    first, second = pair_state(x)
+    return x * len(first + second)
+
+
+def pair_state(x):
+    return {"h": x * 2.0, "cc": x + 1.0}
+
+
 @pytest.mark.parametrize("fn, per_instance", [
     (summed_losses, "error"), (items_walked, "error"), (keys_walked, "error"), (read_by_get_and_in, "error"),
-    (values_after_a_change, "allow")], ids=lambda v: getattr(v, "__name__", v))
+    (values_after_a_change, "allow"), (keys_unpacked, "error"), (keys_unpacked_starred, "error"),
+    (keys_of_a_callee_unpacked, "allow")], ids=lambda v: getattr(v, "__name__", v))
 def test_a_dict_with_shared_keys_is_read_as_eager_reads_each_instances(fn, per_instance):
     xs = torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(3), requires_grad=True)
     with switched(config, per_instance, "PER_INSTANCE"):
@@ -114,3 +138,40 @@ def test_a_view_of_each_instances_own_dict_warns_what_to_write_instead():
     with pytest.warns(recompile.PerInstanceWarning, match=r"dict\.values runs once per instance .*each instance "
                                                           r"holds a dict of its own.*read it by key"):
         recompile.vmap(recompile.function(values_after_a_change))(torch.randn(3, 2, dtype=F64))
+
+
+CELL = torch.nn.LSTMCell(3, 3)
+
+
+def stacked_dict(x):
+    return torch.stack({"h": x * 2.0, "c": x + 1.0})
+
+
+def catted_dict(x):
+    return torch.cat({"h": x * 2.0, "c": x + 1.0})
+
+
+def dict_state(x):
+    return CELL(x, {"h": x * 2.0, "c": x + 1.0})[0]
+
+
+def dict_operands(x):
+    return torch.einsum("i,i->", {"h": x * 2.0, "c": x + 1.0})
+
+
+def summed_keys(x):
+    return sum({"h": x * 2.0, "c": x + 1.0})
+
+
+@pytest.mark.parametrize("fn", [stacked_dict, catted_dict, dict_state, dict_operands, summed_keys],
+                         ids=lambda f: f.__name__)
+def test_a_dict_where_a_sequence_is_wanted_raises_as_eager_does(fn, monkeypatch):
+    # (a dict iterates its keys: its values, read as its items, were stacked, summed and handed to a cell)
+    monkeypatch.setattr(diagnostics, "_warned", set())
+    x = torch.randn(4, 3)
+    with pytest.raises(Exception) as eager:
+        fn(x[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+        with pytest.raises(type(eager.value)):
+            recompile.vmap(recompile.function(fn))(x)

@@ -983,6 +983,8 @@ class _Tracer:
 
     def unpack(self, op, slot):
         k = len(op.outputs)
+        if slot.kind == "T" and type(slot.value) is dict:
+            raise _Untraceable  # (``a, b = d``: a dict's keys, which the op-by-op code unpacks)
         if slot.kind == "T" and len(slot.items) == k:  # (its length is the program's, or a split's, guarded)
             for v, s in zip(op.outputs, slot.items):
                 self.define(v, s)
@@ -1390,7 +1392,7 @@ def _cell_form(tr, fn, fn_slot, args, kwargs):
     states = []
     if len(args) == 2:
         hx = args[1]
-        parts = hx.items if hx.kind == "T" else [hx]
+        parts = hx.items if hx.kind == "T" and type(hx.value) is not dict else [hx]
         if (type(fn) is nn.LSTMCell) != (len(parts) == 2):
             return None
         for part in parts:
@@ -1525,8 +1527,8 @@ def _along_dims_form(tr, fn, fn_slot, args, kwargs):
 @TRACE.register(torch.cat, torch.concat, torch.stack)
 def _join_form(tr, fn, fn_slot, args, kwargs):
     """torch.cat / torch.stack of a list built in the segment, all batched tensors, along a feature dim."""
-    if not args or args[0].kind != "T" or set(kwargs) - {"dim"} or len(args) > 2:
-        return None
+    if not args or args[0].kind != "T" or type(args[0].value) is dict or set(kwargs) - {"dim"} or len(args) > 2:
+        return None  # (not a dict: torch refuses it, as the batch rule leaves it to each instance)
     parts = [tr.as_b(s) for s in args[0].items]
     if not parts or any(p is None for p in parts):
         return None
@@ -1607,7 +1609,7 @@ def _einsum_form(tr, fn, fn_slot, args, kwargs):
     if kwargs or len(args) < 2 or args[0].kind != "S" or type(args[0].value) is not str:
         return None
     operands = args[1:]
-    if len(operands) == 1 and operands[0].kind == "T":
+    if len(operands) == 1 and operands[0].kind == "T" and type(operands[0].value) is not dict:
         operands = operands[0].items
     raw = []
     for s in operands:

@@ -146,6 +146,13 @@ class Keyed(dict):
 _DICT_KINDS = {}
 
 
+def struct_items(value):
+    """What a ``for`` over struct Batch ``value`` draws, in order: a dict's keys (every instance's the same),
+    else its parts."""
+    kind, parts = value.struct
+    return list(kind.keys_) if issubclass(kind, Keyed) else parts
+
+
 def dict_kind(keys):
     """The Keyed kind of dicts with ``keys``, in order (one class per key tuple, kept)."""
     kind = _DICT_KINDS.get(keys)

@@ -1442,7 +1442,8 @@ def join_along(n, fn, args, kwargs):
         if fn is torch.stack and type(dim) is int and dim != 0 and len(args) <= 2 and set(kwargs) <= {"dim"}:
             return _stacked_along(n, seq, dim)
         return rows.stacked(n, seq, args, kwargs) if fn is torch.stack else rows.concatenated(n, seq, args, kwargs)
-    if type(seq) is not Batch or seq.struct is None or seq.owner is not None or len(args) > 2:
+    if type(seq) is not Batch or seq.struct is None or seq.owner is not None or len(args) > 2 or \
+            issubclass(seq.struct[0], bt.Keyed):  # (a dict: torch's TypeError, each instance's)
         return NotImplemented
     if row_wise.holds_rows(seq.struct[1]) and set(kwargs) <= {"dim"}:  # (``torch.cat([fwd, bwd], 1)``)
         out = row_wise.joined(n, fn, seq.struct[1], kwargs.get("dim", args[1] if len(args) > 1 else 0))
@@ -1980,7 +1981,7 @@ def starred_unpack(n, fn, args, kwargs):
     value, before, after = args
     bt.ready(value)
     if value.struct is not None and value.owner is None:
-        parts = list(value.struct[1])
+        parts = list(bt.struct_items(value))
     elif value.owner == "tensor" and value.tensor.dim() > 1:
         parts = [bt.from_tensor(t) for t in value.tensor.unbind(1)]
     else:
@@ -2096,7 +2097,7 @@ def python_sum(n, fn, args, kwargs):
         return _summed_lists(n, xs.items)
     if type(xs) is not Batch or xs.struct is None or xs.owner is not None:
         return NotImplemented
-    for item in xs.struct[1]:
+    for item in bt.struct_items(xs):  # (a dict's keys: Python's TypeError, as ``sum(d)`` raises it)
         total = call(n, operator.add, (total, item))
     return total
 
@@ -2590,7 +2591,7 @@ def recurrent_cell(n, cell, args, kwargs):
     hx = args[1] if len(args) > 1 else kwargs.get("hx")
     states = None
     if hx is not None:
-        parts = list(hx.struct[1]) if type(hx) is Batch and hx.struct is not None and hx.owner is None else \
+        parts = list(bt.struct_items(hx)) if type(hx) is Batch and hx.struct is not None and hx.owner is None else \
             list(hx) if type(hx) is tuple else [hx]
         if (type(cell) is nn.LSTMCell) != (len(parts) == 2):
             return NotImplemented
@@ -2731,7 +2732,7 @@ def recurrent_layer(n, module, args, kwargs):
     lstm = type(module) is nn.LSTM
     states = None
     if hx is not None:
-        parts = list(hx.struct[1]) if type(hx) is Batch and hx.struct is not None and hx.owner is None else \
+        parts = list(bt.struct_items(hx)) if type(hx) is Batch and hx.struct is not None and hx.owner is None else \
             list(hx) if type(hx) is tuple else [hx]
         if len(parts) != (2 if lstm else 1):
             return NotImplemented
@@ -2862,7 +2863,7 @@ def einsum(n, fn, args, kwargs):
     if len(operands) == 1 and type(operands[0]) in (list, tuple):
         operands = operands[0]
     if len(operands) == 1 and type(operands[0]) is Batch and operands[0].struct is not None:
-        operands = operands[0].struct[1]
+        operands = bt.struct_items(operands[0])
     if row_wise.holds_rows(operands):  # (``torch.einsum("nd,de->ne", xs, W)``: each row alone)
         return row_wise.einsummed(n, args[0], operands)
     equation = batched_equation(args[0], [type(o) is Batch for o in operands])

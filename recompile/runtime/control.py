@@ -326,7 +326,7 @@ def unpack(n, value, k):
         return value
     bt.ready(value)
     if value.struct is not None and value.owner is None:
-        parts = value.struct[1]
+        parts = bt.struct_items(value)  # (``a, b = d`` of a dict: its keys)
         return parts if len(parts) == k else _unpack_items(n, value, k)
     if value.owner == "tensor" and value.tensor.dim() > 1:
         if value.tensor.shape[1] != k:

@@ -142,8 +142,8 @@ class SplitLoop:
         bt.ready(result)
         if length is None:
             elements = [result]
-        elif result.struct is not None and result.owner is None and len(result.struct[1]) == length:
-            elements = list(result.struct[1])
+        elif result.struct is not None and result.owner is None and len(bt.struct_items(result)) == length:
+            elements = list(bt.struct_items(result))  # (a dict's keys, which then are no rows)
         else:
             return None
         instance = [k for positions in self.rows for k in positions]
