@@ -180,6 +180,10 @@ _RESULT_READERS = {grad_rules.GRAD.by_callable[f].vjp for f in (
     torch.sigmoid, torch.relu, torch.softmax, torch.log_softmax)}
 
 _VIEWS_MOVING_DIMS = {grad_rules._t, grad_rules._swapaxes, grad_rules._movedim, grad_rules._getattr}
+# ops that move, repeat or convert their input, their gradient read of its shape, dtype and device alone (as eager
+# saves nothing for them: the input may change in place afterwards)
+_SHAPE_READERS = {grad_rules._flip, grad_rules._fliplr, grad_rules._flipud, grad_rules._roll,
+                  grad_rules._broadcast_tensors, grad_rules._repeat, grad_rules._tile, grad_rules._cast}
 
 # a product's factors, each read for the other's gradient alone
 _PRODUCTS = {grad_rules._matmul, grad_rules._outer, grad_rules._linear}
@@ -379,12 +383,14 @@ GROWN = {
                                             torch.nn.TransformerEncoder, torch.nn.EmbeddingBag)
                                      | _ruled_keys(batch_rules.BATCH.by_module, _MORE_RULES), set()),
     # (views that move dims read no value of their input either, as ``transpose`` always did)
-    "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS, *_VIEWS_MOVING_DIMS, grad_rules._detach, grad_rules._add_fresh),
+    "grad_rules.SHAPE_ONLY": (_names(*_RESULT_READERS, *_VIEWS_MOVING_DIMS, *_SHAPE_READERS, grad_rules._detach,
+                                     grad_rules._add_fresh),
                               _names(grad_rules._getitem)),  # (``x[i]`` reads i: ``READS_ONLY``)
     "batch_rules.INTEGER_INDEX": (set(), {"torch.uint8"}),  # (torch reads a uint8 index as a mask)
     # (result readers and detach read no input; a method's receiver is read for the others as its function's;
     # ``x[i]`` reads i, where the cotangent goes: an index changed in place afterwards is checked)
-    "grad_rules.rule_metadata": (_metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | {grad_rules._detach}, False)
+    "grad_rules.rule_metadata": (_metadata_of(_RESULT_READERS | _VIEWS_MOVING_DIMS | _SHAPE_READERS
+                                              | {grad_rules._detach}, False)
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: tuple(r.read_for_others))
                                  | _fresh_metadata() | _out_of_place_metadata()
                                  | _metadata_of({grad_rules._getitem}, True)
@@ -400,7 +406,8 @@ GROWN = {
                                  | _metadata_of(_PASSING, True, reads_out=True, others=())
                                  | _metadata_of(_PRODUCTS, True, others=())
                                  | _method_metadata(_READ_FOR_OTHERS, lambda r: ())
-                                 | _metadata_of({grad_rules._getitem}, False)),
+                                 | _metadata_of({grad_rules._getitem}, False)
+                                 | _metadata_of(_SHAPE_READERS, True)),
     # ``type(x)`` of a shared x is read once for every instance (the class is the same object)
     # (an import statement's module and names, read once for every instance too)
     "batch_rules._SHAREABLE": (_names(type, intrinsics.fixed_cell, intrinsics.make_function, intrinsics.builtin_read,

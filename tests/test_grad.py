@@ -2367,6 +2367,39 @@ def test_in_place_methods_changed_again_afterwards_keep_eagers_gradient(fn):
     assert_close_values(got, want)
 
 
+def gv_rolled_onto(w):  # (``v.add_(v.roll(1, 0))``: refused at backward, as if roll's gradient read v)
+    v = w.sum(0)
+    v.add_(v.roll(1, 0), alpha=0.25)
+    return (v * 2.0).sum()
+
+
+def gv_flipped_onto(w):
+    v = w.sum(0)
+    v.add_(torch.flip(v, (0,)) + v.flipud(), alpha=0.25)
+    return (v * 2.0).sum()
+
+
+def gv_repeated_onto(w):
+    v = w.sum(0)
+    v.add_(v.repeat(2)[1:4] + v.tile((2,))[2:5], alpha=0.25)
+    return (v * 2.0).sum()
+
+
+def gv_cast_onto(w):
+    v = w.sum(0)
+    v.add_(v.to(torch.float32).double() + torch.broadcast_tensors(v, v[:1])[1], alpha=0.25)
+    return (v * 2.0).sum()
+
+
+@pytest.mark.parametrize("fn", [gv_rolled_onto, gv_flipped_onto, gv_repeated_onto, gv_cast_onto])
+@pytest.mark.parametrize("mode", ["sequential", "threaded"])
+def test_an_input_changed_after_an_op_whose_gradient_reads_only_its_shape_keeps_eagers_gradient(fn, mode):
+    # (roll, flip, repeat, tile, a cast and broadcast_tensors save nothing in eager: the input may change after)
+    w = torch.tensor([[1.5, -2.0, 0.5], [0.25, 3.0, -1.0]], dtype=F64, requires_grad=True)
+    want = torch.autograd.grad(fn(w), w)
+    assert_close_values(torch.autograd.grad(recompile.function(fn, mode=mode)(w), w), want)
+
+
 def test_a_divisor_changed_after_an_in_place_division_is_refused_as_eager_refuses():
     for run in (gv_divide_in_place_then_change_divisor, sequential(gv_divide_in_place_then_change_divisor)):
         x = torch.tensor([1.5, -2.0], dtype=F64, requires_grad=True)

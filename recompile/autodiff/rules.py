@@ -1101,7 +1101,8 @@ del _fresh
 
 SHAPE_ONLY.update({_add, _add_fresh, _sub, _neg, _pos, _sum, _mean, _cat, _stack, _split, _unbind, _reshaped,
                    _transpose, _t, _swapaxes, _movedim, _getattr, _permute, _expand, _narrow, _select,
-                   _rows, _softmax, _log_softmax, _detach})
+                   _rows, _softmax, _log_softmax, _detach, _flip, _fliplr, _flipud, _roll, _broadcast_tensors,
+                   _repeat, _tile, _cast})
 # (the positions of a function's arguments; a method's receiver comes first, as backprop.check_version gives it)
 READ_FOR_OTHERS = {_mul: (0, 1), _div: (0,)}  # x / y: x is read for y's gradient only; y for both
 # a product's factors, each read for the other's gradient alone (``torch.dot(v, c)`` with a constant c: v may
