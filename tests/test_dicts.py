@@ -163,12 +163,19 @@ def summed_keys(x):
     return sum({"h": x * 2.0, "c": x + 1.0})
 
 
-@pytest.mark.parametrize("fn", [stacked_dict, catted_dict, dict_state, dict_operands, summed_keys],
+def dict_state_stepped(xs):  # (a cell stepped from a dict state: the loop run as one RNN read its values)
+    state = {"h": xs[0] * 1.0, "c": xs[0] * 2.0}
+    for t in range(xs.shape[0]):
+        state = CELL(xs[t], state)
+    return state[0]
+
+
+@pytest.mark.parametrize("fn", [stacked_dict, catted_dict, dict_state, dict_operands, summed_keys, dict_state_stepped],
                          ids=lambda f: f.__name__)
 def test_a_dict_where_a_sequence_is_wanted_raises_as_eager_does(fn, monkeypatch):
     # (a dict iterates its keys: its values, read as its items, were stacked, summed and handed to a cell)
     monkeypatch.setattr(diagnostics, "_warned", set())
-    x = torch.randn(4, 3)
+    x = torch.randn(4, 3) if fn is not dict_state_stepped else torch.randn(4, 5, 3)
     with pytest.raises(Exception) as eager:
         fn(x[0])
     with warnings.catch_warnings():

@@ -416,6 +416,23 @@ def test_an_attribute_is_read_once_per_instance_and_the_first_error_raised():
     assert Counted.reads == 2  # (as a loop of calls reads them: the first two, once each)
 
 
+class Dotted:
+    def __init__(self, x):
+        self.x, self.inner = x, Counted(x)
+        setattr(self, "a.b", x * 3)
+
+
+def test_an_attribute_named_with_a_dot_is_that_attribute_not_a_path():
+    @recompile.function
+    def read(obj, name):
+        return obj.x + getattr(obj, name)
+
+    objs = [Dotted(1), Dotted(2)]
+    assert recompile.map(read, objs, ["a.b"] * 2) == [4, 8]
+    with pytest.raises(AttributeError, match="inner.value"):  # (as eager: no attribute of that name)
+        recompile.map(read, objs, ["inner.value"] * 2)
+
+
 def test_strict_lengths_that_agree_run():
     @recompile.function
     def add(a, b):

@@ -578,7 +578,7 @@ def _state(n, form, loop_vars, cell, fewest, one_row):
             return None if fewest == 0 else [zeros, zeros] if type(cell) is nn.LSTMCell else [zeros]
         if type(cell) is nn.LSTMCell:
             if type(value) is Batch and value.struct is not None and value.owner is None:
-                parts = list(value.struct[1])
+                parts = list(bt.struct_items(value))  # (a dict's keys: no state, as the cell refuses them)
             elif type(value) is tuple:
                 parts = list(value)
             else:

@@ -2069,7 +2069,8 @@ def attribute(n, fn, args, kwargs):
         return Batch(x.n, method=(x, name))
     if x.owner == "items" and x.thunk is None and not any(issubclass(t, torch.Tensor) for t in set(map(type, x.items))):
         # (``node.children``, ``node.word`` of each instance's own object: a tree of the user's nodes)
-        return _read_of_each(x.items, operator.attrgetter(name))
+        # (``attrgetter`` follows dots, where ``getattr(v, "a.b")`` reads the one attribute of that name)
+        return _read_of_each(x.items, operator.attrgetter(name) if "." not in name else lambda v: getattr(v, name))
     return NotImplemented
 
 
