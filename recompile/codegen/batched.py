@@ -79,7 +79,8 @@ class _BatchedEmitter(emit.FunctionEmitter):
 
     def body(self, sg, items):
         """Maximal runs of plain ops (calls, captures, fused ops) become ``segments.Segment`` calls, in a
-        function that changes nothing in place; the rest as ``emit`` writes it."""
+        function that changes nothing in place but its own lists (whose appends no segment holds), each run ending
+        where a walk draws an iterator's items; the rest as ``emit`` writes it."""
         if self.emission.changes or not config.SEGMENTS:
             return super().body(sg, items)
         used_after = [set() for _ in range(len(items) + 1)]

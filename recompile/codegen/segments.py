@@ -22,11 +22,10 @@ Only functions that change nothing in place get raw segments (or whose only
 changes are appends to lists of their own, ``effects.local_appends``: their
 segments leave the appends out), only ops that change nothing are traced, and
 a segment ends where a walk draws an iterator's items (``draws_items``). A
-guard that fails, or an error of any kind,
-leaves the raw function for the op-by-op code, which runs the segment again
-from its start (what the raw one computed is dropped) and raises the user's
-error from the user's line. A segment whose raw function keeps failing its
-guards stops trying.
+guard that fails, or an error of any kind, leaves the raw function for the
+op-by-op code, which runs the segment again from its start (what the raw one
+computed is dropped) and raises the user's error from the user's line. A
+segment whose raw function keeps failing its guards stops trying.
 """
 
 from __future__ import annotations

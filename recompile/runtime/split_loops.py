@@ -160,10 +160,10 @@ class SplitLoop:
             if each is None or len(each) != self.n0 or not all(type(x) is list and not x for x in each):
                 return None
             lists.append((held, each, packed[e]))
-        held = set()
+        ids = set()
         for _, each, _ in lists:
-            held.update(map(id, each))
-        if len(held) != self.n0 * len(lists):
+            ids.update(map(id, each))
+        if len(ids) != self.n0 * len(lists):
             return None  # (one list under two names: its appends interleave)
         index = bt.long_tensor(instance)
         starts = []
