@@ -323,6 +323,21 @@ def test_a_split_loop_runs_each_depth_of_every_tree_once(name):
     assert runs == 3  # (the roots, then each level below: every node's children asked for at once)
 
 
+def splits_of(body):
+    """The LoopSplit (or None) of each loop of ``body``'s compiled encode."""
+    _, batched, _ = three(body)
+    sg = type(batched).encode.build_for(type(batched)).stages[FINAL]
+    appends = local_appends(sg)
+    return [fission.split(op, appends, lambda invoke: invoke_may_mutate(invoke, FINAL))
+            for s in sg.walk() for op in s.ops if isinstance(op, ir.While)]
+
+
+def split_of(body):
+    """The LoopSplit of ``body``'s one loop that splits."""
+    (found,) = [f for f in splits_of(body) if f is not None]
+    return found
+
+
 @pytest.mark.parametrize("name, splits", [("child_sum", True), ("appended", True), ("two_calls", True),
                                           ("stops_early", True), ("chained", False), ("run_until", False),
                                           ("grows_what_it_reads", False), ("handed_on", False),
@@ -330,24 +345,11 @@ def test_a_split_loop_runs_each_depth_of_every_tree_once(name):
                                           ("guarded_computed", True), ("guarded_by_results", False),
                                           ("guarded_noise", False), ("guarded_reads_list", True)])
 def test_which_loops_split(name, splits):
-    _, batched, _ = three(MODELS.get(name, handed_on))
-    sg = type(batched).encode.build_for(type(batched)).stages[FINAL]
-    appends = local_appends(sg)
-    found = [fission.split(op, appends, lambda invoke: invoke_may_mutate(invoke, FINAL))
-             for s in sg.walk() for op in s.ops
-             if isinstance(op, ir.While)]
+    found = splits_of(MODELS.get(name, handed_on))
     assert found
     assert any(f is not None for f in found) == splits
 
 
-def split_of(body):
-    """The LoopSplit of ``body``'s one loop that splits."""
-    _, batched, _ = three(body)
-    sg = type(batched).encode.build_for(type(batched)).stages[FINAL]
-    appends = local_appends(sg)
-    (found,) = [f for s in sg.walk() for op in s.ops if isinstance(op, ir.While)
-                for f in [fission.split(op, appends, lambda invoke: invoke_may_mutate(invoke, FINAL))] if f]
-    return found
 
 
 @pytest.mark.parametrize("name, shape", [

@@ -209,10 +209,8 @@ class RecurrentLoop:
         for each, (p, layer), stacked in zip(lists, self.appended, self.stacked_only):
             packed = every[layer].unsqueeze(1) if one_row else every[layer]
             if not any(each) and type(invariants[p]) is Batch:  # (their stack: one index of the packed states)
-                found = rows.Appended(each, packed, layout.index, layout.steps(), steps, pending=True)
-                invariants[p].items = found
-                if not stacked:  # (each instance's states, in step order, now: the program reads the lists)
-                    found.fill()
+                # (with ``stacked``, the program reads the lists only by their stack: the rows go in where needed)
+                rows.hand_rows(invariants[p], each, packed, layout.index, layout.steps(), steps, fill=not stacked)
                 continue
             states = packed.unbind(0)
             for r, k in enumerate(layout.instance):

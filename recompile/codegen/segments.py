@@ -50,9 +50,10 @@ from ..runtime.batch import Batch
 from ..runtime.frames import annotated_by
 from ..runtime.levels import Deopt, NotPlain
 
-# a lowered ``for``'s, ``sum``, ``list``, ``tuple`` and starred unpacking: they draw the items of an iterator
-_ITERATION = {intrinsics.as_sequence, intrinsics.has_index, sum, intrinsics.unpack_starred, list, tuple}
+# a lowered ``for``'s and a starred unpacking's intrinsics, and ``sum``, ``list``, ``tuple``: they draw the items of
+# an iterator (segments end at the intrinsics, ``draws_items``; the builtins end a trace where they meet one)
 _DRAWING = {intrinsics.as_sequence, intrinsics.has_index, intrinsics.unpack_starred}
+_ITERATION = _DRAWING | {sum, list, tuple}
 
 
 def draws_items(op):

@@ -528,6 +528,17 @@ class Appended(list):
         return all(len(x) == len(held) and all(map(operator.is_, x, held)) for x, held in zip(self, self._ends))
 
 
+def hand_rows(held, lists, packed, instance, step, lengths, fill=True):
+    """Give Batch ``held`` of each instance's own empty ``lists`` the ``packed`` rows a loop appended to them, row
+    r its ``instance[r]``'s item ``step[r]`` (``Appended``): put in the lists now with ``fill``, else where the
+    program reads them otherwise than by their stack."""
+    found = Appended(lists, packed, instance, step, lengths, pending=True)
+    held.items = found
+    if fill:
+        found.fill()
+    return found
+
+
 def _held(lists):
     """What each of ``lists`` holds now (``Appended.holds_its_rows_alone`` compares it)."""
     return [tuple(x) for x in lists]

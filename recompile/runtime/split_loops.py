@@ -15,7 +15,7 @@ from __future__ import annotations
 from . import batch as bt
 from . import sharing
 from .batch import Batch
-from .rows import Appended
+from .rows import hand_rows
 from .control import Loop, split, take_side
 from .units import unit_of
 
@@ -184,9 +184,7 @@ class SplitLoop:
             counts[k] += 1
         step = bt.long_tensor([t for t, positions in enumerate(self.rows) for _ in positions])
         for held, each, rows_of in lists:
-            found = Appended(each, rows_of, index, step, counts, pending=True)
-            held.items = found
-            found.fill()
+            hand_rows(held, each, rows_of, index, step, counts)
         later = []
         for (start, rows), e in zip(starts, sums):
             total = rows.index_add(0, index, packed[e])
