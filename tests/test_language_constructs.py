@@ -1483,6 +1483,65 @@ def test_a_generator_consumed_whole_batches():
     check_grad(stepped_states_summed, xs[0].clone().requires_grad_(), 4)
 
 
+def decided_by_a_generator(xs):
+    seen = []
+    first = any(seen.append(x) or 10 // x > 3 for x in xs)  # (stops before a later 0 divides)
+    every = all(seen.append(-x) or x != 0 for x in xs if x % 2 == 0)
+    last = any((y := x) > 2 for x in xs)  # (a walrus binds in the function: the last item tested)
+    return first, every, seen, y, any(x for x in xs), all(x for x in xs), any(x for x in []), all(x for x in [])
+
+
+def decided_shadowed(xs):
+    any = sum  # noqa: F841 - a local that is not the builtin: no lowering
+    return any(x for x in xs)
+
+
+def decided_in_python_blocks(xs):
+    with torch.no_grad():  # (the with statement runs as Python, and the generator in it stays one)
+        inside = any(x > 1 for x in xs)
+    return inside, any(x > a for x in xs for a in xs)  # (two fors stay a generator)
+
+
+def test_any_and_all_of_a_generator_stop_at_the_first_item_that_decides():
+    check(decided_by_a_generator, ([1, 2, 3, 0, 4],), ([4, 0],), ([],), ([2, 4, 6],))
+    check(decided_shadowed, ([1, 2],))
+    check(decided_in_python_blocks, ([0, 2],), ([],))
+    dumped = recompile.function(decided_by_a_generator).dump()
+    assert "genexpr" not in dumped and "call %any(" not in dumped and "call %all(" not in dumped
+
+
+def children_tested(xs, n):
+    h = torch.zeros(xs.shape[1], dtype=xs.dtype)
+    hs = []
+    for t in range(n):
+        h = torch.tanh(xs[t] + 0.5 * h)
+        if any(g.sum() > h.sum() for g in hs) and not all(g.sum() < 3.0 for g in hs):
+            h = h * 2.0
+        hs.append(h)
+    return h
+
+
+def test_any_and_all_of_a_generator_batch():
+    xs = torch.randn(6, 5, 3, dtype=F64)
+    check_vmap(children_tested, (0, 0), xs, torch.tensor([5, 2, 3, 1, 0, 4]))
+    check_grad(children_tested, xs[0].clone().requires_grad_(), 5)
+
+
+def decided_rebound_later(xs):
+    return any(x for x in xs)
+
+
+def test_a_deciding_builtin_rebound_after_compiling():
+    f = recompile.function(decided_rebound_later, mode="sequential")
+    assert f([0, 1]) is True
+    G["any"] = lambda v: "own"
+    try:
+        with pytest.raises(RuntimeError, match="compiled as Python's builtin any"):
+            f([1, 2])
+    finally:
+        del G["any"]
+
+
 def summed_rebound_later(xs):
     return sum(x for x in xs)
 

@@ -466,23 +466,39 @@ CONSUMERS = {"sum": (1, 2), "min": (1,), "max": (1,), "sorted": (1,), "tuple": (
              "frozenset": (1,)}
 
 
+# builtins that stop at the first item that decides (what the rest of the items are then is not computed)
+DECIDERS = {"any", "all"}
+
+
 class _GeneratorsConsumed(gast.NodeTransformer):
     """A generator expression that a builtin consumes whole (``CONSUMERS``; the names no scope of the function
     binds) becomes a list comprehension: converted in place as a loop, which a batched run steps for every
-    instance at once, where a generator runs as Python once per instance. (Not ``any``/``all``, which stop at the
-    first item that decides; not inside a nested function, which runs as Python.) ``lowered``: the builtins
-    so called, read at the function's start by ``builtin_read``."""
+    instance at once, where a generator runs as Python once per instance. ``any(g)`` and ``all(g)`` of one
+    ``for`` become a comprehension marked ``decides`` (the builtin's name) standing for the whole call: the
+    converter makes it a loop that stops at the first item that decides, as the builtins do. (Not inside a
+    nested function, nor any/all inside a with, try, match or class statement: those run as Python.)
+    ``lowered``: the builtins so called, read at the function's start by ``builtin_read``."""
 
     def __init__(self, builtins):
         self.builtins = builtins
         self.lowered = set()
+        self.in_python = 0  # (how many statements run as Python enclose the node)
 
     def visit_Call(self, node):
         f = node.func
-        if (isinstance(f, gast.Name) and f.id in CONSUMERS and f.id in self.builtins and node.args
-                and isinstance(node.args[0], gast.GeneratorExp) and len(node.args) in CONSUMERS[f.id]
-                and not any(isinstance(a, gast.Starred) for a in node.args)
-                and all(k.arg is not None for k in node.keywords)):
+        plain = (isinstance(f, gast.Name) and f.id in self.builtins and node.args
+                 and not any(isinstance(a, gast.Starred) for a in node.args)
+                 and all(k.arg is not None for k in node.keywords))
+        if (plain and f.id in DECIDERS and not self.in_python and len(node.args) == 1 and not node.keywords
+                and isinstance(node.args[0], gast.GeneratorExp) and len(node.args[0].generators) == 1):
+            gen = node.args[0]
+            comp = gast.copy_location(gast.ListComp(elt=gen.elt, generators=gen.generators), node)
+            comp.decides = f.id
+            self.lowered.add(f.id)
+            self.generic_visit(comp)
+            return comp
+        if plain and f.id in CONSUMERS and isinstance(node.args[0], gast.GeneratorExp) \
+                and len(node.args) in CONSUMERS[f.id]:
             gen = node.args[0]
             node.args[0] = gast.copy_location(gast.ListComp(elt=gen.elt, generators=gen.generators), gen)
             self.lowered.add(f.id)
@@ -492,7 +508,14 @@ class _GeneratorsConsumed(gast.NodeTransformer):
     def _nested(self, node):
         return node  # (a scope of its own, compiled as Python)
 
+    def _python_block(self, node):
+        self.in_python += 1
+        self.generic_visit(node)
+        self.in_python -= 1
+        return node
+
     visit_Lambda = visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = visit_GeneratorExp = _nested
+    visit_With = visit_AsyncWith = visit_Try = visit_TryStar = visit_Match = _python_block
 
 
 def _builtin_reads(names, at):

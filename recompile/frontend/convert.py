@@ -39,7 +39,7 @@ COMPARE = syntax.by_node(syntax.COMPARE, gast)
 _SET = ".set"  # (a set comprehension's empty set, whatever the user calls set)
 # (builtins a ``for`` over reads as its index loop, or as a counter; builtins a generator given to is a list
 # comprehension: canonicalize)
-_LOWERED_BUILTINS = frozenset({"enumerate", "zip", "reversed", "range", *canon.CONSUMERS})
+_LOWERED_BUILTINS = frozenset({"enumerate", "zip", "reversed", "range", *canon.CONSUMERS, *canon.DECIDERS})
 INTERNAL = {canon.AS_SEQUENCE: intrinsics.as_sequence, canon.HAS_INDEX: intrinsics.has_index,
             canon.REVERSED_SEQUENCE: intrinsics.reversed_sequence,
             canon.BUILTIN_READ: intrinsics.builtin_read, canon.INDEX: operator.index,
@@ -601,8 +601,22 @@ class Converter:
         return chain(self.expr(node.left), 0)
 
     def expr_ListComp(self, node):
+        if getattr(node, "decides", None):
+            return self._decided(node)
         return self._comprehension(node, "list", gast.List(elts=[], ctx=gast.Load()),
                                    lambda acc: _method_call(acc, "append", [node.elt], node))
+
+    def _decided(self, node):
+        """``any(e for x in xs)`` (``all``), marked by the canonicalizer: a loop that sets the result and breaks at
+        the first item whose truth decides it, so that the items after it are not computed, as in Python."""
+        is_all = node.decides == "all"
+
+        def decide(acc):
+            test = canon.not_(node.elt, node) if is_all else node.elt
+            return canon.located(gast.If(test=test, body=[canon.assign(acc, canon.const(not is_all, node), node),
+                                                          canon.located(gast.Break(), node)], orelse=[]), node)
+
+        return self._comprehension(node, node.decides, canon.const(is_all, node), decide)
 
     def expr_SetComp(self, node):
         return self._comprehension(node, "set", gast.Call(func=canon.name(_SET, at=node), args=[], keywords=[]),
