@@ -161,3 +161,56 @@ def test_closures_chosen_by_the_data_run_per_instance_and_say_so(monkeypatch):
     with pytest.warns(recompile.PerInstanceWarning, match="<lambda> runs once per instance"):
         got = recompile.vmap(compiled)(xs, ks)
     torch.testing.assert_close(got, torch.stack([scaled(x, k) for x, k in zip(xs, ks)]))
+
+
+class Squash:
+    """Data objects whose own class's method computes an instance's value (``op.apply(h)``)."""
+
+    def __init__(self, scale):
+        self.scale = torch.tensor(scale, dtype=torch.float64)
+
+    def apply(self, h):
+        return torch.tanh(h) * self.scale
+
+
+class Shift(Squash):
+    def apply(self, h):
+        return h + self.scale
+
+    def record(self, h):
+        self.seen = h  # (a change each instance makes to its own object)
+        return h * 2.0
+
+
+@recompile.function
+def applied_by_objects(op, x):
+    return op.apply(x * 3.0) - x
+
+
+@recompile.function
+def recorded_by_objects(op, x):
+    return op.record(x)
+
+
+def test_methods_of_the_instances_objects_run_once_per_class_with_eagers_gradients(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+    ops = [Squash(0.5), Shift(2.0), Shift(-1.0), Squash(3.0), Shift(0.25)]
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    got = recompile.map(applied_by_objects, ops, x)
+    want = [applied_by_objects.python(op, row) for op, row in zip(ops, x)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    torch.testing.assert_close(torch.autograd.grad(sum(g.sum() for g in got), x)[0],
+                               torch.autograd.grad(sum(w.sum() for w in want), x)[0])
+    assert not applied_by_objects.stats.get("per_instance")
+
+
+def test_a_method_that_changes_its_object_still_changes_each_instances_own(monkeypatch):
+    monkeypatch.setattr(diagnostics, "_warned", set())
+    ops = [Shift(1.0), Shift(2.0), Shift(3.0)]
+    x = torch.randn(3, 2, dtype=torch.float64)
+    with pytest.warns(recompile.PerInstanceWarning, match="record"):
+        got = recompile.map(recorded_by_objects, ops, x)
+    for op, row, g in zip(ops, x, got):
+        torch.testing.assert_close(op.seen, row)
+        torch.testing.assert_close(g, row * 2.0)

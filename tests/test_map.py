@@ -262,10 +262,37 @@ def test_under_disable_each_instance_is_a_plain_call():
 Held = namedtuple("Held", "word children")
 
 
+class HeldLeaf:
+    """A leaf of a tree held as objects of two classes, which say what they are by a method."""
+
+    def __init__(self, word):
+        self.word = word
+
+    def is_leaf(self):
+        return True
+
+    def kids(self):
+        return []
+
+
+class HeldInner(HeldLeaf):
+    def __init__(self, word, children):
+        super().__init__(word)
+        self.children = children
+
+    def is_leaf(self):
+        return False
+
+    def kids(self):
+        return self.children
+
+
 def held_tree(rng, kind, depth=0):
-    """A tree held as a user's namedtuple, dict, or tuple of (word, children)."""
+    """A tree held as a user's namedtuple, dict, tuple of (word, children), or objects of two classes."""
     arity = 0 if depth >= 3 or (depth and rng.random() < 0.4) else rng.randint(1, 3)
     word, children = rng.randrange(20), [held_tree(rng, kind, depth + 1) for _ in range(arity)]
+    if kind == "classes":
+        return HeldInner(word, children) if children else HeldLeaf(word)
     return Held(word, children) if kind == "namedtuple" else {"word": word, "children": children} \
         if kind == "dict" else (word, children)
 
@@ -298,11 +325,46 @@ def by_places(node):
     return torch.tanh(COMBINE(torch.cat([EMBED.weight[word], h])))
 
 
-@pytest.mark.parametrize("fn, kind", [(by_fields, "namedtuple"), (by_keys, "dict"), (by_places, "tuple")])
+@recompile.function
+def by_methods(node):
+    """A node's class's own methods (``node.is_leaf()``): one call per class; a sum from a shared start."""
+    if node.is_leaf():
+        return torch.tanh(EMBED.weight[node.word])
+    h = sum((by_methods(child) for child in node.kids()), torch.zeros(H, dtype=torch.float64))
+    return torch.tanh(COMBINE(torch.cat([EMBED.weight[node.word], h])))
+
+
+@recompile.function
+def pairs_of(node):
+    x = EMBED.weight[node[0]]
+    if not node[1]:
+        return x, torch.sigmoid(x)
+    hs, cs = zip(*[pairs_of(child) for child in node[1]])  # (each instance's pairs, transposed)
+    h = torch.tanh(COMBINE(torch.cat([x, torch.stack(hs).sum(0)])))
+    return h, torch.stack(cs).mean(0) * h
+
+
+@recompile.function
+def by_pairs(node):
+    h, c = pairs_of(node)
+    return h + c
+
+
+@recompile.function
+def by_tests(node):
+    """A sum from each node's own start, and ``any`` of a generator over the children."""
+    h = sum((by_tests(child) for child in node["children"]), EMBED.weight[node["word"]])
+    if any(child["word"] > 10 for child in node["children"]):
+        h = h * 0.5
+    return torch.tanh(COMBINE(torch.cat([EMBED.weight[node["word"]], h])))
+
+
+@pytest.mark.parametrize("fn, kind", [(by_fields, "namedtuple"), (by_keys, "dict"), (by_places, "tuple"),
+                                      (by_methods, "classes"), (by_pairs, "tuple"), (by_tests, "dict")])
 def test_trees_held_as_namedtuples_dicts_or_tuples_batch_whole(fn, kind, strict):
-    """A node's fields, a dict's keys, a tuple's places, ``not node.children``, a comprehension over the
-    children: each instance's read in one pass, nothing once per instance; values and gradients as the plain
-    calls'."""
+    """A node's fields, a dict's keys, a tuple's places, its class's methods, ``not node.children``, a
+    comprehension over the children and its pairs transposed (``zip(*pairs)``), ``sum`` from a start, ``any``:
+    each instance's read in one pass, nothing once per instance; values and gradients as the plain calls'."""
     rng = random.Random(6)
     trees = [held_tree(rng, kind) for _ in range(10)]
     got = recompile.map(fn, trees)

@@ -375,6 +375,22 @@ def test_a_builtin_that_consumes_an_iterator_runs_once():
         torch.testing.assert_close(f(x, iter([1.0, 3.0, 2.0])), torch.tanh(x) * 3.0 + x)
 
 
+def transposed_pairs(xs, n):
+    pairs = [(torch.tanh(xs[t]), xs[t] * 2.0) for t in range(n)]
+    hs, cs = zip(*pairs)  # (each instance's iterator, unpacked: no run may draw its items again)
+    return torch.stack(hs).sum(0) * 2.0 + torch.stack(cs).mean(0)
+
+
+def test_an_iterator_unpacked_in_a_segment_is_drawn_once():
+    xs = torch.randn(4, 5, 3, dtype=torch.float64)
+    n = torch.tensor([5, 2, 3, 1])
+    cf = recompile.function(transposed_pairs)
+    for _ in range(3):  # (the trace, then its raw function, which gives way to the op-by-op code where it draws)
+        torch.testing.assert_close(recompile.vmap(cf)(xs, n), torch.stack([transposed_pairs(x, k) for x, k in
+                                                                            zip(xs, n)]))
+    assert not cf.stats.get("per_instance")
+
+
 SCALES = [0.5, 2.0, -1.0]
 
 

@@ -49,7 +49,7 @@ class _BatchedEmitter(emit.FunctionEmitter):
             # f(*xs, **kw): the whole call per instance (the unpacking itself may differ between them)
             inner = super().call_expr(op)
             fn = ast.Lambda(args=_no_args(), body=inner)
-            return self._per_instance_thunk(op, fn)
+            return self._per_instance_thunk(op, fn, self.load(op.fn))
         fn = op.fn.value if isinstance(op.fn, ir.Const) else None
         if not op.kwargs and len(op.args) == 2 and (fn is getattr and isinstance(op.args[1], ir.Const)
                                                      or fn is operator.getitem):
@@ -63,14 +63,14 @@ class _BatchedEmitter(emit.FunctionEmitter):
                                       values=[self.load(v) for _, v in op.kwargs]))
         return ast.Call(func=self.helper(batch_rules.call, "call"), args=call_args, keywords=[])
 
-    def _per_instance_thunk(self, op, fn):
+    def _per_instance_thunk(self, op, fn, callee):
         names = sorted({self.var(v) for v in op.operands() if isinstance(v, ir.Value)})
         params = ast.arguments(posonlyargs=[], args=[ast.arg(arg=n) for n in names], vararg=None, kwonlyargs=[],
                                kw_defaults=[], kwarg=None, defaults=[])
         fn.args = params
         values = ast.Tuple(elts=[ast.Name(id=n, ctx=ast.Load()) for n in names], ctx=ast.Load())
         return ast.Call(func=self.helper(batch_rules.per_instance_or_once, "per_instance"),
-                        args=[self.n_load(), fn, values], keywords=[])
+                        args=[self.n_load(), fn, values, callee], keywords=[])
 
     def fused_kernel(self, op):
         kernel = super().fused_kernel(op)

@@ -1008,8 +1008,8 @@ class _Tracer:
             for v, name, part in zip(op.outputs, names, slot.value.unbind(1)):
                 self.define(v, _Slot("B", name, part))
             return
-        if slot.kind == "S" or self.plain is not None:
-            raise _Untraceable  # (a shared value unpacked: leave it to the op-by-op code)
+        if slot.kind == "S" or self.plain is not None or control.draws_to_unpack(self.wrapped_value(slot)):
+            raise _Untraceable  # (a shared value unpacked, or iterators drawn: leave it to the op-by-op code)
         value = control.unpack(self.n, self.wrapped_value(slot), k)
         if type(value) is Batch:
             raise _Untraceable
@@ -1675,6 +1675,14 @@ def _build_form(tr, fn, fn_slot, args, kwargs):
     return _Slot("T", name, value, list(args))
 
 
+def _unpack_undrawn(n, value, k):
+    """``control.unpack`` in a raw function, which gives way before it draws an iterator's items: the op-by-op
+    code, run from the segment's start, would draw them again."""
+    if type(value) is Batch and control.draws_to_unpack(value):
+        raise Deopt
+    return control.unpack(n, value, k)
+
+
 def rerunnable(fn):
     """Whether ``fn`` changes nothing and draws nothing: a trace may run it by its batch rule."""
     if getattr(fn, "inplace", False) is True:  # (a module changing its input: run again, it would change it twice)
@@ -1848,6 +1856,6 @@ _HELPERS = {"_Batch": Batch, "_MethodType": types.MethodType, "_Tensor": torch.T
             "_wrap": bt.from_tensor, "_struct": _struct, "_method": _method, "_rows": batch_rules.index_rows,
             "_call": batch_rules.call, "_by_rule": _by_rule, "_rows_of": _rows_of, "_item": batch_rules.item,
             "_fused": batch_rules.fused,
-            "_unpack": control.unpack, "_sharing": sharing.state, "_batched_product": batch_rules.batched_product,
+            "_unpack": _unpack_undrawn, "_sharing": sharing.state, "_batched_product": batch_rules.batched_product,
             "_mark_fresh": sharing.mark_fresh, "_same": _same, "_choices": _choices, "_grouped": _grouped,
             "_PLAIN_TENSORS": _PLAIN_TENSORS, "__builtins__": __builtins__}

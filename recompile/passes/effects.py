@@ -213,6 +213,8 @@ def _appends_of(built, uses, sg):
                         continue
                     j = o.args.index(value)
                     pending += [o.then_sg.inputs[j], o.else_sg.inputs[j]]
+                elif _unpacked_only(o, value):
+                    iterated = True  # (``zip(*pairs)``: the call gets the items, copied out as it starts)
                 elif not isinstance(o, ir.Call) or o.star or o.fn is value or any(v is value for _, v in o.kwargs):
                     return None  # (the list by keyword, ``torch.stack(tensors=hs)``; not other keywords, ``dim=1``)
                 elif isinstance(o.fn, ir.Const) and o.fn.value is operator.delitem and o.args[0] is value and \
@@ -255,6 +257,12 @@ def _appends_of(built, uses, sg):
     if inserted and reversed_:
         return None  # (a ``for`` from its end over a list that grows in front: the batch's reversed copy is not it)
     return appends
+
+
+def _unpacked_only(o, value):
+    """Whether Call ``o`` takes list ``value`` only unpacked (``f(*xs)``): the callee never holds the list."""
+    return isinstance(o, ir.Call) and bool(o.star) and o.fn is not value and \
+        not any(v is value for _, v in o.kwargs) and all(k in o.star for k, a in enumerate(o.args) if a is value)
 
 
 def _not_a_list_of_others(value, uses):

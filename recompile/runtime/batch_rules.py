@@ -558,10 +558,18 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     return bt.from_items(results)
 
 
-def per_instance_or_once(n, thunk, values):
-    """A call whose arguments are unpacked (``f(*xs, **kw)``), run per instance on ``values``."""
+# builtins that only regroup the items they are given, and read no tensor's values: unpacked arguments
+# (``hs, cs = zip(*pairs)``, each instance's list of its own length) are each instance's Python work, as in
+# Python, and the tensors they regroup stay the rows they were
+_REGROUPING = frozenset({zip})
+
+
+def per_instance_or_once(n, thunk, values, callee):
+    """A call of ``callee`` whose arguments are unpacked (``f(*xs, **kw)``), run per instance on ``values``."""
     if n == 1:
         return thunk(*values)
+    if type(callee) is not Batch and callee in _REGROUPING:
+        return bt.from_items([thunk(*[bt.instance(v, k) for v in values]) for k in range(n)])
     _count(thunk, n, fallbacks.UNPACKED)
     return bt.from_items([sharing.call_owning(thunk, [bt.instance(v, k) for v in values]) for k in range(n)])
 
@@ -2094,8 +2102,13 @@ def python_sum(n, fn, args, kwargs):
         return NotImplemented
     xs = args[0]
     total = args[1] if len(args) > 1 else kwargs.get("start", 0)
-    if type(xs) is Batch and xs.owner == "items" and type(total) is int and total == 0:
-        return _summed_lists(n, xs.items)
+    if type(xs) is Batch and xs.owner == "items":
+        if type(total) is int and total == 0:
+            return _summed_lists(n, xs.items)
+        if sharing.state.fresh and (type(total) in PLAIN_TENSORS or type(total) is Batch):
+            # (``sum((f(c) for c in kids), h0)``: a tensor start; where nothing changes in place, the total of
+            # an empty list may be a copy of it)
+            return _summed_lists(n, xs.items, total)
     if type(xs) is not Batch or xs.struct is None or xs.owner is not None:
         return NotImplemented
     for item in bt.struct_items(xs):  # (a dict's keys: Python's TypeError, as ``sum(d)`` raises it)
@@ -2103,13 +2116,24 @@ def python_sum(n, fn, args, kwargs):
     return total
 
 
-def _summed_lists(n, lists):
-    """``sum(xs)`` of each instance's own list of tensors of one shape and dtype (lists of their own lengths):
-    position by position, every instance's j-th tensor added to its total at once, from zero, so that each total
-    rounds as ``0 + a + b ...`` does (and the same way every run, on any device); an empty list's sum is Python's
-    0 (a leaf's children), joined with the others' totals. NotImplemented for anything else."""
+def _summed_lists(n, lists, start=None):
+    """``sum(xs)`` (``sum(xs, start)``, a tensor start of the items' shape and dtype) of each instance's own list
+    of tensors of one shape and dtype (lists of their own lengths): position by position, every instance's j-th
+    tensor added to its total at once, from zero (from each instance's start), so that each total rounds as
+    ``0 + a + b ...`` does (and the same way every run, on any device); an empty list's sum is Python's 0 (a
+    leaf's children), joined with the others' totals, or its start. NotImplemented for anything else."""
     if not all(type(each) is list for each in lists):
         return NotImplemented
+    if start is not None:
+        if not any(lists):
+            return start  # (``sum([], s) is s``)
+        begun = start if type(start) is not Batch else bt.tensor_of(start)
+        first = next(t for each in lists for t in each)
+        if type(begun) not in PLAIN_TENSORS or type(first) is not torch.Tensor or begun.dtype is not first.dtype \
+                or begun.device != first.device \
+                or begun.shape[type(start) is Batch:] != first.shape:
+            return NotImplemented
+        return _summed_from(n, lists, begun if type(start) is Batch else begun.expand(n, *begun.shape))
     empty = [k for k, each in enumerate(lists) if not each]
     if empty:
         if len(empty) == n:
@@ -2117,13 +2141,20 @@ def _summed_lists(n, lists):
         full = [k for k, each in enumerate(lists) if each]
         total = _summed_lists(len(full), [lists[k] for k in full])
         return total if total is NotImplemented else bt.join(n, [(0, empty), (total, full)])
+    first = lists[0][0]
+    return _summed_from(n, lists, first.new_zeros(n, *first.shape)) if type(first) is torch.Tensor \
+        else NotImplemented
+
+
+def _summed_from(n, lists, total):
+    """``_summed_lists``' totals, each instance's from its row of ``total`` (n rows), once their items are known to
+    be tensors of one shape and dtype."""
     flat = [t for each in lists for t in each]
     first = flat[0]
-    if type(first) is not torch.Tensor or not (first.is_floating_point() or first.is_complex()) or any(
+    if not (first.is_floating_point() or first.is_complex()) or any(
             type(t) is not torch.Tensor or t.shape != first.shape or t.dtype is not first.dtype
             or t.device != first.device for t in flat):
         return NotImplemented
-    total = first.new_zeros(n, *first.shape)
     for j in range(max(len(each) for each in lists)):
         taking = [k for k, each in enumerate(lists) if len(each) > j]
         step = torch.stack([lists[k][j] for k in taking])

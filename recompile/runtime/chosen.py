@@ -3,11 +3,13 @@
 Each instance may call its own module, picked from a shared ``nn.ModuleList`` (or a list, tuple or ``nn.ModuleDict``)
 by an index of its own. ``picked`` reads each instance's pick (Python's own indexing: its errors are each
 instance's); ``grouped`` then calls each distinct callable once, on the rows of the instances that picked it, by
-that callable's own batch rule, and joins the results in instance order. Only modules and plain module-level
-functions group: a nested function or lambda may be each instance's own closure, and a method of each instance's
-tensor is another rule's. Where the run changes values in place, the instances' rows would be copies their
-changes must reach: each instance then calls its own, as before. In a level program's pieces on plain tensors
-(``codegen.segments``), ``rows_grouped`` does the same for rows that picked by an integer of their own.
+that callable's own batch rule, and joins the results in instance order. A method bound to each instance's own
+object (``node.is_leaf()``) groups by its class's function, called on the group's objects. Only modules, plain
+module-level functions and such methods group: a nested function or lambda may be each instance's own closure,
+and a method of each instance's tensor is another rule's. Where the run changes values in place, the instances'
+rows would be copies their changes must reach: each instance then calls its own, as before. In a level
+program's pieces on plain tensors (``codegen.segments``), ``rows_grouped`` does the same for rows that picked by
+an integer of their own.
 """
 
 from __future__ import annotations
@@ -62,19 +64,33 @@ def grouped(n, fn, args, kwargs, call):
     chosen = bt.items_of(fn)
     order = {}
     for k, c in enumerate(chosen):
-        if not groups(c):
+        if type(c) is types.MethodType and _groups_as_method(c):
+            order.setdefault(id(c.__func__), (c.__func__, []))[1].append(k)
+        elif groups(c):
+            order.setdefault(id(c), (c, []))[1].append(k)
+        else:
             return NotImplemented
-        order.setdefault(id(c), (c, []))[1].append(k)
     kwargs = kwargs or {}
-    if len(order) == 1:
-        return call(n, chosen[0], args, kwargs)
     sides = []
     for c, positions in order.values():
-        index = bt.long_tensor(positions)
-        rows = [bt.take(a, index, positions) if type(a) is Batch else a for a in args]
-        given = {key: bt.take(v, index, positions) if type(v) is Batch else v for key, v in kwargs.items()}
+        if len(order) == 1:
+            rows, given = args, kwargs
+        else:
+            index = bt.long_tensor(positions)
+            rows = tuple(bt.take(a, index, positions) if type(a) is Batch else a for a in args)
+            given = {key: bt.take(v, index, positions) if type(v) is Batch else v for key, v in kwargs.items()}
+        if c is not chosen[positions[0]]:  # (a method: its function, each instance's object first)
+            selves = [chosen[k].__self__ for k in positions]
+            rows = (selves[0] if len(selves) == 1 else bt.from_items(selves), *rows)
         sides.append((call(len(positions), c, tuple(rows), given), positions))
-    return bt.join(n, sides)
+    return sides[0][0] if len(sides) == 1 else bt.join(n, sides)
+
+
+def _groups_as_method(method):
+    """Whether the instances calling ``method``'s function, each bound to its own object (``node.is_leaf()`` of
+    each instance's node), may be one call of the function on their objects: a plain function of a class's,
+    bound to an object (not a tensor, whose methods are another rule's; not a class)."""
+    return groups(method.__func__) and not isinstance(method.__self__, (torch.Tensor, type))
 
 
 def choices(container):

@@ -335,6 +335,15 @@ def unpack(n, value, k):
     return _unpack_items(n, value, k)
 
 
+def draws_to_unpack(value):
+    """Whether unpacking Batch ``value`` draws items from iterators (``hs, cs = zip(*pairs)``), which no run
+    may then do again, where it reads containers or tensors."""
+    bt.ready(value)
+    if value.owner == "tensor" or value.struct is not None and value.owner is None:
+        return False
+    return any(iter(x) is x for x in bt.items_of(value) if type(x) not in (tuple, list))
+
+
 def _unpack_items(n, value, k):
     rows = []
     for x in bt.items_of(value):

@@ -30,8 +30,9 @@ FRESH_CHANGED = ("no instance differs in its arguments, but the program changes 
 UNPACKED = ("its arguments are unpacked (*args, **kwargs) and may differ per instance",
             "pass the arguments one by one")
 CHOSEN = ("each instance calls its own callable (one chosen by the data)",
-          "pick modules from an nn.ModuleList (or plain, undecorated module-level functions from a list) in a "
-          "function that changes nothing in place, or choose with if/elif, so that each branch batches")
+          "pick modules from an nn.ModuleList (or plain, undecorated module-level functions from a list, or "
+          "call methods of your objects' classes) in a function that changes nothing in place, or choose with "
+          "if/elif, so that each branch batches")
 PYTHON_VALUE = ("it makes a Python value of each instance's tensor", "keep it a tensor: torch.where(c, a, b) for "
                 "an if on it, a tensor index for an int")
 NESTED = ("it is a nested function, lambda or generator expression, or a with, try, match, class or import "
