@@ -145,6 +145,65 @@ def test_sequences_of_their_own_lengths_run_as_rows_with_eagers_gradients(strict
     assert not encode.stats.get("per_instance")
 
 
+CHARS = {c: k for k, c in enumerate("abcdefghij")}
+
+
+def test_words_held_as_python_strings_read_their_characters_by_one_lookup_each(strict, monkeypatch):
+    """``for ch in word`` of each instance's own str, ``CHARS[ch]`` of a shared dict: each instance's Python
+    values, read as Python reads them, and the states stepped for every word at once."""
+    torch.manual_seed(3)
+    cell = nn.RNNCell(4, H).double()
+    embed = nn.Embedding(10, 4).double()
+
+    @recompile.function
+    def spelled(word):
+        h = torch.zeros(H, dtype=torch.float64)
+        for ch in word:
+            h = cell(embed.weight[CHARS[ch]], h)
+        return h, word[-1:] + word[:1]
+
+    words = ["abc", "j", "", "hgfedcba", "bad"]
+    got = recompile.map(spelled, words)
+    want = [spelled.python(w) for w in words]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g[0], w[0])
+        assert g[1] == w[1]
+    params = list(cell.parameters()) + [embed.weight]
+    for a, b in zip(torch.autograd.grad(sum(g[0].sum() for g in got), params),
+                    torch.autograd.grad(sum(w[0].sum() for w in want), params)):
+        torch.testing.assert_close(a, b)
+    monkeypatch.setattr(recompile.config, "PER_INSTANCE", "allow")  # (the instances then read on their own)
+    with pytest.raises(KeyError):
+        recompile.map(spelled, ["abc", "xyz"])  # (a character the table lacks: Python's own KeyError)
+
+
+def test_each_sequence_read_backwards_a_step_at_a_time_reads_its_own_stretch(strict):
+    """``words[t:t + 1]`` with ``t`` each instance's own (``reversed(range(n))``) over sequences of their own
+    lengths: every instance's row at once, from where each sequence lies."""
+    torch.manual_seed(4)
+    cell = nn.GRUCell(4, H).double()
+    embed = nn.Embedding(20, 4).double()
+
+    @recompile.function
+    def backwards(words):
+        h = torch.zeros(1, H, dtype=torch.float64)
+        states = []
+        for t in reversed(range(len(words))):
+            h = cell(embed(words[t:t + 1]), h)
+            states.append(h[0])
+        return torch.stack(states[::-1]).sum(0)
+
+    seqs = [torch.randint(0, 20, (k,)) for k in (3, 5, 1, 4)]
+    got = recompile.map(backwards, seqs)
+    want = [backwards.python(w) for w in seqs]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    params = list(cell.parameters()) + [embed.weight]
+    for a, b in zip(torch.autograd.grad(sum(g.sum() for g in got), params),
+                    torch.autograd.grad(sum(w.sum() for w in want), params)):
+        torch.testing.assert_close(a, b)
+
+
 Decoded = namedtuple("Decoded", "tokens steps")
 
 

@@ -674,6 +674,8 @@ def _of_shared_lists(n, fn, args, kwargs):
 
 
 def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
+    if method is None and _on_strings(fn, args, kwargs):  # (Python's work on each instance's str, as eager's)
+        return bt.from_items([fn(*[bt.instance(a, k) for a in args]) for k in range(n)])
     if method is None and args and type(args[0]) is Batch and _in_place_function(fn):
         # (``torch.exp_(v)`` is ``v.exp_()``: vmap would change a stack of the instances' tensors, not theirs)
         return call(n, Batch(n, method=(args[0], fn.__name__)), args[1:], kwargs)
@@ -704,6 +706,18 @@ def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
         if out is not NotImplemented:
             return out
     return per_instance(n, fn, args, kwargs)
+
+
+def _on_strings(fn, args, kwargs):
+    """Whether ``fn`` is an operator that changes nothing (``word[-1:] + word[:1]``, ``ch == "a"``) on each
+    instance's own str, with shared str, int or slice operands: no tensor in it, nothing to batch."""
+    if kwargs or getattr(fn, "__module__", None) not in ("_operator", "operator") or \
+            not facts.among(fn, facts.PURE):
+        return False
+    batched = [a for a in args if type(a) is Batch]
+    return bool(batched) and all(a.owner == "items" and a.thunk is None and set(map(type, a.items)) == {str}
+                                 for a in batched) and \
+        all(type(a) in (str, int, slice) for a in args if type(a) is not Batch)
 
 
 def _in_place_function(fn):
@@ -1515,14 +1529,27 @@ def gather(n, fn, args, kwargs):
 
 
 def _of_each_list(x, fn, index):
-    """``fn(xs, index)`` (``xs[-1]``, ``xs[-2:]``, ``del xs[-2:]``) of each instance's own list or tuple, with a
+    """``fn(xs, index)`` (``xs[-1]``, ``xs[-2:]``, ``del xs[-2:]``) of each instance's own list, tuple or str, with a
     shared int or slice: each instance's, as its own call would give (a batch of the results; None where ``fn``
     gives none); NotImplemented where one raises (an index past an end: each instance raises its own, or not)."""
-    lists = bt.own_lists(x, (list, tuple))
+    lists = bt.own_lists(x, (list, tuple, str))
     if lists is None or type(index) is int and not all(-len(each) <= index < len(each) for each in lists):
         return NotImplemented
     out = [fn(each, index) for each in lists]
     return None if fn is operator.delitem else bt.from_items(out)
+
+
+def _looked_up(table, keys):
+    """``table[k]`` of a shared dict with each instance's own key, a Python str or int (a vocabulary's lookup):
+    each instance's value, as its own read gives it; NotImplemented where a key is missing (each instance
+    raises its own KeyError) or is another kind (a tensor hashes by identity)."""
+    keys = bt.items_of(keys) if keys.thunk is None else None
+    if keys is None or not set(map(type, keys)) <= {str, int}:
+        return NotImplemented
+    try:
+        return bt.from_items([table[k] for k in keys])
+    except KeyError:
+        return NotImplemented
 
 
 def _item_of_each_list(n, x, index):
@@ -1632,6 +1659,10 @@ def _gather(n, fn, args, kwargs):
         out = chosen.picked(x, index)  # (``self.ops[op[i]]``: each instance's module)
         if out is not NotImplemented:
             return out
+        if type(x) is dict:
+            out = _looked_up(x, index)  # (``VOCAB[ch]``, each instance's own character)
+            if out is not NotImplemented:
+                return out
     if type(x) is not Batch and type(index) is Batch and type(x) in PLAIN_TENSORS:  # (``self.embed.weight[i]``)
         i = bt.tensor_of(index)
         if i is None:

@@ -85,9 +85,12 @@ def as_sequence(n, fn, args, kwargs):
     return out
 
 
+_SEQUENCES = (list, tuple, str)  # (what a lowered ``for`` reads by position, as Python's iterator reads it)
+
+
 def own_sequences(seq):
-    """Whether Batch ``seq`` holds each instance's own list or tuple as its items."""
-    return type(seq) is Batch and seq.owner == "items" and bt.own_lists(seq, (list, tuple)) is not None
+    """Whether Batch ``seq`` holds each instance's own list, tuple or str as its items."""
+    return type(seq) is Batch and seq.owner == "items" and bt.own_lists(seq, _SEQUENCES) is not None
 
 
 def has_index(n, fn, args, kwargs):
@@ -114,10 +117,10 @@ def has_index(n, fn, args, kwargs):
 
 
 def _list_has_index(seq, i):
-    """Whether each instance's own list or tuple (a Batch's items) has an item at the shared position i: one answer
+    """Whether each instance's own list, tuple or str (a Batch's items) has an item at the shared position i: one answer
     where all agree."""
     lists = seq.items if type(seq) is Batch and seq.owner == "items" and seq.thunk is None else None
-    if lists is None or type(i) is not int or i < 0 or not all(type(x) in (list, tuple) for x in lists):
+    if lists is None or type(i) is not int or i < 0 or not all(type(x) in _SEQUENCES for x in lists):
         return NotImplemented
     found = [i < len(x) for x in lists]
     return found[0] if all(f is found[0] for f in found) else bt.from_tensor(torch.tensor(found))

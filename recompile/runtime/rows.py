@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from itertools import chain
 
 import torch
 import torch.nn.functional as F
@@ -251,27 +252,31 @@ def slices(n, fn, args, kwargs):
 
 
 def stretch(n, x, index):
-    """``x[s]`` with a slice s per instance (a Batch of slices), step 1, of a batched tensor's rows or a shared
-    tensor's: the views, as Rows; NotImplemented otherwise (each instance then slices its own)."""
+    """``x[s]`` with a slice s per instance (a Batch of slices), step 1, of a batched tensor's rows, a shared
+    tensor's or each instance's stretch (``of``): the views, as Rows; NotImplemented otherwise (each instance
+    then slices its own)."""
     if index.owner != "items" or not all(type(s) is slice for s in index.items):
         return NotImplemented
-    if type(x) is Batch:
+    found = of(x) if type(x) is Batch and x.owner != "tensor" else None
+    if found is not None:  # (``words[t:t + 1]`` of each instance's own sequence: within its stretch)
+        source, rows, offsets, lengths_of = found.source, found.rows, found.starts, found.lengths
+    elif type(x) is Batch:
         if x.owner != "tensor" or x.tensor.dim() < 2 or x.thunk is not None:
             return NotImplemented
-        source, rows, length = x.tensor, None, x.tensor.shape[1]
+        source, rows, offsets, lengths_of = x.tensor, None, [0] * n, [x.tensor.shape[1]] * n
     elif type(x) is torch.Tensor and x.dim() >= 1:
-        source, rows, length = x.unsqueeze(0), [0] * n, x.shape[0]
+        source, rows, offsets, lengths_of = x.unsqueeze(0), [0] * n, [0] * n, [x.shape[0]] * n
     else:
         return NotImplemented
     starts, lengths = [], []
-    for s in index.items:
+    for s, offset, length in zip(index.items, offsets, lengths_of):
         try:
             start, stop, step = s.indices(length)
         except TypeError:  # (a bound that is not an index: each instance raises its own)
             return NotImplemented
         if step != 1:
             return NotImplemented
-        starts.append(start)
+        starts.append(offset + start)
         lengths.append(max(0, stop - start))
     return batch(n, Rows(None, source, rows, starts, lengths))
 
@@ -525,7 +530,8 @@ class Appended(list):
         the function keeps to itself may shrink too (``hs.pop()``), so that ends alike tell nothing."""
         if self.pending:
             return all(not x for x in self)
-        return all(len(x) == len(held) and all(map(operator.is_, x, held)) for x, held in zip(self, self._ends))
+        lengths, rows = self._ends
+        return list(map(len, self)) == lengths and all(map(operator.is_, chain.from_iterable(self), rows))
 
 
 def hand_rows(held, lists, packed, instance, step, lengths, fill=True):
@@ -540,8 +546,9 @@ def hand_rows(held, lists, packed, instance, step, lengths, fill=True):
 
 
 def _held(lists):
-    """What each of ``lists`` holds now (``Appended.holds_its_rows_alone`` compares it)."""
-    return [tuple(x) for x in lists]
+    """What ``lists`` hold now, as each one's length and all their items in a row (``Appended.holds_its_rows_alone``
+    compares it: two C loops)."""
+    return list(map(len, lists)), list(chain.from_iterable(lists))
 
 
 def _ends_of(lists):
