@@ -214,3 +214,26 @@ def test_a_method_that_changes_its_object_still_changes_each_instances_own(monke
     for op, row, g in zip(ops, x, got):
         torch.testing.assert_close(op.seen, row)
         torch.testing.assert_close(g, row * 2.0)
+
+
+def combined(a, b=1.0):
+    return getattr(a, "scale", a) * b
+
+
+class Combining(Squash):
+    combined = combined  # (the module-level function, as a method: bound, its object first)
+
+
+@recompile.function
+def called_plain_or_bound(op, x, bound):
+    fn = op.combined if bound else combined
+    return fn(x)
+
+
+def test_a_function_called_plain_by_some_instances_and_bound_by_others_groups_apart():
+    ops = [Combining(1.0), Combining(2.0), Combining(3.0), Combining(4.0)]
+    x = torch.tensor([1.0, 2.0, 3.0, 5.0], dtype=torch.float64)
+    bound = [0, 1, 0, 1]
+    got = recompile.map(called_plain_or_bound, ops, x, bound)
+    want = [called_plain_or_bound.python(op, row, b) for op, row, b in zip(ops, x, bound)]
+    torch.testing.assert_close(torch.stack(got), torch.stack(want))

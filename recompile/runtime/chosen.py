@@ -65,21 +65,21 @@ def grouped(n, fn, args, kwargs, call):
     order = {}
     for k, c in enumerate(chosen):
         if type(c) is types.MethodType and _groups_as_method(c):
-            order.setdefault(id(c.__func__), (c.__func__, []))[1].append(k)
+            order.setdefault((id(c.__func__), True), (c.__func__, []))[1].append(k)
         elif groups(c):
-            order.setdefault(id(c), (c, []))[1].append(k)
+            order.setdefault((id(c), False), (c, []))[1].append(k)
         else:
             return NotImplemented
     kwargs = kwargs or {}
     sides = []
-    for c, positions in order.values():
+    for (_, bound), (c, positions) in order.items():
         if len(order) == 1:
             rows, given = args, kwargs
         else:
             index = bt.long_tensor(positions)
             rows = tuple(bt.take(a, index, positions) if type(a) is Batch else a for a in args)
             given = {key: bt.take(v, index, positions) if type(v) is Batch else v for key, v in kwargs.items()}
-        if c is not chosen[positions[0]]:  # (a method: its function, each instance's object first)
+        if bound:  # (a method: its function, each instance's object first)
             selves = [chosen[k].__self__ for k in positions]
             rows = (selves[0] if len(selves) == 1 else bt.from_items(selves), *rows)
         sides.append((call(len(positions), c, tuple(rows), given), positions))

@@ -341,7 +341,7 @@ def draws_to_unpack(value):
     bt.ready(value)
     if value.owner == "tensor" or value.struct is not None and value.owner is None:
         return False
-    return any(iter(x) is x for x in bt.items_of(value) if type(x) not in (tuple, list))
+    return any(hasattr(type(x), "__next__") for x in bt.items_of(value))  # (an iterator: nothing made to ask)
 
 
 def _unpack_items(n, value, k):
