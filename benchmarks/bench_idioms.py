@@ -28,10 +28,10 @@ bilinear form with ``torch.einsum`` on the shared tensor V) and the same form wr
 does the Tree-LSTM written with modules (an ``nn.LSTMCell`` over the projected children, their summed state its
 state), beside the same model batched by hand, and a module network: a Tree-RNN whose nodes pick their
 composition module from an ``nn.ModuleList`` by the data (which children are leaves), beside the same model batched
-by hand by height, each kind one call. Last, two spellings that do not run as one batch per depth, each
-with its warning, timed to say how far they fall: every node's loss appended to a list the recursion is handed
-(DyNet's way: an instance's calls then keep their order), and every node's losses returned as lists the parents
-join.
+by hand by height, each kind one call. Last, two spellings that run one batch per depth on the agenda, not as a
+level program, timed to say how far that falls: every node's loss appended to a list the recursion is handed
+(DyNet's way: each call fills a list of its own, ``passes.accumulate``), and every node's losses returned as lists
+the parents join.
 """
 
 import copy
@@ -447,8 +447,9 @@ class ChildrenListed(TreeLSTM):
 
 class AppendedLosses(TreeLSTM):
     """Each node's loss appended to a list the recursion is handed (as DyNet users collect theirs), summed at the
-    root by ``torch.stack(losses).sum()``: the recursion changes what its caller holds, so an instance's calls keep
-    their order (warned)."""
+    root by ``torch.stack(losses).sum()``: each call fills a list of its own, which its caller extends its own by
+    (``passes.accumulate``), so a node's calls run together; the recursion still changes a list, so it runs on
+    the agenda, not as a level program."""
 
     @recompile.function
     def encode(self, tree, i):
@@ -473,7 +474,8 @@ class AppendedLosses(TreeLSTM):
 
 class ReturnedLosses(TreeLSTM):
     """Each node's losses returned as a list, the children's concatenated up the tree, summed at the root by
-    ``torch.stack(losses).sum()``: each instance's own lists, joined once per instance (warned)."""
+    ``torch.stack(losses).sum()``: each instance's own lists, joined as Python joins them (on the agenda: a list
+    result is no level program's)."""
 
     @recompile.function
     def encode(self, tree, i):
@@ -657,8 +659,8 @@ SPELLINGS = {"chunk (the example)": TreeLSTM, "split by sizes": SplitSizes, "sli
 RNTN_SPELLINGS = {"RNTN einsum (example)": RNTN, "RNTN linear of V.view": RNTNLinear}
 CELL_SPELLINGS = {"nn.LSTMCell": CellTreeLSTM}
 MODULE_SPELLINGS = {"modules chosen by kind": ModuleNetwork}
-# Spellings that do not run as one batch per depth, each with its warning: timed to say how far they fall.
-WARNED_SPELLINGS = {"losses appended": AppendedLosses, "losses returned": ReturnedLosses}
+# Spellings that run one batch per depth on the agenda, not as a level program: timed to say how far that falls.
+LIST_SPELLINGS = {"losses appended": AppendedLosses, "losses returned": ReturnedLosses}
 
 
 def check(cls, base, trees, device="cpu"):
@@ -700,7 +702,7 @@ def main(argv=None):
                                           hand_batched_cells),
                                          ("Tree-RNN of modules chosen by the data (embed 300, hidden 150)",
                                           MODULE_SPELLINGS, hand_batched_modules),
-                                         ("Tree-LSTM, node losses in lists (warned)", WARNED_SPELLINGS, hand_batched)):
+                                         ("Tree-LSTM, node losses in lists", LIST_SPELLINGS, hand_batched)):
         torch.manual_seed(0)
         base = next(iter(spellings.values()))(len(sst.vocab))
         if args.only:

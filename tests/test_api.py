@@ -359,7 +359,7 @@ def test_functools_metadata():
 
 
 def test_stages():
-    assert recompile.STAGES == ["frontend", "capture", "prune", "fresh", "unpack", "fusion", "grad"]
+    assert recompile.STAGES == ["frontend", "capture", "prune", "accumulate", "fresh", "unpack", "fusion", "grad"]
 
 
 @pytest.mark.parametrize("stage", recompile.STAGES)

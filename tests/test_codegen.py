@@ -82,8 +82,19 @@ def cg_inorder(left, right, i, out):
         out.append(i)
         return 1
     a = cg_inorder(left, right, left[i], out)
-    out.append(i)  # a side effect between the two calls keeps them apart
+    out.append(i)  # (a list handed down only to append to: each call fills its own, passes.accumulate)
     b = cg_inorder(left, right, right[i], out)
+    return a + b
+
+
+@recompile.function
+def cg_inorder_read(left, right, i, out):
+    if left[i] < 0:
+        out.append(i)
+        return 1
+    a = cg_inorder_read(left, right, left[i], out)
+    out.append(i + 0 * len(out))  # a side effect between the two calls, reading the list: keeps them apart
+    b = cg_inorder_read(left, right, right[i], out)
     return a + b
 
 
@@ -199,7 +210,7 @@ RIGHT = [2, 4, -1, 6, -1, -1, -1]
 
 
 ALL = [cg_tree, cg_dependent, cg_inorder, cg_uses_tree, cg_deep_fail, cg_children_appended, cg_children_comprehended,
-       cg_list_handed_on]
+       cg_list_handed_on, cg_inorder_read]
 ALL_PLAIN = [cg_loops, cg_fail, cg_multiline, cg_attr]
 
 
@@ -252,12 +263,15 @@ def test_dependent_calls_are_two_yields():
         assert cg_dependent(n) == cg_dependent_plain(n)
 
 
-def test_side_effect_between_calls_keeps_them_apart_and_in_order():
-    source = cg_inorder.source()
+@pytest.mark.parametrize("fn, yields", [(cg_inorder_read, 2), (cg_inorder, 1)])
+def test_side_effect_between_calls_keeps_them_apart_and_in_order(fn, yields):
+    """A change between two calls keeps them apart; an append to a list the recursion is handed only to append
+    to moves after them (each call fills a list of its own), and the list ends as Python's, in order."""
+    source = fn.source()
     branches = [node for name, node in defs(source).items() if name.endswith("_else")]
-    assert n_yields(branches[0]) == 2
+    assert n_yields(branches[0]) == yields
     got, want = [], []
-    assert cg_inorder(LEFT, RIGHT, 0, got) == cg_inorder_plain(LEFT, RIGHT, 0, want)
+    assert fn(LEFT, RIGHT, 0, got) == cg_inorder_plain(LEFT, RIGHT, 0, want)
     assert got == want == [5, 3, 6, 1, 4, 0, 2]
 
 

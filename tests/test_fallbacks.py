@@ -79,12 +79,12 @@ def test_a_fallback_inside_a_traced_piece_names_the_users_line(monkeypatch):
     assert {(w.filename, w.lineno) for w in seen if "nonzero" in str(w.message)} == {(__file__, masked)}
 
 
-def collect(xs, left, right, i, out):  # (a recursion appending to the list its caller holds)
+def collect(xs, left, right, i, out):  # (a recursion appending to, and reading, the list its caller holds)
     if left[i] < 0:
         h = torch.tanh(xs[i])
     else:
         h = torch.tanh(collect(xs, left, right, left[i], out) + collect(xs, left, right, right[i], out))
-    out.append(h.sum())
+    out.append(h.sum() * len(out))
     return h
 
 

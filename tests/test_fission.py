@@ -182,8 +182,18 @@ def guarded_by_results(self, kids, n_kids, words, i):
 
 
 def handed_on(self, kids, n_kids, words, i, seen):
-    """The list the calls append to is their argument (the order of a depth-first walk): the loop stays one."""
+    """The list the calls append to is their argument (the order of a depth-first walk), only appended to: each
+    call fills a list of its own (``passes.accumulate``), extended into the frame's after it; the loop splits."""
     seen.append(int(i))
+    h = self.embed(words[i])
+    for k in range(n_kids[i]):
+        h = h + self.encode(kids, n_kids, words, kids[i, k], seen)
+    return torch.tanh(self.mix(h))
+
+
+def handed_on_and_read(self, kids, n_kids, words, i, seen):
+    """The list the calls append to is their argument, and read (its length): the loop stays one."""
+    seen.append(int(i) + 0 * len(seen))
     h = self.embed(words[i])
     for k in range(n_kids[i]):
         h = h + self.encode(kids, n_kids, words, kids[i, k], seen)
@@ -340,12 +350,13 @@ def split_of(body):
 
 @pytest.mark.parametrize("name, splits", [("child_sum", True), ("appended", True), ("two_calls", True),
                                           ("stops_early", True), ("chained", False), ("run_until", False),
-                                          ("grows_what_it_reads", False), ("handed_on", False),
+                                          ("grows_what_it_reads", False), ("handed_on", True),
+                                          ("handed_on_and_read", False),
                                           ("guarded", True), ("guarded_appends", True),
                                           ("guarded_computed", True), ("guarded_by_results", False),
                                           ("guarded_noise", False), ("guarded_reads_list", True)])
 def test_which_loops_split(name, splits):
-    found = splits_of(MODELS.get(name, handed_on))
+    found = splits_of(MODELS.get(name) or {"handed_on": handed_on, "handed_on_and_read": handed_on_and_read}[name])
     assert found
     assert any(f is not None for f in found) == splits
 
@@ -424,8 +435,9 @@ def test_a_leaf_keeps_the_start_of_a_sum_the_loop_added_to_at_once(monkeypatch):
     assert any(r is not None for r in ran)
 
 
-def test_calls_handed_the_list_they_append_to_keep_their_order():
-    plain, batched, seq = three(handed_on)
+@pytest.mark.parametrize("fn", [handed_on, handed_on_and_read])
+def test_calls_handed_the_list_they_append_to_keep_their_order(fn):
+    plain, batched, seq = three(fn)
     for model in (plain, batched, seq):
         seen = []
         model.encode(KIDS, N_KIDS, WORDS, 0, seen)

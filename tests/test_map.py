@@ -560,3 +560,30 @@ def test_strict_lengths_that_agree_run():
         return a + b
 
     assert recompile.map(add, [1, 2], [3, 4], strict=True) == [4, 6]
+
+
+def test_each_instances_own_lists_joined_by_operators_as_python_joins_them(strict):
+    """``ll + lr`` of two lists each instance built (a leaf's ``[]`` joined with a node's), ``+ [x]``, ``* 2``,
+    ``==`` and a tuple's ``+``: Python's work on each instance's lists, the tensors in them only handed on."""
+    torch.manual_seed(5)
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+
+    @recompile.function
+    def joined(x, n):
+        ll, lr = [], [x @ w]
+        for k in range(n):
+            ll = ll + [x * k]
+        both = ll + lr
+        twice = both * 2
+        pair = (len(both),) + (n,)
+        return torch.stack(twice).sum(), pair, both == both, len(ll + [])
+
+    xs = [torch.randn(3, dtype=torch.float64) for _ in range(4)]
+    ns = [2, 0, 3, 1]
+    got = recompile.map(joined, xs, ns)
+    want = [joined.python(x, n) for x, n in zip(xs, ns)]
+    for g, v in zip(got, want):
+        torch.testing.assert_close(g[0], v[0])
+        assert g[1:] == v[1:]
+    torch.testing.assert_close(torch.autograd.grad(sum(g[0] for g in got), w)[0],
+                               torch.autograd.grad(sum(v[0] for v in want), w)[0])

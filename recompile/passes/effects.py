@@ -190,9 +190,10 @@ def local_appends(sg):
     return found
 
 
-def _appends_of(built, uses, sg):
+def _appends_of(built, uses, sg, fillers=None, names=None):
     """The append calls of list ``built`` where every use of it (and of the names loops and branches give it)
-    is one ``local_appends`` allows, else None."""
+    is one ``local_appends`` allows, or its place in a call of ``fillers`` ({Invoke: the position of the list
+    its function fills}), else None. Those names are added to the set ``names``, where one is given."""
     appends, pending, seen = set(), [built], set()
     popped = iterated = inserted = reversed_ = False
     while pending:
@@ -213,6 +214,9 @@ def _appends_of(built, uses, sg):
                         continue
                     j = o.args.index(value)
                     pending += [o.then_sg.inputs[j], o.else_sg.inputs[j]]
+                elif isinstance(o, ir.Invoke) and fillers and o in fillers:
+                    if [k for k, a in enumerate(o.args) if a is value] != [fillers[o]]:
+                        return None
                 elif _unpacked_only(o, value):
                     iterated = True  # (``zip(*pairs)``: the call gets the items, copied out as it starts)
                 elif not isinstance(o, ir.Call) or o.star or o.fn is value or any(v is value for _, v in o.kwargs):
@@ -231,7 +235,7 @@ def _appends_of(built, uses, sg):
                                and not any(v is o.output for _, v in c.kwargs) for c in callers):
                         return None
                     appends.update(callers)
-                elif not (_reads_lists(o) or _returned_in_tuple(o, uses, sg)):
+                elif not (_reads_lists(o) or _returned_in_tuple(o, uses, sg) or _extends_by(o, value)):
                     return None
                 elif isinstance(o.fn, ir.Const) and o.fn.value in _ITERATING:
                     iterated = True
@@ -256,6 +260,8 @@ def _appends_of(built, uses, sg):
         return None  # (a ``for`` over a list that also shrinks: the batch's copy of it tells a list that only grew)
     if inserted and reversed_:
         return None  # (a ``for`` from its end over a list that grows in front: the batch's reversed copy is not it)
+    if names is not None:
+        names.update(seen)
     return appends
 
 
@@ -279,6 +285,14 @@ def _returned_in_tuple(o, uses, sg):
     """A tuple the function returns as it is (``return total, hs``)."""
     return isinstance(o.fn, ir.Const) and o.fn.value is intrinsics.build_tuple and o.output in sg.outputs \
         and not uses.get(o.output)
+
+
+def _extends_by(o, value):
+    """Whether Call ``o`` is ``other.extend(value)``: it reads the list's items, and keeps not the list."""
+    made = o.fn.op if isinstance(o.fn, ir.Value) else None
+    found = growing(made) if made is not None else None
+    return found is not None and found[1] == "extend" and found[0] is not value and o.args == [value] and \
+        not o.kwargs and not o.star
 
 
 def growing(o):
@@ -315,7 +329,55 @@ def _reads_lists(o):
 
 def invoke_may_mutate(invoke, stage):
     """Whether the program an Invoke runs — its callee and all it may invoke — may mutate state."""
-    return program_may_mutate(invoke.target, stage)
+    return not _fills_its_own_list(invoke, stage) and program_may_mutate(invoke.target, stage)
+
+
+def _fills_its_own_list(invoke, stage):
+    """Whether ``invoke`` is a recursive call handed a new list of its own to fill (``passes.accumulate``: its
+    ``fills``) and its program changes nothing else (every call of that function in it is handed a new list, or
+    one its caller built and shows no one else, too)."""
+    return getattr(invoke, "fills", None) is not None and next(_seen_changes(invoke.target, stage, True), None) is None
+
+
+def _seen_changes(target, stage, own_unseen=False):
+    """The ops by which the program of ``target`` may change state in place, in the order the functions are
+    reached, but for the extends by which a function fills the list it is handed (``passes.accumulate``) where
+    no caller of ``target`` sees that list: every call of the function in the program hands it a new list, or
+    one its caller built and shows no one else. The extend of ``target`` itself counts unless ``own_unseen``
+    (its caller's list, but for a call handed a new one)."""
+    handles = list(ir.reachable(target, stage))
+    unseen = _unseen_hand_backs(handles, stage, None if own_unseen else target.ir_name)
+    return (op for t in handles for op in _changes(t.subgraph(stage)) if op not in unseen)
+
+
+def _unseen_hand_backs(handles, stage, skip):
+    """The extends by which functions of ``handles`` (but ``skip``) fill the list handed them, where every call
+    of the function among them hands it a list made for the call or one its caller keeps to itself."""
+    backs = {}  # function name -> (the list's position, the extend)
+    for t in handles:
+        if t.ir_name != skip:
+            for op in t.subgraph(stage).ops:
+                if getattr(op, "hands_back", None) is not None:
+                    backs[t.ir_name] = (op.hands_back, op)
+    if not backs:
+        return set()
+    for t in handles:
+        sg = t.subgraph(stage)
+        calls = {op: backs[op.target.ir_name][0] for s in sg.walk() for op in s.ops
+                 if isinstance(op, ir.Invoke) and op.target.ir_name in backs}
+        kept = None
+        for op, j in calls.items():
+            if getattr(op, "fills", None) is not None:
+                continue
+            if kept is None:  # (the lists the function built and keeps, by every name they have in it)
+                uses, kept = ir.uses(sg), set()
+                for s in sg.walk():
+                    for o in s.ops:
+                        if ir.is_call(o, intrinsics.build_list):
+                            _appends_of(o.output, uses, sg, calls, kept)
+            if op.args[j] not in kept:
+                backs.pop(op.target.ir_name, None)
+    return {op for _, op in backs.values()}
 
 
 def program_may_mutate(target, stage):
@@ -327,7 +389,7 @@ def program_may_mutate(target, stage):
 def first_change(target, stage):
     """The first op (in the order the functions are reached) by which the program of ``target`` may change state in
     place (what ``program_may_mutate`` found), or None."""
-    return next((op for t in ir.reachable(target, stage) for op in _changes(t.subgraph(stage))), None)
+    return next(_seen_changes(target, stage), None)
 
 
 def recursions_kept_in_order(sg, stage, may_mutate):

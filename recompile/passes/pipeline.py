@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 from .. import ir
+from .accumulate import accumulate
 from .capture import capture
 from .fresh import fresh
 from .fusion import DEFAULT_BACKEND, fuse
@@ -17,6 +18,7 @@ def passes(fusion=DEFAULT_BACKEND):
     return [
         ("capture", capture),
         ("prune", prune),
+        ("accumulate", accumulate),
         ("fresh", fresh),
         ("unpack", unpack),
         ("fusion", functools.partial(fuse, backend=fusion) if fusion else None),  # None: the stage is unchanged

@@ -18,6 +18,7 @@ import operator
 import string
 import threading
 import types
+from itertools import repeat
 
 import torch
 import torch.nn.functional as F
@@ -674,8 +675,8 @@ def _of_shared_lists(n, fn, args, kwargs):
 
 
 def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
-    if method is None and _on_strings(fn, args, kwargs):  # (Python's work on each instance's str, as eager's)
-        return bt.from_items([fn(*[bt.instance(a, k) for a in args]) for k in range(n)])
+    if method is None and _on_python_sequences(fn, args, kwargs):  # (Python's work on each instance's str or list)
+        return bt.from_items(list(map(fn, *[bt.items_of(a) if type(a) is Batch else repeat(a, n) for a in args])))
     if method is None and args and type(args[0]) is Batch and _in_place_function(fn):
         # (``torch.exp_(v)`` is ``v.exp_()``: vmap would change a stack of the instances' tensors, not theirs)
         return call(n, Batch(n, method=(args[0], fn.__name__)), args[1:], kwargs)
@@ -708,16 +709,34 @@ def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
     return per_instance(n, fn, args, kwargs)
 
 
-def _on_strings(fn, args, kwargs):
-    """Whether ``fn`` is an operator that changes nothing (``word[-1:] + word[:1]``, ``ch == "a"``) on each
-    instance's own str, with shared str, int or slice operands: no tensor in it, nothing to batch."""
+def _on_python_sequences(fn, args, kwargs):
+    """Whether ``fn`` is an operator that changes nothing (``word[-1:] + word[:1]``, ``ch == "a"``, ``ll + lr`` of
+    two lists) on each instance's own str, list or tuple, with shared str, int, slice, list or tuple operands:
+    Python's work on Python values, as eager code does it, one instance at a time (the items of a list are
+    not touched; a tensor among them is only handed on)."""
     if kwargs or getattr(fn, "__module__", None) not in ("_operator", "operator") or \
             not facts.among(fn, facts.PURE):
         return False
     batched = [a for a in args if type(a) is Batch]
-    return bool(batched) and all(a.owner == "items" and a.thunk is None and set(map(type, a.items)) == {str}
-                                 for a in batched) and \
-        all(type(a) in (str, int, slice) for a in args if type(a) is not Batch)
+    return bool(batched) and all(_python_sequences(a) for a in batched) and \
+        all(type(a) in _PYTHON_OPERANDS for a in args if type(a) is not Batch)
+
+
+_PYTHON_SEQUENCES = frozenset({str, list, tuple})
+_PYTHON_OPERANDS = frozenset({str, int, slice, list, tuple})
+
+
+def _python_sequences(b):
+    """Whether every instance's value of Batch ``b`` is its own str, list or tuple (the items made, or a list or
+    tuple the program built)."""
+    if b.thunk is not None or b.method is not None:
+        return False
+    if b.owner == "items":
+        return all(type(x) in _PYTHON_SEQUENCES for x in b.items)
+    if b.pieces is not None:  # (joined from branches: ``[]`` at a leaf, ``ll + lr`` at a node)
+        return all(_python_sequences(v) if type(v) is Batch else type(v) in _PYTHON_SEQUENCES
+                   for v, _ in b.pieces[0])
+    return b.struct is not None and b.struct[0] in (list, tuple)
 
 
 def _in_place_function(fn):

@@ -1,0 +1,159 @@
+"""A list a recursion is handed only to append to is filled by each call's own list, handed back at its end.
+
+DyNet users collect a tree's node losses so::
+
+    def walk(self, tree, i, losses):
+        ...  # h from self.walk(tree, tree.left[i], losses) and self.walk(tree, tree.right[i], losses)
+        losses.append(self.node_loss(h, tree.labels[i]))
+        return h
+
+Each call changes the list its caller holds, so the calls of a node would have to run one after another, each
+instance's tree one node at a time. Where the function's parameter ``losses`` is only appended to (``append``,
+``extend``) and handed, in its own place, to the function's own recursive calls (through its branches and loops),
+the function is rewritten to fill a list of its own instead: it starts ``own = []``, appends there, gives each
+recursive call a new empty list and extends ``own`` by it once the call returned, and at its end extends
+``losses`` by ``own``. The list ends as Python's does, item for item in the same order; a call then changes
+nothing but the empty list made for it, which no other call sees (``Invoke.fills``, read by ``passes.effects``),
+so a node's calls run together, one batch per depth.
+
+Where a block makes two or more recursive calls, the appends and extends of ``own`` between its first and last
+call move after the last, in their order (nothing else reads ``own``): the ops between the calls then only compute
+the next call's arguments, and the calls are issued together (``codegen.plan``).
+
+What differs from Python: while the recursion runs, ``losses`` does not grow item by item (nothing in the function
+reads it; code elsewhere that holds the same list under another name would see it grow at the end), and a call
+that raises leaves ``losses`` without the items of the calls it was in.
+"""
+
+from __future__ import annotations
+
+from .. import intrinsics, ir
+
+_GROWING = ("append", "extend")
+
+
+def accumulate(sg, parsed=None):
+    """Apply the pass to a function SubGraph (in place) and return it."""
+    for j, param in enumerate(sg.inputs):
+        aliases = _only_grown_and_handed_down(sg, j, param)
+        if aliases is not None:
+            _rewrite(sg, j, param, aliases)
+            break  # (one list per function: a second is left as it is)
+    return sg
+
+
+def _only_grown_and_handed_down(sg, j, param):
+    """The names ``param`` (input j of function ``sg``) has in ``sg`` and its branches and loop bodies, where every
+    use of them is an append or extend of it, or the same place j of a recursive call, and at least one of each
+    is made; else None."""
+    uses = ir.uses(sg, outputs=True)
+    aliases, pending = [], [param]
+    appended = recursed = False
+    while pending:
+        value = pending.pop()
+        aliases.append(value)
+        for op in uses.get(value, ()):
+            if op is None:
+                return None  # (returned: the caller sees it)
+            if isinstance(op, ir.Invoke):
+                if op.callee != sg.name or len(op.args) != len(sg.inputs) or \
+                        [k for k, a in enumerate(op.args) if a is value] != [j]:
+                    return None
+                recursed = True
+            elif isinstance(op, ir.Cond):
+                if op.pred is value:
+                    return None
+                for k, a in enumerate(op.args):
+                    if a is value:
+                        pending += [op.then_sg.inputs[k], op.else_sg.inputs[k]]
+            elif isinstance(op, ir.While):
+                if value in op.loop_vars:
+                    return None  # (a name the loop may bind again)
+                k = op.invariants.index(value)
+                at = len(op.loop_vars) + k
+                pending += [op.cond_sg.inputs[at], op.body_sg.inputs[at]]
+            elif _grower(op, value) is None:
+                return None
+            else:
+                appended = True
+    return aliases if appended and recursed else None
+
+
+def _grower(op, value):
+    """The calls of ``value.append`` (``extend``) that op ``o`` reads, where it reads that bound method and only
+    calls it, one argument each, their results unread; else None."""
+    if not (ir.is_call(op, getattr) and len(op.args) == 2 and op.args[0] is value
+            and isinstance(op.args[1], ir.Const) and op.args[1].value in _GROWING):
+        return None
+    return op
+
+
+def _rewrite(sg, j, param, aliases):
+    uses = ir.uses(sg, outputs=True)
+    method_of = {}  # a bound append or extend: the alias it grows
+    for alias in aliases:
+        for op in uses.get(alias, ()):
+            if isinstance(op, ir.Call):
+                method_of[op.outputs[0]] = alias
+    for bound in method_of:
+        for op in uses.get(bound, ()):
+            if not (isinstance(op, ir.Call) and op.fn is bound and len(op.args) == 1 and not op.kwargs
+                    and not op.star and bound not in op.args and not uses.get(op.outputs[0])):
+                return  # (the bound method handed on, or its result read: left as it is)
+    loc = sg.loc
+    own_op = ir.Call(loc, ir.Const(intrinsics.build_list), hints=["own"])
+    own = own_op.outputs[0]
+    # the function's own list where it read the parameter; the parameter itself only extended at the end
+    renamed = {param: own}
+    for s in sg.walk():
+        for op in s.ops:
+            op.map_operands(lambda x: renamed.get(x, x) if isinstance(x, ir.Value) else x)
+    sg.ops.insert(0, own_op)
+    alias_set = set(aliases) - {param} | {own}
+    for s in sg.walk():
+        _give_calls_lists(s, j, alias_set)
+    extend_op = ir.Call(loc, ir.Const(getattr), [param, ir.Const("extend")], hints=["extend"])
+    handed = ir.Call(loc, extend_op.outputs[0], [own])
+    handed.hands_back = j  # (the one change of state the function's calls make: ``passes.effects``)
+    sg.ops += [extend_op, handed]
+
+
+def _give_calls_lists(s, j, aliases):
+    """In block ``s``: each recursive call handed a new list, extended into the block's own after it (after the
+    block's last call, with the appends between, where it makes two or more)."""
+    calls = [k for k, op in enumerate(s.ops) if isinstance(op, ir.Invoke) and _hands(op, j, aliases)]
+    if not calls:
+        return
+    first, last = calls[0], calls[-1]
+    between = set(range(first, last))
+    moved = []
+    ops = []
+    for k, op in enumerate(s.ops):
+        if k in calls:
+            alias = op.args[j]
+            made = ir.Call(op.loc, ir.Const(intrinsics.build_list), hints=["filled"])
+            op.args[j] = made.outputs[0]
+            op.fills = j
+            ops += [made, op]
+            grow = ir.Call(op.loc, ir.Const(getattr), [alias, ir.Const("extend")], hints=["extend"])
+            moved += [grow, ir.Call(op.loc, grow.outputs[0], [made.outputs[0]])]
+            if k == last:
+                ops += moved
+        elif k in between and _grows(op, aliases):
+            moved.append(op)
+        else:
+            ops.append(op)
+    s.ops = ops
+
+
+def _hands(op, j, aliases):
+    return len(op.args) > j and op.args[j] in aliases
+
+
+def _grows(op, aliases):
+    """Whether ``op`` is an append or extend of the list (or reads that bound method)."""
+    if ir.is_call(op, getattr) and op.args and op.args[0] in aliases:
+        return True
+    fn = op.fn if isinstance(op, ir.Call) else None
+    made = getattr(fn, "op", None) if isinstance(fn, ir.Value) else None
+    return made is not None and ir.is_call(made, getattr) and made.args[0] in aliases
