@@ -13,6 +13,7 @@ import builtins
 import operator
 import sys
 import types
+from itertools import chain
 
 import torch
 from torch import nn
@@ -177,6 +178,31 @@ def build_list(*items):
 
 def build_set(*items):
     return set(items)
+
+
+# A list made for one recursive call to fill (``passes.accumulate``) starts with FILLED: ``hand_back`` then puts
+# the call's own list into it as one item, which its caller appends to its own as one item, so that each call
+# costs its own items, not its subtree's; the list a call not so made is handed gets the items themselves.
+FILLED = type("Filled", (), {"__repr__": lambda self: "FILLED", "__slots__": ()})()
+
+
+def hand_back(target, own):
+    """The end of a call of a function rewritten by ``passes.accumulate``: the items of ``own`` (the lists of
+    the calls it made, held in it as they are, read in their place) added to the list ``target`` it was
+    handed; or ``own`` itself, where ``target`` was made for this call (``FILLED``)."""
+    if target and target[0] is FILLED:
+        target.append(own)
+        return
+    items, pending = [], [iter(own)]
+    while pending:  # (depth first, by a stack of iterators: a deep recursion's lists nest deep)
+        for item in pending[-1]:
+            if type(item) is list and item and item[0] is FILLED:
+                pending.append(chain.from_iterable(item[1:]))  # (the own list its call handed back)
+                break
+            items.append(item)
+        else:
+            pending.pop()
+    target.extend(items)
 
 
 def _as_in_place(result, x):

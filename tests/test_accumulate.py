@@ -1,5 +1,6 @@
 """passes/accumulate.py: a list a recursion is handed only to append to is filled by each call's own list."""
 
+import random
 import warnings
 from itertools import repeat
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import recompile
-from recompile import ir
+from recompile import intrinsics, ir
 from recompile.passes import effects
 from recompile.passes.pipeline import FINAL
 
@@ -100,8 +101,8 @@ def test_the_list_is_the_functions_own_and_each_recursive_call_is_handed_a_new_o
     model = compiled("sequential")
     model.encode(xs_(), 0, 0)
     text = type(model).post.dump(stage="accumulate", owner=type(model))
-    assert "%own = call build_list()" in text and text.count("%filled") >= 4
-    assert "extend')" in text
+    assert "%own = call build_list()" in text and text.count("= call build_list(<Filled>)") == 2
+    assert "call hand_back(%losses, %own)" in text
 
 
 @pytest.mark.parametrize("walk", WALKS)
@@ -196,3 +197,102 @@ def test_a_list_used_otherwise_is_left_as_it_is_with_pythons_values(fn):
     assert len(mine) == len(theirs)
     for a, b in zip(mine, theirs):
         torch.testing.assert_close(a, b)
+
+
+class Node:
+    def __init__(self, word, children):
+        self.word, self.children = word, children
+
+
+def node_tree(depth, draw):
+    children = [] if depth == 0 or draw.random() < 0.3 else \
+        [node_tree(depth - 1, draw) for _ in range(draw.randint(1, 3))]
+    return Node(torch.tensor(draw.randrange(20)), children)
+
+
+class TwoLists(torch.nn.Module):
+    """A child-sum over node objects handing two lists down by keyword: each node's loss and its state."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin, self.out = torch.nn.Embedding(20, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, node):
+        losses, states = [], []
+        h = self.walk(node, losses=losses, states=states)
+        return h, torch.stack(losses).sum(), torch.stack(states).sum(0), len(states)
+
+    def walk(self, node, losses, states):
+        h = self.emb(node.word)
+        for child in node.children:
+            h = h + self.walk(child, losses=losses, states=states)
+        h = torch.tanh(self.lin(h))
+        losses.append(self.out(h).logsumexp(-1))
+        states.append(h)
+        return h
+
+
+@pytest.mark.parametrize("mode", ["sequential", "batched"])
+def test_two_lists_handed_down_by_keyword_over_node_objects(mode):
+    draw = random.Random(0)
+    roots = [node_tree(4, draw) for _ in range(6)]
+    Compiled = type("Compiled", (TwoLists,), {name: recompile.function(mode=mode)(getattr(TwoLists, name))
+                                              for name in ("forward", "walk")})
+    torch.manual_seed(0)
+    eager_model = TwoLists().double()
+    model = Compiled().double()
+    model.load_state_dict(eager_model.state_dict())
+    assert type(model).walk.dump(stage="accumulate", owner=Compiled).count("call hand_back(") == 2
+    want = [eager_model(r) for r in roots]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", recompile.PerInstanceWarning)
+        got = recompile.map(model, roots) if mode == "batched" else [model(r) for r in roots]
+    for g, w in zip(got, want):
+        for a, b in zip(g[:3], w[:3]):
+            torch.testing.assert_close(a, b)
+        assert g[3] == w[3]
+    for a, b in zip(torch.autograd.grad(sum(g[1] + g[2].sum() for g in got), list(model.parameters())),
+                    torch.autograd.grad(sum(w[1] + w[2].sum() for w in want), list(eager_model.parameters()))):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_call_hands_its_list_back_as_one_item_and_the_outermost_gets_the_items_in_order():
+    """Each call's own list goes into the list made for it whole, so a call costs its own items, not its
+    subtree's; the list the outermost call was handed gets every item, in order, however deep the nesting."""
+    made_for_call = [intrinsics.FILLED]
+    own = ["a"]
+    intrinsics.hand_back(made_for_call, own)
+    assert made_for_call == [intrinsics.FILLED, ["a"]] and made_for_call[1] is own
+    deepest = inner = [intrinsics.FILLED]
+    for k in range(100_000):  # (a chain of calls, each handing back its item and its call's list)
+        outer = [intrinsics.FILLED]
+        intrinsics.hand_back(outer, [k, inner])
+        inner = outer
+    intrinsics.hand_back(deepest, ["end"])
+    got = ["before"]
+    intrinsics.hand_back(got, [inner, [intrinsics.FILLED]])  # (and a list whose call handed nothing back)
+    assert got == ["before", *range(99_999, -1, -1), "end"]
+
+
+def in_order(node, out):
+    if node is None:
+        return 0
+    left = in_order(node[0], out)
+    out.append(node[1])
+    return left + in_order(node[2], out) + 1
+
+
+def test_a_deep_chain_of_calls_fills_the_list_as_python_does():
+    chain = None
+    for k in range(3000):  # (a tree of sorted keys: every node a right child, 3000 deep)
+        chain = (None, 3000 - k, chain)
+    plain = in_order
+    compiled = recompile.function(mode="sequential")(plain)
+    assert "call hand_back(" in compiled.dump(stage="accumulate")
+    globals()["in_order"] = compiled  # (its recursive calls read the global name)
+    try:
+        mine = []
+        assert compiled(chain, mine) == 3000
+    finally:
+        globals()["in_order"] = plain
+    assert mine == list(range(1, 3001))

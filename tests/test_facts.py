@@ -256,6 +256,8 @@ GROWN = {
                                     # the margin losses torch's vmap has no rule for; rrelu out of training
                                     (F.margin_ranking_loss, batch_rules.margin_loss),
                                     (F.triplet_margin_loss, batch_rules.margin_loss), (F.rrelu, batch_rules.rrelu_eval),
+                                    # a call's own list handed back (passes.accumulate): each instance's
+                                    (intrinsics.hand_back, batch_rules.handed_back),
                                     # zeros of each instance's own length: the stretches of one tensor
                                     (torch.zeros, batch_rules.made_of_own_length),
                                     (torch.ones, batch_rules.made_of_own_length),
@@ -413,12 +415,14 @@ GROWN = {
     "batch_rules._SHAREABLE": (_names(type, intrinsics.fixed_cell, intrinsics.make_function, intrinsics.builtin_read,
                                       operator.index, intrinsics.import_module, intrinsics.import_from), set()),
     # what a nested function, lambda or generator expression needs: cells, writes of globals
+    # (and a call's own list handed back to its caller's, passes.accumulate: it moves tensors, as list.extend)
     "effects.MUTATING_CALLS": (_names(intrinsics.set_cell, intrinsics.delete_cell, intrinsics.write_global,
-                                      intrinsics.delete_global), set()),
+                                      intrinsics.delete_global, intrinsics.hand_back), set()),
     "grad.NO_GRADIENT": (_names(*_CLOSURES, intrinsics.new_cell, intrinsics.write_global, intrinsics.delete_global,
-                                intrinsics.builtin_read, operator.index, *_IMPORTS), set()),
+                                intrinsics.builtin_read, operator.index, *_IMPORTS, intrinsics.hand_back), set()),
     "backprop._NO_GRADIENT": (_names(*_CLOSURES, intrinsics.new_cell, intrinsics.write_global,
-                                     intrinsics.delete_global, intrinsics.builtin_read, operator.index, *_IMPORTS),
+                                     intrinsics.delete_global, intrinsics.builtin_read, operator.index, *_IMPORTS,
+                                     intrinsics.hand_back),
                               set()),
     # chunk, split and unbind of a batched tensor traced into a tuple of batched tensors
     "segments._METHODS": ({"'chunk' -> (1, False)", "'split' -> (1, False)", "'unbind' -> (0, False)"}, set()),

@@ -70,7 +70,8 @@ _GENERIC_OK = (_OPERATORS | facts.LAZY
                | {getattr, intrinsics.build_tuple, intrinsics.build_list, intrinsics.unpack, intrinsics.check_bound,
                   intrinsics.read_global, intrinsics.read_cell}
                | set(batch_rules.BATCH.by_callable) - set(facts.IN_PLACE) - facts.DRAWS - _ITERATION
-               - {operator.setitem, operator.delitem}  # (``y[i] = v``, ``del xs[-1]``: run again, twice)
+               - {operator.setitem, operator.delitem, intrinsics.hand_back}  # (``y[i] = v``, ``del xs[-1]``, a
+               # call's list handed back: run again, twice)
                - {*distributions.CLASSES, *distributions.EVENT_PARAMETERS, torch.distributions.Independent,
                   torch.distributions.kl_divergence})  # (no traced value: a distribution)
 _GENERIC_OK_MODULES = tuple(set(batch_rules.BATCH.by_module) - facts.DRAWS)

@@ -87,6 +87,7 @@ READING_METHODS = frozenset({"get", "index", "count", "keys", "values", "items",
 MUTATING = frozenset({
     setattr, delattr, operator.setitem, operator.delitem, next, operator.iconcat, *syntax.AUGMENTED,
     intrinsics.set_cell, intrinsics.delete_cell, intrinsics.write_global, intrinsics.delete_global,
+    intrinsics.hand_back,
 })
 # Method names (and module functions named alike) that change their receiver or argument: ``xs.append``,
 # ``heapq.heappush``; any name ending in one ``_`` (``t.add_``) changes it too (``mutating_method``).
@@ -233,6 +234,7 @@ NO_GRADIENT = MOVES | {
     intrinsics.read_global, intrinsics.read_cell, intrinsics.new_cell, intrinsics.fixed_cell, intrinsics.set_cell,
     intrinsics.read_local_cell, intrinsics.cell_or_undefined, intrinsics.delete_cell, intrinsics.make_function,
     intrinsics.write_global, intrinsics.delete_global, intrinsics.import_module, intrinsics.import_from,
+    intrinsics.hand_back,  # (moves a call's list's items, as list.extend: each tensor the very object)
     *(row.fn for row in syntax.COMPARE), operator.not_, operator.contains, operator.truth,
     print, len, isinstance, issubclass, slice, range, str, repr, format, int, float, bool, id, hash, type,
     callable, hasattr, chr, ord, divmod, round, any, all, operator.index,

@@ -10,15 +10,18 @@ DyNet users collect a tree's node losses so::
 Each call changes the list its caller holds, so the calls of a node would have to run one after another, each
 instance's tree one node at a time. Where the function's parameter ``losses`` is only appended to (``append``,
 ``extend``) and handed, in its own place, to the function's own recursive calls (through its branches and loops),
-the function is rewritten to fill a list of its own instead: it starts ``own = []``, appends there, gives each
-recursive call a new empty list and extends ``own`` by it once the call returned, and at its end extends
-``losses`` by ``own``. The list ends as Python's does, item for item in the same order; a call then changes
-nothing but the empty list made for it, which no other call sees (``Invoke.fills``, read by ``passes.effects``),
-so a node's calls run together, one batch per depth.
+the function is rewritten to fill a list of its own instead: it starts ``own = []`` and appends there, gives each
+recursive call a new list made for it (``[intrinsics.FILLED]``) and appends that list to ``own`` once the call
+returned, and at its end hands ``own`` back (``intrinsics.hand_back``): into a list made for it as one item, into
+any other (the outermost call's) as the items, read in order through the lists of the calls. The list ends as
+Python's does, item for item in the same order, each call costing its own items (a deep tree's calls do not copy
+their subtrees' items); a call then changes nothing but the list made for it, which no other call sees
+(``Invoke.fills``, read by ``passes.effects``), so a node's calls run together, one batch per depth. Each such
+parameter is rewritten so.
 
 Where a block makes two or more recursive calls, the appends and extends of ``own`` between its first and last
-call move after the last, in their order (nothing else reads ``own``): the ops between the calls then only compute
-the next call's arguments, and the calls are issued together (``codegen.plan``).
+call move after the last (with the calls' own lists), in their order (nothing else reads ``own``): the ops between
+the calls then only compute the next call's arguments, and the calls are issued together (``codegen.plan``).
 
 What differs from Python: while the recursion runs, ``losses`` does not grow item by item (nothing in the function
 reads it; code elsewhere that holds the same list under another name would see it grow at the end), and a call
@@ -34,11 +37,10 @@ _GROWING = ("append", "extend")
 
 def accumulate(sg, parsed=None):
     """Apply the pass to a function SubGraph (in place) and return it."""
-    for j, param in enumerate(sg.inputs):
+    for j, param in enumerate(sg.inputs):  # (each such list: ``losses`` and ``states`` handed down together)
         aliases = _only_grown_and_handed_down(sg, j, param)
         if aliases is not None:
             _rewrite(sg, j, param, aliases)
-            break  # (one list per function: a second is left as it is)
     return sg
 
 
@@ -63,59 +65,45 @@ def _only_grown_and_handed_down(sg, j, param):
             elif isinstance(op, ir.Cond):
                 if op.pred is value:
                     return None
-                for k, a in enumerate(op.args):
-                    if a is value:
-                        pending += [op.then_sg.inputs[k], op.else_sg.inputs[k]]
+                pending += [s.inputs[k] for k, a in enumerate(op.args) if a is value for s in op.subgraphs()]
             elif isinstance(op, ir.While):
                 if value in op.loop_vars:
                     return None  # (a name the loop may bind again)
-                k = op.invariants.index(value)
-                at = len(op.loop_vars) + k
-                pending += [op.cond_sg.inputs[at], op.body_sg.inputs[at]]
-            elif _grower(op, value) is None:
-                return None
-            else:
+                pending += [s.inputs[len(op.loop_vars) + k] for k, a in enumerate(op.invariants) if a is value
+                            for s in op.subgraphs()]
+            elif _grown_by(op, value, uses):
                 appended = True
+            else:
+                return None
     return aliases if appended and recursed else None
 
 
-def _grower(op, value):
-    """The calls of ``value.append`` (``extend``) that op ``o`` reads, where it reads that bound method and only
-    calls it, one argument each, their results unread; else None."""
+def _grown_by(op, value, uses):
+    """Whether op ``op`` reads ``value.append`` (``extend``) and that bound method is only called, with one
+    argument, its result unread."""
     if not (ir.is_call(op, getattr) and len(op.args) == 2 and op.args[0] is value
             and isinstance(op.args[1], ir.Const) and op.args[1].value in _GROWING):
-        return None
-    return op
+        return False
+    bound = op.outputs[0]
+    return all(isinstance(c, ir.Call) and c.fn is bound and len(c.args) == 1 and not c.kwargs and not c.star
+               and c.args[0] is not bound and not uses.get(c.outputs[0]) for c in uses.get(bound, ()))
 
 
 def _rewrite(sg, j, param, aliases):
-    uses = ir.uses(sg, outputs=True)
-    method_of = {}  # a bound append or extend: the alias it grows
-    for alias in aliases:
-        for op in uses.get(alias, ()):
-            if isinstance(op, ir.Call):
-                method_of[op.outputs[0]] = alias
-    for bound in method_of:
-        for op in uses.get(bound, ()):
-            if not (isinstance(op, ir.Call) and op.fn is bound and len(op.args) == 1 and not op.kwargs
-                    and not op.star and bound not in op.args and not uses.get(op.outputs[0])):
-                return  # (the bound method handed on, or its result read: left as it is)
-    loc = sg.loc
-    own_op = ir.Call(loc, ir.Const(intrinsics.build_list), hints=["own"])
+    """``own = []`` where ``sg`` starts, read where it read ``param``; each recursive call handed a new list; and
+    ``param.extend(own)`` where it ends."""
+    own_op = ir.Call(sg.loc, ir.Const(intrinsics.build_list), hints=["own"])
     own = own_op.outputs[0]
-    # the function's own list where it read the parameter; the parameter itself only extended at the end
-    renamed = {param: own}
     for s in sg.walk():
         for op in s.ops:
-            op.map_operands(lambda x: renamed.get(x, x) if isinstance(x, ir.Value) else x)
+            op.map_operands(lambda x: own if x is param else x)
     sg.ops.insert(0, own_op)
-    alias_set = set(aliases) - {param} | {own}
+    named = set(aliases) - {param} | {own}
     for s in sg.walk():
-        _give_calls_lists(s, j, alias_set)
-    extend_op = ir.Call(loc, ir.Const(getattr), [param, ir.Const("extend")], hints=["extend"])
-    handed = ir.Call(loc, extend_op.outputs[0], [own])
+        _give_calls_lists(s, j, named)
+    handed = ir.Call(sg.loc, ir.Const(intrinsics.hand_back), [param, own], hints=["handed"])
     handed.hands_back = j  # (the one change of state the function's calls make: ``passes.effects``)
-    sg.ops += [extend_op, handed]
+    sg.ops.append(handed)
 
 
 def _give_calls_lists(s, j, aliases):
@@ -131,11 +119,11 @@ def _give_calls_lists(s, j, aliases):
     for k, op in enumerate(s.ops):
         if k in calls:
             alias = op.args[j]
-            made = ir.Call(op.loc, ir.Const(intrinsics.build_list), hints=["filled"])
+            made = ir.Call(op.loc, ir.Const(intrinsics.build_list), [ir.Const(intrinsics.FILLED)], hints=["filled"])
             op.args[j] = made.outputs[0]
-            op.fills = j
+            op.fills = getattr(op, "fills", frozenset()) | {j}
             ops += [made, op]
-            grow = ir.Call(op.loc, ir.Const(getattr), [alias, ir.Const("extend")], hints=["extend"])
+            grow = ir.Call(op.loc, ir.Const(getattr), [alias, ir.Const("append")], hints=["append"])
             moved += [grow, ir.Call(op.loc, grow.outputs[0], [made.outputs[0]])]
             if k == last:
                 ops += moved

@@ -192,7 +192,7 @@ def local_appends(sg):
 
 def _appends_of(built, uses, sg, fillers=None, names=None):
     """The append calls of list ``built`` where every use of it (and of the names loops and branches give it)
-    is one ``local_appends`` allows, or its place in a call of ``fillers`` ({Invoke: the position of the list
+    is one ``local_appends`` allows, or its place in a call of ``fillers`` ({Invoke: the positions of the lists
     its function fills}), else None. Those names are added to the set ``names``, where one is given."""
     appends, pending, seen = set(), [built], set()
     popped = iterated = inserted = reversed_ = False
@@ -215,7 +215,8 @@ def _appends_of(built, uses, sg, fillers=None, names=None):
                     j = o.args.index(value)
                     pending += [o.then_sg.inputs[j], o.else_sg.inputs[j]]
                 elif isinstance(o, ir.Invoke) and fillers and o in fillers:
-                    if [k for k, a in enumerate(o.args) if a is value] != [fillers[o]]:
+                    places = [k for k, a in enumerate(o.args) if a is value]
+                    if len(places) != 1 or places[0] not in fillers[o]:
                         return None
                 elif _unpacked_only(o, value):
                     iterated = True  # (``zip(*pairs)``: the call gets the items, copied out as it starts)
@@ -235,7 +236,7 @@ def _appends_of(built, uses, sg, fillers=None, names=None):
                                and not any(v is o.output for _, v in c.kwargs) for c in callers):
                         return None
                     appends.update(callers)
-                elif not (_reads_lists(o) or _returned_in_tuple(o, uses, sg) or _extends_by(o, value)):
+                elif not (_reads_lists(o) or _returned_in_tuple(o, uses, sg) or _handed_back(o, value)):
                     return None
                 elif isinstance(o.fn, ir.Const) and o.fn.value in _ITERATING:
                     iterated = True
@@ -287,12 +288,10 @@ def _returned_in_tuple(o, uses, sg):
         and not uses.get(o.output)
 
 
-def _extends_by(o, value):
-    """Whether Call ``o`` is ``other.extend(value)``: it reads the list's items, and keeps not the list."""
-    made = o.fn.op if isinstance(o.fn, ir.Value) else None
-    found = growing(made) if made is not None else None
-    return found is not None and found[1] == "extend" and found[0] is not value and o.args == [value] and \
-        not o.kwargs and not o.star
+def _handed_back(o, value):
+    """Whether Call ``o`` hands list ``value`` back (``intrinsics.hand_back``, ``passes.accumulate``): what
+    becomes of it is the caller's list's."""
+    return ir.is_call(o, intrinsics.hand_back) and len(o.args) == 2 and o.args[1] is value and o.args[0] is not value
 
 
 def growing(o):
@@ -333,10 +332,17 @@ def invoke_may_mutate(invoke, stage):
 
 
 def _fills_its_own_list(invoke, stage):
-    """Whether ``invoke`` is a recursive call handed a new list of its own to fill (``passes.accumulate``: its
-    ``fills``) and its program changes nothing else (every call of that function in it is handed a new list, or
-    one its caller built and shows no one else, too)."""
-    return getattr(invoke, "fills", None) is not None and next(_seen_changes(invoke.target, stage, True), None) is None
+    """Whether ``invoke`` is a recursive call handed a new list of its own for each list its function fills
+    (``passes.accumulate``: its ``fills``) and its program changes nothing else (every call of that function in
+    it is handed a new list, or one its caller built and shows no one else, too)."""
+    fills = getattr(invoke, "fills", None)
+    return fills is not None and _filled(invoke.target.subgraph(stage)) <= fills and \
+        next(_seen_changes(invoke.target, stage, True), None) is None
+
+
+def _filled(sg):
+    """The positions of the lists function SubGraph ``sg`` extends at its end (``passes.accumulate``)."""
+    return {op.hands_back for op in sg.ops if getattr(op, "hands_back", None) is not None}
 
 
 def _seen_changes(target, stage, own_unseen=False):
@@ -353,31 +359,33 @@ def _seen_changes(target, stage, own_unseen=False):
 def _unseen_hand_backs(handles, stage, skip):
     """The extends by which functions of ``handles`` (but ``skip``) fill the list handed them, where every call
     of the function among them hands it a list made for the call or one its caller keeps to itself."""
-    backs = {}  # function name -> (the list's position, the extend)
+    backs = {}  # (function name, the list's position) -> the extend
     for t in handles:
         if t.ir_name != skip:
             for op in t.subgraph(stage).ops:
                 if getattr(op, "hands_back", None) is not None:
-                    backs[t.ir_name] = (op.hands_back, op)
+                    backs[t.ir_name, op.hands_back] = op
     if not backs:
         return set()
+    filling = {}  # function name -> the positions of its lists
+    for name, j in backs:
+        filling.setdefault(name, set()).add(j)
     for t in handles:
         sg = t.subgraph(stage)
-        calls = {op: backs[op.target.ir_name][0] for s in sg.walk() for op in s.ops
-                 if isinstance(op, ir.Invoke) and op.target.ir_name in backs}
+        calls = {op: filling[op.target.ir_name] for s in sg.walk() for op in s.ops
+                 if isinstance(op, ir.Invoke) and op.target.ir_name in filling}
         kept = None
-        for op, j in calls.items():
-            if getattr(op, "fills", None) is not None:
-                continue
-            if kept is None:  # (the lists the function built and keeps, by every name they have in it)
-                uses, kept = ir.uses(sg), set()
-                for s in sg.walk():
-                    for o in s.ops:
-                        if ir.is_call(o, intrinsics.build_list):
-                            _appends_of(o.output, uses, sg, calls, kept)
-            if op.args[j] not in kept:
-                backs.pop(op.target.ir_name, None)
-    return {op for _, op in backs.values()}
+        for op, places in calls.items():
+            for j in places - getattr(op, "fills", frozenset()):
+                if kept is None:  # (the lists the function built and keeps, by every name they have in it)
+                    uses, kept = ir.uses(sg), set()
+                    for s in sg.walk():
+                        for o in s.ops:
+                            if ir.is_call(o, intrinsics.build_list):
+                                _appends_of(o.output, uses, sg, calls, kept)
+                if op.args[j] not in kept:
+                    backs.pop((op.target.ir_name, j), None)
+    return set(backs.values())
 
 
 def program_may_mutate(target, stage):

@@ -2279,6 +2279,22 @@ def extended(n, xs, args, kwargs):
     return NotImplemented
 
 
+@BATCH.register(intrinsics.hand_back)
+def handed_back(n, fn, args, kwargs):
+    """``intrinsics.hand_back(target, own)`` of each instance's list ``target`` and own list (``passes.accumulate``):
+    each instance's, as its own call would (Python's work on its lists)."""
+    target, own = args
+    if kwargs or type(target) is not Batch:
+        return NotImplemented
+    bt.items_of(target)  # (each instance's own list from here, which its caller holds too)
+    lists = bt.own_lists(target)
+    if lists is None:
+        return NotImplemented
+    for each, mine in zip(lists, bt.items_of(own) if type(own) is Batch else [own] * n):
+        fn(each, mine)
+    return None
+
+
 @BATCH.register("insert")
 def inserted(n, xs, args, kwargs):
     """``xs.insert(i, v)`` (a shared int i) of a list the program built, held as its elements (v, batched or
