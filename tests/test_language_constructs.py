@@ -1502,10 +1502,22 @@ def decided_in_python_blocks(xs):
     return inside, any(x > a for x in xs for a in xs)  # (two fors stay a generator)
 
 
+def decided_by_next(xs):  # (a StopIteration in a generator's item is its RuntimeError, PEP 479: not lowered)
+    it = iter(xs[:1])
+    return any(next(it) > 5 for x in xs)
+
+
+def summed_by_next(xs):
+    it = iter(xs[:1])
+    return sum(next(it) for x in xs)
+
+
 def test_any_and_all_of_a_generator_stop_at_the_first_item_that_decides():
     check(decided_by_a_generator, ([1, 2, 3, 0, 4],), ([4, 0],), ([],), ([2, 4, 6],))
     check(decided_shadowed, ([1, 2],))
     check(decided_in_python_blocks, ([0, 2],), ([],))
+    check(decided_by_next, ([1, 2],), ([7],), ([3, 4],))  # (a RuntimeError, True, a RuntimeError)
+    check(summed_by_next, ([1, 2],), ([7],))
     dumped = recompile.function(decided_by_a_generator).dump()
     assert "genexpr" not in dumped and "call %any(" not in dumped and "call %all(" not in dumped
 

@@ -2,6 +2,7 @@
 function returns it; differential against the plain calls."""
 
 import collections
+import dataclasses
 import itertools
 import warnings
 import random
@@ -587,3 +588,27 @@ def test_each_instances_own_lists_joined_by_operators_as_python_joins_them(stric
         assert g[1:] == v[1:]
     torch.testing.assert_close(torch.autograd.grad(sum(g[0] for g in got), w)[0],
                                torch.autograd.grad(sum(v[0] for v in want), w)[0])
+
+
+@dataclasses.dataclass
+class Scaler:  # (eq=True, so unhashable: a callable the unpacked call's check must not hash)
+    k: float
+
+    def __call__(self, *xs):
+        return sum(xs) * self.k
+
+
+SCALER = Scaler(2.0)
+
+
+def test_an_unhashable_callable_given_each_instances_list_unpacked_gives_pythons_values(monkeypatch):
+    monkeypatch.setattr(recompile.config, "PER_INSTANCE", "allow")  # (its Python code runs once per instance)
+
+    @recompile.function
+    def scaled(x, n):
+        parts = [x * i for i in range(n)]
+        return SCALER(*parts) + x
+
+    xs, ns = torch.randn(3, 2, dtype=torch.float64), [1, 2, 3]
+    for got, x, n in zip(recompile.map(scaled, xs, ns), xs, ns):
+        torch.testing.assert_close(got, scaled.python(x, n))

@@ -476,7 +476,8 @@ class _GeneratorsConsumed(gast.NodeTransformer):
     instance at once, where a generator runs as Python once per instance. ``any(g)`` and ``all(g)`` of one
     ``for`` become a comprehension marked ``decides`` (the builtin's name) standing for the whole call: the
     converter makes it a loop that stops at the first item that decides, as the builtins do. (Not inside a
-    nested function, nor any/all inside a with, try, match or class statement: those run as Python.)
+    nested function, nor any/all inside a with, try, match or class statement: those run as Python; nor a generator
+    that calls ``next``, whose StopIteration Python makes a RuntimeError.)
     ``lowered``: the builtins so called, read at the function's start by ``builtin_read``."""
 
     def __init__(self, builtins):
@@ -489,6 +490,7 @@ class _GeneratorsConsumed(gast.NodeTransformer):
         plain = (isinstance(f, gast.Name) and f.id in self.builtins and node.args
                  and not any(isinstance(a, gast.Starred) for a in node.args)
                  and all(k.arg is not None for k in node.keywords))
+        plain = plain and not (isinstance(node.args[0], gast.GeneratorExp) and _draws_by_next(node.args[0]))
         if (plain and f.id in DECIDERS and not self.in_python and len(node.args) == 1 and not node.keywords
                 and isinstance(node.args[0], gast.GeneratorExp) and len(node.args[0].generators) == 1):
             gen = node.args[0]
@@ -516,6 +518,15 @@ class _GeneratorsConsumed(gast.NodeTransformer):
 
     visit_Lambda = visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = visit_GeneratorExp = _nested
     visit_With = visit_AsyncWith = visit_Try = visit_TryStar = visit_Match = _python_block
+
+
+def _draws_by_next(gen):
+    """Whether generator expression ``gen``'s items or tests call ``next`` (``__next__``): a StopIteration there
+    is a RuntimeError of the generator's (PEP 479), which a loop would let out as it is; it stays a generator."""
+    parts = [gen.elt, *(c for g in gen.generators for c in g.ifs), *(g.iter for g in gen.generators[1:])]
+    return any(isinstance(n, gast.Call) and (isinstance(n.func, gast.Name) and n.func.id == "next" or
+                                            isinstance(n.func, gast.Attribute) and n.func.attr == "__next__")
+               for part in parts for n in gast.walk(part))
 
 
 def _builtin_reads(names, at):

@@ -569,7 +569,7 @@ def per_instance_or_once(n, thunk, values, callee):
     """A call of ``callee`` whose arguments are unpacked (``f(*xs, **kw)``), run per instance on ``values``."""
     if n == 1:
         return thunk(*values)
-    if type(callee) is not Batch and callee in _REGROUPING:
+    if type(callee) is not Batch and facts.among(callee, _REGROUPING):  # (a callee may be unhashable)
         return bt.from_items([thunk(*[bt.instance(v, k) for v in values]) for k in range(n)])
     _count(thunk, n, fallbacks.UNPACKED)
     return bt.from_items([sharing.call_owning(thunk, [bt.instance(v, k) for v in values]) for k in range(n)])
