@@ -190,7 +190,7 @@ def hand_back(target, own):
     """The end of a call of a function rewritten by ``passes.accumulate``: the items of ``own`` (the lists of
     the calls it made, held in it as they are, read in their place) added to the list ``target`` it was
     handed; or ``own`` itself, where ``target`` was made for this call (``FILLED``)."""
-    if target and target[0] is FILLED:
+    if type(target) is list and target and target[0] is FILLED:
         target.append(own)
         return
     items, pending = [], [iter(own)]
@@ -202,7 +202,11 @@ def hand_back(target, own):
             items.append(item)
         else:
             pending.pop()
-    target.extend(items)
+    if type(target) is list:
+        target.extend(items)
+    else:  # (a list of the user's class, or another collector: its own append, item by item, in Python's order)
+        for item in items:
+            target.append(item)
 
 
 def _as_in_place(result, x):

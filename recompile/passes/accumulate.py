@@ -8,46 +8,55 @@ DyNet users collect a tree's node losses so::
         return h
 
 Each call changes the list its caller holds, so the calls of a node would have to run one after another, each
-instance's tree one node at a time. Where the function's parameter ``losses`` is only appended to (``append``,
-``extend``) and handed, in its own place, to the function's own recursive calls (through its branches and loops),
-the function is rewritten to fill a list of its own instead: it starts ``own = []`` and appends there, gives each
-recursive call a new list made for it (``[intrinsics.FILLED]``) and appends that list to ``own`` once the call
-returned, and at its end hands ``own`` back (``intrinsics.hand_back``): into a list made for it as one item, into
-any other (the outermost call's) as the items, read in order through the lists of the calls. The list ends as
-Python's does, item for item in the same order, each call costing its own items (a deep tree's calls do not copy
-their subtrees' items); a call then changes nothing but the list made for it, which no other call sees
-(``Invoke.fills``, read by ``passes.effects``), so a node's calls run together, one batch per depth. Each such
-parameter is rewritten so.
+instance's tree one node at a time. Where the function's parameter ``losses`` is only appended to (``append``) and
+handed, in its own place, to the function's own recursive calls (through its branches and loops), the function
+changes nothing else in place and has no other such parameter (two may be one list), and no branch or loop stands
+between two recursive calls of one block, the function is rewritten to fill a list of its own instead: it starts
+``own = []`` and appends there, gives each recursive call a new list made for it (``[intrinsics.FILLED]``) and
+appends that list to ``own`` once the call returned, and at its end hands ``own`` back (``intrinsics.hand_back``):
+into a list made for it as one item, into any other (the outermost call's) as the items, read in order through the
+lists of the calls. The list ends as Python's does, item for item in the same order, each call costing its own items
+(a deep tree's calls do not copy their subtrees' items); a call then changes nothing but the list made for it, which
+no other call sees (``Invoke.fills``, read by ``passes.effects``), so a node's calls run together, one batch per
+depth (unless the program prints or draws: then the order of its calls shows, and they keep it). A list of another
+class gets its own ``append`` for each item, in Python's order.
 
-Where a block makes two or more recursive calls, the appends and extends of ``own`` between its first and last
-call move after the last (with the calls' own lists), in their order (nothing else reads ``own``): the ops between
-the calls then only compute the next call's arguments, and the calls are issued together (``codegen.plan``).
+Where a block makes two or more recursive calls, the appends to ``own`` between its first and last call move after
+the last (with the calls' own lists), in their order (nothing else reads ``own``): the ops between the calls then
+only compute the next call's arguments, and the calls are issued together (``codegen.plan``).
 
 What differs from Python: while the recursion runs, ``losses`` does not grow item by item (nothing in the function
-reads it; code elsewhere that holds the same list under another name would see it grow at the end), and a call
-that raises leaves ``losses`` without the items of the calls it was in.
+reads it by that name; code that holds the same list under another name, ``self.log``, sees it grow at the end),
+and a call that raises leaves ``losses`` without the items of the calls it was in.
 """
 
 from __future__ import annotations
 
 from .. import intrinsics, ir
+from . import effects
 
-_GROWING = ("append", "extend")
+_GROWING = ("append",)
 
 
 def accumulate(sg, parsed=None):
     """Apply the pass to a function SubGraph (in place) and return it."""
-    for j, param in enumerate(sg.inputs):  # (each such list: ``losses`` and ``states`` handed down together)
-        aliases = _only_grown_and_handed_down(sg, j, param)
-        if aliases is not None:
-            _rewrite(sg, j, param, aliases)
+    found = [(j, param, aliases) for j, param in enumerate(sg.inputs)
+             for aliases in [_only_grown_and_handed_down(sg, j, param)] if aliases is not None]
+    if len(found) != 1:
+        return sg  # (two such lists may be one list: their appends would no longer interleave)
+    j, param, aliases = found[0]
+    growers = {op for s in sg.walk() for op in s.ops if _grows(op, set(aliases))}
+    if any(effects.op_mutates(op) and op not in growers for s in sg.walk() for op in s.ops):
+        return sg  # (another change the function makes may reach the same list by another name)
+    if all(_calls_stay_together(s, j, set(aliases)) for s in sg.walk()):
+        _rewrite(sg, j, param, aliases)
     return sg
 
 
 def _only_grown_and_handed_down(sg, j, param):
     """The names ``param`` (input j of function ``sg``) has in ``sg`` and its branches and loop bodies, where every
-    use of them is an append or extend of it, or the same place j of a recursive call, and at least one of each
-    is made; else None."""
+    use of them is an append to it, or the same place j of a recursive call, and at least one of each is made;
+    else None."""
     uses = ir.uses(sg, outputs=True)
     aliases, pending = [], [param]
     appended = recursed = False
@@ -79,8 +88,8 @@ def _only_grown_and_handed_down(sg, j, param):
 
 
 def _grown_by(op, value, uses):
-    """Whether op ``op`` reads ``value.append`` (``extend``) and that bound method is only called, with one
-    argument, its result unread."""
+    """Whether op ``op`` reads ``value.append`` and that bound method is only called, with one argument, its result
+    unread."""
     if not (ir.is_call(op, getattr) and len(op.args) == 2 and op.args[0] is value
             and isinstance(op.args[1], ir.Const) and op.args[1].value in _GROWING):
         return False
@@ -89,9 +98,16 @@ def _grown_by(op, value, uses):
                and c.args[0] is not bound and not uses.get(c.outputs[0]) for c in uses.get(bound, ()))
 
 
+def _calls_stay_together(s, j, aliases):
+    """Whether block ``s``'s ops between its first and last recursive call handing the list hold no branch or loop
+    (whose appends, or calls, could not move after the last call with the block's own appends)."""
+    calls = [k for k, op in enumerate(s.ops) if isinstance(op, ir.Invoke) and _hands_on(op, j, aliases)]
+    return not calls or not any(op.subgraphs() for op in s.ops[calls[0]:calls[-1]])
+
+
 def _rewrite(sg, j, param, aliases):
     """``own = []`` where ``sg`` starts, read where it read ``param``; each recursive call handed a new list; and
-    ``param.extend(own)`` where it ends."""
+    ``hand_back(param, own)`` where it ends."""
     own_op = ir.Call(sg.loc, ir.Const(intrinsics.build_list), hints=["own"])
     own = own_op.outputs[0]
     for s in sg.walk():
@@ -109,7 +125,7 @@ def _rewrite(sg, j, param, aliases):
 def _give_calls_lists(s, j, aliases):
     """In block ``s``: each recursive call handed a new list, extended into the block's own after it (after the
     block's last call, with the appends between, where it makes two or more)."""
-    calls = [k for k, op in enumerate(s.ops) if isinstance(op, ir.Invoke) and _hands(op, j, aliases)]
+    calls = [k for k, op in enumerate(s.ops) if isinstance(op, ir.Invoke) and _hands_on(op, j, aliases)]
     if not calls:
         return
     first, last = calls[0], calls[-1]
@@ -134,12 +150,13 @@ def _give_calls_lists(s, j, aliases):
     s.ops = ops
 
 
-def _hands(op, j, aliases):
-    return len(op.args) > j and op.args[j] in aliases
+def _hands_on(invoke, j, aliases):
+    """Whether recursive call ``invoke`` is handed the list (a name of it) in its place j."""
+    return len(invoke.args) > j and invoke.args[j] in aliases
 
 
 def _grows(op, aliases):
-    """Whether ``op`` is an append or extend of the list (or reads that bound method)."""
+    """Whether ``op`` appends to the list (a name of it in ``aliases``), or reads its bound ``append``."""
     if ir.is_call(op, getattr) and op.args and op.args[0] in aliases:
         return True
     fn = op.fn if isinstance(op, ir.Call) else None

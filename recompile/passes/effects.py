@@ -337,19 +337,19 @@ def _fills_its_own_list(invoke, stage):
     it is handed a new list, or one its caller built and shows no one else, too)."""
     fills = getattr(invoke, "fills", None)
     return fills is not None and _filled(invoke.target.subgraph(stage)) <= fills and \
-        next(_seen_changes(invoke.target, stage, True), None) is None
+        next(_seen_changes(invoke.target, stage, True), None) is None and not _shows_something(invoke.target, stage)
 
 
 def _filled(sg):
-    """The positions of the lists function SubGraph ``sg`` extends at its end (``passes.accumulate``)."""
+    """The positions of the lists function SubGraph ``sg`` hands its own list back to (``passes.accumulate``)."""
     return {op.hands_back for op in sg.ops if getattr(op, "hands_back", None) is not None}
 
 
 def _seen_changes(target, stage, own_unseen=False):
     """The ops by which the program of ``target`` may change state in place, in the order the functions are
-    reached, but for the extends by which a function fills the list it is handed (``passes.accumulate``) where
+    reached, but for the hand-backs by which a function fills the list it is handed (``passes.accumulate``) where
     no caller of ``target`` sees that list: every call of the function in the program hands it a new list, or
-    one its caller built and shows no one else. The extend of ``target`` itself counts unless ``own_unseen``
+    one its caller built and shows no one else. The hand-back of ``target`` itself counts unless ``own_unseen``
     (its caller's list, but for a call handed a new one)."""
     handles = list(ir.reachable(target, stage))
     unseen = _unseen_hand_backs(handles, stage, None if own_unseen else target.ir_name)
@@ -357,9 +357,9 @@ def _seen_changes(target, stage, own_unseen=False):
 
 
 def _unseen_hand_backs(handles, stage, skip):
-    """The extends by which functions of ``handles`` (but ``skip``) fill the list handed them, where every call
+    """The hand-backs by which functions of ``handles`` (but ``skip``) fill the list handed them, where every call
     of the function among them hands it a list made for the call or one its caller keeps to itself."""
-    backs = {}  # (function name, the list's position) -> the extend
+    backs = {}  # (function name, the list's position) -> the hand-back
     for t in handles:
         if t.ir_name != skip:
             for op in t.subgraph(stage).ops:
@@ -422,16 +422,20 @@ def program_runs_again_unseen(target, stage):
     """Whether the compiled function ``target`` names, run again, changes and shows nothing twice: neither it
     nor what it may invoke changes state in place, calls a builtin with an effect of its own (``print``,
     ``open``) or a random draw by name. (A callable it reads at run time, ``self.drop``, is not seen here.)"""
-    if program_may_mutate(target, stage):
-        return False
+    return not program_may_mutate(target, stage) and not _shows_something(target, stage)
+
+
+def _shows_something(target, stage):
+    """Whether the program of ``target`` calls a builtin with an effect of its own (``print``, ``open``) or a random
+    draw by name: the order of its calls shows."""
     for t in ir.reachable(target, stage):
         for sg in t.subgraph(stage).walk():
             for op in sg.ops:
                 if isinstance(op, ir.Call):
                     fn = resolve(op.fn)
                     if facts.among(fn, _VISIBLE) or facts.among(fn, facts.DRAWS):
-                        return False
-    return True
+                        return True
+    return False
 
 
 def callables_named(target, stage):
