@@ -109,6 +109,9 @@ class Call(Op):
     """
 
     kind = "call"
+    # the position of the parameter whose list an ``intrinsics.hand_back`` fills (``passes.accumulate``), read by
+    # ``passes.effects``; None for any other call
+    hands_back = None
 
     def __init__(self, loc, fn, args=(), kwargs=(), star=(), n_outputs=1, hints=()):
         super().__init__(loc, n_outputs, hints)
@@ -174,6 +177,9 @@ class Invoke(Op):
     """
 
     kind = "invoke"
+    # the positions of the arguments that are lists made for this recursive call, which its function fills and
+    # hands back (``passes.accumulate``); a pass that rebuilds the op drops them, and the call keeps its order
+    fills = frozenset()
 
     def __init__(self, loc, callee, target, args, hints=()):
         super().__init__(loc, 1, hints)

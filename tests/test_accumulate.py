@@ -140,7 +140,7 @@ def test_the_calls_of_a_node_run_together_and_the_caller_keeps_its_list():
     model.encode(xs_(), 0, 0)  # (builds the program)
     walk_sg = type(model).encode.program(owner=type(model)).subgraphs
     calls = [op for sg in walk_sg.values() for s in sg.walk() for op in s.ops if isinstance(op, ir.Invoke)
-             and getattr(op, "fills", None) is not None]
+             and op.fills]
     # (two calls in each walk: the loop over a display of two is its body once per item, held_displays)
     assert len(calls) == 4 * 2 and not any(effects.invoke_may_mutate(op, FINAL) for op in calls)
     assert not type(model).encode.callee(type(model)).may_mutate  # (its list its own)

@@ -540,8 +540,8 @@ _UNROLLED_ITEMS = 8  # (a display of more items stays a loop: its body is not co
 # (what keeps a loop a loop: a jump out of the body; a nested scope or a with / try / match statement, which the
 # converter finds again by the very node, so its body may not be copied)
 _KEPT_LOOP = (gast.Break, gast.Continue, gast.Return, gast.Yield, gast.YieldFrom, gast.Await, gast.FunctionDef,
-              gast.AsyncFunctionDef, gast.Lambda, gast.ClassDef, gast.GeneratorExp, gast.ListComp, gast.SetComp,
-              gast.DictComp, gast.With, gast.AsyncWith, gast.Try, gast.Match, *python_blocks.KINDS)
+              gast.AsyncFunctionDef, gast.Lambda, gast.GeneratorExp, gast.ListComp, gast.SetComp, gast.DictComp,
+              gast.AsyncWith, *python_blocks.KINDS)
 
 
 def _display(x):

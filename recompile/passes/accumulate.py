@@ -90,8 +90,7 @@ def _only_grown_and_handed_down(sg, j, param):
 def _grown_by(op, value, uses):
     """Whether op ``op`` reads ``value.append`` and that bound method is only called, with one argument, its result
     unread."""
-    if not (ir.is_call(op, getattr) and len(op.args) == 2 and op.args[0] is value
-            and isinstance(op.args[1], ir.Const) and op.args[1].value in _GROWING):
+    if _append_read(op) is not value:
         return False
     bound = op.outputs[0]
     return all(isinstance(c, ir.Call) and c.fn is bound and len(c.args) == 1 and not c.kwargs and not c.star
@@ -137,7 +136,7 @@ def _give_calls_lists(s, j, aliases):
             alias = op.args[j]
             made = ir.Call(op.loc, ir.Const(intrinsics.build_list), [ir.Const(intrinsics.FILLED)], hints=["filled"])
             op.args[j] = made.outputs[0]
-            op.fills = getattr(op, "fills", frozenset()) | {j}
+            op.fills = op.fills | {j}
             ops += [made, op]
             grow = ir.Call(op.loc, ir.Const(getattr), [alias, ir.Const("append")], hints=["append"])
             moved += [grow, ir.Call(op.loc, grow.outputs[0], [made.outputs[0]])]
@@ -157,8 +156,12 @@ def _hands_on(invoke, j, aliases):
 
 def _grows(op, aliases):
     """Whether ``op`` appends to the list (a name of it in ``aliases``), or reads its bound ``append``."""
-    if ir.is_call(op, getattr) and op.args and op.args[0] in aliases:
-        return True
     fn = op.fn if isinstance(op, ir.Call) else None
-    made = getattr(fn, "op", None) if isinstance(fn, ir.Value) else None
-    return made is not None and ir.is_call(made, getattr) and made.args[0] in aliases
+    made = fn.op if isinstance(fn, ir.Value) else None
+    return _append_read(op) in aliases or made is not None and _append_read(made) in aliases
+
+
+def _append_read(op):
+    """The list whose ``append`` op ``op`` reads, else None."""
+    found = effects.growing(op)
+    return found[0] if found is not None and found[1] in _GROWING else None

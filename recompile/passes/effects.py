@@ -184,16 +184,16 @@ def local_appends(sg):
     for s in sg.walk():
         for o in s.ops:
             if isinstance(o, ir.Call) and isinstance(o.fn, ir.Const) and o.fn.value is intrinsics.build_list:
-                appends = _appends_of(o.output, uses, sg)
-                if appends is not None:
-                    found.update(appends)
+                changes = _list_changes(o.output, uses, sg)
+                if changes is not None:
+                    found.update(changes[0])
     return found
 
 
-def _appends_of(built, uses, sg, fillers=None, names=None):
-    """The append calls of list ``built`` where every use of it (and of the names loops and branches give it)
-    is one ``local_appends`` allows, or its place in a call of ``fillers`` ({Invoke: the positions of the lists
-    its function fills}), else None. Those names are added to the set ``names``, where one is given."""
+def _list_changes(built, uses, sg, fillers=None):
+    """(the calls that change list ``built``, the names it has: itself and those loops and branches give it) where
+    every use of those names is one ``local_appends`` allows, or its place in a call of ``fillers`` ({Invoke: the
+    positions of the lists its function fills}); else None."""
     appends, pending, seen = set(), [built], set()
     popped = iterated = inserted = reversed_ = False
     while pending:
@@ -261,9 +261,7 @@ def _appends_of(built, uses, sg, fillers=None, names=None):
         return None  # (a ``for`` over a list that also shrinks: the batch's copy of it tells a list that only grew)
     if inserted and reversed_:
         return None  # (a ``for`` from its end over a list that grows in front: the batch's reversed copy is not it)
-    if names is not None:
-        names.update(seen)
-    return appends
+    return appends, seen
 
 
 def _unpacked_only(o, value):
@@ -335,14 +333,13 @@ def _fills_its_own_list(invoke, stage):
     """Whether ``invoke`` is a recursive call handed a new list of its own for each list its function fills
     (``passes.accumulate``: its ``fills``) and its program changes nothing else (every call of that function in
     it is handed a new list, or one its caller built and shows no one else, too)."""
-    fills = getattr(invoke, "fills", None)
-    return fills is not None and _filled(invoke.target.subgraph(stage)) <= fills and \
+    return bool(invoke.fills) and _filled(invoke.target.subgraph(stage)) <= invoke.fills and \
         next(_seen_changes(invoke.target, stage, True), None) is None and not _shows_something(invoke.target, stage)
 
 
 def _filled(sg):
     """The positions of the lists function SubGraph ``sg`` hands its own list back to (``passes.accumulate``)."""
-    return {op.hands_back for op in sg.ops if getattr(op, "hands_back", None) is not None}
+    return {op.hands_back for op in sg.ops if isinstance(op, ir.Call) and op.hands_back is not None}
 
 
 def _seen_changes(target, stage, own_unseen=False):
@@ -363,7 +360,7 @@ def _unseen_hand_backs(handles, stage, skip):
     for t in handles:
         if t.ir_name != skip:
             for op in t.subgraph(stage).ops:
-                if getattr(op, "hands_back", None) is not None:
+                if isinstance(op, ir.Call) and op.hands_back is not None:
                     backs[t.ir_name, op.hands_back] = op
     if not backs:
         return set()
@@ -376,13 +373,15 @@ def _unseen_hand_backs(handles, stage, skip):
                  if isinstance(op, ir.Invoke) and op.target.ir_name in filling}
         kept = None
         for op, places in calls.items():
-            for j in places - getattr(op, "fills", frozenset()):
+            for j in places - op.fills:
                 if kept is None:  # (the lists the function built and keeps, by every name they have in it)
                     uses, kept = ir.uses(sg), set()
                     for s in sg.walk():
                         for o in s.ops:
-                            if ir.is_call(o, intrinsics.build_list):
-                                _appends_of(o.output, uses, sg, calls, kept)
+                            changes = _list_changes(o.output, uses, sg, calls) \
+                                if ir.is_call(o, intrinsics.build_list) else None
+                            if changes is not None:
+                                kept.update(changes[1])
                 if op.args[j] not in kept:
                     backs.pop((op.target.ir_name, j), None)
     return set(backs.values())
