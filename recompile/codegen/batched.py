@@ -195,7 +195,7 @@ class _BatchedEmitter(emit.FunctionEmitter):
         b = self.var(ir.Value("_branch"))
         first = ast.Assign(targets=[ast.Name(id=b, ctx=ast.Store())], value=branch)
         locate(first, op.loc)
-        if self.batch_plan.yields_branches(self.current):
+        if self.batch_plan.yields_branches(op):
             units = [self.helper(self.emission.units[s], "unit_" + s.name) for s in op.subgraphs()]
             request = ast.Call(func=ast.Attribute(value=ast.Name(id=b, ctx=ast.Load()), attr="requests",
                                                   ctx=ast.Load()),

@@ -3,11 +3,12 @@
 In batched mode a frame runs one SubGraph for many instances, and the
 scheduler merges frames waiting at the same program point. The program points
 are the *units*: each function's entry SubGraph, and each branch of a Cond
-that lies in a SubGraph which invokes (the leaf and internal-node cases of a
-tree function), so that the branches taken by different frames — siblings,
+one of whose branches invokes (the leaf and internal-node cases of a tree
+function), so that the branches taken by different frames — siblings,
 depths, samples — are merged, and the leaf work of a whole minibatch runs
-once. Everything else (a Cond in code that never invokes, a loop's predicate
-and body) runs inline in its unit's frame.
+once. Everything else (a Cond whose branches invoke nothing, a loop's
+predicate and body) runs inline in its unit's frame: a yield there would
+cost the frame a resume for no call.
 
 Each op's batch rule is found by its callable when it runs
 (``runtime.batch_rules``): most callables of model code (``torch.tanh``,
@@ -50,7 +51,7 @@ class BatchPlan:
         for s in sg.walk():
             if s in self.generators:
                 for op in s.ops:
-                    if isinstance(op, ir.Cond):
+                    if self.yields_branches(op):
                         self.units.extend(op.subgraphs())
         self.successors = {s: tuple(self._requested(s)) for s in self.units}
         self.deferrable = set()
@@ -58,15 +59,18 @@ class BatchPlan:
             for s in self.units:  # (a unit's outputs go back to the frames that asked for it)
                 self.deferrable.update(_deferrable_invokes(s, may_mutate))
 
-    def yields_branches(self, sg):
-        """Whether the Conds of SubGraph ``sg`` send their branches to the scheduler."""
-        return sg in self.generators
+    def yields_branches(self, cond):
+        """Whether Cond ``cond`` sends its branches to the scheduler: where a branch invokes (a tree function's
+        leaf and internal-node cases), so that the branches taken by different frames merge. A Cond whose
+        branches invoke nothing runs inline, in its frame's group, as in code that never invokes: a yield
+        there would cost the frame a resume for no call."""
+        return any(s in self.generators for s in cond.subgraphs())
 
     def _requested(self, sg):
         for op in sg.ops:
             if isinstance(op, ir.Invoke):
                 yield op.target
-            elif isinstance(op, ir.Cond) and sg in self.generators:
+            elif isinstance(op, ir.Cond) and self.yields_branches(op):
                 yield op.then_sg
                 yield op.else_sg
             else:
