@@ -590,6 +590,39 @@ def test_each_instances_own_lists_joined_by_operators_as_python_joins_them(stric
                                torch.autograd.grad(sum(v[0] for v in want), w)[0])
 
 
+VOWELS, SEEN = "aeiou", {"kiwi": 0, "zz": 1}
+
+
+def test_each_instances_strings_read_by_their_methods_and_in_as_python_reads_them(strict):
+    """``ch in VOWELS``, ``word not in SEEN`` (a shared str and dict), ``k in (1, 3)``, ``w not in {...}`` (a dict
+    the function builds), ``word.upper()`` and its other methods, ``"-".join(...)`` and ``"{}".format(...)`` of a
+    shared str: Python's work on each instance's Python values, with no warning (``strict``), as Python does it;
+    the tensor work beside it batched."""
+    torch.manual_seed(6)
+    embed = nn.Embedding(len(VOWELS) + 1, 3).double()
+
+    @recompile.function
+    def spelled(word, k):
+        n, h = 0, torch.zeros(3, dtype=torch.float64)
+        for ch in word.lower():
+            if ch in VOWELS:
+                n += 1
+                h = h + embed.weight[VOWELS.index(ch) if ch in VOWELS else len(VOWELS)]
+        told = "{w}:{n}".format(w=word.strip(), n=k)
+        return (h, n, word.upper(), word.startswith("a"), len(word.split("-")), word.replace("a", "b"),
+                "-".join([word, told]), word not in SEEN, k in (1, 3), word not in {"zz": 1}, word.count("a") + k)
+
+    words, ks = ["apple", "Banana-x", "kiwi ", "zz", ""], [1, 2, 3, 4, 5]
+    got = recompile.map(spelled, words, ks)
+    want = [spelled.python(w, k) for w, k in zip(words, ks)]
+    for g, v in zip(got, want):
+        torch.testing.assert_close(g[0], v[0])
+        assert g[1:] == v[1:]
+    torch.testing.assert_close(torch.autograd.grad(sum(g[0].sum() for g in got), embed.weight)[0],
+                               torch.autograd.grad(sum(v[0].sum() for v in want), embed.weight)[0])
+    assert not spelled.stats["per_instance"]
+
+
 @dataclasses.dataclass
 class Scaler:  # (eq=True, so unhashable: a callable the unpacked call's check must not hash)
     k: float

@@ -825,3 +825,68 @@ def test_appended_rows_are_read_where_they_lie():
     assert lists.rows_at([1], [1]) is None  # (instance 1's list holds one item)
     lists[0].append(packed[0])
     assert not lists.holds_its_rows_alone()  # (its readers then read the lists themselves)
+
+
+class Kid:
+    def __init__(self, x, children):
+        self.x, self.children = x, children
+
+
+def kid_tree(rng, depth=0):
+    arity = 0 if depth >= 3 or (depth and rng.random() < 0.4) else rng.randint(1, 4)
+    return Kid(torch.randn(3, generator=rng_torch(rng)), [kid_tree(rng, depth + 1) for _ in range(arity)])
+
+
+def rng_torch(rng):
+    return torch.Generator().manual_seed(rng.randrange(2 ** 31))
+
+
+@recompile.function
+def summed_over_kids(node, extra):
+    hs = []
+    for child in node.children:
+        hs.append(summed_over_kids(child, extra))
+    if extra:
+        hs.append(node.x * 2.0)  # (a list that holds more than the loop's rows: each instance's own sum)
+    s = sum(hs) if hs else node.x * 1.5
+    return s * 0.5 + node.x
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_the_sum_of_each_nodes_childrens_rows_adds_as_python_in_one_index_add(extra, monkeypatch):
+    """``sum(hs)`` of the lists a loop over a node's children appended the calls' rows to (``rows.Appended``),
+    on the side of an ``if hs`` that the nodes with children take (``Appended.taken``): one ``index_add`` of the
+    rows (``batch_rules._summed_rows``), equal to Python's sum bit for bit in float32 (the same order of adds),
+    gradients as eager's; with an item appended after the loop, each list is summed as it stands."""
+    import random
+
+    from recompile.runtime import batch_rules
+    ran = []
+    summed = batch_rules._summed_rows
+
+    def spy(n, lists):
+        out = summed(n, lists)
+        ran.append(out is not NotImplemented)
+        return out
+
+    monkeypatch.setattr(batch_rules, "_summed_rows", spy)
+    rng = random.Random(4)
+    trees = [kid_tree(rng) for _ in range(6)]
+    for t in trees:
+        for node in _walk(t):
+            node.x.requires_grad_(True)
+    got = recompile.map(summed_over_kids, trees, [extra] * len(trees))
+    want = [summed_over_kids.python(t, extra) for t in trees]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    leaves = [node.x for t in trees for node in _walk(t)]
+    for a, b in zip(torch.autograd.grad(sum(g.sum() for g in got), leaves),
+                    torch.autograd.grad(sum(w.sum() for w in want), leaves)):
+        torch.testing.assert_close(a, b)
+    assert any(ran) != extra  # (rows summed at once only while the lists hold just them)
+
+
+def _walk(node):
+    yield node
+    for c in node.children:
+        yield from _walk(c)

@@ -409,6 +409,15 @@ def own_lists(v, kinds=(list,)):
     return v.items if v.owner == "items" and set(map(type, v.items)).issubset(kinds) else None
 
 
+def own_lists_made(v):
+    """``own_lists(v)``, each instance's value first made its own object (``items_of``): a list display the
+    program built, held once as its elements for every instance, becomes one list per instance, the same objects a
+    caller holding ``v`` holds, so a change made to them from here is each instance's own."""
+    if type(v) is Batch:
+        items_of(v)
+    return own_lists(v)
+
+
 def instance_shape(b):
     """The shape every instance's tensor of Batch ``b`` has, read without joining or stacking them (a Batch's
     tensor, its items, its pieces); None where its values are not all tensors of one shape, or not computed yet."""

@@ -174,6 +174,8 @@ def _call(n, fn, args, kwargs):
                 # (else each instance's own call: its views differ in shape, which vmap would pad)
                 return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
             return _vmapped_or_per_instance(n, fn, (base, *args), kwargs, method=name)
+        if _methods_of_python_values(fn):  # (``word.upper()`` of each instance's str: Python's work, as in Python)
+            return _each_instance(n, fn, args, kwargs)
         out = chosen.grouped(n, fn, args, kwargs, call)  # (``self.ops[op[i]](x)``: one call per module)
         return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
     for a in args:
@@ -675,8 +677,8 @@ def _of_shared_lists(n, fn, args, kwargs):
 
 
 def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
-    if method is None and _on_python_sequences(fn, args, kwargs):  # (Python's work on each instance's str or list)
-        return bt.from_items(list(map(fn, *[bt.items_of(a) if type(a) is Batch else repeat(a, n) for a in args])))
+    if method is None and _python_work(fn, args, kwargs):  # (Python's work on each instance's str or list)
+        return _each_instance(n, fn, args, kwargs)
     if method is None and args and type(args[0]) is Batch and _in_place_function(fn):
         # (``torch.exp_(v)`` is ``v.exp_()``: vmap would change a stack of the instances' tensors, not theirs)
         return call(n, Batch(n, method=(args[0], fn.__name__)), args[1:], kwargs)
@@ -722,6 +724,69 @@ def _on_python_sequences(fn, args, kwargs):
         all(type(a) in _PYTHON_OPERANDS for a in args if type(a) is not Batch)
 
 
+def _each_instance(n, fn, args, kwargs):
+    """``fn`` (or each instance's callable of Batch ``fn``) called on each instance's arguments, with no warning:
+    for Python's work on Python values, which no batch does at once."""
+    if not kwargs and type(fn) is not Batch:
+        return bt.from_items(list(map(fn, *[bt.items_of(a) if type(a) is Batch else repeat(a, n) for a in args])))
+    return bt.from_items([bt.instance(fn, k)(*[bt.instance(a, k) for a in args],
+                                             **{key: bt.instance(v, k) for key, v in (kwargs or {}).items()})
+                          for k in range(n)])
+
+
+def _python_work(fn, args, kwargs):
+    """Whether ``fn`` on ``args`` is Python's work on Python values, which eager code does one instance at a time
+    too: an operator on sequences, ``in``, or a method of a shared str (``"-".join(words)``)."""
+    return _on_python_sequences(fn, args, kwargs) or _membership_of_python_values(fn, args, kwargs) or \
+        _shared_str_method(fn, args, kwargs)
+
+
+def _shared_str_method(fn, args, kwargs):
+    """Whether ``fn`` is a method of a shared str (``"-".join``, ``"{}:{}".format``) given each instance's str,
+    number, list or tuple."""
+    if type(fn) is not BOUND_BUILTIN or type(fn.__self__) is not str:
+        return False
+    batched = [a for a in (*args, *(kwargs or {}).values()) if type(a) is Batch]
+    return bool(batched) and all(_python_sequences(a) or a.thunk is None and a.method is None and a.owner == "items"
+                                 and set(map(type, a.items)).issubset(_PYTHON_SCALARS) for a in batched)
+
+
+def _membership_of_python_values(fn, args, kwargs):
+    """Whether ``fn`` is ``in`` or ``not in`` of Python values (``ch in VOWELS``, ``word not in vocab``): each
+    instance's str, number or tuple, or a shared one, in a shared str, list, tuple, dict, set or range, or in each
+    instance's own str, list or tuple. Python's work on Python values, one instance at a time as eager code does
+    it (``in`` on an iterator, which it consumes, is not among them)."""
+    place = 0 if fn is operator.contains else 1 if fn is intrinsics.not_in else None
+    if place is None or kwargs or len(args) != 2:
+        return False
+    container, item = args[place], args[1 - place]
+    if type(container) is not Batch and type(item) is not Batch:
+        return False
+    if type(container) is Batch:
+        if not (_python_sequences(container) or container.thunk is None and container.method is None and (
+                container.owner is None and container.struct is not None and issubclass(container.struct[0], (
+                    dict, set)) or container.owner == "items" and set(map(type, container.items)) <= _CONTAINERS)):
+            return False  # (a dict or set display the program built: ``w not in {"a": 1}``)
+    elif type(container) not in _CONTAINERS:
+        return False
+    if type(item) is not Batch:
+        return type(item) in _PYTHON_SCALARS
+    return item.thunk is None and item.method is None and item.owner == "items" and \
+        set(map(type, item.items)).issubset(_PYTHON_SCALARS)
+
+
+def _methods_of_python_values(fn):
+    """Whether Batch ``fn`` holds each instance's method of its own immutable Python value (``word.upper``,
+    ``word.startswith``, ``key.count``): such a method changes nothing, and runs as Python runs it."""
+    if fn.method is not None or fn.thunk is not None:
+        return False
+    return all(type(m) is BOUND_BUILTIN and type(m.__self__) in _UNCHANGING_SELVES
+               for m in bt.items_of(fn))
+
+
+_CONTAINERS = frozenset({str, list, tuple, dict, set, frozenset, range})
+_PYTHON_SCALARS = frozenset({str, int, float, bool, type(None), tuple})
+_UNCHANGING_SELVES = frozenset((*facts.IMMUTABLE, tuple))  # (whose methods change nothing)
 _PYTHON_SEQUENCES = frozenset({str, list, tuple})
 _PYTHON_OPERANDS = frozenset({str, int, slice, list, tuple})
 
@@ -2154,7 +2219,8 @@ def python_sum(n, fn, args, kwargs):
     total = args[1] if len(args) > 1 else kwargs.get("start", 0)
     if type(xs) is Batch and xs.owner == "items":
         if type(total) is int and total == 0:
-            return _summed_lists(n, xs.items)
+            out = _summed_rows(n, xs.items)
+            return _summed_lists(n, xs.items) if out is NotImplemented else out
         if sharing.state.fresh and (type(total) in PLAIN_TENSORS or type(total) is Batch):
             # (``sum((f(c) for c in kids), h0)``: a tensor start; where nothing changes in place, the total of
             # an empty list may be a copy of it)
@@ -2164,6 +2230,27 @@ def python_sum(n, fn, args, kwargs):
     for item in bt.struct_items(xs):  # (a dict's keys: Python's TypeError, as ``sum(d)`` raises it)
         total = call(n, operator.add, (total, item))
     return total
+
+
+def _summed_rows(n, lists):
+    """``sum(xs)`` of each instance's list that a loop appended rows of one packed tensor to (``rows.Appended``: a
+    node's children's states), while the lists hold those alone, in a run that changes nothing in place: one
+    ``index_add`` of the rows by instance, in row order, so each list's rows add in its order from zero, as
+    Python adds them (on the CPU, whose ``index_add`` adds in that order); an empty list's 0 (a leaf's) joined with
+    the others' totals. NotImplemented for anything else."""
+    if type(lists) is not rows.Appended or not sharing.state.fresh or not lists.holds_its_rows_alone():
+        return NotImplemented
+    packed = lists.packed
+    if packed.device.type != "cpu" or not packed.is_floating_point() or len(lists) != n:
+        return NotImplemented
+    total = packed.new_zeros(n, *packed.shape[1:]).index_add(0, lists.instance, packed)
+    full = [k for k, m in enumerate(lists.lengths) if m]
+    if len(full) == n:
+        return bt.from_tensor(total)
+    if not full:
+        return NotImplemented
+    empty = [k for k, m in enumerate(lists.lengths) if not m]
+    return bt.join(n, [(0, empty), (bt.from_tensor(total[bt.long_tensor(full)]), full)])
 
 
 def _summed_lists(n, lists, start=None):
@@ -2268,9 +2355,8 @@ def extended(n, xs, args, kwargs):
     if built and type(ys) in (list, tuple):
         xs.struct[1].extend(ys)
         return None
-    if built and type(ys) is Batch:
-        bt.items_of(xs)  # (each instance's ys, of its own length maybe: each instance's own list from here)
-    lists = bt.own_lists(xs)
+    # (each instance's ys, of its own length maybe: each instance's own list from here)
+    lists = bt.own_lists_made(xs) if built and type(ys) is Batch else bt.own_lists(xs)
     if lists is not None:
         each_ys = bt.items_of(ys) if type(ys) is Batch else [ys] * n
         for each, more in zip(lists, each_ys):
@@ -2286,8 +2372,7 @@ def handed_back(n, fn, args, kwargs):
     target, own = args
     if kwargs or type(target) is not Batch:
         return NotImplemented
-    bt.items_of(target)  # (each instance's own list from here, which its caller holds too)
-    lists = bt.own_lists(target)
+    lists = bt.own_lists_made(target)
     if lists is None:
         return NotImplemented
     for each, mine in zip(lists, bt.items_of(own) if type(own) is Batch else [own] * n):

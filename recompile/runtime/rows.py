@@ -488,7 +488,7 @@ class Appended(list):
     only by that stack (``recurrent.plan``), the rows are not put in them until something else needs them
     (``pending``, ``fill``): a Python append per row, and the views, cost more than the steps without grad."""
 
-    __slots__ = ("packed", "instance", "step", "lengths", "pending", "_ends", "_where")
+    __slots__ = ("packed", "instance", "step", "lengths", "pending", "_held_rows", "_where")
 
     def __init__(self, lists, packed, instance, step, lengths, pending=False):
         super().__init__(lists)
@@ -496,7 +496,7 @@ class Appended(list):
         self.instance, self.step = instance, step  # each row's instance and step (LongTensors)
         self.lengths = lengths  # each instance's number of rows
         self.pending = pending  # the rows not in the lists yet
-        self._ends = None if pending else _held(self)
+        self._held_rows = None if pending else _held(self)
         self._where = None
 
     def rows_at(self, instances, steps):
@@ -522,7 +522,23 @@ class Appended(list):
             for r, k in enumerate(self.instance.tolist()):
                 self[k].append(states[r])
             self.pending = False
-            self._ends = _held(self)
+            self._held_rows = _held(self)
+
+    def taken(self, positions):
+        """The lists of instances ``positions`` (a side of a branch), the same list objects: an Appended of their
+        rows where the lists still hold those alone, else a plain list of them."""
+        positions = list(positions)
+        self.fill()  # (the rows in the lists: the two Appended could not each put them there)
+        lists = [self[k] for k in positions]
+        if not any(self.lengths[k] for k in positions) or not self.holds_its_rows_alone():
+            return lists  # (no rows among them: a leaf's empty lists)
+        device = self.instance.device
+        new = torch.full((len(self),), -1, dtype=torch.long, device=device)  # (each instance's place among them)
+        new[torch.tensor(positions, device=device)] = torch.arange(len(positions), device=device)
+        instance = new[self.instance]
+        kept = (instance >= 0).nonzero().squeeze(1)
+        return Appended(lists, self.packed.index_select(0, kept.to(self.packed.device)), instance[kept],
+                        self.step[kept], [self.lengths[k] for k in positions])
 
     def holds_its_rows_alone(self):
         """Whether each list still holds just the rows appended to it (nothing appended, inserted or taken
@@ -530,7 +546,7 @@ class Appended(list):
         the function keeps to itself may shrink too (``hs.pop()``), so that ends alike tell nothing."""
         if self.pending:
             return all(not x for x in self)
-        lengths, rows = self._ends
+        lengths, rows = self._held_rows
         return list(map(len, self)) == lengths and all(map(operator.is_, chain.from_iterable(self), rows))
 
 
