@@ -20,7 +20,8 @@ from .codegen.batched import generate_batched
 from .frontend import convert, lifting, parse_function, validate
 from .naming import Namer
 from .passes.effects import (callables_named, first_change, invoke_may_mutate, program_may_mutate,
-                             program_runs_again_unseen, recursions_kept_in_order)
+                             program_runs_again_unseen, recursions_kept_in_order,
+                             recursions_waiting_in_turn)
 from .passes.grad import backward_name, derive, forward_name
 from .passes.holding import caller_visible_change
 from .passes.pipeline import FINAL, run_passes
@@ -150,6 +151,8 @@ class FunctionBuild:
         for invoke in recursions_kept_in_order(sg, FINAL, self._may_mutate):  # (never slower without a word)
             change = first_change(invoke.target, FINAL)
             fallbacks.calls_in_order(invoke.loc, invoke.target.qualname, change.loc if change is not None else None)
+        for invoke, before in recursions_waiting_in_turn(sg, FINAL):
+            fallbacks.calls_in_turn(invoke.loc, invoke.target.qualname, before.loc)
         return generate_batched(sg, self._may_mutate)
 
     @property

@@ -71,6 +71,28 @@ def filtered_then_tested(xs, n):  # (a branch taken by the list's truth: a read)
     return torch.stack(kept).sum(0) if kept else xs[0]
 
 
+def filtered_then_negated(xs, n):  # (``if not kept``, ``kept == []``: reads)
+    kept = [xs[t] for t in range(n) if xs[t].sum() > 0]
+    if not kept or kept == []:
+        return xs[0]
+    return torch.stack(kept).sum(0)
+
+
+def framed_by_operators(xs, n):  # (``[x] + hs + [x]``, ``hs * 2``: new lists of its items)
+    hs = [xs[t] for t in range(n)]
+    return torch.stack([xs[0]] + hs + [xs[0]]).sum(0) + torch.stack(hs * 2).sum(0)
+
+
+def drained_as_a_queue(xs, n):  # (``while queue:``: the loop's test reads its truth)
+    queue, total = [0], xs[0] * 0
+    while queue:
+        t = queue.pop(0)
+        total = total + xs[t]
+        if t + 1 < n:
+            queue.append(t + 1)
+    return total
+
+
 def reversed_then_iterated(xs, n):  # (a for over it from its end: a read)
     hs = []
     for t in range(n):
@@ -103,6 +125,8 @@ def stored(self, xs):
 @pytest.mark.parametrize("fn, local", [(collected, True), (collected_in_branches, True), (comprehension, True),
                                        (stacked_by_keywords, True), (given_by_keyword, False),
                                        (filtered_then_tested, True), (reversed_then_iterated, True),
+                                       (filtered_then_negated, True), (framed_by_operators, True),
+                                       (drained_as_a_queue, True),
                                        (handed_to_a_helper, False), (appended_to_an_argument, False),
                                        (renamed_in_the_loop, False), (stored, False)],
                          ids=lambda v: getattr(v, "__name__", str(v)))
@@ -113,7 +137,8 @@ def test_a_list_built_and_only_appended_to_changes_nothing_in_place(fn, local):
     assert bool(effects.local_appends(sg)) is local
 
 
-@pytest.mark.parametrize("fn", [collected, collected_in_branches, comprehension])
+@pytest.mark.parametrize("fn", [collected, collected_in_branches, comprehension, filtered_then_negated,
+                                framed_by_operators, drained_as_a_queue])
 def test_programs_collecting_lists_under_vmap_give_eager_values_and_gradients(fn):
     xs = torch.randn(5, 6, 3, dtype=torch.float64, requires_grad=True)
     n = torch.tensor([6, 1, 3, 6, 2])

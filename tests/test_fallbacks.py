@@ -124,6 +124,36 @@ def test_a_recursion_changing_what_its_caller_holds_says_its_calls_keep_their_or
         assert chain(xs[0], 3) == counted_down(xs[0], 3)
 
 
+def collect_looped(xs, left, right, i, out):  # (the same, its calls made by a loop over the children)
+    h = torch.tanh(xs[i])
+    kids = [j for j in (left[i], right[i]) if j >= 0]
+    for j in kids:
+        h = h + collect_looped(xs, left, right, j, out)
+    out.append(h.sum() * len(out))
+    return h
+
+
+def collected_looped(xs, left, right, i):
+    out = []
+    return collect_looped(xs, left, right, i, out) + len(out)
+
+
+def test_a_recursion_changing_what_its_caller_holds_from_a_loop_says_its_calls_keep_their_order(monkeypatch):
+    """One recursive call in a loop's body keeps its iterations in order too, and says so."""
+    from recompile import diagnostics
+
+    monkeypatch.setattr(diagnostics, "_warned", set())
+    left, right = torch.tensor([1, 3, -1, -1, -1]), torch.tensor([2, 4, -1, -1, -1])
+    xs = torch.randn(5, 3, dtype=torch.float64)
+    want = torch.stack([collected_looped(xs, left, right, i) for i in (0, 1, 2)])
+    monkeypatch.setitem(collected_looped.__globals__, "collect_looped", recompile.function(collect_looped))
+    with pytest.warns(recompile.PerInstanceWarning, match=r"the calls of collect_looped at test_fallbacks\.py:\d+ "
+                                                          r"run one after another"):
+        got = recompile.vmap(recompile.function(collected_looped), in_dims=(None, None, None, 0))(
+            xs, left, right, torch.tensor([0, 1, 2]))
+    torch.testing.assert_close(got, want)
+
+
 def counted_down(x, d):  # (one recursive call a frame, changing a tensor of its own: no batch per depth to lose)
     if d <= 0:
         return x.sum()

@@ -170,7 +170,11 @@ _APPENDING = frozenset({"append", "extend", "insert"})
 _ITERATING = facts.FOR_LOOP  # (how a ``for`` reads a list, from its start or from its end)
 # what reads a list without keeping it or changing it (and any torch function: ``torch.stack(hs)``)
 _LIST_READS = frozenset({operator.getitem, len, intrinsics.as_sequence, intrinsics.has_index, intrinsics.unpack,
-                         intrinsics.reversed_sequence, sum, max, min, tuple, list, sorted, any, all})
+                         intrinsics.reversed_sequence, sum, max, min, tuple, list, sorted, any, all,
+                         # (``if not kids``, ``kids == []``, ``j in kids``: its truth, an equality, a membership;
+                         # ``[nt] + hs + [nt]``, ``hs * 2``: a new list of its items)
+                         operator.not_, operator.truth, bool, operator.eq, operator.ne, operator.contains,
+                         intrinsics.not_in, operator.add, operator.mul})
 
 
 def local_appends(sg):
@@ -245,9 +249,8 @@ def _list_changes(built, uses, sg, fillers=None):
         # could take it); a branch's result that may be it is followed as it is
         for s in sg.walk():
             for o in s.ops:
-                if isinstance(o, ir.While):
-                    if any(v in seen for v in o.cond_sg.outputs) or any(
-                            v in seen and v is not o.body_sg.inputs[k] for k, v in enumerate(o.body_sg.outputs)):
+                if isinstance(o, ir.While):  # (its test may be the list, ``while queue:``: its truth is read)
+                    if any(v in seen and v is not o.body_sg.inputs[k] for k, v in enumerate(o.body_sg.outputs)):
                         return None
                 elif isinstance(o, ir.Cond):
                     for k, out in enumerate(o.outputs):
@@ -401,15 +404,41 @@ def first_change(target, stage):
 
 def recursions_kept_in_order(sg, stage, may_mutate):
     """The recursive Invokes of function SubGraph ``sg`` (their program may run ``sg`` again) that may change state in
-    place, where two or more stand in one block: codegen keeps each in its place (``codegen.plan``) where it would
-    issue them together (a node's two children), so that a batched run runs each instance's calls one after
+    place, where two or more stand in one block, or one in a loop's body: codegen keeps each in its place
+    (``codegen.plan``) where it would issue them together (a node's two children), and a loop keeps its
+    iterations (``passes.fission`` splits none), so that a batched run runs each instance's calls one after
     another, each batching only with other instances' calls of the same step, not one batch per depth."""
+    looped = {b for s in sg.walk() for op in s.ops if isinstance(op, ir.While) for b in op.body_sg.walk()}
     found = []
     for s in sg.walk():
         kept = [op for op in s.ops if isinstance(op, ir.Invoke) and may_mutate(op)
                 and any(t.ir_name == sg.name for t in ir.reachable(op.target, stage))]
-        if len(kept) >= 2:
+        if len(kept) >= 2 or kept and s in looped:
             found.extend(kept)
+    return found
+
+
+def recursions_waiting_in_turn(sg, stage):
+    """(Invoke, the Invoke it waits for) for each recursive Invoke of function SubGraph ``sg`` (its program may run
+    ``sg`` again) in an ``if`` or loop of a block that makes recursive calls at an earlier point too (another ``if``
+    or loop holding one, or calls of the block itself): a batched frame runs each such point to its end before
+    the next, each instance's first child's whole subtree before its second's, so an instance's calls run one
+    after another, each batching only with other instances' calls of the same step, not one batch per depth."""
+    def recursive(op):
+        return isinstance(op, ir.Invoke) and any(t.ir_name == sg.name for t in ir.reachable(op.target, stage))
+
+    found = []
+    for s in sg.walk():
+        first = None  # (an Invoke of the block's first point that calls the recursion)
+        for op in s.ops:
+            inside = [x for b in op.subgraphs() for nested in b.walk() for x in nested.ops if recursive(x)] \
+                if isinstance(op, (ir.Cond, ir.While)) else [op] if recursive(op) else []
+            if not inside:
+                continue
+            if first is None:
+                first, first_nested = inside[0], bool(op.subgraphs())
+            elif op.subgraphs() or first_nested:  # (calls side by side in the block itself go together)
+                found.extend((x, first) for x in inside)
     return found
 
 

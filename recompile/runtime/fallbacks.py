@@ -119,6 +119,22 @@ def calls_in_order(call, callee, change):
     warn_once((call.filename, call.lineno), callee, message, PerInstanceWarning)
 
 
+def calls_in_turn(call, callee, before):
+    """Warn (unless ``config.PER_INSTANCE == "allow"``) that the recursive calls of ``callee`` at ``call`` (an
+    ``errors.Location``, in an ``if`` or loop) wait for its calls at ``before``: an instance's calls then run one
+    after another, not one batch per depth."""
+    if config.PER_INSTANCE == "allow":
+        return
+    message = (f"recompile: the calls of {callee} at {os.path.basename(call.filename)}:{call.lineno} wait within "
+               f"each instance for its calls at {os.path.basename(before.filename)}:{before.lineno}: an if or loop "
+               f"that calls it runs those calls to their end before what follows starts, so an instance's calls run "
+               f"one after another, each batching only with other instances' calls of the same step, not as one "
+               f"batch per depth; make the calls side by side in one block after a leaf test (hl = {callee.split('.')[-1]}"
+               f"(...); hr = {callee.split('.')[-1]}(...)), or loop over a list of the children "
+               f"(for j in [j for j in (l, r) if j >= 0])")
+    warn_once((call.filename, call.lineno), callee + " in turn", message, PerInstanceWarning)
+
+
 def fell_back(name, n, why):
     """Warn of (or, with ``config.PER_INSTANCE == "error"``, refuse) an op run once per instance, at the
     user's line."""
