@@ -590,13 +590,13 @@ def test_each_instances_own_lists_joined_by_operators_as_python_joins_them(stric
                                torch.autograd.grad(sum(v[0] for v in want), w)[0])
 
 
-VOWELS, SEEN = "aeiou", {"kiwi": 0, "zz": 1}
+VOWELS, SEEN, KNOWN = "aeiou", {"kiwi": 0, "zz": 1}, ["kiwi", "zz", "zz"]
 
 
 def test_each_instances_strings_read_by_their_methods_and_in_as_python_reads_them(strict):
     """``ch in VOWELS``, ``word not in SEEN`` (a shared str and dict), ``k in (1, 3)``, ``w not in {...}`` (a dict
     the function builds), ``word.upper()`` and its other methods, ``"-".join(...)`` and ``"{}".format(...)`` of a
-    shared str: Python's work on each instance's Python values, with no warning (``strict``), as Python does it;
+    shared str, ``SEEN.get(word, -1)`` and a shared list's ``count``: Python's work on each instance's Python values, with no warning (``strict``), as Python does it;
     the tensor work beside it batched."""
     torch.manual_seed(6)
     embed = nn.Embedding(len(VOWELS) + 1, 3).double()
@@ -610,7 +610,8 @@ def test_each_instances_strings_read_by_their_methods_and_in_as_python_reads_the
                 h = h + embed.weight[VOWELS.index(ch) if ch in VOWELS else len(VOWELS)]
         told = "{w}:{n}".format(w=word.strip(), n=k)
         return (h, n, word.upper(), word.startswith("a"), len(word.split("-")), word.replace("a", "b"),
-                "-".join([word, told]), word not in SEEN, k in (1, 3), word not in {"zz": 1}, word.count("a") + k)
+                "-".join([word, told]), word not in SEEN, k in (1, 3), word not in {"zz": 1}, word.count("a") + k,
+                SEEN.get(word.strip(), -1), KNOWN.count(word.strip()))
 
     words, ks = ["apple", "Banana-x", "kiwi ", "zz", ""], [1, 2, 3, 4, 5]
     got = recompile.map(spelled, words, ks)

@@ -317,6 +317,22 @@ def test_each_instances_list_of_its_own_length_concatenated_with_its_shape():
         recompile.vmap(recompile.function(concatenated_along_a_float))(xs, n)  # (a dim of 0.0: torch refuses it)
 
 
+def framed(xs, n):  # (each instance's stack of its own length between rows of its own and a shared row)
+    hs = []
+    for t in range(n):
+        hs.append(torch.tanh(xs[t]))
+    first = xs[0] * 2.0
+    states = torch.cat([first[None], torch.stack(hs), first.unsqueeze(0), torch.ones(1, 3, dtype=xs.dtype)])
+    return states.sum(0) + states.shape[0] + states[-2]
+
+
+def test_a_cat_of_each_instances_stack_of_its_own_length_with_its_own_rows_is_one_cat():
+    """``torch.cat([nt[None], torch.stack(hs), nt[None]])``: the stretches laid end to end with each instance's
+    own rows and a shared one, as each instance's cat gives them (``join_along``, ``rows.concatenated``)."""
+    xs = torch.randn(4, 5, 3, dtype=torch.float64, requires_grad=True)
+    same_as_each(framed, xs, lengths(5, 1, 2, 3))
+
+
 def concatenated_along_a_float(xs, n):
     outs = []
     for t in range(n):

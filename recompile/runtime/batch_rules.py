@@ -738,13 +738,18 @@ def _python_work(fn, args, kwargs):
     """Whether ``fn`` on ``args`` is Python's work on Python values, which eager code does one instance at a time
     too: an operator on sequences, ``in``, or a method of a shared str (``"-".join(words)``)."""
     return _on_python_sequences(fn, args, kwargs) or _membership_of_python_values(fn, args, kwargs) or \
-        _shared_str_method(fn, args, kwargs)
+        _shared_value_read(fn, args, kwargs)
 
 
-def _shared_str_method(fn, args, kwargs):
-    """Whether ``fn`` is a method of a shared str (``"-".join``, ``"{}:{}".format``) given each instance's str,
-    number, list or tuple."""
-    if type(fn) is not BOUND_BUILTIN or type(fn.__self__) is not str:
+def _shared_value_read(fn, args, kwargs):
+    """Whether ``fn`` is a method of a shared str (``"-".join``, ``"{}:{}".format``), or one that reads a shared
+    dict, list or tuple (``vocab.get(word, 0)``, ``words.index(w)``), given each instance's str, number, list or
+    tuple."""
+    if type(fn) is not BOUND_BUILTIN:
+        return False
+    kind = type(fn.__self__)
+    if not (kind is str or kind is dict and fn.__name__ in ("get", "__getitem__", "__contains__")
+            or kind in (list, tuple) and fn.__name__ in ("index", "count", "__contains__")):
         return False
     batched = [a for a in (*args, *(kwargs or {}).values()) if type(a) is Batch]
     return bool(batched) and all(_python_sequences(a) or a.thunk is None and a.method is None and a.owner == "items"
@@ -1553,6 +1558,12 @@ def join_along(n, fn, args, kwargs):
         return NotImplemented
     if row_wise.holds_rows(seq.struct[1]) and set(kwargs) <= {"dim"}:  # (``torch.cat([fwd, bwd], 1)``)
         out = row_wise.joined(n, fn, seq.struct[1], kwargs.get("dim", args[1] if len(args) > 1 else 0))
+        if out is not NotImplemented:
+            return out
+    if fn is not torch.stack and any(type(p) is Batch and rows.of(p) is not None for p in seq.struct[1]):
+        # (``torch.cat([nt[None], torch.stack(hs), nt[None]])``: each instance's pieces, of its own lengths, laid
+        # end to end in one cat, as each instance's list of them)
+        out = rows.concatenated(n, seq, args, kwargs)
         if out is not NotImplemented:
             return out
     parts = []
