@@ -28,10 +28,11 @@ bilinear form with ``torch.einsum`` on the shared tensor V) and the same form wr
 does the Tree-LSTM written with modules (an ``nn.LSTMCell`` over the projected children, their summed state its
 state), beside the same model batched by hand, and a module network: a Tree-RNN whose nodes pick their
 composition module from an ``nn.ModuleList`` by the data (which children are leaves), beside the same model batched
-by hand by height, each kind one call. Last, two spellings that run one batch per depth on the agenda, not as a
+by hand by height, each kind one call. Last, three spellings that run one batch per depth on the agenda, not as a
 level program, timed to say how far that falls: every node's loss appended to a list the recursion is handed
-(DyNet's way: each call fills a list of its own, ``passes.accumulate``), and every node's losses returned as lists
-the parents join.
+(DyNet's way: each call fills a list of its own, ``passes.accumulate``), every node's losses returned as lists
+the parents join, and the children filtered into a list the node builds (``kids = [j for j in (tree.left[i],
+tree.right[i]) if j >= 0]``, a leaf told by ``if not kids``), visited by a ``for`` over it.
 """
 
 import copy
@@ -445,6 +446,32 @@ class ChildrenListed(TreeLSTM):
         return h, c, loss
 
 
+class ChildrenFiltered(TreeLSTM):
+    """The children a list the node filters (``kids = [j for j in (tree.left[i], tree.right[i]) if j >= 0]``), a leaf
+    told by ``if not kids``, the children's states from a ``for`` over it: one batch per depth on the agenda (its
+    calls in a loop, not a level program's branch)."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        kids = [j for j in (tree.left[i], tree.right[i]) if j >= 0]
+        if not kids:
+            ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u)
+            loss = 0.0
+        else:
+            hs, cs, loss = [], [], 0.0
+            for j in kids:
+                h, c, child_loss = self.encode(tree, j)
+                hs.append(h)
+                cs.append(c)
+                loss = loss + child_loss
+            ig, og, u, fl, fr = torch.chunk(self.node(torch.cat(hs, dim=-1)), 5, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cs[0] + torch.sigmoid(fr) * cs[1]
+        h = torch.sigmoid(og) * torch.tanh(c)
+        loss = loss + self.node_loss(h, tree.labels[i])
+        return h, c, loss
+
+
 class AppendedLosses(TreeLSTM):
     """Each node's loss appended to a list the recursion is handed (as DyNet users collect theirs), summed at the
     root by ``torch.stack(losses).sum()``: each call fills a list of its own, which its caller extends its own by
@@ -661,6 +688,7 @@ CELL_SPELLINGS = {"nn.LSTMCell": CellTreeLSTM}
 MODULE_SPELLINGS = {"modules chosen by kind": ModuleNetwork}
 # Spellings that run one batch per depth on the agenda, not as a level program: timed to say how far that falls.
 LIST_SPELLINGS = {"losses appended": AppendedLosses, "losses returned": ReturnedLosses}
+FILTERED_SPELLINGS = {"children filtered": ChildrenFiltered}
 
 
 def check(cls, base, trees, device="cpu"):
@@ -702,7 +730,9 @@ def main(argv=None):
                                           hand_batched_cells),
                                          ("Tree-RNN of modules chosen by the data (embed 300, hidden 150)",
                                           MODULE_SPELLINGS, hand_batched_modules),
-                                         ("Tree-LSTM, node losses in lists", LIST_SPELLINGS, hand_batched)):
+                                         ("Tree-LSTM, node losses in lists", LIST_SPELLINGS, hand_batched),
+                                         ("Tree-LSTM, children filtered into a list", FILTERED_SPELLINGS,
+                                          hand_batched)):
         torch.manual_seed(0)
         base = next(iter(spellings.values()))(len(sst.vocab))
         if args.only:

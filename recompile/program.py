@@ -150,7 +150,8 @@ class FunctionBuild:
         sg = self.stages[FINAL]
         for invoke in recursions_kept_in_order(sg, FINAL, self._may_mutate):  # (never slower without a word)
             change = first_change(invoke.target, FINAL)
-            fallbacks.calls_in_order(invoke.loc, invoke.target.qualname, change.loc if change is not None else None)
+            fallbacks.calls_in_order(invoke.loc, invoke.target.qualname, change.loc if change is not None else None,
+                                     change is not None and ir.is_call(change, intrinsics.set_cell))
         for invoke, before in recursions_waiting_in_turn(sg, FINAL):
             fallbacks.calls_in_turn(invoke.loc, invoke.target.qualname, before.loc)
         return generate_batched(sg, self._may_mutate)

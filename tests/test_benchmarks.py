@@ -67,8 +67,8 @@ def test_idioms_benchmark_checks_and_times_every_spelling(capsys):
     bench_idioms.main(["--trees", "8", "--batch", "4", "--repeats", "1"])
     out = capsys.readouterr().out
     spellings = len(bench_idioms.SPELLINGS) + len(bench_idioms.RNTN_SPELLINGS) + len(bench_idioms.CELL_SPELLINGS) \
-        + len(bench_idioms.MODULE_SPELLINGS) + len(bench_idioms.LIST_SPELLINGS)
-    assert out.count("matches eager") == spellings + 5  # (and each family's hand-batched code; main raises before
+        + len(bench_idioms.MODULE_SPELLINGS) + len(bench_idioms.LIST_SPELLINGS) + len(bench_idioms.FILTERED_SPELLINGS)
+    assert out.count("matches eager") == spellings + 6  # (and each family's hand-batched code; main raises before
     # the table otherwise)
     assert out.count("per-instance ops: none") == spellings
     rows = [line for line in out.splitlines() if line.rstrip().endswith("x") and " 4 " in line]

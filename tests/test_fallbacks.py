@@ -209,3 +209,31 @@ def test_calls_that_wait_in_turn_in_ifs_of_their_own_say_so_and_a_loop_over_the_
         warnings.simplefilter("error", recompile.PerInstanceWarning)
         torch.testing.assert_close(recompile.vmap(listed, in_dims=(None, None, 0))(left, right, roots), want)
     assert listed.stats["batches"]["listed_sizes"]["runs"] <= 4  # (one per depth)
+
+
+def gated(xs, left, right, i):  # (a with block reads h: h is a cell the with block shares)
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+    else:
+        h = gated(xs, left, right, left[i]) + gated(xs, left, right, right[i])
+    with torch.no_grad():
+        scale = h.abs().max()
+    return h * scale
+
+
+def test_calls_kept_in_order_by_a_variable_a_with_block_shares_say_so(monkeypatch):
+    """The change that keeps the calls in order is the write of a variable a ``with`` block reads (a cell): the
+    warning says so, not only the line."""
+    from recompile import diagnostics
+
+    monkeypatch.setattr(diagnostics, "_warned", set())
+    left, right = torch.tensor([1, 3, -1, -1, -1]), torch.tensor([2, 4, -1, -1, -1])
+    xs = torch.randn(5, 3, dtype=torch.float64)
+    want = torch.stack([gated(xs, left, right, i) for i in (0, 1)])
+    compiled = recompile.function(gated)
+    monkeypatch.setitem(gated.__globals__, "gated", compiled)
+    with pytest.warns(recompile.PerInstanceWarning, match=r"run one after another .*a variable it sets at "
+                                                          r"test_fallbacks\.py:\d+ is shared with a with, try or "
+                                                          r"match block"):
+        got = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, torch.tensor([0, 1]))
+    torch.testing.assert_close(got, want)

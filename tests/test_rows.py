@@ -333,6 +333,23 @@ def test_a_cat_of_each_instances_stack_of_its_own_length_with_its_own_rows_is_on
     same_as_each(framed, xs, lengths(5, 1, 2, 3))
 
 
+def joined_along_features(xs, n):  # (each instance's list of n states, cat along their last dim and their first)
+    hs = []
+    for t in range(n):
+        hs.append(torch.tanh(xs[t]).view(1, 3) * (t + 1))
+    return torch.cat(hs, dim=-1).sum(-1) + torch.cat(hs, 1)[0, -1] + torch.cat(hs, dim=-2).sum()
+
+
+def test_a_cat_along_another_dim_of_each_instances_list_as_long_is_one_cat():
+    """``torch.cat(hs, dim=-1)`` of each instance's own list (a node's children's states), every list as long: one
+    stack of them, laid out as each instance's cat lays them (``batch_rules._cat_along``); lists of their own
+    lengths each cat their own (torch's shapes differ), with the same values."""
+    xs = torch.randn(4, 5, 3, dtype=torch.float64, requires_grad=True)
+    same_as_each(joined_along_features, xs, lengths(3, 3, 3, 3))
+    config.PER_INSTANCE = "allow"
+    same_as_each(joined_along_features, xs, lengths(2, 3, 5, 1))
+
+
 def concatenated_along_a_float(xs, n):
     outs = []
     for t in range(n):

@@ -125,11 +125,15 @@ def index_by(x, i):
     return (x * 2)[i] + 1
 
 
-@pytest.mark.parametrize("name", list(bench_idioms.LIST_SPELLINGS))
-def test_node_losses_in_lists_batch_by_depth_with_eagers_values_and_no_warning(name, monkeypatch):
+AGENDA_SPELLINGS = {**bench_idioms.LIST_SPELLINGS, **bench_idioms.FILTERED_SPELLINGS}
+
+
+@pytest.mark.parametrize("name", list(AGENDA_SPELLINGS))
+def test_spellings_on_the_agenda_batch_by_depth_with_eagers_values_and_no_warning(name, monkeypatch):
     """A node's calls run together (each call appending to a list of its own, ``passes.accumulate``; each
-    instance's lists joined as Python joins them), with no op once per instance and nothing warned."""
-    cls = bench_idioms.LIST_SPELLINGS[name]
+    instance's lists joined as Python joins them; the children filtered into a list, ``if not kids``), one batch
+    per depth, with no op once per instance and nothing warned."""
+    cls = AGENDA_SPELLINGS[name]
     monkeypatch.setattr(diagnostics, "_warned", set())  # (an earlier run may have warned of these lines)
     torch.manual_seed(0)
     model = small(cls)
@@ -140,6 +144,12 @@ def test_node_losses_in_lists_batch_by_depth_with_eagers_values_and_no_warning(n
         got = run(model, forest)
     assert_same(got, eager(cls, model, trees()))
     assert cls.encode.stats.get("per_instance", {}) == {}
+    depths = 1 + max(depth_of(t, t.root) for t in trees())
+    assert cls.encode.stats["batches"][cls.encode.callee(cls).qualname]["runs"] <= depths
+
+
+def depth_of(tree, i):
+    return 0 if tree.is_leaf[i] else 1 + max(depth_of(tree, tree.left[i]), depth_of(tree, tree.right[i]))
 
 
 def test_a_helper_changing_a_value_computed_once_changes_its_instances_copy():

@@ -174,7 +174,7 @@ def _call(n, fn, args, kwargs):
                 # (else each instance's own call: its views differ in shape, which vmap would pad)
                 return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
             return _vmapped_or_per_instance(n, fn, (base, *args), kwargs, method=name)
-        if _methods_of_python_values(fn):  # (``word.upper()`` of each instance's str: Python's work, as in Python)
+        if _methods_of_python_values(fn, args, kwargs):  # (``word.upper()`` of each instance's str: Python's work)
             return _each_instance(n, fn, args, kwargs)
         out = chosen.grouped(n, fn, args, kwargs, call)  # (``self.ops[op[i]](x)``: one call per module)
         return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
@@ -751,9 +751,20 @@ def _shared_value_read(fn, args, kwargs):
     if not (kind is str or kind is dict and fn.__name__ in ("get", "__getitem__", "__contains__")
             or kind in (list, tuple) and fn.__name__ in ("index", "count", "__contains__")):
         return False
-    batched = [a for a in (*args, *(kwargs or {}).values()) if type(a) is Batch]
-    return bool(batched) and all(_python_sequences(a) or a.thunk is None and a.method is None and a.owner == "items"
-                                 and set(map(type, a.items)).issubset(_PYTHON_SCALARS) for a in batched)
+    return any(type(a) is Batch for a in (*args, *(kwargs or {}).values())) and _python_arguments(args, kwargs)
+
+
+def _python_arguments(args, kwargs):
+    """Whether every argument is a Python value, no tensor: each instance's str, number, list or tuple (a Batch), or
+    a shared value."""
+    for a in (*args, *(kwargs or {}).values()):
+        if type(a) is Batch:
+            if not (_python_sequences(a) or a.thunk is None and a.method is None and a.owner == "items"
+                    and set(map(type, a.items)).issubset(_PYTHON_SCALARS)):
+                return False
+        elif isinstance(a, torch.Tensor):
+            return False
+    return True
 
 
 def _membership_of_python_values(fn, args, kwargs):
@@ -780,10 +791,11 @@ def _membership_of_python_values(fn, args, kwargs):
         set(map(type, item.items)).issubset(_PYTHON_SCALARS)
 
 
-def _methods_of_python_values(fn):
+def _methods_of_python_values(fn, args, kwargs):
     """Whether Batch ``fn`` holds each instance's method of its own immutable Python value (``word.upper``,
-    ``word.startswith``, ``key.count``): such a method changes nothing, and runs as Python runs it."""
-    if fn.method is not None or fn.thunk is not None:
+    ``word.startswith``, ``key.count``), given Python values: such a method changes nothing, and runs as Python
+    runs it."""
+    if fn.method is not None or fn.thunk is not None or not _python_arguments(args, kwargs):
         return False
     return all(type(m) is BOUND_BUILTIN and type(m.__self__) in _UNCHANGING_SELVES
                for m in bt.items_of(fn))
@@ -1550,8 +1562,12 @@ def join_along(n, fn, args, kwargs):
     if type(seq) is Batch and (seq.owner == "items" or bt.own_lists(seq, (list, tuple)) is not None):
         # (each instance's list of its own length; or the lists a loop or branch joined)
         dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-        if fn is torch.stack and type(dim) is int and dim != 0 and len(args) <= 2 and set(kwargs) <= {"dim"}:
-            return _stacked_along(n, seq, dim)
+        if type(dim) is int and dim != 0 and len(args) <= 2 and set(kwargs) <= {"dim"}:
+            if fn is torch.stack:
+                return _stacked_along(n, seq, dim)
+            out = _cat_along(n, seq, dim)  # (``torch.cat(hs, dim=-1)`` of a node's children's states)
+            if out is not NotImplemented:
+                return out
         return rows.stacked(n, seq, args, kwargs) if fn is torch.stack else rows.concatenated(n, seq, args, kwargs)
     if type(seq) is not Batch or seq.struct is None or seq.owner is not None or len(args) > 2 or \
             issubclass(seq.struct[0], bt.Keyed):  # (a dict: torch's TypeError, each instance's)
@@ -1562,10 +1578,8 @@ def join_along(n, fn, args, kwargs):
             return out
     if fn is not torch.stack and any(type(p) is Batch and rows.of(p) is not None for p in seq.struct[1]):
         # (``torch.cat([nt[None], torch.stack(hs), nt[None]])``: each instance's pieces, of its own lengths, laid
-        # end to end in one cat, as each instance's list of them)
-        out = rows.concatenated(n, seq, args, kwargs)
-        if out is not NotImplemented:
-            return out
+        # end to end in one cat, as each instance's list of them; else each instance's cat, and its error)
+        return rows.concatenated(n, seq, args, kwargs)
     parts = []
     for p in seq.struct[1]:
         if type(p) is not Batch:
@@ -1845,6 +1859,27 @@ def _stacked_along(n, seqs, dim):
         t = out.tensor
         return bt.from_tensor(t.movedim(1, dim + 1 if dim >= 0 else dim + t.dim()))
     return padded.rows_method(n, "movedim", found, (0, dim), {})
+
+
+def _cat_along(n, seqs, dim):
+    """``torch.cat(hs, dim=-1)`` of each instance's own list, every list as long and its tensors of one shape: their
+    stack (``rows.stacked``) with the lists' dim merged into ``dim``, as each instance's cat lays them;
+    NotImplemented for lists of their own lengths (each instance's cat) or a dim out of range (torch's error)."""
+    lists = bt.items_of(seqs)
+    if type(lists) is rows.Appended:
+        lists.fill()
+    if not all(type(each) in (list, tuple) for each in lists) or len({len(each) for each in lists}) != 1 \
+            or not lists[0]:
+        return NotImplemented
+    flat = [x for each in lists for x in each]
+    if not all(type(x) is torch.Tensor for x in flat) or not bt.same_kind(flat, 0):
+        return NotImplemented
+    t = torch.stack(flat).view(n, len(lists[0]), *flat[0].shape)  # (n, the lists' length, each tensor's dims)
+    rank = t.dim() - 2
+    d = dim if dim >= 0 else dim + rank
+    if not 0 <= d < rank:
+        return NotImplemented
+    return bt.from_tensor(t.movedim(1, d + 1).flatten(d + 1, d + 2))
 
 
 def _rows_each(n, value):

@@ -104,13 +104,16 @@ def _nested(fn):
 
 
 
-def calls_in_order(call, callee, change):
+def calls_in_order(call, callee, change, shared_variable=False):
     """Warn (unless ``config.PER_INSTANCE == "allow"``) that the recursive calls of ``callee`` at ``call`` (an
     ``errors.Location``) keep their order, since its program may change a value in place (at ``change``, a
-    Location, or None): an instance's calls then run one after another, not one batch per depth."""
+    Location, or None; ``shared_variable``: there it sets a variable a nested scope shares): an instance's calls
+    then run one after another, not one batch per depth."""
     if config.PER_INSTANCE == "allow":
         return
     at = f" ({os.path.basename(change.filename)}:{change.lineno})" if change is not None else ""
+    if shared_variable:  # (a variable a with, try or match block, a nested def or a lambda reads or sets)
+        at = f" (a variable it sets at {at[2:-1]} is shared with a with, try or match block, a nested def or a lambda)"
     message = (f"recompile: the calls of {callee} at {os.path.basename(call.filename)}:{call.lineno} run one after "
                f"another within each instance, in their order, since {callee} may change a value in place{at}: "
                f"each batches only with other instances' calls of the same step, not as one batch per depth; return "
@@ -125,12 +128,13 @@ def calls_in_turn(call, callee, before):
     after another, not one batch per depth."""
     if config.PER_INSTANCE == "allow":
         return
+    name = callee.split(".")[-1]
     message = (f"recompile: the calls of {callee} at {os.path.basename(call.filename)}:{call.lineno} wait within "
                f"each instance for its calls at {os.path.basename(before.filename)}:{before.lineno}: an if or loop "
                f"that calls it runs those calls to their end before what follows starts, so an instance's calls run "
                f"one after another, each batching only with other instances' calls of the same step, not as one "
-               f"batch per depth; make the calls side by side in one block after a leaf test (hl = {callee.split('.')[-1]}"
-               f"(...); hr = {callee.split('.')[-1]}(...)), or loop over a list of the children "
+               f"batch per depth; make the calls side by side in one block after a leaf test (hl = {name}(...); "
+               f"hr = {name}(...)), or loop over a list of the children "
                f"(for j in [j for j in (l, r) if j >= 0])")
     warn_once((call.filename, call.lineno), callee + " in turn", message, PerInstanceWarning)
 

@@ -425,8 +425,8 @@ def concatenated(n, seqs, args, kwargs):
     if not all(type(s) in (list, tuple) and s for s in lists):
         return NotImplemented  # (an empty one: its instance raises, as torch.cat does)
     flat = [t for s in lists for t in s]
-    if not all(type(t) is torch.Tensor and t.dim() for t in flat) or not bt.same_kind(flat, 1):
-        return NotImplemented
+    if not all(type(t) in bt.PLAIN_TENSORS and t.dim() for t in flat) or not bt.same_kind(flat, 1):
+        return NotImplemented  # (a learned row among them, an nn.Parameter, is a tensor too)
     return batch(n, packed_rows(n, torch.cat(flat), [sum(t.shape[0] for t in s) for s in lists]))
 
 
