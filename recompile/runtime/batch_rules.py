@@ -759,12 +759,28 @@ def _python_arguments(args, kwargs):
     a shared value."""
     for a in (*args, *(kwargs or {}).values()):
         if type(a) is Batch:
-            if not (_python_sequences(a) or a.thunk is None and a.method is None and a.owner == "items"
-                    and set(map(type, a.items)).issubset(_PYTHON_SCALARS)):
+            if not (_python_sequences(a) or _python_scalars(a)):
                 return False
         elif isinstance(a, torch.Tensor):
             return False
     return True
+
+
+def _python_scalars(b):
+    """Whether Batch ``b`` holds each instance's own str, number, None or tuple, as its items."""
+    return b.thunk is None and b.method is None and b.owner == "items" and set(map(type, b.items)) <= _PYTHON_SCALARS
+
+
+def _python_containers(b):
+    """Whether Batch ``b`` holds each instance's own str, list or tuple, a dict or set display the program built
+    (``{"a": 1}``), or each instance's own container of a kind ``in`` reads without consuming it."""
+    if _python_sequences(b):
+        return True
+    if b.thunk is not None or b.method is not None:
+        return False
+    if b.owner is None and b.struct is not None:
+        return issubclass(b.struct[0], (dict, set))
+    return b.owner == "items" and set(map(type, b.items)) <= _CONTAINERS
 
 
 def _membership_of_python_values(fn, args, kwargs):
@@ -778,27 +794,20 @@ def _membership_of_python_values(fn, args, kwargs):
     container, item = args[place], args[1 - place]
     if type(container) is not Batch and type(item) is not Batch:
         return False
-    if type(container) is Batch:
-        if not (_python_sequences(container) or container.thunk is None and container.method is None and (
-                container.owner is None and container.struct is not None and issubclass(container.struct[0], (
-                    dict, set)) or container.owner == "items" and set(map(type, container.items)) <= _CONTAINERS)):
-            return False  # (a dict or set display the program built: ``w not in {"a": 1}``)
-    elif type(container) not in _CONTAINERS:
+    if not (_python_containers(container) if type(container) is Batch else type(container) in _CONTAINERS):
         return False
-    if type(item) is not Batch:
-        return type(item) in _PYTHON_SCALARS
-    return item.thunk is None and item.method is None and item.owner == "items" and \
-        set(map(type, item.items)).issubset(_PYTHON_SCALARS)
+    return _python_scalars(item) if type(item) is Batch else type(item) in _PYTHON_SCALARS
 
 
 def _methods_of_python_values(fn, args, kwargs):
     """Whether Batch ``fn`` holds each instance's method of its own immutable Python value (``word.upper``,
     ``word.startswith``, ``key.count``), given Python values: such a method changes nothing, and runs as Python
     runs it."""
-    if fn.method is not None or fn.thunk is not None or not _python_arguments(args, kwargs):
+    if fn.method is not None or fn.thunk is not None:
         return False
-    return all(type(m) is BOUND_BUILTIN and type(m.__self__) in _UNCHANGING_SELVES
-               for m in bt.items_of(fn))
+    # (the callables first: a module chosen by the data, the usual Batch of callables, fails at its first item)
+    return all(type(m) is BOUND_BUILTIN and type(m.__self__) in _UNCHANGING_SELVES for m in bt.items_of(fn)) and \
+        _python_arguments(args, kwargs)
 
 
 _CONTAINERS = frozenset({str, list, tuple, dict, set, frozenset, range})
@@ -1862,8 +1871,8 @@ def _stacked_along(n, seqs, dim):
 
 
 def _cat_along(n, seqs, dim):
-    """``torch.cat(hs, dim=-1)`` of each instance's own list, every list as long and its tensors of one shape: their
-    stack (``rows.stacked``) with the lists' dim merged into ``dim``, as each instance's cat lays them;
+    """``torch.cat(hs, dim=-1)`` of each instance's own list, every list as long and its tensors of one shape: one
+    stack of all their tensors, the lists' dim merged into ``dim``, as each instance's cat lays them;
     NotImplemented for lists of their own lengths (each instance's cat) or a dim out of range (torch's error)."""
     lists = bt.items_of(seqs)
     if type(lists) is rows.Appended:
