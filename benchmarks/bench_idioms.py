@@ -472,6 +472,30 @@ class ChildrenFiltered(TreeLSTM):
         return h, c, loss
 
 
+class ChildrenInIfs(TreeLSTM):
+    """Each child's call in an ``if`` of its own (``if tree.left[i] >= 0:``), the leaf told after them: both calls
+    asked for at once (``passes.fission.split_block``), one batch per depth on the agenda."""
+
+    @recompile.function
+    def encode(self, tree, i):
+        loss = 0.0
+        if tree.left[i] >= 0:
+            hl, cl, left_loss = self.encode(tree, tree.left[i])
+            loss = loss + left_loss
+        if tree.right[i] >= 0:
+            hr, cr, right_loss = self.encode(tree, tree.right[i])
+            loss = loss + right_loss
+        if tree.is_leaf[i]:
+            ig, og, u = torch.chunk(self.leaf(self.embed(tree.words[i])), 3, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u)
+        else:
+            ig, og, u, fl, fr = torch.chunk(self.node(torch.cat([hl, hr], dim=-1)), 5, dim=-1)
+            c = torch.sigmoid(ig) * torch.tanh(u) + torch.sigmoid(fl) * cl + torch.sigmoid(fr) * cr
+        h = torch.sigmoid(og) * torch.tanh(c)
+        loss = loss + self.node_loss(h, tree.labels[i])
+        return h, c, loss
+
+
 class AppendedLosses(TreeLSTM):
     """Each node's loss appended to a list the recursion is handed (as DyNet users collect theirs), summed at the
     root by ``torch.stack(losses).sum()``: each call fills a list of its own, which its caller extends its own by
@@ -688,7 +712,7 @@ CELL_SPELLINGS = {"nn.LSTMCell": CellTreeLSTM}
 MODULE_SPELLINGS = {"modules chosen by kind": ModuleNetwork}
 # Spellings that run one batch per depth on the agenda, not as a level program: timed to say how far that falls.
 LIST_SPELLINGS = {"losses appended": AppendedLosses, "losses returned": ReturnedLosses}
-FILTERED_SPELLINGS = {"children filtered": ChildrenFiltered}
+FILTERED_SPELLINGS = {"children filtered": ChildrenFiltered, "children in ifs of their own": ChildrenInIfs}
 
 
 def check(cls, base, trees, device="cpu"):
@@ -731,7 +755,7 @@ def main(argv=None):
                                          ("Tree-RNN of modules chosen by the data (embed 300, hidden 150)",
                                           MODULE_SPELLINGS, hand_batched_modules),
                                          ("Tree-LSTM, node losses in lists", LIST_SPELLINGS, hand_batched),
-                                         ("Tree-LSTM, children filtered into a list", FILTERED_SPELLINGS,
+                                         ("Tree-LSTM, children filtered or in ifs", FILTERED_SPELLINGS,
                                           hand_batched)):
         torch.manual_seed(0)
         base = next(iter(spellings.values()))(len(sst.vocab))

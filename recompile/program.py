@@ -22,6 +22,7 @@ from .naming import Namer
 from .passes.effects import (callables_named, first_change, invoke_may_mutate, program_may_mutate,
                              program_runs_again_unseen, recursions_kept_in_order,
                              recursions_waiting_in_turn)
+from .passes.fission import split_blocks
 from .passes.grad import backward_name, derive, forward_name
 from .passes.holding import caller_visible_change
 from .passes.pipeline import FINAL, run_passes
@@ -152,7 +153,9 @@ class FunctionBuild:
             change = first_change(invoke.target, FINAL)
             fallbacks.calls_in_order(invoke.loc, invoke.target.qualname, change.loc if change is not None else None,
                                      change is not None and ir.is_call(change, intrinsics.set_cell))
-        for invoke, before in recursions_waiting_in_turn(sg, FINAL):
+        asked_at_once = {c.invoke: block for block in split_blocks(sg, self._may_mutate).values()
+                         for c in block.ask.calls}
+        for invoke, before in recursions_waiting_in_turn(sg, FINAL, asked_at_once):
             fallbacks.calls_in_turn(invoke.loc, invoke.target.qualname, before.loc)
         return generate_batched(sg, self._may_mutate)
 

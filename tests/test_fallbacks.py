@@ -162,12 +162,30 @@ def counted_down(x, d):  # (one recursive call a frame, changing a tensor of its
     return counted_down(x + buf[0], d - 1)
 
 
-def guarded_sizes(left, right, i):  # (each child's call in an if of its own: the second waits for the first)
+def guarded_sizes(left, right, i):  # (each child's call in an if of its own: asked for at once)
     total = torch.ones((), dtype=torch.float64)
     if left[i] >= 0:
         total = total + guarded_sizes(left, right, left[i])
     if right[i] >= 0:
         total = total + guarded_sizes(left, right, right[i])
+    return total
+
+
+def chained_sizes(left, right, i):  # (the second if's test reads the first call's result: it waits, as in Python)
+    total = torch.ones((), dtype=torch.float64)
+    if left[i] >= 0:
+        total = total + chained_sizes(left, right, left[i])
+    if right[i] >= 0 and total < 100:
+        total = total + chained_sizes(left, right, right[i])
+    return total
+
+
+def paired_sizes(left, right, i):  # (an if making two calls, then one making another: that one waits)
+    total = torch.ones((), dtype=torch.float64)
+    if left[i] >= 0 and right[i] >= 0:
+        total = total + paired_sizes(left, right, left[i]) + paired_sizes(left, right, right[i])
+    if (left[i] >= 0) != (right[i] >= 0):
+        total = total + paired_sizes(left, right, torch.maximum(left[i], right[i]))
     return total
 
 
@@ -181,34 +199,37 @@ def listed_sizes(left, right, i):  # (the same children, a loop over a list of t
     return total
 
 
-def test_calls_that_wait_in_turn_in_ifs_of_their_own_say_so_and_a_loop_over_the_children_batches(monkeypatch):
-    """A recursion whose calls each stand in an ``if`` of their own runs an instance's calls one after another:
-    its second call's line is warned of, naming the first's, with what to write instead; the same recursion over
-    a list of the children runs one batch per depth, with no warning."""
+def test_calls_that_wait_in_turn_say_so_and_calls_in_ifs_of_their_own_batch(monkeypatch):
+    """A recursion whose calls stand in ifs that cannot ask for them at once (the first if makes two) runs an
+    instance's calls one after another: the later call's line is warned of, naming the first's, with what to write
+    instead. Each child's call in an if of its own, and a loop over a list of the children, run one batch per
+    depth, with no warning; so does a second call whose test reads the first's result (it waits, as in Python)."""
     from recompile import diagnostics
 
     monkeypatch.setattr(diagnostics, "_warned", set())
     left = torch.tensor([1, 3, -1, 5, -1, -1, -1])
-    right = torch.tensor([2, 4, -1, 6, -1, -1, -1])
+    right = torch.tensor([2, 4, -1, -1, -1, -1, -1])
     roots = torch.tensor([0, 1, 3])
     want = torch.stack([guarded_sizes(left, right, int(i)) for i in roots])
-    lines, start = inspect.getsourcelines(guarded_sizes)
-    first = start + next(k for k, line in enumerate(lines) if "left[i])" in line and "total +" in line)
-    second = start + next(k for k, line in enumerate(lines) if "right[i])" in line and "total +" in line)
-    guarded = recompile.function(guarded_sizes)
-    monkeypatch.setitem(guarded_sizes.__globals__, "guarded_sizes", guarded)
-    with pytest.warns(recompile.PerInstanceWarning, match=rf"the calls of guarded_sizes at test_fallbacks\.py:"
+    lines, start = inspect.getsourcelines(paired_sizes)
+    first = start + next(k for k, line in enumerate(lines) if "left[i]) + paired" in line)
+    second = start + next(k for k, line in enumerate(lines) if "torch.maximum" in line)
+    paired = recompile.function(paired_sizes)
+    monkeypatch.setitem(paired_sizes.__globals__, "paired_sizes", paired)
+    with pytest.warns(recompile.PerInstanceWarning, match=rf"the calls of paired_sizes at test_fallbacks\.py:"
                                                           rf"{second} wait within each instance for its calls at "
                                                           rf"test_fallbacks\.py:{first}.*loop over a list") as seen:
-        got = recompile.vmap(guarded, in_dims=(None, None, 0))(left, right, roots)
+        got = recompile.vmap(paired, in_dims=(None, None, 0))(left, right, roots)
     torch.testing.assert_close(got, want)
     assert {(w.filename, w.lineno) for w in seen if "wait within" in str(w.message)} == {(__file__, second)}
-    listed = recompile.function(listed_sizes)
-    monkeypatch.setitem(listed_sizes.__globals__, "listed_sizes", listed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", recompile.PerInstanceWarning)
-        torch.testing.assert_close(recompile.vmap(listed, in_dims=(None, None, 0))(left, right, roots), want)
-    assert listed.stats["batches"]["listed_sizes"]["runs"] <= 4  # (one per depth)
+    for fn in (guarded_sizes, listed_sizes, chained_sizes):
+        compiled = recompile.function(fn)
+        monkeypatch.setitem(fn.__globals__, fn.__name__, compiled)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", recompile.PerInstanceWarning)
+            torch.testing.assert_close(recompile.vmap(compiled, in_dims=(None, None, 0))(left, right, roots), want)
+        if fn.__name__ != "chained_sizes":
+            assert compiled.stats["batches"][fn.__name__]["runs"] <= 4  # (one per depth)
 
 
 def gated(xs, left, right, i):  # (a with block reads h: h is a cell the with block shares)

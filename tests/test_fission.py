@@ -273,6 +273,51 @@ def counted(self, kids, n_kids, words, i):
     return torch.tanh(self.mix(h)) * size, size
 
 
+def blocks_summed(self, kids, n_kids, words, i):  # (each child's call in an if of its own: asked for at once)
+    h = self.embed(words[i])
+    if n_kids[i] > 0:
+        h = h + self.encode(kids, n_kids, words, kids[i, 0])
+    if n_kids[i] > 1:
+        h = h + torch.sigmoid(self.gate(self.encode(kids, n_kids, words, kids[i, 1])))
+    return torch.tanh(self.mix(h))
+
+
+def blocks_appended(self, kids, n_kids, words, i):  # (the ifs append to a list of the block's, in their order)
+    hs = [self.embed(words[i])]
+    if n_kids[i] > 2:
+        hs.append(self.encode(kids, n_kids, words, kids[i, 2]) * 2.0)
+    if n_kids[i] > 0:
+        hs.append(self.encode(kids, n_kids, words, kids[i, 0]))
+    return torch.tanh(self.mix(torch.stack(hs).sum(0) * hs[-1]))
+
+
+def blocks_bare(self, kids, n_kids, words, i):  # (a call of the block itself, then one under an if)
+    if n_kids[i] == 0:
+        return torch.tanh(self.embed(words[i]))
+    h = self.encode(kids, n_kids, words, kids[i, 0])
+    if n_kids[i] > 1:
+        h = h * self.encode(kids, n_kids, words, kids[i, 1])
+    return torch.tanh(self.mix(h))
+
+
+def blocks_chained(self, kids, n_kids, words, i):  # (the second if's test reads the first call's result)
+    h = self.embed(words[i])
+    if n_kids[i] > 0:
+        h = h + self.encode(kids, n_kids, words, kids[i, 0])
+    if n_kids[i] > 1 and h.sum() > -100.0:
+        h = h + self.encode(kids, n_kids, words, kids[i, 1])
+    return torch.tanh(self.mix(h))
+
+
+def blocks_read_list(self, kids, n_kids, words, i):  # (the second call's argument reads the list the first grows)
+    hs = [self.embed(words[i])]
+    if n_kids[i] > 0:
+        hs.append(self.encode(kids, n_kids, words, kids[i, 0]))
+    if n_kids[i] > 1:
+        hs.append(self.encode(kids, n_kids, words, kids[i, len(hs) - 1]))
+    return torch.tanh(self.mix(torch.stack(hs).sum(0)))
+
+
 MODELS = {"child_sum": child_sum, "appended": appended, "flat_list": flat_list, "summed": summed,
           "row_stretch": row_stretch, "summed_apart": summed_apart, "two_calls": two_calls, "chained": chained,
           "run_until": run_until, "stops_early": stops_early, "guarded": guarded,
@@ -280,7 +325,9 @@ MODELS = {"child_sum": child_sum, "appended": appended, "flat_list": flat_list, 
           "guarded_by_results": guarded_by_results, "guarded_noise": guarded_noise,
           "guarded_reads_list": guarded_reads_list,
           "grows_what_it_reads": grows_what_it_reads, "taken_apart": taken_apart,
-          "summed_onto_rows": summed_onto_rows, "appended_whole": appended_whole, "counted": counted}
+          "summed_onto_rows": summed_onto_rows, "appended_whole": appended_whole, "counted": counted,
+          "blocks_summed": blocks_summed, "blocks_appended": blocks_appended, "blocks_bare": blocks_bare,
+          "blocks_chained": blocks_chained, "blocks_read_list": blocks_read_list}
 
 
 def three(body):
@@ -322,7 +369,8 @@ def test_batched_and_sequential_give_plain_values_and_gradients(name):
 
 
 @pytest.mark.parametrize("name", ["child_sum", "appended", "flat_list", "summed", "row_stretch", "two_calls",
-                                  "stops_early", "guarded", "guarded_appends", "guarded_computed"])
+                                  "stops_early", "guarded", "guarded_appends", "guarded_computed",
+                                  "blocks_summed", "blocks_appended", "blocks_bare"])
 def test_a_split_loop_runs_each_depth_of_every_tree_once(name):
     _, batched, _ = three(MODELS[name])
     encode = type(batched).encode
@@ -361,6 +409,18 @@ def test_which_loops_split(name, splits):
     assert any(f is not None for f in found) == splits
 
 
+
+
+@pytest.mark.parametrize("name, splits", [("blocks_summed", True), ("blocks_appended", True), ("blocks_bare", True),
+                                          ("blocks_chained", False), ("blocks_read_list", False),
+                                          ("guarded", False), ("two_calls", False)])
+def test_which_blocks_ask_for_their_calls_at_once(name, splits):
+    _, batched, _ = three(MODELS[name])
+    sg = type(batched).encode.build_for(type(batched)).stages[FINAL]
+    found = fission.split_blocks(sg, lambda invoke: invoke_may_mutate(invoke, FINAL))
+    assert bool(found) == splits
+    for block in found.values():
+        assert len(block.ask.calls) == 2 and not any(isinstance(o, ir.Invoke) for o in block.pre + block.rest)
 
 
 @pytest.mark.parametrize("name, shape", [

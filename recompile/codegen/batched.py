@@ -167,6 +167,8 @@ class _BatchedEmitter(emit.FunctionEmitter):
             return [self.assign(op.outputs, value, op.loc)]
         if isinstance(op, ir.Cond):
             return self.guarded_cond(op) if op in self.guarded else self.cond_stmts(op)
+        if isinstance(op, fission.BlockCalls):
+            return self.block_calls(op)
         if isinstance(op, ir.While):
             return self.while_stmts(op)
         return super().op_stmts(op)
@@ -302,6 +304,52 @@ class _BatchedEmitter(emit.FunctionEmitter):
             locate(stmt, op.loc)
         finish = method("finish", ast.Name(id=got, ctx=ast.Load()), ast.Name(id=post, ctx=ast.Load()))
         return stmts + ([self.results(op.outputs, finish, op.loc)] if op.outputs else [self.assign([], finish, op.loc)])
+
+    def items(self, sg):
+        """A block whose calls, some in ``if``s of their own, wait for nothing it computes after them
+        (``passes.fission.split_block``): the ops computing their tests and arguments, the calls asked for at
+        once (``block_calls``), the rest in order, each such ``if`` given its call's results (``guarded_cond``)."""
+        found = self.emission.blocks.get(sg)
+        if found is None:
+            return super().items(sg)
+        self.guarded.update((c.guard[0], (c.guard[1], c.invoke)) for c in found.ask.calls if c.guard)
+        return found.pre + [found.ask] + plan(found.rest, self.emission.may_mutate)
+
+    def block_calls(self, ask):
+        """``_block = BlockCalls(_n)``, each call's arguments added (those under an ``if`` for the instances its
+        test sends there), every call asked for in one yield, and each Invoke's output its results."""
+        block = self.var(ir.Value("_block"))
+
+        def method(attr, *args):
+            return ast.Expr(value=ast.Call(func=ast.Attribute(value=ast.Name(id=block, ctx=ast.Load()), attr=attr,
+                                                              ctx=ast.Load()), args=list(args), keywords=[]))
+
+        def loads(values):
+            return ast.Tuple(elts=[self.load(v) for v in values], ctx=ast.Load())
+
+        stmts = [ast.Assign(targets=[ast.Name(id=block, ctx=ast.Store())],
+                            value=ast.Call(func=self.helper(split_loops.BlockCalls, "BlockCalls"),
+                                           args=[self.n_load()], keywords=[]))]
+        for c in ask.calls:
+            if c.guard is None:
+                stmts.append(method("add", loads(c.args)))
+                continue
+            cond, which = c.guard
+            prepare = self.plain_piece(cond.subgraphs()[which], "args", c.prepare, c.given, c.invoke.args,
+                                       as_tuple=True)
+            stmts.append(method("guarded", self.load(cond.pred), ast.Constant(value=which),
+                                ast.Name(id=prepare, ctx=ast.Load()), loads(c.args)))
+        asked = self.var(ir.Value("_asked"))
+        calls = ast.Tuple(elts=[ast.Tuple(elts=[t, s], ctx=ast.Load()) for t, _, s in
+                                (emit.FunctionEmitter.request(self, c.invoke) for c in ask.calls)], ctx=ast.Load())
+        stmts.append(ast.Assign(targets=[ast.Name(id=asked, ctx=ast.Store())], value=method("requests", calls).value))
+        got = ast.IfExp(test=ast.Name(id=asked, ctx=ast.Load()), body=ast.Yield(value=ast.Name(id=asked,
+                                                                                                ctx=ast.Load())),
+                        orelse=ast.Tuple(elts=[], ctx=ast.Load()))
+        stmts.append(self.assign(ask.outputs, method("results", got).value, ask.loc, unpack=True))
+        for stmt in stmts:
+            locate(stmt, ask.loc)
+        return stmts
 
     def guarded_cond(self, op):
         """An ``if`` around a call of a split loop, in its second pass: the side making the call gets its results
@@ -485,6 +533,7 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     emission.replays = not emission.changes and not emission.appends
     emission.kept_out = _appending(emission.appends)
     emission.units = _units(batch_plan)  # SubGraph -> Unit
+    emission.blocks = fission.split_blocks(sg, may_mutate)
     module = Module()
     emitters = [_BatchedEmitter(module, emission, batch_plan) for _ in emission.sgs]
     shape = level_shape(sg, batch_plan, not emission.replays)

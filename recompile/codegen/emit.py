@@ -216,8 +216,12 @@ class FunctionEmitter:
                 body.extend(self.op_stmts(item))
         return body
 
+    def items(self, sg):
+        """What ``body`` writes of SubGraph ``sg``: its ops, and its groups of Invokes issued together."""
+        return plan(sg.ops, self.emission.may_mutate)
+
     def function(self, sg):
-        body = self.body(sg, plan(sg.ops, self.emission.may_mutate))
+        body = self.body(sg, self.items(sg))
         if not sg.outputs:
             ret = ast.Return(value=ast.Constant(value=None))
         elif len(sg.outputs) == 1:

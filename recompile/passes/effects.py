@@ -418,27 +418,62 @@ def recursions_kept_in_order(sg, stage, may_mutate):
     return found
 
 
-def recursions_waiting_in_turn(sg, stage):
+def recursions_waiting_in_turn(sg, stage, asked_at_once=None):
     """(Invoke, the Invoke it waits for) for each recursive Invoke of function SubGraph ``sg`` (its program may run
     ``sg`` again) in an ``if`` or loop of a block that makes recursive calls at an earlier point too (another ``if``
     or loop holding one, or calls of the block itself): a batched frame runs each such point to its end before
     the next, each instance's first child's whole subtree before its second's, so an instance's calls run one
-    after another, each batching only with other instances' calls of the same step, not one batch per depth."""
+    after another, each batching only with other instances' calls of the same step, not one batch per depth.
+    Not those a block asks for at once (``asked_at_once``: {Invoke: its block}, ``fission.split_blocks``), nor
+    those whose test or arguments read what the earlier point gives: those wait as Python's do."""
+    asked_at_once = asked_at_once or {}
+
     def recursive(op):
         return isinstance(op, ir.Invoke) and any(t.ir_name == sg.name for t in ir.reachable(op.target, stage))
 
     found = []
     for s in sg.walk():
-        first = None  # (an Invoke of the block's first point that calls the recursion)
+        first, given = None, set()  # (an Invoke of the block's first point that calls the recursion; what it gives)
         for op in s.ops:
             inside = [x for b in op.subgraphs() for nested in b.walk() for x in nested.ops if recursive(x)] \
                 if isinstance(op, (ir.Cond, ir.While)) else [op] if recursive(op) else []
-            if not inside:
-                continue
-            if first is None:
+            if first is None and inside:
                 first, first_nested = inside[0], bool(op.subgraphs())
-            elif op.subgraphs() or first_nested:  # (calls side by side in the block itself go together)
-                found.extend((x, first) for x in inside)
+            elif inside and (op.subgraphs() or first_nested):  # (calls side by side in the block go together)
+                chained = _reading(op, given)
+                found.extend((x, first) for x in inside if x not in chained
+                             and asked_at_once.get(x, x) is not asked_at_once.get(first, first))
+            if first is not None and (inside or any(x in given for x in op.operands())):
+                given.update(op.outputs)
+    return found
+
+
+def _reading(op, values):
+    """The ops ``op`` is or holds whose operands read ``values`` (of its block), or what was computed from them;
+    all it holds where its test does."""
+    if not op.subgraphs():
+        return {op} if any(x in values for x in op.operands()) else set()
+    outer = [op.pred, *op.args] if isinstance(op, ir.Cond) else op.loop_vars + op.invariants
+    if isinstance(op, ir.Cond) and op.pred in values:
+        return {o for s in op.subgraphs() for ss in s.walk() for o in ss.ops}
+    found = set()
+    for side in op.subgraphs():
+        inputs = side.inputs
+        read = {v for v, x in zip(inputs, outer[1:] if isinstance(op, ir.Cond) else outer) if x in values}
+        while True:
+            for o in side.ops:
+                hit = _reading(o, read)
+                if hit:
+                    found |= hit
+                    read.update(o.outputs)
+            carried = {v for v, out in zip(inputs, side.outputs) if out in read} - read \
+                if isinstance(op, ir.While) else ()
+            if not carried:  # (a loop: what one step gives, the next reads)
+                break
+            read |= carried
+    if isinstance(op, ir.While) and any(_reading(o, {v for v, x in zip(op.cond_sg.inputs, outer) if x in values})
+                                        for o in op.cond_sg.ops):
+        return {o for s in op.subgraphs() for ss in s.walk() for o in ss.ops}
     return found
 
 
@@ -456,14 +491,16 @@ def program_runs_again_unseen(target, stage):
 def _shows_something(target, stage):
     """Whether the program of ``target`` calls a builtin with an effect of its own (``print``, ``open``) or a random
     draw by name: the order of its calls shows."""
-    for t in ir.reachable(target, stage):
-        for sg in t.subgraph(stage).walk():
-            for op in sg.ops:
-                if isinstance(op, ir.Call):
-                    fn = resolve(op.fn)
-                    if facts.among(fn, _VISIBLE) or facts.among(fn, facts.DRAWS):
-                        return True
-    return False
+    return any(shows(op) for t in ir.reachable(target, stage) for sg in t.subgraph(stage).walk() for op in sg.ops)
+
+
+def shows(op):
+    """Whether Call ``op`` is an effect whose order the user sees: a builtin with an effect of its own (``print``,
+    ``open``) or a random draw by name."""
+    if not isinstance(op, ir.Call):
+        return False
+    fn = resolve(op.fn)
+    return facts.among(fn, _VISIBLE) or facts.among(fn, facts.DRAWS)
 
 
 def callables_named(target, stage):

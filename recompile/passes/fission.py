@@ -37,7 +37,8 @@ from __future__ import annotations
 import operator
 
 from .. import intrinsics, ir
-from .effects import growing, pure_op
+from .batching import BatchPlan
+from .effects import growing, local_appends, pure_op, shows, subgraph_may_mutate
 
 
 class LoopSplit:
@@ -255,3 +256,104 @@ def _changed_list(op):
         return op.args[0]
     method = op.fn.op if isinstance(op.fn, ir.Value) else None
     return method.args[0] if ir.is_call(method, getattr) else None
+
+
+class BlockCalls:
+    """Where a split block (``BlockSplit``) asks for its ``calls`` (LoopCall) at once: an item of the block's
+    plan (``codegen.plan``), reading the calls' tests and arguments and giving the Invokes' results."""
+
+    def __init__(self, calls):
+        self.calls = calls
+        self.loc = calls[0].invoke.loc
+        self.outputs = [c.invoke.output for c in calls]
+
+    def operands(self):
+        return [x for c in self.calls for x in ([c.guard[0].pred] if c.guard else []) + c.args]
+
+    def subgraphs(self):
+        return ()
+
+
+class BlockSplit:
+    """How a block's compiled calls are asked for at once: ``pre`` (the ops computing their tests and arguments,
+    in order), ``ask`` (BlockCalls) and ``rest`` (the block's other ops, in order, but the calls themselves)."""
+
+    def __init__(self, pre, ask, rest):
+        self.pre, self.ask, self.rest = pre, ask, rest
+
+
+def split_blocks(sg, may_mutate):
+    """{SubGraph: its BlockSplit} for the blocks of function SubGraph ``sg`` whose compiled calls, some in ``if``s
+    of their own, are asked for at once (``split_block``), in a function that changes nothing in place but lists
+    of its own."""
+    if subgraph_may_mutate(sg, may_mutate):
+        return {}
+    appends = local_appends(sg)
+    deferrable = BatchPlan(sg, may_mutate).deferrable
+    found = {s: split_block(s.ops, appends, may_mutate, deferrable) for s in sg.walk()}
+    return {s: b for s, b in found.items() if b is not None}
+
+
+def split_block(ops, appends, may_mutate, deferrable=()):
+    """The BlockSplit of a block's ``ops``, or None.
+
+    ``if left[i] >= 0: total = total + f(left[i])`` then ``if right[i] >= 0: total = total + f(right[i])``: run as
+    written, a batched frame runs the first ``if`` to its end (the whole left subtree) before the second asks for
+    its call, so an instance's children run one after the other. Neither call's test nor its arguments read what
+    the other's ``if`` computes, so both are asked for at once, as a split loop's iterations are (``split``): the
+    tests, and the ops computing the arguments (``pre``), run first; then both calls, one request each; then the
+    block's other ops in order, each ``if`` given its call's results (``guarded``). It applies to the block's first
+    calls, up to one that reads what an earlier one gives (it waits, as in Python), where they are two or more,
+    one at least under an ``if`` (``_guarded``: one side calls once, the other not at all; its ops computing the
+    arguments are pure), and none may change state; ``pre`` neither raises, shows anything (``print``, a random
+    draw), appends nor reads a list the block appends to (``appends``: ``effects.local_appends``), since it now
+    runs before the earlier calls' ``if``s. A call the scheduler may defer (``deferrable``: ``BatchPlan.deferrable``, a node's loss) ends the calls asked for at once:
+    deferred, it runs once for every depth."""
+    calls, tainted = [], set()  # (the calls asked for at once; what those give, and what is computed from it)
+    for o in ops:
+        if isinstance(o, (ir.Invoke, ir.Cond, ir.While)) and _calls(o):
+            found = LoopCall(o, list(o.args)) if isinstance(o, ir.Invoke) else _guarded(o)
+            if found is None or may_mutate(found.invoke) or o in deferrable or any(
+                    isinstance(x, ir.Value) and x in tainted for x in BlockCalls([found]).operands()):
+                break  # (a call that reads what an earlier one gives waits for it: it and those after it, in order)
+            calls.append(found)
+            tainted.update(o.outputs)
+        elif any(isinstance(x, ir.Value) and x in tainted for x in o.operands()):
+            tainted.update(o.outputs)
+    if len(calls) < 2 or not any(c.guard for c in calls):
+        return None
+    needed = {x for x in BlockCalls(calls).operands() if isinstance(x, ir.Value)}
+    pre = _needing(ops, needed)
+    changed = _appended_lists(ops, appends)
+    if changed is None or any(not _quiet(o, appends) or any(x in changed for x in o.operands()) for o in pre) \
+            or needed & changed:
+        return None
+    asked = {c.invoke for c in calls}
+    return BlockSplit([o for o in ops if o in pre], BlockCalls(calls),
+                      [o for o in ops if o not in pre and o not in asked])
+
+
+def _quiet(op, appends):
+    """Whether ``op`` (and what it holds) may run before ops that came before it: it appends to no list, raises
+    nothing by itself and shows nothing (``effects.shows``)."""
+    ops = [op] + [o for s in op.subgraphs() for ss in s.walk() for o in ss.ops]
+    return not any(o in appends or ir.is_call(o, intrinsics.raise_exception) or shows(o) for o in ops)
+
+
+def _appended_lists(ops, appends):
+    """The lists the block's ops, or the sides of its ``if``s, append to, as values of the block; None where an
+    append lies deeper."""
+    changed = set()
+    for o in ops:
+        if o in appends:
+            changed.add(_changed_list(o))
+        for side in o.subgraphs():
+            for g in side.ops:
+                if g in appends:
+                    found = _changed_list(g)
+                    if found in side.inputs:  # (else a list of the side's own)
+                        outer = o.args if isinstance(o, ir.Cond) else o.loop_vars + o.invariants
+                        changed.add(outer[side.inputs.index(found)])
+                elif _nested_appends(g, appends):
+                    return None
+    return changed

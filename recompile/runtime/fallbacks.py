@@ -133,9 +133,9 @@ def calls_in_turn(call, callee, before):
                f"each instance for its calls at {os.path.basename(before.filename)}:{before.lineno}: an if or loop "
                f"that calls it runs those calls to their end before what follows starts, so an instance's calls run "
                f"one after another, each batching only with other instances' calls of the same step, not as one "
-               f"batch per depth; make the calls side by side in one block after a leaf test (hl = {name}(...); "
-               f"hr = {name}(...)), or loop over a list of the children "
-               f"(for j in [j for j in (l, r) if j >= 0])")
+               f"batch per depth; give each call an if of its own (if l >= 0: h = h + {name}(l)), make the calls "
+               f"side by side in one block after a leaf test (hl = {name}(...); hr = {name}(...)), or loop over a "
+               f"list of the children (for j in [j for j in (l, r) if j >= 0])")
     warn_once((call.filename, call.lineno), callee + " in turn", message, PerInstanceWarning)
 
 

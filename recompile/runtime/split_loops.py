@@ -76,14 +76,8 @@ class SplitLoop:
                 calls.append((out[at:at + width], n))
                 at += width
                 continue
-            given, side = out[at + 1:at + 1 + width], split(n, out[at])[guard]
+            calls.append(guarded_arguments(n, out[at], guard, prepare, out[at + 1:at + 1 + width]))
             at += 1 + width
-            count = len(side[0])
-            if count:
-                args = prepare(count, *(given if count == n else take_side(given, side)))
-                calls.append((args, count))
-            else:
-                calls.append((None, 0))
         self.steps.append((n, calls, out[at:]))
 
     def requests(self, calls):
@@ -195,6 +189,42 @@ class SplitLoop:
             kept = [k for k in range(self.n0) if not counts[k]]
             later.append(bt.join(self.n0, [(bt.from_tensor(total[bt.long_tensor(ran)]), ran), (start, kept)]))
         return self._with_later(later)
+
+
+def guarded_arguments(n, pred, which, prepare, given):
+    """(arguments, count) of a call under an ``if`` for the instances of n whose ``pred`` takes side ``which``:
+    ``prepare`` computes them from those instances' ``given`` (None, 0 where none does)."""
+    side = split(n, pred)[which]
+    count = len(side[0])
+    if not count:
+        return None, 0
+    return prepare(count, *(given if count == n else take_side(given, side))), count
+
+
+class BlockCalls:
+    """The calls of a split block (``passes.fission.split_block``) for n instances, asked for at once: each
+    call's arguments and count (``add``, ``guarded``), one request per call some instance makes
+    (``requests``), and each call's results, rows of the instances making it, in order (``results``)."""
+
+    __slots__ = ("n", "made")
+
+    def __init__(self, n):
+        self.n, self.made = n, []
+
+    def add(self, args):
+        self.made.append((args, self.n))
+
+    def guarded(self, pred, which, prepare, given):
+        self.made.append(guarded_arguments(self.n, pred, which, prepare, given))
+
+    def requests(self, calls):
+        """``calls``: (target, site) per call."""
+        return tuple((target, args, count, site, False) for (target, site), (args, count) in zip(calls, self.made)
+                     if count)
+
+    def results(self, got):
+        each = iter(got)
+        return tuple(next(each) if count else None for _, count in self.made)
 
 
 def guarded_run(branch, which, called, other, got):
