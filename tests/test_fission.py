@@ -595,3 +595,47 @@ def test_a_number_where_torch_refuses_one_raises_as_python_does():
         fn(xs[0], 0)
     with pytest.raises(TypeError):
         recompile.vmap(compiled)(xs, torch.tensor([0, 2, 0, 1]))
+
+
+def checked_first(vals, left, right, i):  # (a check before the calls: it still stops the recursion first)
+    if vals[i] < 0:
+        raise ValueError(f"negative at node {int(i)}")
+    total = vals[i]
+    if left[i] >= 0:
+        total = total + checked_first(vals, left, right, left[i])
+    if right[i] >= 0:
+        total = total + checked_first(vals, left, right, right[i])
+    return total
+
+
+def checked_between(vals, left, right, i):  # (a check between the ifs: the right call waits for it)
+    total = vals[i]
+    if left[i] >= 0:
+        total = total + checked_between(vals, left, right, left[i])
+    if vals[i] < 0:
+        raise ValueError(f"negative at node {int(i)}")
+    if right[i] >= 0:
+        total = total + checked_between(vals, left, right, right[i])
+    return total
+
+
+@pytest.mark.parametrize("fn", [checked_first, checked_between])
+def test_a_raise_before_or_between_calls_asked_at_once_comes_where_python_raises_it(fn, monkeypatch):
+    """Node 1 fails its check and so does node 6 below it on the right: Python raises node 1's error (its check
+    comes before its right child's call); so must batched mode, alone or among other instances."""
+    left = torch.tensor([1, 3, -1, 5, -1, -1, -1, -1])
+    right = torch.tensor([2, 4, -1, 6, 7, -1, -1, -1])
+    vals = torch.tensor([1., -1., 2., 3., 4., 5., -6., 7.], dtype=torch.float64)
+    with pytest.raises(ValueError) as plain:
+        fn(vals, left, right, 0)
+    compiled = recompile.function(fn)
+    monkeypatch.setitem(fn.__globals__, fn.__name__, compiled)
+    for run in (lambda: compiled(vals, left, right, torch.tensor(0)),
+                lambda: recompile.vmap(compiled, in_dims=(None, None, None, 0))(vals, left, right,
+                                                                                torch.tensor([2, 0, 4]))):
+        with pytest.raises(ValueError) as got:
+            run()
+        assert str(got.value) == str(plain.value)
+    sg = compiled.build_for(None).stages[FINAL]
+    found = fission.split_blocks(sg, lambda invoke: invoke_may_mutate(invoke, FINAL))
+    assert bool(found) == (fn.__name__ == "checked_first")  # (between: the right call waits for the check)

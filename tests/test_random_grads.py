@@ -169,6 +169,9 @@ class ProgramGenerator:
         # (and so do the loops of recursive calls: a program without one is the one earlier runs found)
         self.looped = random.Random(seed * 104729 + 2)
         self.loops_calls = self.looped.random() < 0.3
+        # (and so do recursive calls each in an if of its own)
+        self.apart = random.Random(seed * 15485863 + 3)
+        self.splits_calls = self.apart.random() < 0.4
         self.counter = itertools.count()
         self.fragile = False
         self.features = set()
@@ -550,6 +553,9 @@ class ProgramGenerator:
             table.append((1, "call_h"))
         if self.fn == "f" and self.loops_calls and self.calls_left >= 2 and self.looped.random() < 0.3:
             kind = "recurse_loop"
+        elif self.fn == "f" and not self.loops_calls and self.splits_calls and self.calls_left >= 2 \
+                and self.apart.random() < 0.4:
+            kind = "recurse_apart"
         else:
             kind = self.weighted(table)
         getattr(self, "st_" + kind)(scope, lines, indent, nest, carried)
@@ -872,6 +878,38 @@ class ProgramGenerator:
             self.emit(scope, lines, f"{indent}    {r} = {r} {self.pick(('+', '-', '*'))} {r2}")
             self.emit(scope, lines, f"{indent}    {s} = {s} + {s2} * 0.5")
         self.base_case(scope, lines, indent, r, s, a, b, m)
+
+    def st_recurse_apart(self, scope, lines, indent, nest, carried):
+        """Two recursive calls, each in an ``if`` of its own, the second's test and arguments made before the
+        first call: batched mode asks for both at once (``passes.fission.split_block``)."""
+        self.features.add("recurse_apart")
+        self.calls_left -= 2
+        step = self.pick(("1", "2"))
+        guards = [f"d > {int(step) - 1}", f"d > {int(step) - 1}"]
+        if self.chance(0.4):
+            guards[1] += f" and {self.predicate(scope)}"
+        calls = [(self.name("r"), self.name("s"), self.expr(scope, "V", 2), self.expr(scope, "V", 1))
+                 for _ in guards]
+        held = []
+        for _, _, a, b in calls:  # (the arguments computed before the ifs, as tree.left[i] is read)
+            names = self.name("p"), self.name("p")
+            for n, e in zip(names, (a, b)):
+                self.emit(scope, lines, f"{indent}{n} = {e.text}")
+            held.append(names)
+        for guard, (r, s, a, b), (pa, pb) in zip(guards, calls, held):
+            self.emit(scope, lines, f"{indent}if {guard}:")
+            if self.chance(0.5):  # (an argument the side computes)
+                z = self.name("z")
+                self.emit(scope, lines, f"{indent}    {z} = {pa} * 0.5")
+                self.emit(scope, lines, f"{indent}    {r}, {s} = f({z}, {pb}, w, d - {step})")
+            else:
+                self.emit(scope, lines, f"{indent}    {r}, {s} = f({pa}, {pb}, w, d - {step})")
+            if self.chance(0.5):  # (the side's ops after the call)
+                self.emit(scope, lines, f"{indent}    {r} = torch.tanh({r}) {self.pick(('+', '*'))} {pb}")
+            self.base_case(scope, lines, indent, r, s, a, b)
+        (r, s, _, _), (r2, s2, _, _) = calls
+        self.emit(scope, lines, f"{indent}{r} = {r} {self.pick(('+', '-', '*'))} {r2}")
+        self.emit(scope, lines, f"{indent}{s} = {s} + {s2} * 0.5")
 
     def base_case(self, scope, lines, indent, r, s, *read):
         """The ``else`` of a recursion's guard, ``r`` and ``s`` given plain values there; after it they hold a
@@ -1359,7 +1397,8 @@ def test_generator_is_deterministic_and_the_default_seeds_cover_the_constructs()
         seen |= gen.features
         for mode in compared:
             compared[mode] += mode not in skipped_modes(gen)
-    for feature in ("recurse", "recurse_twice", "recurse_tensor_guard", "recurse_loop", "call_g", "recurse_g",
+    for feature in ("recurse", "recurse_twice", "recurse_tensor_guard", "recurse_loop", "recurse_apart", "call_g",
+                    "recurse_g",
                     "call_h", "if_int", "for_range", "for_rows", "for_list", "for_break", "while", "while_tensor",
                     "append", "raise",
                     "inplace:setitem", "inplace:mul_", "inplace:add_", "inplace:idiv", "inplace_hazard",
