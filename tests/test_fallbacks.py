@@ -180,6 +180,15 @@ def chained_sizes(left, right, i):  # (the second if's test reads the first call
     return total
 
 
+def appended_sizes(left, right, i):  # (the second if's test reads the list the first appends to: it waits too)
+    hs = [torch.ones((), dtype=torch.float64)]
+    if left[i] >= 0:
+        hs.append(appended_sizes(left, right, left[i]))
+    if right[i] >= 0 and len(hs) < 3:
+        hs.append(appended_sizes(left, right, right[i]))
+    return torch.stack(hs).sum()
+
+
 def paired_sizes(left, right, i):  # (an if making two calls, then one making another: that one waits)
     total = torch.ones((), dtype=torch.float64)
     if left[i] >= 0 and right[i] >= 0:
@@ -203,7 +212,8 @@ def test_calls_that_wait_in_turn_say_so_and_calls_in_ifs_of_their_own_batch(monk
     """A recursion whose calls stand in ifs that cannot ask for them at once (the first if makes two) runs an
     instance's calls one after another: the later call's line is warned of, naming the first's, with what to write
     instead. Each child's call in an if of its own, and a loop over a list of the children, run one batch per
-    depth, with no warning; so does a second call whose test reads the first's result (it waits, as in Python)."""
+    depth, with no warning; a second call whose test reads the first's result, or the list the first appends to,
+    waits, as in Python, with no warning either."""
     from recompile import diagnostics
 
     monkeypatch.setattr(diagnostics, "_warned", set())
@@ -222,13 +232,13 @@ def test_calls_that_wait_in_turn_say_so_and_calls_in_ifs_of_their_own_batch(monk
         got = recompile.vmap(paired, in_dims=(None, None, 0))(left, right, roots)
     torch.testing.assert_close(got, want)
     assert {(w.filename, w.lineno) for w in seen if "wait within" in str(w.message)} == {(__file__, second)}
-    for fn in (guarded_sizes, listed_sizes, chained_sizes):
+    for fn in (guarded_sizes, listed_sizes, chained_sizes, appended_sizes):
         compiled = recompile.function(fn)
         monkeypatch.setitem(fn.__globals__, fn.__name__, compiled)
         with warnings.catch_warnings():
             warnings.simplefilter("error", recompile.PerInstanceWarning)
             torch.testing.assert_close(recompile.vmap(compiled, in_dims=(None, None, 0))(left, right, roots), want)
-        if fn.__name__ != "chained_sizes":
+        if fn.__name__ in ("guarded_sizes", "listed_sizes"):
             assert compiled.stats["batches"][fn.__name__]["runs"] <= 4  # (one per depth)
 
 

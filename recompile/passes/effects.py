@@ -425,13 +425,15 @@ def recursions_waiting_in_turn(sg, stage, asked_at_once=None):
     the next, each instance's first child's whole subtree before its second's, so an instance's calls run one
     after another, each batching only with other instances' calls of the same step, not one batch per depth.
     Not those a block asks for at once (``asked_at_once``: {Invoke: its block}, ``fission.split_blocks``), nor
-    those whose test or arguments read what the earlier point gives: those wait as Python's do."""
+    those whose test or arguments read what the earlier point gives (a list it appends to included): those wait as
+    Python's do."""
     asked_at_once = asked_at_once or {}
 
     def recursive(op):
         return isinstance(op, ir.Invoke) and any(t.ir_name == sg.name for t in ir.reachable(op.target, stage))
 
     found = []
+    appends = local_appends(sg)
     for s in sg.walk():
         first, given = None, set()  # (an Invoke of the block's first point that calls the recursion; what it gives)
         for op in s.ops:
@@ -445,6 +447,7 @@ def recursions_waiting_in_turn(sg, stage, asked_at_once=None):
                              and asked_at_once.get(x, x) is not asked_at_once.get(first, first))
             if first is not None and (inside or any(x in given for x in op.operands())):
                 given.update(op.outputs)
+                given.update(appended_lists([op], appends) or ())  # (``hs.append(f(l))``: what reads hs waits)
     return found
 
 
@@ -475,6 +478,37 @@ def _reading(op, values):
                                         for o in op.cond_sg.ops):
         return {o for s in op.subgraphs() for ss in s.walk() for o in ss.ops}
     return found
+
+
+def changed_list(op):
+    """The list an append (``xs.append(v)``, ``xs.pop()``, ``del xs[i]``) of ``effects.local_appends`` changes."""
+    if ir.is_call(op, operator.delitem):
+        return op.args[0]
+    method = op.fn.op if isinstance(op.fn, ir.Value) else None
+    return method.args[0] if ir.is_call(method, getattr) else None
+
+
+def nested_appends(op, appends):
+    return any(g in appends for s in op.subgraphs() for ss in s.walk() for g in ss.ops)
+
+
+def appended_lists(ops, appends):
+    """The lists the block's ops, or the sides of its ``if``s, append to, as values of the block; None where an
+    append lies deeper."""
+    changed = set()
+    for o in ops:
+        if o in appends:
+            changed.add(changed_list(o))
+        for side in o.subgraphs():
+            for g in side.ops:
+                if g in appends:
+                    found = changed_list(g)
+                    if found in side.inputs:  # (else a list of the side's own)
+                        outer = o.args if isinstance(o, ir.Cond) else o.loop_vars + o.invariants
+                        changed.add(outer[side.inputs.index(found)])
+                elif nested_appends(g, appends):
+                    return None
+    return changed
 
 
 # Builtins whose call is an effect of its own, seen by the user (output, input, files)

@@ -38,7 +38,8 @@ import operator
 
 from .. import intrinsics, ir
 from .batching import BatchPlan
-from .effects import growing, local_appends, pure_op, shows, subgraph_may_mutate
+from .effects import (appended_lists, changed_list, growing, local_appends, nested_appends, pure_op, shows,
+                      subgraph_may_mutate)
 
 
 class LoopSplit:
@@ -217,19 +218,19 @@ def _lists_apart(op, pre, post, appends, guarded):
     operand of the loop made from them (``as_sequence(hs)``)."""
     body = op.body_sg
     operands = op.loop_vars + op.invariants
-    if any(_nested_appends(o, appends) for o in pre):
+    if any(nested_appends(o, appends) for o in pre):
         return False  # (the first pass would change it before the second reads it)
-    changed = {_changed_list(o) for o in post if o in appends}
+    changed = {changed_list(o) for o in post if o in appends}
     for o in post:
         if isinstance(o, ir.Cond):  # (``if child >= 0: hs.append(...)``: the list the branch is given)
             for side in o.subgraphs():
                 for g in side.ops:
                     if g in appends:
-                        found = _changed_list(g)
+                        found = changed_list(g)
                         changed.add(o.args[side.inputs.index(found)] if found in side.inputs else None)
-                    elif _nested_appends(g, appends):
+                    elif nested_appends(g, appends):
                         return False
-        elif _nested_appends(o, appends):
+        elif nested_appends(o, appends):
             return False  # (a list a nested loop changes)
     for value in changed:
         if value not in body.inputs:
@@ -244,18 +245,6 @@ def _lists_apart(op, pre, post, appends, guarded):
                            and outer in other.op.operands()):
                 return False
     return True
-
-
-def _nested_appends(op, appends):
-    return any(g in appends for s in op.subgraphs() for ss in s.walk() for g in ss.ops)
-
-
-def _changed_list(op):
-    """The list an append (``xs.append(v)``, ``xs.pop()``, ``del xs[i]``) of ``effects.local_appends`` changes."""
-    if ir.is_call(op, operator.delitem):
-        return op.args[0]
-    method = op.fn.op if isinstance(op.fn, ir.Value) else None
-    return method.args[0] if ir.is_call(method, getattr) else None
 
 
 class BlockCalls:
@@ -330,7 +319,7 @@ def split_block(ops, appends, may_mutate, deferrable=()):
         return None
     needed = {x for x in BlockCalls(calls).operands() if isinstance(x, ir.Value)}
     moved = _needing(ops[first:], needed)  # (what the calls need, computed after the first: it runs before it)
-    changed = _appended_lists(ops, appends)
+    changed = appended_lists(ops, appends)
     if changed is None or any(not _quiet(o, appends) or any(x in changed for x in o.operands()) for o in moved) \
             or needed & changed:
         return None
@@ -354,22 +343,3 @@ def _shown(op):
 
 def _holding(op):
     return [op] + [o for s in op.subgraphs() for ss in s.walk() for o in ss.ops]
-
-
-def _appended_lists(ops, appends):
-    """The lists the block's ops, or the sides of its ``if``s, append to, as values of the block; None where an
-    append lies deeper."""
-    changed = set()
-    for o in ops:
-        if o in appends:
-            changed.add(_changed_list(o))
-        for side in o.subgraphs():
-            for g in side.ops:
-                if g in appends:
-                    found = _changed_list(g)
-                    if found in side.inputs:  # (else a list of the side's own)
-                        outer = o.args if isinstance(o, ir.Cond) else o.loop_vars + o.invariants
-                        changed.add(outer[side.inputs.index(found)])
-                elif _nested_appends(g, appends):
-                    return None
-    return changed
