@@ -882,6 +882,10 @@ def take(value, index, positions):
     if _held_as_parts(value):
         kind, parts = value.struct
         return from_struct(kind, [take(p, index, positions) for p in parts], len(positions))
+    if value.pieces is not None and sharing.state.fresh:
+        for (piece, _), joined in zip(value.pieces[0], value.pieces[1].positions):
+            if joined == positions:  # (the instances of one side it was joined from: ``if l >= 0`` then ``if r >= 0``)
+                return piece
     t = rows_tensor(value)
     if t is not None:
         return Batch(len(positions), tensor=t.index_select(0, index_on(index, t)))
