@@ -619,7 +619,22 @@ def checked_between(vals, left, right, i):  # (a check between the ifs: the righ
     return total
 
 
-@pytest.mark.parametrize("fn", [checked_first, checked_between])
+def _check(v, i):
+    if v < 0:
+        raise ValueError(f"negative at node {int(i)}")
+
+
+def checked_by_helper(vals, left, right, i):  # (a helper's check between the ifs: the right call waits for it)
+    total = vals[i]
+    if left[i] >= 0:
+        total = total + checked_by_helper(vals, left, right, left[i])
+    _check(vals[i], i)
+    if right[i] >= 0:
+        total = total + checked_by_helper(vals, left, right, right[i])
+    return total
+
+
+@pytest.mark.parametrize("fn", [checked_first, checked_between, checked_by_helper])
 def test_a_raise_before_or_between_calls_asked_at_once_comes_where_python_raises_it(fn, monkeypatch):
     """Node 1 fails its check and so does node 6 below it on the right: Python raises node 1's error (its check
     comes before its right child's call); so must batched mode, alone or among other instances."""
@@ -638,4 +653,4 @@ def test_a_raise_before_or_between_calls_asked_at_once_comes_where_python_raises
         assert str(got.value) == str(plain.value)
     sg = compiled.build_for(None).stages[FINAL]
     found = fission.split_blocks(sg, lambda invoke: invoke_may_mutate(invoke, FINAL))
-    assert bool(found) == (fn.__name__ == "checked_first")  # (between: the right call waits for the check)
+    assert bool(found) == (fn.__name__ == "checked_first")  # (else the right call waits for the check)

@@ -38,7 +38,7 @@ import operator
 
 from .. import intrinsics, ir
 from .batching import BatchPlan
-from .effects import (appended_lists, changed_list, growing, local_appends, nested_appends, pure_op, shows,
+from .effects import (appended_lists, changed_list, growing, local_appends, nested_appends, pure_op,
                       subgraph_may_mutate)
 
 
@@ -292,16 +292,23 @@ def split_block(ops, appends, may_mutate, deferrable=()):
     the other's ``if`` computes, so both are asked for at once, as a split loop's iterations are (``split``): the
     tests, and the ops computing the arguments (``pre``), run first; then both calls, one request each; then the
     block's other ops in order, each ``if`` given its call's results (``guarded``). What comes before the first
-    call runs first, as written. It applies to the block's first calls, up to one that reads what an earlier one
-    gives (it waits, as in Python) or a raise, a print or a random draw between them, where they are two or more,
-    one at least under an ``if`` (``_guarded``: one side calls once, the other not at all; its ops computing the
-    arguments are pure), and none may change state; what ``pre`` moves before the first call neither raises, shows
-    anything (``print``, a random draw), appends nor reads a list the block appends to (``appends``:
-    ``effects.local_appends``), since it now runs before the earlier calls' ``if``s. A call the scheduler may defer
-    (``deferrable``: ``BatchPlan.deferrable``, a node's loss) ends the calls asked for at once: deferred, it runs
-    once for every depth."""
-    calls, tainted = [], set()  # (the calls asked for at once; what those give, and what is computed from it)
-    first = None  # (the index of the first call: what comes before it runs before every call, as written)
+    call runs first, as written; so do the pure ops between the calls (``effects.pure_op``: reads, Python's
+    arithmetic; a fused op's elementwise ones) that read neither a call's result nor a list the block appends
+    to, as ``codegen.plan`` hoists them before a group of calls.
+
+    It applies to the block's first calls, up to one that reads what an earlier one gives (it waits, as in
+    Python) or any other op between them (a helper's or a module's call, a raise, a print, a draw: the later
+    calls wait for it, in order), where they are two or more, one at least under an ``if`` (``_guarded``: one
+    side calls once, the other not at all; its ops computing the arguments are pure), and none may change state.
+    A list the block appends to (``appends``: ``effects.local_appends``) is read only after the calls. A call the
+    scheduler may defer (``deferrable``: ``BatchPlan.deferrable``, a node's loss) ends the calls asked for at
+    once: deferred, it runs once for every depth."""
+    changed = appended_lists(ops, appends)
+    if changed is None:
+        return None
+    calls, tainted, hoisted = [], set(), []  # (the calls asked for at once; what is computed from what they give,
+    # or from a list the block appends to; the ops between them computed from neither, which run before them)
+    first = last = None
     for k, o in enumerate(ops):
         if isinstance(o, (ir.Invoke, ir.Cond, ir.While)) and _calls(o):
             found = LoopCall(o, list(o.args)) if isinstance(o, ir.Invoke) else _guarded(o)
@@ -310,35 +317,21 @@ def split_block(ops, appends, may_mutate, deferrable=()):
                 break  # (a call that reads what an earlier one gives waits for it: it and those after it, in order)
             calls.append(found)
             tainted.update(o.outputs)
-            first = k if first is None else first
-        elif first is not None and _shown(o):
-            break  # (a raise, a print or a draw between the calls: the later calls wait for it, in order)
-        elif any(isinstance(x, ir.Value) and x in tainted for x in o.operands()):
+            first, last = k if first is None else first, k
+        elif first is None:
+            continue
+        elif not all(pure_op(g) or isinstance(g, ir.Fused) for g in _holding(o) if g is not o or not o.subgraphs()):
+            break  # (a call of a helper or a module, a raise, a print, a draw between the calls: the later ones wait)
+        elif any(isinstance(x, ir.Value) and (x in tainted or x in changed) for x in o.operands()):
             tainted.update(o.outputs)
+        else:
+            hoisted.append((k, o))
     if len(calls) < 2 or not any(c.guard for c in calls):
         return None
-    needed = {x for x in BlockCalls(calls).operands() if isinstance(x, ir.Value)}
-    moved = _needing(ops[first:], needed)  # (what the calls need, computed after the first: it runs before it)
-    changed = appended_lists(ops, appends)
-    if changed is None or any(not _quiet(o, appends) or any(x in changed for x in o.operands()) for o in moved) \
-            or needed & changed:
-        return None
-    pre = moved | set(ops[:first])
+    pre = set(ops[:first]) | {o for k, o in hoisted if k < last}
     asked = {c.invoke for c in calls}
     return BlockSplit([o for o in ops if o in pre], BlockCalls(calls),
                       [o for o in ops if o not in pre and o not in asked])
-
-
-def _quiet(op, appends):
-    """Whether ``op`` (and what it holds) may run before ops that came before it: it appends to no list and
-    neither raises by itself nor shows anything (``_shown``)."""
-    return not _shown(op) and not any(o in appends for o in _holding(op))
-
-
-def _shown(op):
-    """Whether ``op`` (or what it holds) raises by itself or shows anything (``effects.shows``: ``print``, a random
-    draw): its place among the calls shows."""
-    return any(ir.is_call(o, intrinsics.raise_exception) or shows(o) for o in _holding(op))
 
 
 def _holding(op):
