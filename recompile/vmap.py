@@ -23,6 +23,7 @@ from .api import CompiledFunction
 from .dynamo import opaque
 from .ops.table import has_hooks
 from .runtime import batch as bt
+from .runtime import sharing
 
 
 def vmap(fn, in_dims=0, out_dims=0):
@@ -60,7 +61,8 @@ def _run_map(cf, bound_self, rows):
     columns = [_column([row[j] for row in rows]) for j in range(len(rows[0]))]
     args = cf.bind(*bound_self, *columns)  # (Python's own TypeError for a wrong call, before anything runs)
     out = cf.run_batched(args, n, type(bound_self[0]) if bound_self else None)
-    return [bt.instance(out, k) for k in range(n)]
+    # (a change in place to one instance's result stays its own, as with Python's calls)
+    return sharing.own_results([bt.instance(out, k) for k in range(n)])
 
 
 def _column(items):

@@ -646,3 +646,35 @@ def test_an_unhashable_callable_given_each_instances_list_unpacked_gives_pythons
     xs, ns = torch.randn(3, 2, dtype=torch.float64), [1, 2, 3]
     for got, x, n in zip(recompile.map(scaled, xs, ns), xs, ns):
         torch.testing.assert_close(got, scaled.python(x, n))
+
+
+W_GLOBAL = torch.ones(3)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_tensor_computed_once_comes_back_as_each_instances_own_and_a_held_one_as_itself(strict):
+    scale = nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+
+    @recompile.function
+    def pick(x):
+        fresh = torch.zeros(3, dtype=torch.float64) + scale  # (no instance's input in it: computed once)
+        held = W_GLOBAL.contiguous()  # (hands back what the caller holds)
+        if x.sum() > 0:
+            y = x * 2
+            return y, [y], held
+        return fresh, [fresh], held
+
+    xs = [torch.ones(3, dtype=torch.float64), -torch.ones(3, dtype=torch.float64),
+          -2 * torch.ones(3, dtype=torch.float64), -torch.ones(3, dtype=torch.float64)]
+    got = recompile.map(pick, xs)
+    want = [pick.python(x) for x in xs]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g[0], w[0])
+        assert g[2] is W_GLOBAL  # (as Python's calls: the one object each time)
+    assert all(g[0] is g[1][0] for g in got)  # (each instance's own aliasing, as its call made it)
+    assert len({id(g[0]) for g in got}) == len(got)  # (each call made its own zeros: so each instance)
+    got[1][0].add_(5.0)
+    torch.testing.assert_close(got[2][0], want[2][0])
+    torch.testing.assert_close(got[1][1][0], want[1][0] + 5.0)
+    grad, = torch.autograd.grad(sum(g[0].sum() for g in got[1:]), scale)
+    assert float(grad) == 9.0  # (three instances' zeros + scale, three elements each)

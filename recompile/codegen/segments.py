@@ -814,8 +814,10 @@ class _Tracer:
             slot = self.shared_call(fn, fn_slot, args, kwargs)
             if not sharing.shareable_result(slot.value):
                 raise _Untraceable  # (a result each instance must have its own of: the batch rule's)
-            if self.plain is None and not facts.immutable(slot.value):
-                self.emit(f"_mark_fresh({slot.name})")  # (so that Python code run per instance copies it)
+            if not facts.immutable(slot.value) and not sharing.handed_back(slot.value, fn, [a.value for a in args]):
+                # (so that Python code run per instance, and each instance's result after the first, copies it)
+                self.emit(f"_mark_fresh({slot.name})")
+                sharing.mark_fresh(slot.value)  # (this run's too)
             return slot
         form = _namedtuple_form if bt.plain_namedtuple(fn) else _form_of(fn)
         if form is not None and all(s.kind == "S" for s in args):

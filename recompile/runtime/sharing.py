@@ -71,6 +71,12 @@ def mark_fresh(value):
     return value
 
 
+def handed_back(result, fn, args):
+    """Whether ``fn(*args)`` gave back one of what it was given (``W.contiguous()``, ``max(a, b)``): no new
+    value, but what the caller holds, which each instance's call hands back as it is."""
+    return result is getattr(fn, "__self__", None) or any(result is a for a in args)
+
+
 def any_fresh(values):
     """Whether one of ``values`` is a tensor computed once for every instance."""
     if not _fresh:
@@ -87,6 +93,41 @@ def own(value):
     if _fresh and isinstance(value, torch.Tensor) and _is_fresh(value):
         return value.clone()
     return value
+
+
+def own_results(results):
+    """Each instance's result as its own call returns it: a tensor computed once for every instance
+    (``mark_fresh``) is the first holder's, and each later one's a copy of its own, as each Python call makes its
+    own ``torch.zeros(3)``; a tuple, list or dict holding one is rebuilt around the copies. An instance's own
+    aliasing stays: ``return z, [z]`` hands back one copy twice."""
+    if not _fresh:
+        return results
+    held = set()  # (ids of the tensors computed once that an earlier instance holds)
+    return [_own_result(r, held, {}) for r in results]
+
+
+def _own_result(value, held, copies):
+    key = id(value)
+    found = copies.get(key)
+    if found is not None:
+        return found[1]
+    if isinstance(value, torch.Tensor):
+        mine = value
+        if _is_fresh(value) and key in held:
+            mine = value.clone()
+        elif _is_fresh(value):
+            held.add(key)
+    elif isinstance(value, (tuple, list)):
+        items = [_own_result(v, held, copies) for v in value]
+        same = all(a is b for a, b in zip(items, value))
+        mine = value if same else type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    elif isinstance(value, dict):
+        items = {k: _own_result(v, held, copies) for k, v in value.items()}
+        mine = value if all(items[k] is v for k, v in value.items()) else type(value)(items)
+    else:
+        return value
+    copies[key] = (value, mine)  # (the value too: its id stays its own while this instance's walk goes on)
+    return mine
 
 
 def call_owning(fn, args, kwargs=None):
