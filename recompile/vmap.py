@@ -60,9 +60,10 @@ def _run_map(cf, bound_self, rows):
         return [cf.python(*bound_self, *row) for row in rows]
     columns = [_column([row[j] for row in rows]) for j in range(len(rows[0]))]
     args = cf.bind(*bound_self, *columns)  # (Python's own TypeError for a wrong call, before anything runs)
+    since = sharing.marks_now()
     out = cf.run_batched(args, n, type(bound_self[0]) if bound_self else None)
     # (a change in place to one instance's result stays its own, as with Python's calls)
-    return sharing.own_results([bt.instance(out, k) for k in range(n)])
+    return sharing.own_results([bt.instance(out, k) for k in range(n)], since)
 
 
 def _column(items):

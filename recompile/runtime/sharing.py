@@ -10,6 +10,8 @@ what it is given) gets a copy of its own (``own``), so that a change it makes st
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
 import threading
 import warnings
 import weakref
@@ -51,30 +53,47 @@ def shareable_result(value):
     return isinstance(value, torch.Tensor) or facts.immutable(value)
 
 
-_fresh = {}  # id -> weak reference of each tensor computed once (tensors compare elementwise: no WeakSet)
+_fresh = {}  # id -> (weak reference, mark) of each tensor computed once (tensors compare elementwise: no WeakSet)
+_marks = itertools.count(1)  # (each mark's number: a run's own marks are those after its start, ``marks_now``)
 
 
-def _is_fresh(value):
-    ref = _fresh.get(id(value))
-    return ref is not None and ref() is value
+def _is_fresh(value, since=0):
+    entry = _fresh.get(id(value))
+    return entry is not None and entry[0]() is value and entry[1] > since
 
 
 def mark_fresh(value):
     """Note a shared result of a torch op computed once: a tensor, or the tensors of a tuple."""
     if isinstance(value, torch.Tensor):
         key = id(value)
-        if not _is_fresh(value):
-            _fresh[key] = weakref.ref(value, lambda ref, key=key: _fresh.get(key) is ref and _fresh.pop(key))
+        entry = _fresh.get(key)
+        ref = entry[0] if entry is not None and entry[0]() is value else \
+            weakref.ref(value, lambda ref, key=key: (_fresh.get(key) or (None,))[0] is ref and _fresh.pop(key))
+        _fresh[key] = (ref, next(_marks))
     elif type(value) is tuple:
         for v in value:
             mark_fresh(v)
     return value
 
 
+def marks_now():
+    """A number below every mark made from now on: ``own_results(..., since=marks_now())`` taken at a run's start
+    reads that run's marks alone (a tensor an earlier run computed once may be one the caller holds by now)."""
+    return next(_marks)
+
+
 def handed_back(result, fn, args):
-    """Whether ``fn(*args)`` gave back one of what it was given (``W.contiguous()``, ``max(a, b)``): no new
-    value, but what the caller holds, which each instance's call hands back as it is."""
-    return result is getattr(fn, "__self__", None) or any(result is a for a in args)
+    """Whether ``fn(*args)`` gave back what it was given, or a view of memory it was given that was not computed
+    once (``W.contiguous()``, ``W.view(-1)``, ``W.detach()``, ``max(a, b)``): no new value, but what the caller
+    holds, which each instance's call hands back as it is."""
+    receiver = getattr(fn, "__self__", None)
+    if result is receiver or any(result is a for a in args):
+        return True
+    if type(result) not in (torch.Tensor, torch.nn.Parameter) or result.layout is not torch.strided:
+        return False
+    place = result.untyped_storage().data_ptr()
+    return any(isinstance(t, torch.Tensor) and t.layout is torch.strided and not _is_fresh(t)
+               and t.untyped_storage().data_ptr() == place for t in (receiver, *args))
 
 
 def any_fresh(values):
@@ -95,39 +114,53 @@ def own(value):
     return value
 
 
-def own_results(results):
-    """Each instance's result as its own call returns it: a tensor computed once for every instance
-    (``mark_fresh``) is the first holder's, and each later one's a copy of its own, as each Python call makes its
-    own ``torch.zeros(3)``; a tuple, list or dict holding one is rebuilt around the copies. An instance's own
-    aliasing stays: ``return z, [z]`` hands back one copy twice."""
+def own_results(results, since):
+    """Each instance's result as its own call returns it: a tensor the run computed once for every instance
+    (``mark_fresh``, after mark ``since``) is the first holder's, and each later one's a copy of its own, as each
+    Python call makes its own ``torch.zeros(3)``; a tuple, list or dict holding one is rebuilt around the copies.
+    An instance's own aliasing stays: ``return z, [z]`` hands back one copy twice."""
     if not _fresh:
         return results
     held = set()  # (ids of the tensors computed once that an earlier instance holds)
-    return [_own_result(r, held, {}) for r in results]
+    return [_own_result(r, since, held, {}) for r in results]
 
 
-def _own_result(value, held, copies):
+def _own_result(value, since, held, copies):
     key = id(value)
     found = copies.get(key)
     if found is not None:
         return found[1]
     if isinstance(value, torch.Tensor):
         mine = value
-        if _is_fresh(value) and key in held:
+        if _is_fresh(value, since) and key in held:
             mine = value.clone()
-        elif _is_fresh(value):
+        elif _is_fresh(value, since):
             held.add(key)
-    elif isinstance(value, (tuple, list)):
-        items = [_own_result(v, held, copies) for v in value]
-        same = all(a is b for a, b in zip(items, value))
-        mine = value if same else type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    elif isinstance(value, dict):
-        items = {k: _own_result(v, held, copies) for k, v in value.items()}
-        mine = value if all(items[k] is v for k, v in value.items()) else type(value)(items)
+    elif isinstance(value, (tuple, list, dict)):
+        pairs = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+        items = [(k, _own_result(v, since, held, copies)) for k, v in pairs]
+        mine = value if all(a is b for (_, a), (_, b) in zip(items, pairs)) else _rebuilt(value, items)
     else:
         return value
     copies[key] = (value, mine)  # (the value too: its id stays its own while this instance's walk goes on)
     return mine
+
+
+def _rebuilt(value, items):
+    """``value``, a tuple, list or dict, of its type again, holding ``items`` ((key, item) pairs); ``value`` itself
+    where its type cannot be made so."""
+    try:
+        if isinstance(value, tuple):
+            return type(value)(*[v for _, v in items]) if hasattr(value, "_fields") else \
+                type(value)([v for _, v in items])
+        mine = copy.copy(value)  # (a subclass's own type and state: a defaultdict's factory)
+        if isinstance(value, list):
+            mine[:] = [v for _, v in items]
+        else:
+            mine.update(items)
+        return mine
+    except TypeError:
+        return value
 
 
 def call_owning(fn, args, kwargs=None):
