@@ -678,3 +678,25 @@ def test_a_tensor_computed_once_comes_back_as_each_instances_own_and_a_held_one_
     torch.testing.assert_close(got[1][1][0], want[1][0] + 5.0)
     grad, = torch.autograd.grad(sum(g[0].sum() for g in got[1:]), scale)
     assert float(grad) == 9.0  # (three instances' zeros + scale, three elements each)
+
+
+def test_a_view_of_a_held_tensor_and_a_tensor_an_earlier_run_computed_once_come_back_as_the_callers():
+    @recompile.function
+    def viewed(x):
+        return W_GLOBAL.view(-1), W_GLOBAL.detach(), x
+
+    xs = [torch.ones(3), torch.zeros(3), torch.ones(3)]
+    got = recompile.map(viewed, xs)
+    assert all(g[0].data_ptr() == g[1].data_ptr() == W_GLOBAL.data_ptr() for g in got)  # (eager's: W's memory)
+
+    @recompile.function
+    def made(x):
+        return torch.zeros(3) + 1.0
+
+    kept = recompile.map(made, xs)[0]  # (computed once in that run; the caller's own tensor from here on)
+
+    @recompile.function
+    def handed(x):
+        return kept, x
+
+    assert all(g[0] is kept for g in recompile.map(handed, xs))
