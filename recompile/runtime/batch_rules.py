@@ -30,7 +30,7 @@ from ..ops.table import BOUND_BUILTIN, RuleTable, by_names, has_hooks, tensor_me
 from . import batch as bt
 from . import saved_versions
 from . import cells, chosen, dicts, distributions, extremes, fallbacks, helpers, lazy_weights, padded, ranges
-from . import row_wise, rows
+from . import ragged_products, row_wise, rows
 from . import sharing, spreads
 from .batch import Batch
 
@@ -163,6 +163,8 @@ def _call(n, fn, args, kwargs):
             found = padded.of(base)
             if found is not None:  # (``x.t().unsqueeze(0)`` of each instance's rows: a Conv1d's input)
                 out = padded.method(n, name, found, args, kwargs or {})
+                if out is NotImplemented and name in ragged_products.METHODS:  # (``a.t().mm(enc)``)
+                    out = ragged_products.product(n, ragged_products.METHODS[name], (base, *args), kwargs)
                 return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
             found = rows.of(base)
             if found is not None:  # (``torch.stack(hs).mean(0)`` of lists of their own lengths)
@@ -171,6 +173,8 @@ def _call(n, fn, args, kwargs):
                     out = row_wise.method(n, name, found, args, kwargs or {})
                 if out is NotImplemented:  # (``xs.t()``, ``xs.unsqueeze(0)``: the rows' dim moved)
                     out = padded.rows_method(n, name, found, args, kwargs or {})
+                if out is NotImplemented and name in ragged_products.METHODS:  # (``enc.mm(h.t())``)
+                    out = ragged_products.product(n, ragged_products.METHODS[name], (base, *args), kwargs)
                 # (else each instance's own call: its views differ in shape, which vmap would pad)
                 return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
             return _vmapped_or_per_instance(n, fn, (base, *args), kwargs, method=name)
@@ -223,11 +227,15 @@ def _call(n, fn, args, kwargs):
                 return out
     if padded.holds(args):  # (``F.relu(self.conv(xs.t()))``: lengths along another dim)
         out = padded.call(n, fn, args, kwargs or {})
+        if out is NotImplemented and fn in ragged_products.PRODUCTS:  # (``a.t() @ enc``)
+            out = ragged_products.product(n, fn, args, kwargs)
         return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
     if row_wise.holds_rows(args):  # (``mlp(self.embed(words[:n]))``: each row alone)
         out = row_wise.call(n, fn, args, kwargs or {})
         if out is NotImplemented:  # (``torch.transpose(xs, 0, 1)``: the rows' dim moved)
             out = padded.rows_call(n, fn, args, kwargs or {})
+        if out is NotImplemented and fn in ragged_products.PRODUCTS:  # (``enc @ h.t()``: h each instance's own)
+            out = ragged_products.product(n, fn, args, kwargs)
         return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
     return _vmapped_or_per_instance(n, fn, args, kwargs)
 
@@ -2229,11 +2237,12 @@ def attribute(n, fn, args, kwargs):
         found = padded.attribute(x.n, name, padded.of(x))
         if found is not NotImplemented:
             return found
-        return Batch(x.n, method=(x, name)) if name in padded.METHODS else NotImplemented
+        return Batch(x.n, method=(x, name)) if name in padded.METHODS or name in ragged_products.METHODS \
+            else NotImplemented
     if name == "T" and rows.of(x) is not None and rows.of(x).source.dim() == 3:
         return padded.rows_method(x.n, "t", rows.of(x), (), {})
     if (name in rows.ALONG_ROWS or name in row_wise.METHODS or name in padded.ROWS_METHODS or
-            name in ("new_zeros", "new_ones")) and rows.of(x) is not None:
+            name in ragged_products.METHODS or name in ("new_zeros", "new_ones")) and rows.of(x) is not None:
         return Batch(x.n, method=(x, name))  # (``torch.stack(hs).mean(0)``, ``xs.tanh()``: see ``rows``, ``row_wise``)
     if x.owner == "items" and sharing.state.fresh and not name.endswith("_") and x.thunk is None \
             and callable(getattr(torch.Tensor, name, None)) and all(type(v) in PLAIN_TENSORS for v in x.items) \
@@ -3103,8 +3112,12 @@ def einsum(n, fn, args, kwargs):
         operands = operands[0]
     if len(operands) == 1 and type(operands[0]) is Batch and operands[0].struct is not None:
         operands = bt.struct_items(operands[0])
-    if row_wise.holds_rows(operands):  # (``torch.einsum("nd,de->ne", xs, W)``: each row alone)
-        return row_wise.einsummed(n, args[0], operands)
+    if ragged_products.holds_lengths(operands):
+        out = NotImplemented
+        if row_wise.holds_rows(operands):  # (``torch.einsum("nd,de->ne", xs, W)``: each row alone)
+            out = row_wise.einsummed(n, args[0], operands)
+        # (``torch.einsum("ld,kd->lk", enc, h)``, h each instance's own: padded)
+        return ragged_products.einsum(n, args[0], operands) if out is NotImplemented else out
     equation = batched_equation(args[0], [type(o) is Batch for o in operands])
     tensors = _tensor_args(n, operands)
     if equation is None or tensors is None or not all(isinstance(t, torch.Tensor) for t in tensors):

@@ -93,7 +93,7 @@ def holds(args):
     return any(bt.holds(a, Padded) for a in args)
 
 
-def _result(n, tensor, dim, lengths, zeroed=False, own=False):
+def result(n, tensor, dim, lengths, zeroed=False, own=False):
     """The Batch of values of ``lengths`` along ``dim`` of ``tensor``'s rows: Rows where dim is an instance's
     first; a Padded's views made when first read."""
     if dim == 0:
@@ -189,18 +189,18 @@ def moved(n, name, tensor, dim, lengths, args, kwargs, zeroed=False):
             at = _dim(args[0], rank + 1) if args else None
             if at is None:
                 return NotImplemented
-            return _result(n, tensor.unsqueeze(at + 1), dim + (at <= dim), lengths, zeroed)
+            return result(n, tensor.unsqueeze(at + 1), dim + (at <= dim), lengths, zeroed)
         drop = [_dim(args[0], rank)] if args else [d for d in range(rank) if d != dim and tensor.shape[d + 1] == 1]
         if None in drop or dim in drop or (not args and min(lengths) == 1):
             return NotImplemented  # (the lengths' dim: squeezed in an instance of length 1 only)
         drop = [d for d in drop if tensor.shape[d + 1] == 1]
-        return _result(n, tensor.squeeze([d + 1 for d in drop]) if drop else tensor,
+        return result(n, tensor.squeeze([d + 1 for d in drop]) if drop else tensor,
                        dim - sum(d < dim for d in drop), lengths, zeroed)
     order = _order_of(name, rank, args, kwargs)
     if order is None:
         return NotImplemented
     out = tensor.contiguous() if name == "contiguous" else tensor.permute(0, *[d + 1 for d in order])
-    return _result(n, out, order.index(dim), lengths, zeroed)
+    return result(n, out, order.index(dim), lengths, zeroed)
 
 
 def rows_method(n, name, seq, args, kwargs):
@@ -264,7 +264,7 @@ def indexed(n, tensor, dim, lengths, index, zeroed=False):
         if type(i) is slice:
             new_dim += 1
         source_dim += 1
-    return _result(n, tensor[(slice(None), *index)], found, lengths, zeroed)
+    return result(n, tensor[(slice(None), *index)], found, lengths, zeroed)
 
 
 def _item(n, kept, dim, lengths, i):
@@ -317,7 +317,7 @@ def _finite_op(n, fn, x, args, kwargs):
     out = getattr(values[0], fn)(*values[1:], **kwargs) if type(fn) is str else fn(*values, **kwargs)
     if type(out) is not torch.Tensor or out.shape != x.tensor.shape:
         return NotImplemented
-    return _result(n, out, x.dim, x.lengths, own=x.own)
+    return result(n, out, x.dim, x.lengths, own=x.own)
 
 
 # ---- convolution and pooling along the lengths' dim --------------------------------------------------------
@@ -361,7 +361,7 @@ def convolved(n, x, conv, weight, bias, stride, padding, dilation, groups, spati
         flat = source.reshape(-1, *source.shape[-spatial - 1:])  # (instances times their batches)
         out = conv(flat, weight, bias, stride, padding, dilation, groups)
     out = out.view(*t.shape[:-spatial - 1], *out.shape[1:])
-    return _result(n, out, x.dim, lengths, own=True)
+    return result(n, out, x.dim, lengths, own=True)
 
 
 _PACKED_SHARE = 0.8  # (sequences laid end to end where that is this share of their padded length, or less)
@@ -411,7 +411,7 @@ def pooled(n, x, fn, kind, kernel, stride, padding, ceil_mode, spatial=1):
     lengths = [(m - kernel) // step + 1 for m in x.lengths]
     if min(lengths) < 1:
         return NotImplemented
-    return _result(n, fn(t.reshape(-1, *t.shape[-2:]), kernel, step).view(*t.shape[:-1], -1), x.dim, lengths,
+    return result(n, fn(t.reshape(-1, *t.shape[-2:]), kernel, step).view(*t.shape[:-1], -1), x.dim, lengths,
                    own=True)
 
 
@@ -430,7 +430,7 @@ def _along(n, x, name, keepdim, correction=1):
         out = rows.softmax_within(name, t, x.dim + 1, x.mask())
         if name == "log_softmax":  # (-inf past each end: finite there, zeros)
             out = torch.where(x.mask(), out, out.new_zeros(()))
-        return _result(n, out, x.dim, x.lengths, zeroed=True)
+        return result(n, out, x.dim, x.lengths, zeroed=True)
     if name not in rows.EMPTY_SAFE and min(x.lengths) == 0:
         return NotImplemented  # (an empty one: its instance's own op says what it gives or raises)
     return rows.reduced_within(n, name, t, x.dim + 1, x.mask(), torch.tensor(x.lengths), keepdim, correction)
@@ -457,7 +457,7 @@ def reduced(n, name, x, args, kwargs):
         if x.dim in dims:
             return whole(n, name, x.tensor, x.dim, x.lengths, x.mask(), dims, keepdim)
         out = getattr(x.tensor, name)([d + 1 for d in dims], keepdim)
-        return _result(n, out, x.dim - (0 if keepdim else sum(d < x.dim for d in dims)), x.lengths)
+        return result(n, out, x.dim - (0 if keepdim else sum(d < x.dim for d in dims)), x.lengths)
     dim = _dim(dim, rank)
     if dim is None:
         return NotImplemented
@@ -468,9 +468,9 @@ def reduced(n, name, x, args, kwargs):
         else getattr(x.tensor, name)(dim + 1)
     at = x.dim - (dim < x.dim and not keepdim and name not in ("softmax", "log_softmax"))
     if type(out) is torch.Tensor:
-        return _result(n, out, at, x.lengths)
-    return bt.from_struct(type(out), [_result(n, out.values, at, x.lengths),
-                                      _result(n, out.indices, at, x.lengths)], n)
+        return result(n, out, at, x.lengths)
+    return bt.from_struct(type(out), [result(n, out.values, at, x.lengths),
+                                      result(n, out.indices, at, x.lengths)], n)
 
 
 def whole(n, name, t, dim, lengths, mask, over=None, keepdim=False):
@@ -588,7 +588,7 @@ def call(n, fn, args, kwargs):
             return _halved(n, x, fn.dim)
         if kind is nn.BatchNorm1d and not fn.training and fn.track_running_stats and x.tensor.dim() == 4 and \
                 x.tensor.shape[1] == 1 and x.dim == 2:  # (a batch of one (1, C, L), by the running statistics)
-            return _result(n, fn(x.tensor.squeeze(1)).unsqueeze(1), x.dim, x.lengths)
+            return result(n, fn(x.tensor.squeeze(1)).unsqueeze(1), x.dim, x.lengths)
         return NotImplemented
     if fn in _CONV_FUNCTIONS:
         return _conv_call(n, fn, x, args, kwargs)
@@ -628,11 +628,11 @@ def _weighted(n, fn, args, kwargs):
     if first is not None:
         if x.dim == rank - 1:
             return NotImplemented
-        return _result(n, fn(x.tensor, *args[1:]), x.dim, x.lengths)
+        return result(n, fn(x.tensor, *args[1:]), x.dim, x.lengths)
     if fn is F.linear or x.dim != rank - 1 or rank < 2:
         return NotImplemented
     out = fn(weight, x.tensor)
-    return _result(n, out, out.dim() - 2, x.lengths)
+    return result(n, out, out.dim() - 2, x.lengths)
 
 
 def _by_each(n, fn, a, x):
@@ -654,7 +654,7 @@ def _by_each(n, fn, a, x):
     out = torch.matmul(q, t)
     if vector:
         out = out.squeeze(-2)
-    return _result(n, out, out.dim() - 2, x.lengths)
+    return result(n, out, out.dim() - 2, x.lengths)
 
 
 def _halved(n, x, dim):
@@ -662,7 +662,7 @@ def _halved(n, x, dim):
     d = _dim(dim, x.tensor.dim() - 1)
     if d is None or d == x.dim or x.tensor.shape[d + 1] % 2:
         return NotImplemented  # (an odd size: each instance raises torch's error)
-    return _result(n, F.glu(x.tensor, d + 1), x.dim, x.lengths)
+    return result(n, F.glu(x.tensor, d + 1), x.dim, x.lengths)
 
 
 def _pieces(n, name, x, args, kwargs):
@@ -682,7 +682,7 @@ def _pieces(n, name, x, args, kwargs):
         parts = getattr(x.tensor, name)(list(size) if type(size) is not int else size, d + 1)
     except RuntimeError:  # (sizes that do not add up: each instance raises torch's error)
         return NotImplemented
-    return bt.from_struct(tuple, [_result(n, part, x.dim, x.lengths) for part in parts], n)
+    return bt.from_struct(tuple, [result(n, part, x.dim, x.lengths) for part in parts], n)
 
 
 def _one(value):
@@ -779,7 +779,7 @@ def _sequences(value, first):
 def _laid_out(n, out, form, lengths):
     """A module's output (n, longest, D) over ``_sequences`` of ``form``, laid out as they were."""
     if form == "batch first":
-        return _result(n, out.unsqueeze(1), 1, lengths)
+        return result(n, out.unsqueeze(1), 1, lengths)
     return rows.batch(n, rows.padded_rows(n, out.unsqueeze(2) if form == "rows of one" else out, lengths))
 
 

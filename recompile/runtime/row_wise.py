@@ -351,7 +351,7 @@ def _operands(n, seq, rank, args, broadcasts=True):
                     return None
                 values.append(packed(other))
                 continue
-            t = bt.tensor_of(a) if a.owner == "tensor" and broadcasts else None
+            t = bt.tensor_of(a) if broadcasts else None  # (each instance's own tensors of one shape: stacked)
             if t is None:
                 return None
             shape = t.shape[1:]
