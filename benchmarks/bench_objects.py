@@ -2,7 +2,7 @@
 
     python benchmarks/bench_objects.py [--data DIR] [--trees N] [--batch 25 256] [--repeats R]
 
-Two models, each written as a researcher writes it for one example, and run over a minimal batch of examples
+Three models, each written as a researcher writes it for one example, and run over a minibatch of examples
 with ``recompile.map(model.forward, examples)``, with no conversion of the data:
 
 - a child-sum Tree-LSTM (Tai et al. 2015) over trees of the user's own node objects (``node.word``,
@@ -10,11 +10,14 @@ with ``recompile.map(model.forward, examples)``, with no conversion of the data:
   each internal right child of the same label merged into its parent, so that a node has 2 to 12 children;
 - a sequence-to-sequence model: an ``nn.LSTMCell`` encoder over a sentence of its own length (a tensor of word
   ids), then a greedy decoder that feeds back its own argmax and stops at the end token or at the target's
-  length, returning its tokens as a Python list and its loss against the reversed sentence.
+  length, returning its tokens as a Python list and its loss against the reversed sentence;
+- the same with dot-product attention (Luong et al. 2015): the decoder fed the target, each step scoring the
+  sentence's own encoder states (``torch.stack(states) @ h``, a length per sentence), its softmax weighing them.
 
 Each is checked against its eager self first (float64: every example's values and the parameter gradients),
 then timed against a version batched by hand (the tree by height, with ``index_add`` for the children's sums;
-the sequences padded, the decoder with a mask of the sentences still going), which reads tensors prepared from
+the sequences padded, the decoder with a mask of the sentences still going, the attention's scores masked past
+each sentence's end), which reads tensors prepared from
 the same examples before timing. The table gives examples/s and recompile / hand-batched, the runs taking turns.
 """
 
@@ -177,6 +180,37 @@ class Seq2Seq(nn.Module):
         return tokens, loss
 
 
+class AttentionSeq2Seq(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(WORDS, EMBED)
+        self.encoder = nn.LSTMCell(EMBED, HIDDEN)
+        self.decoder = nn.LSTMCell(EMBED, HIDDEN)
+        self.mix = nn.Linear(2 * HIDDEN, HIDDEN)
+        self.out = nn.Linear(HIDDEN, WORDS)
+
+    @recompile.function
+    def forward(self, words, target):
+        """The summed loss against ``target``, fed in a word at a time, each step reading the encoder's states of
+        the sentence (its own length) by dot-product attention."""
+        h = torch.zeros(HIDDEN, dtype=self.out.weight.dtype)
+        c = torch.zeros(HIDDEN, dtype=self.out.weight.dtype)
+        states = []
+        for x in self.embed(words):
+            h, c = self.encoder(x, (h, c))
+            states.append(h)
+        encoded = torch.stack(states)  # (length, HIDDEN)
+        loss, token = 0.0, START
+        for t in range(len(target)):
+            h, c = self.decoder(self.embed.weight[token], (h, c))
+            weights = F.softmax(encoded @ h, dim=0)
+            context = weights @ encoded
+            logits = self.out(torch.tanh(self.mix(torch.cat([h, context]))))
+            loss = loss + F.cross_entropy(logits, target[t])
+            token = target[t]
+        return loss
+
+
 def sentence_pair(tree):
     """(words, target) of ``tree``'s sentence: its word ids folded into the vocabulary, and the reversed ones
     followed by END."""
@@ -220,6 +254,35 @@ def hand_batched_sequences(model, plan):
     return [[k for k in row if k >= 0] for row in tokens], loss
 
 
+def hand_batched_attention(model, plan):
+    """The summed loss: the encoder over the padded words, every step's states kept (each sentence's last one
+    carried past its end); the decoder fed the padded targets, its attention masked past each sentence's end, its
+    loss past each target's end."""
+    words, lengths, targets, target_lengths = plan
+    n, longest = words.shape
+    x = model.embed(words)
+    h = x.new_zeros(n, HIDDEN)
+    c = x.new_zeros(n, HIDDEN)
+    states = []
+    for t in range(longest):
+        going = (t < lengths).unsqueeze(1)
+        h2, c2 = model.encoder(x[:, t], (h, c))
+        h, c = torch.where(going, h2, h), torch.where(going, c2, c)
+        states.append(h)
+    encoded = torch.stack(states, 1)  # (n, longest, HIDDEN)
+    outside = torch.arange(longest) >= lengths[:, None]
+    token = torch.full((n,), START)
+    loss = 0.0
+    for t in range(int(target_lengths.max())):
+        h, c = model.decoder(model.embed(token), (h, c))
+        scores = torch.bmm(encoded, h.unsqueeze(2)).squeeze(2).masked_fill(outside, float("-inf"))
+        context = torch.bmm(F.softmax(scores, dim=1).unsqueeze(1), encoded).squeeze(1)
+        logits = model.out(torch.tanh(model.mix(torch.cat([h, context], 1))))
+        loss = loss + (F.cross_entropy(logits, targets[:, t], reduction="none") * (t < target_lengths)).sum()
+        token = targets[:, t]
+    return loss
+
+
 def check_tree(base, roots):
     """Raise unless the Tree-LSTM through ``recompile.map`` and by hand give eager's values and gradients."""
     model = ChildSumTreeLSTM(base.embed.num_embeddings).double()
@@ -254,6 +317,21 @@ def check_sequences(base, pairs):
     torch.testing.assert_close(gradients(model, loss), want_grads, rtol=1e-7, atol=1e-9)
 
 
+def check_attention(base, pairs):
+    """Raise unless the attention model through ``recompile.map`` and by hand give eager's losses and
+    gradients."""
+    model = AttentionSeq2Seq().double()
+    model.load_state_dict(base.state_dict())
+    want = torch.stack([model.forward.python(model, *pair) for pair in pairs])
+    want_grads = gradients(model, want.sum())
+    got = torch.stack(recompile.map(model, *zip(*pairs)))
+    torch.testing.assert_close(got, want.detach(), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(gradients(model, got.sum()), want_grads, rtol=1e-7, atol=1e-9)
+    loss = hand_batched_attention(model, sequence_plan(pairs))
+    torch.testing.assert_close(loss, want.sum().detach(), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(gradients(model, loss), want_grads, rtol=1e-7, atol=1e-9)
+
+
 def main(argv=None):
     args = arguments(__doc__).parse_args(argv)
     data, sst, trees = sst_trees(args)
@@ -267,7 +345,9 @@ def main(argv=None):
                lambda m, batch: sum(r[2] for r in recompile.map(m, batch))),
               ("seq2seq, LSTMCell, greedy decoder", Seq2Seq(), pairs, check_sequences, sequence_plan,
                lambda m, plan: hand_batched_sequences(m, plan)[1],
-               lambda m, batch: sum(r[1] for r in recompile.map(m, *zip(*batch)))))
+               lambda m, batch: sum(r[1] for r in recompile.map(m, *zip(*batch)))),
+              ("seq2seq with attention, target fed in", AttentionSeq2Seq(), pairs, check_attention, sequence_plan,
+               hand_batched_attention, lambda m, batch: sum(recompile.map(m, *zip(*batch)))))
     for name, base, examples, check, plan_of, hand_loss, rec_loss in models:
         check(base, examples[:8])
         print(f"{name}: recompile.map and hand-batched match eager")

@@ -51,12 +51,12 @@ def test_batching_benchmark_runs(capsys):
     assert "recompile failed" not in out
 
 
-def test_objects_benchmark_checks_and_times_both_models(capsys):
+def test_objects_benchmark_checks_and_times_every_model(capsys):
     bench_objects.main(["--trees", "6", "--batch", "3", "--repeats", "1"])
     out = capsys.readouterr().out
-    assert out.count("recompile.map and hand-batched match eager") == 2  # (main raises before a table otherwise)
+    assert out.count("recompile.map and hand-batched match eager") == 3  # (main raises before a table otherwise)
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("inference", "training"))]
-    assert [row[:2] for row in rows] == [["inference", "3"], ["training", "3"]] * 2
+    assert [row[:2] for row in rows] == [["inference", "3"], ["training", "3"]] * 3
     for row in rows:  # mode batch | hand recompile rec/hand
         assert float(row[2]) > 0 and float(row[3]) > 0
         assert float(row[4][:-1]) == pytest.approx(float(row[3]) / float(row[2]), rel=0.02, abs=0.01)
