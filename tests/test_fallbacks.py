@@ -2,6 +2,7 @@
 
 import inspect
 import operator
+import re
 import warnings
 
 import pytest
@@ -252,19 +253,37 @@ def gated(xs, left, right, i):  # (a with block reads h: h is a cell the with bl
     return h * scale
 
 
-def test_calls_kept_in_order_by_a_variable_a_with_block_shares_say_so(monkeypatch):
-    """The change that keeps the calls in order is the write of a variable a ``with`` block reads (a cell): the
-    warning says so, not only the line."""
+def kept(xs, left, right, i):  # (a lambda reads h: it may outlive the call, and see h change)
+    if left[i] < 0:
+        h = torch.tanh(xs[i])
+    else:
+        h = kept(xs, left, right, left[i]) + kept(xs, left, right, right[i])
+    scaled = [lambda: h * 2.0]  # (held in a list: a function any code could keep)
+    return scaled[0]()
+
+
+def test_a_variable_a_with_block_shares_keeps_no_calls_in_order_one_a_lambda_shares_does_and_says_so(monkeypatch):
+    """A ``with`` block's nested function runs where it stands and no one keeps it: the variables it shares are
+    the frame's own, and the calls batch by depth (the block alone runs per instance). A lambda may outlive the
+    call: the write of a variable it shares keeps the calls in order, and the warning says so."""
     from recompile import diagnostics
 
     monkeypatch.setattr(diagnostics, "_warned", set())
     left, right = torch.tensor([1, 3, -1, -1, -1]), torch.tensor([2, 4, -1, -1, -1])
     xs = torch.randn(5, 3, dtype=torch.float64)
-    want = torch.stack([gated(xs, left, right, i) for i in (0, 1)])
-    compiled = recompile.function(gated)
-    monkeypatch.setitem(gated.__globals__, "gated", compiled)
-    with pytest.warns(recompile.PerInstanceWarning, match=r"run one after another .*a variable it sets at "
-                                                          r"test_fallbacks\.py:\d+ is shared with a with, try or "
-                                                          r"match block"):
-        got = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, torch.tensor([0, 1]))
-    torch.testing.assert_close(got, want)
+    roots = torch.tensor([0, 1, 0, 1])
+    for fn in (gated, kept):
+        want = torch.stack([fn(xs, left, right, int(i)) for i in roots])
+        compiled = recompile.function(fn)
+        monkeypatch.setitem(fn.__globals__, fn.__name__, compiled)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = recompile.vmap(compiled, in_dims=(None, None, None, 0))(xs, left, right, roots)
+        torch.testing.assert_close(got, want)
+        in_order = [str(w.message) for w in seen if "run one after another" in str(w.message)]
+        if fn.__name__ == "gated":  # (the module's name now stands for the compiled function)
+            assert not in_order
+            assert compiled.stats["batches"]["gated"]["runs"] <= 3  # (one per depth)
+        else:
+            assert len(in_order) == 1 and re.search(r"a variable it sets at test_fallbacks\.py:\d+ is shared with "
+                                                    r"a with, try or match block, a nested def or a lambda", in_order[0])

@@ -16,7 +16,7 @@ import operator
 from .. import config, intrinsics, ir
 from ..passes import aliasing, fission
 from ..passes.batching import BatchPlan
-from ..passes.effects import local_appends, subgraph_may_mutate
+from ..passes.effects import frame_cells, local_appends, subgraph_may_mutate
 from ..passes.levels import level_shape
 from ..runtime import batch_rules, control, levels as rt_levels, ranges, split_loops
 from ..runtime.units import Unit
@@ -530,7 +530,8 @@ def generate_batched(sg, may_mutate=lambda invoke: False):
     # (a list the function builds and appends to changes nothing others see, but traced code, which replays
     # torch ops alone, would drop the appends: its segments leave them out, and it gets no level program)
     emission.appends = local_appends(sg)
-    emission.replays = not emission.changes and not emission.appends
+    # (nor where it sets a variable a with or try block shares: a trace would drop the setting)
+    emission.replays = not emission.changes and not emission.appends and not frame_cells(sg)
     emission.kept_out = _appending(emission.appends)
     emission.units = _units(batch_plan)  # SubGraph -> Unit
     emission.blocks = fission.split_blocks(sg, may_mutate)

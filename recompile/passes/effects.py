@@ -81,7 +81,7 @@ def out_target(op):
 def subgraph_may_mutate(sg, may_mutate):
     """Whether running SubGraph ``sg`` (the branches and loops it holds too) may mutate state: an op of its
     own, or an Invoke whose program may (``may_mutate(invoke)``)."""
-    unseen = int_counting(sg) | local_appends(sg)
+    unseen = int_counting(sg) | local_appends(sg) | frame_cells(sg)
     return any((op_mutates(o) and o not in unseen) or (isinstance(o, ir.Invoke) and may_mutate(o))
                for s in sg.walk() for o in s.ops)
 
@@ -162,8 +162,36 @@ def subgraph_mutates(sg):
 
 def _changes(sg):
     """The ops of function SubGraph ``sg`` (and what it holds) that may change state in place, in order."""
-    unseen = int_counting(sg) | local_appends(sg)
+    unseen = int_counting(sg) | local_appends(sg) | frame_cells(sg)
     return (op for s in sg.walk() for op in s.ops if op_mutates(op) and op not in unseen)
+
+
+# (the nested functions ``python_blocks`` makes of a statement, each called where the statement stands and kept by
+# no one; not a class statement's, whose class may keep its methods' cells)
+_IN_PLACE_BLOCKS = frozenset({"<with>", "<try>", "<match>"})
+
+
+def frame_cells(sg):
+    """The ops setting or deleting a variable a nested scope shares (``set_cell``, ``delete_cell``) in function
+    SubGraph ``sg`` (and what it holds), where every nested scope that shares one is a ``with``, ``try`` or
+    ``match`` statement run as Python: each such function is called where the statement stands and handed to no
+    one, so the cells stay the frame's own, which no other call (its recursion's included) reads. Setting one then
+    changes nothing another call sees; else (a lambda, a nested def, a class that may outlive the call) none."""
+    if sg.kind != "function":
+        return set()  # (a branch or loop body alone: the function's other scopes are not in sight)
+    uses = ir.uses(sg)
+    cells = set()
+    for s in sg.walk():
+        for o in s.ops:
+            if ir.is_call(o, intrinsics.make_function):
+                code = o.args[0].value if isinstance(o.args[0], ir.Const) else None
+                if getattr(code, "co_name", None) not in _IN_PLACE_BLOCKS or \
+                        any(not isinstance(u, ir.Call) or u.fn is not o.output or o.output in u.args
+                            for u in uses.get(o.output, ())):
+                    return set()
+            elif ir.is_call(o, intrinsics.set_cell) or ir.is_call(o, intrinsics.delete_cell):
+                cells.add(o)
+    return cells
 
 
 _APPENDING = frozenset({"append", "extend", "insert"})
