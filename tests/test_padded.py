@@ -7,6 +7,8 @@ the plain function per instance (float64: values, the parameters' gradients and 
 test_row_wise. Per-instance ops are an error unless a test says otherwise.
 """
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -304,3 +306,20 @@ def conv_output_flattened(m, words, x, n):
 def test_an_instances_value_read_alone_is_contiguous_where_eagers_is(monkeypatch):
     monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
     compare(conv_output_flattened)
+
+
+@recompile.function
+def best_row(enc, h):
+    s = enc @ h.view(-1)
+    return s.argmax(), torch.argmin(s), enc.argmax()
+
+
+def test_the_place_of_a_stretchs_extreme_is_one_op_over_the_padded_rows():
+    rng = random.Random(5)
+    encs = [torch.randn(rng.randint(1, 7), 6, dtype=torch.float64) for _ in range(9)]
+    hs = [torch.randn(1, 6, dtype=torch.float64) for _ in encs]
+    encs[2] = torch.full((3, 6), float("-inf"), dtype=torch.float64)  # (every place ties with the fill)
+    got = recompile.map(best_row, encs, hs)
+    for g, e, h in zip(got, encs, hs):
+        assert [int(v) for v in g] == [int(v) for v in best_row.python(e, h)]
+    assert not best_row.stats["per_instance"]

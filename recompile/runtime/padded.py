@@ -137,6 +137,7 @@ def padded_out(n, seq, pads, value):
 # ---- ops that move dims ------------------------------------------------------------------------------------
 
 WHOLE = frozenset({"sum", "mean", "max", "min", "amax", "amin"})  # (reductions over an instance's whole value)
+_PLACES = frozenset({"argmax", "argmin"})  # (and the place of its extreme in it laid flat)
 MOVES = frozenset({"t", "transpose", "swapaxes", "swapdims", "permute", "movedim", "unsqueeze", "squeeze",
                    "contiguous"})
 
@@ -213,8 +214,8 @@ def rows_method(n, name, seq, args, kwargs):
         return seq.source.dim() - 1
     if name in ("numel", "nelement") and not args and not kwargs:  # (each instance's length times a row's size)
         return bt.from_items([m * math.prod(seq.source.shape[2:]) for m in seq.lengths])
-    if name in WHOLE and not args and not kwargs:  # (an empty stretch's sum is 0; ``whole`` refuses the rest)
-        t = rows.as_padded(seq)
+    if (name in WHOLE or name in _PLACES) and not args and not kwargs:  # (an empty stretch's sum is 0; ``whole``
+        t = rows.as_padded(seq)                                          # refuses the rest)
         return whole(n, name, t, 0, seq.lengths, _mask(t, 0, seq.lengths))
     if seq.shortest == 0:
         return NotImplemented
@@ -479,6 +480,11 @@ def whole(n, name, t, dim, lengths, mask, over=None, keepdim=False):
     tensor, what lies past each end left out (a full max's gradient is shared by every tie, as eager's; an inf
     tying with the fill, which would take a share, runs per instance). NotImplemented for other reductions."""
     dims = tuple(range(1, t.dim())) if over is None else tuple(d + 1 for d in over)
+    if name in _PLACES and dim == 0 and over is None and min(lengths) > 0:
+        # (``s.argmax()``: each instance's place in its value laid flat, which is its place in its padded rows laid
+        # flat, what lies past its end filled so as to lose, and coming after it where it ties)
+        filled = torch.where(mask, t, t.new_full((), rows.extreme_fill(t, name == "argmax")))
+        return bt.from_tensor(getattr(filled.reshape(n, -1), name)(1))
     if name in ("max", "min") and (over is not None or not t.is_floating_point()):
         name = "a" + name  # (the values alone: over several dims, or integers, with no gradient to share)
     if name not in WHOLE or name != "sum" and min(lengths) == 0:
