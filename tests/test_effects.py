@@ -505,3 +505,57 @@ def test_states_a_loop_collected_then_popped_or_cut_stack_as_the_lists_hold_them
     want = torch.stack([fn(xs[k], int(n[k])) for k in range(4)])
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(torch.autograd.grad(got.sum(), xs)[0], torch.autograd.grad(want.sum(), xs)[0])
+
+
+def filled_in_a_block(x):
+    zs = [torch.zeros(3, dtype=torch.float64)]  # (nothing of an instance's: computed once where nothing changes)
+    with torch.no_grad():
+        zs[0].add_(x)
+    return zs[0] * 1
+
+
+def traced_in_a_block(xs, left, right, i, trace):
+    if left[i] < 0:
+        h = xs[i].sum()
+    else:
+        h = traced_in_a_block(xs, left, right, left[i], trace) + traced_in_a_block(xs, left, right, right[i], trace)
+    with torch.no_grad():
+        trace.append(float(h))
+    return h
+
+
+def read_in_a_block(xs, left, right, i):
+    if left[i] < 0:
+        h = xs[i].sum()
+    else:
+        h = read_in_a_block(xs, left, right, left[i]) + read_in_a_block(xs, left, right, right[i])
+    with torch.no_grad():
+        scale = h.abs() + 1.0
+    return h / scale
+
+
+@pytest.mark.parametrize("fn, mutates", [(filled_in_a_block, True), (traced_in_a_block, True),
+                                         (read_in_a_block, False)])
+def test_what_a_with_block_changes_in_place_counts_as_the_functions_change(fn, mutates):
+    """A with block runs as Python: its code is read for changes (``effects.code_may_change``), an item's method
+    ending in ``_`` or a list's ``append`` there as anywhere in the function; a block that only reads and sets
+    the function's variables changes nothing another call sees."""
+    compiled = recompile.function(fn)
+    assert effects.program_may_mutate(compiled.callee(None), FINAL) is mutates
+
+
+def test_a_with_block_changing_values_in_place_gives_eagers_values_and_order(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    xs = [torch.full((3,), float(k), dtype=torch.float64) for k in range(1, 5)]
+    got = recompile.map(recompile.function(filled_in_a_block), xs)
+    for g, x in zip(got, xs):
+        torch.testing.assert_close(g, filled_in_a_block(x))
+    left, right = torch.tensor([1, 3, -1, -1, -1]), torch.tensor([2, 4, -1, -1, -1])
+    values = torch.arange(5.0, dtype=torch.float64).unsqueeze(1).repeat(1, 2)
+    want = []
+    traced_in_a_block(values, left, right, 0, want)
+    compiled = recompile.function(traced_in_a_block)
+    monkeypatch.setitem(traced_in_a_block.__globals__, "traced_in_a_block", compiled)
+    got = []
+    compiled(values, left, right, 0, got)
+    assert got == want  # (each instance's own calls in Python's order: the block's appends say so)

@@ -13,8 +13,11 @@ list the function built itself and shows no one else (``local_appends``) do not 
 from __future__ import annotations
 
 import builtins
+import dis
+import functools
 import inspect
 import operator
+import types
 
 from .. import intrinsics, ir
 from ..ops import facts
@@ -43,6 +46,8 @@ def op_mutates(op):
     if isinstance(fn, ir.Const):
         return facts.among(fn.value, facts.MUTATING)
     producer = fn.op
+    if ir.is_call(producer, intrinsics.make_function) and isinstance(producer.args[0], ir.Const):
+        return code_may_change(producer.args[0].value)  # (a nested function called: a with block's, a lambda's)
     read = attribute_read(fn)
     if read is not None:
         first = op.args[0].value if op.args and isinstance(op.args[0], ir.Const) else None
@@ -53,6 +58,28 @@ def op_mutates(op):
         value = build_time_value(producer)  # setattr(...) read as a builtin, heappush imported by name
         return facts.among(value, facts.MUTATING) or facts.mutating_method(ir.safe_getattr(value, "__name__"))
     return False
+
+
+# (bytecode that sets or deletes an attribute, an item or a global)
+_CHANGING_OPS = frozenset({"STORE_ATTR", "DELETE_ATTR", "STORE_SUBSCR", "DELETE_SUBSCR", "STORE_SLICE", "DELETE_SLICE",
+                           "STORE_GLOBAL", "DELETE_GLOBAL"})
+_NAMING_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL", "LOAD_NAME"})
+
+
+@functools.lru_cache(maxsize=None)
+def code_may_change(code):
+    """Whether the Python code of a nested function (a with, try or match statement's, a lambda's) may change in
+    place what it reaches, read by names as the compiled code's calls are: it sets or deletes an attribute, an item
+    or a global, makes an augmented assignment (``h += 1`` changes a tensor in place), or names a method or function
+    that changes what it is given (``trace.append``, ``z.add_``: ``facts.mutating_method``); its nested code too.
+    (Setting the enclosing function's variables is not such a change: ``frame_cells``.)"""
+    for ins in dis.get_instructions(code):
+        if ins.opname in _CHANGING_OPS or ins.opname.startswith("INPLACE_") or \
+                ins.opname == "BINARY_OP" and ins.argrepr.endswith("="):
+            return True
+        if ins.opname in _NAMING_OPS and facts.mutating_method(ins.argval):
+            return True
+    return any(code_may_change(c) for c in code.co_consts if isinstance(c, types.CodeType))
 
 
 def in_place_flag(op):
