@@ -8,6 +8,7 @@ test_row_wise. Per-instance ops are an error unless a test says otherwise.
 """
 
 import random
+import re
 
 import pytest
 import torch
@@ -323,3 +324,17 @@ def test_the_place_of_a_stretchs_extreme_is_one_op_over_the_padded_rows():
     for g, e, h in zip(got, encs, hs):
         assert [int(v) for v in g] == [int(v) for v in best_row.python(e, h)]
     assert not best_row.stats["per_instance"]
+
+
+@recompile.function
+def place_of_flags(enc):
+    return (enc > 0).argmax()
+
+
+def test_the_place_of_a_bool_stretchs_extreme_raises_eagers_error(monkeypatch):
+    monkeypatch.setattr(config, "PER_INSTANCE", "ignore")
+    encs = [torch.randn(k, 3, dtype=torch.float64) for k in (2, 4)]
+    with pytest.raises(RuntimeError) as eager:
+        place_of_flags.python(encs[0])
+    with pytest.raises(RuntimeError, match=re.escape(str(eager.value).split("\n")[0])):
+        recompile.map(place_of_flags, encs)

@@ -480,7 +480,8 @@ def whole(n, name, t, dim, lengths, mask, over=None, keepdim=False):
     tensor, what lies past each end left out (a full max's gradient is shared by every tie, as eager's; an inf
     tying with the fill, which would take a share, runs per instance). NotImplemented for other reductions."""
     dims = tuple(range(1, t.dim())) if over is None else tuple(d + 1 for d in over)
-    if name in _PLACES and dim == 0 and over is None and min(lengths) > 0:
+    if name in _PLACES and dim == 0 and over is None and min(lengths) > 0 and math.prod(t.shape[2:]) > 0 and \
+            t.dtype is not torch.bool and not t.is_complex():  # (eager's own error for those)
         # (``s.argmax()``: each instance's place in its value laid flat, which is its place in its padded rows laid
         # flat, what lies past its end filled so as to lose, and coming after it where it ties)
         filled = torch.where(mask, t, t.new_full((), rows.extreme_fill(t, name == "argmax")))
