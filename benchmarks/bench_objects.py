@@ -180,14 +180,10 @@ class Seq2Seq(nn.Module):
         return tokens, loss
 
 
-class AttentionSeq2Seq(nn.Module):
+class AttentionSeq2Seq(Seq2Seq):
     def __init__(self):
         super().__init__()
-        self.embed = nn.Embedding(WORDS, EMBED)
-        self.encoder = nn.LSTMCell(EMBED, HIDDEN)
-        self.decoder = nn.LSTMCell(EMBED, HIDDEN)
-        self.mix = nn.Linear(2 * HIDDEN, HIDDEN)
-        self.out = nn.Linear(HIDDEN, WORDS)
+        self.mix = nn.Linear(2 * HIDDEN, HIDDEN)  # (the state and its context, to the output layer's input)
 
     @recompile.function
     def forward(self, words, target):

@@ -440,14 +440,13 @@ def _unbatched(n, fn, args, kwargs):
     # (a pure call giving back an argument, ``as_sequence`` of a shared list, makes nothing new: shared as it is;
     # nor does a builtin's read of what a shared container holds, ``max(self.lists)``, ``self.config.get(k)``)
     reads = reads or (valued and _held_by(first, args, fn))
-    handed_back = sharing.handed_back(first, fn, args)
-    shared = known and (facts.immutable(first) or handed_back
+    shared = known and (facts.immutable(first) or any(first is a for a in args)
                         or (sharing.state.fresh and sharing.shareable_result(first)))
     if reads or shared:
         if reads and isinstance(first, torch.Tensor) and sharing.any_fresh(args):
             sharing.mark_fresh(first)  # (a view of a tensor computed once: the same memory)
-        elif not reads and not handed_back and not facts.immutable(first):  # (an argument: what it was)
-            sharing.mark_fresh(first)
+        elif not reads and not facts.immutable(first) and not sharing.handed_back(first, fn, args):
+            sharing.mark_fresh(first)  # (not what the caller holds, nor a view of it: that is what it was)
         return first
     if not sharing.state.fresh and _new_tensor(first, fn, args, kwargs) and (known or computes_alike(fn, kwargs)):
         # a run that changes values in place: each instance its own row. Where the result has a gradient, the op
