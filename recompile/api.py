@@ -388,6 +388,9 @@ def _helper_forms(cf):
     return cf.signature, kind, cf._run_batched, lambda owner: cf._ready_callee(owner).subgraph(UNFUSED)
 
 
-# an undecorated helper, compiled for batched runs; a compiled function a level program runs as a helper
-helpers.compiler = lambda fn: _helper_forms(CompiledFunction(fn, mode="batched"))
+# an undecorated helper, compiled for batched runs (a compiled function called as a value, a module's compiled
+# forward: its own program); a compiled function a level program runs as a helper
+helpers.compiler = lambda fn: _helper_forms(fn if isinstance(fn, CompiledFunction) else
+                                            CompiledFunction(fn, mode="batched"))
+helpers.COMPILED = (CompiledFunction,)
 helpers.calling = lambda target: _helper_forms(target.function)

@@ -271,6 +271,33 @@ FUNCTIONS_FRESH = {getattr(torch, name + "_"): _method_fresh(name, function=True
 OUT_OF_PLACE = (*METHODS_FRESH.values(), *FUNCTIONS_FRESH.values())
 
 
+def fill_fresh(x, value):
+    """``x.fill_(value)`` where only this frame holds ``x`` (``passes.fresh``): for a tensor, ``torch.fill``, a new
+    tensor of ``x``'s dtype and shape (a gradient reaches a tensor ``value``, none ``x``); anything else the
+    in-place op, which raises as eager's."""
+    return torch.fill(x, value) if isinstance(x, torch.Tensor) else x.fill_(value)
+
+
+def zero_fresh(x):
+    """``x.zero_()`` where only this frame holds ``x`` (``passes.fresh``): ``torch.zeros_like`` of a tensor."""
+    return torch.zeros_like(x) if isinstance(x, torch.Tensor) else x.zero_()
+
+
+def requires_grad_fresh(x):
+    """``x.requires_grad_()`` where only this frame holds ``x`` (``passes.fresh``): the flag set on the very object
+    where torch.autograd records (a batched run), as eager's; no value changes, and no one else sees it (the
+    gradient it gathers is no one's). Where it does not (under ``torch.no_grad()``, the forward of a derived
+    gradient), ``x`` as it is: nothing it computes records, and the derived gradient needs no flag."""
+    return x.requires_grad_() if torch.is_grad_enabled() else x
+
+
+fill_fresh.in_place, zero_fresh.in_place, requires_grad_fresh.in_place = "fill_", "zero_", "requires_grad_"
+# In-place Tensor methods that set what a tensor only its frame holds is (by in-place name): fill and zero make a
+# new tensor (``SETS_FRESH``), requires_grad_ hands on the tensor itself
+SETTERS_FRESH = {f.in_place: f for f in (fill_fresh, zero_fresh, requires_grad_fresh)}
+SETS_FRESH = (fill_fresh, zero_fresh)
+
+
 MERGE = Marker("MERGE")  # marks ``**mapping`` among the keys given to build_dict
 
 

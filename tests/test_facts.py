@@ -444,6 +444,23 @@ GROWN = {
         grad_rules._matmul, grad_rules._rmatmul, grad_rules._mm, grad_rules._mv, grad_rules._dot, grad_rules._outer,
         grad_rules._linear)), set()),
 }
+# ``x.fill_(v)``, ``x.zero_()`` and ``x.requires_grad_()`` of a tensor the frame made, written anew (passes.fresh):
+# pure, batched and differentiated by rules of their own, as are fill_ and zero_ left in place; ``x.new(1, H)``
+# given sizes is new_empty's rule
+_SETTERS = tuple(intrinsics.SETTERS_FRESH.values())
+_SET_VJPS = {grad_rules._fill_fresh, grad_rules._zero_fresh, grad_rules._requires_grad_fresh}
+for _fact, _more in {
+        "semantics.PURE": _names(*_SETTERS), "plan._MOVABLE": _names(*_SETTERS),
+        "segments._GENERIC_OK": _names(*_SETTERS),
+        "batch_rules.RULES": _entries((f, batch_rules.BATCH.by_callable[f]) for f in _SETTERS),
+        "batch_rules.METHOD_RULES": _entries([("new", batch_rules.BATCH.by_method["new"])]),
+        "grad_rules.FUNCTION_RULES": _entries((k, r.vjp) for k, r in grad_rules.GRAD.by_callable.items()
+                                              if r.vjp in _SET_VJPS),
+        "grad_rules.METHOD_RULES": _entries((k, r.vjp) for k, r in grad_rules.GRAD.by_method.items()
+                                            if r.vjp in _SET_VJPS),
+        "grad_rules.rule_metadata": _metadata_of(_SET_VJPS, False, others=()),
+        "grad_rules.SHAPE_ONLY": _names(*_SET_VJPS)}.items():
+    GROWN[_fact] = (GROWN.get(_fact, (set(), set()))[0] | _more, GROWN.get(_fact, (set(), set()))[1])
 
 
 def test_every_fact_of_the_snapshot_has_its_new_home():

@@ -463,12 +463,42 @@ def activated_by_torchs_functions(x):
     return u * 1.0
 
 
+def zeros_made_by_its_methods(x):
+    """treelstm.pytorch's leaf state: a new tensor of x's dtype and device, filled, made to require grad."""
+    c = x.detach().new(1, 3).fill_(0.).requires_grad_()
+    z = x.new_zeros(3)
+    z.zero_()
+    return (c * x).sum(0) + z + x
+
+
+def filled_with_a_value(x):
+    v = x.new_empty(2, 3).fill_(x.sum())  # (a gradient reaches x through the value, none through v's old values)
+    return v * x
+
+
+def new_of_one_size(x):
+    v = x.new(x.shape[0])  # (given one value, ``new`` may view a tensor it is given: v is not counted new)
+    v.fill_(1.0)
+    return v * x
+
+
+def filled_argument(x, y):
+    y.fill_(0.5)  # (the caller's tensor: changed in place)
+    return x * y
+
+
+def made_to_need_no_grad(x):
+    v = x.new_zeros(3).requires_grad_(False)  # (as eager runs it: only ``requires_grad_()`` is written anew)
+    return v + x
+
+
 METHODS = [(scaled_by_its_methods, True), (joined_then_divided_by_its_method, True), (method_of_an_argument, False),
            (method_after_a_read_that_saves, False), (method_of_itself, False), (activated_by_its_methods, True),
-           (activated_by_torchs_functions, True)]
+           (activated_by_torchs_functions, True), (zeros_made_by_its_methods, True), (filled_with_a_value, True),
+           (new_of_one_size, False), (filled_argument, False), (made_to_need_no_grad, False)]
 
 
-@pytest.mark.parametrize("fn", [fn for fn, _ in METHODS if fn is not method_of_an_argument],
+@pytest.mark.parametrize("fn", [fn for fn, _ in METHODS if fn not in (method_of_an_argument, filled_argument)],
                          ids=lambda f: f.__name__)
 def test_an_in_place_method_under_vmap_gives_eagers_values_and_gradients(fn, monkeypatch):
     """(Not ``method_of_an_argument``: an eager loop over the rows of one tensor changes views of one base.)"""
@@ -489,7 +519,8 @@ def test_an_in_place_method_under_vmap_gives_eagers_values_and_gradients(fn, mon
 def test_an_in_place_method_of_what_only_the_frame_holds_is_written_out_of_place(fn, out_of_place, mode):
     text = recompile.function(fn).dump(stage="fresh")
     assert ("_fresh(" in text) is out_of_place
-    args = {joined_then_divided_by_its_method: lambda x: (x, 1), method_of_an_argument: lambda x: (x, x * 1.5)}
+    args = {joined_then_divided_by_its_method: lambda x: (x, 1), method_of_an_argument: lambda x: (x, x * 1.5),
+            filled_argument: lambda x: (x, x * 1.5)}
     make = args.get(fn, lambda x: (x,))
     want = _outcome(fn, make(torch.tensor([0.5, -1.0, 2.0], dtype=F64, requires_grad=True)))
     got = _outcome(recompile.function(fn, mode=mode), make(torch.tensor([0.5, -1.0, 2.0], dtype=F64,

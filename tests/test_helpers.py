@@ -236,10 +236,16 @@ def squared_error(h, target):
     return ((h - target) ** 2).sum()
 
 
-def test_a_pure_helper_is_traced_in_the_plain_pieces_own_place(monkeypatch):
+def nested_runs(monkeypatch):
+    """The helpers ``helpers.run`` runs from here on (each a nested run), listed as they run."""
     nested = []
     real = helpers.run
     monkeypatch.setattr(helpers, "run", lambda *args: nested.append(args[1]) or real(*args))
+    return nested
+
+
+def test_a_pure_helper_is_traced_in_the_plain_pieces_own_place(monkeypatch):
+    nested = nested_runs(monkeypatch)
     torch.manual_seed(0)
     model = CellHelper().double()
     forest = Forest.from_trees(trees())
@@ -286,3 +292,162 @@ def test_a_helper_the_piece_cannot_trace_runs_by_its_rule():
     for _ in range(2):
         torch.testing.assert_close(recompile.vmap(compiled, in_dims=(None, 0))(xs, starts), want)
     assert compiled.stats["per_instance"] == {}
+
+
+class Node:
+    """A tree as users hold it: a word and a list of child nodes."""
+
+    def __init__(self, word, kids=()):
+        self.word, self.kids = torch.tensor(word), list(kids)
+
+
+def node_trees():
+    leaf = Node
+    return [Node(1, [leaf(2), Node(3, [leaf(4), leaf(5), leaf(1)])]), leaf(6), Node(2, [leaf(3)]),
+            Node(4, [Node(5, [leaf(6)]), leaf(1)])]
+
+
+class ChildSumEncoder(nn.Module):
+    """A compiled module of its own, recursive over node objects; ``scale`` a default (bound as Python binds it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.node = nn.Linear(4, 4)
+
+    @recompile.function
+    def forward(self, node, scale=1.0):
+        h = self.node(self.embed(node.word))
+        for kid in node.kids:
+            h = h + self.forward(kid)
+        return torch.tanh(h) * scale
+
+
+class StoringEncoder(ChildSumEncoder):
+    """The same, storing each node's state on the node, as treelstm.pytorch does."""
+
+    @recompile.function
+    def forward(self, node, scale=1.0):
+        h = self.node(self.embed(node.word))
+        for kid in node.kids:
+            self.forward(kid)
+            h = h + kid.state
+        node.state = torch.tanh(h) * scale
+        return node.state
+
+
+class Classifier(nn.Module):
+    """A compiled model that calls its encoder module, as models compose: ``self.encoder(tree)``, or its compiled
+    method bound to it (``self.encoder.forward(tree)``)."""
+
+    def __init__(self, encoder, bound):
+        super().__init__()
+        self.encoder, self.bound = encoder, bound
+        self.out = nn.Linear(4, 3)
+
+    @recompile.function
+    def forward(self, tree):
+        h = self.encoder.forward(tree) if self.bound else self.encoder(tree)
+        return self.out(h).logsumexp(-1)
+
+
+def classify_both(encoder, bound):
+    """(recompile.map's losses and gradients, eager's), and the classifier's stats."""
+    torch.manual_seed(0)
+    model = Classifier(encoder, bound).double()
+    Classifier.forward.stats.reset()
+    got = recompile.map(model, node_trees())
+    got_grads = torch.autograd.grad(sum(got), list(model.parameters()))
+    with recompile.disable():
+        want = [model(t) for t in node_trees()]
+    want_grads = torch.autograd.grad(sum(want), list(model.parameters()))
+    return (torch.stack(got), got_grads), (torch.stack(want), want_grads), Classifier.forward.stats
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["module", "bound-method"])
+def test_a_module_whose_forward_is_compiled_runs_its_program_once_for_the_group(bound):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", recompile.PerInstanceWarning)
+        got, want, stats = classify_both(ChildSumEncoder(), bound)
+    torch.testing.assert_close(got, want)
+    assert stats["per_instance"] == {}
+
+
+def test_a_compiled_module_that_stores_on_its_nodes_runs_once_per_instance_and_says_why():
+    with pytest.warns(recompile.PerInstanceWarning, match="StoringEncoder runs once per instance .* changes something "
+                      "in place .*instead of storing it"):
+        got, want, stats = classify_both(StoringEncoder(), False)
+    torch.testing.assert_close(got, want)
+    assert stats["per_instance"] == {"StoringEncoder": len(node_trees())}
+
+
+class Gate(nn.Module):
+    """A module of the user's with an undecorated forward that torch.func.vmap cannot batch (an if on a value):
+    compiled as a helper is."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, v):
+        if v.sum() > 0:
+            return torch.tanh(self.lin(v))
+        return -v
+
+
+def gated(gate, x):
+    return gate(x) * 2.0
+
+
+def test_a_users_module_vmap_cannot_batch_runs_its_forward_compiled():
+    gate = Gate().double()
+    cf = recompile.function(gated)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", recompile.PerInstanceWarning)
+        got = recompile.vmap(cf, in_dims=(None, 0))(gate, X)
+    torch.testing.assert_close(got, torch.stack([gated(gate, row) for row in X]))
+    assert cf.stats["per_instance"] == {}
+
+
+class CellModule(nn.Module):
+    """A pure cell module with a compiled forward, as a tree's compose step."""
+
+    def __init__(self):
+        super().__init__()
+        self.node = nn.Linear(8, 4)
+
+    @recompile.function
+    def forward(self, hl, hr, scale=1.0):
+        return torch.tanh(self.node(torch.cat([hl, hr], -1))) * scale
+
+
+class ModuleCell(CellHelper):
+    def __init__(self):
+        super().__init__()
+        self.cell = CellModule()
+
+    @recompile.function
+    def encode(self, tree, i):
+        if tree.is_leaf[i]:
+            h = torch.tanh(self.embed(tree.words[i]))
+        else:
+            h = self.cell(self.encode(tree, tree.left[i]), self.encode(tree, tree.right[i]))
+        return h
+
+
+def test_a_compiled_cell_module_is_traced_in_the_plain_pieces_own_place(monkeypatch):
+    nested = nested_runs(monkeypatch)
+    torch.manual_seed(0)
+    model = ModuleCell().double()
+    forest = Forest.from_trees(trees())
+    ModuleCell.encode.stats.reset()
+    for _ in range(2):
+        got = recompile.vmap(model.encode, in_dims=(None, 0))(forest, forest.roots)
+    want = torch.stack([ModuleCell.encode.python(model, t, t.root) for t in trees()])
+    torch.testing.assert_close(got, want.detach())
+    prog = program(ModuleCell.encode, ModuleCell)
+    assert prog.plain.runs >= 2 and not prog.plain.refused and prog.fallbacks == 0
+    assert nested == [] and ModuleCell.encode.stats["per_instance"] == {}
+    model.cell.register_forward_hook(lambda m, args, out: out * 0.0)  # (a hook added later: the trace stands down)
+    got = recompile.vmap(model.encode, in_dims=(None, 0))(forest, forest.roots)
+    assert float(got[[not t.is_leaf[t.root] for t in trees()]].detach().abs().sum()) == 0.0

@@ -700,3 +700,27 @@ def test_a_view_of_a_held_tensor_and_a_tensor_an_earlier_run_computed_once_come_
         return kept, x
 
     assert all(g[0] is kept for g in recompile.map(handed, xs))
+
+
+def word_at(inputs, k):
+    return inputs[k] * 2.0
+
+
+@pytest.mark.parametrize("lengths", [[4, 4, 4, 4], [2, 5, 3, 4]], ids=["as-long", "own-lengths"])
+def test_each_instances_tensor_at_its_own_int_is_one_index(lengths):
+    """``inputs[tree.idx]``: each instance's own sentence at its own position (from the end too), one index of
+    their rows; a position outside a sentence raises its instance's IndexError."""
+    g = torch.Generator().manual_seed(2)
+    sentences = [torch.randn(n, 3, dtype=torch.float64, generator=g, requires_grad=True) for n in lengths]
+    at = [0, -1, 2, 1]
+    cf = recompile.function(word_at)
+    got = recompile.map(cf, sentences, at)
+    assert cf.stats["per_instance"] == {}
+    want = [word_at(s, k) for s, k in zip(sentences, at)]
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(sum(v.sum() for v in got), sentences),
+                               torch.autograd.grad(sum(v.sum() for v in want), sentences))
+    with pytest.raises(IndexError):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+            recompile.map(cf, sentences, [0, 1, 2, 9])

@@ -16,6 +16,7 @@ import recompile
 from recompile import config
 from recompile.runtime import rows, sharing
 from test_recurrent import EMBED, HIDDEN, VOCAB, Model, compare, lengths, sentences
+from test_segments import switched
 
 
 @pytest.fixture(autouse=True)
@@ -923,3 +924,45 @@ def _walk(node):
     yield node
     for c in node.children:
         yield from _walk(c)
+
+
+W4 = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+
+def summed_children(x, kids):
+    """A leaf's one row of zeros, or its children's rows: each instance's stretch joined from the two sides, then
+    reduced with keepdim, multiplied, and x's row repeated to each instance's own count."""
+    if len(kids) == 0:
+        hs = x.new_zeros(1, 4)
+    else:
+        hs = torch.cat([torch.tanh(k).unsqueeze(0) for k in kids], dim=0)
+    total = torch.sum(hs, dim=0, keepdim=True)
+    gates = torch.sigmoid(hs @ W4 + x.unsqueeze(0).repeat(len(hs), 1))
+    return total + torch.sum(gates * hs, dim=0, keepdim=True)
+
+
+def test_stretches_a_branch_joins_with_the_other_sides_rows_batch_whole():
+    g = torch.Generator().manual_seed(5)
+    counts = [0, 2, 3, 0, 1, 2]
+    xs = [torch.randn(4, dtype=torch.float64, generator=g, requires_grad=True) for _ in counts]
+    kids = [[torch.randn(4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(c)] for c in counts]
+    leaves = xs + [k for each in kids for k in each]
+    want = [summed_children(x, k) for x, k in zip(xs, kids)]
+    want_grads = torch.autograd.grad(sum(w.sum() for w in want), leaves)
+    with switched(config, "error", "PER_INSTANCE"):
+        got = recompile.map(recompile.function(summed_children), xs, kids)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(sum(v.sum() for v in got), leaves), want_grads)
+
+
+def test_a_row_repeated_to_each_instances_own_count_is_its_stretch():
+    x = torch.randn(5, 1, 3, dtype=torch.float64)
+    counts = torch.tensor([2, 0, 3, 1, 2])
+
+    def repeated(row, k):
+        return row.repeat(int(k), 1) * 2.0
+
+    with switched(config, "error", "PER_INSTANCE"):
+        got = recompile.map(recompile.function(repeated), list(x), counts.tolist())
+    for g, row, k in zip(got, x, counts.tolist()):
+        torch.testing.assert_close(g, row.repeat(k, 1) * 2.0)

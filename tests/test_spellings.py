@@ -1143,3 +1143,76 @@ def test_gumbel_softmax_draws_for_every_instance_at_once_along_each_instances_di
     torch.testing.assert_close(soft.sum(1), torch.ones(3, 2))
     (grad,) = torch.autograd.grad((y * torch.arange(5.0)).sum(), x)
     assert grad.abs().sum() > 0
+
+
+class Tree:
+    """A tree as treelstm.pytorch holds it: ``idx`` the word's position, ``children`` its subtrees."""
+
+    def __init__(self, idx, children=()):
+        self.idx, self.children = idx, list(children)
+        self.num_children = len(self.children)
+
+
+class PyTorchTreeLSTM(torch.nn.Module):
+    """treelstm.pytorch's child-sum Tree-LSTM as its users copy it (states returned, not stored on the nodes): a
+    leaf's states ``inputs[0].detach().new(1, H).fill_(0.).requires_grad_()``, a node's its children's
+    ``torch.cat``, the cell an undecorated method with ``torch.split``, ``repeat(len(child_h), 1)`` and sums with
+    ``keepdim``."""
+
+    def __init__(self, in_dim=3, mem_dim=4):
+        super().__init__()
+        self.mem_dim = mem_dim
+        self.ioux = torch.nn.Linear(in_dim, 3 * mem_dim)
+        self.iouh = torch.nn.Linear(mem_dim, 3 * mem_dim)
+        self.fx = torch.nn.Linear(in_dim, mem_dim)
+        self.fh = torch.nn.Linear(mem_dim, mem_dim)
+
+    def node_forward(self, inputs, child_c, child_h):
+        child_h_sum = torch.sum(child_h, dim=0, keepdim=True)
+        iou = self.ioux(inputs) + self.iouh(child_h_sum)
+        i, o, u = torch.split(iou, iou.size(1) // 3, dim=1)
+        i, o, u = torch.sigmoid(i), torch.sigmoid(o), torch.tanh(u)
+        f = torch.sigmoid(self.fh(child_h) + self.fx(inputs).repeat(len(child_h), 1))
+        fc = torch.mul(f, child_c)
+        c = torch.mul(i, u) + torch.sum(fc, dim=0, keepdim=True)
+        h = torch.mul(o, torch.tanh(c))
+        return c, h
+
+    @recompile.function
+    def forward(self, tree, inputs):
+        states = [self.forward(tree.children[idx], inputs) for idx in range(tree.num_children)]
+        if tree.num_children == 0:
+            child_c = inputs[0].detach().new(1, self.mem_dim).fill_(0.).requires_grad_()
+            child_h = inputs[0].detach().new(1, self.mem_dim).fill_(0.).requires_grad_()
+        else:
+            child_c, child_h = zip(*states)
+            child_c, child_h = torch.cat(child_c, dim=0), torch.cat(child_h, dim=0)
+        return self.node_forward(inputs[tree.idx].unsqueeze(0), child_c, child_h)
+
+
+def pytorch_trees():
+    leaf = Tree
+    return [Tree(0, [leaf(1), Tree(2, [leaf(3), leaf(0), leaf(1)])]), leaf(2), Tree(1, [leaf(0)]),
+            Tree(3, [Tree(1, [leaf(2), leaf(3)]), leaf(0)]), Tree(2, [leaf(0), leaf(1)])]
+
+
+def test_treelstm_pytorchs_cell_as_users_copy_it_batches_whole_with_eagers_values_and_gradients():
+    """Each op of it batched: the leaf's states made by a tensor's methods (written anew: nothing changes in
+    place), the children's states of each node's own count (stretches, a leaf's one row among them), the cell
+    an undecorated helper run once for the group on them."""
+    torch.manual_seed(0)
+    model = PyTorchTreeLSTM().double()
+    trees = pytorch_trees()
+    sentences = [torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
+                 for k in range(len(trees))]
+    with switched(config, "error", "PER_INSTANCE"):
+        for _ in range(2):
+            got = recompile.map(model, trees, sentences)
+    loss = sum((c * 0.5 + h).sum() for c, h in got)
+    got_grads = torch.autograd.grad(loss, list(model.parameters()))
+    with recompile.disable():
+        want = [model(t, s) for t, s in zip(trees, sentences)]
+    want_grads = torch.autograd.grad(sum((c * 0.5 + h).sum() for c, h in want), list(model.parameters()))
+    for (gc, gh), (wc, wh) in zip(got, want):
+        torch.testing.assert_close((gc, gh), (wc, wh))
+    torch.testing.assert_close(got_grads, want_grads)

@@ -156,7 +156,8 @@ def _how(reading, op):
     if _own_per_instance(fn):
         return BATCHED, None
     if helpers.kind(fn) is not None and (not varies or not _batches(fn)):
-        return BATCHED, "an undecorated helper, compiled and run once for the group (it changes nothing in place)"
+        return BATCHED, ("an undecorated helper or a compiled function (a module's forward), run once for the group "
+                         "(it changes nothing in place)")
     if not varies:
         return _once(fn)
     if _batches(fn):

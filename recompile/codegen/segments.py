@@ -679,11 +679,14 @@ class _Tracer:
         return slot.value, slot
 
     def guard_callable(self, fn, slot):
+        # (a module of torch's, or one whose forward the piece traced in its place: of that class, with no hook added
+        # later)
+        module = type(fn) in _PLAIN_MODULES or type(fn) in _GENERIC_OK_MODULES or helpers.runs(fn)[1] is fn
         if slot is None:
-            if type(fn) in _PLAIN_MODULES or type(fn) in _GENERIC_OK_MODULES:  # (a hook added later, too)
+            if module:
                 self.emit(f"if not _plain_module({self.const(fn)}, {self.const(type(fn))}): raise _Deopt")
             return
-        if type(fn) in _PLAIN_MODULES or type(fn) in _GENERIC_OK_MODULES:
+        if module:
             self.emit(f"if not _plain_module({slot.name}, {self.const(type(fn))}): raise _Deopt")
         elif tensor_method(fn) is not None and type(fn.__self__) in _PLAIN_TENSORS:
             # (``w.t``: a bound method is made anew at each read; torch's method of a plain tensor, by name)
@@ -908,10 +911,13 @@ class _Tracer:
         sg, signature = found
         mark, builds, env, loc = len(self.lines), set(self.builds), dict(self.env), self.loc
         slots = list(args)
+        held = fn_slot.name if fn_slot is not None else self.const(fn)
         if type(fn) is types.MethodType:  # (its object, read from the bound method the piece holds)
             name = self.fresh()
-            self.emit(f"{name} = {fn_slot.name if fn_slot is not None else self.const(fn)}.__self__")
+            self.emit(f"{name} = {held}.__self__")
             slots.insert(0, _Slot("S", name, fn.__self__))
+        elif helpers.runs(fn)[1] is fn:  # (a module, its forward's self)
+            slots.insert(0, _Slot("S", held, fn))
         try:
             bound = signature.bind(*slots, **kwargs)  # (the slots themselves, bound as Python binds the values)
         except TypeError:

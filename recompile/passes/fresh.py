@@ -35,7 +35,10 @@ from . import aliasing, effects
 # whose gradient reads no result of theirs (``a ** b`` reads its result: eager refuses a backward through it
 # once the result changes in place)
 _MAKERS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
-                     operator.matmul, operator.neg, *intrinsics.AUGMENTED_FRESH.values()})
+                     operator.matmul, operator.neg, *intrinsics.AUGMENTED_FRESH.values(), *intrinsics.SETS_FRESH})
+# Tensor methods whose result is a new tensor of the tensor's dtype and device (``x.new(1, H)``: sizes; given one
+# argument, ``new`` may view a tensor or storage it is given instead)
+_NEW_METHODS = frozenset({"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"})
 # Ops that may read the value before its change: they keep no reference to it and their gradients do not read
 # it (``x * w`` saves x: eager refuses a backward through it once x changes in place, and so must the program)
 _READERS = frozenset({operator.add, operator.sub, operator.neg, operator.lt, operator.le, operator.gt, operator.ge,
@@ -106,6 +109,8 @@ def _in_place_form(op):
             return None
         if len(op.args) == 1 and not op.kwargs and read[1] in facts.AUGMENTED_METHODS:
             fresh_op = intrinsics.AUGMENTED_FRESH.get(facts.AUGMENTED_METHODS[read[1]])
+        elif read[1] in intrinsics.SETTERS_FRESH:
+            return _setter_form(op, read)
         else:
             fresh_op = intrinsics.METHODS_FRESH.get(read[1])
         return None if fresh_op is None else (read[0], fresh_op, op.args, op.kwargs, op.fn.op)
@@ -123,6 +128,21 @@ def _in_place_form(op):
     except TypeError:  # (an unhashable callable)
         return None
     return None if fresh_op is None else (x, fresh_op, args, kwargs, None)
+
+
+def _setter_form(op, read):
+    """``_in_place_form`` of ``x.fill_(v)``, ``x.zero_()`` and ``x.requires_grad_()`` (or ``(True)``), as they are
+    given; None for another call of them (``requires_grad_(False)``, a wrong count: left as eager runs it)."""
+    x, name = read
+    given = [*op.args, *(v for _, v in op.kwargs)]
+    if name == "requires_grad_":
+        if len(given) > 1 or op.kwargs and op.kwargs[0][0] != "requires_grad" or given and not (
+                isinstance(given[0], ir.Const) and given[0].value is True):
+            return None
+        return x, intrinsics.requires_grad_fresh, [], [], op.fn.op
+    if op.kwargs or len(op.args) != (1 if name == "fill_" else 0):
+        return None
+    return x, intrinsics.SETTERS_FRESH[name], op.args, [], op.fn.op
 
 
 def _only_here_before(v, user, method, s):
@@ -198,7 +218,7 @@ def _new(v, s):
     """Whether ``v``, made by an op of ``s``, is a new object: an arithmetic op's or a constructor's result, a
     Cond's output every branch makes anew, or a loop variable every iteration makes anew."""
     op = v.op
-    if _calls(op, _MAKERS) or _constructs(op):
+    if _calls(op, _MAKERS) or _constructs(op) or _method_constructs(op):
         return True
     if isinstance(op, ir.Cond):
         j = op.outputs.index(v)
@@ -212,6 +232,13 @@ def _constructs(op):
     """Whether ``op`` calls one of torch's constructors (``torch.zeros(3, dtype=...)``) for a tensor that needs
     no gradient."""
     return constructor(op) is not None
+
+
+def _method_constructs(op):
+    """Whether ``op`` calls a tensor's method that makes a new tensor (``x.new_zeros(3)``, ``x.new(1, H)``)."""
+    read = effects.attribute_read(op.fn) if isinstance(op, ir.Call) and not op.star else None
+    return read is not None and (read[1] in _NEW_METHODS or read[1] == "new" and (
+        len(op.args) >= 2 or op.args and isinstance(op.args[0], ir.Const) and type(op.args[0].value) is int))
 
 
 def constructor(op):

@@ -215,7 +215,8 @@ def _call(n, fn, args, kwargs):
         out = rule(n, fn, args, kwargs or {})
         if out is not NotImplemented:
             return out
-    if args and type(args[0]) is Batch and (args[0].owner == "items" or type(args[0].thunk) is bt.Views):
+    if args and type(args[0]) is Batch and (args[0].owner == "items" or type(args[0].thunk) is bt.Views or
+                                            rows.joined(args[0])):
         found = rows.of(args[0])
         try:
             name = rows.REDUCING.get(fn) if found is not None else None
@@ -229,15 +230,26 @@ def _call(n, fn, args, kwargs):
         out = padded.call(n, fn, args, kwargs or {})
         if out is NotImplemented and fn in ragged_products.PRODUCTS:  # (``a.t() @ enc``)
             out = ragged_products.product(n, fn, args, kwargs)
-        return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
+        return _helper_or_per_instance(n, fn, args, kwargs) if out is NotImplemented else out
     if row_wise.holds_rows(args):  # (``mlp(self.embed(words[:n]))``: each row alone)
         out = row_wise.call(n, fn, args, kwargs or {})
         if out is NotImplemented:  # (``torch.transpose(xs, 0, 1)``: the rows' dim moved)
             out = padded.rows_call(n, fn, args, kwargs or {})
         if out is NotImplemented and fn in ragged_products.PRODUCTS:  # (``enc @ h.t()``: h each instance's own)
             out = ragged_products.product(n, fn, args, kwargs)
-        return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
+        return _helper_or_per_instance(n, fn, args, kwargs) if out is NotImplemented else out
     return _vmapped_or_per_instance(n, fn, args, kwargs)
+
+
+def _helper_or_per_instance(n, fn, args, kwargs):
+    """A call of stretches (each instance's own length) that no rule batches: where ``fn`` is a helper of the
+    user's or a compiled function (``self.node_forward(x, child_c, child_h)``), its program run once for the
+    group, each op in it seeing the stretches; else each instance's own call."""
+    if helpers.kind(fn) is not None:
+        out = _run_helper(n, fn, args, kwargs)
+        if out is not NotImplemented:
+            return out
+    return per_instance(n, fn, args, kwargs)
 
 
 def _row_changed_on_a_copy(fn, args, kwargs):
@@ -687,6 +699,11 @@ def _of_shared_lists(n, fn, args, kwargs):
 def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
     if method is None and _python_work(fn, args, kwargs):  # (Python's work on each instance's str or list)
         return _each_instance(n, fn, args, kwargs)
+    if method is None and helpers.compiled_function(fn):
+        # (``self.encoder(tree)``, a module whose forward is compiled: its program run once for the group; one that
+        # changes something in place runs once per instance, each instance's changes before the next one's reads)
+        out = _run_helper(n, fn, args, kwargs)
+        return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
     if method is None and args and type(args[0]) is Batch and _in_place_function(fn):
         # (``torch.exp_(v)`` is ``v.exp_()``: vmap would change a stack of the instances' tensors, not theirs)
         return call(n, Batch(n, method=(args[0], fn.__name__)), args[1:], kwargs)
@@ -1493,6 +1510,37 @@ def method_fresh(n, fn, args, kwargs):
     return NotImplemented if out is NotImplemented else _as_in_place(x, out)
 
 
+@BATCH.register(*intrinsics.SETS_FRESH)
+def sets_fresh(n, fn, args, kwargs):
+    """``x.fill_(v)``, ``x.zero_()`` of a tensor only its frame holds (``passes.fresh``): the new tensor made of the
+    batch's tensor, where every instance has the one ``v``."""
+    x = args[0]
+    if kwargs or type(x) is not Batch or any(type(a) is Batch for a in args[1:]):
+        return NotImplemented
+    t = bt.tensor_of(x)
+    return NotImplemented if t is None else bt.from_tensor(fn(t, *args[1:]))
+
+
+@BATCH.register(intrinsics.requires_grad_fresh)
+def requires_grad_fresh(n, fn, args, kwargs):
+    """``x.requires_grad_()`` of a tensor only its frame holds (``passes.fresh``): set on the batch's tensor (a leaf,
+    or one that requires grad already), or on each instance's own, and the batch handed on as it is."""
+    x = args[0]
+    if kwargs or len(args) != 1 or type(x) is not Batch:
+        return NotImplemented
+    if not torch.is_grad_enabled():  # (as the intrinsic: nothing records, the flag is not set)
+        return x
+    if x.owner == "tensor" and (x.tensor.is_leaf or x.tensor.requires_grad):
+        x.tensor.requires_grad_()
+        return x
+    items = bt.items_of(x) if x.owner == "items" else None
+    if not items or not all(type(t) in PLAIN_TENSORS and (t.is_leaf or t.requires_grad) for t in items):
+        return NotImplemented
+    for t in items:
+        t.requires_grad_()
+    return x
+
+
 def _as_in_place(x, out):
     """``out``, the batch of ``x op y`` (or ``x.name()``) computed for an in-place op of ``x`` written out of place,
     where every instance's tensor ``x`` has its dtype and shape (what the in-place op gives); else NotImplemented:
@@ -1992,10 +2040,26 @@ def _gather_each(n, x, index):
         return NotImplemented
     if type(x) is not Batch:  # (a range or tuple every instance shares)
         return bt.from_items([x[i] for i in index.items])
+    if x.items is not None and x.owner == "items" and sharing.state.fresh and type(x.items[0]) in PLAIN_TENSORS:
+        return _row_of_each_tensor(n, x, index)
     if x.items is not None and x.owner == "items":
         return ranges.items(x, index.items)
     t = x.tensor if x.owner == "tensor" else None
     if t is None or t.dim() < 2:
+        return NotImplemented
+    return bt.from_tensor(t[torch.arange(n, device=t.device), torch.tensor(index.items, device=t.device)])
+
+
+def _row_of_each_tensor(n, x, index):
+    """``inputs[tree.idx]``: each instance's own tensor (``recompile.map`` over sentences) at each instance's own
+    int, one index of their rows (stacked, or padded where their lengths differ: ``rows.item_each``), in a run
+    that changes nothing in place (eager's are views); NotImplemented where an int lies outside its tensor (each
+    instance raises its own IndexError)."""
+    found = rows.of(x)
+    if found is not None:
+        return rows.item_each(found, index)
+    t = bt.tensor_of(x)
+    if t is None or t.dim() < 2 or not all(-t.shape[1] <= i < t.shape[1] for i in index.items):
         return NotImplemented
     return bt.from_tensor(t[torch.arange(n, device=t.device), torch.tensor(index.items, device=t.device)])
 
@@ -3696,12 +3760,23 @@ def _sized(name):
     def rule(n, x, args, kwargs):
         sizes = tuple(args[0]) if len(args) == 1 and type(args[0]) in (tuple, list, torch.Size) else args
         t = bt.tensor_of(x)
+        if name == "repeat" and not kwargs and t is not None and sizes and type(sizes[0]) is Batch:
+            return _repeated_rows(n, t, sizes)
         if kwargs or t is None or not sizes or any(type(k) is not int for k in sizes) or len(sizes) < t.dim() - 1:
             return NotImplemented
         t = t.reshape(t.shape[:1] + (1,) * (len(sizes) - t.dim() + 1) + t.shape[1:])
         return bt.from_tensor(t.expand(-1, *sizes) if name == "expand" else t.repeat(1, *sizes))
 
     return rule
+
+
+def _repeated_rows(n, t, sizes):
+    """``x.repeat(len(child_h), 1)`` of each instance's one row (x of shape (1, ...)), the count each instance's own:
+    the stretches of the rows repeated (treelstm.pytorch's forget gates); NotImplemented for other repeats."""
+    if t.dim() < 2 or t.shape[1] != 1 or len(sizes) != t.dim() - 1 or any(k != 1 or type(k) is not int
+                                                                          for k in sizes[1:]):
+        return NotImplemented
+    return _stretches_of(n, lambda shape: t.expand(shape).contiguous(), [sizes[0], *t.shape[2:]])
 
 
 BATCH.register("expand")(_sized("expand"))
@@ -3788,6 +3863,18 @@ def _new_like(name):
 
 for _op in ("new_zeros", "new_ones", "new_full", "new_empty"):
     BATCH.register(_op)(_new_like(_op))
+
+
+@BATCH.register("new")
+def _new_sized(n, x, args, kwargs):
+    """``x.new(1, H)`` of a batched x, sizes given: ``x.new_empty``'s rule (given data, a tensor or a storage, it
+    copies or views it: each instance's own call)."""
+    if not args or not all(type(a) is int for a in args) or set(kwargs) - {"dtype", "device"}:
+        return NotImplemented
+    return _NEW_EMPTY(n, x, (args,), kwargs)
+
+
+_NEW_EMPTY = _new_like("new_empty")
 
 
 def _size_parts(args):

@@ -39,6 +39,9 @@ NESTED = ("it is a nested function, lambda or generator expression, or a with, t
           "statement, which runs as Python",
           "move what it computes into a function of its own compiled with @recompile.function, or write it "
           "with torch ops")
+CHANGES = ("it changes something in place (an attribute of what it is given, a list, a tensor), so each instance "
+           "runs it in turn, its changes before the next one's reads, as in plain Python",
+           "return what it computes instead of storing it (return c, h, not node.state = c, h), or change a copy")
 PYTHON = ("it is Python code of per-instance values", "compile it with @recompile.function, or write it "
           "with torch ops")
 UNVMAPPABLE = ("torch.func.vmap cannot batch it here (a shape that depends on the values, a call into Python, "
@@ -85,6 +88,8 @@ def reason(fn):
         return (f"Python's {fn.__name__} reads each instance's tensors as Python values", f"write {instead}")
     if _nested(fn):
         return NESTED
+    if helpers.changes_in_place(fn):
+        return CHANGES
     refused = helpers.refusal(fn)
     if refused is not None:
         return (f"it is Python code of per-instance values that recompile does not compile ({refused})",

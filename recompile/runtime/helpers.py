@@ -26,9 +26,11 @@ import types
 import weakref
 
 import torch
+from torch import nn
 
 from .. import config, intrinsics
 from ..errors import CompileError
+from ..ops.table import has_hooks
 
 # Where code is not the user's: the standard library, installed packages, torch and recompile
 _LIBRARY_ROOTS = tuple(sorted({os.path.realpath(p) + os.sep for p in (
@@ -48,6 +50,7 @@ compiler = None
 # target -> its (signature, kind, run, ops) as ``compiler`` gives them, for a compiled function's own program:
 # set by ``recompile.api`` too
 calling = None
+COMPILED = ()  # (``recompile.CompiledFunction``, set by ``recompile.api``: a compiled function is its own program)
 _calls = weakref.WeakKeyDictionary()  # compiled function handle -> what ``_kind`` gives for it
 
 
@@ -91,7 +94,7 @@ def _compile(func):
 
 def refusal(fn):
     """Why helper ``fn`` was not compiled (a line), or None where it was, or is none of the user's."""
-    func = user_function(fn)
+    func = runs(fn)[0]
     found = _compiled.get(func) if func is not None else None
     return str(found).splitlines()[0] if isinstance(found, CompileError) else None
 
@@ -99,21 +102,44 @@ def refusal(fn):
 def _kind(fn):
     """(compiled form, bound self, owner, kind) of helper ``fn`` (see ``compiler``), or None where it is no
     helper this compiles. A ``CompiledCall`` (a compiled function the level program runs as a helper) is its
-    own function's program, for its owner class, whatever ``config.COMPILE_HELPERS`` says."""
+    own function's program, for its owner class, whatever ``config.COMPILE_HELPERS`` says; so is a compiled
+    function, a module whose ``forward`` is one (``self.encoder(tree)``) or a method of one bound to its object
+    (``self.encoder.forward(tree)``)."""
     if type(fn) is intrinsics.CompiledCall:
         return _compiled_call(fn.target)
-    if not config.COMPILE_HELPERS or compiler is None:
-        return None
-    func = user_function(fn)
-    if func is None:
+    func, receiver = runs(fn)
+    if func is None or compiler is None or not (config.COMPILE_HELPERS or isinstance(func, COMPILED)):
         return None
     found = compiled(func)
     if isinstance(found, CompileError):
         return None
-    bound_self = (fn.__self__,) if type(fn) is types.MethodType else ()
-    owner = type(fn.__self__) if bound_self else None
+    bound_self = (receiver,) if receiver is not None else ()
+    owner = type(receiver) if bound_self else None
     kind = _kind_for(func, found, owner)
     return None if kind is CompileError else (found, bound_self, owner, kind)
+
+
+def runs(fn):
+    """(the function a call of ``fn`` runs, the object it is bound to or None) where that function is a compiled
+    function (``recompile.function``) or the user's own (``user_function``); a module called as Python calls it
+    (no hooks, no ``__call__`` or ``forward`` of its own object) runs its class's ``forward`` bound to it. Else
+    (None, None)."""
+    receiver = None
+    if isinstance(fn, nn.Module):
+        if type(fn).__call__ is not nn.Module.__call__ or "forward" in vars(fn) or has_hooks(fn):
+            return None, None
+        receiver, fn = fn, getattr(type(fn), "forward", None)
+    elif type(fn) is types.MethodType:
+        receiver, fn = fn.__self__, fn.__func__
+    if isinstance(fn, COMPILED):
+        return fn, receiver
+    func = user_function(fn) if fn is not None else None
+    return (func, receiver) if func is not None else (None, None)
+
+
+def compiled_function(fn):
+    """Whether a call of ``fn`` runs a compiled function (``runs``): it has no vmap form, only its program."""
+    return isinstance(runs(fn)[0], COMPILED)
 
 
 def _kind_for(func, found, owner):
@@ -131,12 +157,12 @@ def _kind_for(func, found, owner):
 
 
 def changes_something(fn, owner=None):
-    """Whether calling ``fn`` may change something in place, as its program shows (``passes.effects``): one of
-    the user's own functions (``user_function``; a method's plain function read from class ``owner``, or a
-    bound method) that this compiles; True for a lambda or closure of the user's (not examined). False where
-    it is none of these (nothing is known of it then: a call it makes with a value computed once for every
-    instance gets a copy, ``sharing.call_owning``)."""
-    func = user_function(fn)
+    """Whether calling ``fn`` may change something in place, as its program shows (``passes.effects``): a compiled
+    function, or one of the user's own functions (``runs``; a method's plain function read from class ``owner``,
+    a bound method, a module's ``forward``) that this compiles; True for a lambda or closure of the user's (not
+    examined). False where it is none of these (nothing is known of it then: a call it makes with a value
+    computed once for every instance gets a copy, ``sharing.call_owning``)."""
+    func, receiver = runs(fn)
     if func is None:
         plain = fn.__func__ if type(fn) is types.MethodType else fn
         # (a lambda or closure of the user's, whose program is not examined: it may change what it is given, and
@@ -144,8 +170,8 @@ def changes_something(fn, owner=None):
         return type(plain) is types.FunctionType and "<" in plain.__qualname__ and _is_users(plain)
     if compiler is None:
         return False
-    if type(fn) is types.MethodType:
-        owner = type(fn.__self__)
+    if receiver is not None:
+        owner = type(receiver)
     examining = _examining.functions
     if (func, owner) in examining:
         return False  # (a helper its own helpers call back: what it changes is found where it is examined)
@@ -185,6 +211,13 @@ def kind(fn):
     return None if found is None else found[3]
 
 
+def changes_in_place(fn):
+    """Whether ``fn`` is a helper this compiles (or a compiled function) whose program changes something in place:
+    it runs once per instance."""
+    found = _kind(fn)
+    return found is not None and found[3] is None
+
+
 def inlined(fn):
     """(the SubGraph of pure helper ``fn`` before fusion, its signature), for a plain piece to trace in its own
     place; None where ``fn`` is no pure helper."""
@@ -203,8 +236,8 @@ def run(n, fn, args, kwargs):
     if found is None or found[3] is None:  # (one that changes something: each instance's changes in turn)
         return NotImplemented
     (signature, _, run_batched, _), bound_self, owner, _ = found
-    if not kwargs and type(fn) is not intrinsics.CompiledCall and \
-            len(bound_self) + len(args) == fn.__code__.co_argcount:  # (every parameter, in order)
+    code = getattr(runs(fn)[0], "__code__", None) if type(fn) is not intrinsics.CompiledCall else None
+    if not kwargs and code is not None and len(bound_self) + len(args) == code.co_argcount:  # (each, in order)
         return run_batched((*bound_self, *args), n, owner)
     try:
         bound = signature.bind(*bound_self, *args, **kwargs)

@@ -188,10 +188,46 @@ def of(value):
     else None. Each instance's own tensor of a length of its own (``recompile.map`` over sequences) is read as
     Rows too."""
     found = bt.held(value, Rows)
-    if found is None and type(value) is Batch and type(value.items) is list and value.thunk is None and \
-            value.owner == "items" and sharing.state.fresh:
-        found = _ragged(value)
+    if found is None and type(value) is Batch and value.thunk is None and sharing.state.fresh:
+        if joined(value):
+            # (a branch's stretches joined with the other side's tensors: ``child_h`` a leaf's (1, H) zeros or the
+            # children's ``torch.cat``, as treelstm.pytorch writes it) one padded tensor of the pieces
+            found = _joined_rows(value)
+            if found is not None:
+                value.thunk, value.pieces = bt.Views(found, True), None  # (the same values, held as Rows)
+                return found
+            bt.items_of(value)  # (else each instance's value its own, then Rows of them)
+            value.owner = "items"  # (nothing changes in place here: the views are as true as the pieces)
+        if type(value.items) is list and value.owner == "items":
+            found = _ragged(value)
     return found
+
+
+def _joined_rows(value):
+    """The Rows of the pieces ``value`` joins (``joined``): each piece's rows (a batch's tensor, a shared tensor's
+    for each of its instances, a stretch's padded rows with zeros past its end) padded with zeros to the longest,
+    put in instance order by one index. None where the pieces differ in dtype, device or the rest of their
+    shape."""
+    pieces, order = value.pieces
+    parts, lengths = [], []
+    for v, count in pieces:
+        seq = bt.held(v, Rows)
+        if seq is not None:
+            padded = as_padded(seq)
+            mask = seq.mask(padded.device).view(*padded.shape[:2], *[1] * (padded.dim() - 2))
+            parts.append(torch.where(mask, padded, padded.new_zeros(())))
+            lengths.extend(seq.lengths)
+            continue
+        t = v.tensor if type(v) is Batch else v.expand(count, *v.shape)
+        parts.append(t)
+        lengths.extend([t.shape[1]] * count)
+    rest = {(p.shape[2:], p.dtype, p.device) for p in parts}
+    if len(rest) != 1:
+        return None
+    longest = max(lengths)
+    side_by_side = torch.cat([F.pad(p, (0, 0) * (p.dim() - 2) + (0, longest - p.shape[1])) for p in parts])
+    inverse = order.inverse(side_by_side.device)
+    return padded_rows(value.n, side_by_side.index_select(0, inverse), [lengths[k] for k in inverse.tolist()])
 
 
 def _ragged(value):
@@ -231,8 +267,26 @@ def forget_stale_copy(value):
 
 
 def holds(value):
-    """Whether ``value`` is a batch of Rows (their views made or not)."""
-    return bt.holds(value, Rows)
+    """Whether ``value`` is a batch of Rows (their views made or not), or of stretches a branch joined (``joined``)."""
+    return bt.holds(value, Rows) or joined(value)
+
+
+def joined(value):
+    """Whether Batch ``value`` is the pieces a branch or loop joined, stretches of each instance's own length: one
+    of them Rows, or tensors whose instances differ in length alone (a leaf's (1, H) zeros, two children's
+    (2, H)); ``of`` reads them as Rows."""
+    if not (type(value) is Batch and value.owner is None and value.pieces is not None and value.struct is None
+            and value.thunk is None):
+        return False
+    shapes = set()
+    for v, _ in value.pieces[0]:
+        if bt.holds(v, Rows):
+            return True
+        t = v.tensor if type(v) is Batch and v.owner == "tensor" else v if type(v) in bt.PLAIN_TENSORS else None
+        if t is None:
+            return False
+        shapes.add(t.shape[1:] if type(v) is Batch else t.shape)
+    return len(shapes) > 1 and len({(len(shape), shape[1:]) for shape in shapes}) == 1 and all(shapes)
 
 
 def batch(n, found):
