@@ -1277,7 +1277,6 @@ def test_rows_picked_by_an_index_are_a_new_tensor_each_instance_owns_in_a_run_th
 
 @pytest.mark.parametrize("make", [
     lambda: (torch.randn, (3,), {}),  # draws
-    lambda: (nn.Dropout(0.5), (torch.ones(3),), {}),
     lambda: (torch.ones(3).add_, (1.0,), {}),  # writes in place
     lambda: (torch.add, (torch.ones(3), 1.0), {"out": torch.empty(3)}),
     lambda: (F.relu, (torch.ones(3),), {"inplace": True}),
@@ -1290,6 +1289,22 @@ def test_ops_that_draw_write_or_are_not_torchs_still_run_per_instance(make, shar
     reset_counters()
     br.call(N, fn, args, kwargs)
     assert sum(br.counters.per_instance.values()) == N  # (its result: one per instance, or the tensor it wrote)
+
+
+@pytest.mark.parametrize("fn", [nn.Dropout(0.5), F.dropout], ids=["module", "function"])
+def test_dropout_of_a_shared_tensor_draws_each_instances_mask_in_one_op(fn, sharing):
+    """In training each instance its own mask, drawn at once over the tensor repeated for every instance; out of
+    training the tensor itself, once."""
+    x = torch.ones(64, dtype=torch.float64)
+    reset_counters()
+    out = br.call(N, fn, (x, 0.5) if fn is F.dropout else (x,))
+    assert type(out) is Batch and out.owner == "tensor" and br.counters.per_instance == {}
+    rows = out.tensor
+    assert rows.shape == (N, 64) and set(rows.unique().tolist()) <= {0.0, 2.0}
+    assert len({tuple(r.tolist()) for r in rows}) == N  # (each instance's own draws)
+    off = br.call(N, fn, (x, 0.5, False) if fn is F.dropout else (x,)) if fn is F.dropout else \
+        br.call(N, fn.eval(), (x,))
+    assert off is x
 
 
 @pytest.mark.parametrize("right", ["matrix", "vector"])

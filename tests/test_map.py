@@ -724,3 +724,41 @@ def test_each_instances_tensor_at_its_own_int_is_one_index(lengths):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", recompile.PerInstanceWarning)
             recompile.map(cf, sentences, [0, 1, 2, 9])
+
+
+class SharedStart(nn.Module):
+    """A decoder's first input every instance shares (the SOS embedding), through dropout: each instance's own
+    mask in training, the value itself out of it; then each instance's own sentence read by its own length."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(5, 6)
+        self.dropout = nn.Dropout(0.5)
+
+    @recompile.function
+    def forward(self, sentence):
+        start = self.dropout(self.embedding(torch.tensor(0)))
+        again = F.dropout(self.embedding(torch.tensor(1)), 0.5, self.training)
+        n = sentence.size(0)
+        return start * sentence[n - 1] + again * float(sentence.size(-1))
+
+
+def test_dropout_of_a_shared_value_draws_each_instances_own_mask_at_once():
+    model = SharedStart().double()
+    sentences = [torch.randn(k, 6, dtype=torch.float64) for k in (2, 5, 3, 4)]
+    SharedStart.forward.stats.reset()
+    model.eval()
+    got = recompile.map(model, sentences)
+    assert SharedStart.forward.stats["per_instance"] == {}  # (the value itself, once; each one's own size)
+    with recompile.disable():
+        want = [model(s) for s in sentences]
+    torch.testing.assert_close(got, want)
+    model.train()
+    torch.manual_seed(0)
+    got = recompile.map(model, [torch.ones(2, 6, dtype=torch.float64)] * 64)
+    assert SharedStart.forward.stats["per_instance"] == {}
+    kept = torch.stack([g != 0 for g in got])  # (an element is zero where both masks dropped it: a quarter)
+    assert 0.6 < kept.double().mean() < 0.9 and len({tuple(k.tolist()) for k in kept}) > 8  # (masks of their own)
+    start = model.embedding.weight
+    grad, = torch.autograd.grad(sum(g.sum() for g in got), start)
+    assert grad.abs().sum() > 0

@@ -1703,20 +1703,15 @@ def rerunnable(fn):
     return facts.among(fn, _GENERIC_OK) or helpers.kind(fn) == "pure"
 
 
-# Draws of one number per element of their input: dropout.
-_ELEMENT_DRAWS = frozenset({F.dropout, F.alpha_dropout})
-_ELEMENT_DRAW_MODULES = (nn.Dropout, nn.AlphaDropout)
-
-
 def draws_per_element(fn, args):
     """Whether ``fn`` on ``args`` (slots) draws one number per element of a batched input (dropout, no hooks,
     not in place): a batch's tensor draws every instance's at once, each its own, as each instance would. A
     trace may run it: a run given up and run again draws anew what no instance saw."""
     if not args or args[0].kind not in ("B", "O"):
         return False
-    if type(fn) in _ELEMENT_DRAW_MODULES:
+    if type(fn) in facts.ELEMENT_DRAW_MODULES:
         return _plain_module(fn, type(fn)) and not fn.inplace
-    return facts.among(fn, _ELEMENT_DRAWS)
+    return facts.among(fn, facts.ELEMENT_DRAWS)
 
 
 def _pure(fn):

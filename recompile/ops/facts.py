@@ -304,6 +304,9 @@ DRAWS = frozenset({
     nn.RReLU, torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
     torch.randint_like, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson,
 })
+# Draws of one number per element of their input (dropout): a batch's tensor draws every instance's at once
+ELEMENT_DRAWS = frozenset({F.dropout, F.alpha_dropout})
+ELEMENT_DRAW_MODULES = (nn.Dropout, nn.AlphaDropout)
 DRAWING_METHODS = frozenset({"bernoulli", "multinomial", "sample", "rsample"})  # (a distribution's draws too)
 # Tensor methods that draw into their tensor in place (each instance's draws are its own, in its own order)
 DRAWING_IN_PLACE = frozenset({"bernoulli_", "normal_", "uniform_", "random_", "exponential_", "geometric_",

@@ -436,6 +436,9 @@ def _unbatched(n, fn, args, kwargs):
         out = _run_helper(n, fn, args, kwargs)
         if out is not NotImplemented:
             return out
+    if not known and _draws_per_element(fn, args, kwargs):
+        # (``self.dropout(embedded)`` of a value every instance shares: each instance's own mask, drawn at once)
+        return _dropped_for_each(n, fn, args, kwargs or {})
     if not known and sharing.any_fresh((*args, *(kwargs.values() if kwargs else ()))):
         # Python code of a tensor computed once for every instance: each instance its own copy (``own``)
         _count(fn, n, fallbacks.FRESH if sharing.state.fresh else fallbacks.FRESH_CHANGED)
@@ -611,6 +614,31 @@ def _count(fn, n, why):
 
 
 # -- torch.func.vmap for torch ops without a rule here
+
+def _draws_per_element(fn, args, kwargs):
+    """Whether ``fn`` draws one number per element of the tensor it is given first (dropout: a module with no
+    hooks, or the function), not in place."""
+    if not args or type(args[0]) not in PLAIN_TENSORS:
+        return False
+    if type(fn) in facts.ELEMENT_DRAW_MODULES:
+        return not has_hooks(fn) and not fn.inplace and "forward" not in vars(fn)
+    return facts.among(fn, facts.ELEMENT_DRAWS) and not (kwargs or {}).get("inplace") and not (
+        len(args) > 3 and args[3])
+
+
+def _dropped_for_each(n, fn, args, kwargs):
+    """Dropout of a tensor every instance shares: in training, each instance's own mask, drawn at once over the
+    tensor's rows for every instance (as a batch's are), its gradient summed back; out of training the tensor
+    itself, once, as eager's gives it."""
+    if isinstance(fn, nn.Module):
+        training = fn.training and fn.p > 0
+    else:
+        training = kwargs.get("training", args[2] if len(args) > 2 else True)
+    if not training:
+        return fn(*args, **kwargs)
+    x = args[0]
+    return bt.from_tensor(fn(x.expand(n, *x.shape), *args[1:], **kwargs))
+
 
 def computes_alike(fn, kwargs):
     """Whether ``fn`` run again on the same values gives an equal, fresh result and changes nothing: a torch
@@ -2305,7 +2333,7 @@ def attribute(n, fn, args, kwargs):
     if name == "T" and rows.of(x) is not None and rows.of(x).source.dim() == 3:
         return padded.rows_method(x.n, "t", rows.of(x), (), {})
     if (name in rows.ALONG_ROWS or name in row_wise.METHODS or name in padded.ROWS_METHODS or
-            name in ragged_products.METHODS or name in ("new_zeros", "new_ones")) and rows.of(x) is not None:
+            name in ragged_products.METHODS or name in ("new_zeros", "new_ones", "size")) and rows.of(x) is not None:
         return Batch(x.n, method=(x, name))  # (``torch.stack(hs).mean(0)``, ``xs.tanh()``: see ``rows``, ``row_wise``)
     if x.owner == "items" and sharing.state.fresh and not name.endswith("_") and x.thunk is None \
             and callable(getattr(torch.Tensor, name, None)) and all(type(v) in PLAIN_TENSORS for v in x.items) \
@@ -2313,6 +2341,8 @@ def attribute(n, fn, args, kwargs):
         # (a method of each instance's own tensor, all of one shape, where nothing changes one in place: called
         # on their stack, as a batch's tensor's is)
         return Batch(x.n, method=(x, name))
+    if x.owner == "items" and name == "size" and x.thunk is None and all(type(v) in PLAIN_TENSORS for v in x.items):
+        return Batch(x.n, method=(x, name))  # (``input_tensor.size(0)`` of each instance's own: ``_sizes_of_each``)
     if x.owner == "items" and name.endswith("_") and not name.endswith("__") \
             and callable(getattr(torch.Tensor, name, None)) and all(type(v) is torch.Tensor for v in x.items):
         # (``v.add_(...)`` of each instance's own tensor: run per instance on the Batch, which then forgets a
@@ -2437,10 +2467,34 @@ SHARED_ATTRS = {"dtype", "device", "is_cuda", "requires_grad", "layout", "is_flo
 
 @BATCH.register("size")
 def size(n, x, args, kwargs):
-    shape = bt.instance_shape(x)
-    if shape is None or kwargs or len(args) > 1 or args and type(args[0]) is not int:
+    if kwargs or len(args) > 1 or args and type(args[0]) is not int:
         return NotImplemented
+    shape = bt.instance_shape(x)
+    if shape is None:  # (each instance's tensor of its own length: ``input_tensor.size(0)``, each one's)
+        return _sizes_of_each(x, args)
     return shape[args[0]] if args else shape
+
+
+def _sizes_of_each(x, args):
+    """``x.size(d)`` (``x.size()``) of each instance's own tensor, as each one's gives it: a Batch of them, or the
+    one every instance has; NotImplemented where a value is no tensor or ``d`` no dim of one (its own raises)."""
+    found = rows.of(x)
+    tensors = list(found) if found is not None and found.made else None if found is not None else \
+        bt.items_of(x) if x.owner == "items" and x.thunk is None else None
+    if found is not None and tensors is None:  # (views not made: the lengths, the shared rest)
+        rank = found.source.dim() - 1
+        d = args[0] if args else None
+        if d is not None and not -rank <= d < rank:
+            return NotImplemented
+        if d is not None and d % rank != 0:
+            return found.source.shape[1 + d % rank]
+        sizes = [torch.Size([k, *found.source.shape[2:]]) for k in found.lengths]
+        return bt.from_items(list(found.lengths)) if d is not None else bt.from_items(sizes)
+    if tensors is None or not all(type(t) in PLAIN_TENSORS and (not args or -t.dim() <= args[0] < t.dim())
+                                  for t in tensors):
+        return NotImplemented
+    sizes = [t.size(*args) for t in tensors]
+    return sizes[0] if all(v == sizes[0] for v in sizes) else bt.from_items(sizes)
 
 
 @BATCH.register("dim")
