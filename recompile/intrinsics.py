@@ -275,20 +275,23 @@ def fill_fresh(x, value):
     """``x.fill_(value)`` where only this frame holds ``x`` (``passes.fresh``): for a tensor, ``torch.fill``, a new
     tensor of ``x``'s dtype and shape (a gradient reaches a tensor ``value``, none ``x``); anything else the
     in-place op, which raises as eager's."""
-    return torch.fill(x, value) if isinstance(x, torch.Tensor) else x.fill_(value)
+    if not isinstance(x, torch.Tensor):
+        return x.fill_(value)
+    if isinstance(value, torch.Tensor) and not (x.is_floating_point() or x.is_complex()):
+        value = value.detach()  # (an integer tensor takes no gradient: torch.fill would refuse one that needs it)
+    return torch.fill(x, value)
 
 
 def zero_fresh(x):
-    """``x.zero_()`` where only this frame holds ``x`` (``passes.fresh``): ``torch.zeros_like`` of a tensor."""
-    return torch.zeros_like(x) if isinstance(x, torch.Tensor) else x.zero_()
+    """``x.zero_()`` where only this frame holds ``x`` (``passes.fresh``): ``torch.fill`` of a tensor with 0, whose
+    gradient (none) reaches ``x`` as the in-place op's does."""
+    return torch.fill(x, 0) if isinstance(x, torch.Tensor) else x.zero_()
 
 
 def requires_grad_fresh(x):
-    """``x.requires_grad_()`` where only this frame holds ``x`` (``passes.fresh``): the flag set on the very object
-    where torch.autograd records (a batched run), as eager's; no value changes, and no one else sees it (the
-    gradient it gathers is no one's). Where it does not (under ``torch.no_grad()``, the forward of a derived
-    gradient), ``x`` as it is: nothing it computes records, and the derived gradient needs no flag."""
-    return x.requires_grad_() if torch.is_grad_enabled() else x
+    """``x.requires_grad_()`` where only this frame holds ``x`` (``passes.fresh``): the flag set on the very object,
+    as eager's (its errors eager's); no value changes, and no one else sees it."""
+    return x.requires_grad_()
 
 
 fill_fresh.in_place, zero_fresh.in_place, requires_grad_fresh.in_place = "fill_", "zero_", "requires_grad_"

@@ -445,10 +445,10 @@ GROWN = {
         grad_rules._linear)), set()),
 }
 # ``x.fill_(v)``, ``x.zero_()`` and ``x.requires_grad_()`` of a tensor the frame made, written anew (passes.fresh):
-# pure, batched and differentiated by rules of their own, as are fill_ and zero_ left in place; ``x.new(1, H)``
-# given sizes is new_empty's rule
+# pure, batched by rules of their own, fill and zero differentiated by theirs (requires_grad_'s result is noted as
+# a source); ``x.new(1, H)`` given sizes is new_empty's rule
 _SETTERS = tuple(intrinsics.SETTERS_FRESH.values())
-_SET_VJPS = {grad_rules._fill_fresh, grad_rules._zero_fresh, grad_rules._requires_grad_fresh}
+_SET_VJPS = {grad_rules._fill_fresh, grad_rules._zero_fresh}
 for _fact, _more in {
         "semantics.PURE": _names(*_SETTERS), "plan._MOVABLE": _names(*_SETTERS),
         "segments._GENERIC_OK": _names(*_SETTERS),

@@ -466,13 +466,13 @@ def activated_by_torchs_functions(x):
 def zeros_made_by_its_methods(x):
     """treelstm.pytorch's leaf state: a new tensor of x's dtype and device, filled, made to require grad."""
     c = x.detach().new(1, 3).fill_(0.).requires_grad_()
-    z = x.new_zeros(3)
+    z = torch.tanh(x).new_zeros(3)  # (a tensor's method of a value surely a tensor: torch's function's result)
     z.zero_()
     return (c * x).sum(0) + z + x
 
 
 def filled_with_a_value(x):
-    v = x.new_empty(2, 3).fill_(x.sum())  # (a gradient reaches x through the value, none through v's old values)
+    v = x.detach().new_empty(2, 3).fill_(x.sum())  # (a gradient reaches x through the value, none through v's)
     return v * x
 
 
@@ -495,7 +495,7 @@ def made_to_need_no_grad(x):
 METHODS = [(scaled_by_its_methods, True), (joined_then_divided_by_its_method, True), (method_of_an_argument, False),
            (method_after_a_read_that_saves, False), (method_of_itself, False), (activated_by_its_methods, True),
            (activated_by_torchs_functions, True), (zeros_made_by_its_methods, True), (filled_with_a_value, True),
-           (new_of_one_size, False), (filled_argument, False), (made_to_need_no_grad, False)]
+           (filled_argument, False)]
 
 
 @pytest.mark.parametrize("fn", [fn for fn, _ in METHODS if fn not in (method_of_an_argument, filled_argument)],
@@ -531,6 +531,41 @@ def test_an_in_place_method_of_what_only_the_frame_holds_is_written_out_of_place
         torch.testing.assert_close(got, want)
     if out_of_place:
         assert not recompile.function(fn).callee(None).may_mutate  # (it changes nothing in place now)
+
+
+class Pool:
+    """An object of the user's whose ``new`` hands back a buffer it keeps: not a tensor's method."""
+
+    def __init__(self):
+        self.buffer = torch.ones(3, dtype=F64)
+
+    def new(self, *sizes):
+        return self.buffer
+
+
+POOL = Pool()
+
+
+def new_of_a_users_object(x):
+    v = POOL.new(1, 3)
+    v.zero_()  # (the pool's buffer, changed in place)
+    return x + v.sum()
+
+
+@pytest.mark.parametrize("fn", [new_of_one_size, made_to_need_no_grad, new_of_a_users_object],
+                         ids=lambda f: f.__name__)
+def test_what_may_not_be_a_new_tensor_stays_changed_in_place(fn):
+    """``x.new(y)`` may view y, ``requires_grad_(False)`` is no flag a new tensor takes, and ``pool.new(...)`` is
+    a method of the user's own object: each change stays in place, and a batched run gives eager's values."""
+    assert "_fresh(" not in recompile.function(fn).dump(stage="fresh")
+    x = torch.tensor([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5]], dtype=F64)
+    POOL.buffer.fill_(1.0)
+    want = torch.stack([fn(row) for row in x])
+    POOL.buffer.fill_(1.0)
+    with switched(config, "allow", "PER_INSTANCE"):
+        got = recompile.vmap(recompile.function(fn))(x)
+    torch.testing.assert_close(got, want)
+    assert float(POOL.buffer.sum()) == (0.0 if fn is new_of_a_users_object else 3.0)
 
 
 def method_of_a_number(x):
@@ -573,3 +608,23 @@ def test_an_activation_written_out_of_place_keeps_eagers_refusals(mode):
         compiled = recompile.vmap(recompile.function(fn)) if mode == "vmap" else \
             (lambda x: torch.stack([recompile.function(fn, mode=mode)(r) for r in x]))
         assert want is RuntimeError and _outcome(compiled, (x.clone().requires_grad_(),)) is RuntimeError
+
+
+def filled_with_each_instances_value(x, k, v):
+    a = x.detach().new_zeros(3)
+    a.fill_(k)  # (each instance's own Python number)
+    b = torch.zeros(3, dtype=x.dtype).fill_(v.sum())  # (each instance's own tensor, whose gradient it gets)
+    return a * x + b
+
+
+def test_a_new_tensor_filled_with_each_instances_own_value_is_one_op():
+    xs = [torch.tensor([0.5, -1.0, 2.0], dtype=F64) * k for k in (1, 2, 3)]
+    vs = [torch.tensor([0.25, 1.0 - k], dtype=F64, requires_grad=True) for k in (1, 2, 3)]
+    ks = [1, 2.5, -3]
+    cf = recompile.function(filled_with_each_instances_value)
+    got = recompile.map(cf, xs, ks, vs)
+    want = [filled_with_each_instances_value(*a) for a in zip(xs, ks, vs)]
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(sum(g.sum() for g in got), vs),
+                               torch.autograd.grad(sum(w.sum() for w in want), vs))
+    assert cf.stats["per_instance"] == {}

@@ -373,12 +373,56 @@ def test_a_module_whose_forward_is_compiled_runs_its_program_once_for_the_group(
     assert stats["per_instance"] == {}
 
 
-def test_a_compiled_module_that_stores_on_its_nodes_runs_once_per_instance_and_says_why():
-    with pytest.warns(recompile.PerInstanceWarning, match="StoringEncoder runs once per instance .* changes something "
-                      "in place .*instead of storing it"):
+def test_a_compiled_module_that_stores_on_its_nodes_runs_once_for_the_maps_instances():
+    """Called by the function ``recompile.map`` runs, for the map's own instances (which run together: one may
+    see what another changes before or after), one batched run of its own, each tree's calls in their order."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         got, want, stats = classify_both(StoringEncoder(), False)
     torch.testing.assert_close(got, want)
-    assert stats["per_instance"] == {"StoringEncoder": len(node_trees())}
+    assert "StoringEncoder" not in stats["per_instance"]
+    assert not any("StoringEncoder runs once per instance" in str(w.message) for w in caught)
+
+
+class StoringCell(nn.Module):
+    """A cell that stores its state on the node it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.node = nn.Linear(4, 4)
+
+    @recompile.function
+    def forward(self, node, h):
+        node.state = torch.tanh(self.node(h))
+        return node.state
+
+
+class CellsOnEveryNode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.cell = StoringCell()
+
+    @recompile.function
+    def forward(self, node):
+        h = self.embed(node.word)
+        for kid in node.kids:
+            h = h + self.forward(kid)
+        return self.cell(node, h)
+
+
+def test_a_compiled_module_that_stores_on_nodes_runs_once_per_instance_in_a_recursion_and_says_why():
+    """Called by a recursion's frames (its instances may be one tree's nodes), each instance's call in turn."""
+    torch.manual_seed(0)
+    model = CellsOnEveryNode().double()
+    CellsOnEveryNode.forward.stats.reset()
+    with pytest.warns(recompile.PerInstanceWarning, match="StoringCell runs once per instance .* changes something "
+                      "in place .*instead of storing it"):
+        got = recompile.map(model, node_trees())
+    with recompile.disable():
+        want = [model(t) for t in node_trees()]
+    torch.testing.assert_close(got, want)
+    assert CellsOnEveryNode.forward.stats["per_instance"].get("StoringCell", 0) > 0
 
 
 class Gate(nn.Module):
@@ -451,3 +495,62 @@ def test_a_compiled_cell_module_is_traced_in_the_plain_pieces_own_place(monkeypa
     model.cell.register_forward_hook(lambda m, args, out: out * 0.0)  # (a hook added later: the trace stands down)
     got = recompile.vmap(model.encode, in_dims=(None, 0))(forest, forest.roots)
     assert float(got[[not t.is_leaf[t.root] for t in trees()]].detach().abs().sum()) == 0.0
+
+
+class StarredEncoder(nn.Module):
+    """A compiled forward taking ``*xs`` and ``**options``: no helper (its instances' values would be bound into one
+    tuple), each instance's own call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    @recompile.function
+    def forward(self, *xs, **options):
+        return torch.tanh(self.lin(sum(xs))) * options.get("scale", 1.0)
+
+
+class Hooked(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    @recompile.function
+    def forward(self, x):
+        return self.inner(x, x * 2.0, scale=3.0).sum() if isinstance(self.inner, StarredEncoder) else \
+            self.inner(x).sum()
+
+
+@pytest.mark.parametrize("inner", ["starred", "backward hook", "linear with a backward hook"])
+def test_a_module_whose_call_no_group_run_may_replace_runs_for_each_instance(inner):
+    """A compiled forward with ``*xs`` (each instance's own call), and a module with a backward hook (a compiled
+    one, or torch's own ``nn.Linear``): each instance's call of the module itself, so the hook runs for each, as
+    eager's does, and changes the gradient as it does there."""
+    torch.manual_seed(0)
+    module = StarredEncoder() if inner == "starred" else ChildSumEncoderOfRows() if inner == "backward hook" else \
+        nn.Linear(3, 3)
+    calls = []
+    if inner != "starred":
+        module.register_full_backward_hook(lambda m, grad_in, grad_out: calls.append(1) or (grad_in[0] * 5.0,))
+    model = Hooked(module).double()
+    xs = [torch.randn(3, dtype=F64, requires_grad=True) for _ in range(3)]
+    with recompile.disable():
+        want = [model(x) for x in xs]
+    want_grads = torch.autograd.grad(sum(want), xs)
+    eager_calls, calls[:] = len(calls), []
+    got = recompile.map(model, xs)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want).detach())
+    torch.testing.assert_close(torch.autograd.grad(sum(got), xs), want_grads)
+    assert len(calls) == eager_calls
+
+
+class ChildSumEncoderOfRows(nn.Module):
+    """A compiled module of a tensor (a backward hook's module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    @recompile.function
+    def forward(self, x):
+        return torch.tanh(self.lin(x))

@@ -34,7 +34,7 @@ TOP = {"recompile", "recompile.__main__"}  # the package's face: above every flo
 FOREIGN_PRIVATE = {"_fields", "_make", "_getframe", "_C", "_autograd", "_get_current_graph_task_keep_graph", "_base",
                    "_is_view", "_version", "_current_graph_task_id", "_forward_hooks", "_forward_pre_hooks",
                    "_backward_hooks", "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                   "_parameters",
+                   "_backward_pre_hooks", "_global_backward_pre_hooks", "_parameters",
                    # torch's switch of vmap's silent loop over an op it has no batching rule for (batch_rules)
                    "_functorch", "_is_vmap_fallback_enabled", "_set_vmap_fallback_enabled",
                    # torch's saved-tensor hooks: whether they may be set, the caller's own, the node a backward

@@ -3,10 +3,11 @@ again from the callable a program holds when it runs."""
 
 import operator
 
+import pytest
 import torch
 from torch import nn
 
-from recompile.ops.table import RuleTable, has_hooks, key, tensor_method
+from recompile.ops.table import RuleTable, has_backward_hooks, has_hooks, key, tensor_method
 
 
 def rule_a(*args):
@@ -50,20 +51,18 @@ def test_python_tensor_methods_are_torchs_but_a_subclass_method_is_not():
     assert tensor_method([].append) is None  # a bound method of another builtin type
 
 
-def test_a_module_whose_hooks_may_change_it_has_no_rule():
-    forward_only, with_backward = RuleTable("f"), RuleTable("b", backward_hooks=True)
-    for table in (forward_only, with_backward):
-        table.register(nn.Linear)(rule_a)
+@pytest.mark.parametrize("hook", ["forward", "forward pre", "full backward", "full backward pre"])
+def test_a_module_whose_hooks_may_change_it_or_its_gradient_has_no_rule(hook):
+    """A rule computing the module's call another way would bypass its hooks: a backward hook's too."""
+    table = RuleTable("t")
+    table.register(nn.Linear)(rule_a)
     m = nn.Linear(2, 2)
-    assert forward_only.lookup(m) is rule_a and with_backward.lookup(m) is rule_a
-    handle = m.register_full_backward_hook(lambda *a: None)
-    assert has_hooks(m, backward=True) and not has_hooks(m)
-    assert forward_only.lookup(m) is rule_a and with_backward.lookup(m) is None
+    assert table.lookup(m) is rule_a and not has_hooks(m)
+    handle = getattr(m, f"register_{hook.replace(' ', '_')}_hook")(lambda *a: None)
+    assert has_hooks(m) and table.lookup(m) is None
+    assert has_backward_hooks(m) == ("backward" in hook)
     handle.remove()
-    handle = m.register_forward_hook(lambda *a: None)
-    assert forward_only.lookup(m) is None and with_backward.lookup(m) is None
-    handle.remove()
-    assert forward_only.lookup(m) is rule_a
+    assert table.lookup(m) is rule_a
 
 
 def test_an_exact_module_type_only():

@@ -308,26 +308,9 @@ class WithElements:
             element.backward(ctx)
 
 
-def _requires_grad_set(fn, args, kwargs):
-    """The tensor ``x.requires_grad_()`` (or ``requires_grad_fresh(x)``) would hand back, where that call only makes
-    it need a gradient: the derived gradient carries one to it without the flag, which, set in the no-grad
-    forward, would make it a source no caller gave; or where ``requires_grad_(False)`` has nothing to do. Else
-    None (the call runs as eager's)."""
-    if fn is intrinsics.requires_grad_fresh and len(args) == 1 and not kwargs and isinstance(args[0], _Tensor):
-        return args[0]
-    if type(fn) is not BOUND_BUILTIN or fn.__name__ != "requires_grad_" or not isinstance(fn.__self__, _Tensor):
-        return None
-    x, flags = fn.__self__, [*args, *kwargs.values()]
-    if len(flags) > 1 or not set(kwargs) <= {"requires_grad"}:
-        return None
-    # (``requires_grad_(False)`` of a tensor that needs none: nothing to do, as eager's)
-    return x if all(f is True for f in flags) or flags[0] is False and not x.requires_grad else None
-
-
 def _call_forward(ctx, fn, *args, **kwargs):
-    flagged = _requires_grad_set(fn, args, kwargs)
-    if flagged is not None:
-        return flagged, None
+    if fn is intrinsics.requires_grad_fresh:  # (a tensor the frame made, now a leaf that needs a gradient: a source)
+        return note(ctx, fn(*args, **kwargs)), None
     if kwargs and kwargs.get("out") is not None and _takes_differentiable(args, kwargs):
         # (torch refuses it too where an argument requires grad, and the derived program cannot tell)
         raise NotImplementedError(

@@ -101,7 +101,7 @@ def _filed(vjp, target):
 
 
 # (a module with backward hooks gets no rule either: its call is recorded by torch.autograd, which runs them)
-GRAD = RuleTable("grad", make=_filed, backward_hooks=True)
+GRAD = RuleTable("grad", make=_filed)
 rule = GRAD.register  # ``@rule(*targets)``: register a vjp for callables, Tensor method names and Module types
 lookup = GRAD.lookup  # the Rule for callable ``fn``, or None
 
@@ -872,21 +872,16 @@ def _detach(fn, g, out, input):
     return ()  # detach blocks the gradient: that is what it is for
 
 
-@rule(intrinsics.fill_fresh, *_forms("fill_"))
+@rule(intrinsics.fill_fresh)
 def _fill_fresh(fn, g, out, input, value):
-    """``x.fill_(v)`` (of a tensor only its frame holds, too): each element is ``v``, none of ``x``'s old ones."""
+    """``x.fill_(v)`` of a tensor only its frame holds: each element is ``v``, none of ``x``'s old ones."""
     if is_tensor(value):
         yield value, g.sum().reshape(value.shape)
 
 
-@rule(intrinsics.zero_fresh, *_forms("zero_"))
+@rule(intrinsics.zero_fresh)
 def _zero_fresh(fn, g, out, input):
     return ()
-
-
-@rule(intrinsics.requires_grad_fresh)
-def _requires_grad_fresh(fn, g, out, input):
-    yield input, g  # (the very tensor, its flag set)
 
 
 # ----------------------------------------------------------------------------
@@ -1116,8 +1111,8 @@ for _fresh in intrinsics.OUT_OF_PLACE:  # (``x.relu_()`` written out of place: `
 del _fresh
 
 
-SHAPE_ONLY.update({_fill_fresh, _zero_fresh, _requires_grad_fresh, _add, _add_fresh, _sub, _neg, _pos, _sum, _mean,
-                   _cat, _stack, _split, _unbind, _reshaped, _transpose, _t, _swapaxes, _movedim, _getattr, _permute, _expand, _narrow, _select,
+SHAPE_ONLY.update({_fill_fresh, _zero_fresh, _add, _add_fresh, _sub, _neg, _pos, _sum, _mean, _cat, _stack,
+                   _split, _unbind, _reshaped, _transpose, _t, _swapaxes, _movedim, _getattr, _permute, _expand, _narrow, _select,
                    _rows, _softmax, _log_softmax, _detach, _flip, _fliplr, _flipud, _roll, _broadcast_tensors,
                    _repeat, _tile, _cast})
 # (the positions of a function's arguments; a method's receiver comes first, as backprop.check_version gives it)

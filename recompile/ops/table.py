@@ -54,13 +54,20 @@ def torch_callable(fn):
     return isinstance(module, str) and (module.startswith("torch") and not module.startswith("torch.utils"))
 
 
-def has_hooks(module, backward=False):
-    """Whether a hook (the module's own or a global one) may change what ``module`` computes (forward
-    hooks; with ``backward``, backward hooks too)."""
+def has_hooks(module):
+    """Whether a hook (the module's own or a global one) may change what ``module`` computes or its gradient:
+    forward hooks, and backward hooks, which a rule computing the module's call another way would bypass."""
     m = _nn_module
-    if module._forward_hooks or module._forward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks:
-        return True
-    return backward and bool(module._backward_hooks or m._global_backward_hooks)
+    return bool(module._forward_hooks or module._forward_pre_hooks or m._global_forward_hooks or
+                m._global_forward_pre_hooks) or has_backward_hooks(module)
+
+
+def has_backward_hooks(module):
+    """Whether a backward hook (the module's own or a global one) may change ``module``'s gradient: only a call
+    of the module itself (not under torch.func.vmap) runs it."""
+    m = _nn_module
+    return bool(module._backward_hooks or module._backward_pre_hooks or m._global_backward_hooks or
+                m._global_backward_pre_hooks)
 
 
 def key(fn):
@@ -74,13 +81,11 @@ def key(fn):
 class RuleTable:
     """Rules of one kind (``name``) by key: ``by_callable``, ``by_method`` (Tensor method names) and
     ``by_module`` (nn.Module types). ``make(rule, target)`` is what gets filed for a registered function
-    (itself, unless given); ``backward_hooks``: a module with backward hooks has no rule either (a gradient
-    rule would bypass them)."""
+    (itself, unless given). A module with hooks has no rule (``has_hooks``: the rule would bypass them)."""
 
-    def __init__(self, name, make=None, backward_hooks=False):
+    def __init__(self, name, make=None):
         self.name = name
         self.make = make
-        self.backward_hooks = backward_hooks
         self.by_callable = {}
         self.by_method = {}
         self.by_module = {}
@@ -126,5 +131,5 @@ class RuleTable:
                 return self.by_method.get(fn.__name__)
             return None
         if isinstance(fn, nn.Module):
-            return None if has_hooks(fn, self.backward_hooks) else self.by_module.get(kind)
+            return None if has_hooks(fn) else self.by_module.get(kind)
         return None

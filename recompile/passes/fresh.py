@@ -26,6 +26,7 @@ import operator
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .. import intrinsics, ir
 from ..ops import facts
@@ -235,10 +236,26 @@ def _constructs(op):
 
 
 def _method_constructs(op):
-    """Whether ``op`` calls a tensor's method that makes a new tensor (``x.new_zeros(3)``, ``x.new(1, H)``)."""
+    """Whether ``op`` calls a tensor's method that makes a new tensor (``x.new_zeros(3)``, ``x.new(1, H)``) of an
+    ``x`` known to be a tensor (``_a_tensor``: an object of the user's may have a ``new`` of its own)."""
     read = effects.attribute_read(op.fn) if isinstance(op, ir.Call) and not op.star else None
     return read is not None and (read[1] in _NEW_METHODS or read[1] == "new" and (
-        len(op.args) >= 2 or op.args and isinstance(op.args[0], ir.Const) and type(op.args[0].value) is int))
+        len(op.args) >= 2 or op.args and isinstance(op.args[0], ir.Const) and type(op.args[0].value) is int)) \
+        and _a_tensor(read[0])
+
+
+def _a_tensor(v):
+    """Whether value ``v`` is surely a tensor: made by one of torch's functions (``torch.zeros``, ``torch.tanh``,
+    resolved when the program is built), or by ``detach()`` (``inputs[0].detach()``)."""
+    op = v.op if isinstance(v, ir.Value) else None
+    if not isinstance(op, ir.Call):
+        return False
+    fn = effects.resolve(op.fn)
+    if fn is not None:
+        return isinstance(getattr(fn, "__module__", None), str) and fn.__module__.startswith("torch") and \
+            not isinstance(fn, nn.Module)
+    read = effects.attribute_read(op.fn)
+    return read is not None and read[1] == "detach"
 
 
 def constructor(op):

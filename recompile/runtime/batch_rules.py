@@ -26,10 +26,10 @@ from torch import nn
 
 from .. import config, intrinsics
 from ..ops import facts, syntax
-from ..ops.table import BOUND_BUILTIN, RuleTable, by_names, has_hooks, tensor_method, torch_callable
+from ..ops.table import BOUND_BUILTIN, RuleTable, by_names, has_backward_hooks, has_hooks, tensor_method, torch_callable
 from . import batch as bt
 from . import saved_versions
-from . import cells, chosen, dicts, distributions, extremes, fallbacks, helpers, lazy_weights, padded, ranges
+from . import callers, cells, chosen, dicts, distributions, extremes, fallbacks, helpers, lazy_weights, padded, ranges
 from . import ragged_products, row_wise, rows
 from . import sharing, spreads
 from .batch import Batch
@@ -65,6 +65,8 @@ _LOOP_NAMES = {intrinsics.as_sequence: "for ... in", intrinsics.has_index: "for 
 def _name(fn):
     if facts.among(fn, _LOOP_NAMES):
         return _LOOP_NAMES[fn]
+    if facts.among(fn, intrinsics.SETTERS_FRESH.values()):  # (``v.fill_(k)`` written anew: named as written)
+        return "Tensor." + fn.in_place
     if type(fn) is Batch:
         if fn.method is not None:
             return "Tensor." + fn.method[1]
@@ -242,14 +244,17 @@ def _call(n, fn, args, kwargs):
 
 
 def _helper_or_per_instance(n, fn, args, kwargs):
-    """A call of stretches (each instance's own length) that no rule batches: where ``fn`` is a helper of the
-    user's or a compiled function (``self.node_forward(x, child_c, child_h)``), its program run once for the
-    group, each op in it seeing the stretches; else each instance's own call."""
-    if helpers.kind(fn) is not None:
-        out = _run_helper(n, fn, args, kwargs)
-        if out is not NotImplemented:
-            return out
-    return per_instance(n, fn, args, kwargs)
+    """A call no rule batches (of stretches, each instance's own length; of a compiled function): where ``fn`` is
+    a helper of the user's or a compiled function (``self.node_forward(x, child_c, child_h)``), its program run
+    once for the group, each op in it seeing the stretches; else each instance's own call. One that changes
+    something in place runs once per instance, each instance's changes before the next one's reads, but for the
+    caller's own instances, which run together (``runtime.callers``): treelstm.pytorch's encoder storing
+    ``tree.state``, called by the model ``recompile.map`` runs."""
+    out = _run_helper(n, fn, args, kwargs) if helpers.kind(fn) is not None else NotImplemented
+    if out is NotImplemented and callers.callers_instances() and helpers.changes_in_place(fn) and \
+            not sharing.any_fresh((*args, *(kwargs or {}).values())):
+        out = _run_helper(n, fn, args, kwargs, changing=True)
+    return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
 
 
 def _row_changed_on_a_copy(fn, args, kwargs):
@@ -702,12 +707,13 @@ def _shared_struct(v, nested):
     return bt.build(v.struct[0], items)
 
 
-def _run_helper(n, fn, args, kwargs):
-    """Undecorated helper ``fn`` compiled and run once for the group (``runtime.helpers``), or NotImplemented.
-    The helper changes nothing in place, but where this run does, the helper's run shares nothing either: what it
-    hands back (a tensor, in a list or a view of one) this run may change, each instance its own."""
+def _run_helper(n, fn, args, kwargs, changing=False):
+    """Undecorated helper ``fn`` compiled and run once for the group (``runtime.helpers``; with ``changing``, one
+    that changes something in place too), or NotImplemented. Where this run changes something in place, the
+    helper's run shares nothing: what it hands back (a tensor, in a list or a view of one) this run may change,
+    each instance its own."""
     with sharing.unshared(not sharing.state.fresh):
-        out = helpers.run(n, fn, args, kwargs or {})
+        out = helpers.run(n, fn, args, kwargs or {}, changing)
     if out is NotImplemented:
         return out
     add_counts(counters.per_instance, out[1])  # (the helper's run's, counted as this run's)
@@ -728,10 +734,10 @@ def _vmapped_or_per_instance(n, fn, args, kwargs, method=None):
     if method is None and _python_work(fn, args, kwargs):  # (Python's work on each instance's str or list)
         return _each_instance(n, fn, args, kwargs)
     if method is None and helpers.compiled_function(fn):
-        # (``self.encoder(tree)``, a module whose forward is compiled: its program run once for the group; one that
-        # changes something in place runs once per instance, each instance's changes before the next one's reads)
-        out = _run_helper(n, fn, args, kwargs)
-        return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
+        # (``self.encoder(tree)``, a module whose forward is compiled: its program run once for the group)
+        return _helper_or_per_instance(n, fn, args, kwargs)
+    if method is None and isinstance(fn, nn.Module) and has_backward_hooks(fn):
+        return per_instance(n, fn, args, kwargs)  # (its backward hooks run for each call, as eager's: not under vmap)
     if method is None and args and type(args[0]) is Batch and _in_place_function(fn):
         # (``torch.exp_(v)`` is ``v.exp_()``: vmap would change a stack of the instances' tensors, not theirs)
         return call(n, Batch(n, method=(args[0], fn.__name__)), args[1:], kwargs)
@@ -1543,10 +1549,27 @@ def sets_fresh(n, fn, args, kwargs):
     """``x.fill_(v)``, ``x.zero_()`` of a tensor only its frame holds (``passes.fresh``): the new tensor made of the
     batch's tensor, where every instance has the one ``v``."""
     x = args[0]
-    if kwargs or type(x) is not Batch or any(type(a) is Batch for a in args[1:]):
+    if kwargs or type(x) is not Batch and not (args[1:] and type(args[1]) is Batch):
         return NotImplemented
-    t = bt.tensor_of(x)
-    return NotImplemented if t is None else bt.from_tensor(fn(t, *args[1:]))
+    t = bt.tensor_of(x) if type(x) is Batch else x.expand(n, *x.shape) if type(x) in PLAIN_TENSORS else None
+    if t is None:
+        return NotImplemented
+    if not args[1:] or type(args[1]) is not Batch:
+        return bt.from_tensor(fn(t, *args[1:]))
+    value = bt.tensor_of(args[1]) if args[1].owner == "tensor" else _python_numbers(args[1])
+    if value is None or value.shape != (n,):  # (``v.fill_(k)``, each instance's own number: its rows)
+        return NotImplemented
+    if not (t.is_floating_point() or t.is_complex()):
+        value = value.detach()
+    return bt.from_tensor(value.to(t.dtype).view(n, *[1] * (t.dim() - 1)).expand_as(t).clone())
+
+
+def _python_numbers(value):
+    """Batch ``value`` of each instance's Python number (int, float or bool) as one tensor, else None."""
+    items = bt.items_of(value) if value.owner == "items" else None
+    if not items or not all(type(v) in (int, float, bool) for v in items):
+        return None
+    return torch.tensor(items)
 
 
 @BATCH.register(intrinsics.requires_grad_fresh)
@@ -1556,8 +1579,6 @@ def requires_grad_fresh(n, fn, args, kwargs):
     x = args[0]
     if kwargs or len(args) != 1 or type(x) is not Batch:
         return NotImplemented
-    if not torch.is_grad_enabled():  # (as the intrinsic: nothing records, the flag is not set)
-        return x
     if x.owner == "tensor" and (x.tensor.is_leaf or x.tensor.requires_grad):
         x.tensor.requires_grad_()
         return x

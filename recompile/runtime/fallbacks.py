@@ -13,11 +13,11 @@ import types
 
 import torch
 
-from .. import config
+from .. import config, intrinsics
 from ..diagnostics import user_line, warn_once
 from ..errors import PerInstanceError, PerInstanceWarning
 from ..ops import facts, syntax
-from ..ops.table import torch_callable
+from ..ops.table import has_backward_hooks, torch_callable
 from . import helpers
 from .batch import Batch, instance
 
@@ -39,6 +39,8 @@ NESTED = ("it is a nested function, lambda or generator expression, or a with, t
           "statement, which runs as Python",
           "move what it computes into a function of its own compiled with @recompile.function, or write it "
           "with torch ops")
+HOOKED = ("it has backward hooks, which run for each call of it, as eager's do (torch.func.vmap would skip them)",
+          "remove the backward hooks (register_full_backward_hook) where the model runs batched")
 CHANGES = ("it changes something in place (an attribute of what it is given, a list, a tensor), so each instance "
            "runs it in turn, its changes before the next one's reads, as in plain Python",
            "return what it computes instead of storing it (return c, h, not node.state = c, h), or change a copy")
@@ -77,8 +79,8 @@ def reason(fn):
         return _of_method(fn.method[1])
     if facts.among(fn, PYTHON_VALUES) or getattr(fn, "__name__", None) in PYTHON_VALUES:
         return PYTHON_VALUE
-    if facts.among(fn, syntax.AUGMENTED):  # (``y += x`` on each instance's own tensor)
-        return WRITES
+    if facts.among(fn, syntax.AUGMENTED) or facts.among(fn, intrinsics.SETTERS_FRESH.values()):
+        return WRITES  # (``y += x`` on each instance's own tensor; ``v.fill_(k)``)
     if fn is slice:  # (``x[:k]`` with a per-instance k: a shape of each instance's own)
         return UNVMAPPABLE
     if facts.among(fn, facts.FOR_LOOP):
@@ -90,6 +92,8 @@ def reason(fn):
         return NESTED
     if helpers.changes_in_place(fn):
         return CHANGES
+    if isinstance(fn, torch.nn.Module) and has_backward_hooks(fn):
+        return HOOKED
     refused = helpers.refusal(fn)
     if refused is not None:
         return (f"it is Python code of per-instance values that recompile does not compile ({refused})",

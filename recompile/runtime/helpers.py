@@ -38,6 +38,7 @@ _LIBRARY_ROOTS = tuple(sorted({os.path.realpath(p) + os.sep for p in (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__)) if p}))
 _FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_VARARGS | \
     inspect.CO_VARKEYWORDS
+_STARRED = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
 _mine = weakref.WeakKeyDictionary()  # function -> whether it is the user's own (``user_function``)
 _compiled = weakref.WeakKeyDictionary()  # function -> its compiled form, or the CompileError that refused it
 _kinds = weakref.WeakKeyDictionary()  # function -> {owner class: its kind} (``kind``)
@@ -131,8 +132,10 @@ def runs(fn):
         receiver, fn = fn, getattr(type(fn), "forward", None)
     elif type(fn) is types.MethodType:
         receiver, fn = fn.__self__, fn.__func__
-    if isinstance(fn, COMPILED):
-        return fn, receiver
+    if isinstance(fn, COMPILED):  # (not one taking ``*args``, ``**kwargs`` or keyword-only ones, as helpers)
+        code = getattr(fn.python, "__code__", None)
+        plain = code is not None and not code.co_flags & _STARRED and not code.co_kwonlyargcount
+        return (fn, receiver) if plain else (None, None)
     func = user_function(fn) if fn is not None else None
     return (func, receiver) if func is not None else (None, None)
 
@@ -228,12 +231,13 @@ def inlined(fn):
     return ops(owner), signature
 
 
-def run(n, fn, args, kwargs):
+def run(n, fn, args, kwargs, changing=False):
     """``fn(*args, **kwargs)`` for ``n`` instances (some arguments Batch values) as one batched run of the
     compiled helper: its result, and the ops it ran once per instance (``{name: count}``, for the caller's
-    stats); NotImplemented where ``fn`` is no helper this compiles."""
+    stats); NotImplemented where ``fn`` is no helper this compiles, or one that changes something in place (each
+    instance's changes in turn) unless ``changing`` (the instances may change what they hold in any order)."""
     found = _kind(fn)
-    if found is None or found[3] is None:  # (one that changes something: each instance's changes in turn)
+    if found is None or found[3] is None and not changing:
         return NotImplemented
     (signature, _, run_batched, _), bound_self, owner, _ = found
     code = getattr(runs(fn)[0], "__code__", None) if type(fn) is not intrinsics.CompiledCall else None
