@@ -14,6 +14,7 @@ sys.path.insert(0, BENCHMARKS)
 from recompile.data import sample_dir  # noqa: E402
 
 import bench_batching  # noqa: E402
+import bench_copied  # noqa: E402
 import bench_dynet  # noqa: E402
 import bench_fusion  # noqa: E402
 import bench_in_place  # noqa: E402
@@ -58,6 +59,19 @@ def test_objects_benchmark_checks_and_times_every_model(capsys):
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("inference", "training"))]
     assert [row[:2] for row in rows] == [["inference", "3"], ["training", "3"]] * 3
     for row in rows:  # mode batch | hand recompile rec/hand
+        assert float(row[2]) > 0 and float(row[3]) > 0
+        assert float(row[4][:-1]) == pytest.approx(float(row[3]) / float(row[2]), rel=0.02, abs=0.01)
+
+
+@pytest.mark.slow  # (about 20 s: three models built and checked in float64)
+def test_copied_benchmark_checks_and_times_every_model(capsys):
+    bench_copied.main(["--trees", "6", "--batch", "3", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert out.count("recompile.map matches eager") == 3  # (main raises before a table otherwise)
+    assert out.count("per-instance ops: none") >= 1  # (the Tree-LSTM returning its states batches whole)
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("inference", "training"))]
+    assert [row[:2] for row in rows] == [["inference", "3"], ["training", "3"]] * 3
+    for row in rows:  # mode batch | eager recompile rec/eager
         assert float(row[2]) > 0 and float(row[3]) > 0
         assert float(row[4][:-1]) == pytest.approx(float(row[3]) / float(row[2]), rel=0.02, abs=0.01)
 

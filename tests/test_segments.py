@@ -481,3 +481,30 @@ def test_torch_functions_along_given_dims_run_raw_their_dims_moved_past_the_inst
     assert sum(s.hits for s in segs) > 0
     source = "".join(src for s in segs for src in s.sources)
     assert "_call(" not in source  # (each by its raw form, none by its batch rule)
+
+
+def scaled(v):
+    """An undecorated helper: a nested run of its own for the group, which a trace runs before its later guards."""
+    return torch.tanh(v) * 2.0
+
+
+def through_a_helper(x):
+    return scaled(x) + x.sum()
+
+
+def test_the_trace_that_served_last_is_tried_first(monkeypatch):
+    """A program run in float64 (a check against eager), then in float32: the float64 trace's guard fails only
+    after the helper it holds ran, so tried first it would run the helper twice on every float32 call."""
+    from recompile.runtime import helpers
+    nested = []
+    real = helpers.run
+    monkeypatch.setattr(helpers, "run", lambda *args, **kw: nested.append(1) or real(*args, **kw))
+    cf = recompile.function(through_a_helper)
+    rows = torch.randn(4, 3, dtype=torch.float64)
+    recompile.vmap(cf)(rows)
+    for _ in range(3):
+        got = recompile.vmap(cf)(rows.float())
+    nested.clear()
+    got = recompile.vmap(cf)(rows.float())
+    torch.testing.assert_close(got, torch.stack([through_a_helper(r) for r in rows.float()]))
+    assert len(nested) == 1

@@ -124,7 +124,8 @@ class Segment:
             counters = batch_rules.counters
             saved = counters.per_instance
             try:
-                for raw in self.raws:
+                raws = self.raws
+                for k, raw in enumerate(raws):
                     counters.per_instance = {}
                     try:
                         out = raw(n, *args)
@@ -136,6 +137,9 @@ class Segment:
                         counters.per_instance = saved
                         return _raised_again(exc, self.generic, n, args)
                     self.hits += 1
+                    if k:  # (the trace that served last is tried first: a model checked in float64, then run in
+                        # float32, runs no float64 trace up to its guard before each float32 one)
+                        self.raws = [raw, *(r for r in raws if r is not raw)]
                     batch_rules.add_counts(saved, counters.per_instance)
                     return out
                 counters.per_instance = {}

@@ -1948,7 +1948,7 @@ def _gather(n, fn, args, kwargs):
             return x.struct[1][index]
         if x.struct is not None and x.owner is None and type(index) is slice and x.struct[0] in (tuple, list):
             return bt.from_struct(x.struct[0], x.struct[1][index], n)  # (``pieces[::-1]``)
-        t = x.tensor if x.owner == "tensor" else bt.tensor_of(x) if x.items is None else None
+        t = x.tensor if x.owner == "tensor" else bt.tensor_of(x) if x.items is None or _stackable(x) else None
         if t is not None and t.dim() >= 2 and (_one_advanced(index) or _adjacent_advanced(index)):
             # (``x[[0, 2]]``, ``x[idx]``, ``m[rows, cols]``: every instance's the same places)
             return bt.from_tensor(t[(slice(None),) + (index if type(index) is tuple else (index,))])
@@ -2097,6 +2097,13 @@ def _gather_each(n, x, index):
     if t is None or t.dim() < 2:
         return NotImplemented
     return bt.from_tensor(t[torch.arange(n, device=t.device), torch.tensor(index.items, device=t.device)])
+
+
+def _stackable(x):
+    """Whether Batch ``x`` holds each instance's own tensor, all of one shape (a leaf's sentence among leaves of
+    sentences as long), in a run that changes nothing in place: read as their stack (eager's reads are views)."""
+    return x.owner == "items" and x.thunk is None and sharing.state.fresh and \
+        type(x.items[0]) in PLAIN_TENSORS and bt.instance_shape(x) is not None
 
 
 def _row_of_each_tensor(n, x, index):
