@@ -373,15 +373,13 @@ def test_a_module_whose_forward_is_compiled_runs_its_program_once_for_the_group(
     assert stats["per_instance"] == {}
 
 
-def test_a_compiled_module_that_stores_on_its_nodes_runs_once_for_the_maps_instances():
-    """Called by the function ``recompile.map`` runs, for the map's own instances (which run together: one may
-    see what another changes before or after), one batched run of its own, each tree's calls in their order."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+def test_a_compiled_module_that_stores_on_its_nodes_runs_once_per_instance_and_says_why():
+    """Each instance's call in turn, its changes before the next one's reads, as in plain Python."""
+    with pytest.warns(recompile.PerInstanceWarning, match="StoringEncoder runs once per instance .* changes something "
+                      "in place .*instead of storing it"):
         got, want, stats = classify_both(StoringEncoder(), False)
     torch.testing.assert_close(got, want)
-    assert "StoringEncoder" not in stats["per_instance"]
-    assert not any("StoringEncoder runs once per instance" in str(w.message) for w in caught)
+    assert stats["per_instance"] == {"StoringEncoder": len(node_trees())}
 
 
 class StoringCell(nn.Module):

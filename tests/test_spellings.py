@@ -27,6 +27,7 @@ from test_segments import WORDS, assert_same, switched, trees
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
+import bench_copied  # noqa: E402  (models as users copy them)
 import bench_idioms  # noqa: E402  (the spellings the benchmark times)
 from bench_batching import eager_twin  # noqa: E402
 
@@ -1145,55 +1146,20 @@ def test_gumbel_softmax_draws_for_every_instance_at_once_along_each_instances_di
     assert grad.abs().sum() > 0
 
 
-class Tree:
-    """A tree as treelstm.pytorch holds it: ``idx`` the word's position, ``children`` its subtrees."""
-
-    def __init__(self, idx, children=()):
-        self.idx, self.children = idx, list(children)
-        self.num_children = len(self.children)
-
-
-class PyTorchTreeLSTM(torch.nn.Module):
-    """treelstm.pytorch's child-sum Tree-LSTM as its users copy it (states returned, not stored on the nodes): a
-    leaf's states ``inputs[0].detach().new(1, H).fill_(0.).requires_grad_()``, a node's its children's
-    ``torch.cat``, the cell an undecorated method with ``torch.split``, ``repeat(len(child_h), 1)`` and sums with
-    ``keepdim``."""
-
-    def __init__(self, in_dim=3, mem_dim=4):
-        super().__init__()
-        self.mem_dim = mem_dim
-        self.ioux = torch.nn.Linear(in_dim, 3 * mem_dim)
-        self.iouh = torch.nn.Linear(mem_dim, 3 * mem_dim)
-        self.fx = torch.nn.Linear(in_dim, mem_dim)
-        self.fh = torch.nn.Linear(mem_dim, mem_dim)
-
-    def node_forward(self, inputs, child_c, child_h):
-        child_h_sum = torch.sum(child_h, dim=0, keepdim=True)
-        iou = self.ioux(inputs) + self.iouh(child_h_sum)
-        i, o, u = torch.split(iou, iou.size(1) // 3, dim=1)
-        i, o, u = torch.sigmoid(i), torch.sigmoid(o), torch.tanh(u)
-        f = torch.sigmoid(self.fh(child_h) + self.fx(inputs).repeat(len(child_h), 1))
-        fc = torch.mul(f, child_c)
-        c = torch.mul(i, u) + torch.sum(fc, dim=0, keepdim=True)
-        h = torch.mul(o, torch.tanh(c))
-        return c, h
-
-    @recompile.function
-    def forward(self, tree, inputs):
-        states = [self.forward(tree.children[idx], inputs) for idx in range(tree.num_children)]
-        if tree.num_children == 0:
-            child_c = inputs[0].detach().new(1, self.mem_dim).fill_(0.).requires_grad_()
-            child_h = inputs[0].detach().new(1, self.mem_dim).fill_(0.).requires_grad_()
-        else:
-            child_c, child_h = zip(*states)
-            child_c, child_h = torch.cat(child_c, dim=0), torch.cat(child_h, dim=0)
-        return self.node_forward(inputs[tree.idx].unsqueeze(0), child_c, child_h)
+def pytorch_tree(idx, children=()):
+    """A tree as treelstm.pytorch holds it (``bench_copied.Tree``): ``idx`` the word's position, its children."""
+    tree = bench_copied.Tree()
+    tree.idx = idx
+    for child in children:
+        tree.add_child(child)
+    return tree
 
 
 def pytorch_trees():
-    leaf = Tree
-    return [Tree(0, [leaf(1), Tree(2, [leaf(3), leaf(0), leaf(1)])]), leaf(2), Tree(1, [leaf(0)]),
-            Tree(3, [Tree(1, [leaf(2), leaf(3)]), leaf(0)]), Tree(2, [leaf(0), leaf(1)])]
+    leaf = pytorch_tree
+    return [pytorch_tree(0, [leaf(1), pytorch_tree(2, [leaf(3), leaf(0), leaf(1)])]), leaf(2),
+            pytorch_tree(1, [leaf(0)]), pytorch_tree(3, [pytorch_tree(1, [leaf(2), leaf(3)]), leaf(0)]),
+            pytorch_tree(2, [leaf(0), leaf(1)])]
 
 
 def test_treelstm_pytorchs_cell_as_users_copy_it_batches_whole_with_eagers_values_and_gradients():
@@ -1201,7 +1167,7 @@ def test_treelstm_pytorchs_cell_as_users_copy_it_batches_whole_with_eagers_value
     place), the children's states of each node's own count (stretches, a leaf's one row among them), the cell
     an undecorated helper run once for the group on them."""
     torch.manual_seed(0)
-    model = PyTorchTreeLSTM().double()
+    model = bench_copied.ChildSumTreeLSTM(3, 4).double()  # (treelstm.pytorch's, states returned)
     trees = pytorch_trees()
     sentences = [torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
                  for k in range(len(trees))]

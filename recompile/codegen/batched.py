@@ -515,7 +515,6 @@ def _units(batch_plan):
              for s in batch_plan.units}
     for s, unit in units.items():
         unit.is_generator = s in batch_plan.generators
-        unit.branch = s is not batch_plan.units[0]  # (the first is the function's entry)
         unit.successors = tuple(units[x] if isinstance(x, ir.SubGraph) else x for x in batch_plan.successors[s])
     return units
 

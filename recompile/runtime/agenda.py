@@ -46,7 +46,7 @@ from functools import partial
 import torch
 
 from . import batch as bt
-from . import batch_rules, callers, lazy_weights, saved_versions, sharing, streams
+from . import batch_rules, lazy_weights, saved_versions, sharing, streams
 from .. import config
 from .frames import RunStats, annotate, annotated_by, mark_annotated, too_deep, unwrap_stop_iteration
 from .units import Deferred, unit_of
@@ -58,7 +58,7 @@ _YIELDED, _RETURNED, _FAILED = range(3)
 
 class BatchFrame:
     __slots__ = ("unit", "gen", "n", "sources", "results", "waiting", "inbox", "depth", "site", "parent", "args",
-                 "given", "callers")
+                 "given")
 
     def __init__(self, unit, gen, n, sources, depth, site, parent):
         self.unit, self.gen, self.n, self.sources = unit, gen, n, sources
@@ -70,9 +70,6 @@ class BatchFrame:
         self.site = site  # of the first request it serves; ``parent`` its frame (for error chains)
         self.parent = parent
         self.given = None  # arguments gathered from several requests, to copy changes back (see _give_back)
-        # whether its instances are the run's own, as it was given them: the first frame's, or a branch's that
-        # only such frames ask for (``runtime.callers``)
-        self.callers = depth == 0 or unit.branch and all(f.callers for f, _, _ in sources)
 
     @property
     def callee(self):
@@ -135,22 +132,15 @@ def run(target, args, n=1, pool=None, parent=None, site=None):
     saved_sharing, sharing.state.fresh = sharing.state.fresh, getattr(target, "shares_computed_once", not mutates) \
         and not sharing.state.never
     saved_weights, lazy_weights.runs.weights = lazy_weights.runs.weights, {}
-    here = callers.here
-    saved_callers, outermost = here.callers, here.runs == 0
-    here.runs += 1
     try:
         run = _Run.of(stats, pool, args, mutates)
-        run.outermost = outermost
         unit = unit_of(target)
         levels = getattr(unit, "levels", None)
         if run.defer and levels is not None and config.LEVELS and levels.applies():
-            here.callers = False  # (a level run's pieces hold every depth's instances at once)
             return levels.run(run, args, n, parent, site), stats  # (an error there comes with its chain of calls)
         with saved_versions.watching(mutates, n):
             result = run.go(unit, args, n, parent, site)
     finally:
-        here.runs -= 1
-        here.callers = saved_callers
         stats.per_instance, counters.per_instance = counters.per_instance, saved
         sharing.state.fresh = saved_sharing
         lazy_weights.runs.weights = saved_weights
@@ -171,7 +161,6 @@ class _Run:
         self.copy_back = False  # whether arguments a frame changed in place are copied back (see _give_back)
         self.token = object()  # marks the errors this run has annotated
         self.stepping = False  # inside a frame's step: nested work is already timed as compute
-        self.outermost = False  # whether no other batched run is open on this thread (``runtime.callers``)
 
     @classmethod
     def of(cls, stats, pool, args, mutates):
@@ -203,7 +192,6 @@ class _Run:
         root = BatchFrame(unit, None, n, (), 0, site, parent)
         if not unit.is_generator:
             t = time.perf_counter()
-            callers.here.callers = self.outermost
             try:
                 return unit.fn(n, *args)
             except BaseException as exc:
@@ -258,25 +246,21 @@ class _Run:
             if not self.settle(frame, kind, value):
                 return
 
-    def advance(self, frame):
+    @staticmethod
+    def advance(frame):
         """Run ``frame`` up to its next requests or its end: (what happened, requests / result / error)."""
-        here = callers.here
-        saved, here.callers = here.callers, self.outermost and frame.callers  # (the caller's own instances)
-        try:
-            if frame.gen is None:  # a launched unit that never yields: run it (a StopIteration is the user's)
-                args, frame.args = frame.args, None
-                try:
-                    return _RETURNED, frame.unit.fn(frame.n, *args)
-                except BaseException as exc:
-                    return _FAILED, exc
+        if frame.gen is None:  # a launched unit that never yields: run it (a StopIteration is the user's)
+            args, frame.args = frame.args, None
             try:
-                return _YIELDED, frame.gen.send(frame.inbox)
-            except StopIteration as stop:
-                return _RETURNED, stop.value
+                return _RETURNED, frame.unit.fn(frame.n, *args)
             except BaseException as exc:
                 return _FAILED, exc
-        finally:
-            here.callers = saved
+        try:
+            return _YIELDED, frame.gen.send(frame.inbox)
+        except StopIteration as stop:
+            return _RETURNED, stop.value
+        except BaseException as exc:
+            return _FAILED, exc
 
     def wave(self, frames):
         """Step ``frames`` concurrently: all but the first on the workers, the first here; then settle

@@ -29,7 +29,7 @@ from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, by_names, has_backward_hooks, has_hooks, tensor_method, torch_callable
 from . import batch as bt
 from . import saved_versions
-from . import callers, cells, chosen, dicts, distributions, extremes, fallbacks, helpers, lazy_weights, padded, ranges
+from . import cells, chosen, dicts, distributions, extremes, fallbacks, helpers, lazy_weights, padded, ranges
 from . import ragged_products, row_wise, rows
 from . import sharing, spreads
 from .batch import Batch
@@ -246,14 +246,9 @@ def _call(n, fn, args, kwargs):
 def _helper_or_per_instance(n, fn, args, kwargs):
     """A call no rule batches (of stretches, each instance's own length; of a compiled function): where ``fn`` is
     a helper of the user's or a compiled function (``self.node_forward(x, child_c, child_h)``), its program run
-    once for the group, each op in it seeing the stretches; else each instance's own call. One that changes
-    something in place runs once per instance, each instance's changes before the next one's reads, but for the
-    caller's own instances, which run together (``runtime.callers``): treelstm.pytorch's encoder storing
-    ``tree.state``, called by the model ``recompile.map`` runs."""
+    once for the group, each op in it seeing the stretches; else each instance's own call (one that changes
+    something in place: each instance's changes before the next one's reads)."""
     out = _run_helper(n, fn, args, kwargs) if helpers.kind(fn) is not None else NotImplemented
-    if out is NotImplemented and callers.callers_instances() and helpers.changes_in_place(fn) and \
-            not sharing.any_fresh((*args, *(kwargs or {}).values())):
-        out = _run_helper(n, fn, args, kwargs, changing=True)
     return per_instance(n, fn, args, kwargs) if out is NotImplemented else out
 
 
@@ -707,13 +702,12 @@ def _shared_struct(v, nested):
     return bt.build(v.struct[0], items)
 
 
-def _run_helper(n, fn, args, kwargs, changing=False):
-    """Undecorated helper ``fn`` compiled and run once for the group (``runtime.helpers``; with ``changing``, one
-    that changes something in place too), or NotImplemented. Where this run changes something in place, the
-    helper's run shares nothing: what it hands back (a tensor, in a list or a view of one) this run may change,
-    each instance its own."""
+def _run_helper(n, fn, args, kwargs):
+    """Undecorated helper ``fn`` compiled and run once for the group (``runtime.helpers``), or NotImplemented.
+    The helper changes nothing in place, but where this run does, the helper's run shares nothing either: what it
+    hands back (a tensor, in a list or a view of one) this run may change, each instance its own."""
     with sharing.unshared(not sharing.state.fresh):
-        out = helpers.run(n, fn, args, kwargs or {}, changing)
+        out = helpers.run(n, fn, args, kwargs or {})
     if out is NotImplemented:
         return out
     add_counts(counters.per_instance, out[1])  # (the helper's run's, counted as this run's)

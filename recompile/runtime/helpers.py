@@ -231,13 +231,13 @@ def inlined(fn):
     return ops(owner), signature
 
 
-def run(n, fn, args, kwargs, changing=False):
+def run(n, fn, args, kwargs):
     """``fn(*args, **kwargs)`` for ``n`` instances (some arguments Batch values) as one batched run of the
     compiled helper: its result, and the ops it ran once per instance (``{name: count}``, for the caller's
     stats); NotImplemented where ``fn`` is no helper this compiles, or one that changes something in place (each
-    instance's changes in turn) unless ``changing`` (the instances may change what they hold in any order)."""
+    instance's changes in turn)."""
     found = _kind(fn)
-    if found is None or found[3] is None and not changing:
+    if found is None or found[3] is None:
         return NotImplemented
     (signature, _, run_batched, _), bound_self, owner, _ = found
     code = getattr(runs(fn)[0], "__code__", None) if type(fn) is not intrinsics.CompiledCall else None

@@ -25,7 +25,6 @@ class Unit:
         self.successors = ()  # Units and Invoke targets (resolved to their entry unit when needed: ``unit_of``)
         self.reach = None  # every unit it may lead to (runtime.agenda)
         self.levels = None  # a function entry's level program, where it has one (codegen.levels)
-        self.branch = False  # a Cond's branch, not a function's entry: its frames run for the frames that ask
 
     def __repr__(self):
         return f"<unit {self.name}>"
