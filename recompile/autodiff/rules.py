@@ -1112,7 +1112,8 @@ del _fresh
 
 
 SHAPE_ONLY.update({_fill_fresh, _zero_fresh, _add, _add_fresh, _sub, _neg, _pos, _sum, _mean, _cat, _stack,
-                   _split, _unbind, _reshaped, _transpose, _t, _swapaxes, _movedim, _getattr, _permute, _expand, _narrow, _select,
+                   _split, _unbind, _reshaped, _transpose, _t, _swapaxes, _movedim, _getattr, _permute, _expand,
+                   _narrow, _select,
                    _rows, _softmax, _log_softmax, _detach, _flip, _fliplr, _flipud, _roll, _broadcast_tensors,
                    _repeat, _tile, _cast})
 # (the positions of a function's arguments; a method's receiver comes first, as backprop.check_version gives it)

@@ -30,6 +30,7 @@ from torch import nn
 
 from .. import intrinsics, ir
 from ..ops import facts
+from ..ops.table import torch_callable
 from . import aliasing, effects
 
 # Ops whose result is a new object (or an immutable number) that keep no reference to their operands, and
@@ -252,8 +253,7 @@ def _a_tensor(v):
         return False
     fn = effects.resolve(op.fn)
     if fn is not None:
-        return isinstance(getattr(fn, "__module__", None), str) and fn.__module__.startswith("torch") and \
-            not isinstance(fn, nn.Module)
+        return torch_callable(fn) and not isinstance(fn, nn.Module)
     read = effects.attribute_read(op.fn)
     return read is not None and read[1] == "detach"
 
