@@ -10,7 +10,7 @@ import types
 
 import torch
 
-from . import config, dynamo, ir, pickling
+from . import config, debugging, dynamo, ir, pickling
 from .codegen.instances import note_text, read as instance_notes
 from .diagnostics import warn_once
 from .errors import GradFallbackWarning
@@ -207,7 +207,7 @@ class CompiledFunction(Function):
 
     @dynamo.opaque  # under torch.compile: a graph break, not a trace of the runtime
     def __call__(self, *args, **kwargs):
-        if config.DISABLED:  # (recompile.disable(): the plain function, whose recursion comes back here)
+        if debugging.disabled():  # (recompile.disable(): the plain function, whose recursion comes back here)
             return self.python(*args, **kwargs)
         # a method called through its class (Class.method(obj, ...)) runs the program of obj's class
         owner = type(args[0]) if self._owner is not None and args and isinstance(args[0], self._owner) else None

@@ -2367,6 +2367,27 @@ def test_a_value_joined_from_branches_changed_in_place_by_each_instance_moves_wh
         got.sum().backward()
 
 
+def joined_changed_by_its_own_element(x):
+    if x[-1] > 0.5:
+        v = x * 2.0
+    else:
+        v = x * 3.0
+    v.add_(v[0], alpha=-1.0)  # (v[0] a view of v: torch refuses to change a tensor by what shares its memory)
+    return v
+
+
+@pytest.mark.parametrize("with_grad", [True, False])
+def test_a_value_joined_from_branches_changed_by_a_view_of_itself_raises_as_eager(with_grad, monkeypatch):
+    """``v[0]`` of a value joined from a branch's sides is read from the tensor joined of them: the change in place
+    by it runs on each instance's own tensor, where torch refuses it as eager's (once it computed it)."""
+    monkeypatch.setattr(config, "PER_INSTANCE", "allow")
+    x = torch.tensor([[0.1, 0.2, 0.9], [0.3, 0.2, 0.1]], dtype=F64, requires_grad=with_grad)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        joined_changed_by_its_own_element(x[0].detach().clone())
+    with pytest.raises(RuntimeError, match="single memory location"):
+        recompile.vmap(recompile.function(joined_changed_by_its_own_element))(x)
+
+
 def held_as_items_then_changed(x, w):
     v = w.min(0)[0]  # each instance's own tensor (w shared; the program changes values in place)
     r = torch.minimum(v[2] * v[2], x)  # (v[2] per instance, views of v's; the product reads them stacked)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import warnings
 
 import pytest
@@ -374,12 +375,18 @@ def test_a_module_whose_forward_is_compiled_runs_its_program_once_for_the_group(
 
 
 def test_a_compiled_module_that_stores_on_its_nodes_runs_once_per_instance_and_says_why():
-    """Each instance's call in turn, its changes before the next one's reads, as in plain Python."""
+    """Each instance's call in turn, its changes before the next one's reads, as the plain Python it is made of
+    (at eager's speed: a batched run of one instance would make its calls wait on each other's changes)."""
+    StoringEncoder.forward.stats.reset()
     with pytest.warns(recompile.PerInstanceWarning, match="StoringEncoder runs once per instance .* changes something "
                       "in place .*instead of storing it"):
         got, want, stats = classify_both(StoringEncoder(), False)
     torch.testing.assert_close(got, want)
     assert stats["per_instance"] == {"StoringEncoder": len(node_trees())}
+    assert StoringEncoder.forward.stats["calls"] == 0  # (its program never ran: plain Python did)
+    tree = node_trees()[0]
+    StoringEncoder().double()(tree)  # (called by the user, outside a run: its program, as ever)
+    assert StoringEncoder.forward.stats["calls"] == 1 and tree.state is not None
 
 
 class StoringCell(nn.Module):
@@ -423,6 +430,28 @@ def test_a_compiled_module_that_stores_on_nodes_runs_once_per_instance_in_a_recu
     assert CellsOnEveryNode.forward.stats["per_instance"].get("StoringCell", 0) > 0
 
 
+def test_plain_here_runs_compiled_functions_as_plain_python_on_its_own_thread_only():
+    """``debugging.plain_here``, the per-instance run of a compiled function that changes something: plain Python
+    on this thread, restored after (an error included); another thread's calls run their programs."""
+    from recompile import debugging
+
+    def double(x):
+        return x * 2.0
+
+    cf = recompile.function(double)
+    seen = []
+    with pytest.raises(ValueError), debugging.plain_here():
+        assert debugging.disabled()
+        cf(torch.ones(2))
+        other = threading.Thread(target=lambda: seen.append((debugging.disabled(), cf(torch.ones(2)))))
+        other.start()
+        other.join()
+        raise ValueError("leaves the block")
+    assert not debugging.disabled()
+    assert seen[0][0] is False
+    assert cf.stats["calls"] == 1  # (the other thread's call only)
+
+
 class Gate(nn.Module):
     """A module of the user's with an undecorated forward that torch.func.vmap cannot batch (an if on a value):
     compiled as a helper is."""
@@ -437,17 +466,17 @@ class Gate(nn.Module):
         return -v
 
 
-def gated(gate, x):
+def gated_by(gate, x):  # (a name of its own: stats name a function by its name, test_fallbacks' gated too)
     return gate(x) * 2.0
 
 
 def test_a_users_module_vmap_cannot_batch_runs_its_forward_compiled():
     gate = Gate().double()
-    cf = recompile.function(gated)
+    cf = recompile.function(gated_by)
     with warnings.catch_warnings():
         warnings.simplefilter("error", recompile.PerInstanceWarning)
         got = recompile.vmap(cf, in_dims=(None, 0))(gate, X)
-    torch.testing.assert_close(got, torch.stack([gated(gate, row) for row in X]))
+    torch.testing.assert_close(got, torch.stack([gated_by(gate, row) for row in X]))
     assert cf.stats["per_instance"] == {}
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import config, intrinsics
+from .. import config, debugging, intrinsics
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN, RuleTable, by_names, has_backward_hooks, has_hooks, tensor_method, torch_callable
 from . import batch as bt
@@ -571,6 +571,11 @@ def per_instance(n, fn, args, kwargs=None, why=None):
         one, values, named = bt.instance(fn, k), [bt.instance(x, k) for x in args], \
             {key: bt.instance(v, k) for key, v in kwargs.items()}
         out = _row_changed_on_a_copy(one, values, named)
+        if out is NotImplemented and helpers.compiled_function(one) and helpers.changes_in_place(one):
+            # (a compiled function that changes something, its instances in turn: what plain Python does, at
+            # eager's speed, not a batched run of one instance, whose calls wait on each other's changes)
+            with debugging.plain_here():
+                out = sharing.call_owning(one, values, named)
         results.append(sharing.call_owning(one, values, named) if out is NotImplemented else out)
     if bt.CACHES:  # (a value joined from branches, changed through the tensor of its rows: see bt.CACHES)
         bt.caches_changed()
@@ -1304,7 +1309,8 @@ def set_item(n, fn, args, kwargs):
         return None
     t = _own_rows(target)
     if t is None:  # (each instance's own tensor held apart: written in their stack, each then given its row)
-        out = _stacked_in_place(target, (index, value), {}, lambda stacked: _write_rows(stacked, index, value))
+        out = _stacked_in_place(target, (index, value), {}, lambda stacked: _write_rows(stacked, index, value),
+                                written=index)
         return NotImplemented if out is NotImplemented else None
     return _write_rows(t, index, value)
 
@@ -1337,6 +1343,12 @@ def _write_rows(t, index, value):
         return NotImplemented
     t[where] = value
     return None
+
+
+def _written_onto_itself(value, t, index):
+    """Whether ``value`` is batch tensor ``t``'s very elements at shared ``index`` (``y[0] += 1``'s ``y[0]``)."""
+    return index is not None and type(value) is Batch and value.owner == "tensor" and plain_index(index) and \
+        _same_memory(value.tensor, t[(slice(None),) + (index if type(index) is tuple else (index,))])
 
 
 def _same_memory(a, b):
@@ -1410,7 +1422,7 @@ def _in_place_under_vmap(n, name, base, args, kwargs):
     return NotImplemented if _vmapped(n, None, (base, *args), kwargs, name) is NotImplemented else base
 
 
-def _stacked_in_place(target, args, kwargs, change):
+def _stacked_in_place(target, args, kwargs, change, written=None):
     """An in-place change of each instance's own tensor where the batch holds them apart (items; a value joined
     from pieces, rows of several tensors): the tensors stacked, changed by one op, then each given its row
     (``copy_``), so that every instance's tensor changes as eager's does. Run once per instance instead, each op
@@ -1418,14 +1430,23 @@ def _stacked_in_place(target, args, kwargs, change):
     ``sigmoid_``), and the backward would raise where eager's computes. NotImplemented where the values are not
     tensors of one shape and dtype, where two share memory (each instance's op would then see another's
     change) or an argument shares theirs, or where autograd refuses the change (a leaf that needs a gradient,
-    an inference tensor): each instance's op then runs, or raises, as eager's."""
+    an inference tensor): each instance's op then runs, or raises, as eager's. ``written``: the index of a
+    write ``y[index] = v``, whose ``v`` may be the very elements it writes (``y[0] += 1``), as eager's may."""
     if type(target) is not Batch or target.owner == "tensor" or target.thunk is not None \
             or target.struct is not None or target.method is not None:
         return NotImplemented
     held = bt.pieces_items(target) if target.pieces is not None else target.items
     if held is None or not all(type(x) in PLAIN_TENSORS and _unexpanded(x) for x in held) \
-            or not bt.same_kind(held, 0) or not _apart(held) \
-            or _in_storages({x.untyped_storage().data_ptr() for x in held}, (*args, *kwargs.values())):
+            or not bt.same_kind(held, 0) or not _apart(held):
+        return NotImplemented
+    # (an argument read from the tensor joined of them, ``v[0]`` of a value joined from a branch's sides, is
+    # read from each instance's own tensor in eager code, which torch refuses to change by it)
+    read = (*args, *kwargs.values())
+    if _in_storages({x.untyped_storage().data_ptr() for x in held}, read):
+        return NotImplemented
+    joined = target.tensor
+    if joined is not None and _in_storages({joined.untyped_storage().data_ptr()}, [
+            v for v in read if not _written_onto_itself(v, joined, written)]):
         return NotImplemented
     for x in held:
         base = x if x._base is None else x._base

@@ -42,7 +42,8 @@ NESTED = ("it is a nested function, lambda or generator expression, or a with, t
 HOOKED = ("it has backward hooks, which run for each call of it, as eager's do (torch.func.vmap would skip them)",
           "remove the backward hooks (register_full_backward_hook) where the model runs batched")
 CHANGES = ("it changes something in place (an attribute of what it is given, a list, a tensor), so each instance "
-           "runs it in turn, its changes before the next one's reads, as in plain Python",
+           "runs it in turn, its changes before the next one's reads, as in plain Python (a compiled one as the "
+           "plain Python it is made of)",
            "return what it computes instead of storing it (return c, h, not node.state = c, h), or change a copy")
 PYTHON = ("it is Python code of per-instance values", "compile it with @recompile.function, or write it "
           "with torch ops")
