@@ -13,6 +13,7 @@ import builtins
 import operator
 import sys
 import types
+import weakref
 from itertools import chain
 
 import torch
@@ -299,6 +300,46 @@ fill_fresh.in_place, zero_fresh.in_place, requires_grad_fresh.in_place = "fill_"
 # new tensor (``SETS_FRESH``), requires_grad_ hands on the tensor itself
 SETTERS_FRESH = {f.in_place: f for f in (fill_fresh, zero_fresh, requires_grad_fresh)}
 SETS_FRESH = (fill_fresh, zero_fresh)
+
+
+def setitem_fresh(x, index, value):
+    """``x[index] = value`` where only this frame holds ``x`` and nothing but the write reads it (``passes.fresh``):
+    for a tensor, a copy of ``x`` so written (cast and refused as eager's write is), which the ops after it read
+    for ``x``: a value computed once for every instance may be read by each. A copy this made before (``out[t]
+    = h`` step after step, ``owned``) is written in place, as eager's buffer is: a new object viewing it (a
+    derived gradient tells the two apart), no copy of the whole buffer per write. Anything else is written
+    itself (its errors eager's)."""
+    if not isinstance(x, torch.Tensor):
+        x[index] = value
+        return x
+    if not owned(x):
+        x = x.clone()
+    x[index] = value
+    x = x.view(x.shape)
+    own(x)
+    return x
+
+
+# The copies ``setitem_fresh`` made, by the tensor they view (by id, with weak references that tell a reused id
+# apart): each read by nothing but the next write of its buffer, which may change it in place (a batch's rows
+# of it too: each instance's buffer is its own row)
+_OWNED = {}
+
+
+def owned(t):
+    """Whether tensor ``t`` views a copy ``setitem_fresh`` made (or its batch rule: ``own``)."""
+    base = t if t._base is None else t._base
+    ref = _OWNED.get(id(base))
+    return ref is not None and ref() is base
+
+
+def own(t):
+    """Note the tensor ``t`` views as a copy only a buffer's next write reads (``setitem_fresh``)."""
+    base = t if t._base is None else t._base
+    key = id(base)
+    ref = _OWNED.get(key)
+    if ref is None or ref() is not base:
+        _OWNED[key] = weakref.ref(base, lambda ref: _OWNED.get(key) is ref and _OWNED.pop(key, None))
 
 
 MERGE = Marker("MERGE")  # marks ``**mapping`` among the keys given to build_dict

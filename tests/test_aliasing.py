@@ -18,10 +18,11 @@ F64 = torch.float64
 
 def written_into_a_buffer(x, n):
     out = torch.zeros(6, 2, dtype=F64)
+    base = out.sum()  # (read first by an op that is no ``+``: the writes below stay in place, ``passes.fresh``)
     for t in range(n):
         v = x[t] if x[t].sum() > 0 else x[t] * 2.0
         out[t] = v  # (copies v's values into out)
-    return out.sum(0)
+    return out.sum(0) + base
 
 
 def scaled_in_place(x, n):

@@ -628,3 +628,152 @@ def test_a_new_tensor_filled_with_each_instances_own_value_is_one_op():
     torch.testing.assert_close(torch.autograd.grad(sum(g.sum() for g in got), vs),
                                torch.autograd.grad(sum(w.sum() for w in want), vs))
     assert cf.stats["per_instance"] == {}
+
+
+# ``x[i] = v`` of a tensor only the frame holds (``intrinsics.setitem_fresh``)
+
+def buffer_filled(xs, n):  # (a loop's buffer, as PyTorch's seq2seq tutorial fills its encoder's outputs)
+    out = torch.zeros(4, xs.shape[1], dtype=xs.dtype)
+    h = torch.zeros(xs.shape[1], dtype=xs.dtype)
+    for t in range(n):
+        h = torch.tanh(xs[t] + 0.5 * h)
+        out[t] = h
+        out[t, 0] = h[1] * 2.0  # (a second write of the step's buffer: the first one's result)
+    return (out * torch.arange(1.0, 5.0, dtype=xs.dtype)[:, None]).sum()
+
+
+def buffer_written_straight(xs, n):  # (writes outside a loop: a broadcast value, a slice, a Python number)
+    out = torch.zeros(3, 2, dtype=xs.dtype)
+    out[0] = xs[0, 0]
+    out[1:] = xs[1:3] * 2.0
+    out[2, 1] = n
+    return out.sum(0)
+
+
+def buffer_read_in_the_loop(xs, n):  # (a view read after the write, which a later write changes: stays in place)
+    out = torch.zeros(4, xs.shape[1], dtype=xs.dtype)
+    seen = xs[0] * 0.0
+    for t in range(n):
+        out[t] = xs[t]
+        seen = seen + out[:2].sum(0)
+    return seen
+
+
+def buffer_given(xs, n):  # (the caller's tensor: stays in place)
+    for t in range(n):
+        xs[t] = xs[t] * 2.0
+    return xs.sum(0)
+
+
+def buffer_viewed(xs, n):  # (a view of a tensor made here: its writes reach the tensor; stays in place)
+    base = torch.zeros(4, xs.shape[1], dtype=xs.dtype)
+    out = base[1:]
+    for t in range(n):
+        out[t] = xs[t]
+    return base.sum(0) + out.sum(0)
+
+
+def buffer_read_first(xs, n):  # (a view read before the write sees it, in eager: stays in place)
+    out = torch.zeros(4, xs.shape[1], dtype=xs.dtype)
+    first = out[0]
+    for t in range(n):
+        out[t] = xs[t]
+    return first * 1.0
+
+
+BUFFERS = [(buffer_filled, True), (buffer_written_straight, True), (buffer_read_in_the_loop, False),
+           (buffer_given, False), (buffer_viewed, False)]
+
+
+def _buffer_args(fn):
+    """Each instance's (xs, n): xs a leaf's copy where ``fn`` changes it (an argument changed in place is no
+    leaf); and the leaves."""
+    leaves = [torch.tensor([[0.5, -1.0], [2.0, 0.25], [1.5, -0.5]], dtype=F64).mul(k + 1).requires_grad_()
+              for k in range(3)]
+    return [(xs * 1.0 if fn is buffer_given else xs, n) for xs, n in zip(leaves, [3, 1, 2])], leaves
+
+
+@pytest.mark.parametrize("mode", MODES + ["vmap"])
+@pytest.mark.parametrize("fn, written", BUFFERS, ids=lambda x: getattr(x, "__name__", ""))
+def test_a_buffer_only_the_frame_holds_is_written_out_of_place_with_eagers_values_and_gradients(fn, written, mode):
+    """``out[t] = h`` of a tensor made here, read before only by ``+``/``-``/comparisons and after the write only
+    so in the loop: a copy written, the loop carrying it; else the write stays in place."""
+    assert ("setitem_fresh(" in recompile.function(fn).dump(stage="fresh")) is written
+    given, leaves = _buffer_args(fn)
+    want = [fn(*args) for args in given]
+    want_grads = torch.autograd.grad(sum(w.sum() for w in want), leaves)
+    given, leaves = _buffer_args(fn)
+    cf = recompile.function(fn, mode="batched" if mode == "vmap" else mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+        got = recompile.map(cf, *zip(*given)) if mode == "vmap" else [cf(*args) for args in given]
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(sum(g.sum() for g in got), leaves), want_grads)
+    if mode == "vmap" and written:
+        assert cf.stats["per_instance"] == {}
+
+
+def test_a_buffer_a_view_was_read_of_before_its_writes_stays_written_in_place():
+    """``first = out[0]`` sees the writes that follow, in eager: they stay changes of ``out``."""
+    assert "setitem_fresh(" not in recompile.function(buffer_read_first).dump(stage="fresh")
+    (xs, n), = _buffer_args(buffer_read_first)[0][:1]
+    torch.testing.assert_close(recompile.function(buffer_read_first)(xs, n), buffer_read_first(xs, n))
+
+
+def buffer_saved_then_written(x):
+    out = torch.zeros(3, dtype=x.dtype)
+    out += x  # (out of place: a new tensor)
+    y = out * x  # (saves out for x's gradient)
+    out[0] = 2.0  # (changes what the product saved: eager's backward refuses, and so must the program)
+    return y + out
+
+
+@pytest.mark.parametrize("mode", MODES + ["vmap"])
+def test_a_buffer_a_gradient_saved_stays_written_in_place_and_refused_as_eager(mode):
+    assert "setitem_fresh(" not in recompile.function(buffer_saved_then_written).dump(stage="fresh")
+    x = torch.tensor([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5]], dtype=F64)
+    want = _outcome(lambda x: torch.stack([buffer_saved_then_written(r) for r in x]), (x.clone().requires_grad_(),))
+    compiled = recompile.vmap(recompile.function(buffer_saved_then_written)) if mode == "vmap" else \
+        (lambda x: torch.stack([recompile.function(buffer_saved_then_written, mode=mode)(r) for r in x]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+        assert want is RuntimeError and _outcome(compiled, (x.clone().requires_grad_(),)) is RuntimeError
+
+
+def buffer_of_wrong_value(x):
+    out = torch.zeros(2, 3, dtype=torch.long)
+    out[0] = x  # (a float written into a long tensor: eager truncates)
+    out[1] = torch.ones(2)  # (a shape that does not fit: eager raises)
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES + ["vmap"])
+def test_a_buffer_written_out_of_place_casts_and_raises_as_eager(mode):
+    assert "setitem_fresh(" in recompile.function(buffer_of_wrong_value).dump(stage="fresh")
+    x = torch.tensor([[0.5, -1.5, 2.7], [1.5, 0.25, -0.5]], dtype=F64)
+    with pytest.raises(RuntimeError):
+        buffer_of_wrong_value(x[0])
+    with pytest.raises(RuntimeError), warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+        if mode == "vmap":
+            recompile.vmap(recompile.function(buffer_of_wrong_value))(x)
+        else:
+            recompile.function(buffer_of_wrong_value, mode=mode)(x[0])
+
+
+def test_setitem_fresh_copies_a_tensor_it_did_not_make_and_writes_its_own_copies_in_place():
+    """The first write of a buffer copies it (a value computed once may be every instance's); the next ones write
+    that copy, which nothing else reads, in place, each result a new object viewing it (no copy of the whole
+    buffer per step)."""
+    from recompile import intrinsics
+
+    zeros = torch.zeros(3, 2)
+    first = intrinsics.setitem_fresh(zeros, 0, 1.0)
+    assert zeros.abs().sum() == 0 and intrinsics.owned(first) and not intrinsics.owned(zeros)
+    second = intrinsics.setitem_fresh(first, 1, torch.tensor([2.0, 3.0]))
+    assert second is not first and second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    torch.testing.assert_close(second, torch.tensor([[1.0, 1.0], [2.0, 3.0], [0.0, 0.0]]))
+    rows = intrinsics.setitem_fresh(second[1:], 0, 5.0)  # (a batch's rows of it: written in place too)
+    assert rows.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and second[1, 0] == 5.0
+    xs = [1, 2]
+    assert intrinsics.setitem_fresh(xs, 0, 7) is xs and xs == [7, 2]  # (no tensor: written itself)

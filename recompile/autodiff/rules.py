@@ -884,6 +884,18 @@ def _zero_fresh(fn, g, out, input):
     return ()
 
 
+@rule(intrinsics.setitem_fresh)
+def _setitem_fresh(fn, g, out, input, index, value):
+    """``x[i] = v`` of a tensor only its frame holds, written out of place: ``v`` gets the cotangent of that
+    region (summed where it was broadcast), which ``x`` loses."""
+    if is_tensor(value):
+        yield value, unbroadcast(g[index], value)
+    if is_tensor(input):
+        rest = g.clone()
+        rest[index] = 0
+        yield input, rest
+
+
 # ----------------------------------------------------------------------------
 # indexing and the structure the frontend's own helpers give tensors
 
@@ -1111,8 +1123,8 @@ for _fresh in intrinsics.OUT_OF_PLACE:  # (``x.relu_()`` written out of place: `
 del _fresh
 
 
-SHAPE_ONLY.update({_fill_fresh, _zero_fresh, _add, _add_fresh, _sub, _neg, _pos, _sum, _mean, _cat, _stack,
-                   _split, _unbind, _reshaped, _transpose, _t, _swapaxes, _movedim, _getattr, _permute, _expand,
+SHAPE_ONLY.update({_fill_fresh, _zero_fresh, _setitem_fresh, _add, _add_fresh, _sub, _neg, _pos, _sum, _mean, _cat,
+                   _stack, _split, _unbind, _reshaped, _transpose, _t, _swapaxes, _movedim, _getattr, _permute, _expand,
                    _narrow, _select,
                    _rows, _softmax, _log_softmax, _detach, _flip, _fliplr, _flipud, _roll, _broadcast_tensors,
                    _repeat, _tile, _cast})

@@ -38,7 +38,7 @@ _NEW_ALWAYS = frozenset({operator.truediv, operator.floordiv, operator.mod, oper
 # ``xs + [v]``, ``[v] * 2``, ``{v} | s``), or where the value changed is one (``xs += [v]`` is ``xs``)
 _NEW_OF_A_TENSOR = frozenset({operator.add, operator.sub, operator.mul, operator.and_, operator.or_, operator.xor})
 _NEW_OF_A_CHANGED_TENSOR = frozenset(intrinsics.AUGMENTED_FRESH.values()) | frozenset(
-    intrinsics.OUT_OF_PLACE) | frozenset(intrinsics.SETS_FRESH)
+    intrinsics.OUT_OF_PLACE) | frozenset(intrinsics.SETS_FRESH) | {intrinsics.setitem_fresh}
 # torch functions whose result is a new tensor (or a tuple of new ones), never a view of or the very input
 # (not ``F.dropout``: the input itself where it does not train; not ``einsum``, ``reshape``: views where they can)
 _NEW_TENSORS = frozenset(f for f in facts.FUSIBLE | facts.ELEMENTWISE | facts.CONSTRUCTORS

@@ -37,7 +37,8 @@ from . import aliasing, effects
 # whose gradient reads no result of theirs (``a ** b`` reads its result: eager refuses a backward through it
 # once the result changes in place)
 _MAKERS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
-                     operator.matmul, operator.neg, *intrinsics.AUGMENTED_FRESH.values(), *intrinsics.SETS_FRESH})
+                     operator.matmul, operator.neg, *intrinsics.AUGMENTED_FRESH.values(), *intrinsics.SETS_FRESH,
+                     intrinsics.setitem_fresh})
 # Tensor methods whose result is a new tensor of the tensor's dtype and device (``x.new(1, H)``: sizes; given one
 # argument, ``new`` may view a tensor or storage it is given instead)
 _NEW_METHODS = frozenset({"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"})
@@ -55,7 +56,7 @@ def fresh(sg, parsed=None):
         changed = False
         for s in sg.walk():
             for op in list(s.ops):
-                if _method_out_of_place(op, s, sg):
+                if _method_out_of_place(op, s, sg) or _setitem_out_of_place(op, s, sg, loops):
                     changed = True
                     continue
                 if not (_calls(op, intrinsics.AUGMENTED_FRESH) and len(op.args) == 2):
@@ -99,6 +100,88 @@ def _method_out_of_place(op, s, sg):
         s.ops.remove(method)  # (else its read stays: a number has no ``mul_``, and raises as eager's does)
     op.fn, op.args, op.kwargs = ir.Const(fresh_op), [x, *args], kwargs
     return True
+
+
+def _setitem_out_of_place(op, s, sg, loops):
+    """``x[i] = v`` of a tensor ``x`` only the frame holds, as ``intrinsics.setitem_fresh``: made here by a
+    constructor (or by a write so rewritten: ``out[0] = a`` then ``out[1] = b``), or a buffer a loop fills
+    (``out = torch.zeros(n, H)``, then ``out[t] = h`` in its body), which the loop then carries as a variable of
+    its own. No op reads ``x`` before the write (it may hold a view of it, which eager's write would change),
+    only its own later writes in a loop's body after it (plus ``_READERS``: the next step's write changes it).
+    The ops after it read its result for ``x`` (after the loop, the loop's). Whether it was rewritten."""
+    if not (_calls(op, {operator.setitem}) and len(op.args) == 3 and not op.outputs):
+        return False
+    x, index, value = op.args
+    if not isinstance(x, ir.Value) or x in (index, value) or _read_elsewhere(x, op, s, sg):
+        return False
+    at = s.ops.index(op)
+    if x.op in s.ops:
+        if not (_tensor_made(x) and _new(x, s)):
+            return False
+    elif not (s in loops and x in s.inputs and _filled_by_the_loop(x, sg, *loops[s])) or any(
+            x in o.operands() and not _calls(o, _READERS) and not _writes_only(o, x) for o in s.ops[at + 1:]):
+        return False
+    out = ir.Value(x.hint, op)
+    op.outputs = [out]
+    op.fn = ir.Const(intrinsics.setitem_fresh)
+    for later in s.ops[at + 1:]:
+        later.map_operands(lambda a: out if a is x else a)
+    s.outputs = [out if a is x else a for a in s.outputs]
+    if x in s.inputs:
+        loop, outer = loops[s]
+        _carry(loop, outer, s.inputs.index(x) - len(loop.loop_vars), out)
+    return True
+
+
+def _read_elsewhere(v, op, s, sg):
+    """Whether an op of the program reads ``v`` before ``op`` in ``s`` or outside ``s``, or another SubGraph
+    returns it (after ``op``, the ops of ``s`` and its outputs read its result instead)."""
+    at = s.ops.index(op)
+    return any(v in o.operands() for o in s.ops[:at]) or any(
+        v in o.operands() or v in t.outputs for t in sg.walk() if t is not s for o in t.ops)
+
+
+def _writes_only(op, v):
+    """Whether ``op`` is a write ``v[i] = w`` reading ``v`` nowhere else."""
+    return _calls(op, {operator.setitem}) and len(op.args) == 3 and op.args[0] is v and v not in op.args[1:]
+
+
+def _tensor_made(v):
+    """Whether ``v`` is surely a tensor made new: a constructor's, or a write so rewritten (only of one)."""
+    op = v.op
+    return _constructs(op) or _method_constructs(op) or _calls(op, {intrinsics.setitem_fresh})
+
+
+def _filled_by_the_loop(x, sg, loop, outer):
+    """Whether body input ``x`` is an invariant of While ``loop`` (an op of ``outer``) made new before it (a
+    tensor) that nothing but the loop reads before it, and the loop's condition not at all: the loop may carry
+    it."""
+    k = loop.body_sg.inputs.index(x) - len(loop.loop_vars)
+    if k < 0:
+        return False
+    start = loop.invariants[k]
+    test = loop.cond_sg.inputs[len(loop.loop_vars) + k]
+    return isinstance(start, ir.Value) and start.op in outer.ops and _tensor_made(start) \
+        and _new(start, outer) and not _read_elsewhere(start, loop, outer, sg) \
+        and sum(a is start for a in loop.operands()) == 1 \
+        and not any(test in o.operands() for o in loop.cond_sg.ops) and test not in loop.cond_sg.outputs
+
+
+def _carry(loop, outer, k, nxt):
+    """Make invariant ``k`` of While ``loop`` a variable it carries, each iteration's next value ``nxt`` (the
+    body's output); the ops after the loop in ``outer`` read the loop's final value of it."""
+    start = loop.invariants.pop(k)
+    n = len(loop.loop_vars)
+    loop.loop_vars.append(start)
+    for sub in (loop.cond_sg, loop.body_sg):
+        sub.inputs.insert(n, sub.inputs.pop(n + k))
+    loop.body_sg.outputs.append(nxt)
+    final = ir.Value(start.hint, loop)
+    loop.outputs.append(final)
+    at = outer.ops.index(loop)
+    for later in outer.ops[at + 1:]:
+        later.map_operands(lambda a: final if a is start else a)
+    outer.outputs = [final if a is start else a for a in outer.outputs]
 
 
 def _in_place_form(op):

@@ -1326,6 +1326,15 @@ def _write_rows(t, index, value):
             return NotImplemented
         t[torch.arange(t.shape[0], device=t.device), at.to(t.device)] = value
         return None
+    parts = _instance_parts(index) if at is None and t.dim() >= 2 else None
+    if parts is not None and (type(value) is not Batch or value.owner == "tensor"):
+        # (``out[t, 0] = v``: each instance's own int beside shared ints and slices, one write of every row)
+        dropped = sum(not (type(p) is slice or p is None or p is Ellipsis) for p in parts)
+        value = _aligned(value, t.dim() - 1 - dropped + sum(p is None for p in parts))
+        if value is None or _reads_its_target(t, (value,)):
+            return NotImplemented
+        t[(torch.arange(t.shape[0], device=t.device), *parts)] = value
+        return None
     if type(index) is Batch:
         where = bt.tensor_of(index)
         if where is None or where.dtype is not torch.bool or where.shape != t.shape or type(value) is Batch or (
@@ -1349,6 +1358,36 @@ def _written_onto_itself(value, t, index):
     """Whether ``value`` is batch tensor ``t``'s very elements at shared ``index`` (``y[0] += 1``'s ``y[0]``)."""
     return index is not None and type(value) is Batch and value.owner == "tensor" and plain_index(index) and \
         _same_memory(value.tensor, t[(slice(None),) + (index if type(index) is tuple else (index,))])
+
+
+def _instance_parts(index):
+    """A tuple index of each instance's own ints (``(t, 0)``) beside shared ints, slices, None and ``...`` (or
+    each instance's own tuple of these), its parts with each instance's ints as one LongTensor; else None."""
+    if type(index) is not Batch or index.thunk is not None:
+        return None
+    if index.owner == "items" and index.items and all(type(i) is tuple for i in index.items):
+        columns = list(zip(*index.items)) if len({len(i) for i in index.items}) == 1 else None
+        if not columns:
+            return None  # (each instance's own tuple: its column of ints, or one shared part)
+        given = [c[0] if type(c[0]) in _PLAIN_PARTS and all(type(v) is type(c[0]) and v == c[0] for v in c)
+                 else bt.from_items(list(c)) for c in columns]
+    elif index.struct is not None and index.owner is None and index.struct[0] is tuple:
+        given = index.struct[1]
+    else:
+        return None
+    parts = []
+    for p in given:
+        if type(p) is Batch:
+            p = bt.instance_index(p)
+            if p is None:
+                return None
+        elif not plain_index(p):
+            return None
+        parts.append(p)
+    return parts
+
+
+_PLAIN_PARTS = (int, slice, type(None), type(Ellipsis))
 
 
 def _same_memory(a, b):
@@ -1557,6 +1596,30 @@ def method_fresh(n, fn, args, kwargs):
         return NotImplemented
     out = rule(n, x, args[1:], kwargs)
     return NotImplemented if out is NotImplemented else _as_in_place(x, out)
+
+
+@BATCH.register(intrinsics.setitem_fresh)
+def setitem_fresh(n, fn, args, kwargs):
+    """``x[i] = v`` of a tensor only its frame holds, written out of place (``passes.fresh``: a buffer filled by a
+    loop): a copy of the batch's rows (or of the one tensor every instance shares), written by one op, by an
+    index every instance shares or each instance's own int (``_write_rows``); a copy this made before, which
+    nothing but this write reads, in place (``intrinsics.owned``)."""
+    x = args[0]
+    if kwargs or len(args) != 3:
+        return NotImplemented
+    t = bt.tensor_of(x) if type(x) is Batch else x.expand(n, *x.shape) if type(x) in PLAIN_TENSORS else None
+    if t is None:
+        return NotImplemented
+    value = args[2]
+    if type(value) is Batch and value.owner == "items":  # (``out[t] = k``, each instance's own Python number)
+        numbers = _python_numbers(value)
+        value = value if numbers is None else bt.from_tensor(numbers.to(t.device))
+    if not intrinsics.owned(t):
+        t = t.clone()
+    if _write_rows(t, args[1], value) is NotImplemented:
+        return NotImplemented
+    intrinsics.own(t)
+    return bt.from_tensor(t)
 
 
 @BATCH.register(*intrinsics.SETS_FRESH)
@@ -2360,6 +2423,11 @@ def attribute(n, fn, args, kwargs):
             return parts[fields.index(name)]
     if name in SHARED_ATTRS and name != "requires_grad" and rows.of(x) is not None:  # (``seq.dtype``)
         return getattr(rows.of(x).source, name)
+    if name in _KIND_ATTRS and x.owner == "items" and x.thunk is None and all(
+            isinstance(v, torch.Tensor) for v in x.items):
+        # (``xs.dtype`` of each instance's own tensor: one value where all have it, a Python read each, no op)
+        found = [getattr(v, name) for v in x.items]
+        return found[0] if all(v == found[0] for v in found) else bt.from_items(found)
     if name in ("shape", "ndim") and rows.of(x) is not None:  # (``xs.shape[0]``: each instance's length)
         seq = rows.of(x)
         rest = list(seq.source.shape[2:])
@@ -2506,6 +2574,7 @@ def _summed_from(n, lists, total):
 
 # attributes of a batched tensor that are every instance's too
 SHARED_ATTRS = {"dtype", "device", "is_cuda", "requires_grad", "layout", "is_floating_point"}
+_KIND_ATTRS = ("dtype", "device", "is_cuda", "layout")  # (a tensor's kind, not its values or its gradient's)
 
 
 @BATCH.register("size")
