@@ -207,10 +207,12 @@ class CompiledFunction(Function):
 
     @dynamo.opaque  # under torch.compile: a graph break, not a trace of the runtime
     def __call__(self, *args, **kwargs):
-        if debugging.disabled():  # (recompile.disable(): the plain function, whose recursion comes back here)
+        if config.DISABLED:  # (recompile.disable(): the plain function, whose recursion comes back here)
             return self.python(*args, **kwargs)
         # a method called through its class (Class.method(obj, ...)) runs the program of obj's class
         owner = type(args[0]) if self._owner is not None and args and isinstance(args[0], self._owner) else None
+        if debugging.plain():  # (a per-instance call of one that changes something: see debugging.plain_here)
+            return debugging.plain_call(self.python, args, kwargs, lambda: self._run(owner, args, kwargs))
         return self._run(owner, args, kwargs)
 
     def _run(self, owner, args, kwargs):

@@ -320,26 +320,22 @@ def setitem_fresh(x, index, value):
     return x
 
 
-# The copies ``setitem_fresh`` made, by the tensor they view (by id, with weak references that tell a reused id
-# apart): each read by nothing but the next write of its buffer, which may change it in place (a batch's rows
-# of it too: each instance's buffer is its own row)
+# The results ``setitem_fresh`` and its batch rule made (by id, with weak references that tell a reused id
+# apart): each read by nothing but the next write of its buffer (``passes.fresh``), which may change it in place.
+# The very object only: a view of one may be another instance's (a value computed once, expanded into rows)
 _OWNED = {}
 
 
 def owned(t):
-    """Whether tensor ``t`` views a copy ``setitem_fresh`` made (or its batch rule: ``own``)."""
-    base = t if t._base is None else t._base
-    ref = _OWNED.get(id(base))
-    return ref is not None and ref() is base
+    """Whether tensor ``t`` is a result ``setitem_fresh`` (or its batch rule: ``own``) made."""
+    ref = _OWNED.get(id(t))
+    return ref is not None and ref() is t
 
 
 def own(t):
-    """Note the tensor ``t`` views as a copy only a buffer's next write reads (``setitem_fresh``)."""
-    base = t if t._base is None else t._base
-    key = id(base)
-    ref = _OWNED.get(key)
-    if ref is None or ref() is not base:
-        _OWNED[key] = weakref.ref(base, lambda ref: _OWNED.get(key) is ref and _OWNED.pop(key, None))
+    """Note tensor ``t`` as a result only a buffer's next write reads (``setitem_fresh``)."""
+    key = id(t)
+    _OWNED[key] = weakref.ref(t, lambda ref: _OWNED.get(key) is ref and _OWNED.pop(key, None))
 
 
 MERGE = Marker("MERGE")  # marks ``**mapping`` among the keys given to build_dict

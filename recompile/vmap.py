@@ -18,7 +18,7 @@ import types
 
 import torch
 
-from . import debugging
+from . import config
 from .api import CompiledFunction
 from .dynamo import opaque
 from .ops.table import has_hooks
@@ -56,7 +56,7 @@ def _run_map(cf, bound_self, rows):
     n = len(rows)
     if n == 0:
         return []
-    if debugging.disabled():  # (recompile.disable(): one plain call per instance)
+    if config.DISABLED:  # (recompile.disable(): one plain call per instance)
         return [cf.python(*bound_self, *row) for row in rows]
     columns = [_column([row[j] for row in rows]) for j in range(len(rows[0]))]
     args = cf.bind(*bound_self, *columns)  # (Python's own TypeError for a wrong call, before anything runs)
@@ -120,7 +120,7 @@ def _run(cf, bound_self, in_dims, out_dims, args):
     all_args = (*bound_self, *values)
     owner = type(bound_self[0]) if bound_self else None
     bound = cf.bind(*all_args)  # every parameter, defaults included (Python's own TypeError for a wrong call)
-    if debugging.disabled():  # (recompile.disable(): one plain call per instance)
+    if config.DISABLED:  # (recompile.disable(): one plain call per instance)
         return _move(_stacked([cf.python(*bound_self, *[_instance(a, d, k) for a, d in zip(args, dims)])
                                for k in range(n)]), out_dims)
     out = bt.stack_output(cf.run_batched(bound, n, owner), n)

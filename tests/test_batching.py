@@ -2376,6 +2376,25 @@ def joined_changed_by_its_own_element(x):
     return v
 
 
+def joined_changed_by_other_elements(x):
+    v = x * 2.0 if x[-1] > 0.5 else x * 3.0
+    v[0] = v[1]  # (no element both read and written: eager changes it)
+    v.add_(v)  # (the very elements: eager changes them)
+    w = v[0]
+    v[-1] = w
+    return v
+
+
+def test_a_value_joined_from_branches_changed_by_other_elements_of_itself_stays_one_op(monkeypatch):
+    x = torch.tensor([[0.1, 0.2, 0.9], [0.3, 0.2, 0.1]], dtype=F64, requires_grad=True)
+    cf = recompile.function(joined_changed_by_other_elements)
+    monkeypatch.setattr(config, "PER_INSTANCE", "error")
+    got = recompile.vmap(cf)(x)
+    want = torch.stack([joined_changed_by_other_elements(r) for r in x])
+    assert_close(got, want)
+    assert_close(torch.autograd.grad(got.sum(), x), torch.autograd.grad(want.sum(), x))
+
+
 @pytest.mark.parametrize("with_grad", [True, False])
 def test_a_value_joined_from_branches_changed_by_a_view_of_itself_raises_as_eager(with_grad, monkeypatch):
     """``v[0]`` of a value joined from a branch's sides is read from the tensor joined of them: the change in place

@@ -681,8 +681,34 @@ def buffer_read_first(xs, n):  # (a view read before the write sees it, in eager
     return first * 1.0
 
 
+def buffer_summed_each_step(xs, n):  # (the whole buffer read after the write: stays in place, each step's sum
+    out = torch.zeros(4, xs.shape[1], dtype=xs.dtype)  # its own, which a later write in place would change)
+    s = torch.zeros(4, xs.shape[1], dtype=xs.dtype)
+    for t in range(n):
+        out[t] = xs[t]
+        s = s + out
+    return s
+
+
+def buffer_first_row_shared(xs, n):  # (a first write every instance makes alike, computed once: then each's own)
+    out = torch.zeros(4, xs.shape[1], dtype=xs.dtype)
+    out[0] = 1.0
+    for t in range(n):
+        out[t + 1] = xs[t]
+    return out
+
+
+def buffer_of_numbers(xs, n):  # (each instance's Python number, written as a float64 write converts it)
+    out = torch.zeros(3, 2, dtype=torch.float64)
+    out[1] = xs[0]
+    out[n - 1, 0] = 0.1 * n
+    out[n - 1, 1] = xs[1, 0].float()  # (a float32 value: cast as the write casts it)
+    return out
+
+
 BUFFERS = [(buffer_filled, True), (buffer_written_straight, True), (buffer_read_in_the_loop, False),
-           (buffer_given, False), (buffer_viewed, False)]
+           (buffer_given, False), (buffer_viewed, False), (buffer_summed_each_step, False),
+           (buffer_first_row_shared, True), (buffer_of_numbers, True)]
 
 
 def _buffer_args(fn):
@@ -773,7 +799,7 @@ def test_setitem_fresh_copies_a_tensor_it_did_not_make_and_writes_its_own_copies
     second = intrinsics.setitem_fresh(first, 1, torch.tensor([2.0, 3.0]))
     assert second is not first and second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
     torch.testing.assert_close(second, torch.tensor([[1.0, 1.0], [2.0, 3.0], [0.0, 0.0]]))
-    rows = intrinsics.setitem_fresh(second[1:], 0, 5.0)  # (a batch's rows of it: written in place too)
-    assert rows.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and second[1, 0] == 5.0
+    rows = intrinsics.setitem_fresh(second[1:], 0, 5.0)  # (a view of one may be another instance's: copied)
+    assert rows.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() and second[1, 0] == 2.0
     xs = [1, 2]
     assert intrinsics.setitem_fresh(xs, 0, 7) is xs and xs == [7, 2]  # (no tensor: written itself)

@@ -441,13 +441,13 @@ def test_plain_here_runs_compiled_functions_as_plain_python_on_its_own_thread_on
     cf = recompile.function(double)
     seen = []
     with pytest.raises(ValueError), debugging.plain_here():
-        assert debugging.disabled()
+        assert debugging.plain()
         cf(torch.ones(2))
-        other = threading.Thread(target=lambda: seen.append((debugging.disabled(), cf(torch.ones(2)))))
+        other = threading.Thread(target=lambda: seen.append((debugging.plain(), cf(torch.ones(2)))))
         other.start()
         other.join()
         raise ValueError("leaves the block")
-    assert not debugging.disabled()
+    assert not debugging.plain()
     assert seen[0][0] is False
     assert cf.stats["calls"] == 1  # (the other thread's call only)
 
@@ -581,3 +581,57 @@ class ChildSumEncoderOfRows(nn.Module):
     @recompile.function
     def forward(self, x):
         return torch.tanh(self.lin(x))
+
+
+def test_a_deep_recursion_run_plain_per_instance_goes_on_as_the_compiled_program_past_plain_depth():
+    """A chain deeper than Python's stack allows, stored on its nodes by an encoder a classifier calls: plain
+    Python up to ``debugging.PLAIN_DEPTH`` calls deep, its program below (as eager's, a RecursionError)."""
+    import sys
+
+    torch.manual_seed(0)
+    model = Classifier(StoringEncoder(), False).double()
+    chain = None
+    for k in range(sys.getrecursionlimit() + 200):
+        chain = Node(k % 8, [chain] if chain is not None else [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+        got = recompile.map(model, [chain, node_trees()[0]])
+    assert chain.state is not None and torch.isfinite(got[0])
+    with recompile.disable():
+        torch.testing.assert_close(got[1], model(node_trees()[0]))
+
+
+def halves(r):
+    return {"a": r * 2.0}
+
+
+class MapsInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    @recompile.function
+    def forward(self, x):
+        d = recompile.vmap(halves)(x)  # (inside a plain per-instance call: a batched run of its own)
+        self.log.append(1)  # (a change: each instance's call runs as plain Python)
+        return d["a"].sum(0)
+
+
+class CallsMapsInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = MapsInside()
+
+    @recompile.function
+    def forward(self, x):
+        return self.inner(x).sum()
+
+
+def test_a_vmap_inside_a_plain_per_instance_call_runs_as_ever():
+    model = CallsMapsInside()
+    xs = [torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[0.5, 0.5], [1.0, -1.0]])]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+        got = recompile.map(model, xs)
+    torch.testing.assert_close(got, [x.sum() * 2.0 for x in xs])
+    assert model.inner.log == [1, 1]

@@ -18,6 +18,11 @@ in-place methods (``x.relu_()``, ``sigmoid_``, ``clamp_(min=0)``: ``intrinsics.M
 place too; the ops after one read its result where they read ``x`` (they read the object eager code changed).
 Their results count as new only for the arithmetic ops: ``sigmoid``'s backward reads its result, so a later
 change of it in place must stay one, which eager's backward refuses.
+
+``x[i] = v`` of a tensor a constructor made here, read by nothing before the write, becomes
+``intrinsics.setitem_fresh``: a buffer the function fills (``out[t] = h`` in a loop, which then carries it as a
+variable of its own, as PyTorch's seq2seq tutorial fills ``encoder_outputs``). Its first write copies the
+buffer, the next ones write that copy in place (nothing else reads it), so a long buffer is not copied per step.
 """
 
 from __future__ import annotations
@@ -106,9 +111,10 @@ def _setitem_out_of_place(op, s, sg, loops):
     """``x[i] = v`` of a tensor ``x`` only the frame holds, as ``intrinsics.setitem_fresh``: made here by a
     constructor (or by a write so rewritten: ``out[0] = a`` then ``out[1] = b``), or a buffer a loop fills
     (``out = torch.zeros(n, H)``, then ``out[t] = h`` in its body), which the loop then carries as a variable of
-    its own. No op reads ``x`` before the write (it may hold a view of it, which eager's write would change),
-    only its own later writes in a loop's body after it (plus ``_READERS``: the next step's write changes it).
-    The ops after it read its result for ``x`` (after the loop, the loop's). Whether it was rewritten."""
+    its own. No op reads ``x`` before the write (it may hold a view of it, which eager's write would change), and
+    in a loop's body nothing but its own later writes after it: the next step writes the copy in place, which a
+    value read of it (``s = s + out``, kept by the loop's steps run ahead) would see change. The ops after it
+    read its result for ``x`` (after the loop, the loop's). Whether it was rewritten."""
     if not (_calls(op, {operator.setitem}) and len(op.args) == 3 and not op.outputs):
         return False
     x, index, value = op.args
@@ -119,7 +125,7 @@ def _setitem_out_of_place(op, s, sg, loops):
         if not (_tensor_made(x) and _new(x, s)):
             return False
     elif not (s in loops and x in s.inputs and _filled_by_the_loop(x, sg, *loops[s])) or any(
-            x in o.operands() and not _calls(o, _READERS) and not _writes_only(o, x) for o in s.ops[at + 1:]):
+            x in o.operands() and not _writes_only(o, x) for o in s.ops[at + 1:]):
         return False
     out = ir.Value(x.hint, op)
     op.outputs = [out]
@@ -138,7 +144,7 @@ def _read_elsewhere(v, op, s, sg):
     returns it (after ``op``, the ops of ``s`` and its outputs read its result instead)."""
     at = s.ops.index(op)
     return any(v in o.operands() for o in s.ops[:at]) or any(
-        v in o.operands() or v in t.outputs for t in sg.walk() if t is not s for o in t.ops)
+        v in t.outputs or any(v in o.operands() for o in t.ops) for t in sg.walk() if t is not s)
 
 
 def _writes_only(op, v):

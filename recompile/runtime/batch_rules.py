@@ -564,18 +564,20 @@ def per_instance(n, fn, args, kwargs=None, why=None):
     target = _in_place_target(fn, args) if torch.is_grad_enabled() and (
         _changes_in_place(fn) or _asks_in_place(fn, args, kwargs)) else None
     items = bt.items_of(target) if type(target) is Batch else None
+    # (a compiled function that changes something, its instances in turn: what plain Python does, at eager's
+    # speed, not a batched run of one instance, whose calls wait on each other's changes)
+    plain = type(fn) is not Batch and _runs_plain(fn)
     results = []
     for k in range(n):
         if items is not None and isinstance(items[k], torch.Tensor) and items[k]._base is not None:
             items[k].grad_fn  # (read: a view of a base changed since regenerates it)
         one, values, named = bt.instance(fn, k), [bt.instance(x, k) for x in args], \
             {key: bt.instance(v, k) for key, v in kwargs.items()}
-        out = _row_changed_on_a_copy(one, values, named)
-        if out is NotImplemented and helpers.compiled_function(one) and helpers.changes_in_place(one):
-            # (a compiled function that changes something, its instances in turn: what plain Python does, at
-            # eager's speed, not a batched run of one instance, whose calls wait on each other's changes)
+        if plain or type(fn) is Batch and _runs_plain(one):
             with debugging.plain_here():
-                out = sharing.call_owning(one, values, named)
+                results.append(sharing.call_owning(one, values, named))
+            continue
+        out = _row_changed_on_a_copy(one, values, named)
         results.append(sharing.call_owning(one, values, named) if out is NotImplemented else out)
     if bt.CACHES:  # (a value joined from branches, changed through the tensor of its rows: see bt.CACHES)
         bt.caches_changed()
@@ -587,6 +589,11 @@ def per_instance(n, fn, args, kwargs=None, why=None):
             x.tensor = None  # the op may have changed the items: a tensor made from them is stale
             rows.forget_stale_copy(x)  # (and so is a padded copy of them)
     return bt.from_items(results)
+
+
+def _runs_plain(fn):
+    """Whether ``fn`` is a compiled function that changes something in place: run per instance as plain Python."""
+    return helpers.compiled_function(fn) and helpers.changes_in_place(fn)
 
 
 # builtins that only regroup the items they are given, and read no tensor's values: unpacked arguments
@@ -1319,21 +1326,19 @@ def _write_rows(t, index, value):
     """``y[index] = value`` of each instance's row of ``t``: None, or NotImplemented (nothing written) where
     there is no such write."""
     at = bt.instance_index(index) if type(index) is Batch and t.dim() >= 2 else None
-    if at is not None and at.dim() == 1 and (type(value) is not Batch or value.owner == "tensor"):
-        # (``v[j] = 1.0``, ``h[j] += x``: by each instance's own int, one write of every instance's row j)
-        value = _aligned(value, t.dim() - 2)
-        if value is None or _reads_its_target(t, (value,)):
-            return NotImplemented
-        t[torch.arange(t.shape[0], device=t.device), at.to(t.device)] = value
-        return None
-    parts = _instance_parts(index) if at is None and t.dim() >= 2 else None
+    parts = ([at] if at.dim() == 1 else None) if at is not None else \
+        _instance_parts(index) if t.dim() >= 2 else None
     if parts is not None and (type(value) is not Batch or value.owner == "tensor"):
-        # (``out[t, 0] = v``: each instance's own int beside shared ints and slices, one write of every row)
+        # (``v[j] = 1.0``, ``h[j] += x``, ``out[t, 0] = v``: each instance's own ints, beside shared ints and
+        # slices, one write of every instance's row)
         dropped = sum(not (type(p) is slice or p is None or p is Ellipsis) for p in parts)
         value = _aligned(value, t.dim() - 1 - dropped + sum(p is None for p in parts))
         if value is None or _reads_its_target(t, (value,)):
             return NotImplemented
-        t[(torch.arange(t.shape[0], device=t.device), *parts)] = value
+        if isinstance(value, torch.Tensor) and value.dtype != t.dtype:
+            value = value.to(t.dtype)  # (an index's write refuses another dtype: eager's copy casts)
+        t[(torch.arange(t.shape[0], device=t.device),
+           *(p.to(t.device) if isinstance(p, torch.Tensor) else p for p in parts))] = value
         return None
     if type(index) is Batch:
         where = bt.tensor_of(index)
@@ -1354,10 +1359,32 @@ def _write_rows(t, index, value):
     return None
 
 
-def _written_onto_itself(value, t, index):
-    """Whether ``value`` is batch tensor ``t``'s very elements at shared ``index`` (``y[0] += 1``'s ``y[0]``)."""
-    return index is not None and type(value) is Batch and value.owner == "tensor" and plain_index(index) and \
-        _same_memory(value.tensor, t[(slice(None),) + (index if type(index) is tuple else (index,))])
+def _overlaps_what_it_writes(joined, index, values):
+    """Whether a tensor among ``values`` (or a Batch's) shares some elements of batch tensor ``joined`` (a value
+    joined from a branch's sides: its cache) with the elements a change writes, all of them, or those at shared
+    ``index`` of ``y[index] = v``, but is not those very elements (``y.add_(y)``, ``y[0] += 1``): torch refuses
+    such a change of each instance's tensor, as eager's does (``v.add_(v[0])``, ``y[1:] = y[:2]``)."""
+    written = joined[(slice(None),) + (index if type(index) is tuple else (index,))] \
+        if index is not None and plain_index(index) else joined
+    storage = joined.untyped_storage().data_ptr()
+    for v in values:
+        for p in ((v.tensor,) + tuple(v.items or ()) if type(v) is Batch else (v,)):
+            if type(p) not in PLAIN_TENSORS or p.untyped_storage().data_ptr() != storage or _same_memory(p, written):
+                continue
+            if p.dtype != written.dtype or torch.isin(_addresses(p), _addresses(written)).any():
+                return True
+    return False
+
+
+def _addresses(t):
+    """The storage positions of tensor ``t``'s elements, flat."""
+    at = torch.tensor(t.storage_offset())
+    for size, stride in zip(t.shape, t.stride()):
+        at = at.unsqueeze(-1) + torch.arange(size) * stride
+    return at.flatten()
+
+
+_PLAIN_PARTS = (int, slice, type(None), type(Ellipsis))
 
 
 def _instance_parts(index):
@@ -1385,9 +1412,6 @@ def _instance_parts(index):
             return None
         parts.append(p)
     return parts
-
-
-_PLAIN_PARTS = (int, slice, type(None), type(Ellipsis))
 
 
 def _same_memory(a, b):
@@ -1483,9 +1507,7 @@ def _stacked_in_place(target, args, kwargs, change, written=None):
     read = (*args, *kwargs.values())
     if _in_storages({x.untyped_storage().data_ptr() for x in held}, read):
         return NotImplemented
-    joined = target.tensor
-    if joined is not None and _in_storages({joined.untyped_storage().data_ptr()}, [
-            v for v in read if not _written_onto_itself(v, joined, written)]):
+    if target.tensor is not None and _overlaps_what_it_writes(target.tensor, written, read):
         return NotImplemented
     for x in held:
         base = x if x._base is None else x._base
@@ -1612,14 +1634,22 @@ def setitem_fresh(n, fn, args, kwargs):
         return NotImplemented
     value = args[2]
     if type(value) is Batch and value.owner == "items":  # (``out[t] = k``, each instance's own Python number)
-        numbers = _python_numbers(value)
+        numbers = _python_numbers(value, t.dtype)
         value = value if numbers is None else bt.from_tensor(numbers.to(t.device))
-    if not intrinsics.owned(t):
+    if type(x) is not Batch or not _own_copy(t):  # (a value every instance shares: each instance's copy)
         t = t.clone()
     if _write_rows(t, args[1], value) is NotImplemented:
         return NotImplemented
     intrinsics.own(t)
     return bt.from_tensor(t)
+
+
+def _own_copy(t):
+    """Whether batch tensor ``t`` is a copy ``setitem_fresh``'s rule made, or rows of one (the instances still in
+    a loop), no row another's (``_unexpanded``): written in place, each instance's row its own buffer."""
+    base = t if t._base is None or not intrinsics.owned(t._base) else t._base
+    return intrinsics.owned(base) and _unexpanded(t) and (base is t or (
+        t.shape[1:] == base.shape[1:] and t.stride() == base.stride()))
 
 
 @BATCH.register(*intrinsics.SETS_FRESH)
@@ -1634,7 +1664,7 @@ def sets_fresh(n, fn, args, kwargs):
         return NotImplemented
     if not args[1:] or type(args[1]) is not Batch:
         return bt.from_tensor(fn(t, *args[1:]))
-    value = bt.tensor_of(args[1]) if args[1].owner == "tensor" else _python_numbers(args[1])
+    value = bt.tensor_of(args[1]) if args[1].owner == "tensor" else _python_numbers(args[1], t.dtype)
     if value is None or value.shape != (n,):  # (``v.fill_(k)``, each instance's own number: its rows)
         return NotImplemented
     if not (t.is_floating_point() or t.is_complex()):
@@ -1642,12 +1672,13 @@ def sets_fresh(n, fn, args, kwargs):
     return bt.from_tensor(value.to(t.dtype).view(n, *[1] * (t.dim() - 1)).expand_as(t).clone())
 
 
-def _python_numbers(value):
-    """Batch ``value`` of each instance's Python number (int, float or bool) as one tensor, else None."""
+def _python_numbers(value, dtype=None):
+    """Batch ``value`` of each instance's Python number (int, float or bool) as one tensor (of ``dtype``, where
+    given: each number converted as a write into such a tensor converts it), else None."""
     items = bt.items_of(value) if value.owner == "items" else None
     if not items or not all(type(v) in (int, float, bool) for v in items):
         return None
-    return torch.tensor(items)
+    return torch.tensor(items, dtype=dtype)
 
 
 @BATCH.register(intrinsics.requires_grad_fresh)
@@ -2423,11 +2454,6 @@ def attribute(n, fn, args, kwargs):
             return parts[fields.index(name)]
     if name in SHARED_ATTRS and name != "requires_grad" and rows.of(x) is not None:  # (``seq.dtype``)
         return getattr(rows.of(x).source, name)
-    if name in _KIND_ATTRS and x.owner == "items" and x.thunk is None and all(
-            isinstance(v, torch.Tensor) for v in x.items):
-        # (``xs.dtype`` of each instance's own tensor: one value where all have it, a Python read each, no op)
-        found = [getattr(v, name) for v in x.items]
-        return found[0] if all(v == found[0] for v in found) else bt.from_items(found)
     if name in ("shape", "ndim") and rows.of(x) is not None:  # (``xs.shape[0]``: each instance's length)
         seq = rows.of(x)
         rest = list(seq.source.shape[2:])
@@ -2463,6 +2489,12 @@ def attribute(n, fn, args, kwargs):
         # (``node.children``, ``node.word`` of each instance's own object: a tree of the user's nodes)
         # (``attrgetter`` follows dots, where ``getattr(v, "a.b")`` reads the one attribute of that name)
         return _read_of_each(x.items, operator.attrgetter(name) if "." not in name else lambda v: getattr(v, name))
+    if name in _KIND_ATTRS and x.owner == "items" and x.thunk is None and all(
+            isinstance(v, torch.Tensor) for v in x.items):
+        # (``xs.dtype``, ``xs.shape`` of each instance's own tensor: one value where all have it, a Python read
+        # each, no op)
+        found = [getattr(v, name) for v in x.items]
+        return found[0] if all(v == found[0] for v in found) else bt.from_items(found)
     return NotImplemented
 
 
@@ -2574,7 +2606,7 @@ def _summed_from(n, lists, total):
 
 # attributes of a batched tensor that are every instance's too
 SHARED_ATTRS = {"dtype", "device", "is_cuda", "requires_grad", "layout", "is_floating_point"}
-_KIND_ATTRS = ("dtype", "device", "is_cuda", "layout")  # (a tensor's kind, not its values or its gradient's)
+_KIND_ATTRS = ("dtype", "device", "is_cuda", "layout", "shape", "ndim")  # (not its values, nor its gradient's)
 
 
 @BATCH.register("size")
