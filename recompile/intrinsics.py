@@ -306,35 +306,43 @@ def setitem_fresh(x, index, value):
     """``x[index] = value`` where only this frame holds ``x`` and nothing but the write reads it (``passes.fresh``):
     for a tensor, a copy of ``x`` so written (cast and refused as eager's write is), which the ops after it read
     for ``x``: a value computed once for every instance may be read by each. A copy this made before (``out[t]
-    = h`` step after step, ``owned``) is written in place, as eager's buffer is: a new object viewing it (a
-    derived gradient tells the two apart), no copy of the whole buffer per write. Anything else is written
-    itself (its errors eager's)."""
+    = h`` step after step, ``owned``) is written in place and handed on, as eager's buffer is: no copy of the
+    whole buffer per write (a derived gradient takes the result's cotangent before it gives the buffer's).
+    Anything else is written itself (its errors eager's)."""
     if not isinstance(x, torch.Tensor):
         x[index] = value
         return x
     if not owned(x):
         x = x.clone()
+        x[index] = value
+        own(x)
+        return x
     x[index] = value
-    x = x.view(x.shape)
-    own(x)
     return x
 
 
-# The results ``setitem_fresh`` and its batch rule made (by id, with weak references that tell a reused id
-# apart): each read by nothing but the next write of its buffer (``passes.fresh``), which may change it in place.
-# The very object only: a view of one may be another instance's (a value computed once, expanded into rows)
+# The results ``setitem_fresh`` and its batch rule made, by the memory they view (weak references: one gone
+# frees its entry): each read by nothing but the next write of its buffer (``passes.fresh``), which may change
+# it in place, through that very memory (a loop's steps run ahead hand one instance's value on as a view of
+# it). A batch's rows of such a value may be each instance's own copy of a value computed once, expanded:
+# ``batch_rules.per_instance`` copies them before this sees them
 _OWNED = {}
 
 
+def _footprint(t):
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+
 def owned(t):
-    """Whether tensor ``t`` is a result ``setitem_fresh`` (or its batch rule: ``own``) made."""
-    ref = _OWNED.get(id(t))
-    return ref is not None and ref() is t
+    """Whether tensor ``t`` views just the memory of a result ``setitem_fresh`` (or its batch rule: ``own``)
+    made."""
+    ref = _OWNED.get(_footprint(t))
+    return ref is not None and ref() is not None
 
 
 def own(t):
     """Note tensor ``t`` as a result only a buffer's next write reads (``setitem_fresh``)."""
-    key = id(t)
+    key = _footprint(t)
     _OWNED[key] = weakref.ref(t, lambda ref: _OWNED.get(key) is ref and _OWNED.pop(key, None))
 
 

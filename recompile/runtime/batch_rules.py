@@ -577,6 +577,8 @@ def per_instance(n, fn, args, kwargs=None, why=None):
             with debugging.plain_here():
                 results.append(sharing.call_owning(one, values, named))
             continue
+        if one is intrinsics.setitem_fresh and isinstance(values[0], torch.Tensor):
+            values[0] = values[0].clone()  # (a row may view a value every instance shares: see intrinsics.owned)
         out = _row_changed_on_a_copy(one, values, named)
         results.append(sharing.call_owning(one, values, named) if out is NotImplemented else out)
     if bt.CACHES:  # (a value joined from branches, changed through the tensor of its rows: see bt.CACHES)
