@@ -335,7 +335,9 @@ def _footprint(t):
 
 def owned(t):
     """Whether tensor ``t`` views just the memory of a result ``setitem_fresh`` (or its batch rule: ``own``)
-    made."""
+    made (not an empty one: every empty tensor's memory is at 0)."""
+    if not t.numel():
+        return False
     ref = _OWNED.get(_footprint(t))
     return ref is not None and ref() is not None
 
