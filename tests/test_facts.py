@@ -462,15 +462,15 @@ for _fact, _more in {
         "grad_rules.SHAPE_ONLY": _names(*_SET_VJPS)}.items():
     GROWN[_fact] = (GROWN.get(_fact, (set(), set()))[0] | _more, GROWN.get(_fact, (set(), set()))[1])
 # ``x[i] = v`` of a tensor the frame made, written as a copy so written (passes.fresh): pure, batched and
-# differentiated by rules of its own, which read only shapes
+# differentiated by rules of its own, which read i (``READS_ONLY``: an index changed afterwards is checked) and
+# only the shapes of x and v
 for _fact, _more in {
         "semantics.PURE": _names(intrinsics.setitem_fresh), "plan._MOVABLE": _names(intrinsics.setitem_fresh),
         "segments._GENERIC_OK": _names(intrinsics.setitem_fresh),
         "batch_rules.RULES": _entries([(intrinsics.setitem_fresh,
                                         batch_rules.BATCH.by_callable[intrinsics.setitem_fresh])]),
         "grad_rules.FUNCTION_RULES": _entries([(intrinsics.setitem_fresh, grad_rules._setitem_fresh)]),
-        "grad_rules.rule_metadata": _metadata_of({grad_rules._setitem_fresh}, False, others=()),
-        "grad_rules.SHAPE_ONLY": _names(grad_rules._setitem_fresh)}.items():
+        "grad_rules.rule_metadata": _metadata_of({grad_rules._setitem_fresh}, True, others=())}.items():
     GROWN[_fact] = (GROWN.get(_fact, (set(), set()))[0] | _more, GROWN.get(_fact, (set(), set()))[1])
 
 

@@ -803,3 +803,21 @@ def test_setitem_fresh_copies_a_tensor_it_did_not_make_and_writes_its_own_copies
     assert rows.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() and second[1, 0] == 2.0
     xs = [1, 2]
     assert intrinsics.setitem_fresh(xs, 0, 7) is xs and xs == [7, 2]  # (no tensor: written itself)
+
+
+def buffer_by_an_index_changed_after(x):
+    idx = torch.zeros(2, dtype=torch.long)
+    idx[0] = 1
+    out = torch.zeros(3, dtype=x.dtype)
+    out[idx] = x  # (its gradient reads idx: where the cotangent goes)
+    idx[1] = 2  # (changed after: eager's backward refuses, and so must the program's)
+    return out * 2.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_buffers_write_by_an_index_changed_after_it_is_refused_at_backward_as_eager(mode):
+    assert "setitem_fresh(" in recompile.function(buffer_by_an_index_changed_after).dump(stage="fresh")
+    x = torch.tensor([1.0, 2.0], dtype=F64)
+    want = _outcome(buffer_by_an_index_changed_after, (x.clone().requires_grad_(),))
+    got = _outcome(recompile.function(buffer_by_an_index_changed_after, mode=mode), (x.clone().requires_grad_(),))
+    assert want is RuntimeError and got is RuntimeError

@@ -1123,8 +1123,8 @@ for _fresh in intrinsics.OUT_OF_PLACE:  # (``x.relu_()`` written out of place: `
 del _fresh
 
 
-SHAPE_ONLY.update({_fill_fresh, _zero_fresh, _setitem_fresh, _add, _add_fresh, _sub, _neg, _pos, _sum, _mean, _cat,
-                   _stack, _split, _unbind, _reshaped, _transpose, _t, _swapaxes, _movedim, _getattr, _permute, _expand,
+SHAPE_ONLY.update({_fill_fresh, _zero_fresh, _add, _add_fresh, _sub, _neg, _pos, _sum, _mean, _cat, _stack,
+                   _split, _unbind, _reshaped, _transpose, _t, _swapaxes, _movedim, _getattr, _permute, _expand,
                    _narrow, _select,
                    _rows, _softmax, _log_softmax, _detach, _flip, _fliplr, _flipud, _roll, _broadcast_tensors,
                    _repeat, _tile, _cast})
@@ -1134,10 +1134,11 @@ READ_FOR_OTHERS = {_mul: (0, 1), _div: (0,)}  # x / y: x is read for y's gradien
 # change afterwards, as eager's dot saves v only where c needs a gradient)
 READ_FOR_OTHERS.update(dict.fromkeys((_matmul, _rmatmul, _mm, _mv, _dot, _outer, _linear), (0, 1)))
 # torch.where(c, x, y) reads c, and only the shapes of x and y; x[i] reads i (where the cotangent goes: an index
-# tensor changed in place afterwards would send it elsewhere), and only x's shape
+# tensor changed in place afterwards would send it elsewhere), and only x's shape; so does ``x[i] = v`` written
+# out of place (``setitem_fresh``), and only the shapes of x and v
 # (``torch.index_select(x, dim, i)`` likewise reads i, and only x's shape; eager's ``gather`` keeps x, and so
 # refuses a change of it, as its rule here does)
-READS_ONLY = {_where: (0,), _where_method: (1,), _getitem: (1,), _index_select: (2,)}
+READS_ONLY = {_where: (0,), _where_method: (1,), _getitem: (1,), _index_select: (2,), _setitem_fresh: (1,)}
 # vjps that read nothing where their first argument is no tensor (a list's item is the object itself)
 ITEM_READS = frozenset({_getitem})
 # vjps that read no value of their input along a dim (``torch.max(v, 0)``: the indices of their result alone)
