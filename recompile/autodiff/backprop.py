@@ -686,13 +686,19 @@ def read_backward(ctx, how, out, fn, obj, *args):
 
 
 @_one_op
-def setitem_backward(ctx, obj, index, value):
-    """``obj[index] = value`` on a tensor: value gets the cotangent of that region, which the old obj loses."""
+def setitem_backward(ctx, obj, index, value, version=None):
+    """``obj[index] = value`` on a tensor: value gets the cotangent of that region, which the old obj loses. An
+    index tensor changed in place since the write (``version``: its version then) is refused, as eager's
+    backward refuses it."""
     if not isinstance(obj, _Tensor):
         return
     g = ctx.peek(obj)
     if g is None:
         return
+    if version is not None and isinstance(index, _Tensor) and index._version != version:
+        raise RuntimeError("one of the variables needed for gradient computation has been modified by an inplace "
+                           f"operation: the index tensor of shape {tuple(index.shape)} of an item assignment was "
+                           "changed in place afterwards")
     _carried.refusal = ctx.refusals.get(id(obj))
     part = g[index]
     if isinstance(value, _Tensor):

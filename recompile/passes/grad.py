@@ -210,7 +210,10 @@ class _Deriver:
         if fn is operator.setitem:
             op.fn = ir.Const(bp.set_item)
             out.append(op)
-            return [ir.Call(op.loc, ir.Const(bp.setitem_backward), [ctx_b, *op.args], n_outputs=0)]
+            # (the index's version at the write: one changed in place afterwards would send the cotangent elsewhere)
+            seen = ir.Call(op.loc, ir.Const(bp.version), op.args[1:2], n_outputs=1, hints=("version",))
+            out.append(seen)
+            return [ir.Call(op.loc, ir.Const(bp.setitem_backward), [ctx_b, *op.args, seen.output], n_outputs=0)]
         if fn in facts.IN_PLACE and len(op.args) == 2 and not op.star and not op.kwargs and len(op.outputs) == 1:
             update = ir.Call(op.loc, ir.Const(bp.in_place), [ctx_f, op.fn, *op.args], n_outputs=2)
             _produce(update, [op.output, ir.Value("aux", update)])
