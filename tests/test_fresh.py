@@ -834,3 +834,28 @@ def test_a_write_by_an_index_changed_after_it_is_refused_at_backward_as_eager(fn
     want = _outcome(fn, (x.clone().requires_grad_(),))
     got = _outcome(recompile.function(fn, mode=mode), (x.clone().requires_grad_(),))
     assert want is RuntimeError and got is RuntimeError
+
+
+def written_with_a_leading_one(x, a):
+    out = a * 1.0  # (no constructor's: the write stays in place, ``set_item``)
+    out[0] = x  # (x of shape (1, 3) into a row of 3: the write drops the leading 1)
+    fresh = torch.zeros(2, 3, dtype=x.dtype)
+    fresh[1] = x  # (``setitem_fresh``)
+    return (out + fresh) * torch.arange(1.0, 7.0, dtype=x.dtype).view(2, 3)
+
+
+@pytest.mark.parametrize("mode", MODES + ["vmap"])
+def test_a_value_with_leading_ones_written_into_a_row_gets_its_gradient_as_eager(mode):
+    """The derived gradient gave the value's cotangent the region's shape, which ``sum_to_size`` refused for a
+    value of more dims (leading 1s): it raised where eager computes."""
+    x = torch.tensor([[[1.0, 2.0, 3.0]], [[0.5, -1.0, 2.0]]], dtype=F64)
+    a = torch.zeros(2, 2, 3, dtype=F64)
+    want = _outcome(lambda x, a: torch.stack([written_with_a_leading_one(x[k], a[k]) for k in range(2)]),
+                    (x.clone().requires_grad_(), a.clone().requires_grad_()))
+    compiled = recompile.vmap(recompile.function(written_with_a_leading_one)) if mode == "vmap" else (
+        lambda x, a: torch.stack([recompile.function(written_with_a_leading_one, mode=mode)(x[k], a[k])
+                                  for k in range(2)]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", recompile.PerInstanceWarning)
+        got = _outcome(compiled, (x.clone().requires_grad_(), a.clone().requires_grad_()))
+    torch.testing.assert_close(got, want)

@@ -217,6 +217,7 @@ case(intrinsics.setitem_fresh, x, 1, r(4))  # (``x[i] = v`` of an x the frame ma
 case(intrinsics.setitem_fresh, x, (slice(None), 2), s)  # (v broadcast: its cotangent summed)
 case(intrinsics.setitem_fresh, x, torch.tensor([0, 2]), r(4))
 case(intrinsics.setitem_fresh, x32, 0, r(4))  # (v cast to x's dtype: its cotangent back to v's)
+case(intrinsics.setitem_fresh, x, 0, r(1, 4))  # (v's leading 1-dim, which the write drops: given back)
 forms("add", x, row, alpha=0.5)
 case(torch.add, input=x, other=y, alpha=2)
 forms("add_", x, row, alpha=2.0)

@@ -30,7 +30,7 @@ from ..errors import GradFallbackWarning
 from ..ops import facts, syntax
 from ..ops.table import BOUND_BUILTIN
 from .factors import DEFERRED, form
-from .rules import ALONG_A_DIM, ITEM_READS, Rule, lookup, seen
+from .rules import ALONG_A_DIM, ITEM_READS, Rule, lookup, seen, written_cotangent
 
 _Tensor = torch.Tensor
 
@@ -700,9 +700,8 @@ def setitem_backward(ctx, obj, index, value, version=None):
                            f"operation: the index tensor of shape {tuple(index.shape)} of an item assignment was "
                            "changed in place afterwards")
     _carried.refusal = ctx.refusals.get(id(obj))
-    part = g[index]
     if isinstance(value, _Tensor):
-        ctx.add(value, part.sum_to_size(value.shape) if part.shape != value.shape else part)
+        ctx.add(value, written_cotangent(g[index], value))
     g = g.clone()
     g[index] = 0
     with ctx.lock:

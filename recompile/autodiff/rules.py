@@ -135,6 +135,15 @@ def unbroadcast(g, like):
     return g
 
 
+def written_cotangent(part, value):
+    """The cotangent of ``value``, written by ``x[i] = value`` into the region whose cotangent is ``part``: summed
+    where it was broadcast into the region, given back the leading 1-dims the write dropped (``x[0] = v`` of a v
+    of shape (1, H) into a row of H); None for a non-tensor."""
+    if is_tensor(value) and value.dim() > part.dim():
+        part = part.reshape((1,) * (value.dim() - part.dim()) + tuple(part.shape))
+    return unbroadcast(part, value)
+
+
 def dim_of(dim, ndim):
     return dim + ndim if dim < 0 else dim
 
@@ -889,7 +898,7 @@ def _setitem_fresh(fn, g, out, input, index, value):
     """``x[i] = v`` of a tensor only its frame holds, written out of place: ``v`` gets the cotangent of that
     region (summed where it was broadcast), which ``x`` loses."""
     if is_tensor(value):
-        yield value, unbroadcast(g[index], value)
+        yield value, written_cotangent(g[index], value)
     if is_tensor(input):
         rest = g.clone()
         rest[index] = 0
