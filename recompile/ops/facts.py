@@ -45,7 +45,7 @@ PURE = _pure_operators() | {
     *intrinsics.AUGMENTED_FRESH.values(),  # (``x += y`` written out of place: a new object, x unchanged)
     *intrinsics.OUT_OF_PLACE,  # (``x.relu_()``, ``torch.relu_(x)`` so written)
     *intrinsics.SETTERS_FRESH.values(),  # (``x.fill_(0.0)``, ``x.requires_grad_()`` of a tensor only its frame holds)
-    intrinsics.setitem_fresh,  # (``x[i] = v`` so written: a copy, x unchanged)
+    intrinsics.setitem_fresh,  # (``x[i] = v`` of a buffer only its next write reads: a copy, or that copy again)
 }
 
 
